@@ -1,0 +1,115 @@
+"""forward_calls: call sharded modules, never their `.forward`."""
+from __future__ import annotations
+
+from typing import Set
+
+import libcst as cst
+
+from fsdp2_retrofit.analysis import ScriptFacts
+from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+
+# nn.Module's own API: calling these on a sharded model needs no forward hooks.
+MODULE_API = {
+    "parameters", "named_parameters", "buffers", "named_buffers", "children", "named_children",
+    "modules", "named_modules", "state_dict", "load_state_dict", "train", "eval", "to", "cuda", "cpu",
+    "zero_grad", "apply", "requires_grad_", "half", "float", "double", "bfloat16", "forward",
+    "register_buffer", "register_parameter", "register_forward_hook", "register_forward_pre_hook",
+    "register_full_backward_hook", "add_module", "get_submodule", "get_parameter", "extra_repr",
+    "set_requires_gradient_sync", "reshard", "unshard", "set_reshard_after_backward",
+}
+
+
+class _ForwardEditor(StatementEditor):
+    def __init__(self, calls: Set[cst.Call]):
+        super().__init__()
+        self.calls = calls
+        if calls:
+            self.mark_work()
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
+        if original_node in self.calls:
+            return updated_node.with_changes(func=updated_node.func.value)
+        return updated_node
+
+
+class ReplaceForwardCallsCommand(RetrofitStage):
+    DESCRIPTION = "Replace model.forward(x) with model(x); register other entry points of sharded models."
+    CODE = "forward_calls"
+
+    def make_editor(self) -> StatementEditor:
+        return _ForwardEditor(set(self.facts.forward_calls))
+
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
+        for call in facts.forward_calls:
+            self.change(
+                call,
+                f"`{call.func.value.value}.forward(...)` -> `{call.func.value.value}(...)`",
+                "FSDP2 gathers a unit's parameters in forward hooks, which only run when the module is called",
+                "`.forward(` on a sharded module runs on sharded (unusable) parameters",
+            )
+        for model in facts.models:
+            root = facts.root_shard.get(model.name)
+            if root is None:
+                continue
+            for method in self._entry_points(model, facts):
+                line = f'register_fsdp_forward_method({model.name}, "{method}")\n'
+                if any(line.strip() in facts.resolver.module.code_for_node(s) for s in _after(root, facts)):
+                    continue
+                editor.insert_after(root, [self.stmt(line)])
+                self.add_import("torch.distributed.fsdp", "register_fsdp_forward_method")
+                self.change(
+                    root,
+                    f"register `{model.name}.{method}` as a forward method",
+                    f"`{method}` runs the model outside __call__; registering it runs FSDP2's hooks around it",
+                    "parameters stay sharded during generate-style calls",
+                )
+
+    def _entry_points(self, model, facts: ScriptFacts):
+        """Methods of the model's own class, called on it, that run its submodules."""
+        info = facts.classes.get(model.class_name)
+        if info is None:
+            return []
+        called = []
+
+        class _Calls(cst.CSTVisitor):
+            def visit_Call(self, node: cst.Call) -> None:
+                func = node.func
+                if (
+                    isinstance(func, cst.Attribute)
+                    and isinstance(func.value, cst.Name)
+                    and func.value.value == model.name
+                    and func.attr.value in info.methods
+                    and func.attr.value not in MODULE_API
+                    and not func.attr.value.startswith("_")
+                    and func.attr.value not in called
+                ):
+                    called.append(func.attr.value)
+
+        facts.module.visit(_Calls())
+        return [m for m in called if _runs_self(info.methods[m])]
+
+
+def _runs_self(method: cst.FunctionDef) -> bool:
+    """The method calls `self(...)` or a submodule/method of self: it computes with parameters."""
+    found = []
+
+    class _V(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            f = node.func
+            if isinstance(f, cst.Name) and f.value == "self":
+                found.append(node)
+            elif isinstance(f, cst.Attribute) and isinstance(f.value, (cst.Name, cst.Attribute)):
+                base = f.value
+                while isinstance(base, cst.Attribute):
+                    base = base.value
+                if isinstance(base, cst.Name) and base.value == "self":
+                    found.append(node)
+
+    method.body.visit(_V())
+    return bool(found)
+
+
+def _after(stmt, facts: ScriptFacts):
+    block = facts.resolver.block_of(stmt)
+    body = list(block.body) if block is not None else []
+    return body[body.index(stmt) + 1 :] if stmt in body else []

@@ -1,0 +1,152 @@
+"""rank_zero: print and log on rank 0 only; never put a collective under that gate."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import libcst as cst
+
+from fsdp2_retrofit.analysis import LogSite, ScriptFacts
+from fsdp2_retrofit.analysis.names import names_in
+from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+
+
+# Module methods that read local state only: safe to call on one rank.
+LOCAL_METHODS = {"parameters", "named_parameters", "buffers", "named_buffers", "modules", "named_modules", "children"}
+
+
+class _TqdmEditor(StatementEditor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tqdm: dict = {}
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
+        if original_node in self.tqdm:
+            from fsdp2_retrofit.edit import with_keyword
+
+            return with_keyword(updated_node, "disable", self.tqdm[original_node])
+        return updated_node
+
+
+class GateRankZeroCommand(RetrofitStage):
+    DESCRIPTION = "Print, log and show progress bars on rank 0 only."
+    CODE = "rank_zero"
+
+    def make_editor(self) -> StatementEditor:
+        return _TqdmEditor()
+
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: _TqdmEditor) -> None:
+        if facts.distributed_init is None:
+            return
+        runs: List[List[LogSite]] = []
+        for site in facts.logs:
+            test = self._rank_test(site.stmt, facts)
+            if site.gated or test is None:
+                continue
+            if self._may_be_collective(site.stmt, facts):
+                self.attention(
+                    site.stmt,
+                    "this log line computes with the model: left on every rank",
+                    "a forward or collective inside a rank-0 branch deadlocks the other ranks",
+                )
+                continue
+            block = facts.resolver.block_of(site.stmt)
+            prev = runs[-1][-1] if runs else None
+            if (
+                prev is not None
+                and facts.resolver.block_of(prev.stmt) is block
+                and _next_statement(prev.stmt, block) is site.stmt
+            ):
+                runs[-1].append(site)
+            else:
+                runs.append([site])
+        for run in runs:
+            test = self._rank_test(run[0].stmt, facts)
+            first = run[0].stmt
+            inner = [first.with_changes(leading_lines=[])] + [s.stmt for s in run[1:]]
+            gate = cst.If(
+                test=self.expr(test),
+                body=cst.IndentedBlock(body=inner),
+                leading_lines=first.leading_lines,
+            )
+            editor.replace(first, gate)
+            for site in run[1:]:
+                editor.replace(site.stmt, None)
+            self.change(
+                first,
+                f"print/log on rank 0 only (`if {test}:`)",
+                "every rank runs the script; unguarded output repeats world_size times",
+            )
+        self._gate_progress_bars(facts, editor)
+
+    def _rank_test(self, stmt, facts: ScriptFacts) -> Optional[str]:
+        """`rank == 0` after the preamble in the entry scope, `dist.get_rank() == 0` in
+        functions that receive the model; None where no process group exists yet."""
+        function = facts.resolver.enclosing_function(stmt)
+        entry_fn = facts.entry_scope if isinstance(facts.entry_scope, cst.FunctionDef) else None
+        if function is entry_fn:
+            init_stmt = facts.resolver.statement_of(facts.distributed_init)
+            block = facts.resolver.block_of(init_stmt)
+            ancestor = _ancestor_in(stmt, block, facts)
+            if ancestor is None or list(block.body).index(ancestor) < list(block.body).index(init_stmt):
+                return None
+            return f"{facts.rank_name} == 0" if facts.rank_name else "dist.get_rank() == 0"
+        if function is not None and facts.model_names.get(function):
+            return "dist.get_rank() == 0"
+        return None
+
+    def _may_be_collective(self, stmt, facts: ScriptFacts) -> bool:
+        models = facts.model_names.get(facts.resolver.enclosing_function(stmt), set())
+        found = []
+
+        class _C(cst.CSTVisitor):
+            def visit_Call(self, node: cst.Call) -> None:
+                func = node.func
+                if isinstance(func, cst.Name) and func.value in models:
+                    found.append(node)  # model(x): a forward
+                elif (
+                    isinstance(func, cst.Attribute)
+                    and isinstance(func.value, cst.Name)
+                    and func.value.value in models
+                    and func.attr.value not in LOCAL_METHODS
+                ):
+                    found.append(node)
+                elif any(isinstance(a.value, cst.Name) and a.value.value in models for a in node.args):
+                    found.append(node)  # evaluate(model, ...)
+                elif isinstance(func, cst.Attribute) and func.attr.value == "full_tensor":
+                    found.append(node)
+
+        stmt.visit(_C())
+        return bool(found)
+
+    def _gate_progress_bars(self, facts: ScriptFacts, editor: _TqdmEditor) -> None:
+        class _Bars(cst.CSTVisitor):
+            def visit_Call(self, node: cst.Call) -> None:
+                if any(q.split(".")[0] == "tqdm" for q in facts.resolver.qnames(node)) and not any(
+                    a.keyword is not None and a.keyword.value == "disable" for a in node.args
+                ):
+                    bars.append(node)
+
+        bars: list = []
+        facts.module.visit(_Bars())
+        for bar in bars:
+            test = self._rank_test(facts.resolver.statement_of(bar), facts)
+            if test is None:
+                continue
+            negated = test.replace("== 0", "!= 0")
+            editor.tqdm[bar] = self.expr(negated)
+            editor.mark_work()
+            self.change(bar, f"progress bar shown on rank 0 only (`disable={negated}`)", "one bar, not world_size bars")
+
+
+def _ancestor_in(stmt, block, facts: ScriptFacts):
+    body = list(block.body)
+    node = stmt
+    while node is not None and node not in body:
+        node = facts.resolver.parent(node)
+    return node
+
+
+def _next_statement(stmt, block):
+    body = list(block.body)
+    i = body.index(stmt)
+    return body[i + 1] if i + 1 < len(body) else None

@@ -1,0 +1,53 @@
+"""retrofit: every stage, in order, with one option set."""
+from __future__ import annotations
+
+from typing import List, Optional, Type
+
+import libcst as cst
+from libcst.codemod import CodemodContext
+
+from fsdp2_retrofit.analysis import code
+from fsdp2_retrofit.imports import place_added_imports
+from fsdp2_retrofit.options import RetrofitOptions
+from fsdp2_retrofit.stage import ATTENTION_KEY, CHANGES_KEY, OPTIONS_KEY, RetrofitStage
+
+from .checkpoint import ConvertSavesCommand
+from .data import DistributeDataCommand
+from .forward_calls import ReplaceForwardCallsCommand
+from .launch import LaunchDistributedCommand
+from .optimizer import MoveOptimizerCommand
+from .rank_zero import GateRankZeroCommand
+from .shard import ShardModelCommand
+
+STAGES: List[Type[RetrofitStage]] = [
+    LaunchDistributedCommand,
+    ShardModelCommand,
+    MoveOptimizerCommand,
+    ReplaceForwardCallsCommand,
+    DistributeDataCommand,
+    ConvertSavesCommand,
+    GateRankZeroCommand,
+]
+
+
+class RetrofitCommand(RetrofitStage):
+    DESCRIPTION = "Rewrite a single-GPU training script into torchrun-ready FSDP2 (all stages)."
+    CODE = "retrofit"
+
+    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
+        original_imports = {code(s) for s in tree.body}
+        for stage in STAGES:
+            tree = self.run_stage(stage, tree)
+        return place_added_imports(tree, original_imports)
+
+    def run_stage(self, stage: Type[RetrofitStage], tree: cst.Module) -> cst.Module:
+        """One stage with its own context (imports are added per stage), sharing the report."""
+        context = CodemodContext(filename=self.context.filename, full_module_name=self.context.full_module_name)
+        context.scratch[OPTIONS_KEY] = self.options
+        tree = stage(context, self.options).transform_module(tree)
+        self.after_stage(stage, tree, context)
+        return tree
+
+    def after_stage(self, stage, tree: cst.Module, context: CodemodContext) -> None:
+        for key in (CHANGES_KEY, ATTENTION_KEY):
+            self.context.scratch.setdefault(key, []).extend(context.scratch.get(key, []))

@@ -1,0 +1,122 @@
+"""shard: fully_shard each repeated block, then the root, with the mesh."""
+from __future__ import annotations
+
+import libcst as cst
+
+from fsdp2_retrofit.analysis import ModelSite, ScriptFacts
+from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+
+FSDP_MODULE = "torch.distributed.fsdp"
+
+
+class ShardModelCommand(RetrofitStage):
+    DESCRIPTION = "Shard each trained model bottom-up with fully_shard: repeated blocks first, then the root."
+    CODE = "shard"
+
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
+        self._refuse_unsafe(facts)
+        for model in facts.models:
+            if model.sharded:
+                continue
+            editor.insert_after(model.shard_anchor, self._shard_statements(model, facts))
+            self.add_import(FSDP_MODULE, "fully_shard")
+
+    def _refuse_unsafe(self, facts: ScriptFacts) -> None:
+        for line, wrapper in facts.wrappers:
+            self.refuse(
+                line,
+                f"the script already uses {wrapper}",
+                "migrating DDP, DataParallel and FSDP1 scripts is not supported yet",
+                "start from the single-GPU version of the script",
+            )
+        if not facts.models:
+            if not facts.module_ctor_names:
+                self.refuse(
+                    1,
+                    "no nn.Module is built in this script",
+                    "there is no model to shard",
+                    "run rewrite on the script that builds the model and its optimizer",
+                )
+            self.refuse(
+                1,
+                "no optimizer trains a model built in this script",
+                "fully_shard must come before the optimizer is built from the model's parameters",
+                "build the optimizer from model.parameters() in the same script",
+            )
+        scopes = {id(m.block) for m in facts.models}
+        if len(scopes) > 1:
+            self.refuse(
+                facts.models[1].line,
+                "models are built in different blocks",
+                "one process group and mesh must cover every model; the rewrite needs them built in one place",
+                "build all models in the same function",
+            )
+        for model in facts.models:
+            info = facts.classes.get(model.class_name)
+            if info is None:
+                continue
+            for attr, line in info.plain_lists:
+                self.refuse(
+                    line,
+                    f"`self.{attr}` keeps layers in a plain Python list",
+                    "its parameters are not registered: they are neither trained nor sharded",
+                    f"use nn.ModuleList for self.{attr}",
+                )
+            if info.optimizer_in_init:
+                self.refuse(
+                    info.optimizer_in_init,
+                    f"an optimizer is built inside {info.name}.__init__",
+                    "it would hold the unsharded parameters; fully_shard replaces them with DTensors",
+                    "build the optimizer in the training script, after the model",
+                )
+
+    def _shard_statements(self, model: ModelSite, facts: ScriptFacts):
+        mesh = f", mesh={facts.mesh_name}" if facts.mesh_name else ""
+        out = []
+        if self.options.shard:
+            var = self.fresh_name("module", model.scope)
+            classes = ", ".join(f'"{c.rsplit(".", 1)[-1]}"' for c in self.options.shard)
+            out.append(
+                self.stmt(
+                    f"for {var} in reversed(list({model.name}.modules())):\n"
+                    f"    if type({var}).__name__ in ({classes},) and {var} is not {model.name}:\n"
+                    f"        fully_shard({var}{mesh})\n"
+                )
+            )
+            self.change(
+                model.shard_anchor,
+                f"fully_shard every {', '.join(self.options.shard)} inside `{model.name}`, innermost first",
+                "--shard names the units: each one's parameters are gathered only while it runs",
+            )
+        else:
+            var = self.fresh_name("block", model.scope)
+            for container in model.containers:
+                path = ".".join((model.name,) + container.path)
+                out.append(self.stmt(f"for {var} in {path}:\n    fully_shard({var}{mesh})\n"))
+                self.change(
+                    model.shard_anchor,
+                    f"fully_shard each {container.block_class} in `{path}`",
+                    "a unit per repeated block: only one block's parameters are gathered at a time",
+                    "a ModuleList passed to fully_shard itself has no forward: its hooks never fire",
+                )
+            for container in model.tied_containers:
+                path = ".".join((model.name,) + container.path)
+                self.attention(
+                    container.line,
+                    f"`{path}` shares a parameter with another module; its blocks stay in the root unit",
+                    "tied parameters must live in one FSDP unit",
+                )
+            if not model.containers and not model.tied_containers:
+                self.attention(
+                    model.stmt,
+                    f"no repeated blocks found in `{model.name}`: only the root is sharded",
+                    "pass --shard CLASS to make each block of that class its own unit",
+                )
+        out.append(self.stmt(f"fully_shard({model.name}{mesh})\n"))
+        self.change(
+            model.shard_anchor,
+            f"fully_shard the root `{model.name}` after its blocks",
+            "the root unit holds what no block holds (embeddings, head); bottom-up order",
+            "sharding the root first takes every parameter into one unit",
+        )
+        return out

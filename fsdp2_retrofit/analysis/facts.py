@@ -1,0 +1,650 @@
+"""ScriptFacts: what is where in one training script.
+
+Stages and lint rules ask these facts their questions ("which names hold models?",
+"which loop calls backward?"); they never re-derive them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set, Union
+
+import libcst as cst
+
+from .model_classes import ClassRegistry, Container, build_registry
+from .names import (
+    DATALOADERS,
+    NOT_OPTIMIZERS,
+    OPTIMIZER_PREFIX,
+    PLACEMENT_METHODS,
+    Resolver,
+    assigned_names,
+    attr_path,
+    code,
+    names_in,
+    root_name,
+)
+
+Block = Union[cst.IndentedBlock, cst.Module]
+Scope = Union[cst.FunctionDef, cst.Module]
+
+LOG_CALLS = {"print"}
+LOGGER_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
+FULLY_SHARD = {"torch.distributed.fsdp.fully_shard", "torch.distributed._composable.fsdp.fully_shard"}
+DISTRIBUTED_WRAPPERS = {
+    "torch.nn.parallel.DistributedDataParallel": "DistributedDataParallel",
+    "torch.nn.DataParallel": "DataParallel",
+    "torch.nn.parallel.DataParallel": "DataParallel",
+    "torch.distributed.fsdp.FullyShardedDataParallel": "FullyShardedDataParallel (FSDP1)",
+}
+
+
+@dataclass
+class ModelSite:
+    """A name bound to an nn.Module instance that an optimizer trains."""
+
+    name: str
+    stmt: cst.SimpleStatementLine
+    block: Block
+    scope: Scope
+    class_name: Optional[str]
+    line: int
+    shard_anchor: cst.CSTNode  # fully_shard goes right after this statement
+    containers: List[Container] = field(default_factory=list)
+    tied_containers: List[Container] = field(default_factory=list)
+    sharded: bool = False
+
+
+@dataclass
+class OptimizerSite:
+    name: str
+    stmt: cst.SimpleStatementLine
+    block: Block
+    models: List[str]
+    line: int
+
+
+@dataclass
+class LoaderSite:
+    name: str
+    stmt: cst.SimpleStatementLine
+    call: cst.Call
+    block: Block
+    dataset: Optional[cst.BaseExpression]
+    shuffle: Optional[cst.BaseExpression]
+    drop_last: Optional[cst.BaseExpression]
+    kwargs_dict: Optional[cst.CSTNode]  # the dict(...) / {...} node the loader unpacks
+    has_sampler: bool
+    line: int
+    trains: bool = False
+
+
+@dataclass
+class LoopSite:
+    node: cst.CSTNode  # For or While that calls backward()
+    function: Optional[cst.FunctionDef]
+    line: int
+    loader: Optional[str] = None
+
+
+@dataclass
+class LogSite:
+    stmt: cst.SimpleStatementLine
+    scope: Scope
+    line: int
+    gated: bool
+
+
+@dataclass
+class ScriptFacts:
+    path: Optional[str]
+    module: cst.Module
+    resolver: Resolver
+    classes: ClassRegistry
+    models: List[ModelSite]
+    optimizers: List[OptimizerSite]
+    loaders: List[LoaderSite]
+    loops: List[LoopSite]
+    logs: List[LogSite]
+    forward_calls: List[cst.Call]
+    # names that hold a model, per function (parameters that receive one included)
+    model_names: Dict[Optional[cst.FunctionDef], Set[str]]
+    # names that hold an optimizer, per function -> the model name it trains there (None: several)
+    optimizer_names: Dict[Optional[cst.FunctionDef], Dict[str, Optional[str]]]
+    entry_block: Optional[Block]
+    entry_scope: Optional[Scope]
+    distributed_init: Optional[cst.Call]
+    mesh_name: Optional[str]
+    rank_name: Optional[str]
+    wrappers: List[tuple]  # (line, name) of DDP/DataParallel/FSDP1 uses
+    root_shard: Dict[str, cst.SimpleStatementLine]  # model name -> its `fully_shard(name)` statement
+    module_ctor_names: Set[str]
+
+    def model(self, name: str) -> Optional[ModelSite]:
+        return next((m for m in self.models if m.name == name), None)
+
+    def is_model_name(self, name: str, node: cst.CSTNode) -> bool:
+        return name in self.model_names.get(self.resolver.enclosing_function(node), set())
+
+
+def analyse(module: cst.Module, path: Optional[str] = None) -> ScriptFacts:
+    resolver = Resolver(module)
+    classes = build_registry(module, resolver, path)
+    return _Analyser(module, resolver, classes, path).run()
+
+
+class _Analyser:
+    def __init__(self, module, resolver: Resolver, classes: ClassRegistry, path):
+        self.module = module
+        self.r = resolver
+        self.classes = classes
+        self.path = path
+
+    # -- collection ---------------------------------------------------------
+
+    def run(self) -> ScriptFacts:
+        calls: List[cst.Call] = []
+        loops: List[cst.CSTNode] = []
+        stmts: List[cst.SimpleStatementLine] = []
+
+        class _All(cst.CSTVisitor):
+            def visit_Call(self, node: cst.Call) -> None:
+                calls.append(node)
+
+            def visit_For(self, node: cst.For) -> None:
+                loops.append(node)
+
+            def visit_While(self, node: cst.While) -> None:
+                loops.append(node)
+
+            def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
+                stmts.append(node)
+
+        self.module.visit(_All())
+        self.calls = calls
+        bindings = self._module_bindings(stmts)
+        optimizers = self._optimizers(stmts, bindings)
+        trained = {name for o in optimizers for name in o.models}
+        models = [self._model_site(b) for b in bindings if b[0] in trained and self._first_binding(b, bindings)]
+        model_names = self._model_names(models)
+        train_loops = self._train_loops(loops)
+        loaders = self._loaders(stmts, train_loops)
+        entry_block = models[0].block if models else None
+        entry_scope = models[0].scope if models else None
+        init_call = next(
+            (c for c in calls if self.r.is_call_to(c, {"torch.distributed.init_process_group"})), None
+        )
+        mesh_name, rank_name = self._launch_names(stmts)
+        facts = ScriptFacts(
+            path=self.path,
+            module=self.module,
+            resolver=self.r,
+            classes=self.classes,
+            models=models,
+            optimizers=[o for o in optimizers if o.models],
+            loaders=loaders,
+            loops=train_loops,
+            logs=self._logs(stmts, rank_name),
+            forward_calls=self._forward_calls(model_names),
+            model_names=model_names,
+            optimizer_names=self._optimizer_names(optimizers, model_names),
+            entry_block=entry_block,
+            entry_scope=entry_scope,
+            distributed_init=init_call,
+            mesh_name=mesh_name,
+            rank_name=rank_name,
+            wrappers=[
+                (self.r.line(c), DISTRIBUTED_WRAPPERS[q])
+                for c in calls
+                for q in self.r.qnames(c)
+                if q in DISTRIBUTED_WRAPPERS
+            ],
+            module_ctor_names={b[0] for b in bindings},
+            root_shard=self._shard_statements(stmts),
+        )
+        for m in models:
+            m.sharded = m.name in facts.root_shard
+        return facts
+
+    def _module_bindings(self, stmts):
+        """(name, stmt, class) for every `name = SomeModule(...)[.to(...)]` outside classes."""
+        out = []
+        for stmt in stmts:
+            if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
+                continue
+            assign = stmt.body[0]
+            if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
+                continue
+            if self.r.enclosing_class(stmt) is not None:
+                continue
+            ctor = _innermost_call(assign.value)
+            if ctor is None:
+                continue
+            cls = self._class_of(ctor)
+            if cls is None:
+                continue
+            out.append((assign.targets[0].target.value, stmt, cls))
+        return out
+
+    def _class_of(self, call: cst.Call) -> Optional[str]:
+        for name in sorted(self.r.qnames(call)):
+            if self.classes.is_module_class(name):
+                return name
+            # a class imported from a library, e.g. torchvision.models.resnet18: only
+            # known when something trains it; the optimizer decides.
+            if "." in name and name.rsplit(".", 1)[-1][:1].isupper() and not name.startswith("torch."):
+                return name
+        return None
+
+    def _first_binding(self, binding, bindings) -> bool:
+        name, stmt, _ = binding
+        scope = self.r.enclosing_function(stmt)
+        for other in bindings:
+            if other[0] == name and self.r.enclosing_function(other[1]) is scope:
+                return other is binding
+        return True
+
+    def _optimizers(self, stmts, bindings) -> List[OptimizerSite]:
+        module_names = {b[0] for b in bindings}
+        out = []
+        for stmt in stmts:
+            if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
+                continue
+            assign = stmt.body[0]
+            if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
+                continue
+            call = assign.value
+            if not isinstance(call, cst.Call) or self.r.enclosing_class(stmt) is not None:
+                continue
+            is_torch_optim = self.r.calls_prefix(call, OPTIMIZER_PREFIX) and not any(
+                self.r.calls_prefix(call, p) for p in NOT_OPTIMIZERS
+            )
+            receiver = root_name(call.func) if isinstance(call.func, cst.Attribute) else None
+            if is_torch_optim:
+                models = [n for n in _ordered_names(call.args) if n in module_names]
+            elif receiver in module_names and "optim" in call.func.attr.value.lower():
+                models = [receiver]  # model.configure_optimizers(...)
+            else:
+                continue
+            block = self.r.block_of(stmt)
+            out.append(OptimizerSite(assign.targets[0].target.value, stmt, block, models, self.r.line(stmt)))
+        return out
+
+    def _model_site(self, binding) -> ModelSite:
+        name, stmt, cls = binding
+        block = self.r.block_of(stmt)
+        scope = self.r.enclosing_function(stmt) or self.module
+        containers = [c for c in self.classes.block_containers(cls) if c.block_class]
+        ties = self.classes.ties(cls)
+        tied = [c for c in containers if any(_under(a, c.path) or _under(b, c.path) for a, b, _ in ties)]
+        return ModelSite(
+            name=name,
+            stmt=stmt,
+            block=block,
+            scope=scope,
+            class_name=cls,
+            line=self.r.line(stmt),
+            shard_anchor=self._shard_anchor(name, stmt, block),
+            containers=[c for c in containers if c not in tied],
+            tied_containers=tied,
+        )
+
+    def _shard_anchor(self, name: str, stmt, block) -> cst.CSTNode:
+        """The last statement that builds or places the model before it is used."""
+        body = list(block.body)
+        anchor = stmt
+        for later in body[body.index(stmt) + 1 :]:
+            if isinstance(later, (cst.For, cst.While, cst.FunctionDef, cst.With, cst.Try)):
+                break
+            if _is_placement(later, name):
+                anchor = later
+            elif name in assigned_names(later):
+                break  # rebound by something else (torch.compile, a wrapper): shard before it
+        return anchor
+
+    def _model_names(self, models: List[ModelSite]) -> Dict[Optional[cst.FunctionDef], Set[str]]:
+        """Model names per function, following calls that pass a model as an argument."""
+        names: Dict[Optional[cst.FunctionDef], Set[str]] = {}
+        for m in models:
+            names.setdefault(self.r.enclosing_function(m.stmt), set()).add(m.name)
+        functions = {
+            s.name.value: s for s in self.module.body if isinstance(s, cst.FunctionDef)
+        }
+        changed = True
+        while changed:
+            changed = False
+            for call in self.calls:
+                if not isinstance(call.func, cst.Name) or call.func.value not in functions:
+                    continue
+                callee = functions[call.func.value]
+                known = names.get(self.r.enclosing_function(call), set())
+                for param in _params_receiving(callee, call, known):
+                    if param not in names.setdefault(callee, set()):
+                        names[callee].add(param)
+                        changed = True
+        return names
+
+    def _optimizer_names(self, optimizers, model_names):
+        """Optimizer names per function, following calls; each mapped to its model's name there."""
+        names: Dict[Optional[cst.FunctionDef], Dict[str, Optional[str]]] = {}
+        for opt in optimizers:
+            if opt.models:
+                fn = self.r.enclosing_function(opt.stmt)
+                names.setdefault(fn, {})[opt.name] = opt.models[0] if len(opt.models) == 1 else None
+        functions = {s.name.value: s for s in self.module.body if isinstance(s, cst.FunctionDef)}
+        changed = True
+        while changed:
+            changed = False
+            for call in self.calls:
+                if not isinstance(call.func, cst.Name) or call.func.value not in functions:
+                    continue
+                callee = functions[call.func.value]
+                known = names.get(self.r.enclosing_function(call), {})
+                bound = list(_bind_args(callee, call))
+                for param, arg in bound:
+                    if not (isinstance(arg, cst.Name) and arg.value in known) or param in names.get(callee, {}):
+                        continue
+                    model = known[arg.value]
+                    there = [p for p, a in bound if isinstance(a, cst.Name) and a.value == model]
+                    callee_models = sorted(model_names.get(callee, set()))
+                    names.setdefault(callee, {})[param] = (
+                        there[0] if there else callee_models[0] if len(callee_models) == 1 else None
+                    )
+                    changed = True
+        return names
+
+    def _train_loops(self, loops) -> List[LoopSite]:
+        out = []
+        for loop in loops:
+            if not _calls_method(loop.body, "backward"):
+                continue
+            # the innermost loop that calls backward
+            if any(_calls_method(inner.body, "backward") for inner in _inner_loops(loop)):
+                continue
+            site = LoopSite(loop, self.r.enclosing_function(loop), self.r.line(loop))
+            if isinstance(loop, cst.For):
+                site.loader = _iterated_name(loop.iter)
+            out.append(site)
+        return out
+
+    def _loaders(self, stmts, train_loops: List[LoopSite]) -> List[LoaderSite]:
+        out = []
+        iterated = {l.loader for l in train_loops if l.loader}
+        passed = self._names_passed_to_loop_functions(train_loops)
+        for stmt in stmts:
+            if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
+                continue
+            assign = stmt.body[0]
+            call = assign.value
+            if not self.r.is_call_to(call, DATALOADERS) or not isinstance(assign.targets[0].target, cst.Name):
+                continue
+            name = assign.targets[0].target.value
+            args = {a.keyword.value: a.value for a in call.args if a.keyword is not None}
+            kwargs_dict = None
+            for a in call.args:
+                if a.star == "**" and isinstance(a.value, cst.Name):
+                    kwargs_dict = self._dict_bound_before(a.value.value, stmt)
+                    if kwargs_dict is not None:
+                        for key, value in _dict_entries(kwargs_dict):
+                            args.setdefault(key, value)
+            positional = [a.value for a in call.args if a.keyword is None and not a.star]
+            dataset = args.get("dataset", positional[0] if positional else None)
+            out.append(
+                LoaderSite(
+                    name=name,
+                    stmt=stmt,
+                    call=call,
+                    block=self.r.block_of(stmt),
+                    dataset=dataset,
+                    shuffle=args.get("shuffle", positional[2] if len(positional) > 2 else None),
+                    drop_last=args.get("drop_last"),
+                    kwargs_dict=kwargs_dict,
+                    has_sampler="sampler" in args or "batch_sampler" in args,
+                    line=self.r.line(stmt),
+                    trains=name in iterated or name in passed,
+                )
+            )
+        return out
+
+    def _names_passed_to_loop_functions(self, train_loops) -> Set[str]:
+        """Loader names handed to a function whose loop trains (train_one_epoch(model, loader))."""
+        out: Set[str] = set()
+        for loop in train_loops:
+            if loop.function is None or not loop.loader:
+                continue
+            for call in self.calls:
+                if isinstance(call.func, cst.Name) and call.func.value == loop.function.name.value:
+                    for param, arg in _bind_args(loop.function, call):
+                        if param == loop.loader and isinstance(arg, cst.Name):
+                            out.add(arg.value)
+        return out
+
+    def _dict_bound_before(self, name: str, stmt) -> Optional[cst.CSTNode]:
+        block = self.r.block_of(stmt)
+        if block is None:
+            return None
+        body = list(block.body)
+        for earlier in reversed(body[: body.index(stmt)]):
+            if name in assigned_names(earlier):
+                value = earlier.body[0].value if isinstance(earlier.body[0], cst.Assign) else None
+                if isinstance(value, cst.Dict) or (
+                    isinstance(value, cst.Call) and isinstance(value.func, cst.Name) and value.func.value == "dict"
+                ):
+                    return value
+                return None
+        return None
+
+    def _launch_names(self, stmts):
+        mesh = rank = None
+        for stmt in stmts:
+            if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
+                continue
+            assign = stmt.body[0]
+            value, target = assign.value, assign.targets[0].target
+            if isinstance(target, cst.Name) and self.r.is_call_to(
+                value, {"torch.distributed.device_mesh.init_device_mesh"}
+            ):
+                mesh = mesh or target.value
+            pairs = []
+            if isinstance(target, cst.Tuple) and isinstance(value, cst.Tuple):
+                pairs = list(zip(target.elements, value.elements))
+                pairs = [(t.value, v.value) for t, v in pairs]
+            else:
+                pairs = [(target, value)]
+            for t, v in pairs:
+                if isinstance(t, cst.Name) and self.r.is_call_to(v, {"torch.distributed.get_rank"}):
+                    rank = rank or t.value
+        return mesh, rank
+
+    def _logs(self, stmts, rank_name) -> List[LogSite]:
+        out = []
+        for stmt in stmts:
+            if not all(isinstance(s, cst.Expr) and self._is_log_call(s.value) for s in stmt.body):
+                continue
+            if self.r.enclosing_class(stmt) is not None:
+                continue
+            out.append(
+                LogSite(
+                    stmt=stmt,
+                    scope=self.r.enclosing_function(stmt) or self.module,
+                    line=self.r.line(stmt),
+                    gated=self._is_rank_gated(stmt),
+                )
+            )
+        return out
+
+    def _is_log_call(self, node) -> bool:
+        if not isinstance(node, cst.Call):
+            return False
+        if isinstance(node.func, cst.Name) and node.func.value in LOG_CALLS:
+            return True
+        if isinstance(node.func, cst.Attribute) and node.func.attr.value in LOGGER_METHODS:
+            base = node.func.value
+            if any(q.startswith("logging") for q in self.r.qnames(base)):
+                return True
+            base_name = root_name(base)
+            return bool(base_name) and ("log" in base_name.lower())
+        return False
+
+    def _is_rank_gated(self, node) -> bool:
+        for anc in self.r.ancestors(node):
+            if isinstance(anc, (cst.If,)) and _mentions_rank(anc.test):
+                return True
+            if isinstance(anc, cst.FunctionDef):
+                return False
+        return False
+
+    def _forward_calls(self, model_names) -> List[cst.Call]:
+        out = []
+        for call in self.calls:
+            func = call.func
+            if not (isinstance(func, cst.Attribute) and func.attr.value == "forward"):
+                continue
+            target = func.value
+            if isinstance(target, cst.Name) and target.value in model_names.get(
+                self.r.enclosing_function(call), set()
+            ):
+                out.append(call)
+        return out
+
+    def _shard_statements(self, stmts) -> Dict[str, cst.SimpleStatementLine]:
+        out = {}
+        for stmt in stmts:
+            for small in stmt.body:
+                call = small.value if isinstance(small, cst.Expr) else None
+                if (
+                    isinstance(call, cst.Call)
+                    and self.r.qnames(call) & FULLY_SHARD
+                    and call.args
+                    and isinstance(call.args[0].value, cst.Name)
+                ):
+                    out[call.args[0].value.value] = stmt
+        return out
+
+
+# -- small helpers -----------------------------------------------------------
+
+
+def _innermost_call(expr) -> Optional[cst.Call]:
+    """`Net(...)` for `Net(...)`, `Net(...).to(d)`, `Net(...).cuda().float()`."""
+    while isinstance(expr, cst.Call):
+        func = expr.func
+        if isinstance(func, cst.Attribute) and func.attr.value in PLACEMENT_METHODS and isinstance(func.value, cst.Call):
+            expr = func.value
+            continue
+        return expr
+    return None
+
+
+def _is_placement(stmt, name: str) -> bool:
+    """`m.to(d)`, `m = m.cuda()`, or an `if` whose body only does such things."""
+    if isinstance(stmt, cst.If):
+        inner = list(stmt.body.body) if isinstance(stmt.body, cst.IndentedBlock) else [stmt.body]
+        return bool(inner) and all(_is_placement(s, name) for s in inner) and stmt.orelse is None
+    if not isinstance(stmt, cst.SimpleStatementLine):
+        return False
+    for small in stmt.body:
+        value = small.value if isinstance(small, (cst.Expr, cst.Assign)) else None
+        if isinstance(small, cst.Assign):
+            targets = small.targets
+            if len(targets) != 1 or not (isinstance(targets[0].target, cst.Name) and targets[0].target.value == name):
+                return False
+        if not _is_placement_chain(value, name):
+            return False
+    return True
+
+
+def _is_placement_chain(expr, name: str) -> bool:
+    if isinstance(expr, cst.Name):
+        return expr.value == name
+    if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
+        return expr.func.attr.value in PLACEMENT_METHODS and _is_placement_chain(expr.func.value, name)
+    return False
+
+
+def _ordered_names(args) -> List[str]:
+    seen: List[str] = []
+
+    class _N(cst.CSTVisitor):
+        def visit_Name(self, n: cst.Name) -> None:
+            if n.value not in seen:
+                seen.append(n.value)
+
+    for a in args:
+        a.value.visit(_N())
+    return seen
+
+
+def _under(path, prefix) -> bool:
+    return tuple(path[: len(prefix)]) == tuple(prefix)
+
+
+def _bind_args(fn: cst.FunctionDef, call: cst.Call):
+    params = [p.name.value for p in fn.params.params]
+    positional = [a for a in call.args if a.keyword is None and not a.star]
+    for param, arg in zip(params, positional):
+        yield param, arg.value
+    all_params = set(params) | {p.name.value for p in fn.params.kwonly_params}
+    for a in call.args:
+        if a.keyword is not None and a.keyword.value in all_params:
+            yield a.keyword.value, a.value
+
+
+def _params_receiving(fn: cst.FunctionDef, call: cst.Call, known: Set[str]):
+    for param, arg in _bind_args(fn, call):
+        if isinstance(arg, cst.Name) and arg.value in known:
+            yield param
+
+
+def _calls_method(node, method: str) -> bool:
+    found = []
+
+    class _M(cst.CSTVisitor):
+        def visit_FunctionDef(self, n) -> bool:
+            return False
+
+        def visit_Call(self, n: cst.Call) -> None:
+            if isinstance(n.func, cst.Attribute) and n.func.attr.value == method:
+                found.append(n)
+
+    node.visit(_M())
+    return bool(found)
+
+
+def _inner_loops(loop):
+    found = []
+
+    class _L(cst.CSTVisitor):
+        def visit_For(self, n) -> None:
+            found.append(n)
+
+        def visit_While(self, n) -> None:
+            found.append(n)
+
+        def visit_FunctionDef(self, n) -> bool:
+            return False
+
+    loop.body.visit(_L())
+    return found
+
+
+def _iterated_name(expr) -> Optional[str]:
+    """`loader` for `loader`, `enumerate(loader)`, `tqdm(loader, ...)`, `iter(loader)`."""
+    while isinstance(expr, cst.Call) and expr.args:
+        expr = expr.args[0].value
+    return expr.value if isinstance(expr, cst.Name) else None
+
+
+def _dict_entries(node):
+    if isinstance(node, cst.Dict):
+        for el in node.elements:
+            if isinstance(el, cst.DictElement) and isinstance(el.key, cst.SimpleString):
+                yield el.key.evaluated_value, el.value
+    elif isinstance(node, cst.Call):
+        for a in node.args:
+            if a.keyword is not None:
+                yield a.keyword.value, a.value
+
+
+def _mentions_rank(test) -> bool:
+    text = code(test)
+    return any(k in text for k in ("rank", "master", "is_main"))

@@ -1,0 +1,295 @@
+"""What the script's model classes look like: repeated blocks, submodules, tied weights.
+
+Classes are read from the script and from sibling modules it imports from its own
+folder (parsed, never imported). Names are global: a class of the script is `Net`,
+one of the sibling `model.py` is `model.Block`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import libcst as cst
+
+from .names import CONTAINERS, OPTIMIZER_PREFIX, NOT_OPTIMIZERS, TORCH_MODULE_BASES, Resolver, attr_path
+
+Path_ = Tuple[str, ...]
+
+
+@dataclass
+class Container:
+    """A repeated-block container: `self.<path>` holds blocks of `block_class`."""
+
+    path: Path_
+    block_class: Optional[str]
+    kind: str  # ModuleList, Sequential
+    line: int
+
+
+@dataclass
+class ClassInfo:
+    name: str  # global name: "Net", "model.GPT"
+    node: cst.ClassDef
+    file: Optional[str]
+    bases: List[str]
+    is_module: bool = False
+    submodules: Dict[str, str] = field(default_factory=dict)  # attr -> class global name
+    containers: List[Container] = field(default_factory=list)
+    ties: List[Tuple[Path_, Path_, int]] = field(default_factory=list)
+    plain_lists: List[Tuple[str, int]] = field(default_factory=list)
+    optimizer_in_init: Optional[int] = None
+    methods: Dict[str, cst.FunctionDef] = field(default_factory=dict)
+
+
+class ClassRegistry:
+    """Every class the script can see, by global name."""
+
+    def __init__(self) -> None:
+        self.classes: Dict[str, ClassInfo] = {}
+
+    def get(self, name: Optional[str]) -> Optional[ClassInfo]:
+        return self.classes.get(name) if name else None
+
+    def is_module_class(self, name: Optional[str]) -> bool:
+        if not name:
+            return False
+        if name.startswith("torch.nn.") and name.rsplit(".", 1)[-1][:1].isupper():
+            return True
+        info = self.classes.get(name)
+        return bool(info and info.is_module)
+
+    def find_by_bare_name(self, bare: str) -> List[ClassInfo]:
+        return [c for c in self.classes.values() if c.name == bare or c.name.endswith("." + bare)]
+
+    def block_containers(self, name: Optional[str], depth: int = 3) -> List[Container]:
+        """Repeated-block containers of a model class, with paths from its root.
+
+        Looks through submodules built from known classes (an encoder holding
+        its layers); does not look inside the blocks themselves.
+        """
+        info = self.get(name)
+        if info is None or depth == 0:
+            return []
+        found = list(info.containers)
+        for attr, sub in info.submodules.items():
+            for c in self.block_containers(sub, depth - 1):
+                found.append(Container((attr,) + c.path, c.block_class, c.kind, c.line))
+        return found
+
+    def ties(self, name: Optional[str]) -> List[Tuple[Path_, Path_, int]]:
+        info = self.get(name)
+        return list(info.ties) if info else []
+
+    def _resolve_modules(self) -> None:
+        changed = True
+        while changed:
+            changed = False
+            for info in self.classes.values():
+                if not info.is_module and any(
+                    b in TORCH_MODULE_BASES or self.is_module_class(b) for b in info.bases
+                ):
+                    info.is_module = True
+                    changed = True
+
+
+def build_registry(module: cst.Module, resolver: Resolver, path: Optional[str]) -> ClassRegistry:
+    registry = ClassRegistry()
+    _collect(module, resolver, namespace="", file=path, registry=registry)
+    if path:
+        _collect_siblings(module, resolver, Path(path).resolve().parent, registry, seen=set(), depth=2)
+    registry._resolve_modules()
+    return registry
+
+
+def _collect_siblings(module, resolver, folder: Path, registry, seen, depth) -> None:
+    if depth == 0:
+        return
+    for stmt in _walk_imports(module):
+        if stmt.relative and len(stmt.relative) > 1:
+            continue
+        if stmt.module is None:
+            continue
+        dotted = _dotted(stmt.module)
+        if dotted in seen:
+            continue
+        candidate = folder.joinpath(*dotted.split(".")).with_suffix(".py")
+        if not candidate.is_file():
+            candidate = folder.joinpath(*dotted.split("."), "__init__.py")
+        if not candidate.is_file():
+            continue
+        seen.add(dotted)
+        try:
+            sibling = cst.parse_module(candidate.read_bytes())
+        except (cst.ParserSyntaxError, OSError, UnicodeDecodeError):
+            continue
+        sib_resolver = Resolver(sibling)
+        _collect(sibling, sib_resolver, namespace=dotted, file=str(candidate), registry=registry)
+        _collect_siblings(sibling, sib_resolver, folder, registry, seen, depth - 1)
+
+
+def _walk_imports(module: cst.Module) -> Iterable[cst.ImportFrom]:
+    found: List[cst.ImportFrom] = []
+
+    class _Imports(cst.CSTVisitor):
+        def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+            found.append(node)
+
+    module.visit(_Imports())
+    return found
+
+
+def _dotted(expr) -> str:
+    if isinstance(expr, cst.Name):
+        return expr.value
+    return _dotted(expr.value) + "." + expr.attr.value
+
+
+class _Namer:
+    """Turns a resolver's qualified names into global names for one namespace."""
+
+    def __init__(self, resolver: Resolver, namespace: str, local_classes: Iterable[str]):
+        self.resolver = resolver
+        self.namespace = namespace
+        self.local = set(local_classes)
+
+    def of(self, node: cst.CSTNode) -> Optional[str]:
+        names = sorted(self.resolver.qnames(node))
+        if not names:
+            return None
+        name = names[0]
+        if self.namespace and name in self.local:
+            return f"{self.namespace}.{name}"
+        return name
+
+
+def _collect(module, resolver: Resolver, namespace: str, file, registry: ClassRegistry) -> None:
+    top_classes = [s for s in module.body if isinstance(s, cst.ClassDef)]
+    namer = _Namer(resolver, namespace, [c.name.value for c in top_classes])
+    for cls in top_classes:
+        name = f"{namespace}.{cls.name.value}" if namespace else cls.name.value
+        info = ClassInfo(
+            name=name,
+            node=cls,
+            file=file,
+            bases=[n for n in (namer.of(b.value) for b in cls.bases) if n],
+        )
+        for stmt in cls.body.body:
+            if isinstance(stmt, cst.FunctionDef):
+                info.methods[stmt.name.value] = stmt
+        init = info.methods.get("__init__")
+        if init is not None:
+            _read_init(init, namer, info)
+        registry.classes[name] = info
+
+
+def _read_init(init: cst.FunctionDef, namer: _Namer, info: ClassInfo) -> None:
+    appended: Dict[str, List[cst.Call]] = {}
+
+    class _Init(cst.CSTVisitor):
+        def visit_Assign(self, node: cst.Assign) -> None:
+            for target in node.targets:
+                tpath = attr_path(target.target)
+                if not tpath or tpath[0] != "self" or len(tpath) < 2:
+                    continue
+                _read_self_assign(tpath[1:], node.value, node, namer, info)
+
+        def visit_Call(self, node: cst.Call) -> None:
+            # self.layers.append(Block(...)) inside a loop of __init__
+            func = node.func
+            if isinstance(func, cst.Attribute) and func.attr.value in ("append", "extend") and node.args:
+                tpath = attr_path(func.value)
+                if tpath and tpath[0] == "self" and len(tpath) == 2:
+                    value = node.args[0].value
+                    if isinstance(value, cst.Call):
+                        appended.setdefault(tpath[1], []).append(value)
+            if namer.resolver.calls_prefix(node, OPTIMIZER_PREFIX) and not any(
+                namer.resolver.calls_prefix(node, p) for p in NOT_OPTIMIZERS
+            ):
+                info.optimizer_in_init = info.optimizer_in_init or namer.resolver.line(node)
+
+    init.visit(_Init())
+    for attr, calls in appended.items():
+        for c in info.containers:
+            if c.path == (attr,) and c.block_class is None:
+                c.block_class = namer.of(calls[0]) or "?"
+
+
+def _read_self_assign(path, value, node, namer: _Namer, info: ClassInfo) -> None:
+    line = namer.resolver.line(node)
+    vpath = attr_path(value)
+    if vpath and vpath[0] == "self" and len(path) >= 2 and len(vpath) >= 3:
+        info.ties.append((tuple(path), tuple(vpath[1:]), line))
+        return
+    if len(path) != 1:
+        return
+    attr = path[0]
+    if isinstance(value, (cst.ListComp, cst.List)):
+        element = value.elt if isinstance(value, cst.ListComp) else (
+            value.elements[0].value if value.elements else None
+        )
+        if isinstance(element, cst.Call) and _is_module_ctor(element, namer):
+            info.plain_lists.append((attr, line))
+        return
+    if not isinstance(value, cst.Call):
+        return
+    callee = namer.of(value)
+    if callee in CONTAINERS:
+        _read_container((attr,), value, callee, namer, info, line)
+    elif callee:
+        info.submodules[attr] = callee
+
+
+def _is_module_ctor(call: cst.Call, namer: _Namer) -> bool:
+    name = namer.of(call)
+    return bool(name) and (name.startswith("torch.nn.") or name.split(".")[-1][:1].isupper())
+
+
+def _read_container(path, call: cst.Call, kind_name: str, namer: _Namer, info: ClassInfo, line: int) -> None:
+    kind = kind_name.rsplit(".", 1)[-1]
+    if kind == "ModuleDict":
+        for key, value in _dict_items(call, namer):
+            if isinstance(value, cst.Call):
+                inner = namer.of(value)
+                if inner in CONTAINERS:
+                    _read_container(path + (key,), value, inner, namer, info, line)
+        return
+    elements = _repeated_elements(call)
+    if elements is None:
+        return
+    classes = {namer.of(e) for e in elements} if elements else set()
+    if len(classes) > 1:
+        return
+    info.containers.append(Container(path, classes.pop() if classes else None, kind, line))
+
+
+def _repeated_elements(call: cst.Call) -> Optional[List[cst.Call]]:
+    """The block constructor calls inside ModuleList([...])/Sequential(*[...]); [] if empty."""
+    if not call.args:
+        return []
+    if len(call.args) == 1:
+        value = call.args[0].value
+        if isinstance(value, (cst.ListComp, cst.GeneratorExp)):
+            return [value.elt] if isinstance(value.elt, cst.Call) else None
+        if isinstance(value, (cst.List, cst.Tuple)):
+            calls = [e.value for e in value.elements]
+            return calls if len(calls) >= 2 and all(isinstance(c, cst.Call) for c in calls) else None
+        return None
+    calls = [a.value for a in call.args]
+    if all(isinstance(c, cst.Call) and not a.star for c, a in zip(calls, call.args)) and len(calls) >= 2:
+        return calls
+    return None
+
+
+def _dict_items(call: cst.Call, namer: _Namer):
+    if len(call.args) != 1:
+        return
+    arg = call.args[0].value
+    if isinstance(arg, cst.Call) and isinstance(arg.func, cst.Name) and arg.func.value == "dict":
+        for a in arg.args:
+            if a.keyword is not None:
+                yield a.keyword.value, a.value
+    elif isinstance(arg, cst.Dict):
+        for el in arg.elements:
+            if isinstance(el, cst.DictElement) and isinstance(el.key, cst.SimpleString):
+                yield el.key.evaluated_value, el.value

@@ -1,0 +1,163 @@
+"""Name resolution over one parsed module: qualified names, parents, lines, scopes."""
+from __future__ import annotations
+
+from typing import Iterator, Optional, Set
+
+import libcst as cst
+from libcst.metadata import (
+    MetadataWrapper,
+    ParentNodeProvider,
+    PositionProvider,
+    QualifiedNameProvider,
+    ScopeProvider,
+)
+
+_EMPTY = cst.Module(body=[])
+
+TORCH_MODULE_BASES = {"torch.nn.Module", "torch.nn.modules.module.Module"}
+OPTIMIZER_PREFIX = "torch.optim."
+NOT_OPTIMIZERS = ("torch.optim.lr_scheduler.", "torch.optim.swa_utils.")
+DATALOADERS = {"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"}
+# nn.Module methods that return the module itself: placement and mode changes.
+PLACEMENT_METHODS = {"to", "cuda", "cpu", "float", "double", "half", "bfloat16", "train", "eval", "requires_grad_"}
+CONTAINERS = {"torch.nn.ModuleList", "torch.nn.Sequential", "torch.nn.ModuleDict"}
+
+
+def code(node: cst.CSTNode) -> str:
+    """The source text of a node, without its surrounding whitespace."""
+    return _EMPTY.code_for_node(node).strip()
+
+
+def _force(value):
+    return value() if callable(value) else value
+
+
+class Resolver:
+    """Metadata for one module, computed once; nodes are the module's own (no copy)."""
+
+    def __init__(self, module: cst.Module):
+        self.module = module
+        wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+        self._qualified = wrapper.resolve(QualifiedNameProvider)
+        self._parents = wrapper.resolve(ParentNodeProvider)
+        self._positions = wrapper.resolve(PositionProvider)
+        self._scopes = wrapper.resolve(ScopeProvider)
+
+    def qnames(self, node: cst.CSTNode) -> Set[str]:
+        """Fully qualified names of a name, attribute or call (its callee)."""
+        if isinstance(node, cst.Call):
+            node = node.func
+        found = self._qualified.get(node)
+        return {q.name.lstrip(".") for q in _force(found)} if found is not None else set()
+
+    def is_call_to(self, node: cst.CSTNode, names) -> bool:
+        return isinstance(node, cst.Call) and bool(self.qnames(node) & set(names))
+
+    def calls_prefix(self, node: cst.CSTNode, prefix: str) -> bool:
+        return isinstance(node, cst.Call) and any(q.startswith(prefix) for q in self.qnames(node))
+
+    def parent(self, node: cst.CSTNode) -> Optional[cst.CSTNode]:
+        return self._parents.get(node)
+
+    def ancestors(self, node: cst.CSTNode) -> Iterator[cst.CSTNode]:
+        node = self._parents.get(node)
+        while node is not None:
+            yield node
+            node = self._parents.get(node)
+
+    def line(self, node: cst.CSTNode) -> int:
+        pos = self._positions.get(node)
+        return pos.start.line if pos is not None else 0
+
+    def scope(self, node: cst.CSTNode):
+        return self._scopes.get(node)
+
+    def enclosing_function(self, node: cst.CSTNode) -> Optional[cst.FunctionDef]:
+        for anc in self.ancestors(node):
+            if isinstance(anc, cst.FunctionDef):
+                return anc
+        return None
+
+    def enclosing_class(self, node: cst.CSTNode) -> Optional[cst.ClassDef]:
+        for anc in self.ancestors(node):
+            if isinstance(anc, cst.ClassDef):
+                return anc
+        return None
+
+    def statement_of(self, node: cst.CSTNode) -> Optional[cst.CSTNode]:
+        """The statement (simple line or compound) that directly holds `node` in a block."""
+        current = node
+        for anc in self.ancestors(node):
+            if isinstance(anc, (cst.IndentedBlock, cst.Module)):
+                return current
+            current = anc
+        return None
+
+    def block_of(self, stmt: cst.CSTNode):
+        """The IndentedBlock or Module whose body lists `stmt`."""
+        parent = self.parent(stmt)
+        return parent if isinstance(parent, (cst.IndentedBlock, cst.Module)) else None
+
+
+def names_in(node: cst.CSTNode) -> Set[str]:
+    """Every bare identifier read or written anywhere inside `node`."""
+    found: Set[str] = set()
+
+    class _Names(cst.CSTVisitor):
+        def visit_Name(self, n: cst.Name) -> None:
+            found.add(n.value)
+
+    node.visit(_Names())
+    return found
+
+
+def assigned_names(stmt: cst.CSTNode) -> Set[str]:
+    """Names a simple assignment statement binds (`a = ...`, `a, b = ...`)."""
+    out: Set[str] = set()
+    if isinstance(stmt, cst.SimpleStatementLine):
+        for small in stmt.body:
+            targets = []
+            if isinstance(small, cst.Assign):
+                targets = [t.target for t in small.targets]
+            elif isinstance(small, (cst.AnnAssign, cst.AugAssign)):
+                targets = [small.target]
+            for target in targets:
+                for el in _flatten_target(target):
+                    if isinstance(el, cst.Name):
+                        out.add(el.value)
+    return out
+
+
+def _flatten_target(target):
+    if isinstance(target, (cst.Tuple, cst.List)):
+        for el in target.elements:
+            yield from _flatten_target(el.value)
+    else:
+        yield target
+
+
+def root_name(expr: cst.BaseExpression) -> Optional[str]:
+    """`model` for `model`, `model.blocks`, `model.to(d)`, `model.x.y()`."""
+    while True:
+        if isinstance(expr, cst.Name):
+            return expr.value
+        if isinstance(expr, cst.Attribute):
+            expr = expr.value
+        elif isinstance(expr, cst.Call):
+            expr = expr.func
+        elif isinstance(expr, cst.Subscript):
+            expr = expr.value
+        else:
+            return None
+
+
+def attr_path(expr: cst.BaseExpression) -> Optional[tuple]:
+    """('self', 'a', 'b') for `self.a.b`; None for anything else."""
+    parts = []
+    while isinstance(expr, cst.Attribute):
+        parts.append(expr.attr.value)
+        expr = expr.value
+    if isinstance(expr, cst.Name):
+        parts.append(expr.value)
+        return tuple(reversed(parts))
+    return None

@@ -1,0 +1,55 @@
+"""Small expression edits shared by stages: call arguments and dict entries."""
+from __future__ import annotations
+
+from typing import Union
+
+import libcst as cst
+
+DictLike = Union[cst.Dict, cst.Call]
+
+
+def without_keyword(call: cst.Call, keyword: str) -> cst.Call:
+    """`call` without its `keyword=` argument, the commas kept tidy."""
+    args = [a for a in call.args if not (a.keyword is not None and a.keyword.value == keyword)]
+    if len(args) != len(call.args) and args and len(args) < len(call.args):
+        removed_last = call.args[-1].keyword is not None and call.args[-1].keyword.value == keyword
+        if removed_last:
+            args[-1] = args[-1].with_changes(comma=call.args[-1].comma)
+    return call.with_changes(args=args)
+
+
+def with_keyword(call: cst.Call, keyword: str, value: cst.BaseExpression) -> cst.Call:
+    """`call` with `keyword=value` added last (before any `**kwargs`)."""
+    new = cst.Arg(
+        value=value,
+        keyword=cst.Name(keyword),
+        equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")),
+    )
+    args = list(call.args)
+    at = next((i for i, a in enumerate(args) if a.star == "**"), len(args))
+    if at == len(args) and args:
+        trailing = args[-1].comma
+        if isinstance(trailing, cst.Comma):  # multi-line call with a trailing comma
+            between = args[-2].comma if len(args) >= 2 else trailing
+            args[-1] = args[-1].with_changes(comma=between)
+            new = new.with_changes(comma=trailing)
+        else:
+            args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+        args.append(new)
+    else:
+        args.insert(at, new.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))))
+    return call.with_changes(args=args)
+
+
+def without_entry(node: DictLike, key: str) -> DictLike:
+    """A `{...}` literal or `dict(...)` call without the entry for `key`."""
+    if isinstance(node, cst.Call):
+        return without_keyword(node, key)
+    elements = [
+        e
+        for e in node.elements
+        if not (isinstance(e, cst.DictElement) and isinstance(e.key, cst.SimpleString) and e.key.evaluated_value == key)
+    ]
+    if elements and len(elements) < len(node.elements) and node.elements[-1] not in elements:
+        elements[-1] = elements[-1].with_changes(comma=node.elements[-1].comma)
+    return node.with_changes(elements=elements)

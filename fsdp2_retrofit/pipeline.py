@@ -1,0 +1,108 @@
+"""Rewrite one source text: parse, run the stages in order, render the result."""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import difflib
+from typing import List, Optional
+
+import libcst as cst
+from libcst.codemod import CodemodContext
+
+from .options import RetrofitOptions
+from .report import InputError, RefusedError, RewriteResult
+from .stage import ATTENTION_KEY, CHANGES_KEY, OPTIONS_KEY
+
+
+def parse(source: bytes) -> cst.Module:
+    """Parse bytes (encoding from the coding cookie, newlines kept) or raise InputError."""
+    try:
+        return cst.parse_module(source)
+    except cst.ParserSyntaxError as err:
+        raise InputError(f"syntax error: {err.message}", err.raw_line) from None
+    except (LookupError, UnicodeDecodeError, SyntaxError) as err:
+        raise InputError(f"cannot decode the file: {err}") from None
+
+
+def rewrite_source(source: bytes, path: str, options: RetrofitOptions = RetrofitOptions()) -> RewriteResult:
+    """Rewrite `source` (the bytes of the file at `path`) into FSDP2.
+
+    Never raises for a script it cannot convert: the refusal is in the result and
+    `code` is the original. Raises InputError for input that cannot be parsed.
+    """
+    from codemods.retrofit import RetrofitCommand
+
+    if not source.strip():
+        raise InputError("empty file: nothing to retrofit")
+    module = parse(source)
+    context = CodemodContext(filename=path)
+    context.scratch[OPTIONS_KEY] = options
+    tracker = _LineTracker(module.code)
+    command = RetrofitCommand(context, options)
+    command.after_stage = tracker.wrap(command.after_stage)  # type: ignore[method-assign]
+    try:
+        new_module = command.transform_module(module)
+    except RefusedError as refused:
+        return RewriteResult(path, source, source, [], [], [refused.refusal])
+    new_code = new_module.bytes
+    _must_compile(new_module, path)
+    return RewriteResult(
+        path,
+        source,
+        new_code,
+        sorted(tracker.mapped(context.scratch.get(CHANGES_KEY, [])), key=lambda c: c.line),
+        sorted(tracker.mapped(context.scratch.get(ATTENTION_KEY, [])), key=lambda a: a.line),
+        [],
+    )
+
+
+def _must_compile(module: cst.Module, path: str) -> None:
+    """A rewrite produces code that parses and compiles, or the pipeline is wrong."""
+    compile(module.code, path, "exec")
+
+
+class _LineTracker:
+    """Maps the line numbers each stage reports (in the text it received) back to
+    the user's original file, through the diffs between stages."""
+
+    def __init__(self, original: str):
+        self.original = original.splitlines()
+        self.current = self.original
+        self.stage_maps: List = []
+        self._seen = {CHANGES_KEY: 0, ATTENTION_KEY: 0}
+        self.records = []
+
+    def wrap(self, after_stage):
+        def hooked(stage, tree, context):
+            mapping = self._mapping_to_original(self.current)
+            for key in (CHANGES_KEY, ATTENTION_KEY):
+                for rec in context.scratch.get(key, []):
+                    self.records.append((id(rec), mapping(rec.line)))
+            after_stage(stage, tree, context)
+            self.current = tree.code.splitlines()
+
+        return hooked
+
+    def _mapping_to_original(self, lines):
+        matcher = difflib.SequenceMatcher(a=self.original, b=lines, autojunk=False)
+        starts, offsets = [], []
+        for a0, _a1, b0, _b1 in [(a, a + n, b, b + n) for a, b, n in matcher.get_matching_blocks()]:
+            starts.append(b0 + 1)
+            offsets.append(a0 - b0)
+        blocks = [(b + 1, b + n, a - b) for a, b, n in matcher.get_matching_blocks() if n]
+
+        def to_original(line: int) -> int:
+            for first, last, offset in blocks:
+                if first <= line <= last:
+                    return line + offset
+            # an inserted line: the next original line after it
+            for first, _last, offset in blocks:
+                if first > line:
+                    return first + offset
+            return len(self.original)
+
+        return to_original
+
+    def mapped(self, records):
+        lines = dict(self.records)
+        return [dataclasses.replace(r, line=lines.get(id(r), r.line)) for r in records]

@@ -1,0 +1,200 @@
+"""What every rewrite stage shares: analysis of the tree it receives, statement
+edits keyed by original nodes, and recording changes for the report."""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, Optional, Sequence, Union
+
+import libcst as cst
+from libcst.codemod import CodemodCommand, CodemodContext
+from libcst.codemod.visitors import AddImportsVisitor
+
+from .analysis import ScriptFacts, analyse
+from .options import RetrofitOptions
+from .report import Attention, Change, Refusal, RefusedError
+
+CHANGES_KEY = "fsdp2_retrofit.changes"
+ATTENTION_KEY = "fsdp2_retrofit.attention"
+OPTIONS_KEY = "fsdp2_retrofit.options"
+
+Stmt = Union[cst.SimpleStatementLine, cst.BaseCompoundStatement]
+
+
+class RetrofitStage(CodemodCommand):
+    """A rewrite stage: analyse the tree, then edit it through `StatementEditor`.
+
+    Subclasses implement `edit(tree, facts, editor)`; they record every change with
+    `self.change(...)` and refuse the file with `self.refuse(...)`.
+    """
+
+    CODE = "stage"
+
+    def __init__(self, context: CodemodContext, options: Optional[RetrofitOptions] = None) -> None:
+        super().__init__(context)
+        self.options = options or context.scratch.get(OPTIONS_KEY) or RetrofitOptions()
+        self.facts: Optional[ScriptFacts] = None
+
+    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
+        self.facts = analyse(tree, self.context.filename)
+        self.config = tree.config_for_parsing
+        editor = self.make_editor()
+        self.edit(tree, self.facts, editor)
+        if not editor.has_work():
+            return tree
+        return tree.visit(editor)
+
+    def make_editor(self) -> "StatementEditor":
+        return StatementEditor()
+
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: "StatementEditor") -> None:
+        raise NotImplementedError
+
+    # -- helpers for subclasses ----------------------------------------------
+
+    def stmt(self, text: str) -> Stmt:
+        """Parse one generated statement in the style of the file being edited."""
+        return cst.parse_statement(text, config=self.config)
+
+    def expr(self, text: str) -> cst.BaseExpression:
+        return cst.parse_expression(text, config=self.config)
+
+    def line(self, node: cst.CSTNode) -> int:
+        return self.facts.resolver.line(node)
+
+    def change(self, node_or_line, what: str, why: str, pitfall: str = "") -> None:
+        line = node_or_line if isinstance(node_or_line, int) else self.line(node_or_line)
+        self.context.scratch.setdefault(CHANGES_KEY, []).append(Change(line, self.CODE, what, why, pitfall))
+
+    def attention(self, node_or_line, what: str, why: str) -> None:
+        line = node_or_line if isinstance(node_or_line, int) else self.line(node_or_line)
+        self.context.scratch.setdefault(ATTENTION_KEY, []).append(Attention(line, self.CODE, what, why))
+
+    def refuse(self, node_or_line, what: str, why: str, hint: str = "") -> None:
+        line = node_or_line if isinstance(node_or_line, int) else self.line(node_or_line)
+        raise RefusedError(Refusal(line, what, why, hint))
+
+    def add_import(self, module: str, obj: Optional[str] = None, asname: Optional[str] = None) -> None:
+        AddImportsVisitor.add_needed_import(self.context, module, obj, asname)
+
+    def fresh_name(self, wanted: str, scope_node: Optional[cst.CSTNode]) -> str:
+        """`wanted`, or `wanted_1`, ... when the scope (or the module's globals) uses it."""
+        taken = _names_visible(self.facts.module, scope_node)
+        name, n = wanted, 0
+        while name in taken:
+            n += 1
+            name = f"{wanted}_{n}"
+        return name
+
+
+def _names_visible(module: cst.Module, scope_node: Optional[cst.CSTNode]) -> set:
+    """Names bound or read in a function plus the module's top level (not other bodies)."""
+    found = set()
+
+    class _V(cst.CSTVisitor):
+        def __init__(self, inside: Optional[cst.CSTNode]):
+            super().__init__()
+            self.inside = inside
+
+        def visit_Name(self, node: cst.Name) -> None:
+            found.add(node.value)
+
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+            found.add(node.name.value)
+            return node is self.inside
+
+        def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+            found.add(node.name.value)
+            return False
+
+    module.visit(_V(scope_node if isinstance(scope_node, cst.FunctionDef) else None))
+    return found
+
+
+class StatementEditor(cst.CSTTransformer):
+    """Inserts, replaces, removes and moves statements, keyed by the original nodes.
+
+    Stages that also change expressions subclass it and add `leave_*` methods.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before: Dict[cst.CSTNode, List[Stmt]] = defaultdict(list)
+        self.after: Dict[cst.CSTNode, List[Stmt]] = defaultdict(list)
+        self.append: Dict[cst.CSTNode, List[Stmt]] = defaultdict(list)
+        self.replacement: Dict[cst.CSTNode, Optional[Stmt]] = {}
+        self._updated: Dict[cst.CSTNode, cst.CSTNode] = {}
+        self.leading: Dict[cst.CSTNode, List[cst.EmptyLine]] = {}
+        self._extra_work = False
+
+    def has_work(self) -> bool:
+        return bool(self.before or self.after or self.append or self.replacement or self.leading or self._extra_work)
+
+    def mark_work(self) -> None:
+        """Expression-level edits exist (the subclass's leave_* methods do them)."""
+        self._extra_work = True
+
+    def insert_before(self, stmt: cst.CSTNode, new: Sequence[Stmt]) -> None:
+        self.before[stmt].extend(new)
+
+    def insert_paragraph_before(self, stmt: cst.CSTNode, new: Sequence[Stmt], first_in_block: bool) -> None:
+        """Insert `new` as a paragraph of its own: a blank line before (unless it
+        opens the block) and after it."""
+        new = list(new)
+        if not first_in_block:
+            new[0] = new[0].with_changes(leading_lines=[cst.EmptyLine(indent=False)])
+        self.before[stmt].extend(new)
+        if not getattr(stmt, "leading_lines", None):
+            self.set_leading_lines(stmt, [cst.EmptyLine(indent=False)])
+
+    def set_leading_lines(self, stmt: cst.CSTNode, lines: Sequence[cst.EmptyLine]) -> None:
+        """Replace the blank lines and comments above a statement (its edits kept)."""
+        self.leading[stmt] = list(lines)
+
+    def insert_after(self, stmt: cst.CSTNode, new: Sequence[Stmt]) -> None:
+        self.after[stmt].extend(new)
+
+    def append_to(self, block: cst.CSTNode, new: Sequence[Stmt]) -> None:
+        """Add at the end of a block, before a final `return`."""
+        self.append[block].extend(new)
+
+    def replace(self, stmt: cst.CSTNode, new: Optional[Stmt]) -> None:
+        self.replacement[stmt] = new
+
+    def move_after(self, stmt: cst.CSTNode, anchor: cst.CSTNode) -> None:
+        self.replacement[stmt] = None
+        self.after[anchor].append(stmt)
+
+    def on_leave(self, original_node, updated_node):
+        result = super().on_leave(original_node, updated_node)
+        if isinstance(original_node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+            self._updated[original_node] = result
+        return result
+
+    def _resolve(self, node: cst.CSTNode) -> cst.CSTNode:
+        return self._updated.get(node, node)
+
+    def _edit_body(self, original_block, body_orig, body_new) -> list:
+        out = []
+        for orig, new in zip(body_orig, body_new):
+            out.extend(self._resolve(s) for s in self.before.get(orig, ()))
+            if orig in self.replacement:
+                if self.replacement[orig] is not None:
+                    out.append(self.replacement[orig])
+            else:
+                if orig in self.leading:
+                    new = new.with_changes(leading_lines=self.leading[orig])
+                out.append(new)
+            out.extend(self._resolve(s) for s in self.after.get(orig, ()))
+        tail = [self._resolve(s) for s in self.append.get(original_block, ())]
+        if tail:
+            if out and isinstance(out[-1], cst.SimpleStatementLine) and isinstance(out[-1].body[0], cst.Return):
+                out[-1:-1] = tail
+            else:
+                out.extend(tail)
+        return out
+
+    def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock):
+        return updated_node.with_changes(body=self._edit_body(original_node, original_node.body, updated_node.body))
+
+    def leave_Module(self, original_node: cst.Module, updated_node: cst.Module):
+        return updated_node.with_changes(body=self._edit_body(original_node, original_node.body, updated_node.body))

@@ -33,7 +33,7 @@ class MoveOptimizerCommand(RetrofitStage):
                 if names_in(later) & bound:
                     moved.append(later)
                     bound |= assigned_names(later)
-            for stmt in reversed(moved):
+            for stmt in moved:
                 editor.move_after(stmt, body[last])
             self.change(
                 opt.stmt,

@@ -14,7 +14,9 @@ def without_keyword(call: cst.Call, keyword: str) -> cst.Call:
     if len(args) != len(call.args) and args and len(args) < len(call.args):
         removed_last = call.args[-1].keyword is not None and call.args[-1].keyword.value == keyword
         if removed_last:
-            args[-1] = args[-1].with_changes(comma=call.args[-1].comma)
+            args[-1] = args[-1].with_changes(
+                comma=call.args[-1].comma, whitespace_after_arg=call.args[-1].whitespace_after_arg
+            )
     return call.with_changes(args=args)
 
 
@@ -34,7 +36,11 @@ def with_keyword(call: cst.Call, keyword: str, value: cst.BaseExpression) -> cst
             args[-1] = args[-1].with_changes(comma=between)
             new = new.with_changes(comma=trailing)
         else:
-            args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+            new = new.with_changes(whitespace_after_arg=args[-1].whitespace_after_arg)
+            args[-1] = args[-1].with_changes(
+                comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")),
+                whitespace_after_arg=cst.SimpleWhitespace(""),
+            )
         args.append(new)
     else:
         args.insert(at, new.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))))

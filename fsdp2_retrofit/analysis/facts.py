@@ -16,6 +16,7 @@ from .names import (
     NOT_OPTIMIZERS,
     OPTIMIZER_PREFIX,
     PLACEMENT_METHODS,
+    SELF_RETURNING_METHODS,
     Resolver,
     assigned_names,
     attr_path,
@@ -369,6 +370,14 @@ class _Analyser:
     def _loaders(self, stmts, train_loops: List[LoopSite]) -> List[LoaderSite]:
         out = []
         iterated = {l.loader for l in train_loops if l.loader}
+        for loop in train_loops:
+            if isinstance(loop.node, cst.For):
+                iterated |= names_in(loop.node.iter)
+            iterated |= _next_call_names(loop.node)
+        # `it = iter(loader)` (or a generator over it) read inside a training loop
+        for stmt in stmts:
+            if assigned_names(stmt) & iterated and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assign):
+                iterated |= names_in(stmt.body[0].value)
         passed = self._names_passed_to_loop_functions(train_loops)
         for stmt in stmts:
             if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
@@ -528,7 +537,7 @@ def _innermost_call(expr) -> Optional[cst.Call]:
     """`Net(...)` for `Net(...)`, `Net(...).to(d)`, `Net(...).cuda().float()`."""
     while isinstance(expr, cst.Call):
         func = expr.func
-        if isinstance(func, cst.Attribute) and func.attr.value in PLACEMENT_METHODS and isinstance(func.value, cst.Call):
+        if isinstance(func, cst.Attribute) and func.attr.value in SELF_RETURNING_METHODS and isinstance(func.value, cst.Call):
             expr = func.value
             continue
         return expr
@@ -632,6 +641,19 @@ def _iterated_name(expr) -> Optional[str]:
     while isinstance(expr, cst.Call) and expr.args:
         expr = expr.args[0].value
     return expr.value if isinstance(expr, cst.Name) else None
+
+
+def _next_call_names(loop) -> Set[str]:
+    """Names handed to `next(...)` inside a loop: iterators it draws batches from."""
+    found: Set[str] = set()
+
+    class _N(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            if isinstance(node.func, cst.Name) and node.func.value == "next" and node.args:
+                found.update(names_in(node.args[0].value))
+
+    loop.visit(_N())
+    return found
 
 
 def _dict_entries(node):

@@ -19,7 +19,9 @@ OPTIMIZER_PREFIX = "torch.optim."
 NOT_OPTIMIZERS = ("torch.optim.lr_scheduler.", "torch.optim.swa_utils.")
 DATALOADERS = {"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"}
 # nn.Module methods that return the module itself: placement and mode changes.
-PLACEMENT_METHODS = {"to", "cuda", "cpu", "float", "double", "half", "bfloat16", "train", "eval", "requires_grad_"}
+SELF_RETURNING_METHODS = {"to", "cuda", "cpu", "float", "double", "half", "bfloat16", "train", "eval", "requires_grad_"}
+# those that move parameters or change their dtype: fully_shard comes after them.
+PLACEMENT_METHODS = {"to", "cuda", "cpu", "float", "double", "half", "bfloat16"}
 CONTAINERS = {"torch.nn.ModuleList", "torch.nn.Sequential", "torch.nn.ModuleDict"}
 
 

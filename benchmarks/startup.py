@@ -1,0 +1,72 @@
+"""Start-up cost of `fsdp2-retrofit rewrite --check`, as a ratio to importing its dependencies.
+
+    python benchmarks/startup.py [FIXTURE] [-n RUNS]
+
+Runs, alternately, the console script on FIXTURE (default: the shared example
+script) and `python -c "import libcst, click, rich"`, both from this venv; prints
+the median wall time of each and their ratio. The target is <= 1.2: the tool
+should cost little more than loading libcst, click and rich, and never torch.
+--check writes nothing, so the fixture is never modified.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List, Sequence
+
+DEFAULT_FIXTURE = Path(__file__).resolve().parents[2] / "shared/examples/train_single.py"
+BASELINE = [sys.executable, "-c", "import libcst, click, rich"]
+TARGET = 1.2
+
+
+def console_script() -> str:
+    bin_dir = Path(sys.executable).parent
+    found = shutil.which("fsdp2-retrofit", path=str(bin_dir))
+    if found is None:
+        sys.exit(f"fsdp2-retrofit is not installed in {bin_dir}: run `pip install -e .`")
+    return found
+
+
+def timed(command: Sequence[str], ok_codes=(0,)) -> float:
+    start = time.perf_counter()
+    proc = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    elapsed = time.perf_counter() - start
+    if proc.returncode not in ok_codes:
+        sys.exit(f"`{' '.join(command)}` exited {proc.returncode}:\n{proc.stderr}")
+    return elapsed
+
+
+def main(argv: List[str] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("fixture", nargs="?", type=Path, default=DEFAULT_FIXTURE)
+    parser.add_argument("-n", "--runs", type=int, default=7, help="timed runs of each command (default 7)")
+    args = parser.parse_args(argv)
+    if not args.fixture.is_file():
+        sys.exit(f"fixture not found: {args.fixture}")
+
+    rewrite = [console_script(), "rewrite", "--check", "--quiet", str(args.fixture)]
+    # --check exits 1 when the fixture would change: that is a successful run.
+    ok = (0, 1)
+    timed(rewrite, ok), timed(BASELINE)  # warm the file cache and .pyc files
+
+    tool, base = [], []
+    for _ in range(args.runs):
+        tool.append(timed(rewrite, ok))
+        base.append(timed(BASELINE))
+
+    tool_s, base_s = statistics.median(tool), statistics.median(base)
+    ratio = tool_s / base_s
+    verdict = "ok" if ratio <= TARGET else "over target"
+    print(f"fixture: {args.fixture}  runs: {args.runs} each, median")
+    print(f"fsdp2-retrofit rewrite --check   {tool_s * 1000:8.1f} ms")
+    print(f"import libcst, click, rich       {base_s * 1000:8.1f} ms")
+    print(f"ratio                            {ratio:8.2f}   (target <= {TARGET}: {verdict})")
+
+
+if __name__ == "__main__":
+    main()

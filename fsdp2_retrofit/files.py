@@ -1,0 +1,207 @@
+"""Reading scripts as bytes with one-line errors, and writing results atomically.
+
+The rewrite works on bytes: libcst detects the encoding (PEP 263 cookie, BOM,
+UTF-8 by default) and renders the module back in that encoding with the file's
+own newlines. So nothing here re-encodes; it only checks up front that the bytes
+are a text file Python could read, so that bad input fails with a clear line
+instead of a parser traceback.
+"""
+from __future__ import annotations
+
+import codecs
+import io
+import os
+import re
+import stat
+import tempfile
+import tokenize
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+from .report import InputError
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+# PEP 263: a comment on line 1 or 2 naming the encoding.
+_COOKIE = re.compile(rb"^[ \t\f]*#.*?coding[:=][ \t]*([-\w.]+)")
+
+
+@dataclass(frozen=True)
+class Source:
+    """A script as read from disk: its bytes and the encoding they declare."""
+
+    path: str
+    data: bytes
+    encoding: str
+
+    def decode(self, data: Optional[bytes] = None) -> str:
+        """Text of `data` (default: this source) in this source's encoding, for diffs."""
+        return (self.data if data is None else data).decode(self.encoding, errors="replace")
+
+
+def read_source(path: PathLike) -> Source:
+    """Read a script, or raise InputError saying in one line why it cannot be rewritten."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise InputError("no such file or directory") from None
+    except OSError as exc:
+        raise InputError(f"cannot read: {_reason(exc)}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise InputError("is a directory; rewrite takes script files")
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError("not a regular file; rewrite takes script files")
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read: {_reason(exc)}") from None
+
+    nul = data.find(b"\0")
+    if nul != -1:
+        raise InputError("binary file (contains NUL bytes), not a Python script", _line_at(data, nul))
+    if not data.lstrip(codecs.BOM_UTF8).strip():
+        raise InputError("empty file: nothing to retrofit")
+    encoding = _check_encoding(data)
+    return Source(str(path), data, encoding)
+
+
+def _check_encoding(data: bytes) -> str:
+    """The encoding `data` declares, after checking that all of it decodes."""
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError as exc:
+        name, line = _cookie(data)
+        message = str(exc)
+        if message.startswith("unknown encoding"):
+            raise InputError(f"unknown encoding in coding cookie: {name}", line) from None
+        if message.startswith("encoding problem"):
+            raise InputError(f"coding cookie says {name} but the file starts with a UTF-8 byte-order mark", line) from None
+        # The first lines are not valid UTF-8 and no cookie says otherwise.
+        encoding = "utf-8"
+    try:
+        data.decode(encoding)
+    except LookupError:  # a codec that exists but is not a text encoding, e.g. rot13
+        name, line = _cookie(data)
+        raise InputError(f"unknown encoding in coding cookie: {name} is not a text encoding", line) from None
+    except UnicodeDecodeError as exc:
+        byte = data[exc.start]
+        declared = "declared" if _cookie(data)[0] else "default"
+        raise InputError(
+            f"cannot decode byte 0x{byte:02x} as {encoding} (the {declared} encoding); "
+            "add a coding cookie such as `# -*- coding: latin-1 -*-` or re-save as UTF-8",
+            _line_at(data, exc.start),
+        ) from None
+    return encoding
+
+
+def _cookie(data: bytes):
+    """(encoding name, line) of the PEP 263 cookie, or ("", 0) when there is none."""
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]
+    for number, line in enumerate(data.splitlines()[:2], start=1):
+        match = _COOKIE.match(line)
+        if match:
+            return match.group(1).decode("ascii", "replace"), number
+        if line.strip() and not line.lstrip().startswith(b"#"):
+            break  # code on line 1: a cookie on line 2 no longer counts
+    return "", 0
+
+
+def _line_at(data: bytes, offset: int) -> int:
+    return data.count(b"\n", 0, offset) + 1
+
+
+def _reason(exc: OSError) -> str:
+    return (exc.strerror or str(exc)).lower()
+
+
+def check_writable(path: PathLike) -> None:
+    """Raise InputError when `path` exists and its mode bits forbid writing it.
+
+    Mode bits, not os.access: as root os.access allows everything, and os.replace
+    would silently swap out a file the user marked read-only.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        raise InputError("is a directory; give a file path to write to")
+    if not st.st_mode & _write_bit(st):
+        raise InputError("read-only file: not rewriting it (make it writable, or write elsewhere with -o OUT)")
+
+
+def _write_bit(st: os.stat_result) -> int:
+    geteuid = getattr(os, "geteuid", None)
+    if geteuid is None:  # Windows: only the owner bit is meaningful
+        return stat.S_IWUSR
+    uid = geteuid()
+    if uid == 0 or uid == st.st_uid:
+        return stat.S_IWUSR
+    if st.st_gid in os.getgroups() or st.st_gid == os.getegid():
+        return stat.S_IWGRP
+    return stat.S_IWOTH
+
+
+def atomic_write(path: PathLike, data: bytes) -> None:
+    """Replace `path` with `data` all at once, keeping an existing file's mode.
+
+    Writes a temporary file in the same directory, fsyncs it and renames it over
+    the target, so a crash leaves either the old file or the new one. A symlink is
+    followed: the file it points to is replaced, the link stays. Raises InputError
+    (message only; the caller knows the path) when the write fails.
+    """
+    target = os.path.realpath(path)
+    try:
+        st: Optional[os.stat_result] = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    directory = os.path.dirname(target)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(target)}.", suffix=".tmp")
+    except OSError as exc:
+        raise InputError(f"cannot write: {_reason(exc)}") from None
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        if st is not None:
+            os.chmod(tmp, stat.S_IMODE(st.st_mode))
+            _keep_owner(tmp, st)
+        else:
+            os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, target)
+    except BaseException as exc:
+        with suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise InputError(f"cannot write: {_reason(exc)}") from None
+        raise
+    _fsync_directory(directory)
+
+
+def _keep_owner(tmp: str, st: os.stat_result) -> None:
+    # Only root can give a file away; for everyone else the owner is already theirs.
+    if hasattr(os, "chown") and (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+        with suppress(OSError):
+            os.chown(tmp, st.st_uid, st.st_gid)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make the rename itself durable (POSIX; a no-op where directories cannot be opened)."""
+    with suppress(OSError, AttributeError):
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

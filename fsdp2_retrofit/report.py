@@ -1,0 +1,200 @@
+"""Change / Refusal records, and how they are shown (rich table, JSON, unified diff)."""
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import asdict, dataclass
+from typing import Iterable, List, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class Change:
+    """One edit a stage made: where, what, why, and the pitfall it avoids."""
+
+    line: int
+    code: str  # the stage that made it, e.g. "shard"
+    what: str
+    why: str
+    pitfall: str = ""
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Something the rewrite could not fix but the user must look at."""
+
+    line: int
+    code: str
+    what: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A construct that cannot be converted safely: the whole file is left alone."""
+
+    line: int
+    what: str
+    why: str
+    hint: str = ""
+
+
+class RefusedError(Exception):
+    """Raised by a stage to refuse the whole file."""
+
+    def __init__(self, refusal: Refusal):
+        super().__init__(f"{refusal.line}: {refusal.what}")
+        self.refusal = refusal
+
+
+@dataclass
+class RewriteResult:
+    """What rewriting one source gave: the new bytes and the reasons."""
+
+    path: str
+    original: bytes
+    code: bytes
+    changes: List[Change]
+    attention: List[Attention]
+    refusals: List[Refusal]
+
+    @property
+    def changed(self) -> bool:
+        return not self.refusals and self.code != self.original
+
+
+def refusal_line(path: str, refusal: Refusal) -> str:
+    """The one line a refusal prints: `path:line: what: why`."""
+    return f"{path}:{refusal.line}: {refusal.what}: {refusal.why}"
+
+
+def to_json(results: Sequence[RewriteResult]) -> str:
+    """The machine-readable report of one or more rewrites."""
+    return json.dumps(
+        [
+            {
+                "path": r.path,
+                "changed": r.changed,
+                "changes": [asdict(c) for c in r.changes],
+                "attention": [asdict(a) for a in r.attention],
+                "refusals": [asdict(x) for x in r.refusals],
+            }
+            for r in results
+        ],
+        indent=2,
+    )
+
+
+def unified_diff(path: str, before: str, after: str, out_path: Optional[str] = None) -> str:
+    """A plain unified diff of one file, git-style headers."""
+    lines = difflib.unified_diff(
+        before.splitlines(keepends=True),
+        after.splitlines(keepends=True),
+        fromfile=f"a/{path}",
+        tofile=f"b/{out_path or path}",
+    )
+    return "".join(_ensure_newline(lines))
+
+
+def _ensure_newline(lines: Iterable[str]) -> Iterable[str]:
+    for line in lines:
+        yield line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+
+
+class InputError(Exception):
+    """The input cannot be read or parsed: reported as `path:line: message`, exit 2."""
+
+    def __init__(self, message: str, line: int = 0):
+        super().__init__(message)
+        self.message = message
+        self.line = line
+
+
+# Rendering for the terminal. rich is imported inside the functions: `--help`,
+# `--version`, `--quiet` and `--report json` never pay for it.
+
+LAUNCH_NPROC = "<gpus>"
+
+
+def launch_command(target: str) -> str:
+    """The command that runs a rewritten script on every GPU of one machine."""
+    import shlex
+
+    return f"torchrun --nproc_per_node={LAUNCH_NPROC} {shlex.quote(target)}"
+
+
+def render_text(result: RewriteResult, console, *, target: Optional[str] = None, applied: bool = True) -> None:
+    """The human report of one rewrite, on `console` (a rich Console).
+
+    `target` is where the result goes (default: in place); `applied` says whether it
+    was written or only checked/shown. A refused file's first refusal is the error
+    line the CLI prints, so only the further ones are listed here.
+    """
+    from rich.table import Table
+    from rich.text import Text
+
+    target = target or result.path
+    dest = "" if target == result.path else f" -> {target}"
+    if result.refusals:
+        if len(result.refusals) > 1:
+            title = f"{result.path}: further refusals (file left unchanged)"
+            table = Table(title=title, title_justify="left", title_style="bold red", expand=False)
+            table.add_column("line", justify="right", style="cyan", no_wrap=True)
+            table.add_column("what")
+            table.add_column("why")
+            for r in result.refusals[1:]:
+                why = Text(r.why)
+                if r.hint:
+                    why.append(f"\nhint: {r.hint}", style="italic")
+                table.add_row(str(r.line), Text(r.what), why)
+            console.print(table)
+        return
+
+    if result.changed:
+        verb = "rewrote" if applied else "would rewrite"
+        count = _count(len(result.changes), "change")
+        console.print(Text(f"{verb} {result.path}{dest} ({count})", style="bold green"), soft_wrap=True)
+    else:
+        console.print(Text(f"{result.path}: nothing to change{dest}", style="bold"), soft_wrap=True)
+
+    if result.changes:
+        table = Table(expand=False, show_lines=True)
+        table.add_column("line", justify="right", style="cyan", no_wrap=True)
+        table.add_column("stage", style="magenta", no_wrap=True)
+        table.add_column("what")
+        table.add_column("why")
+        for c in result.changes:
+            why = Text(c.why)
+            if c.pitfall:
+                why.append(f"\npitfall: {c.pitfall}", style="italic")
+            table.add_row(str(c.line), c.code, Text(c.what), why)
+        console.print(table)
+
+    if result.attention:
+        table = Table(title="needs attention", title_justify="left", title_style="bold yellow", expand=False)
+        table.add_column("line", justify="right", style="cyan", no_wrap=True)
+        table.add_column("stage", style="magenta", no_wrap=True)
+        table.add_column("what")
+        table.add_column("why")
+        for a in result.attention:
+            table.add_row(str(a.line), a.code, Text(a.what), Text(a.why))
+        console.print(table)
+
+    if result.changed:
+        console.print(Text.assemble("launch with: ", (launch_command(target), "bold")), soft_wrap=True)
+
+
+def render_diff(diff: str, console) -> None:
+    """Print a unified diff: coloured on a terminal, as plain text when piped."""
+    if not diff:
+        return
+    if console.is_terminal:
+        from rich.syntax import Syntax
+
+        console.print(Syntax(diff, "diff", theme="ansi_dark", background_color="default", word_wrap=True))
+    else:
+        console.file.write(diff)
+        console.file.flush()
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"

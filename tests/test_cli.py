@@ -1,0 +1,518 @@
+"""The `fsdp2-retrofit rewrite` command: exit codes, what it writes, and how it fails.
+
+Most tests replace the pipeline with a small stand-in (`fake`), so they test the
+command line alone: reading, writing, exit codes, messages. Tests marked
+`pipeline` run the real rewrite end to end (CRLF and coding cookies kept, syntax
+error lines, the console script on the example script).
+"""
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fsdp2_retrofit import cli
+from fsdp2_retrofit.options import RetrofitOptions
+from fsdp2_retrofit.report import Attention, Change, InputError, Refusal, RewriteResult
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "shared/examples/train_single.py"
+CONSOLE_SCRIPT = Path(sys.executable).with_name("fsdp2-retrofit")
+
+SCRIPT = b'''\
+import torch
+import torch.nn as nn
+
+model = nn.Linear(4, 2).to("cuda")
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    loss = model(torch.randn(8, 4, device="cuda")).sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+torch.save(model.state_dict(), "model.pt")
+'''
+
+# What the stand-in pipeline appends; a script that has it is already converted.
+MARK = b"# converted to FSDP2"
+
+
+def fake_rewrite(source: bytes, path: str, options: RetrofitOptions) -> RewriteResult:
+    """A stand-in pipeline: keeps newlines and encoding, refuses or fails on cue."""
+    if b"SYNTAX ERROR" in source:
+        raise InputError("invalid syntax", line=3)
+    if b"REFUSE" in source:
+        refusal = Refusal(2, "cannot shard the model", "it is built inside a loop", hint="pass --shard CLASS")
+        return RewriteResult(path, source, source, [], [], [refusal])
+    if MARK in source:
+        return RewriteResult(path, source, source, [], [], [])
+    newline = b"\r\n" if b"\r\n" in source else b"\n"
+    changes = [Change(1, "launch", "start the process group", "torchrun runs one process per GPU", "all ranks on GPU 0")]
+    attention = [Attention(11, "save", "torch.save(model[0])", "each rank holds a shard")]
+    return RewriteResult(path, source, source + MARK + newline, changes, attention, [])
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """Swap in the stand-in pipeline; yields the options each call received."""
+    seen = []
+
+    def rewrite(source, path, options):
+        seen.append(options)
+        return fake_rewrite(source, path, options)
+
+    monkeypatch.setattr(cli, "rewrite_source", rewrite)
+    return seen
+
+
+def rewrite(*args: str):
+    return CliRunner().invoke(cli.main, ["rewrite", *map(str, args)])
+
+
+def script(tmp_path: Path, data: bytes = SCRIPT, name: str = "train.py") -> Path:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+def example_script(tmp_path: Path) -> Path:
+    if not EXAMPLE.is_file():
+        pytest.skip(f"{EXAMPLE} not found")
+    return script(tmp_path, EXAMPLE.read_bytes())
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+# --- help and version --------------------------------------------------------------------
+
+
+def test_version():
+    result = CliRunner().invoke(cli.main, ["--version"])
+    assert result.exit_code == 0
+    assert "0.1.0" in result.stdout
+
+
+def test_help_teaches_what_exit_codes_and_an_example():
+    result = CliRunner().invoke(cli.main, ["rewrite", "--help"])
+    assert result.exit_code == 0
+    text = result.stdout
+    assert "fully_shard" in text
+    assert "Exit codes" in text and "1  a file would change" in text
+    assert "fsdp2-retrofit rewrite train.py --diff" in text
+
+
+def test_no_arguments_shows_help():
+    result = CliRunner().invoke(cli.main, ["rewrite"])
+    assert "Usage:" in result.output
+    assert result.exit_code in (0, 2)
+
+
+# --- writing -----------------------------------------------------------------------------
+
+
+def test_rewrites_in_place(tmp_path, fake):
+    path = script(tmp_path)
+    result = rewrite(path)
+    assert result.exit_code == 0, result.output
+    assert path.read_bytes() == SCRIPT + MARK + b"\n"
+    assert f"rewrote {path}" in result.stderr
+
+
+@pytest.mark.parametrize("file_mode", [0o640, 0o755, 0o600])
+def test_in_place_keeps_file_mode(tmp_path, fake, file_mode):
+    path = script(tmp_path)
+    path.chmod(file_mode)
+    assert rewrite(path).exit_code == 0
+    assert mode(path) == file_mode
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.py"]
+
+
+def test_nothing_to_change_exits_0_and_does_not_touch_the_file(tmp_path, fake):
+    path = script(tmp_path, SCRIPT + MARK + b"\n")
+    before = path.stat()
+    result = rewrite(path)
+    assert result.exit_code == 0
+    assert "nothing to change" in result.stderr
+    after = path.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+def test_output_leaves_input_untouched(tmp_path, fake):
+    path = script(tmp_path)
+    out = tmp_path / "train_fsdp2.py"
+    result = rewrite(path, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert path.read_bytes() == SCRIPT
+    assert out.read_bytes() == SCRIPT + MARK + b"\n"
+    assert f"torchrun --nproc_per_node=<gpus> {out}" in result.stderr
+
+
+def test_output_is_written_even_when_nothing_changes(tmp_path, fake):
+    path = script(tmp_path, SCRIPT + MARK + b"\n")
+    out = tmp_path / "out.py"
+    assert rewrite(path, "-o", out).exit_code == 0
+    assert out.read_bytes() == path.read_bytes()
+
+
+def test_output_needs_exactly_one_path(tmp_path, fake):
+    a, b = script(tmp_path, name="a.py"), script(tmp_path, name="b.py")
+    result = rewrite(a, b, "-o", tmp_path / "out.py")
+    assert result.exit_code == 2
+    assert "exactly one PATH" in result.stderr
+    assert not (tmp_path / "out.py").exists()
+    assert fake == []
+
+
+def test_shard_classes_reach_the_options(tmp_path, fake):
+    rewrite(script(tmp_path), "--shard", "Block", "--shard", "mylib.Layer", "--quiet")
+    assert fake == [RetrofitOptions(shard=("Block", "mylib.Layer"))]
+
+
+# --- diff and check ----------------------------------------------------------------------
+
+
+def test_diff_prints_plain_unified_diff_and_writes_nothing(tmp_path, fake):
+    path = script(tmp_path)
+    result = rewrite(path, "--diff")
+    assert result.exit_code == 0
+    assert path.read_bytes() == SCRIPT
+    assert f"--- a/{path}" in result.stdout and f"+++ b/{path}" in result.stdout
+    assert "+" + MARK.decode() in result.stdout
+    assert "\x1b[" not in result.stdout  # piped: no colour codes
+
+
+def test_diff_with_output_names_the_output(tmp_path, fake):
+    path = script(tmp_path)
+    out = tmp_path / "out.py"
+    result = rewrite(path, "--diff", "-o", out)
+    assert f"+++ b/{out}" in result.stdout
+    assert not out.exists()
+
+
+def test_check_exits_1_when_a_change_is_due_and_writes_nothing(tmp_path, fake):
+    path = script(tmp_path)
+    result = rewrite(path, "--check")
+    assert result.exit_code == 1
+    assert f"would rewrite {path}" in result.stderr
+    assert path.read_bytes() == SCRIPT
+    assert result.stdout == ""
+
+
+def test_check_exits_0_when_nothing_is_due(tmp_path, fake):
+    path = script(tmp_path, SCRIPT + MARK + b"\n")
+    assert rewrite(path, "--check").exit_code == 0
+
+
+def test_check_after_rewrite_is_clean(tmp_path, fake):
+    path = script(tmp_path)
+    assert rewrite(path).exit_code == 0
+    assert rewrite(path, "--check").exit_code == 0
+
+
+def test_check_quiet_json_still_says_would_rewrite(tmp_path, fake):
+    path = script(tmp_path)
+    result = rewrite(path, "--check", "--report", "json")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == f"would rewrite {path}"
+    assert json.loads(result.stdout)[0]["changed"] is True
+    assert rewrite(path, "--check", "--quiet").stderr == ""
+
+
+def test_diff_and_check_show_and_exit_1(tmp_path, fake):
+    path = script(tmp_path)
+    result = rewrite(path, "--diff", "--check")
+    assert result.exit_code == 1
+    assert "+" + MARK.decode() in result.stdout
+    assert path.read_bytes() == SCRIPT
+
+
+# --- reports -----------------------------------------------------------------------------
+
+
+def test_text_report_lists_changes_attention_and_launch(tmp_path, fake):
+    path = script(tmp_path)
+    result = rewrite(path)
+    err = result.stderr
+    assert "start the process group" in err
+    assert "torchrun runs one process per GPU" in err
+    assert "pitfall: all ranks on GPU 0" in err
+    assert "needs attention" in err and "torch.save(model[0])" in err  # brackets are not markup
+    assert f"torchrun --nproc_per_node=<gpus> {path}" in err
+    assert result.stdout == ""
+
+
+def test_json_report_on_stdout(tmp_path, fake):
+    path = script(tmp_path)
+    result = rewrite(path, "--report", "json")
+    assert result.exit_code == 0
+    [entry] = json.loads(result.stdout)
+    assert entry["path"] == str(path)
+    assert entry["changed"] is True
+    assert entry["changes"][0]["code"] == "launch"
+    assert entry["attention"][0]["line"] == 11
+    assert result.stderr == ""
+
+
+def test_json_report_moves_to_stderr_with_diff(tmp_path, fake):
+    path = script(tmp_path)
+    result = rewrite(path, "--report", "json", "--diff")
+    assert result.stdout.startswith(f"--- a/{path}")
+    assert json.loads(result.stderr)[0]["changed"] is True
+
+
+def test_quiet_prints_no_report_but_still_errors(tmp_path, fake):
+    good = script(tmp_path)
+    result = rewrite(good, tmp_path / "missing.py", "--quiet")
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [f"{tmp_path / 'missing.py'}: no such file or directory"]
+    assert result.stdout == ""
+
+
+# --- several paths -----------------------------------------------------------------------
+
+
+def test_one_bad_file_does_not_stop_the_others(tmp_path, fake):
+    a, b = script(tmp_path, name="a.py"), script(tmp_path, name="b.py")
+    missing = tmp_path / "missing.py"
+    result = rewrite(a, missing, b, "--quiet")
+    assert result.exit_code == 2
+    assert a.read_bytes() == b.read_bytes() == SCRIPT + MARK + b"\n"
+    assert result.stderr.splitlines() == [f"{missing}: no such file or directory"]
+
+
+@pytest.mark.parametrize(
+    "contents, expected",
+    [
+        ([SCRIPT + MARK + b"\n", SCRIPT + MARK + b"\n"], 0),
+        ([SCRIPT, SCRIPT + MARK + b"\n"], 1),
+        ([SCRIPT, b"REFUSE\n"], 2),
+        ([b"REFUSE\n", SCRIPT], 2),
+    ],
+)
+def test_worst_exit_code_wins(tmp_path, fake, contents, expected):
+    paths = [script(tmp_path, data, f"s{i}.py") for i, data in enumerate(contents)]
+    assert rewrite(*paths, "--check", "--quiet").exit_code == expected
+
+
+def test_summary_line_for_several_paths(tmp_path, fake):
+    a, b = script(tmp_path, name="a.py"), script(tmp_path, SCRIPT + MARK + b"\n", "b.py")
+    result = rewrite(a, b)
+    assert result.stderr.splitlines()[-1] == "1 rewritten, 1 unchanged, 0 failed"
+
+
+# --- errors and refusals: one line, exit 2, file intact ----------------------------------
+
+
+def assert_one_line_error(result, path: Path, message: str, line: int = 0, before: bytes = None):
+    assert result.exit_code == 2, result.output
+    where = f"{path}:{line}" if line else str(path)
+    assert result.stderr.splitlines() == [f"{where}: {message}"]
+    if before is not None:
+        assert path.read_bytes() == before
+
+
+def test_refusal_prints_line_and_hint_and_keeps_the_file(tmp_path, fake):
+    data = b"import torch\nREFUSE\n"
+    path = script(tmp_path, data)
+    result = rewrite(path)
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        f"{path}:2: cannot shard the model: it is built inside a loop",
+        "  hint: pass --shard CLASS",
+    ]
+    assert path.read_bytes() == data
+
+
+def test_refusal_with_output_writes_no_output(tmp_path, fake):
+    path = script(tmp_path, b"REFUSE\n")
+    out = tmp_path / "out.py"
+    assert rewrite(path, "-o", out).exit_code == 2
+    assert not out.exists()
+
+
+def test_syntax_error_from_pipeline(tmp_path, fake):
+    data = b"import torch\n\nSYNTAX ERROR\n"
+    path = script(tmp_path, data)
+    assert_one_line_error(rewrite(path), path, "invalid syntax", line=3, before=data)
+
+
+def test_empty_file(tmp_path, fake):
+    path = script(tmp_path, b"\n  \n")
+    assert_one_line_error(rewrite(path), path, "empty file: nothing to retrofit", before=b"\n  \n")
+
+
+def test_binary_file(tmp_path, fake):
+    data = b"\x7fELF\x02\x01\x01\x00\x00"
+    path = script(tmp_path, data, "train.pyc")
+    assert_one_line_error(rewrite(path), path, "binary file (contains NUL bytes), not a Python script", 1, data)
+
+
+def test_unknown_coding_cookie(tmp_path, fake):
+    data = b"# coding: no-such-codec\nimport torch\n"
+    path = script(tmp_path, data)
+    assert_one_line_error(rewrite(path), path, "unknown encoding in coding cookie: no-such-codec", 1, data)
+
+
+def test_bytes_that_do_not_decode(tmp_path, fake):
+    data = b"import torch\n# caf\xe9\n"
+    path = script(tmp_path, data)
+    result = rewrite(path)
+    assert result.exit_code == 2
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"{path}:2: cannot decode byte 0xe9 as utf-8")
+    assert path.read_bytes() == data
+
+
+def test_read_only_file_in_place(tmp_path, fake):
+    path = script(tmp_path)
+    path.chmod(0o444)
+    result = rewrite(path)
+    [line] = result.stderr.splitlines()
+    assert result.exit_code == 2
+    assert line.startswith(f"{path}: read-only file")
+    assert path.read_bytes() == SCRIPT
+    assert mode(path) == 0o444
+
+
+def test_read_only_file_is_fine_to_check_or_copy(tmp_path, fake):
+    path = script(tmp_path)
+    path.chmod(0o444)
+    assert rewrite(path, "--check", "--quiet").exit_code == 1
+    assert rewrite(path, "-o", tmp_path / "out.py", "--quiet").exit_code == 0
+
+
+def test_read_only_output(tmp_path, fake):
+    path = script(tmp_path)
+    out = script(tmp_path, b"keep me\n", "out.py")
+    out.chmod(0o444)
+    result = rewrite(path, "-o", out)
+    [line] = result.stderr.splitlines()
+    assert result.exit_code == 2
+    assert line.startswith(f"{out}: read-only file")
+    assert out.read_bytes() == b"keep me\n"
+
+
+def test_directory(tmp_path, fake):
+    (tmp_path / "scripts").mkdir()
+    assert_one_line_error(rewrite(tmp_path / "scripts"), tmp_path / "scripts", "is a directory; rewrite takes script files")
+
+
+def test_missing_path(tmp_path, fake):
+    assert_one_line_error(rewrite(tmp_path / "nope.py"), tmp_path / "nope.py", "no such file or directory")
+
+
+def test_internal_error_is_one_line_and_the_next_file_still_runs(tmp_path, monkeypatch):
+    def broken(source, path, options):
+        if path.endswith("a.py"):
+            raise RuntimeError("stage exploded\nwith details")
+        return fake_rewrite(source, path, options)
+
+    monkeypatch.setattr(cli, "rewrite_source", broken)
+    monkeypatch.delenv("FSDP2_RETROFIT_TRACEBACK", raising=False)
+    a, b = script(tmp_path, name="a.py"), script(tmp_path, name="b.py")
+    result = rewrite(a, b, "--quiet")
+    assert result.exit_code == 2
+    [line] = result.stderr.splitlines()
+    assert line == f"{a}: internal error: RuntimeError: stage exploded (set FSDP2_RETROFIT_TRACEBACK=1 for the traceback)"
+    assert a.read_bytes() == SCRIPT
+    assert b.read_bytes() == SCRIPT + MARK + b"\n"
+
+
+def test_crlf_and_latin1_pass_through_byte_for_byte(tmp_path, fake):
+    crlf = script(tmp_path, SCRIPT.replace(b"\n", b"\r\n"), "crlf.py")
+    latin = script(tmp_path, "# -*- coding: latin-1 -*-\n# café\n".encode("latin-1") + SCRIPT, "latin.py")
+    assert rewrite(crlf, latin, "--quiet").exit_code == 0
+    assert crlf.read_bytes() == SCRIPT.replace(b"\n", b"\r\n") + MARK + b"\r\n"
+    assert latin.read_bytes().startswith(b"# -*- coding: latin-1 -*-\n# caf\xe9\n")
+
+
+# --- the console script, in its own process ----------------------------------------------
+
+
+def run_console(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    assert CONSOLE_SCRIPT.exists(), f"{CONSOLE_SCRIPT} missing: run `pip install -e .` in this venv"
+    return subprocess.run([str(CONSOLE_SCRIPT), *args], capture_output=True, text=True, cwd=cwd, timeout=60)
+
+
+def test_console_script_runs_and_fails_cleanly(tmp_path):
+    assert run_console("--version").stdout.strip() == "fsdp2-retrofit, version 0.1.0"
+    proc = run_console("rewrite", str(tmp_path / "missing.py"))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"{tmp_path / 'missing.py'}: no such file or directory"]
+
+
+def test_rewrite_never_imports_torch(tmp_path):
+    """Importing the CLI, and running a rewrite through the real pipeline, loads no torch."""
+    path = script(tmp_path)
+    code = (
+        "import sys\n"
+        "from fsdp2_retrofit import cli\n"
+        "assert 'torch' not in sys.modules, 'cli imports torch'\n"
+        f"cli.main(['rewrite', '--check', '--quiet', {str(path)!r}], standalone_mode=False)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+
+
+# --- the real pipeline -------------------------------------------------------------------
+
+
+@pytest.mark.pipeline
+def test_real_console_script_checks_the_example(tmp_path):
+    path = example_script(tmp_path)
+    proc = run_console("rewrite", "--check", "--quiet", str(path))
+    assert proc.returncode == 1, proc.stderr
+    assert path.read_bytes() == EXAMPLE.read_bytes()
+
+
+@pytest.mark.pipeline
+def test_real_rewrite_then_check_is_clean(tmp_path):
+    path = example_script(tmp_path)
+    result = rewrite(path)
+    assert result.exit_code == 0, result.output
+    assert path.read_bytes() != EXAMPLE.read_bytes()
+    assert "torchrun --nproc_per_node=<gpus>" in result.stderr
+    assert rewrite(path, "--check").exit_code == 0
+
+
+@pytest.mark.pipeline
+def test_real_crlf_script_is_rewritten_with_crlf_kept(tmp_path):
+    data = (EXAMPLE.read_bytes() if EXAMPLE.is_file() else SCRIPT).replace(b"\n", b"\r\n")
+    path = script(tmp_path, data)
+    result = rewrite(path, "--quiet")
+    assert result.exit_code == 0, result.output
+    out = path.read_bytes()
+    assert out != data
+    assert out.count(b"\n") == out.count(b"\r\n")
+
+
+@pytest.mark.pipeline
+def test_real_latin1_cookie_is_kept(tmp_path):
+    header = "# -*- coding: latin-1 -*-\n# entraîné sur un GPU\n".encode("latin-1")
+    data = header + (EXAMPLE.read_bytes() if EXAMPLE.is_file() else SCRIPT)
+    path = script(tmp_path, data)
+    result = rewrite(path, "--quiet")
+    assert result.exit_code == 0, result.output
+    out = path.read_bytes()
+    assert out != data
+    assert out.startswith(header)
+    out.decode("latin-1")
+
+
+@pytest.mark.pipeline
+def test_real_syntax_error_reports_its_line(tmp_path):
+    data = b"import torch\n\nx = = 1\nmodel = torch.nn.Linear(2, 2)\n"
+    path = script(tmp_path, data)
+    result = rewrite(path)
+    assert result.exit_code == 2
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"{path}:3: ")
+    assert path.read_bytes() == data

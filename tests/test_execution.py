@@ -1,0 +1,206 @@
+"""Execution tests: a retrofitted script trains exactly like the original.
+
+Each ``fixtures/rewrite/<case>`` runs ``input.py`` in one process and
+``expected.py`` under torchrun (CPU, gloo), at the same global batch, and the
+final weights must agree within the case's tolerance. The e2e tests take a few
+seconds each; deselect them with ``-m "not e2e"``. ``pytest -s`` shows the
+measured differences.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from harness import (
+    RunError,
+    load_weights,
+    max_abs_diff,
+    run_distributed,
+    run_single,
+    select,
+)
+
+if os.environ.get("CI"):
+    import torch  # CI installs the test extra: a missing torch must fail there, not skip
+else:
+    torch = pytest.importorskip("torch", reason="the execution tests need torch (pip install -e .[test])")
+
+try:
+    import tomllib
+except ImportError:  # Python < 3.11
+    tomllib = None
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "fixtures" / "rewrite"
+SHARED_EXAMPLES = REPO.parent / "shared" / "examples"
+DEFAULT_TOLERANCE = 1e-4
+
+
+def _cases() -> list[Path]:
+    return sorted(p for p in FIXTURES.iterdir() if (p / "input.py").is_file())
+
+
+def _compare(single_out: Path, dist_out: Path, keys: list[str]) -> float:
+    return max_abs_diff(
+        select(load_weights(single_out), keys),
+        select(load_weights(dist_out), keys),
+    )
+
+
+# --- the fixtures -----------------------------------------------------------
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", _cases(), ids=lambda p: p.name)
+def test_retrofit_trains_like_the_original(case: Path, tmp_path: Path):
+    if not (case / "expected.py").is_file():
+        pytest.skip(f"{case.name}: no expected.py yet (the rewriter generates it)")
+    if tomllib is None:
+        pytest.skip("reading case.toml needs Python 3.11+ (tomllib)")
+    run = tomllib.loads((case / "case.toml").read_text(encoding="utf-8"))["run"]
+    tolerance = run.get("tolerance", DEFAULT_TOLERANCE)
+
+    run_single(case / "input.py", run["single_args"], tmp_path / "single.pt", cwd=tmp_path)
+    run_distributed(
+        case / "expected.py", run["dist_args"], tmp_path / "dist.pt", nproc=run.get("nproc", 2), cwd=tmp_path
+    )
+    diff = _compare(tmp_path / "single.pt", tmp_path / "dist.pt", run["weights"])
+    print(f"\n{case.name}: max |single - distributed| = {diff:.3e} (tolerance {tolerance:g})")
+    assert diff <= tolerance, f"{case.name}: weights differ by {diff:.3e} > {tolerance:g}"
+
+
+# --- the hand-written example pair in shared/ --------------------------------
+
+
+def _require_shared_examples():
+    if not (SHARED_EXAMPLES / "train_single.py").is_file():
+        pytest.skip(f"shared examples not found at {SHARED_EXAMPLES}")
+
+
+@pytest.fixture(scope="module")
+def shared_reference(tmp_path_factory) -> Path:
+    """train_single.py at batch 64 in one process: the reference for both tests below."""
+    _require_shared_examples()
+    out = tmp_path_factory.mktemp("shared_single") / "single.pt"
+    run_single(SHARED_EXAMPLES / "train_single.py", ["--batch-size", "64"], out)
+    return out
+
+
+@pytest.mark.e2e
+def test_shared_example_pair_matches(shared_reference: Path, tmp_path: Path):
+    run_distributed(SHARED_EXAMPLES / "train_fsdp2.py", ["--batch-size", "32"], tmp_path / "dist.pt")
+    diff = _compare(shared_reference, tmp_path / "dist.pt", [])
+    print(f"\nshared example, 2 x 32 vs 1 x 64: max diff {diff:.3e}")
+    assert diff <= DEFAULT_TOLERANCE
+
+
+@pytest.mark.e2e
+def test_wrong_global_batch_is_caught(shared_reference: Path, tmp_path: Path):
+    """The harness can fail: 2 ranks x 16 is not the single run at 64."""
+    run_distributed(SHARED_EXAMPLES / "train_fsdp2.py", ["--batch-size", "16"], tmp_path / "dist.pt")
+    diff = _compare(shared_reference, tmp_path / "dist.pt", [])
+    print(f"\nshared example, 2 x 16 vs 1 x 64: max diff {diff:.3e}")
+    assert diff > DEFAULT_TOLERANCE
+
+
+# --- the harness itself (fast) ----------------------------------------------
+
+_ORDER_SCRIPT = """\
+import argparse, json
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out")
+parser.add_argument("--batch-size", type=int)
+args = parser.parse_args()
+torch.manual_seed(0)
+before = torch.rand(1).item()
+torch.manual_seed(0)
+loader = DataLoader(TensorDataset(torch.arange(32)), batch_size=args.batch_size, shuffle=True)
+epochs = [[batch.tolist() for (batch,) in loader] for _ in range(2)]
+with open(args.out, "w") as f:
+    json.dump({"epochs": epochs}, f)
+"""
+
+
+def test_reference_sampler_follows_distributed_sampler(tmp_path: Path):
+    """Single run at batch 8 == union of the 2 ranks' DistributedSampler batches at 4, per epoch."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    script = tmp_path / "order.py"
+    script.write_text(_ORDER_SCRIPT)
+    run_single(script, ["--batch-size", "8"], tmp_path / "order.json")
+    single = json.loads((tmp_path / "order.json").read_text())["epochs"]
+
+    dataset = list(range(32))
+    for epoch, batches in enumerate(single):
+        per_rank = []
+        for rank in range(2):
+            sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=0)
+            sampler.set_epoch(epoch)
+            order = list(sampler)
+            per_rank.append([order[i:i + 4] for i in range(0, len(order), 4)])
+        expected = [sorted(a + b) for a, b in zip(*per_rank)]
+        assert [sorted(b) for b in batches] == expected, f"epoch {epoch}"
+    assert single[0] != single[1], "each epoch must draw a new permutation"
+
+
+def test_reference_sampler_is_off_outside_run_single(tmp_path: Path):
+    """Without the harness's environment a shuffled loader keeps torch's own order."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "order.py"
+    script.write_text(_ORDER_SCRIPT)
+    run_single(script, ["--batch-size", "8"], tmp_path / "patched.json")
+    env = {k: v for k, v in os.environ.items() if k != "FSDP2_RETROFIT_REFERENCE_SAMPLER"}
+    subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path / "plain.json"), "--batch-size", "8"],
+        check=True, env=env, cwd=tmp_path,
+    )
+    patched = json.loads((tmp_path / "patched.json").read_text())
+    plain = json.loads((tmp_path / "plain.json").read_text())
+    assert patched != plain
+
+
+def test_select_flattens_and_prefixes():
+    g, d = {"w": torch.zeros(2)}, {"w": torch.ones(2)}
+    assert select(g, []) == g
+    assert select({"model": g, "step": 3}, ["model"]) == g
+    assert set(select({"G": g, "D": d}, ["G", "D"])) == {"G.w", "D.w"}
+    with pytest.raises(KeyError, match="no key"):
+        select({"model": g}, ["ema"])
+    with pytest.raises(TypeError, match="not a tensor"):
+        select({"model": g, "step": 3}, [])
+
+
+def test_max_abs_diff_reports_keys_and_shapes():
+    a = {"x": torch.zeros(3), "y": torch.zeros(2)}
+    assert max_abs_diff(a, {"x": torch.tensor([0.0, -0.5, 0.25]), "y": torch.zeros(2)}) == 0.5
+    with pytest.raises(AssertionError, match=r"only in first \['y'\], only in second \['z'\]"):
+        max_abs_diff(a, {"x": torch.zeros(3), "z": torch.zeros(2)})
+    with pytest.raises(AssertionError, match="shape"):
+        max_abs_diff(a, {"x": torch.zeros(4), "y": torch.zeros(2)})
+
+
+def test_load_weights_reads_torch_save_and_dcp(tmp_path: Path):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {"w": torch.arange(4.0)}, "step": 7}
+    torch.save(state, tmp_path / "plain.pt")
+    with pytest.warns(UserWarning):  # DCP in one process without a process group
+        dcp.save(state, checkpoint_id=tmp_path / "dcp")
+    for path in (tmp_path / "plain.pt", tmp_path / "dcp"):
+        loaded = load_weights(path)
+        assert loaded["step"] == 7 and torch.equal(loaded["model"]["w"], state["model"]["w"])
+
+
+def test_failed_run_names_the_exception(tmp_path: Path):
+    script = tmp_path / "boom.py"
+    script.write_text("raise ValueError('no such layer: fc3')\n")
+    with pytest.raises(RunError, match="ValueError: no such layer: fc3"):
+        run_single(script, [], tmp_path / "out.pt")

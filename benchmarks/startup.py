@@ -2,8 +2,8 @@
 
     python benchmarks/startup.py [FIXTURE] [-n RUNS]
 
-Runs, alternately, the console script on FIXTURE (default: the shared example
-script) and `python -c "import libcst, click, rich"`, both from this venv; prints
+Runs, alternately, the console script on FIXTURE (default: the main_modulelist
+fixture) and `python -c "import libcst, click, rich"`, both from this venv; prints
 the median wall time of each and their ratio. The target is <= 1.2: the tool
 should cost little more than loading libcst, click and rich, and never torch.
 --check writes nothing, so the fixture is never modified.
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import List, Sequence
 
-DEFAULT_FIXTURE = Path(__file__).resolve().parents[2] / "shared/examples/train_single.py"
+DEFAULT_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures/rewrite/main_modulelist/input.py"
 BASELINE = [sys.executable, "-c", "import libcst, click, rich"]
 TARGET = 1.2
 

@@ -14,12 +14,20 @@ from .report import InputError, RefusedError, RewriteResult
 from .stage import ATTENTION_KEY, CHANGES_KEY, OPTIONS_KEY
 
 
-def parse(source: bytes) -> cst.Module:
+def parse(source: bytes, path: str = "<input>") -> cst.Module:
     """Parse bytes (encoding from the coding cookie, newlines kept) or raise InputError."""
     try:
         return cst.parse_module(source)
     except cst.ParserSyntaxError as err:
-        raise InputError(f"syntax error: {err.message}", err.raw_line) from None
+        # Python's own parser names the line and the problem best; libcst's position
+        # can point past it. Compiling is parsing only: nothing runs.
+        try:
+            compile(source, path, "exec", dont_inherit=True)
+        except SyntaxError as py_err:
+            raise InputError(f"syntax error: {py_err.msg}", py_err.lineno or 0) from None
+        except ValueError:
+            pass
+        raise InputError(f"syntax error: {err.message.splitlines()[0]}", err.raw_line) from None
     except (LookupError, UnicodeDecodeError, SyntaxError) as err:
         raise InputError(f"cannot decode the file: {err}") from None
 
@@ -34,7 +42,7 @@ def rewrite_source(source: bytes, path: str, options: RetrofitOptions = Retrofit
 
     if not source.strip():
         raise InputError("empty file: nothing to retrofit")
-    module = parse(source)
+    module = parse(source, path)
     context = CodemodContext(filename=path)
     context.scratch[OPTIONS_KEY] = options
     tracker = _LineTracker(module.code)

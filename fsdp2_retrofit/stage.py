@@ -34,6 +34,14 @@ class RetrofitStage(CodemodCommand):
         self.options = options or context.scratch.get(OPTIONS_KEY) or RetrofitOptions()
         self.facts: Optional[ScriptFacts] = None
 
+    def transform_module(self, tree: cst.Module) -> cst.Module:
+        """As CodemodCommand's, without the defensive deep copy of the tree: stages
+        never mutate nodes and resolve their own metadata (analysis)."""
+        tree = self.transform_module_impl(tree)
+        if AddImportsVisitor.CONTEXT_KEY in self.context.scratch:
+            tree = self._instantiate_and_run(AddImportsVisitor, tree)
+        return tree
+
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         self.facts = analyse(tree, self.context.filename)
         self.config = tree.config_for_parsing

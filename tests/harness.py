@@ -1,9 +1,9 @@
 """Run an original script and its retrofit, and compare the weights they save.
 
 Plain functions, no pytest: ``test_execution.py`` drives them, and they can be
-used by hand::
+used by hand (with ``tests/`` on ``sys.path``)::
 
-    from harness import  # with tests/ on sys.path run_single, run_distributed, load_weights, select, max_abs_diff
+    from harness import run_single, run_distributed, load_weights, select, max_abs_diff
     run_single(Path("input.py"), ["--batch-size", "64"], Path("/tmp/a.pt"))
     run_distributed(Path("expected.py"), ["--batch-size", "32"], Path("/tmp/b"))
     print(max_abs_diff(select(load_weights(Path("/tmp/a.pt")), []),

@@ -143,24 +143,9 @@ class _Analyser:
     # -- collection ---------------------------------------------------------
 
     def run(self) -> ScriptFacts:
-        calls: List[cst.Call] = []
-        loops: List[cst.CSTNode] = []
-        stmts: List[cst.SimpleStatementLine] = []
-
-        class _All(cst.CSTVisitor):
-            def visit_Call(self, node: cst.Call) -> None:
-                calls.append(node)
-
-            def visit_For(self, node: cst.For) -> None:
-                loops.append(node)
-
-            def visit_While(self, node: cst.While) -> None:
-                loops.append(node)
-
-            def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
-                stmts.append(node)
-
-        self.module.visit(_All())
+        calls: List[cst.Call] = self.r.nodes(cst.Call)
+        loops = self.r.nodes(cst.For) + self.r.nodes(cst.While)
+        stmts: List[cst.SimpleStatementLine] = self.r.nodes(cst.SimpleStatementLine)
         self.calls = calls
         bindings = self._module_bindings(stmts)
         optimizers = self._optimizers(stmts, bindings)

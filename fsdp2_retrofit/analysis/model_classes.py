@@ -105,7 +105,7 @@ def build_registry(module: cst.Module, resolver: Resolver, path: Optional[str]) 
 def _collect_siblings(module, resolver, folder: Path, registry, seen, depth) -> None:
     if depth == 0:
         return
-    for stmt in _walk_imports(module):
+    for stmt in resolver.nodes(cst.ImportFrom):
         if stmt.relative and len(stmt.relative) > 1:
             continue
         if stmt.module is None:
@@ -119,24 +119,28 @@ def _collect_siblings(module, resolver, folder: Path, registry, seen, depth) -> 
         if not candidate.is_file():
             continue
         seen.add(dotted)
-        try:
-            sibling = cst.parse_module(candidate.read_bytes())
-        except (cst.ParserSyntaxError, OSError, UnicodeDecodeError):
+        parsed = _parse_sibling(candidate)
+        if parsed is None:
             continue
-        sib_resolver = Resolver(sibling)
+        sibling, sib_resolver = parsed
         _collect(sibling, sib_resolver, namespace=dotted, file=str(candidate), registry=registry)
         _collect_siblings(sibling, sib_resolver, folder, registry, seen, depth - 1)
 
 
-def _walk_imports(module: cst.Module) -> Iterable[cst.ImportFrom]:
-    found: List[cst.ImportFrom] = []
+# Sibling modules are read, never rewritten: parse and resolve each once per process.
+_SIBLINGS: Dict[tuple, Tuple[cst.Module, Resolver]] = {}
 
-    class _Imports(cst.CSTVisitor):
-        def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
-            found.append(node)
 
-    module.visit(_Imports())
-    return found
+def _parse_sibling(path: Path) -> Optional[Tuple[cst.Module, Resolver]]:
+    try:
+        stat = path.stat()
+        key = (str(path), stat.st_mtime_ns, stat.st_size)
+        if key not in _SIBLINGS:
+            module = cst.parse_module(path.read_bytes())
+            _SIBLINGS[key] = (module, Resolver(module))
+        return _SIBLINGS[key]
+    except (cst.ParserSyntaxError, OSError, UnicodeDecodeError, LookupError, SyntaxError):
+        return None
 
 
 def _dotted(expr) -> str:

@@ -1,16 +1,11 @@
 """Name resolution over one parsed module: qualified names, parents, lines, scopes."""
 from __future__ import annotations
 
-from typing import Iterator, Optional, Set
+from collections import defaultdict
+from typing import Dict, Iterator, List, Optional, Set, Type
 
 import libcst as cst
-from libcst.metadata import (
-    MetadataWrapper,
-    ParentNodeProvider,
-    PositionProvider,
-    QualifiedNameProvider,
-    ScopeProvider,
-)
+from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider, ScopeProvider
 
 _EMPTY = cst.Module(body=[])
 
@@ -39,11 +34,19 @@ class Resolver:
 
     def __init__(self, module: cst.Module):
         self.module = module
-        wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-        self._qualified = wrapper.resolve(QualifiedNameProvider)
-        self._parents = wrapper.resolve(ParentNodeProvider)
-        self._positions = wrapper.resolve(PositionProvider)
-        self._scopes = wrapper.resolve(ScopeProvider)
+        self._wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+        resolved = self._wrapper.resolve_many([QualifiedNameProvider, ScopeProvider])
+        self._qualified = resolved[QualifiedNameProvider]
+        self._scopes = resolved[ScopeProvider]
+        self._positions = None  # computed on the first line() call: only stages that report need it
+        # One walk records every node's parent and indexes the nodes by type.
+        self._parents: Dict[cst.CSTNode, cst.CSTNode] = {}
+        self._by_type: Dict[Type[cst.CSTNode], List[cst.CSTNode]] = defaultdict(list)
+        module.visit(_Indexer(self._parents, self._by_type))
+
+    def nodes(self, kind: Type[cst.CSTNode]) -> List[cst.CSTNode]:
+        """Every node of exactly this type, in source order."""
+        return self._by_type.get(kind, [])
 
     def qnames(self, node: cst.CSTNode) -> Set[str]:
         """Fully qualified names of a name, attribute or call (its callee)."""
@@ -68,6 +71,8 @@ class Resolver:
             node = self._parents.get(node)
 
     def line(self, node: cst.CSTNode) -> int:
+        if self._positions is None:
+            self._positions = self._wrapper.resolve(PositionProvider)
         pos = self._positions.get(node)
         return pos.start.line if pos is not None else 0
 
@@ -99,6 +104,24 @@ class Resolver:
         """The IndentedBlock or Module whose body lists `stmt`."""
         parent = self.parent(stmt)
         return parent if isinstance(parent, (cst.IndentedBlock, cst.Module)) else None
+
+
+class _Indexer(cst.CSTVisitor):
+    def __init__(self, parents, by_type):
+        super().__init__()
+        self.parents = parents
+        self.by_type = by_type
+        self.stack: List[cst.CSTNode] = []
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if self.stack:
+            self.parents[node] = self.stack[-1]
+        self.by_type[type(node)].append(node)
+        self.stack.append(node)
+        return True
+
+    def on_leave(self, original_node: cst.CSTNode) -> None:
+        self.stack.pop()
 
 
 def names_in(node: cst.CSTNode) -> Set[str]:

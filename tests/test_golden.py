@@ -1,0 +1,85 @@
+"""Golden outputs: every fixture rewrites to exactly its expected.py, and a second
+rewrite of expected.py changes nothing (idempotence).
+
+When a golden file must change, regenerate it with `python tests/test_golden.py
+CASE` and read the diff it prints before committing it.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp2_retrofit.options import RetrofitOptions
+from fsdp2_retrofit.pipeline import rewrite_source
+from fsdp2_retrofit.report import unified_diff
+
+try:
+    import tomllib
+except ImportError:  # Python < 3.11
+    tomllib = None
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "rewrite"
+CASES = sorted(p for p in FIXTURES.iterdir() if (p / "input.py").is_file())
+
+
+def case_config(case: Path) -> dict:
+    if tomllib is None:
+        pytest.skip("reading case.toml needs Python 3.11 (tomllib)")
+    return tomllib.loads((case / "case.toml").read_text())
+
+
+def case_options(case: Path) -> RetrofitOptions:
+    raw = case_config(case).get("options", {})
+    return RetrofitOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+
+
+def rewrite_case(case: Path, name: str = "input.py"):
+    path = case / name
+    return rewrite_source(path.read_bytes(), str(path), case_options(case))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda p: p.name)
+def test_fixture_rewrites_to_expected(case: Path):
+    result = rewrite_case(case)
+    assert not result.refusals, result.refusals
+    expected = (case / "expected.py").read_bytes()
+    if result.code != expected:
+        diff = unified_diff("expected.py", expected.decode(), result.code.decode(), "got.py")
+        pytest.fail(f"{case.name}: the rewrite differs from expected.py:\n{diff}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda p: p.name)
+def test_rewrite_of_expected_changes_nothing(case: Path):
+    result = rewrite_case(case, "expected.py")
+    assert not result.refusals, result.refusals
+    assert result.code == (case / "expected.py").read_bytes()
+    assert result.changes == []
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda p: p.name)
+def test_report_names_what_needs_attention(case: Path):
+    expected = case_config(case).get("report", {}).get("attention", [])
+    found = [a.what for a in rewrite_case(case).attention]
+    for fragment in expected:
+        assert any(fragment in what for what in found), f"{fragment!r} not in {found}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda p: p.name)
+def test_every_change_points_at_a_line_of_the_input(case: Path):
+    result = rewrite_case(case)
+    lines = (case / "input.py").read_text().splitlines()
+    assert result.changes
+    for change in result.changes:
+        assert 1 <= change.line <= len(lines), change
+
+
+if __name__ == "__main__":
+    # Regenerate golden files for the named cases and show what changed.
+    for name in sys.argv[1:]:
+        case = FIXTURES / name
+        new = rewrite_case(case).code
+        old = (case / "expected.py").read_bytes() if (case / "expected.py").exists() else b""
+        print(unified_diff(f"{name}/expected.py", old.decode(), new.decode()) or f"{name}: unchanged")
+        (case / "expected.py").write_bytes(new)

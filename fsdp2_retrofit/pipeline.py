@@ -1,10 +1,9 @@
 """Rewrite one source text: parse, run the stages in order, render the result."""
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import difflib
-from typing import List, Optional
+from typing import List
 
 import libcst as cst
 from libcst.codemod import CodemodContext
@@ -51,7 +50,8 @@ def rewrite_source(source: bytes, path: str, options: RetrofitOptions = Retrofit
     try:
         new_module = command.transform_module(module)
     except RefusedError as refused:
-        return RewriteResult(path, source, source, [], [], [refused.refusal])
+        refusal = dataclasses.replace(refused.refusal, line=tracker.to_original(refused.refusal.line))
+        return RewriteResult(path, source, source, [], [], [refusal])
     new_code = new_module.bytes
     _must_compile(new_module, path)
     return RewriteResult(
@@ -76,7 +76,6 @@ class _LineTracker:
     def __init__(self, original: str):
         self.original = original.splitlines()
         self.current = self.original
-        self.stage_maps: List = []
         self._seen = {CHANGES_KEY: 0, ATTENTION_KEY: 0}
         self.records = []
 
@@ -91,12 +90,12 @@ class _LineTracker:
 
         return hooked
 
+    def to_original(self, line: int) -> int:
+        """A line of the text the current stage received, as a line of the original."""
+        return self._mapping_to_original(self.current)(line) if line else line
+
     def _mapping_to_original(self, lines):
         matcher = difflib.SequenceMatcher(a=self.original, b=lines, autojunk=False)
-        starts, offsets = [], []
-        for a0, _a1, b0, _b1 in [(a, a + n, b, b + n) for a, b, n in matcher.get_matching_blocks()]:
-            starts.append(b0 + 1)
-            offsets.append(a0 - b0)
         blocks = [(b + 1, b + n, a - b) for a, b, n in matcher.get_matching_blocks() if n]
 
         def to_original(line: int) -> int:

@@ -1,0 +1,295 @@
+"""Each stage on the scenarios it must handle, and the refusals, on small scripts.
+
+The stage tests use libcst's CodemodTest (before/after pairs, named for the scenario);
+the pipeline tests check what the whole rewrite does or refuses.
+"""
+from __future__ import annotations
+
+from textwrap import dedent
+
+import pytest
+from libcst.codemod import CodemodTest
+
+from codemods.checkpoint import ConvertSavesCommand
+from codemods.data import DistributeDataCommand
+from codemods.forward_calls import ReplaceForwardCallsCommand
+from codemods.launch import LaunchDistributedCommand
+from codemods.shard import ShardModelCommand
+from fsdp2_retrofit.options import RetrofitOptions
+from fsdp2_retrofit.pipeline import rewrite_source
+
+MODEL = '''
+import torch
+from torch import nn, optim
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+'''
+
+
+def rewrite(code: str, **options):
+    return rewrite_source(dedent(code).encode(), "train.py", RetrofitOptions(**options))
+
+
+def out(code: str, **options) -> str:
+    result = rewrite(code, **options)
+    assert not result.refusals, result.refusals
+    return result.code.decode()
+
+
+class TestShard(CodemodTest):
+    TRANSFORM = ShardModelCommand
+
+    def test_sequential_blocks_then_root_with_import_aliases(self) -> None:
+        before = MODEL + '''
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+'''
+        after = MODEL.replace(
+            "from torch import nn, optim\n", "from torch import nn, optim\nfrom torch.distributed.fsdp import fully_shard\n"
+        ) + '''
+model = Net()
+for block in model.blocks:
+    fully_shard(block)
+fully_shard(model)
+opt = optim.SGD(model.parameters(), lr=0.1)
+'''
+        self.assertCodemod(before, after)
+
+    def test_already_sharded_model_is_left_alone(self) -> None:
+        code = MODEL.replace("import torch\n", "import torch\nfrom torch.distributed.fsdp import fully_shard\n") + '''
+model = Net()
+fully_shard(model)
+opt = optim.SGD(model.parameters(), lr=0.1)
+'''
+        self.assertCodemod(code, code)
+
+
+class TestLaunch(CodemodTest):
+    TRANSFORM = LaunchDistributedCommand
+
+    def test_nothing_added_twice(self) -> None:
+        code = MODEL + '''
+import torch.distributed as dist
+dist.init_process_group("gloo")
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+'''
+        self.assertCodemod(code, code)
+
+
+class TestForwardCalls(CodemodTest):
+    TRANSFORM = ReplaceForwardCallsCommand
+
+    def test_plain_class_with_forward_method_and_super_forward_untouched(self) -> None:
+        code = MODEL + '''
+class Helper:
+    def forward(self, x):
+        return x
+
+
+class Sub(Net):
+    def forward(self, x):
+        return super().forward(x)
+
+
+helper = Helper()
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+y = helper.forward(1)
+'''
+        self.assertCodemod(code, code)
+
+    def test_module_forward_call_in_a_function_receiving_the_model(self) -> None:
+        before = MODEL + '''
+def evaluate(net, x):
+    return net.forward(x)
+
+
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+evaluate(model, torch.ones(4))
+'''
+        self.assertCodemod(before, before.replace("net.forward(x)", "net(x)"))
+
+
+class TestData(CodemodTest):
+    TRANSFORM = DistributeDataCommand
+
+    def test_shuffle_moves_out_of_a_dict_literal_and_set_epoch_is_added(self) -> None:
+        before = '''
+from torch.utils.data import DataLoader
+
+cfg = {"batch_size": 8, "shuffle": True}
+loader = DataLoader(ds, **cfg)
+for epoch in range(3):
+    for x in loader:
+        x.sum().backward()
+'''
+        after = '''
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+cfg = {"batch_size": 8}
+sampler = DistributedSampler(ds, shuffle=True)
+# The per-rank batch stays as written: the global batch is now world_size x larger.
+loader = DataLoader(ds, sampler=sampler, **cfg)
+for epoch in range(3):
+    sampler.set_epoch(epoch)
+    for x in loader:
+        x.sum().backward()
+'''
+        self.assertCodemod(before, after)
+
+
+class TestCheckpoint(CodemodTest):
+    TRANSFORM = ConvertSavesCommand
+
+    def test_state_through_a_variable_and_metrics_untouched(self) -> None:
+        before = MODEL + '''
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": 3}
+torch.save(state, "ckpt.pt")
+torch.save({"loss": [1.0, 0.5]}, "metrics.pt")
+'''
+        after = MODEL.replace(
+            "from torch import nn, optim\n",
+            "from torch import nn, optim\nimport torch.distributed.checkpoint as dcp\n"
+            "from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict\n",
+        ) + '''
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+state = {"model": get_model_state_dict(model), "opt": get_optimizer_state_dict(model, opt), "step": 3}
+dcp.save(state, checkpoint_id="ckpt.pt")
+torch.save({"loss": [1.0, 0.5]}, "metrics.pt")
+'''
+        self.assertCodemod(before, after)
+
+
+# --- the whole pipeline -------------------------------------------------------------
+
+
+def test_optimizer_and_scheduler_built_before_cuda_move_after_sharding():
+    code = out(MODEL + '''
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+sched = optim.lr_scheduler.StepLR(opt, 1)
+model.cuda()
+for x in range(3):
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+''')
+    tail = code[code.index("model = Net()"):]
+    assert tail.index("model.cuda()") < tail.index("fully_shard(model") < tail.index("opt = ") < tail.index("sched = ")
+
+
+def test_shard_option_names_the_units():
+    code = out(MODEL + '''
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+''', shard=("Block",))
+    assert 'if type(module).__name__ in ("Block",) and module is not model:' in code
+    assert "for block in" not in code
+
+
+def test_blocks_sharing_a_tied_weight_stay_in_the_root_unit():
+    result = rewrite(MODEL.replace(
+        "self.head = nn.Linear(4, 2)", "self.head = nn.Linear(4, 4)\n        self.head.weight = self.blocks[0].fc.weight"
+    ).replace("self.head.weight = self.blocks[0].fc.weight", "self.blocks.tie = self.head.weight") + '''
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+''')
+    code = result.code.decode()
+    assert "for block in model.blocks" not in code and "fully_shard(model" in code
+    assert any("shares a parameter" in a.what for a in result.attention)
+
+
+def test_a_print_that_runs_the_model_is_not_gated():
+    result = rewrite(MODEL + '''
+def main():
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    for x in range(2):
+        model(torch.ones(4)).sum().backward()
+        opt.step()
+        print("loss", x)
+    print("eval", model(torch.ones(4)))
+
+main()
+''')
+    code = result.code.decode()
+    assert '    if rank == 0:\n            print("loss", x)' in code
+    assert '    print("eval", model(torch.ones(4)))' in code
+    assert any("left on every rank" in a.what for a in result.attention)
+
+
+@pytest.mark.parametrize(
+    "script, where, what",
+    [
+        ("import torch\nx = torch.ones(3)\nprint(x)\n", 1, "no nn.Module is built in this script"),
+        (MODEL + "\nmodel = Net()\n", 1, "no optimizer trains a model built in this script"),
+        (
+            MODEL.replace(
+                "self.blocks = nn.Sequential(*[Block() for _ in range(3)])",
+                "self.blocks = [Block() for _ in range(3)]",
+            ) + "\nmodel = Net()\nopt = optim.SGD(model.parameters(), lr=0.1)\n",
+            18,
+            "`self.blocks` keeps layers in a plain Python list",
+        ),
+        (
+            MODEL.replace("self.head = nn.Linear(4, 2)", "self.head = nn.Linear(4, 2)\n        self.opt = optim.SGD(self.parameters(), lr=0.1)")
+            + "\nmodel = Net()\nopt = optim.SGD(model.parameters(), lr=0.1)\n",
+            20,
+            "an optimizer is built inside Net.__init__",
+        ),
+        (
+            MODEL + "\nmodel = torch.nn.parallel.DistributedDataParallel(Net())\nopt = optim.SGD(model.parameters(), lr=0.1)\n",
+            24,
+            "the script already uses DistributedDataParallel",
+        ),
+    ],
+    ids=["no-module", "no-optimizer", "plain-list", "optimizer-in-init", "ddp"],
+)
+def test_refusals_name_the_line_and_leave_the_code(script, where, what):
+    result = rewrite(script)
+    assert result.refusals, "expected a refusal"
+    refusal = result.refusals[0]
+    assert (refusal.line, refusal.what) == (where, what)
+    assert refusal.why and refusal.hint
+    assert result.code == dedent(script).encode()
+
+
+def test_stages_run_from_libcst_tool(tmp_path):
+    """.libcst.codemod.yaml makes the composite a libcst codemod command."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    case = repo / "fixtures" / "rewrite" / "main_modulelist"
+    script = tmp_path / "train.py"
+    shutil.copy(case / "input.py", script)
+    proc = subprocess.run(
+        [sys.executable, "-m", "libcst.tool", "codemod", "--no-format", "retrofit.RetrofitCommand", str(script)],
+        cwd=repo, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert script.read_bytes() == (case / "expected.py").read_bytes()

@@ -9,7 +9,7 @@ from libcst.codemod import CodemodContext
 from fsdp2_retrofit.analysis import code
 from fsdp2_retrofit.imports import place_added_imports
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.stage import ATTENTION_KEY, CHANGES_KEY, OPTIONS_KEY, RetrofitStage
+from fsdp2_retrofit.stage import ATTENTION_KEY, CHANGES_KEY, FACTS_KEY, OPTIONS_KEY, RetrofitStage
 
 from .checkpoint import ConvertSavesCommand
 from .data import DistributeDataCommand
@@ -44,7 +44,10 @@ class RetrofitCommand(RetrofitStage):
         """One stage with its own context (imports are added per stage), sharing the report."""
         context = CodemodContext(filename=self.context.filename, full_module_name=self.context.full_module_name)
         context.scratch[OPTIONS_KEY] = self.options
+        if FACTS_KEY in self.context.scratch:
+            context.scratch[FACTS_KEY] = self.context.scratch[FACTS_KEY]
         tree = stage(context, self.options).transform_module(tree)
+        self.context.scratch[FACTS_KEY] = context.scratch.get(FACTS_KEY)
         self.after_stage(stage, tree, context)
         return tree
 

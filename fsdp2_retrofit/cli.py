@@ -30,6 +30,18 @@ def rewrite_source(source: bytes, path: str, options: RetrofitOptions) -> Rewrit
     return run(source, path, options)
 
 
+def cached_rewrite(source: bytes, path: str, options: RetrofitOptions, use_cache: bool) -> RewriteResult:
+    """A result from the cache when the script and its folder are unchanged, else the pipeline."""
+    from . import cache
+
+    result = cache.lookup(path, source, options) if use_cache else None
+    if result is None:
+        result = rewrite_source(source, path, options)
+        if use_cache:
+            cache.store(result, options)
+    return result
+
+
 @click.group(no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", "-V", prog_name="fsdp2-retrofit")
 def main() -> None:
@@ -82,6 +94,10 @@ Examples:
     help="Report format: a table per file on stderr, or JSON on stdout (stderr with --diff).",
 )
 @click.option("-q", "--quiet", is_flag=True, help="No report; errors are still printed.")
+@click.option(
+    "--no-cache", is_flag=True,
+    help="Do not read or write the result cache (~/.cache/fsdp2-retrofit; FSDP2_RETROFIT_CACHE_DIR moves it).",
+)
 @click.pass_context
 def rewrite_command(
     ctx: click.Context,
@@ -92,6 +108,7 @@ def rewrite_command(
     shard: Tuple[str, ...],
     report_format: str,
     quiet: bool,
+    no_cache: bool,
 ) -> None:
     if out is not None and len(paths) != 1:
         raise click.UsageError("-o/--output takes exactly one PATH")
@@ -102,6 +119,7 @@ def rewrite_command(
         check=check,
         quiet=quiet,
         report_format=report_format,
+        use_cache=not no_cache,
     )
     for path in paths:
         run.process(path)
@@ -122,6 +140,7 @@ class _Run:
     check: bool
     quiet: bool
     report_format: str
+    use_cache: bool = True
 
     def __post_init__(self) -> None:
         self.results: List[RewriteResult] = []
@@ -142,7 +161,7 @@ class _Run:
         target = self.out or path
         try:
             source = files.read_source(path)
-            result = rewrite_source(source.data, path, self.options)
+            result = cached_rewrite(source.data, path, self.options, self.use_cache)
         except InputError as exc:
             return self._fail(path, exc)
         except Exception as exc:  # a bug in a stage: report it, carry on with the next file

@@ -16,6 +16,7 @@ from .report import Attention, Change, Refusal, RefusedError
 CHANGES_KEY = "fsdp2_retrofit.changes"
 ATTENTION_KEY = "fsdp2_retrofit.attention"
 OPTIONS_KEY = "fsdp2_retrofit.options"
+FACTS_KEY = "fsdp2_retrofit.facts"  # the last analysis, reused while the tree is unchanged
 
 Stmt = Union[cst.SimpleStatementLine, cst.BaseCompoundStatement]
 
@@ -43,7 +44,9 @@ class RetrofitStage(CodemodCommand):
         return tree
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        self.facts = analyse(tree, self.context.filename)
+        known = self.context.scratch.get(FACTS_KEY)
+        self.facts = known if known is not None and known.module is tree else analyse(tree, self.context.filename)
+        self.context.scratch[FACTS_KEY] = self.facts
         self.config = tree.config_for_parsing
         editor = self.make_editor()
         self.edit(tree, self.facts, editor)

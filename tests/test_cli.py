@@ -516,3 +516,31 @@ def test_real_syntax_error_reports_its_line(tmp_path):
     [line] = result.stderr.splitlines()
     assert line.startswith(f"{path}:3: ")
     assert path.read_bytes() == data
+
+
+# --- the result cache ---------------------------------------------------------------
+
+
+def test_cache_answers_a_second_run_and_misses_when_a_sibling_changes(tmp_path, monkeypatch):
+    from fsdp2_retrofit import cache, cli
+    from fsdp2_retrofit.options import RetrofitOptions
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    calls = []
+
+    def counting(source, path, options):
+        calls.append(path)
+        return real(source, path, options)
+
+    real = cli.rewrite_source
+    monkeypatch.setattr(cli, "rewrite_source", counting)
+    first = cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(), use_cache=True)
+    second = cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(), use_cache=True)
+    assert len(calls) == 1 and second.refusals == first.refusals and second.code == first.code
+    (tmp_path / "model.py").write_text("X = 1\n")
+    cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(), use_cache=True)
+    cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(shard=("Block",)), use_cache=True)
+    cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(), use_cache=False)
+    assert len(calls) == 4
+    assert any(cache.cache_dir().iterdir())

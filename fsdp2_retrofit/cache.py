@@ -1,0 +1,80 @@
+"""A cache of rewrite results, keyed by everything the result depends on.
+
+Like black's cache: a pre-commit or CI run of `rewrite --check` over unchanged
+files answers from here without loading libcst. The key is the tool's version,
+the options, the script's bytes and path, and the size and mtime of every Python
+file beside it (a sibling model.py changes what the rewrite sees). Entries are
+JSON files under $FSDP2_RETROFIT_CACHE_DIR, else $XDG_CACHE_HOME/fsdp2-retrofit,
+else ~/.cache/fsdp2-retrofit. Any problem with the cache means a miss, never an error.
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+from . import __version__
+from .options import RetrofitOptions
+from .report import Attention, Change, Refusal, RewriteResult
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("FSDP2_RETROFIT_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fsdp2-retrofit"
+
+
+def _key(path: str, source: bytes, options: RetrofitOptions) -> str:
+    digest = hashlib.sha256()
+    digest.update(f"{__version__}\0{os.path.abspath(path)}\0{options!r}\0".encode())
+    digest.update(source)
+    folder = Path(path).resolve().parent
+    try:
+        siblings = sorted(p for p in folder.iterdir() if p.suffix == ".py" and p.name != Path(path).name)
+    except OSError:
+        siblings = []
+    for sibling in siblings:
+        try:
+            st = sibling.stat()
+        except OSError:
+            continue
+        digest.update(f"\0{sibling.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def lookup(path: str, source: bytes, options: RetrofitOptions) -> Optional[RewriteResult]:
+    try:
+        entry = json.loads((cache_dir() / _key(path, source, options)).read_text())
+        return RewriteResult(
+            path=path,
+            original=source,
+            code=base64.b64decode(entry["code"]) if entry["code"] is not None else source,
+            changes=[Change(**c) for c in entry["changes"]],
+            attention=[Attention(**a) for a in entry["attention"]],
+            refusals=[Refusal(**r) for r in entry["refusals"]],
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store(result: RewriteResult, options: RetrofitOptions) -> None:
+    entry = {
+        "code": None if result.code == result.original else base64.b64encode(result.code).decode(),
+        "changes": [dataclasses.asdict(c) for c in result.changes],
+        "attention": [dataclasses.asdict(a) for a in result.attention],
+        "refusals": [dataclasses.asdict(r) for r in result.refusals],
+    }
+    target = cache_dir() / _key(result.path, result.original, options)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entry))
+        os.replace(tmp, target)
+    except OSError:
+        pass

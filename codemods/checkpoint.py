@@ -33,7 +33,7 @@ class _SaveEditor(StatementEditor):
                         equal=cst.AssignEqual(
                             whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")
                         ),
-                        comma=cst.MaybeSentinel.DEFAULT,
+                        comma=path.comma if len(updated_node.args) == 2 else cst.MaybeSentinel.DEFAULT,
                     ),
                 ],
             )

@@ -102,6 +102,14 @@ class DistributeDataCommand(RetrofitStage):
     def _set_epoch(self, loader: LoaderSite, sampler: str, facts: ScriptFacts, editor) -> None:
         epoch_loop = _epoch_loop(loader, facts)
         if epoch_loop is None:
+            shuffled = loader.shuffle is not None and code(loader.shuffle) != "False"
+            if shuffled and not _iterated_directly(loader):
+                self.attention(
+                    loader.stmt,
+                    f"`{loader.name}` is read through iter()/next() or a helper: call "
+                    f"`{sampler}.set_epoch(epoch)` each time a new pass over it starts",
+                    "DistributedSampler reshuffles from its epoch number; without it every pass repeats one order",
+                )
             return
         first = epoch_loop.body.body[0]
         call = f"{sampler}.set_epoch({epoch_loop.target.value})"
@@ -117,7 +125,8 @@ class DistributeDataCommand(RetrofitStage):
 
 
 def _epoch_loop(loader: LoaderSite, facts: ScriptFacts) -> Optional[cst.For]:
-    """The innermost `for <name> in ...` around the use of the loader, in its own block."""
+    """The innermost `for <name> in ...` around a whole pass over the loader: a loop
+    over it, or a call that hands it to a function (`train_one_epoch(model, loader)`)."""
     best = None
 
     class _Loops(cst.CSTVisitor):
@@ -125,11 +134,53 @@ def _epoch_loop(loader: LoaderSite, facts: ScriptFacts) -> Optional[cst.For]:
             nonlocal best
             if not isinstance(node.target, cst.Name) or loader.name in names_in(node.iter):
                 return
-            if loader.name in names_in(node.body) and not isinstance(node.body, cst.SimpleStatementSuite):
+            if isinstance(node.body, cst.SimpleStatementSuite):
+                return
+            if _passes_over(node.body, loader.name):
                 best = node  # visited outer first, so the last kept is the innermost
 
     loader.block.visit(_Loops())
     return best
+
+
+def _passes_over(body, name: str) -> bool:
+    found = []
+
+    class _P(cst.CSTVisitor):
+        def visit_For(self, node: cst.For) -> None:
+            if _iterated(node.iter) == name:
+                found.append(node)
+
+        def visit_Call(self, node: cst.Call) -> None:
+            if any(isinstance(a.value, cst.Name) and a.value.value == name for a in node.args) and not (
+                isinstance(node.func, cst.Name) and node.func.value in ("iter", "next", "len", "enumerate")
+            ):
+                found.append(node)
+
+    body.visit(_P())
+    return bool(found)
+
+
+def _iterated(expr) -> Optional[str]:
+    """`loader` for `loader`, `enumerate(loader)`, `tqdm(loader)`."""
+    while isinstance(expr, cst.Call) and expr.args:
+        if isinstance(expr.func, cst.Name) and expr.func.value == "iter":
+            return None
+        expr = expr.args[0].value
+    return expr.value if isinstance(expr, cst.Name) else None
+
+
+def _iterated_directly(loader: LoaderSite) -> bool:
+    """Some `for` loop goes over the loader itself (one pass per loop)."""
+    found = []
+
+    class _F(cst.CSTVisitor):
+        def visit_For(self, node: cst.For) -> None:
+            if _iterated(node.iter) == loader.name:
+                found.append(node)
+
+    loader.block.visit(_F())
+    return bool(found)
 
 
 def _has_key(node, key: str) -> bool:

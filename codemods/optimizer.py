@@ -22,17 +22,17 @@ class MoveOptimizerCommand(RetrofitStage):
             if any(a not in body for a in anchors) or opt.stmt not in body:
                 continue
             last = max(body.index(a) for a in anchors)
-            start = body.index(opt.stmt)
-            if start > last:
+            # the optimizer, and the lists of parameters it is fed from, built before sharding
+            early = [s for s in [*opt.feeders, opt.stmt] if s in body and body.index(s) <= last]
+            if not early:
                 continue
-            moved = [opt.stmt]
-            bound = assigned_names(opt.stmt)
-            for later in body[start + 1 : last + 1]:
-                if later in anchors:
-                    continue
-                if names_in(later) & bound:
-                    moved.append(later)
+            moved = set(early)
+            bound = set().union(*(assigned_names(s) for s in early))
+            for later in body[min(body.index(s) for s in early) + 1 : last + 1]:
+                if later not in moved and later not in anchors and names_in(later) & bound:
+                    moved.add(later)
                     bound |= assigned_names(later)
+            moved = sorted(moved, key=body.index)
             for stmt in moved:
                 editor.move_after(stmt, body[last])
             self.change(

@@ -43,8 +43,19 @@ def place_added_imports(module: cst.Module, original_imports: set) -> cst.Module
         return module
     body = [s for s in body if s not in added]
     for new in added:
-        body = _insert(body, new.with_changes(leading_lines=[]))
+        body = _insert(body, _sorted_names(new).with_changes(leading_lines=[]))
     return module.with_changes(body=body)
+
+
+def _sorted_names(stmt):
+    """`from m import b, a` -> `from m import a, b` (only for imports the rewrite wrote)."""
+    small = stmt.body[0]
+    if not isinstance(small, cst.ImportFrom) or isinstance(small.names, cst.ImportStar):
+        return stmt
+    names = sorted(small.names, key=lambda a: code(a.name))
+    commas = [a.comma for a in small.names]
+    names = [a.with_changes(comma=c) for a, c in zip(names, commas)]
+    return stmt.with_changes(body=[small.with_changes(names=names)])
 
 
 def _runs(body) -> List[List[int]]:
@@ -105,6 +116,6 @@ def _pick_run(body, runs, new, stdlib: bool) -> Optional[List[int]]:
         if any(top_module(body[i]).split(".")[0] == package for i in r):
             return r
     for r in runs:
-        if stdlib and all(_is_stdlib(body[i]) for i in r):
+        if stdlib and any(_is_stdlib(body[i]) for i in r):
             return r
     return None

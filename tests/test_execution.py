@@ -63,9 +63,13 @@ def test_retrofit_trains_like_the_original(case: Path, tmp_path: Path):
     run = tomllib.loads((case / "case.toml").read_text(encoding="utf-8"))["run"]
     tolerance = run.get("tolerance", DEFAULT_TOLERANCE)
 
-    run_single(case / "input.py", run["single_args"], tmp_path / "single.pt", cwd=tmp_path)
+    # each run in its own folder: scripts that save periodically to relative paths
+    # write plain files in one and DCP directories in the other
+    (tmp_path / "single").mkdir()
+    (tmp_path / "dist").mkdir()
+    run_single(case / "input.py", run["single_args"], tmp_path / "single.pt", cwd=tmp_path / "single")
     run_distributed(
-        case / "expected.py", run["dist_args"], tmp_path / "dist.pt", nproc=run.get("nproc", 2), cwd=tmp_path
+        case / "expected.py", run["dist_args"], tmp_path / "dist.pt", nproc=run.get("nproc", 2), cwd=tmp_path / "dist"
     )
     diff = _compare(tmp_path / "single.pt", tmp_path / "dist.pt", run["weights"])
     print(f"\n{case.name}: max |single - distributed| = {diff:.3e} (tolerance {tolerance:g})")

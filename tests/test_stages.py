@@ -293,3 +293,54 @@ def test_stages_run_from_libcst_tool(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert script.read_bytes() == (case / "expected.py").read_bytes()
+
+
+def test_other_entry_points_of_a_sharded_model_are_registered():
+    code = out(MODEL.replace(
+        "    def forward(self, x):\n        return self.head(self.blocks(x))",
+        "    def forward(self, x):\n        return self.head(self.blocks(x))\n\n"
+        "    def generate(self, x, steps):\n        for _ in range(steps):\n            x = self.blocks(x)\n        return x",
+    ) + '''
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+for i in range(2):
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+sample = model.generate(torch.ones(4), 3)
+''')
+    assert 'fully_shard(model, mesh=mesh)\nregister_fsdp_forward_method(model, "generate")\n' in code
+    assert "from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method" in code
+
+
+def test_no_set_epoch_on_a_step_loop_that_recreates_the_iterator():
+    result = rewrite(MODEL + '''
+from torch.utils.data import DataLoader
+
+def main():
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(ds, batch_size=4, shuffle=True)
+    data_iter = iter(loader)
+    for step in range(10):
+        try:
+            (x,) = next(data_iter)
+        except StopIteration:
+            data_iter = iter(loader)
+            (x,) = next(data_iter)
+        model(x).sum().backward()
+        opt.step()
+
+main()
+''')
+    code = result.code.decode()
+    assert "set_epoch" not in code and "sampler=sampler" in code
+    assert any("iter()/next()" in a.what for a in result.attention)
+
+
+def test_model_built_by_a_conditional_expression():
+    code = out(MODEL + '''
+use_cuda = torch.cuda.is_available()
+model = Net().cuda() if use_cuda else Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+''')
+    assert "model = Net().cuda() if use_cuda else Net()\nfor block in model.blocks:" in code

@@ -5,6 +5,7 @@ Stages and lint rules ask these facts their questions ("which names hold models?
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Union
 
@@ -28,6 +29,7 @@ from .names import (
 Block = Union[cst.IndentedBlock, cst.Module]
 Scope = Union[cst.FunctionDef, cst.Module]
 
+STDLIB = set(getattr(sys, "stdlib_module_names", ())) | {"argparse", "logging", "collections", "dataclasses"}
 LOG_CALLS = {"print"}
 LOGGER_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
 FULLY_SHARD = {"torch.distributed.fsdp.fully_shard", "torch.distributed._composable.fsdp.fully_shard"}
@@ -49,6 +51,7 @@ class ModelSite:
     scope: Scope
     class_name: Optional[str]
     line: int
+    top: cst.CSTNode  # the statement of the entry block that builds it (stmt, or an if/else around it)
     shard_anchor: cst.CSTNode  # fully_shard goes right after this statement
     containers: List[Container] = field(default_factory=list)
     tied_containers: List[Container] = field(default_factory=list)
@@ -62,6 +65,8 @@ class OptimizerSite:
     block: Block
     models: List[str]
     line: int
+    # statements before it that turn the models' parameters into its argument (param groups)
+    feeders: List[cst.SimpleStatementLine] = field(default_factory=list)
 
 
 @dataclass
@@ -149,8 +154,7 @@ class _Analyser:
         self.calls = calls
         bindings = self._module_bindings(stmts)
         optimizers = self._optimizers(stmts, bindings)
-        trained = {name for o in optimizers for name in o.models}
-        models = [self._model_site(b) for b in bindings if b[0] in trained and self._first_binding(b, bindings)]
+        models = self._trained_models(optimizers, bindings)
         model_names = self._model_names(models)
         train_loops = self._train_loops(loops)
         loaders = self._loaders(stmts, train_loops)
@@ -192,8 +196,9 @@ class _Analyser:
         return facts
 
     def _module_bindings(self, stmts):
-        """(name, stmt, class) for every `name = SomeModule(...)[.to(...)]` outside classes."""
-        out = []
+        """(name, stmt, class) for every `name = SomeModule(...)[.to(...)]` outside classes,
+        also when a function of the script builds and returns it (`model = build_model()`)."""
+        calls = []
         for stmt in stmts:
             if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
                 continue
@@ -203,12 +208,32 @@ class _Analyser:
             if self.r.enclosing_class(stmt) is not None:
                 continue
             ctor = _innermost_call(assign.value)
-            if ctor is None:
+            if ctor is not None:
+                calls.append((assign.targets[0].target.value, stmt, ctor))
+        out = [(name, stmt, cls) for name, stmt, ctor in calls for cls in [self._class_of(ctor)] if cls]
+        factories = self._factories(out)
+        for name, stmt, ctor in calls:
+            if isinstance(ctor.func, cst.Name) and ctor.func.value in factories:
+                out.append((name, stmt, factories[ctor.func.value]))
+        return out
+
+    def _factories(self, bindings) -> Dict[str, str]:
+        """Functions of the script that return a module they build: name -> its class."""
+        out: Dict[str, str] = {}
+        for fn in self.module.body:
+            if not isinstance(fn, cst.FunctionDef):
                 continue
-            cls = self._class_of(ctor)
-            if cls is None:
-                continue
-            out.append((assign.targets[0].target.value, stmt, cls))
+            local = {b[0]: b[2] for b in bindings if self.r.enclosing_function(b[1]) is fn}
+            for ret in _returns(fn):
+                value = ret.value
+                while _is_placement_chain(value, root_name(value) or "") and isinstance(value, cst.Call):
+                    value = value.func.value  # `return model.to(device)`
+                if isinstance(value, cst.Name) and value.value in local:
+                    out[fn.name.value] = local[value.value]
+                elif value is not None and _innermost_call(value) is not None:
+                    cls = self._class_of(_innermost_call(value))
+                    if cls:
+                        out[fn.name.value] = cls
         return out
 
     def _class_of(self, call: cst.Call) -> Optional[str]:
@@ -217,17 +242,45 @@ class _Analyser:
                 return name
             # a class imported from a library, e.g. torchvision.models.resnet18: only
             # known when something trains it; the optimizer decides.
-            if "." in name and name.rsplit(".", 1)[-1][:1].isupper() and not name.startswith("torch."):
+            if (
+                "." in name
+                and name.rsplit(".", 1)[-1][:1].isupper()
+                and not name.startswith("torch.")
+                and name.split(".")[0] not in STDLIB
+            ):
                 return name
         return None
 
-    def _first_binding(self, binding, bindings) -> bool:
-        name, stmt, _ = binding
-        scope = self.r.enclosing_function(stmt)
-        for other in bindings:
-            if other[0] == name and self.r.enclosing_function(other[1]) is scope:
-                return other is binding
-        return True
+    def _trained_models(self, optimizers, bindings) -> List["ModelSite"]:
+        """The first binding, in the optimizer's own function, of each name it trains."""
+        models: List[ModelSite] = []
+        seen = set()
+        for opt in optimizers:
+            scope = self.r.enclosing_function(opt.stmt)
+            for name in opt.models:
+                if (scope, name) in seen:
+                    continue
+                binding = next(
+                    (b for b in bindings if b[0] == name and self.r.enclosing_function(b[1]) is scope), None
+                )
+                if binding is not None:
+                    seen.add((scope, name))
+                    models.append(self._model_site(binding))
+        models.sort(key=lambda m: self.r.line(m.stmt))
+        return models
+
+    def _scope_body(self, stmt):
+        """The statement holding `stmt` directly in its function body, the module, or the
+        `if __name__ == "__main__":` block, and that block."""
+        top = stmt
+        for anc in self.r.ancestors(stmt):
+            if isinstance(anc, (cst.IndentedBlock, cst.Module)):
+                owner = self.r.parent(anc)
+                if isinstance(anc, cst.Module) or isinstance(owner, cst.FunctionDef) or _is_main_guard(owner):
+                    return top, anc
+            elif isinstance(anc, cst.BaseCompoundStatement):
+                top = anc
+        return top, self.r.block_of(stmt)
 
     def _optimizers(self, stmts, bindings) -> List[OptimizerSite]:
         module_names = {b[0] for b in bindings}
@@ -245,19 +298,47 @@ class _Analyser:
                 self.r.calls_prefix(call, p) for p in NOT_OPTIMIZERS
             )
             receiver = root_name(call.func) if isinstance(call.func, cst.Attribute) else None
+            feeders: List[cst.SimpleStatementLine] = []
             if is_torch_optim:
-                models = [n for n in _ordered_names(call.args) if n in module_names]
+                params = [a for a in call.args if (a.keyword is None and not a.star) or (
+                    a.keyword is not None and a.keyword.value == "params")][:1]
+                models = self._fed_models(_ordered_names(params), stmt, module_names, feeders)
             elif receiver in module_names and "optim" in call.func.attr.value.lower():
                 models = [receiver]  # model.configure_optimizers(...)
             else:
                 continue
             block = self.r.block_of(stmt)
-            out.append(OptimizerSite(assign.targets[0].target.value, stmt, block, models, self.r.line(stmt)))
+            out.append(
+                OptimizerSite(assign.targets[0].target.value, stmt, block, models, self.r.line(stmt), feeders)
+            )
         return out
+
+    def _fed_models(self, names, stmt, module_names, feeders, depth: int = 3) -> List[str]:
+        """Models whose parameters reach the optimizer, directly or through variables
+        built earlier in the same block: `decay = [...]` from `model.named_parameters()`,
+        or lists filled by a loop over them."""
+        found: List[str] = []
+        block = self.r.block_of(stmt)
+        body = list(block.body) if block is not None else []
+        earlier = body[: body.index(stmt)] if stmt in body else []
+        for name in names:
+            if name in module_names:
+                found.append(name)
+                continue
+            if depth == 0:
+                continue
+            for source, reads in _sources_of(name, earlier):
+                inner = self._fed_models(_ordered_names([cst.Arg(reads)]), source, module_names, feeders, depth - 1)
+                if inner:
+                    if source not in feeders:
+                        feeders.append(source)
+                    found.extend(n for n in inner if n not in found)
+        feeders.sort(key=lambda s: body.index(s) if s in body else -1)
+        return found
 
     def _model_site(self, binding) -> ModelSite:
         name, stmt, cls = binding
-        block = self.r.block_of(stmt)
+        top, block = self._scope_body(stmt)
         scope = self.r.enclosing_function(stmt) or self.module
         containers = [c for c in self.classes.block_containers(cls) if c.block_class]
         ties = self.classes.ties(cls)
@@ -269,7 +350,8 @@ class _Analyser:
             scope=scope,
             class_name=cls,
             line=self.r.line(stmt),
-            shard_anchor=self._shard_anchor(name, stmt, block),
+            top=top,
+            shard_anchor=self._shard_anchor(name, top, block),
             containers=[c for c in containers if c not in tied],
             tied_containers=tied,
         )
@@ -519,7 +601,10 @@ class _Analyser:
 
 
 def _innermost_call(expr) -> Optional[cst.Call]:
-    """`Net(...)` for `Net(...)`, `Net(...).to(d)`, `Net(...).cuda().float()`."""
+    """`Net(...)` for `Net(...)`, `Net(...).to(d)`, `Net(...).cuda().float()`,
+    `Net().cuda() if use_cuda else Net()`."""
+    if isinstance(expr, cst.IfExp):
+        return _innermost_call(expr.body) or _innermost_call(expr.orelse)
     while isinstance(expr, cst.Call):
         func = expr.func
         if isinstance(func, cst.Attribute) and func.attr.value in SELF_RETURNING_METHODS and isinstance(func.value, cst.Call):
@@ -650,6 +735,55 @@ def _dict_entries(node):
         for a in node.args:
             if a.keyword is not None:
                 yield a.keyword.value, a.value
+
+
+def _sources_of(name: str, earlier: list):
+    """(statement, expression it reads) for how `name` got its value: its last
+    assignment, and loops after it that append to it."""
+    out = []
+    for i in range(len(earlier) - 1, -1, -1):
+        stmt = earlier[i]
+        if isinstance(stmt, cst.SimpleStatementLine) and name in assigned_names(stmt):
+            value = stmt.body[0].value if isinstance(stmt.body[0], cst.Assign) else None
+            if value is not None:
+                out.append((stmt, value))
+            for later in earlier[i + 1 :]:
+                if isinstance(later, cst.For) and _mutates(later.body, name):
+                    out.append((later, later.iter))
+            break
+    return out
+
+
+def _mutates(node, name: str) -> bool:
+    found = []
+
+    class _M(cst.CSTVisitor):
+        def visit_Call(self, n: cst.Call) -> None:
+            f = n.func
+            if isinstance(f, cst.Attribute) and isinstance(f.value, cst.Name) and f.value.value == name:
+                if f.attr.value in ("append", "extend", "add", "update"):
+                    found.append(n)
+
+    node.visit(_M())
+    return bool(found)
+
+
+def _returns(fn: cst.FunctionDef) -> List[cst.Return]:
+    found: List[cst.Return] = []
+
+    class _R(cst.CSTVisitor):
+        def visit_FunctionDef(self, node) -> bool:
+            return node is fn
+
+        def visit_Return(self, node: cst.Return) -> None:
+            found.append(node)
+
+    fn.visit(_R())
+    return found
+
+
+def _is_main_guard(node) -> bool:
+    return isinstance(node, cst.If) and "__name__" in names_in(node.test)
 
 
 def _mentions_rank(test) -> bool:

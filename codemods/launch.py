@@ -20,6 +20,7 @@ dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 class LaunchDistributedCommand(RetrofitStage):
     DESCRIPTION = "Start a process group and a device mesh where the model is built; tear it down at the end."
     CODE = "launch"
+    LATER_STAGES_READ_IMPORTS = True  # they find the mesh, rank and fully_shard by name
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         if facts.distributed_init is not None or facts.entry_block is None:

@@ -5,11 +5,19 @@ from typing import List, Optional, Type
 
 import libcst as cst
 from libcst.codemod import CodemodContext
+from libcst.codemod.visitors import AddImportsVisitor
 
 from fsdp2_retrofit.analysis import code
 from fsdp2_retrofit.imports import place_added_imports
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.stage import ATTENTION_KEY, CHANGES_KEY, FACTS_KEY, OPTIONS_KEY, RetrofitStage
+from fsdp2_retrofit.stage import (
+    ATTENTION_KEY,
+    CHANGES_KEY,
+    DEFERRED_IMPORTS_KEY,
+    FACTS_KEY,
+    OPTIONS_KEY,
+    RetrofitStage,
+)
 
 from .checkpoint import ConvertSavesCommand
 from .data import DistributeDataCommand
@@ -36,14 +44,20 @@ class RetrofitCommand(RetrofitStage):
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         original_imports = {code(s) for s in tree.body}
+        self.deferred_imports: list = []
         for stage in STAGES:
             tree = self.run_stage(stage, tree)
+        if self.deferred_imports:
+            context = CodemodContext(filename=self.context.filename)
+            context.scratch[AddImportsVisitor.CONTEXT_KEY] = self.deferred_imports
+            tree = AddImportsVisitor(context).transform_module(tree)
         return place_added_imports(tree, original_imports)
 
     def run_stage(self, stage: Type[RetrofitStage], tree: cst.Module) -> cst.Module:
         """One stage with its own context (imports are added per stage), sharing the report."""
         context = CodemodContext(filename=self.context.filename, full_module_name=self.context.full_module_name)
         context.scratch[OPTIONS_KEY] = self.options
+        context.scratch[DEFERRED_IMPORTS_KEY] = self.deferred_imports
         if FACTS_KEY in self.context.scratch:
             context.scratch[FACTS_KEY] = self.context.scratch[FACTS_KEY]
         tree = stage(context, self.options).transform_module(tree)

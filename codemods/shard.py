@@ -12,6 +12,7 @@ FSDP_MODULE = "torch.distributed.fsdp"
 class ShardModelCommand(RetrofitStage):
     DESCRIPTION = "Shard each trained model bottom-up with fully_shard: repeated blocks first, then the root."
     CODE = "shard"
+    LATER_STAGES_READ_IMPORTS = True  # they find the mesh, rank and fully_shard by name
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         self._refuse_unsafe(facts)

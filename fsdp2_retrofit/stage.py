@@ -17,6 +17,7 @@ CHANGES_KEY = "fsdp2_retrofit.changes"
 ATTENTION_KEY = "fsdp2_retrofit.attention"
 OPTIONS_KEY = "fsdp2_retrofit.options"
 FACTS_KEY = "fsdp2_retrofit.facts"  # the last analysis, reused while the tree is unchanged
+DEFERRED_IMPORTS_KEY = "fsdp2_retrofit.deferred_imports"  # set by the composite: add these at the end
 
 Stmt = Union[cst.SimpleStatementLine, cst.BaseCompoundStatement]
 
@@ -29,6 +30,10 @@ class RetrofitStage(CodemodCommand):
     """
 
     CODE = "stage"
+    # Whether later stages' analysis must see this stage's imports resolved (the
+    # names it binds, e.g. `dist`, `fully_shard`). If not, the composite adds them
+    # once at the end instead of running AddImportsVisitor after this stage.
+    LATER_STAGES_READ_IMPORTS = False
 
     def __init__(self, context: CodemodContext, options: Optional[RetrofitOptions] = None) -> None:
         super().__init__(context)
@@ -39,7 +44,11 @@ class RetrofitStage(CodemodCommand):
         """As CodemodCommand's, without the defensive deep copy of the tree: stages
         never mutate nodes and resolve their own metadata (analysis)."""
         tree = self.transform_module_impl(tree)
-        if AddImportsVisitor.CONTEXT_KEY in self.context.scratch:
+        needed = self.context.scratch.get(AddImportsVisitor.CONTEXT_KEY)
+        deferred = self.context.scratch.get(DEFERRED_IMPORTS_KEY)
+        if needed and deferred is not None and not self.LATER_STAGES_READ_IMPORTS:
+            deferred.extend(needed)
+        elif needed:
             tree = self._instantiate_and_run(AddImportsVisitor, tree)
         return tree
 

@@ -69,6 +69,8 @@ class GateRankZeroCommand(RetrofitStage):
                 leading_lines=first.leading_lines,
             )
             editor.replace(first, gate)
+            if test.startswith("dist."):
+                self.add_import("torch.distributed", asname="dist")
             for site in run[1:]:
                 editor.replace(site.stmt, None)
             self.change(
@@ -134,6 +136,8 @@ class GateRankZeroCommand(RetrofitStage):
                 continue
             negated = test.replace("== 0", "!= 0")
             editor.tqdm[bar] = self.expr(negated)
+            if negated.startswith("dist."):
+                self.add_import("torch.distributed", asname="dist")
             editor.mark_work()
             self.change(bar, f"progress bar shown on rank 0 only (`disable={negated}`)", "one bar, not world_size bars")
 

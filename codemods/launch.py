@@ -4,7 +4,7 @@ from __future__ import annotations
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts
-from fsdp2_retrofit.analysis.names import names_in
+from fsdp2_retrofit.analysis.names import is_main_guard, names_in
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
 PREAMBLE = """\
@@ -59,7 +59,7 @@ class LaunchDistributedCommand(RetrofitStage):
                 isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body
             ):
                 continue
-            if _is_docstring(stmt) or _is_main_guard(stmt):
+            if _is_docstring(stmt) or is_main_guard(stmt):
                 continue
             if _touches_torch(stmt, facts) or names_in(stmt) & torch_names:
                 return stmt
@@ -84,7 +84,3 @@ def _is_docstring(stmt) -> bool:
         and isinstance(stmt.body[0], cst.Expr)
         and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
     )
-
-
-def _is_main_guard(stmt) -> bool:
-    return isinstance(stmt, cst.If) and "__name__" in names_in(stmt.test)

@@ -6,7 +6,6 @@ from typing import List, Optional
 import libcst as cst
 
 from fsdp2_retrofit.analysis import LogSite, ScriptFacts
-from fsdp2_retrofit.analysis.names import names_in
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
 

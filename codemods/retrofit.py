@@ -1,7 +1,7 @@
 """retrofit: every stage, in order, with one option set."""
 from __future__ import annotations
 
-from typing import List, Optional, Type
+from typing import List, Type
 
 import libcst as cst
 from libcst.codemod import CodemodContext
@@ -9,7 +9,6 @@ from libcst.codemod.visitors import AddImportsVisitor
 
 from fsdp2_retrofit.analysis import code
 from fsdp2_retrofit.imports import place_added_imports
-from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.stage import (
     ATTENTION_KEY,
     CHANGES_KEY,

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import List
 
 import libcst as cst
 from libcst.codemod import CodemodContext

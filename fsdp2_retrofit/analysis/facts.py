@@ -20,8 +20,8 @@ from .names import (
     SELF_RETURNING_METHODS,
     Resolver,
     assigned_names,
-    attr_path,
     code,
+    is_main_guard,
     names_in,
     root_name,
 )
@@ -276,7 +276,7 @@ class _Analyser:
         for anc in self.r.ancestors(stmt):
             if isinstance(anc, (cst.IndentedBlock, cst.Module)):
                 owner = self.r.parent(anc)
-                if isinstance(anc, cst.Module) or isinstance(owner, cst.FunctionDef) or _is_main_guard(owner):
+                if isinstance(anc, cst.Module) or isinstance(owner, cst.FunctionDef) or is_main_guard(owner):
                     return top, anc
             elif isinstance(anc, cst.BaseCompoundStatement):
                 top = anc
@@ -780,10 +780,6 @@ def _returns(fn: cst.FunctionDef) -> List[cst.Return]:
 
     fn.visit(_R())
     return found
-
-
-def _is_main_guard(node) -> bool:
-    return isinstance(node, cst.If) and "__name__" in names_in(node.test)
 
 
 def _mentions_rank(test) -> bool:

@@ -186,3 +186,8 @@ def attr_path(expr: cst.BaseExpression) -> Optional[tuple]:
         parts.append(expr.value)
         return tuple(reversed(parts))
     return None
+
+
+def is_main_guard(node) -> bool:
+    """`if __name__ == "__main__":`"""
+    return isinstance(node, cst.If) and "__name__" in names_in(node.test)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -132,7 +133,21 @@ def run_distributed(
         str(out),
         *args,
     ]
-    return _run(cmd, _base_env(), Path(cwd or Path(out).parent), timeout)
+    for attempt in range(TEARDOWN_RETRIES + 1):
+        try:
+            return _run(cmd, _base_env(), Path(cwd or Path(out).parent), timeout)
+        except RunError as err:
+            # gloo's worker threads can abort a rank while the interpreter shuts down,
+            # after the script has finished (std::terminate, exit -6). That flake is
+            # retried; any other failure, or the same one every time, fails the test.
+            if attempt == TEARDOWN_RETRIES or TEARDOWN_ABORT not in str(err):
+                raise
+            shutil.rmtree(out, ignore_errors=True)
+    raise AssertionError("unreachable")
+
+
+TEARDOWN_ABORT = "terminate called without an active exception"
+TEARDOWN_RETRIES = 2
 
 
 def load_weights(path: Path):

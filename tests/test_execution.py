@@ -208,3 +208,26 @@ def test_failed_run_names_the_exception(tmp_path: Path):
     script.write_text("raise ValueError('no such layer: fc3')\n")
     with pytest.raises(RunError, match="ValueError: no such layer: fc3"):
         run_single(script, [], tmp_path / "out.pt")
+
+
+def test_only_the_gloo_teardown_abort_is_retried(monkeypatch, tmp_path):
+    import harness
+
+    outcomes = [harness.RunError(f"exit code 1: ...\n{harness.TEARDOWN_ABORT}\n"), "ok"]
+
+    def fake_run(cmd, env, cwd, timeout):
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(harness, "_run", fake_run)
+    assert run_distributed(tmp_path / "s.py", [], tmp_path / "d.pt") == "ok"
+
+    outcomes[:] = [harness.RunError("exit code 1: ValueError: boom")]
+    with pytest.raises(RunError, match="boom"):
+        run_distributed(tmp_path / "s.py", [], tmp_path / "d.pt")
+
+    outcomes[:] = [harness.RunError(harness.TEARDOWN_ABORT)] * (harness.TEARDOWN_RETRIES + 1)
+    with pytest.raises(RunError):
+        run_distributed(tmp_path / "s.py", [], tmp_path / "d.pt")

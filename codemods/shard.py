@@ -47,7 +47,7 @@ class ShardModelCommand(RetrofitStage):
         scopes = {id(m.block) for m in facts.models}
         if len(scopes) > 1:
             self.refuse(
-                facts.models[1].line,
+                facts.models[1].stmt,
                 "models are built in different blocks",
                 "one process group and mesh must cover every model; the rewrite needs them built in one place",
                 "build all models in the same function",
@@ -56,20 +56,25 @@ class ShardModelCommand(RetrofitStage):
             info = facts.classes.get(model.class_name)
             if info is None:
                 continue
-            for attr, line in info.plain_lists:
+            for attr, node in info.plain_lists:
                 self.refuse(
-                    line,
+                    self._class_line(node, model),
                     f"`self.{attr}` keeps layers in a plain Python list",
                     "its parameters are not registered: they are neither trained nor sharded",
                     f"use nn.ModuleList for self.{attr}",
                 )
             if info.optimizer_in_init:
                 self.refuse(
-                    info.optimizer_in_init,
+                    self._class_line(info.optimizer_in_init, model),
                     f"an optimizer is built inside {info.name}.__init__",
                     "it would hold the unsharded parameters; fully_shard replaces them with DTensors",
                     "build the optimizer in the training script, after the model",
                 )
+
+    def _class_line(self, node, model: ModelSite) -> int:
+        """The line of a node of a model class: in this script, or (for a class of a
+        sibling module) the line that builds the model."""
+        return self.line(node) or self.line(model.stmt)
 
     def _shard_statements(self, model: ModelSite, facts: ScriptFacts):
         mesh = f", mesh={facts.mesh_name}" if facts.mesh_name else ""
@@ -103,7 +108,7 @@ class ShardModelCommand(RetrofitStage):
             for container in model.tied_containers:
                 path = ".".join((model.name,) + container.path)
                 self.attention(
-                    container.line,
+                    self._class_line(container.node, model),
                     f"`{path}` shares a parameter with another module; its blocks stay in the root unit",
                     "tied parameters must live in one FSDP unit",
                 )

@@ -98,7 +98,10 @@ class RetrofitStage(CodemodCommand):
 
     def fresh_name(self, wanted: str, scope_node: Optional[cst.CSTNode]) -> str:
         """`wanted`, or `wanted_1`, ... when the scope (or the module's globals) uses it."""
-        taken = _names_visible(self.facts.module, scope_node)
+        cache = self.__dict__.setdefault("_visible", {})
+        if id(scope_node) not in cache:
+            cache[id(scope_node)] = _names_visible(self.facts.module, scope_node)
+        taken = cache[id(scope_node)]
         name, n = wanted, 0
         while name in taken:
             n += 1

@@ -50,7 +50,6 @@ class ModelSite:
     block: Block
     scope: Scope
     class_name: Optional[str]
-    line: int
     top: cst.CSTNode  # the statement of the entry block that builds it (stmt, or an if/else around it)
     shard_anchor: cst.CSTNode  # fully_shard goes right after this statement
     containers: List[Container] = field(default_factory=list)
@@ -64,7 +63,6 @@ class OptimizerSite:
     stmt: cst.SimpleStatementLine
     block: Block
     models: List[str]
-    line: int
     # statements before it that turn the models' parameters into its argument (param groups)
     feeders: List[cst.SimpleStatementLine] = field(default_factory=list)
 
@@ -80,7 +78,6 @@ class LoaderSite:
     drop_last: Optional[cst.BaseExpression]
     kwargs_dict: Optional[cst.CSTNode]  # the dict(...) / {...} node the loader unpacks
     has_sampler: bool
-    line: int
     trains: bool = False
 
 
@@ -88,7 +85,6 @@ class LoaderSite:
 class LoopSite:
     node: cst.CSTNode  # For or While that calls backward()
     function: Optional[cst.FunctionDef]
-    line: int
     loader: Optional[str] = None
 
 
@@ -96,7 +92,6 @@ class LoopSite:
 class LogSite:
     stmt: cst.SimpleStatementLine
     scope: Scope
-    line: int
     gated: bool
 
 
@@ -224,7 +219,7 @@ class _Analyser:
             if not isinstance(fn, cst.FunctionDef):
                 continue
             local = {b[0]: b[2] for b in bindings if self.r.enclosing_function(b[1]) is fn}
-            for ret in _returns(fn):
+            for ret in [r for r in self.r.nodes(cst.Return) if self.r.enclosing_function(r) is fn]:
                 value = ret.value
                 while _is_placement_chain(value, root_name(value) or "") and isinstance(value, cst.Call):
                     value = value.func.value  # `return model.to(device)`
@@ -266,7 +261,8 @@ class _Analyser:
                 if binding is not None:
                     seen.add((scope, name))
                     models.append(self._model_site(binding))
-        models.sort(key=lambda m: self.r.line(m.stmt))
+        order = {id(s): i for i, s in enumerate(self.r.nodes(cst.SimpleStatementLine))}
+        models.sort(key=lambda m: order.get(id(m.stmt), 0))
         return models
 
     def _scope_body(self, stmt):
@@ -309,7 +305,7 @@ class _Analyser:
                 continue
             block = self.r.block_of(stmt)
             out.append(
-                OptimizerSite(assign.targets[0].target.value, stmt, block, models, self.r.line(stmt), feeders)
+                OptimizerSite(assign.targets[0].target.value, stmt, block, models, feeders)
             )
         return out
 
@@ -342,14 +338,13 @@ class _Analyser:
         scope = self.r.enclosing_function(stmt) or self.module
         containers = [c for c in self.classes.block_containers(cls) if c.block_class]
         ties = self.classes.ties(cls)
-        tied = [c for c in containers if any(_under(a, c.path) or _under(b, c.path) for a, b, _ in ties)]
+        tied = [c for c in containers if any(_under(a, c.path) or _under(b, c.path) for a, b in ties)]
         return ModelSite(
             name=name,
             stmt=stmt,
             block=block,
             scope=scope,
             class_name=cls,
-            line=self.r.line(stmt),
             top=top,
             shard_anchor=self._shard_anchor(name, top, block),
             containers=[c for c in containers if c not in tied],
@@ -428,7 +423,7 @@ class _Analyser:
             # the innermost loop that calls backward
             if any(_calls_method(inner.body, "backward") for inner in _inner_loops(loop)):
                 continue
-            site = LoopSite(loop, self.r.enclosing_function(loop), self.r.line(loop))
+            site = LoopSite(loop, self.r.enclosing_function(loop))
             if isinstance(loop, cst.For):
                 site.loader = _iterated_name(loop.iter)
             out.append(site)
@@ -475,7 +470,6 @@ class _Analyser:
                     drop_last=args.get("drop_last"),
                     kwargs_dict=kwargs_dict,
                     has_sampler="sampler" in args or "batch_sampler" in args,
-                    line=self.r.line(stmt),
                     trains=name in iterated or name in passed,
                 )
             )
@@ -542,7 +536,6 @@ class _Analyser:
                 LogSite(
                     stmt=stmt,
                     scope=self.r.enclosing_function(stmt) or self.module,
-                    line=self.r.line(stmt),
                     gated=self._is_rank_gated(stmt),
                 )
             )
@@ -766,20 +759,6 @@ def _mutates(node, name: str) -> bool:
 
     node.visit(_M())
     return bool(found)
-
-
-def _returns(fn: cst.FunctionDef) -> List[cst.Return]:
-    found: List[cst.Return] = []
-
-    class _R(cst.CSTVisitor):
-        def visit_FunctionDef(self, node) -> bool:
-            return node is fn
-
-        def visit_Return(self, node: cst.Return) -> None:
-            found.append(node)
-
-    fn.visit(_R())
-    return found
 
 
 def _mentions_rank(test) -> bool:

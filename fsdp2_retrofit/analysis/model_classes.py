@@ -24,7 +24,7 @@ class Container:
     path: Path_
     block_class: Optional[str]
     kind: str  # ModuleList, Sequential
-    line: int
+    node: cst.CSTNode  # the assignment in __init__ (of the script or of a sibling module)
 
 
 @dataclass
@@ -36,9 +36,9 @@ class ClassInfo:
     is_module: bool = False
     submodules: Dict[str, str] = field(default_factory=dict)  # attr -> class global name
     containers: List[Container] = field(default_factory=list)
-    ties: List[Tuple[Path_, Path_, int]] = field(default_factory=list)
-    plain_lists: List[Tuple[str, int]] = field(default_factory=list)
-    optimizer_in_init: Optional[int] = None
+    ties: List[Tuple[Path_, Path_]] = field(default_factory=list)
+    plain_lists: List[Tuple[str, cst.CSTNode]] = field(default_factory=list)
+    optimizer_in_init: Optional[cst.CSTNode] = None
     methods: Dict[str, cst.FunctionDef] = field(default_factory=dict)
 
 
@@ -74,10 +74,10 @@ class ClassRegistry:
         found = list(info.containers)
         for attr, sub in info.submodules.items():
             for c in self.block_containers(sub, depth - 1):
-                found.append(Container((attr,) + c.path, c.block_class, c.kind, c.line))
+                found.append(Container((attr,) + c.path, c.block_class, c.kind, c.node))
         return found
 
-    def ties(self, name: Optional[str]) -> List[Tuple[Path_, Path_, int]]:
+    def ties(self, name: Optional[str]) -> List[Tuple[Path_, Path_]]:
         info = self.get(name)
         return list(info.ties) if info else []
 
@@ -210,7 +210,7 @@ def _read_init(init: cst.FunctionDef, namer: _Namer, info: ClassInfo) -> None:
             if namer.resolver.calls_prefix(node, OPTIMIZER_PREFIX) and not any(
                 namer.resolver.calls_prefix(node, p) for p in NOT_OPTIMIZERS
             ):
-                info.optimizer_in_init = info.optimizer_in_init or namer.resolver.line(node)
+                info.optimizer_in_init = info.optimizer_in_init or node
 
     init.visit(_Init())
     for attr, calls in appended.items():
@@ -220,10 +220,9 @@ def _read_init(init: cst.FunctionDef, namer: _Namer, info: ClassInfo) -> None:
 
 
 def _read_self_assign(path, value, node, namer: _Namer, info: ClassInfo) -> None:
-    line = namer.resolver.line(node)
     vpath = attr_path(value)
     if vpath and vpath[0] == "self" and len(path) >= 2 and len(vpath) >= 3:
-        info.ties.append((tuple(path), tuple(vpath[1:]), line))
+        info.ties.append((tuple(path), tuple(vpath[1:])))
         return
     if len(path) != 1:
         return
@@ -233,13 +232,13 @@ def _read_self_assign(path, value, node, namer: _Namer, info: ClassInfo) -> None
             value.elements[0].value if value.elements else None
         )
         if isinstance(element, cst.Call) and _is_module_ctor(element, namer):
-            info.plain_lists.append((attr, line))
+            info.plain_lists.append((attr, node))
         return
     if not isinstance(value, cst.Call):
         return
     callee = namer.of(value)
     if callee in CONTAINERS:
-        _read_container((attr,), value, callee, namer, info, line)
+        _read_container((attr,), value, callee, namer, info, node)
     elif callee:
         info.submodules[attr] = callee
 
@@ -249,14 +248,14 @@ def _is_module_ctor(call: cst.Call, namer: _Namer) -> bool:
     return bool(name) and (name.startswith("torch.nn.") or name.split(".")[-1][:1].isupper())
 
 
-def _read_container(path, call: cst.Call, kind_name: str, namer: _Namer, info: ClassInfo, line: int) -> None:
+def _read_container(path, call: cst.Call, kind_name: str, namer: _Namer, info: ClassInfo, node) -> None:
     kind = kind_name.rsplit(".", 1)[-1]
     if kind == "ModuleDict":
         for key, value in _dict_items(call, namer):
             if isinstance(value, cst.Call):
                 inner = namer.of(value)
                 if inner in CONTAINERS:
-                    _read_container(path + (key,), value, inner, namer, info, line)
+                    _read_container(path + (key,), value, inner, namer, info, node)
         return
     elements = _repeated_elements(call)
     if elements is None:
@@ -264,7 +263,7 @@ def _read_container(path, call: cst.Call, kind_name: str, namer: _Namer, info: C
     classes = {namer.of(e) for e in elements} if elements else set()
     if len(classes) > 1:
         return
-    info.containers.append(Container(path, classes.pop() if classes else None, kind, line))
+    info.containers.append(Container(path, classes.pop() if classes else None, kind, node))
 
 
 def _repeated_elements(call: cst.Call) -> Optional[List[cst.Call]]:

@@ -31,6 +31,14 @@ class ShardModelCommand(RetrofitStage):
                 "start from the single-GPU version of the script",
             )
         if not facts.models:
+            for cls, call in facts.class_optimizers:
+                self.refuse(
+                    call,
+                    f"the optimizer is built inside class {cls} (e.g. self.optimizer)",
+                    "models and optimizers held by a trainer object are not supported yet: "
+                    "the rewrite must shard the model before that optimizer is built",
+                    f"build the model and optimizer in a function and pass them to {cls}",
+                )
             if not facts.module_ctor_names:
                 self.refuse(
                     1,

@@ -344,3 +344,15 @@ model = Net().cuda() if use_cuda else Net()
 opt = optim.SGD(model.parameters(), lr=0.1)
 ''')
     assert "model = Net().cuda() if use_cuda else Net()\nfor block in model.blocks:" in code
+
+
+def test_a_trainer_class_holding_the_optimizer_is_refused_with_the_reason():
+    result = rewrite(MODEL + '''
+
+class Trainer:
+    def __init__(self):
+        self.model = Net()
+        self.optimizer = optim.SGD(self.model.parameters(), lr=0.1)
+''')
+    assert result.refusals[0].what == "the optimizer is built inside class Trainer (e.g. self.optimizer)"
+    assert result.refusals[0].line == 28

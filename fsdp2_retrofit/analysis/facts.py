@@ -118,6 +118,8 @@ class ScriptFacts:
     rank_name: Optional[str]
     wrappers: List[tuple]  # (line, name) of DDP/DataParallel/FSDP1 uses
     root_shard: Dict[str, cst.SimpleStatementLine]  # model name -> its `fully_shard(name)` statement
+    # torch.optim constructors inside classes that are not modules (a Trainer holding self.optimizer)
+    class_optimizers: List[tuple]  # (class name, call)
     module_ctor_names: Set[str]
 
     def model(self, name: str) -> Optional[ModelSite]:
@@ -185,6 +187,7 @@ class _Analyser:
             ],
             module_ctor_names={b[0] for b in bindings},
             root_shard=self._shard_statements(stmts),
+            class_optimizers=self._class_optimizers(calls),
         )
         for m in models:
             m.sharded = m.name in facts.root_shard
@@ -573,6 +576,18 @@ class _Analyser:
                 self.r.enclosing_function(call), set()
             ):
                 out.append(call)
+        return out
+
+    def _class_optimizers(self, calls) -> List[tuple]:
+        out = []
+        for call in calls:
+            cls = self.r.enclosing_class(call)
+            if cls is None or self.classes.is_module_class(cls.name.value):
+                continue
+            if self.r.calls_prefix(call, OPTIMIZER_PREFIX) and not any(
+                self.r.calls_prefix(call, p) for p in NOT_OPTIMIZERS
+            ):
+                out.append((cls.name.value, call))
         return out
 
     def _shard_statements(self, stmts) -> Dict[str, cst.SimpleStatementLine]:

@@ -356,3 +356,14 @@ class Trainer:
 ''')
     assert result.refusals[0].what == "the optimizer is built inside class Trainer (e.g. self.optimizer)"
     assert result.refusals[0].line == 28
+
+
+def test_sequential_of_an_ordered_dict_of_one_block_class_is_a_container():
+    code = out(MODEL.replace(
+        "self.blocks = nn.Sequential(*[Block() for _ in range(3)])",
+        'self.blocks = nn.Sequential(OrderedDict([("b1", Block()), ("b2", Block()), ("b3", Block())]))',
+    ).replace("import torch\n", "from collections import OrderedDict\n\nimport torch\n") + '''
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+''')
+    assert "for block in model.blocks:\n    fully_shard(block, mesh=mesh)" in code

@@ -272,6 +272,9 @@ def _repeated_elements(call: cst.Call) -> Optional[List[cst.Call]]:
         return []
     if len(call.args) == 1:
         value = call.args[0].value
+        named = _ordered_dict_values(value)
+        if named is not None:
+            return named if len(named) >= 2 and all(isinstance(c, cst.Call) for c in named) else None
         if isinstance(value, (cst.ListComp, cst.GeneratorExp)):
             return [value.elt] if isinstance(value.elt, cst.Call) else None
         if isinstance(value, (cst.List, cst.Tuple)):
@@ -281,6 +284,23 @@ def _repeated_elements(call: cst.Call) -> Optional[List[cst.Call]]:
     calls = [a.value for a in call.args]
     if all(isinstance(c, cst.Call) and not a.star for c, a in zip(calls, call.args)) and len(calls) >= 2:
         return calls
+    return None
+
+
+def _ordered_dict_values(value) -> Optional[list]:
+    """The modules of `OrderedDict([("a", A()), ...])` or `{"a": A(), ...}`; None otherwise."""
+    if isinstance(value, cst.Dict):
+        return [e.value for e in value.elements if isinstance(e, cst.DictElement)]
+    if (
+        isinstance(value, cst.Call)
+        and (isinstance(value.func, cst.Name) and value.func.value == "OrderedDict"
+             or isinstance(value.func, cst.Attribute) and value.func.attr.value == "OrderedDict")
+        and len(value.args) == 1
+        and isinstance(value.args[0].value, (cst.List, cst.Tuple))
+    ):
+        pairs = [e.value for e in value.args[0].value.elements]
+        if all(isinstance(p, cst.Tuple) and len(p.elements) == 2 for p in pairs):
+            return [p.elements[1].value for p in pairs]
     return None
 
 

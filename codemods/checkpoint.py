@@ -19,10 +19,10 @@ class _SaveEditor(StatementEditor):
         self.exprs: Dict[cst.CSTNode, cst.BaseExpression] = {}  # state_dict() calls -> replacements
         self.saves: Dict[cst.Call, cst.BaseExpression] = {}  # torch.save calls -> `dcp.save` callee
 
-    def on_leave(self, original_node, updated_node):
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
         if original_node in self.exprs:
-            updated_node = self.exprs[original_node]
-        elif original_node in self.saves:
+            return self.exprs[original_node]
+        if original_node in self.saves:
             state, path = updated_node.args[0], updated_node.args[1]
             updated_node = updated_node.with_changes(
                 func=self.saves[original_node],
@@ -37,7 +37,7 @@ class _SaveEditor(StatementEditor):
                     ),
                 ],
             )
-        return super().on_leave(original_node, updated_node)
+        return updated_node
 
 
 class ConvertSavesCommand(RetrofitStage):

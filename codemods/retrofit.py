@@ -15,6 +15,7 @@ from fsdp2_retrofit.stage import (
     DEFERRED_IMPORTS_KEY,
     FACTS_KEY,
     OPTIONS_KEY,
+    CombinedEditor,
     RetrofitStage,
 )
 
@@ -36,6 +37,16 @@ STAGES: List[Type[RetrofitStage]] = [
     GateRankZeroCommand,
 ]
 
+# Stages in one group plan their edits on the same analysis and are applied in one
+# pass: none of them reads what another in its group writes. launch binds the
+# names (mesh, rank, dist) the others use; shard writes the fully_shard calls the
+# optimizer and forward_calls stages place themselves after.
+GROUPS: List[List[Type[RetrofitStage]]] = [
+    [LaunchDistributedCommand],
+    [ShardModelCommand],
+    [MoveOptimizerCommand, ReplaceForwardCallsCommand, DistributeDataCommand, ConvertSavesCommand, GateRankZeroCommand],
+]
+
 
 class RetrofitCommand(RetrofitStage):
     DESCRIPTION = "Rewrite a single-GPU training script into torchrun-ready FSDP2 (all stages)."
@@ -44,25 +55,46 @@ class RetrofitCommand(RetrofitStage):
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         original_imports = {code(s) for s in tree.body}
         self.deferred_imports: list = []
-        for stage in STAGES:
-            tree = self.run_stage(stage, tree)
+        for group in GROUPS:
+            tree = self.run_group(group, tree)
         if self.deferred_imports:
             context = CodemodContext(filename=self.context.filename)
             context.scratch[AddImportsVisitor.CONTEXT_KEY] = self.deferred_imports
             tree = AddImportsVisitor(context).transform_module(tree)
         return place_added_imports(tree, original_imports)
 
-    def run_stage(self, stage: Type[RetrofitStage], tree: cst.Module) -> cst.Module:
-        """One stage with its own context (imports are added per stage), sharing the report."""
+    def stage_context(self) -> CodemodContext:
+        """Each stage gets its own context (its imports, its report), sharing the analysis."""
         context = CodemodContext(filename=self.context.filename, full_module_name=self.context.full_module_name)
         context.scratch[OPTIONS_KEY] = self.options
         context.scratch[DEFERRED_IMPORTS_KEY] = self.deferred_imports
         if FACTS_KEY in self.context.scratch:
             context.scratch[FACTS_KEY] = self.context.scratch[FACTS_KEY]
+        return context
+
+    def run_stage(self, stage: Type[RetrofitStage], tree: cst.Module) -> cst.Module:
+        context = self.stage_context()
         tree = stage(context, self.options).transform_module(tree)
         self.context.scratch[FACTS_KEY] = context.scratch.get(FACTS_KEY)
         self.after_stage(stage, tree, context)
         return tree
+
+    def run_group(self, group: List[Type[RetrofitStage]], tree: cst.Module) -> cst.Module:
+        if len(group) == 1:
+            return self.run_stage(group[0], tree)
+        planned = []
+        for stage_class in group:
+            context = self.stage_context()
+            stage = stage_class(context, self.options)
+            planned.append((stage_class, context, stage.plan(tree, stage.facts_for(tree))))
+            self.context.scratch[FACTS_KEY] = context.scratch[FACTS_KEY]
+        editor = CombinedEditor([e for _, _, e in planned])
+        new_tree = tree.visit(editor) if editor.has_work() else tree
+        for i, (stage_class, context, _) in enumerate(planned):
+            self.deferred_imports.extend(context.scratch.get(AddImportsVisitor.CONTEXT_KEY, []))
+            # every stage of the group reported lines of the same input tree
+            self.after_stage(stage_class, new_tree if i == len(planned) - 1 else tree, context)
+        return new_tree
 
     def after_stage(self, stage, tree: cst.Module, context: CodemodContext) -> None:
         for key in (CHANGES_KEY, ATTENTION_KEY):

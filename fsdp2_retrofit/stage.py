@@ -53,15 +53,23 @@ class RetrofitStage(CodemodCommand):
         return tree
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
+        editor = self.plan(tree, self.facts_for(tree))
+        return tree.visit(editor) if editor.has_work() else tree
+
+    def facts_for(self, tree: cst.Module) -> ScriptFacts:
+        """The analysis of `tree`: the last one if it was of this very tree."""
         known = self.context.scratch.get(FACTS_KEY)
-        self.facts = known if known is not None and known.module is tree else analyse(tree, self.context.filename)
-        self.context.scratch[FACTS_KEY] = self.facts
+        facts = known if known is not None and known.module is tree else analyse(tree, self.context.filename)
+        self.context.scratch[FACTS_KEY] = facts
+        return facts
+
+    def plan(self, tree: cst.Module, facts: ScriptFacts) -> "StatementEditor":
+        """Decide this stage's edits of `tree` (recorded in the returned editor)."""
+        self.facts = facts
         self.config = tree.config_for_parsing
         editor = self.make_editor()
-        self.edit(tree, self.facts, editor)
-        if not editor.has_work():
-            return tree
-        return tree.visit(editor)
+        self.edit(tree, facts, editor)
+        return editor
 
     def make_editor(self) -> "StatementEditor":
         return StatementEditor()
@@ -221,3 +229,33 @@ class StatementEditor(cst.CSTTransformer):
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module):
         return updated_node.with_changes(body=self._edit_body(original_node, original_node.body, updated_node.body))
+
+
+class CombinedEditor(StatementEditor):
+    """The edits several stages planned on the same tree, applied in one pass.
+
+    Statement edits are merged in stage order; each stage's expression edits (its
+    editor's `leave_*` methods) run in stage order on every node.
+    """
+
+    def __init__(self, editors: Sequence[StatementEditor]) -> None:
+        super().__init__()
+        for editor in editors:
+            for mine, theirs in (
+                (self.before, editor.before),
+                (self.after, editor.after),
+                (self.append, editor.append),
+            ):
+                for key, stmts in theirs.items():
+                    mine[key].extend(stmts)
+            self.replacement.update(editor.replacement)
+            self.leading.update(editor.leading)
+            self._extra_work = self._extra_work or editor._extra_work
+        self.expression_editors = [e for e in editors if type(e) is not StatementEditor]
+
+    def on_leave(self, original_node, updated_node):
+        if not isinstance(original_node, (cst.IndentedBlock, cst.Module)):
+            name = f"leave_{type(original_node).__name__}"
+            for editor in self.expression_editors:
+                updated_node = getattr(editor, name)(original_node, updated_node)
+        return super().on_leave(original_node, updated_node)

@@ -10,6 +10,7 @@ from fsdp2_retrofit.analysis.names import assigned_names
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
 SAVE = {"torch.save", "torch.serialization.save"}
+READERS = {"torch.load", "shutil.copy", "shutil.copyfile", "shutil.copy2", "shutil.move", "open", "os.path.getsize"}
 STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
 
 
@@ -84,6 +85,7 @@ class ConvertSavesCommand(RetrofitStage):
         kinds = sorted({"get_model_state_dict" if "model_state" in r else "get_optimizer_state_dict" for r in edits.values()})
         for kind in kinds:
             self.add_import(STATE_DICT_MODULE, kind)
+        self._flag_readers(call, path, facts)
         self.change(
             call,
             f"torch.save -> dcp.save of {', '.join(kinds)}(...); `{code(path)}` is now a checkpoint directory",
@@ -91,6 +93,18 @@ class ConvertSavesCommand(RetrofitStage):
             "(one file: torch.distributed.checkpoint.format_utils.dcp_to_torch_save)",
             "torch.save of sharded state writes one rank's DTensor shards, not a loadable model",
         )
+
+    def _flag_readers(self, save: cst.Call, path, facts: ScriptFacts) -> None:
+        """Code that reads the saved path as a file will now find a directory."""
+        target = code(path)
+        for call in _calls(facts, READERS):
+            if call is not save and any(code(a.value) == target for a in call.args):
+                self.attention(
+                    call,
+                    f"reads `{target}`, which is now a DCP checkpoint directory",
+                    "load it with dcp.load into get_model_state_dict(model) and set_model_state_dict, "
+                    "or copy it with shutil.copytree (on one rank)",
+                )
 
     def _state_edits(self, target, models, optimizers) -> Dict[cst.CSTNode, str]:
         """`m.state_dict()` / `opt.state_dict()` calls in the saved object -> replacements."""

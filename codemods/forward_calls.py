@@ -86,23 +86,32 @@ class ReplaceForwardCallsCommand(RetrofitStage):
                     called.append(func.attr.value)
 
         facts.module.visit(_Calls())
-        return [m for m in called if _runs_self(info.methods[m])]
+        return [m for m in called if _runs_self(info.methods[m], info)]
 
 
-def _runs_self(method: cst.FunctionDef) -> bool:
-    """The method calls `self(...)` or a submodule/method of self: it computes with parameters."""
+def _runs_self(method: cst.FunctionDef, info) -> bool:
+    """The method runs the model's computation: it calls `self(...)`, `self.forward(...)`
+    or one of its submodules (`self.blocks[0](x)`, `self.head(x)`), or a block of a
+    repeated container in a loop. Methods that only read parameters
+    (`configure_optimizers`) do not count."""
+    submodules = set(info.submodules) | {c.path[0] for c in info.containers}
     found = []
 
     class _V(cst.CSTVisitor):
         def visit_Call(self, node: cst.Call) -> None:
             f = node.func
+            while isinstance(f, cst.Subscript):
+                f = f.value
             if isinstance(f, cst.Name) and f.value == "self":
                 found.append(node)
-            elif isinstance(f, cst.Attribute) and isinstance(f.value, (cst.Name, cst.Attribute)):
-                base = f.value
-                while isinstance(base, cst.Attribute):
-                    base = base.value
-                if isinstance(base, cst.Name) and base.value == "self":
+            elif isinstance(f, cst.Attribute) and isinstance(f.value, cst.Name) and f.value.value == "self":
+                if f.attr.value == "forward" or f.attr.value in submodules:
+                    found.append(node)
+
+        def visit_For(self, node: cst.For) -> None:
+            it = node.iter
+            if isinstance(it, cst.Attribute) and isinstance(it.value, cst.Name) and it.value.value == "self":
+                if it.attr.value in submodules:
                     found.append(node)
 
     method.body.visit(_V())

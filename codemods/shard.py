@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from fsdp2_retrofit.analysis import ModelSite, ScriptFacts
+from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
 FSDP_MODULE = "torch.distributed.fsdp"
@@ -29,6 +29,28 @@ class ShardModelCommand(RetrofitStage):
                 f"the script already uses {wrapper}",
                 "migrating DDP, DataParallel and FSDP1 scripts is not supported yet",
                 "start from the single-GPU version of the script",
+            )
+        for call in facts.compiled_builds:
+            self.refuse(
+                call,
+                "the model is compiled in the expression that builds it",
+                "fully_shard must see the plain module, before torch.compile wraps it",
+                "build it first (`model = Net()`), then `model = torch.compile(model)` on its own line",
+            )
+        for cls, call in facts.trainer_classes:
+            self.refuse(
+                call,
+                f"the training loop lives in class {cls}, which is handed the model",
+                "following the model, optimizer and data into a trainer object is not supported yet: "
+                "its sampler, saves and logging would be left unconverted",
+                "keep the training loop in a function that receives the model and optimizer",
+            )
+        for call in facts.deep_copies:
+            self.refuse(
+                call,
+                f"`{code(call)}` copies a model that gets sharded",
+                "FSDP2 modules cannot be deep-copied; an EMA or teacher copy needs its own fully_shard",
+                "make the copy before sharding and shard it like the model (and save it with get_model_state_dict)",
             )
         if not facts.models:
             for cls, call in facts.class_optimizers:

@@ -367,3 +367,59 @@ model = Net()
 opt = optim.SGD(model.parameters(), lr=0.1)
 ''')
     assert "for block in model.blocks:\n    fully_shard(block, mesh=mesh)" in code
+
+
+def test_a_method_that_only_reads_parameters_is_not_registered_as_forward():
+    code = out(MODEL.replace(
+        "    def forward(self, x):\n        return self.head(self.blocks(x))",
+        "    def forward(self, x):\n        return self.head(self.blocks(x))\n\n"
+        "    def configure_optimizers(self, lr):\n        return optim.AdamW(self.parameters(), lr=lr)",
+    ) + '''
+model = Net()
+opt = model.configure_optimizers(0.1)
+''')
+    assert "register_fsdp_forward_method" not in code
+    assert code.index("fully_shard(model, mesh=mesh)") < code.index("opt = model.configure_optimizers")
+
+
+def test_init_applied_after_building_runs_before_sharding_and_getattr_optimizers_count():
+    code = out(MODEL + '''
+def init(m):
+    pass
+
+model = Net()
+model.apply(init)
+opt = getattr(torch.optim, "SGD")(model.parameters(), lr=0.1)
+''')
+    assert "model.apply(init)\nfor block in model.blocks:" in code
+    assert code.index("fully_shard(model, mesh=mesh)") < code.index("opt = getattr(")
+
+
+def test_reading_a_converted_checkpoint_path_is_flagged():
+    result = rewrite(MODEL + '''
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+torch.save(model.state_dict(), "best.pt")
+model.load_state_dict(torch.load("best.pt"))
+''')
+    assert any(a.what.startswith('reads `"best.pt"`') and a.line == 27 for a in result.attention)
+
+
+@pytest.mark.parametrize(
+    "tail, what",
+    [
+        ("model = torch.compile(Net())\nopt = optim.SGD(model.parameters(), lr=0.1)\n",
+         "the model is compiled in the expression that builds it"),
+        ("import copy\nmodel = Net()\nopt = optim.SGD(model.parameters(), lr=0.1)\nema = copy.deepcopy(model)\n",
+         "`copy.deepcopy(model)` copies a model that gets sharded"),
+        ("class Trainer:\n    def __init__(self, m):\n        self.m = m\n\n    def fit(self, x):\n"
+         "        self.m(x).sum().backward()\n\n\nmodel = Net()\nopt = optim.SGD(model.parameters(), lr=0.1)\n"
+         "Trainer(model).fit(torch.ones(4))\n",
+         "the training loop lives in class Trainer, which is handed the model"),
+    ],
+    ids=["compile-in-build", "deepcopy", "trainer-object"],
+)
+def test_constructs_that_would_crash_are_refused(tail, what):
+    result = rewrite(MODEL + "\n" + tail)
+    assert result.refusals and result.refusals[0].what == what
+    assert result.code == dedent(MODEL + "\n" + tail).encode()

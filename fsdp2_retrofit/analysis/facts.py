@@ -120,6 +120,9 @@ class ScriptFacts:
     root_shard: Dict[str, cst.SimpleStatementLine]  # model name -> its `fully_shard(name)` statement
     # torch.optim constructors inside classes that are not modules (a Trainer holding self.optimizer)
     class_optimizers: List[tuple]  # (class name, call)
+    compiled_builds: List[cst.Call]  # `torch.compile(Net())`: built and compiled in one expression
+    deep_copies: List[cst.Call]  # `copy.deepcopy(model)` of a trained model
+    trainer_classes: List[tuple]  # (class name, call) of a class with a backward() loop given a model
     module_ctor_names: Set[str]
 
     def model(self, name: str) -> Optional[ModelSite]:
@@ -188,6 +191,19 @@ class _Analyser:
             module_ctor_names={b[0] for b in bindings},
             root_shard=self._shard_statements(stmts),
             class_optimizers=self._class_optimizers(calls),
+            compiled_builds=[
+                c for c in calls
+                if self.r.is_call_to(c, {"torch.compile"}) and c.args
+                and _innermost_call(c.args[0].value) is not None
+                and self._class_of(_innermost_call(c.args[0].value))
+            ],
+            deep_copies=[
+                c for c in calls
+                if self.r.is_call_to(c, {"copy.deepcopy"}) and c.args
+                and isinstance(c.args[0].value, cst.Name)
+                and c.args[0].value.value in model_names.get(self.r.enclosing_function(c), set())
+            ],
+            trainer_classes=self._trainer_classes(calls, model_names),
         )
         for m in models:
             m.sharded = m.name in facts.root_shard
@@ -293,9 +309,10 @@ class _Analyser:
             call = assign.value
             if not isinstance(call, cst.Call) or self.r.enclosing_class(stmt) is not None:
                 continue
-            is_torch_optim = self.r.calls_prefix(call, OPTIMIZER_PREFIX) and not any(
-                self.r.calls_prefix(call, p) for p in NOT_OPTIMIZERS
-            )
+            is_torch_optim = (
+                self.r.calls_prefix(call, OPTIMIZER_PREFIX)
+                and not any(self.r.calls_prefix(call, p) for p in NOT_OPTIMIZERS)
+            ) or self._is_getattr_optimizer(call)
             receiver = root_name(call.func) if isinstance(call.func, cst.Attribute) else None
             feeders: List[cst.SimpleStatementLine] = []
             if is_torch_optim:
@@ -311,6 +328,17 @@ class _Analyser:
                 OptimizerSite(assign.targets[0].target.value, stmt, block, models, feeders)
             )
         return out
+
+    def _is_getattr_optimizer(self, call: cst.Call) -> bool:
+        """`getattr(torch.optim, args.optim)(model.parameters(), ...)`"""
+        inner = call.func
+        return (
+            isinstance(inner, cst.Call)
+            and isinstance(inner.func, cst.Name)
+            and inner.func.value == "getattr"
+            and bool(inner.args)
+            and "torch.optim" in self.r.qnames(inner.args[0].value)
+        )
 
     def _fed_models(self, names, stmt, module_names, feeders, depth: int = 3) -> List[str]:
         """Models whose parameters reach the optimizer, directly or through variables
@@ -361,7 +389,7 @@ class _Analyser:
         for later in body[body.index(stmt) + 1 :]:
             if isinstance(later, (cst.For, cst.While, cst.FunctionDef, cst.With, cst.Try)):
                 break
-            if _is_placement(later, name):
+            if _is_placement(later, name) or _initialises(later, name):
                 anchor = later
             elif name in assigned_names(later):
                 break  # rebound by something else (torch.compile, a wrapper): shard before it
@@ -578,6 +606,23 @@ class _Analyser:
                 out.append(call)
         return out
 
+    def _trainer_classes(self, calls, model_names) -> List[tuple]:
+        """Script classes (not modules) whose methods call backward(), built with a model."""
+        trainers = {
+            c.name.value
+            for c in self.module.body
+            if isinstance(c, cst.ClassDef)
+            and not self.classes.is_module_class(c.name.value)
+            and _calls_method(c.body, "backward", into_functions=True)
+        }
+        out = []
+        for call in calls:
+            if isinstance(call.func, cst.Name) and call.func.value in trainers:
+                known = model_names.get(self.r.enclosing_function(call), set())
+                if any(isinstance(a.value, cst.Name) and a.value.value in known for a in call.args):
+                    out.append((call.func.value, call))
+        return out
+
     def _class_optimizers(self, calls) -> List[tuple]:
         out = []
         for call in calls:
@@ -640,6 +685,21 @@ def _is_placement(stmt, name: str) -> bool:
     return True
 
 
+def _initialises(stmt, name: str) -> bool:
+    """`model.apply(init_fn)`: an in-place (re)initialisation, done before sharding."""
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return False
+    small = stmt.body[0]
+    value = small.value if isinstance(small, (cst.Expr, cst.Assign)) else None
+    return (
+        isinstance(value, cst.Call)
+        and isinstance(value.func, cst.Attribute)
+        and value.func.attr.value == "apply"
+        and isinstance(value.func.value, cst.Name)
+        and value.func.value.value == name
+    )
+
+
 def _is_placement_chain(expr, name: str) -> bool:
     if isinstance(expr, cst.Name):
         return expr.value == name
@@ -682,12 +742,12 @@ def _params_receiving(fn: cst.FunctionDef, call: cst.Call, known: Set[str]):
             yield param
 
 
-def _calls_method(node, method: str) -> bool:
+def _calls_method(node, method: str, into_functions: bool = False) -> bool:
     found = []
 
     class _M(cst.CSTVisitor):
         def visit_FunctionDef(self, n) -> bool:
-            return False
+            return into_functions
 
         def visit_Call(self, n: cst.Call) -> None:
             if isinstance(n.func, cst.Attribute) and n.func.attr.value == method:

@@ -20,6 +20,7 @@ from fsdp2_retrofit.stage import (
 )
 
 from .checkpoint import ConvertSavesCommand
+from .clipping import ReadGlobalGradNormCommand
 from .data import DistributeDataCommand
 from .forward_calls import ReplaceForwardCallsCommand
 from .launch import LaunchDistributedCommand
@@ -34,6 +35,7 @@ STAGES: List[Type[RetrofitStage]] = [
     ReplaceForwardCallsCommand,
     DistributeDataCommand,
     ConvertSavesCommand,
+    ReadGlobalGradNormCommand,
     GateRankZeroCommand,
 ]
 
@@ -44,7 +46,14 @@ STAGES: List[Type[RetrofitStage]] = [
 GROUPS: List[List[Type[RetrofitStage]]] = [
     [LaunchDistributedCommand],
     [ShardModelCommand],
-    [MoveOptimizerCommand, ReplaceForwardCallsCommand, DistributeDataCommand, ConvertSavesCommand, GateRankZeroCommand],
+    [
+        MoveOptimizerCommand,
+        ReplaceForwardCallsCommand,
+        DistributeDataCommand,
+        ConvertSavesCommand,
+        ReadGlobalGradNormCommand,
+        GateRankZeroCommand,
+    ],
 ]
 
 

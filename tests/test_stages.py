@@ -423,3 +423,22 @@ def test_constructs_that_would_crash_are_refused(tail, what):
     result = rewrite(MODEL + "\n" + tail)
     assert result.refusals and result.refusals[0].what == what
     assert result.code == dedent(MODEL + "\n" + tail).encode()
+
+
+def test_a_grad_norm_read_later_becomes_a_full_tensor_on_every_rank():
+    code = out(MODEL + '''
+def main():
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    for i in range(2):
+        model(torch.ones(4)).sum().backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        print(f"norm {norm:.3f}")
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+main()
+''')
+    assert "norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n        norm = norm.full_tensor()\n" in code
+    assert code.count("full_tensor") == 1
+    assert '        if rank == 0:\n            print(f"norm {norm:.3f}")' in code

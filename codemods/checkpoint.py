@@ -10,7 +10,8 @@ from fsdp2_retrofit.analysis.names import assigned_names
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
 SAVE = {"torch.save", "torch.serialization.save"}
-READERS = {"torch.load", "shutil.copy", "shutil.copyfile", "shutil.copy2", "shutil.move", "open", "os.path.getsize"}
+COPIES = {"shutil.copy", "shutil.copyfile", "shutil.copy2"}
+READERS = {"torch.load", "shutil.move", "builtins.open", "os.path.getsize"} | COPIES
 STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
 
 
@@ -51,8 +52,11 @@ class ConvertSavesCommand(RetrofitStage):
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: _SaveEditor) -> None:
         if not facts.models:
             return
+        self.saved: Dict[str, str] = {}  # path key -> the path as written at the save
         for call in _calls(facts, SAVE):
             self._convert(call, facts, editor)
+        if self.saved:
+            self._convert_readers(facts, editor)
 
     def _convert(self, call: cst.Call, facts: ScriptFacts, editor: _SaveEditor) -> None:
         if len(call.args) < 2:
@@ -85,7 +89,7 @@ class ConvertSavesCommand(RetrofitStage):
         kinds = sorted({"get_model_state_dict" if "model_state" in r else "get_optimizer_state_dict" for r in edits.values()})
         for kind in kinds:
             self.add_import(STATE_DICT_MODULE, kind)
-        self._flag_readers(call, path, facts)
+        self.saved[_path_key(path, facts)] = code(path)
         self.change(
             call,
             f"torch.save -> dcp.save of {', '.join(kinds)}(...); `{code(path)}` is now a checkpoint directory",
@@ -94,14 +98,53 @@ class ConvertSavesCommand(RetrofitStage):
             "torch.save of sharded state writes one rank's DTensor shards, not a loadable model",
         )
 
-    def _flag_readers(self, save: cst.Call, path, facts: ScriptFacts) -> None:
-        """Code that reads the saved path as a file will now find a directory."""
-        target = code(path)
+    def _convert_readers(self, facts: ScriptFacts, editor: _SaveEditor) -> None:
+        """Code that reads a path this script now writes as a DCP directory: a load into
+        the model becomes dcp.load + set_model_state_dict; a file copy becomes a copy
+        of the directory on rank 0; anything else is reported."""
         for call in _calls(facts, READERS):
-            if call is not save and any(code(a.value) == target for a in call.args):
+            if not call.args or _path_key(call.args[0].value, facts) not in self.saved:
+                continue
+            path = code(call.args[0].value)
+            stmt = facts.resolver.statement_of(call)
+            model = _loaded_model(stmt, call, facts)
+            if model is not None:
+                state = self.fresh_name("state_dict", facts.resolver.enclosing_function(stmt))
+                lines = [
+                    f"{state} = get_model_state_dict({model})\n",
+                    f"dcp.load({state}, checkpoint_id={path})\n",
+                    f"set_model_state_dict({model}, {state})\n",
+                ]
+                new = [self.stmt(line) for line in lines]
+                editor.replace(stmt, new[0].with_changes(leading_lines=stmt.leading_lines))
+                editor.insert_after(stmt, new[1:])
+                self.add_import(STATE_DICT_MODULE, "get_model_state_dict")
+                self.add_import(STATE_DICT_MODULE, "set_model_state_dict")
+                self.change(
+                    stmt,
+                    f"load `{path}` with dcp.load into the sharded `{model}` (set_model_state_dict)",
+                    "the checkpoint is now a DCP directory of shards; each rank loads its own",
+                    "torch.load of a DCP directory fails; plain tensors loaded into DTensor parameters are wrong",
+                )
+            elif _is_statement_call(stmt, call) and facts.resolver.is_call_to(call, COPIES) and len(call.args) == 2:
+                dst = code(call.args[1].value)
+                editor.replace(
+                    stmt,
+                    self.stmt(
+                        f"if dist.get_rank() == 0:\n    shutil.copytree({path}, {dst}, dirs_exist_ok=True)\n"
+                    ).with_changes(leading_lines=stmt.leading_lines),
+                )
+                self.add_import("torch.distributed", asname="dist")
+                self.change(
+                    stmt,
+                    f"copy the checkpoint directory `{path}` with shutil.copytree, on rank 0",
+                    "the checkpoint is now a directory; one rank copies it (a plain file operation)",
+                    "copyfile of a directory fails",
+                )
+            else:
                 self.attention(
                     call,
-                    f"reads `{target}`, which is now a DCP checkpoint directory",
+                    f"reads `{path}`, which is now a DCP checkpoint directory",
                     "load it with dcp.load into get_model_state_dict(model) and set_model_state_dict, "
                     "or copy it with shutil.copytree (on one rank)",
                 )
@@ -156,3 +199,47 @@ def _bound_value(name: str, call: cst.Call, facts: ScriptFacts) -> Optional[cst.
             small = earlier.body[0]
             return small.value if isinstance(small, cst.Assign) and len(earlier.body) == 1 else None
     return None
+
+
+def _path_key(expr, facts: ScriptFacts) -> str:
+    """A path's text, seeing through a name bound once in the function (`best_path = ...`)."""
+    if isinstance(expr, cst.Name):
+        function = facts.resolver.enclosing_function(expr)
+        values = [
+            s.body[0].value
+            for s in facts.resolver.nodes(cst.SimpleStatementLine)
+            if len(s.body) == 1
+            and isinstance(s.body[0], cst.Assign)
+            and expr.value in assigned_names(s)
+            and facts.resolver.enclosing_function(s) is function
+        ]
+        if len(values) == 1:
+            return code(values[0])
+    return code(expr)
+
+
+def _is_statement_call(stmt, call) -> bool:
+    return (
+        isinstance(stmt, cst.SimpleStatementLine)
+        and len(stmt.body) == 1
+        and isinstance(stmt.body[0], cst.Expr)
+        and stmt.body[0].value is call
+    )
+
+
+def _loaded_model(stmt, load: cst.Call, facts: ScriptFacts):
+    """`model` for the statement `model.load_state_dict(torch.load(...))` of a sharded model."""
+    if not (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Expr)):
+        return None
+    outer = stmt.body[0].value
+    if not (
+        isinstance(outer, cst.Call)
+        and isinstance(outer.func, cst.Attribute)
+        and outer.func.attr.value == "load_state_dict"
+        and isinstance(outer.func.value, cst.Name)
+        and len(outer.args) == 1
+        and outer.args[0].value is load
+    ):
+        return None
+    name = outer.func.value.value
+    return name if facts.is_model_name(name, stmt) else None

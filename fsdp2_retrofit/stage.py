@@ -129,6 +129,10 @@ def _names_visible(module: cst.Module, scope_node: Optional[cst.CSTNode]) -> set
         def visit_Name(self, node: cst.Name) -> None:
             found.add(node.value)
 
+        def visit_Attribute(self, node: cst.Attribute) -> bool:
+            node.value.visit(self)  # `x.state_dict` binds no name `state_dict`
+            return False
+
         def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
             found.add(node.name.value)
             return node is self.inside

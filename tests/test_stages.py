@@ -400,7 +400,7 @@ def test_reading_a_converted_checkpoint_path_is_flagged():
 model = Net()
 opt = optim.SGD(model.parameters(), lr=0.1)
 torch.save(model.state_dict(), "best.pt")
-model.load_state_dict(torch.load("best.pt"))
+size = open("best.pt", "rb").read()
 ''')
     assert any(a.what.startswith('reads `"best.pt"`') and a.line == 27 for a in result.attention)
 
@@ -442,3 +442,27 @@ main()
     assert "norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n        norm = norm.full_tensor()\n" in code
     assert code.count("full_tensor") == 1
     assert '        if rank == 0:\n            print(f"norm {norm:.3f}")' in code
+
+
+def test_reloading_a_converted_checkpoint_uses_dcp_load_and_a_copy_is_a_copytree():
+    code = out(MODEL + '''
+import shutil
+
+def main():
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    best = "best.pt"
+    torch.save(model.state_dict(), best)
+    shutil.copyfile(best, "copy.pt")
+    model.load_state_dict(torch.load(best, map_location="cpu"))
+    torch.load("pretrained.pt")
+
+main()
+''')
+    assert (
+        "    state_dict = get_model_state_dict(model)\n"
+        "    dcp.load(state_dict, checkpoint_id=best)\n"
+        "    set_model_state_dict(model, state_dict)\n"
+    ) in code
+    assert '    if dist.get_rank() == 0:\n        shutil.copytree(best, "copy.pt", dirs_exist_ok=True)\n' in code
+    assert 'torch.load("pretrained.pt")' in code

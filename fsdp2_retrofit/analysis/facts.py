@@ -31,6 +31,7 @@ Scope = Union[cst.FunctionDef, cst.Module]
 
 STDLIB = set(getattr(sys, "stdlib_module_names", ())) | {"argparse", "logging", "collections", "dataclasses"}
 LOG_CALLS = {"print"}
+WRITE_CALLS = {"sys.stdout.write", "sys.stderr.write", "tqdm.tqdm.write", "tqdm.auto.tqdm.write"}
 LOGGER_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
 FULLY_SHARD = {"torch.distributed.fsdp.fully_shard", "torch.distributed._composable.fsdp.fully_shard"}
 DISTRIBUTED_WRAPPERS = {
@@ -576,6 +577,8 @@ class _Analyser:
         if not isinstance(node, cst.Call):
             return False
         if isinstance(node.func, cst.Name) and node.func.value in LOG_CALLS:
+            return True
+        if self.r.qnames(node) & WRITE_CALLS:
             return True
         if isinstance(node.func, cst.Attribute) and node.func.attr.value in LOGGER_METHODS:
             base = node.func.value

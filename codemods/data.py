@@ -6,7 +6,7 @@ from typing import Dict, Optional
 import libcst as cst
 
 from fsdp2_retrofit.analysis import LoaderSite, ScriptFacts, code
-from fsdp2_retrofit.analysis.names import names_in
+from fsdp2_retrofit.analysis.names import iterated_name, names_in
 from fsdp2_retrofit.edit import with_keyword, without_entry, without_keyword
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
@@ -148,7 +148,7 @@ def _passes_over(body, name: str) -> bool:
 
     class _P(cst.CSTVisitor):
         def visit_For(self, node: cst.For) -> None:
-            if _iterated(node.iter) == name:
+            if iterated_name(node.iter) == name:
                 found.append(node)
 
         def visit_Call(self, node: cst.Call) -> None:
@@ -161,22 +161,13 @@ def _passes_over(body, name: str) -> bool:
     return bool(found)
 
 
-def _iterated(expr) -> Optional[str]:
-    """`loader` for `loader`, `enumerate(loader)`, `tqdm(loader)`."""
-    while isinstance(expr, cst.Call) and expr.args:
-        if isinstance(expr.func, cst.Name) and expr.func.value == "iter":
-            return None
-        expr = expr.args[0].value
-    return expr.value if isinstance(expr, cst.Name) else None
-
-
 def _iterated_directly(loader: LoaderSite) -> bool:
     """Some `for` loop goes over the loader itself (one pass per loop)."""
     found = []
 
     class _F(cst.CSTVisitor):
         def visit_For(self, node: cst.For) -> None:
-            if _iterated(node.iter) == loader.name:
+            if iterated_name(node.iter) == loader.name:
                 found.append(node)
 
     loader.block.visit(_F())

@@ -28,17 +28,6 @@ from .optimizer import MoveOptimizerCommand
 from .rank_zero import GateRankZeroCommand
 from .shard import ShardModelCommand
 
-STAGES: List[Type[RetrofitStage]] = [
-    LaunchDistributedCommand,
-    ShardModelCommand,
-    MoveOptimizerCommand,
-    ReplaceForwardCallsCommand,
-    DistributeDataCommand,
-    ConvertSavesCommand,
-    ReadGlobalGradNormCommand,
-    GateRankZeroCommand,
-]
-
 # Stages in one group plan their edits on the same analysis and are applied in one
 # pass: none of them reads what another in its group writes. launch binds the
 # names (mesh, rank, dist) the others use; shard writes the fully_shard calls the
@@ -55,6 +44,9 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
         GateRankZeroCommand,
     ],
 ]
+
+
+STAGES: List[Type[RetrofitStage]] = [stage for group in GROUPS for stage in group]
 
 
 class RetrofitCommand(RetrofitStage):

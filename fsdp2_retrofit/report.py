@@ -62,11 +62,6 @@ class RewriteResult:
         return not self.refusals and self.code != self.original
 
 
-def refusal_line(path: str, refusal: Refusal) -> str:
-    """The one line a refusal prints: `path:line: what: why`."""
-    return f"{path}:{refusal.line}: {refusal.what}: {refusal.why}"
-
-
 def to_json(results: Sequence[RewriteResult]) -> str:
     """The machine-readable report of one or more rewrites."""
     return json.dumps(

@@ -22,6 +22,7 @@ from .names import (
     assigned_names,
     code,
     is_main_guard,
+    iterated_name,
     names_in,
     root_name,
 )
@@ -457,7 +458,7 @@ class _Analyser:
                 continue
             site = LoopSite(loop, self.r.enclosing_function(loop))
             if isinstance(loop, cst.For):
-                site.loader = _iterated_name(loop.iter)
+                site.loader = iterated_name(loop.iter)
             out.append(site)
         return out
 
@@ -775,13 +776,6 @@ def _inner_loops(loop):
 
     loop.body.visit(_L())
     return found
-
-
-def _iterated_name(expr) -> Optional[str]:
-    """`loader` for `loader`, `enumerate(loader)`, `tqdm(loader, ...)`, `iter(loader)`."""
-    while isinstance(expr, cst.Call) and expr.args:
-        expr = expr.args[0].value
-    return expr.value if isinstance(expr, cst.Name) else None
 
 
 def _next_call_names(loop) -> Set[str]:

@@ -191,3 +191,10 @@ def attr_path(expr: cst.BaseExpression) -> Optional[tuple]:
 def is_main_guard(node) -> bool:
     """`if __name__ == "__main__":`"""
     return isinstance(node, cst.If) and "__name__" in names_in(node.test)
+
+
+def iterated_name(expr) -> Optional[str]:
+    """`loader` for `loader`, `enumerate(loader)`, `tqdm(loader, ...)`, `iter(loader)`."""
+    while isinstance(expr, cst.Call) and expr.args:
+        expr = expr.args[0].value
+    return expr.value if isinstance(expr, cst.Name) else None

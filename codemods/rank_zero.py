@@ -5,7 +5,7 @@ from typing import List, Optional
 
 import libcst as cst
 
-from fsdp2_retrofit.analysis import LogSite, ScriptFacts
+from fsdp2_retrofit.analysis import LogSite, ScriptFacts, code
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
 
@@ -61,6 +61,8 @@ class GateRankZeroCommand(RetrofitStage):
         for run in runs:
             test = self._rank_test(run[0].stmt, facts)
             first = run[0].stmt
+            if self._join_enclosing_if(run, test, facts, editor):
+                continue
             inner = [first.with_changes(leading_lines=[])] + [s.stmt for s in run[1:]]
             gate = cst.If(
                 test=self.expr(test),
@@ -78,6 +80,36 @@ class GateRankZeroCommand(RetrofitStage):
                 "every rank runs the script; unguarded output repeats world_size times",
             )
         self._gate_progress_bars(facts, editor)
+
+    def _join_enclosing_if(self, run, test: str, facts: ScriptFacts, editor) -> bool:
+        """When the run is the whole body of a plain `if cond:`, say `if cond and rank == 0:`
+        rather than nesting a second `if` (a one-line diff)."""
+        block = facts.resolver.block_of(run[0].stmt)
+        owner = facts.resolver.parent(block) if block is not None else None
+        if not (
+            isinstance(owner, cst.If)
+            and owner.orelse is None
+            and facts.resolver.block_of(owner) is not None
+            and [s.stmt for s in run] == list(block.body)
+        ):
+            return False
+        cond = owner.test
+        if isinstance(cond, (cst.BooleanOperation, cst.IfExp, cst.NamedExpr, cst.Lambda)) and not cond.lpar:
+            cond = cond.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+        joined = cst.BooleanOperation(
+            left=cond,
+            operator=cst.And(),
+            right=self.expr(test),
+        )
+        editor.replace(owner, owner.with_changes(test=joined))
+        if test.startswith("dist."):
+            self.add_import("torch.distributed", asname="dist")
+        self.change(
+            owner,
+            f"print/log on rank 0 only (`if {code(cond)} and {test}:`)",
+            "every rank runs the script; unguarded output repeats world_size times",
+        )
+        return True
 
     def _rank_test(self, stmt, facts: ScriptFacts) -> Optional[str]:
         """`rank == 0` after the preamble in the entry scope, `dist.get_rank() == 0` in

@@ -466,3 +466,24 @@ main()
     ) in code
     assert '    if dist.get_rank() == 0:\n        shutil.copytree(best, "copy.pt", dirs_exist_ok=True)\n' in code
     assert 'torch.load("pretrained.pt")' in code
+
+
+def test_a_print_that_is_the_whole_body_of_an_if_joins_its_condition():
+    code = out(MODEL + '''
+def main():
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        model(torch.ones(4)).sum().backward()
+        opt.step()
+        if step == 0 or step == 3:
+            print("step", step)
+        if step == 1:
+            print("one")
+        else:
+            print("other")
+
+main()
+''')
+    assert '        if (step == 0 or step == 3) and rank == 0:\n            print("step", step)\n' in code
+    assert '        if step == 1:\n            if rank == 0:\n                print("one")\n' in code

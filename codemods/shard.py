@@ -83,6 +83,14 @@ class ShardModelCommand(RetrofitStage):
                 "build all models in the same function",
             )
         for model in facts.models:
+            if _declared_global(model):
+                self.refuse(
+                    model.stmt,
+                    f"`{model.name}` is a global built inside {model.scope.name.value}()",
+                    "set-up, training and saving are spread over functions that share globals; the "
+                    "process group would be torn down at the end of the set-up function",
+                    "build the model in the function that trains and saves it, or pass it as an argument",
+                )
             info = facts.classes.get(model.class_name)
             if info is None:
                 continue
@@ -156,3 +164,16 @@ class ShardModelCommand(RetrofitStage):
             "sharding the root first takes every parameter into one unit",
         )
         return out
+
+
+def _declared_global(model: ModelSite) -> bool:
+    if not isinstance(model.scope, cst.FunctionDef):
+        return False
+    found = []
+
+    class _G(cst.CSTVisitor):
+        def visit_Global(self, node: cst.Global) -> None:
+            found.extend(n.name.value for n in node.names)
+
+    model.scope.body.visit(_G())
+    return model.name in found

@@ -84,10 +84,15 @@ def unified_diff(path: str, before: str, after: str, out_path: Optional[str] = N
     lines = difflib.unified_diff(
         before.splitlines(keepends=True),
         after.splitlines(keepends=True),
-        fromfile=f"a/{path}",
-        tofile=f"b/{out_path or path}",
+        fromfile=_diff_name("a", path),
+        tofile=_diff_name("b", out_path or path),
     )
     return "".join(_ensure_newline(lines))
+
+
+def _diff_name(side: str, path: str) -> str:
+    """git's `a/x.py` for relative paths; absolute paths as they are."""
+    return path if path.startswith("/") else f"{side}/{path}"
 
 
 def _ensure_newline(lines: Iterable[str]) -> Iterable[str]:

@@ -487,3 +487,32 @@ main()
 ''')
     assert '        if (step == 0 or step == 3) and rank == 0:\n            print("step", step)\n' in code
     assert '        if step == 1:\n            if rank == 0:\n                print("one")\n' in code
+
+
+def test_a_loop_that_trains_through_a_per_step_helper_gets_a_sampler():
+    code = out(MODEL + '''
+from torch.utils.data import DataLoader
+
+def train_step(model, batch, optimizer):
+    model(batch).sum().backward()
+    optimizer.step()
+
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+loader = DataLoader(ds, batch_size=4, shuffle=True)
+for b in loader:
+    train_step(model=model, batch=b, optimizer=opt)
+''')
+    assert "loader = DataLoader(ds, batch_size=4, sampler=sampler)" in code
+
+
+def test_a_model_built_as_a_global_in_a_setup_function_is_refused():
+    result = rewrite(MODEL + '''
+def setup():
+    global model, opt
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+
+setup()
+''')
+    assert result.refusals[0].what == "`model` is a global built inside setup()"

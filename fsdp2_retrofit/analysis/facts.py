@@ -449,12 +449,25 @@ class _Analyser:
         return names
 
     def _train_loops(self, loops) -> List[LoopSite]:
+        """Innermost loops that call backward(), directly or through a per-step helper
+        of the script (`train_step(model, batch, optimizer)`, no loop of its own)."""
+        helpers = {
+            fn.name.value
+            for fn in self.module.body
+            if isinstance(fn, cst.FunctionDef)
+            and _calls_method(fn.body, "backward")
+            and not any(_calls_method(inner.body, "backward") for inner in _inner_loops(fn))
+        }
+
+        def trains(node) -> bool:
+            return _calls_method(node, "backward") or _calls_function(node, helpers)
+
         out = []
         for loop in loops:
-            if not _calls_method(loop.body, "backward"):
+            if not trains(loop.body):
                 continue
-            # the innermost loop that calls backward
-            if any(_calls_method(inner.body, "backward") for inner in _inner_loops(loop)):
+            # the innermost loop that trains
+            if any(trains(inner.body) for inner in _inner_loops(loop)):
                 continue
             site = LoopSite(loop, self.r.enclosing_function(loop))
             if isinstance(loop, cst.For):
@@ -758,6 +771,21 @@ def _calls_method(node, method: str, into_functions: bool = False) -> bool:
                 found.append(n)
 
     node.visit(_M())
+    return bool(found)
+
+
+def _calls_function(node, names: Set[str]) -> bool:
+    found = []
+
+    class _F(cst.CSTVisitor):
+        def visit_FunctionDef(self, n) -> bool:
+            return False
+
+        def visit_Call(self, n: cst.Call) -> None:
+            if isinstance(n.func, cst.Name) and n.func.value in names:
+                found.append(n)
+
+    node.visit(_F())
     return bool(found)
 
 

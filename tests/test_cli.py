@@ -182,7 +182,7 @@ def test_diff_prints_plain_unified_diff_and_writes_nothing(tmp_path, fake):
     result = rewrite(path, "--diff")
     assert result.exit_code == 0
     assert path.read_bytes() == SCRIPT
-    assert f"--- a/{path}" in result.stdout and f"+++ b/{path}" in result.stdout
+    assert f"--- {path}\n" in result.stdout and f"+++ {path}\n" in result.stdout  # absolute paths: no a/ b/
     assert "+" + MARK.decode() in result.stdout
     assert "\x1b[" not in result.stdout  # piped: no colour codes
 
@@ -191,7 +191,7 @@ def test_diff_with_output_names_the_output(tmp_path, fake):
     path = script(tmp_path)
     out = tmp_path / "out.py"
     result = rewrite(path, "--diff", "-o", out)
-    assert f"+++ b/{out}" in result.stdout
+    assert f"+++ {out}\n" in result.stdout
     assert not out.exists()
 
 
@@ -262,7 +262,7 @@ def test_json_report_on_stdout(tmp_path, fake):
 def test_json_report_moves_to_stderr_with_diff(tmp_path, fake):
     path = script(tmp_path)
     result = rewrite(path, "--report", "json", "--diff")
-    assert result.stdout.startswith(f"--- a/{path}")
+    assert result.stdout.startswith(f"--- {path}")
     assert json.loads(result.stderr)[0]["changed"] is True
 
 
@@ -544,3 +544,10 @@ def test_cache_answers_a_second_run_and_misses_when_a_sibling_changes(tmp_path, 
     cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(), use_cache=False)
     assert len(calls) == 4
     assert any(cache.cache_dir().iterdir())
+
+
+def test_diff_headers_prefix_relative_paths_like_git():
+    from fsdp2_retrofit.report import unified_diff
+
+    text = unified_diff("train.py", "a = 1\n", "a = 2\n")
+    assert text.startswith("--- a/train.py\n+++ b/train.py\n")

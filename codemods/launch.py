@@ -49,9 +49,7 @@ class LaunchDistributedCommand(RetrofitStage):
 
     def _first_torch_statement(self, block, facts: ScriptFacts):
         """The first statement of the entry block that touches torch or builds the model."""
-        torch_names = {"torch", "nn", "F", "optim"} | {
-            n for m in facts.models for n in (m.name,)
-        }
+        model_names = {m.name for m in facts.models}
         for stmt in block.body:
             if isinstance(stmt, (cst.Import, cst.ImportFrom, cst.FunctionDef, cst.ClassDef)):
                 continue
@@ -61,7 +59,7 @@ class LaunchDistributedCommand(RetrofitStage):
                 continue
             if _is_docstring(stmt) or is_main_guard(stmt):
                 continue
-            if _touches_torch(stmt, facts) or names_in(stmt) & torch_names:
+            if _touches_torch(stmt, facts) or names_in(stmt) & model_names:
                 return stmt
         return facts.models[0].stmt
 

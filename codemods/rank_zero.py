@@ -6,6 +6,7 @@ from typing import List, Optional
 import libcst as cst
 
 from fsdp2_retrofit.analysis import LogSite, ScriptFacts, code
+from fsdp2_retrofit.edit import with_keyword
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
 
@@ -20,8 +21,6 @@ class _TqdmEditor(StatementEditor):
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
         if original_node in self.tqdm:
-            from fsdp2_retrofit.edit import with_keyword
-
             return with_keyword(updated_node, "disable", self.tqdm[original_node])
         return updated_node
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from typing import Optional
 
 import libcst as cst
 from libcst.codemod import CodemodContext
@@ -30,7 +31,7 @@ def parse(source: bytes, path: str = "<input>") -> cst.Module:
         raise InputError(f"cannot decode the file: {err}") from None
 
 
-def rewrite_source(source: bytes, path: str, options: RetrofitOptions = RetrofitOptions()) -> RewriteResult:
+def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] = None) -> RewriteResult:
     """Rewrite `source` (the bytes of the file at `path`) into FSDP2.
 
     Never raises for a script it cannot convert: the refusal is in the result and
@@ -38,6 +39,7 @@ def rewrite_source(source: bytes, path: str, options: RetrofitOptions = Retrofit
     """
     from codemods.retrofit import RetrofitCommand
 
+    options = options or RetrofitOptions()
     if not source.strip():
         raise InputError("empty file: nothing to retrofit")
     module = parse(source, path)
@@ -75,7 +77,6 @@ class _LineTracker:
     def __init__(self, original: str):
         self.original = original.splitlines()
         self.current = self.original
-        self._seen = {CHANGES_KEY: 0, ATTENTION_KEY: 0}
         self.records = []
 
     def wrap(self, after_stage):

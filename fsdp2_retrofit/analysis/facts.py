@@ -402,22 +402,23 @@ class _Analyser:
         names: Dict[Optional[cst.FunctionDef], Set[str]] = {}
         for m in models:
             names.setdefault(self.r.enclosing_function(m.stmt), set()).add(m.name)
-        functions = {
-            s.name.value: s for s in self.module.body if isinstance(s, cst.FunctionDef)
-        }
         changed = True
         while changed:
             changed = False
-            for call in self.calls:
-                if not isinstance(call.func, cst.Name) or call.func.value not in functions:
-                    continue
-                callee = functions[call.func.value]
+            for call, callee in self._local_calls():
                 known = names.get(self.r.enclosing_function(call), set())
                 for param in _params_receiving(callee, call, known):
                     if param not in names.setdefault(callee, set()):
                         names[callee].add(param)
                         changed = True
         return names
+
+    def _local_calls(self):
+        """(call, function) for every call of a top-level function of the script."""
+        functions = {s.name.value: s for s in self.module.body if isinstance(s, cst.FunctionDef)}
+        for call in self.calls:
+            if isinstance(call.func, cst.Name) and call.func.value in functions:
+                yield call, functions[call.func.value]
 
     def _optimizer_names(self, optimizers, model_names):
         """Optimizer names per function, following calls; each mapped to its model's name there."""
@@ -426,14 +427,10 @@ class _Analyser:
             if opt.models:
                 fn = self.r.enclosing_function(opt.stmt)
                 names.setdefault(fn, {})[opt.name] = opt.models[0] if len(opt.models) == 1 else None
-        functions = {s.name.value: s for s in self.module.body if isinstance(s, cst.FunctionDef)}
         changed = True
         while changed:
             changed = False
-            for call in self.calls:
-                if not isinstance(call.func, cst.Name) or call.func.value not in functions:
-                    continue
-                callee = functions[call.func.value]
+            for call, callee in self._local_calls():
                 known = names.get(self.r.enclosing_function(call), {})
                 bound = list(_bind_args(callee, call))
                 for param, arg in bound:

@@ -14,12 +14,14 @@ import libcst as cst
 from .model_classes import ClassRegistry, Container, build_registry
 from .names import (
     DATALOADERS,
+    FULLY_SHARD,
     NOT_OPTIMIZERS,
     OPTIMIZER_PREFIX,
     PLACEMENT_METHODS,
     SELF_RETURNING_METHODS,
     Resolver,
     assigned_names,
+    bind_args,
     code,
     is_main_guard,
     iterated_name,
@@ -34,7 +36,6 @@ STDLIB = set(getattr(sys, "stdlib_module_names", ())) | {"argparse", "logging", 
 LOG_CALLS = {"print"}
 WRITE_CALLS = {"sys.stdout.write", "sys.stderr.write", "tqdm.tqdm.write", "tqdm.auto.tqdm.write"}
 LOGGER_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
-FULLY_SHARD = {"torch.distributed.fsdp.fully_shard", "torch.distributed._composable.fsdp.fully_shard"}
 DISTRIBUTED_WRAPPERS = {
     "torch.nn.parallel.DistributedDataParallel": "DistributedDataParallel",
     "torch.nn.DataParallel": "DataParallel",
@@ -138,6 +139,15 @@ def analyse(module: cst.Module, path: Optional[str] = None) -> ScriptFacts:
     resolver = Resolver(module)
     classes = build_registry(module, resolver, path)
     return _Analyser(module, resolver, classes, path).run()
+
+
+def training_loaders(module: cst.Module, resolver: Resolver) -> List[LoaderSite]:
+    """The DataLoaders of a script, each marked whether a training loop reads it;
+    needs no model facts (the lint asks this of scripts that are already sharded)."""
+    analyser = _Analyser(module, resolver, ClassRegistry(), None)
+    analyser.calls = resolver.nodes(cst.Call)
+    loops = analyser._train_loops(resolver.nodes(cst.For) + resolver.nodes(cst.While))
+    return analyser._loaders(resolver.nodes(cst.SimpleStatementLine), loops)
 
 
 class _Analyser:
@@ -432,7 +442,7 @@ class _Analyser:
             changed = False
             for call, callee in self._local_calls():
                 known = names.get(self.r.enclosing_function(call), {})
-                bound = list(_bind_args(callee, call))
+                bound = list(bind_args(callee, call))
                 for param, arg in bound:
                     if not (isinstance(arg, cst.Name) and arg.value in known) or param in names.get(callee, {}):
                         continue
@@ -526,7 +536,7 @@ class _Analyser:
                 continue
             for call in self.calls:
                 if isinstance(call.func, cst.Name) and call.func.value == loop.function.name.value:
-                    for param, arg in _bind_args(loop.function, call):
+                    for param, arg in bind_args(loop.function, call):
                         if param == loop.loader and isinstance(arg, cst.Name):
                             out.add(arg.value)
         return out
@@ -739,19 +749,8 @@ def _under(path, prefix) -> bool:
     return tuple(path[: len(prefix)]) == tuple(prefix)
 
 
-def _bind_args(fn: cst.FunctionDef, call: cst.Call):
-    params = [p.name.value for p in fn.params.params]
-    positional = [a for a in call.args if a.keyword is None and not a.star]
-    for param, arg in zip(params, positional):
-        yield param, arg.value
-    all_params = set(params) | {p.name.value for p in fn.params.kwonly_params}
-    for a in call.args:
-        if a.keyword is not None and a.keyword.value in all_params:
-            yield a.keyword.value, a.value
-
-
 def _params_receiving(fn: cst.FunctionDef, call: cst.Call, known: Set[str]):
-    for param, arg in _bind_args(fn, call):
+    for param, arg in bind_args(fn, call):
         if isinstance(arg, cst.Name) and arg.value in known:
             yield param
 

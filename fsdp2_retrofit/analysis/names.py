@@ -18,6 +18,13 @@ SELF_RETURNING_METHODS = {"to", "cuda", "cpu", "float", "double", "half", "bfloa
 # those that move parameters or change their dtype: fully_shard comes after them.
 PLACEMENT_METHODS = {"to", "cuda", "cpu", "float", "double", "half", "bfloat16"}
 CONTAINERS = {"torch.nn.ModuleList", "torch.nn.Sequential", "torch.nn.ModuleDict"}
+FULLY_SHARD = {
+    "torch.distributed.fsdp.fully_shard",
+    "torch.distributed._composable.fsdp.fully_shard",
+    "torch.distributed._composable.fsdp.fully_shard.fully_shard",
+    "torch.distributed.fsdp._fully_shard.fully_shard",
+    "torch.distributed.fsdp._fully_shard._fully_shard.fully_shard",
+}
 
 
 def code(node: cst.CSTNode) -> str:
@@ -75,6 +82,12 @@ class Resolver:
             self._positions = self._wrapper.resolve(PositionProvider)
         pos = self._positions.get(node)
         return pos.start.line if pos is not None else 0
+
+    def position(self, node: cst.CSTNode):
+        """The node's CodeRange (1-based lines, 0-based columns), or None."""
+        if self._positions is None:
+            self._positions = self._wrapper.resolve(PositionProvider)
+        return self._positions.get(node)
 
     def scope(self, node: cst.CSTNode):
         return self._scopes.get(node)
@@ -186,6 +199,18 @@ def attr_path(expr: cst.BaseExpression) -> Optional[tuple]:
         parts.append(expr.value)
         return tuple(reversed(parts))
     return None
+
+
+def bind_args(fn: cst.FunctionDef, call: cst.Call):
+    """(parameter, argument) pairs a call of `fn` binds, for plain positional and keyword arguments."""
+    params = [p.name.value for p in fn.params.params]
+    positional = [a for a in call.args if a.keyword is None and not a.star]
+    for param, arg in zip(params, positional):
+        yield param, arg.value
+    all_params = set(params) | {p.name.value for p in fn.params.kwonly_params}
+    for a in call.args:
+        if a.keyword is not None and a.keyword.value in all_params:
+            yield a.keyword.value, a.value
 
 
 def is_main_guard(node) -> bool:

@@ -1,0 +1,555 @@
+"""ShardFacts: what an FSDP2 script shards, where, and which values hold sharded state.
+
+The lint rules of `check` ask these facts their questions ("is this name a sharded
+module here?", "does this value hold DTensor state?", "is this call inside a
+rank-0 branch?"). A name counts as sharded only after the `fully_shard` call that
+shards it (in the function that shards it), everywhere in functions that receive it
+as an argument, and in every method of a class that shards `self.<attr>`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Set, Tuple
+
+import libcst as cst
+
+from .names import (
+    FULLY_SHARD,
+    NOT_OPTIMIZERS,
+    OPTIMIZER_PREFIX,
+    Resolver,
+    bind_args,
+    code,
+    names_in,
+)
+
+FSDP1 = {
+    "torch.distributed.fsdp.FullyShardedDataParallel",
+    "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel",
+}
+STATE_DICT_GETTERS = {
+    "torch.distributed.checkpoint.state_dict.get_model_state_dict": "model",
+    "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict": "optimizer",
+    "torch.distributed.checkpoint.state_dict.get_state_dict": "model and optimizer",
+}
+STATE_DICT_SETTERS = {
+    "torch.distributed.checkpoint.state_dict.set_model_state_dict",
+    "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict",
+    "torch.distributed.checkpoint.state_dict.set_state_dict",
+}
+DCP_CALLS = {
+    "torch.distributed.checkpoint.save",
+    "torch.distributed.checkpoint.load",
+    "torch.distributed.checkpoint.async_save",
+    "torch.distributed.checkpoint.save_state_dict",
+    "torch.distributed.checkpoint.load_state_dict",
+    "torch.distributed.checkpoint.state_dict_saver.save",
+    "torch.distributed.checkpoint.state_dict_saver.async_save",
+    "torch.distributed.checkpoint.state_dict_loader.load",
+}
+COLLECTIVES = {
+    "torch.distributed." + name
+    for name in (
+        "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
+        "broadcast_object_list", "barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+        "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
+        "monitored_barrier",
+    )
+}
+CLIP_GRAD_NORM = {"torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_"}
+TORCH_SAVE = {"torch.save", "torch.serialization.save"}
+TORCH_LOAD = {"torch.load", "torch.serialization.load"}
+# methods that give parts of a module (iterating them yields submodules or entries)
+_PART_METHODS = {
+    "children", "modules", "named_children", "named_modules", "values", "items", "parameters", "named_parameters",
+}
+_ITERATION_WRAPPERS = {"enumerate", "reversed", "list", "tuple", "iter", "zip", "sorted"}
+_RANK_ZERO_WORDS = ("master", "is_main", "main_process", "rank_zero", "rank0", "is_primary", "is_chief")
+
+Scope = Optional[cst.CSTNode]  # FunctionDef, ClassDef (for self.attr), or None for the module
+
+
+@dataclass
+class ShardSite:
+    """One `fully_shard(target)` (or FSDP1 wrapper) call."""
+
+    call: cst.Call = field(repr=False)
+    root: str  # "model", or "self.model" inside a class
+    whole: bool  # the target is the root itself, not one of its parts
+    scope: Scope
+    order: Tuple[int, int]
+    legacy: bool = False  # FullyShardedDataParallel (FSDP1)
+
+
+@dataclass
+class OptimizerBuild:
+    name: str
+    call: cst.Call = field(repr=False)
+    models: Set[str]  # roots whose parameters reach it
+    scope: Scope
+    order: Tuple[int, int]
+
+
+@dataclass
+class ShardFacts:
+    resolver: Resolver
+    sites: List[ShardSite]
+    optimizers: List[OptimizerBuild]
+    _aliases: Dict[Scope, Dict[str, Tuple[str, bool]]] = field(default_factory=dict)
+    _received: Dict[Scope, Dict[str, ShardSite]] = field(default_factory=dict)
+    _bindings: Dict[Scope, Dict[str, List[tuple]]] = field(default_factory=dict)
+
+    # -- positions ----------------------------------------------------------
+
+    def order(self, node: cst.CSTNode) -> Tuple[int, int]:
+        pos = self.resolver.position(node)
+        return (pos.start.line, pos.start.column) if pos is not None else (0, 0)
+
+    def scope_of(self, node: cst.CSTNode) -> Scope:
+        return self.resolver.enclosing_function(node)
+
+    # -- modules ------------------------------------------------------------
+
+    def part(self, expr: cst.BaseExpression, at: cst.CSTNode) -> Optional[Tuple[str, bool]]:
+        """(root, whole) for an expression naming a module or a part of one; loop
+        variables and aliases over a module's parts resolve to that module."""
+        found = part_root(expr)
+        if found is None:
+            return None
+        root, whole = found
+        alias = self._aliases.get(self.scope_of(at), {}).get(root)
+        if alias is not None:
+            return alias[0], False
+        if root == "self":
+            return None
+        return root, whole
+
+    def sites_for(self, root: str, at: cst.CSTNode) -> List[ShardSite]:
+        """The shard sites of `root` that are in effect at `at`."""
+        fn = self.scope_of(at)
+        here = self.order(at)
+        out = []
+        for site in self.sites:
+            if site.root != root:
+                continue
+            if root.startswith("self."):
+                cls = self.resolver.enclosing_class(at)
+                if cls is not None and cls is self.resolver.enclosing_class(site.call):
+                    if site.scope is not fn or site.order < here:
+                        out.append(site)
+            elif site.scope is fn:
+                if site.order < here:
+                    out.append(site)
+            elif site.scope is None and fn is not None and not self._binds(fn, root):
+                out.append(site)  # a module-level model used inside a function
+        received = self._received.get(fn, {}).get(root)
+        if received is not None:
+            out.append(received)
+        return out
+
+    def sharded_module(self, expr: cst.BaseExpression, at: cst.CSTNode, unit: bool = False) -> Optional[str]:
+        """The root name when `expr` is (part of) a sharded module at `at`.
+
+        unit=True asks whether `expr` itself runs FSDP2's hooks when called: the
+        root when the root was sharded, a part when any part was (only blocks
+        sharded: the root's own forward is an ordinary one)."""
+        found = self.part(expr, at)
+        if found is None:
+            return None
+        root, whole = found
+        sites = self.sites_for(root, at)
+        if not sites:
+            return None
+        if unit and whole and not any(s.whole for s in sites):
+            return None
+        return root
+
+    def is_fsdp2(self, root: str, at: cst.CSTNode) -> bool:
+        return any(not s.legacy for s in self.sites_for(root, at))
+
+    def optimizer(self, name: str, at: cst.CSTNode) -> Optional[OptimizerBuild]:
+        """The optimizer bound to `name` at `at` when it trains a sharded module."""
+        fn = self.scope_of(at)
+        for opt in self.optimizers:
+            if opt.name != name or not (opt.scope is fn or (opt.scope is None and not self._binds(fn, name))):
+                continue
+            if any(self.sites_for(root, at) for root in opt.models):
+                return opt
+        return None
+
+    # -- state --------------------------------------------------------------
+
+    def sharded_state(self, expr: cst.BaseExpression, at: cst.CSTNode, depth: int = 4) -> Optional[str]:
+        """What sharded state `expr` holds at `at` ("the state dict of `model`"), or None."""
+        if depth == 0 or expr is None:
+            return None
+        if isinstance(expr, cst.Call):
+            func = expr.func
+            if isinstance(func, cst.Attribute) and func.attr.value == "state_dict" and not expr.args:
+                owner = func.value
+                root = self.sharded_module(owner, at)
+                if root is not None and self.is_fsdp2(root, at):
+                    return f"the state dict of sharded `{code(owner)}`"
+                if isinstance(owner, cst.Name) and self.optimizer(owner.value, at) is not None:
+                    return f"the state of optimizer `{owner.value}` over sharded parameters"
+                return None
+            getter = self.resolver.qnames(expr) & set(STATE_DICT_GETTERS)
+            if getter and expr.args and not self.full_state_options(expr):
+                first = expr.args[0].value
+                if self.sharded_module(first, at) is not None:
+                    return f"the sharded {STATE_DICT_GETTERS[getter.pop()]} state from `{code(expr.func)}`"
+                return None
+            if isinstance(func, cst.Name) and func.value == "dict":
+                return self._first_state([a.value for a in expr.args], at, depth)
+            return None
+        if isinstance(expr, (cst.Dict,)):
+            return self._first_state([e.value for e in expr.elements if isinstance(e, cst.DictElement)], at, depth)
+        if isinstance(expr, (cst.List, cst.Tuple, cst.Set)):
+            return self._first_state([e.value for e in expr.elements], at, depth)
+        if isinstance(expr, cst.Subscript):
+            return self.sharded_state(expr.value, at, depth - 1)
+        if isinstance(expr, cst.Name):
+            root = self.sharded_module(expr, at)
+            if root is not None and self.is_fsdp2(root, at):
+                return f"sharded module `{expr.value}` itself"
+            values = [v for order, v in self._bindings.get(self.scope_of(at), {}).get(expr.value, [])
+                      if order < self.order(at)]
+            return self._first_state(values, at, depth - 1)
+        return None
+
+    def _first_state(self, exprs, at, depth) -> Optional[str]:
+        for e in exprs:
+            found = self.sharded_state(e, at, depth)
+            if found:
+                return found
+        return None
+
+    def full_state_options(self, call: cst.Call) -> bool:
+        """The call passes options=StateDictOptions(full_state_dict=True, ...) (or a name bound to it)."""
+        for arg in call.args:
+            if arg.keyword is not None and arg.keyword.value == "options":
+                value = arg.value
+                if isinstance(value, cst.Name):
+                    bound = self._bindings.get(self.scope_of(call), {}).get(value.value, [])
+                    if not bound:
+                        bound = self._bindings.get(None, {}).get(value.value, [])
+                    if not bound:
+                        return True  # defined somewhere we cannot see: do not guess "sharded"
+                    value = bound[-1][1]
+                if isinstance(value, cst.Call):
+                    for a in value.args:
+                        if a.keyword is not None and a.keyword.value == "full_state_dict":
+                            return not (isinstance(a.value, cst.Name) and a.value.value == "False")
+                return False
+        return False
+
+    def bound_values(self, name: str, at: cst.CSTNode) -> List[cst.BaseExpression]:
+        """Values assigned to `name` (or into `name[...]`) before `at` in its function."""
+        here = self.order(at)
+        return [v for order, v in self._bindings.get(self.scope_of(at), {}).get(name, []) if order < here]
+
+    def _binds(self, fn: Scope, name: str) -> bool:
+        return name in self._bindings.get(fn, {}) or name in self._aliases.get(fn, {})
+
+    # -- rank-0 branches ----------------------------------------------------
+
+    def rank_zero_branch(self, node: cst.CSTNode) -> Optional[cst.If]:
+        """The `if` whose branch around `node` runs on rank 0 only, if any."""
+        child = node
+        for anc in self.resolver.ancestors(node):
+            if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+                return None
+            if isinstance(anc, cst.If):
+                side = rank_zero_test(anc.test)
+                if side == "body" and child is anc.body:
+                    return anc
+                if side == "else" and child is anc.orelse:
+                    return anc
+            child = anc
+        return None
+
+
+def part_root(expr: cst.BaseExpression) -> Optional[Tuple[str, bool]]:
+    """("model", True) for `model`; ("model", False) for `model.blocks[0]`,
+    `model.layers.children()`; ("self.net", ...) for `self.net...`; None otherwise."""
+    whole = True
+    path: List[str] = []
+    while True:
+        if isinstance(expr, cst.Name):
+            if expr.value == "self":
+                if not path:
+                    return ("self", whole)
+                return ("self." + path[-1], whole and len(path) == 1)
+            return (expr.value, whole)
+        if isinstance(expr, cst.Attribute):
+            path.append(expr.attr.value)
+            if len(path) > 1 or not isinstance(expr.value, cst.Name) or expr.value.value != "self":
+                whole = False
+            expr = expr.value
+        elif isinstance(expr, cst.Subscript):
+            whole = False
+            expr = expr.value
+        elif isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute) and expr.func.attr.value in _PART_METHODS:
+            whole = False
+            expr = expr.func.value
+        else:
+            return None
+
+
+def rank_zero_test(test: cst.BaseExpression) -> Optional[str]:
+    """"body" when an `if` with this test runs its body on rank 0 only, "else" when it
+    runs its else branch on rank 0 only, None otherwise."""
+    if isinstance(test, cst.BooleanOperation):
+        if isinstance(test.operator, cst.And):
+            if "body" in (rank_zero_test(test.left), rank_zero_test(test.right)):
+                return "body"
+        elif "else" in (rank_zero_test(test.left), rank_zero_test(test.right)):
+            return "else"
+        return None
+    if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
+        inner = rank_zero_test(test.expression)
+        return {"body": "else", "else": "body"}.get(inner) if inner else None
+    if isinstance(test, cst.Comparison) and len(test.comparisons) == 1:
+        op = test.comparisons[0].operator
+        left, right = test.left, test.comparisons[0].comparator
+        text = code(left) + " " + code(right)
+        if "rank" not in text.lower():
+            return None
+        zero = _is_zero(left) or _is_zero(right)
+        if isinstance(op, cst.Equal) and zero:
+            return "body"
+        if isinstance(op, cst.In) and isinstance(right, (cst.List, cst.Tuple, cst.Set)):
+            return "body" if any(_is_zero(e.value) for e in right.elements) else None
+        if isinstance(op, cst.NotEqual) and zero:
+            return "else"
+        if isinstance(op, (cst.GreaterThan,)) and _is_zero(right):
+            return "else"
+        return None
+    if isinstance(test, (cst.Name, cst.Attribute, cst.Call)):
+        text = code(test).lower()
+        return "body" if any(w in text for w in _RANK_ZERO_WORDS) else None
+    return None
+
+
+def _is_zero(expr) -> bool:
+    return isinstance(expr, cst.Integer) and expr.value == "0"
+
+
+def shard_facts(module: cst.Module, resolver: Resolver) -> ShardFacts:
+    return _Collector(module, resolver).run()
+
+
+class _Collector:
+    def __init__(self, module: cst.Module, resolver: Resolver):
+        self.module = module
+        self.r = resolver
+        self.facts = ShardFacts(resolver, [], [])
+
+    def run(self) -> ShardFacts:
+        f = self.facts
+        self._index_bindings()
+        self._index_aliases()
+        for call in self.r.nodes(cst.Call):
+            qn = self.r.qnames(call)
+            if call.args and (qn & FULLY_SHARD or qn & FSDP1):
+                self._add_site(call, legacy=not (qn & FULLY_SHARD))
+        for call in self.r.nodes(cst.Call):
+            opt = self._optimizer(call)
+            if opt is not None:
+                f.optimizers.append(opt)
+        self._propagate()
+        return f
+
+    def _add_site(self, call: cst.Call, legacy: bool) -> None:
+        f = self.facts
+        scope = f.scope_of(call)
+        found = f.part(call.args[0].value, call)
+        if found is not None:
+            f.sites.append(ShardSite(call, found[0], found[1], scope, f.order(call), legacy))
+        # `model = fully_shard(model)`, `model = FSDP(Net())`: the name bound to the result
+        parent = self.r.parent(call)
+        if isinstance(parent, cst.Assign) and len(parent.targets) == 1:
+            bound = part_root(parent.targets[0].target)
+            if bound is not None and bound[1] and (found is None or bound[0] != found[0]):
+                f.sites.append(ShardSite(call, bound[0], True, scope, f.order(call), legacy))
+
+    def _index_bindings(self) -> None:
+        """name -> [(order, value)] per function, for `name = value` and `name[k] = value`."""
+        f = self.facts
+        for assign in self.r.nodes(cst.Assign):
+            fn = f.scope_of(assign)
+            for t in assign.targets:
+                target = t.target
+                if isinstance(target, cst.Subscript):
+                    target = target.value
+                if isinstance(target, cst.Name):
+                    f._bindings.setdefault(fn, {}).setdefault(target.value, []).append((f.order(assign), assign.value))
+        for call in self.r.nodes(cst.Call):  # ckpt.update({...}) / ckpt.update(model=...)
+            func = call.func
+            if isinstance(func, cst.Attribute) and func.attr.value == "update" and isinstance(func.value, cst.Name):
+                fn = f.scope_of(call)
+                for arg in call.args:
+                    f._bindings.setdefault(fn, {}).setdefault(func.value.value, []).append((f.order(call), arg.value))
+
+    def _index_aliases(self) -> None:
+        """Loop variables and names bound to parts of a module (`for block in model.layers`,
+        `layer = model.layers[0]`) map to that module."""
+        f = self.facts
+        for loop in self.r.nodes(cst.For) + self.r.nodes(cst.CompFor):
+            iterated = loop.iter
+            while isinstance(iterated, cst.Call) and isinstance(iterated.func, cst.Name) and (
+                iterated.func.value in _ITERATION_WRAPPERS and iterated.args
+            ):
+                iterated = iterated.args[0].value
+            found = part_root(iterated)
+            if found is None:
+                continue
+            fn = f.scope_of(loop)
+            for name in _target_names(loop.target):
+                f._aliases.setdefault(fn, {})[name] = (found[0], False)
+        for assign in self.r.nodes(cst.Assign):
+            value = assign.value
+            if isinstance(value, (cst.Subscript, cst.Attribute)) or (
+                isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute)
+                and value.func.attr.value in _PART_METHODS
+            ):
+                found = part_root(value)
+                if found is not None and not found[1] and len(assign.targets) == 1:
+                    target = assign.targets[0].target
+                    if isinstance(target, cst.Name) and found[0] != "self":
+                        f._aliases.setdefault(f.scope_of(assign), {})[target.value] = (found[0], False)
+
+    def _optimizer(self, call: cst.Call) -> Optional[OptimizerBuild]:
+        if not (self.r.calls_prefix(call, OPTIMIZER_PREFIX) and not any(
+            self.r.calls_prefix(call, p) for p in NOT_OPTIMIZERS
+        )):
+            return None
+        parent = self.r.parent(call)
+        if not (isinstance(parent, cst.Assign) and len(parent.targets) == 1):
+            return None
+        target = part_root(parent.targets[0].target)
+        if target is None or not call.args:
+            return None
+        f = self.facts
+        arg = call.args[0].value
+        models: Set[str] = names_in(arg) | _attribute_roots(arg)
+        for name in names_in(arg):  # parameter groups built earlier: `groups = [{"params": ...}]`
+            for value in f.bound_values(name, call):
+                models |= names_in(value) | _attribute_roots(value)
+        return OptimizerBuild(target[0], call, models, f.scope_of(call), f.order(call))
+
+    def _propagate(self) -> None:
+        """Functions receiving a sharded module as an argument, classes storing one on
+        self, and names bound to functions' sharded return values."""
+        f = self.facts
+        functions = {s.name.value: s for s in self.module.body if isinstance(s, cst.FunctionDef)}
+        classes = {s.name.value: s for s in self.module.body if isinstance(s, cst.ClassDef)}
+        for _ in range(3):
+            changed = False
+            for call in self.r.nodes(cst.Call):
+                if not isinstance(call.func, cst.Name):
+                    continue
+                callee = functions.get(call.func.value)
+                init = None
+                if callee is None and call.func.value in classes:
+                    init = next(
+                        (m for m in classes[call.func.value].body.body
+                         if isinstance(m, cst.FunctionDef) and m.name.value == "__init__"), None,
+                    )
+                    callee = init
+                if callee is None:
+                    continue
+                for param, arg in bind_args(callee, call) if init is None else _bind_method(callee, call):
+                    root = f.sharded_module(arg, call)
+                    if root is None:
+                        continue
+                    found = f.sites_for(root, call)
+                    site = ShardSite(
+                        found[0].call, root, any(s.whole for s in found), None, (0, 0), all(s.legacy for s in found)
+                    )
+                    names = [param]
+                    if init is not None:
+                        names = ["self." + a for a in _stored_as(init, param)]
+                        scope_key = init
+                    else:
+                        scope_key = callee
+                    for name in names:
+                        if init is not None:
+                            for method in classes[call.func.value].body.body:
+                                if isinstance(method, cst.FunctionDef):
+                                    changed |= _receive(f, method, name, site)
+                        else:
+                            changed |= _receive(f, scope_key, name, site)
+                # `model = setup(model)`: a function that returns what it sharded
+                if init is None:
+                    parent = self.r.parent(call)
+                    if isinstance(parent, cst.Assign) and len(parent.targets) == 1:
+                        target = parent.targets[0].target
+                        if isinstance(target, cst.Name) and self._returns_sharded(callee):
+                            site = ShardSite(call, target.value, True, f.scope_of(call), f.order(call))
+                            if not any(s.call is call and s.root == target.value for s in f.sites):
+                                f.sites.append(site)
+                                changed = True
+            if not changed:
+                break
+
+    def _returns_sharded(self, fn: cst.FunctionDef) -> bool:
+        for ret in self.r.nodes(cst.Return):
+            if self.r.enclosing_function(ret) is fn and ret.value is not None:
+                if self.facts.sharded_module(ret.value, ret) is not None:
+                    return True
+        return False
+
+
+def _receive(f: ShardFacts, scope, name: str, site: ShardSite) -> bool:
+    known = f._received.setdefault(scope, {})
+    if name in known:
+        return False
+    known[name] = ShardSite(site.call, name, site.whole, scope, (0, 0), site.legacy)
+    return True
+
+
+def _bind_method(init: cst.FunctionDef, call: cst.Call):
+    """bind_args for a constructor call: skip `self`."""
+    params = [p.name.value for p in init.params.params][1:]
+    positional = [a for a in call.args if a.keyword is None and not a.star]
+    for param, arg in zip(params, positional):
+        yield param, arg.value
+    for a in call.args:
+        if a.keyword is not None and a.keyword.value in params:
+            yield a.keyword.value, a.value
+
+
+def _stored_as(init: cst.FunctionDef, param: str) -> Iterator[str]:
+    """Attributes `self.<attr> = param` in a constructor."""
+    for stmt in init.body.body:
+        if isinstance(stmt, cst.SimpleStatementLine):
+            for small in stmt.body:
+                if isinstance(small, cst.Assign) and isinstance(small.value, cst.Name) and small.value.value == param:
+                    for t in small.targets:
+                        target = t.target
+                        if (isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name)
+                                and target.value.value == "self"):
+                            yield target.attr.value
+
+
+def _target_names(target) -> List[str]:
+    if isinstance(target, cst.Name):
+        return [target.value]
+    if isinstance(target, (cst.Tuple, cst.List)) and target.elements:
+        return _target_names(target.elements[-1].value)  # `for i, block in enumerate(...)`
+    return []
+
+
+def _attribute_roots(expr) -> Set[str]:
+    """Roots of `x.parameters()`-like reads inside an optimizer's argument."""
+    out: Set[str] = set()
+
+    class _V(cst.CSTVisitor):
+        def visit_Attribute(self, node: cst.Attribute) -> None:
+            found = part_root(node)
+            if found is not None and found[0] != "self":
+                out.add(found[0])
+
+    expr.visit(_V())
+    return out

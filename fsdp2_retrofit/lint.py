@@ -1,0 +1,249 @@
+"""Lint one source: prefilter, parse, analyse once, run the rules, honour noqa, apply fixes.
+
+Cheap first: a file whose text contains none of the selected rules' triggers is not
+parsed at all; the scope and qualified-name metadata are computed only for files
+that pass. Nothing here imports torch or runs the user's code.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type
+
+from .report import InputError
+from .rules import Finding, Fix, Rule
+
+_NOQA = re.compile(r"#\s*noqa(?::[\s]?(?P<codes>[A-Z]+[0-9]+(?:[,\s]+[A-Z]+[0-9]+)*))?", re.IGNORECASE)
+_FILE_NOQA = re.compile(
+    r"^#\s*(?:fsdp2-retrofit|flake8)\s*:\s*noqa(?::\s?(?P<codes>[A-Z]+[0-9]+(?:[,\s]+[A-Z]+[0-9]+)*))?\s*$",
+    re.IGNORECASE | re.MULTILINE,
+)
+_MAX_FIX_ROUNDS = 10
+
+
+@dataclass
+class LintResult:
+    path: str
+    findings: List[Finding]  # what remains (after fixes, when fixing)
+    fixed: Optional[bytes] = None  # the new source when fixes were applied
+    applied: int = 0  # how many fixes were applied
+    bare_noqa: int = 0  # lines suppressed by a bare `# noqa`
+    error: Optional[InputError] = None
+    original: bytes = b""
+
+
+class LintContext:
+    """What a rule sees: the tree, its resolved names and the sharding facts (computed once)."""
+
+    def __init__(self, module, path: str):
+        from .analysis.names import Resolver
+        from .analysis.sharding import shard_facts
+
+        self.module = module
+        self.path = path
+        self.resolver = Resolver(module)
+        self.shards = shard_facts(module, self.resolver)
+        self._loaders = None
+        self._classes = None
+
+    def nodes(self, kind):
+        return self.resolver.nodes(kind)
+
+    def training_loaders(self):
+        """DataLoaders a training loop iterates (the rewriter's own finding of them)."""
+        if self._loaders is None:
+            from .analysis.facts import training_loaders
+
+            self._loaders = training_loaders(self.module, self.resolver)
+        return self._loaders
+
+    def classes(self):
+        """The model classes of the script and its sibling modules (parsed on first use)."""
+        if self._classes is None:
+            from .analysis.model_classes import build_registry
+
+            self._classes = build_registry(self.module, self.resolver, self.path if self.path != "-" else None)
+        return self._classes
+
+
+def applicable(data: bytes, rules: Sequence[Type[Rule]]) -> List[Type[Rule]]:
+    """The prefilter: the selected rules that can possibly fire in this text."""
+    return [r for r in rules if r.may_apply(data)]
+
+
+def lint_source(
+    data: bytes, path: str, rules: Sequence[Type[Rule]], fix: bool = False, unsafe_fixes: bool = False
+) -> LintResult:
+    """Findings for one source; with `fix`, also the fixed source and what remains."""
+    result = LintResult(path, [], original=data)
+    rules = applicable(data, rules)
+    if not rules:
+        return result
+    try:
+        findings, module = _findings(data, path, rules)
+    except InputError as exc:
+        result.error = exc
+        return result
+    if fix:
+        current = data
+        for _ in range(_MAX_FIX_ROUNDS):
+            chosen = [f for f in findings if f.fix is not None and (f.fix.safe or unsafe_fixes)]
+            if not chosen:
+                break
+            new, count = apply_fixes(module, chosen)
+            if count == 0 or new == current:
+                break
+            try:
+                compile(new, path, "exec", dont_inherit=True)
+                new_findings, new_module = _findings(new, path, rules)
+            except (SyntaxError, ValueError, InputError):
+                break  # a fix must never leave a file that does not parse: keep the last good one
+            current, findings, module = new, new_findings, new_module
+            result.applied += count
+        if current != data:
+            result.fixed = current
+    findings, result.bare_noqa = _suppress(findings, result.fixed or data)
+    result.findings = findings
+    return result
+
+
+def _findings(data: bytes, path: str, rules: Sequence[Type[Rule]]):
+    import libcst as cst
+
+    try:
+        module = cst.parse_module(data)
+    except cst.ParserSyntaxError as exc:
+        raise InputError(f"syntax error: {exc.message}", exc.raw_line) from None
+    except (UnicodeDecodeError, LookupError) as exc:
+        raise InputError(f"cannot decode: {exc}") from None
+    ctx = LintContext(module, path)
+    out: List[Finding] = []
+    seen: Set[Tuple[str, int]] = set()
+    for rule_cls in rules:
+        rule = rule_cls()
+        for node, fields, fix in rule.check(ctx):
+            pos = ctx.resolver.position(node)
+            key = (rule.CODE, id(node))
+            if pos is None or key in seen:
+                continue
+            seen.add(key)
+            out.append(
+                Finding(
+                    code=rule.CODE,
+                    name=rule.NAME,
+                    message=rule.MESSAGE.format(**fields),
+                    path=path,
+                    line=pos.start.line,
+                    col=pos.start.column + 1,
+                    end_line=pos.end.line,
+                    end_col=pos.end.column + 1,
+                    fix=fix,
+                    node=node,
+                )
+            )
+    out.sort(key=lambda f: (f.line, f.col, f.code))
+    return out, module
+
+
+def _suppress(findings: List[Finding], data: bytes) -> Tuple[List[Finding], int]:
+    """Drop findings silenced by `# noqa[: CODES]` on their line or a file-level
+    `# fsdp2-retrofit: noqa[: CODES]`; count the bare `# noqa` ones."""
+    if b"noqa" not in data.lower():
+        return findings, 0
+    text = data.decode("utf-8", errors="replace")
+    lines = text.splitlines()
+    file_codes: Optional[Set[str]] = None
+    for m in _FILE_NOQA.finditer(text):
+        if not m.group("codes"):
+            return [], 0
+        file_codes = (file_codes or set()) | set(re.split(r"[,\s]+", m.group("codes").upper()))
+    kept, bare = [], 0
+    for f in findings:
+        if file_codes and any(f.code.startswith(c) for c in file_codes):
+            continue
+        line = lines[f.line - 1] if 0 < f.line <= len(lines) else ""
+        m = _NOQA.search(line[line.find("#"):]) if "#" in line else None
+        if m is not None:
+            codes = m.group("codes")
+            if not codes:
+                bare += 1
+                continue
+            if any(f.code.startswith(c) for c in re.split(r"[,\s]+", codes.upper())):
+                continue
+        kept.append(f)
+    return kept, bare
+
+
+def apply_fixes(module, findings: Iterable[Finding]) -> Tuple[bytes, int]:
+    """Apply the fixes of `findings` whose edits do not overlap; (new source, count)."""
+    import libcst as cst
+
+    from .imports import place_added_imports
+
+    replace: Dict[cst.CSTNode, cst.CSTNode] = {}
+    before: Dict[cst.CSTNode, list] = {}
+    after: Dict[cst.CSTNode, list] = {}
+    touched: List[cst.CSTNode] = []
+    imports: List[tuple] = []
+    applied: List[Fix] = []
+    for f in findings:
+        fix = f.fix
+        if any(_same_fix(fix, done) for done in applied):
+            continue  # two findings sharing one fix (two reads of one local norm)
+        nodes = [e.node for e in fix.edits]
+        if any(_overlaps(n, t) for n in nodes for t in touched):
+            continue  # the next round applies it on the re-analysed tree
+        for e in fix.edits:
+            if e.kind == "replace":
+                replace[e.node] = e.new
+            else:
+                (before if e.kind == "before" else after).setdefault(e.node, []).extend(e.new)
+        touched.extend(nodes)
+        imports.extend(fix.imports)
+        applied.append(fix)
+
+    class _Apply(cst.CSTTransformer):
+        def on_leave(self, original_node, updated_node):
+            if original_node in replace:
+                updated_node = replace[original_node]
+            if original_node in before or original_node in after:
+                return cst.FlattenSentinel(before.get(original_node, []) + [updated_node] + after.get(original_node, []))
+            return updated_node
+
+    new = module.visit(_Apply())
+    if imports:
+        from libcst.codemod import CodemodContext
+        from libcst.codemod.visitors import AddImportsVisitor
+
+        from .analysis.names import code
+
+        originals = {code(s) for s in module.body if isinstance(s, cst.SimpleStatementLine)}
+        context = CodemodContext()
+        for mod, obj, alias in imports:
+            AddImportsVisitor.add_needed_import(context, mod, obj, alias)
+        new = AddImportsVisitor(context).transform_module(new)
+        new = place_added_imports(new, originals)
+    return new.bytes, len(applied)
+
+
+def _same_fix(a: Fix, b: Fix) -> bool:
+    return len(a.edits) == len(b.edits) and all(
+        x.node is y.node and x.kind == y.kind for x, y in zip(a.edits, b.edits)
+    )
+
+
+def _overlaps(a, b) -> bool:
+    """One node inside the other (or the same node)."""
+    if a is b:
+        return True
+    return _contains(a, b) or _contains(b, a)
+
+
+def _contains(outer, inner) -> bool:
+    stack = [outer]
+    while stack:
+        node = stack.pop()
+        if node is inner:
+            return True
+        stack.extend(node.children)
+    return False

@@ -1,0 +1,142 @@
+"""FSD107 local-grad-norm."""
+from __future__ import annotations
+
+import libcst as cst
+
+from ..analysis.sharding import CLIP_GRAD_NORM
+from . import Edit, Fix, Invalid, Rule, Valid
+
+_HEAD = "import torch\nfrom torch.distributed.fsdp import fully_shard\nfully_shard(model)\n"
+_CLIP = "norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
+_FULL = "norm = norm.full_tensor()\n"
+# reading a tensor as a number
+_NUMBER_FUNCS = {"float", "int", "print", "round", "str", "format"}
+_NUMBER_METHODS = {"item", "tolist", "cpu", "numpy"}
+_LOG_METHODS = {"log", "info", "debug", "warning", "add_scalar", "log_metrics", "log_dict", "write", "set_postfix"}
+
+
+class LocalGradNorm(Rule):
+    """Checks for the total norm from `clip_grad_norm_` read as a number without `.full_tensor()`.
+
+    ## What it does
+    Flags reads of the value `clip_grad_norm_` returns for a sharded module's
+    parameters as a number: `.item()`, `float(...)`, an f-string, `print`, a logger
+    or metrics call.
+
+    ## Why is this bad?
+    With DTensor parameters the returned norm is a DTensor. The clipping itself is
+    global and correct, but reading the norm locally gives this rank's view, which
+    differs per rank; logged values (and any decision made on them, such as skipping
+    a step on a non-finite norm) disagree between ranks.
+
+    ## Example
+    ```python
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    print(f"grad norm {norm.item():.3f}")
+    ```
+
+    ## Use instead
+    ```python
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    norm = norm.full_tensor()
+    print(f"grad norm {norm.item():.3f}")
+    ```
+
+    ## Fix safety
+    The fix is safe: it inserts `norm = norm.full_tensor()` right after the clip, on
+    every rank (never inside a rank-0 branch, where the collective would hang).
+    """
+
+    CODE = "FSD107"
+    NAME = "local-grad-norm"
+    MESSAGE = "`{name}` from `clip_grad_norm_` is a DTensor read locally; use `{name}.full_tensor()` first"
+    TRIGGERS = ("clip_grad_norm_",)
+    VALID = (
+        Valid(_HEAD + _CLIP + _FULL + "print(f'norm {norm.item():.3f}')\n"),
+        Valid(_HEAD + "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"),
+        Valid("import torch\nnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\nprint(norm.item())\n"),
+        Valid(_HEAD + _CLIP + "print(norm.full_tensor().item())\n"),
+    )
+    INVALID = (
+        Invalid(_HEAD + _CLIP + "print(f'norm {norm.item():.3f}')\n", line=5,
+                fixed=_HEAD + _CLIP + _FULL + "print(f'norm {norm.item():.3f}')\n"),
+        Invalid(_HEAD + _CLIP + "logger.info('norm %f', float(norm))\n", line=5,
+                fixed=_HEAD + _CLIP + _FULL + "logger.info('norm %f', float(norm))\n"),
+        Invalid(_HEAD + _CLIP + "if rank == 0:\n    print(f'norm {norm}')\n", line=6,
+                fixed=_HEAD + _CLIP + _FULL + "if rank == 0:\n    print(f'norm {norm}')\n"),
+        Invalid(_HEAD + "g = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()\n", line=4,
+                fixed=_HEAD + "g = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor().item()\n"),
+    )
+
+    def check(self, ctx):
+        shards = ctx.shards
+        for clip in ctx.nodes(cst.Call):
+            if not (ctx.resolver.qnames(clip) & CLIP_GRAD_NORM) or not clip.args:
+                continue
+            if shards.sharded_module(clip.args[0].value, clip) is None:
+                continue
+            parent = ctx.resolver.parent(clip)
+            if isinstance(parent, cst.Attribute) and parent.attr.value in _NUMBER_METHODS:
+                new = parent.with_changes(value=cst.Call(cst.Attribute(clip, cst.Name("full_tensor"))))
+                yield clip, {"name": "clip_grad_norm_(...)"}, Fix("Read it with `.full_tensor()`", [Edit(parent, new)])
+                continue
+            if not (isinstance(parent, cst.Assign) and len(parent.targets) == 1
+                    and isinstance(parent.targets[0].target, cst.Name)):
+                continue
+            name = parent.targets[0].target.value
+            stmt = ctx.resolver.statement_of(clip)
+            fix = Fix(
+                f"Insert `{name} = {name}.full_tensor()` after the clip",
+                [Edit(stmt, [cst.parse_statement(f"{name} = {name}.full_tensor()\n")], kind="after")],
+            )
+            for use in _numeric_reads(ctx, name, clip):
+                yield use, {"name": name}, fix
+
+
+def _numeric_reads(ctx, name: str, clip: cst.Call):
+    """Reads of `name` as a number after the clip, up to its next assignment, same function."""
+    r = ctx.resolver
+    shards = ctx.shards
+    fn = shards.scope_of(clip)
+    start = shards.order(clip)
+    rebound = [
+        shards.order(a) for a in ctx.nodes(cst.Assign)
+        if shards.scope_of(a) is fn and shards.order(a) > start
+        and any(isinstance(t.target, cst.Name) and t.target.value == name for t in a.targets)
+    ]
+    end = min(rebound) if rebound else (10**9, 0)
+    for node in ctx.nodes(cst.Name):
+        if node.value != name or shards.scope_of(node) is not fn:
+            continue
+        if not (start < shards.order(node) < end):
+            continue
+        parent = r.parent(node)
+        if isinstance(parent, cst.Attribute) and parent.value is node:
+            if parent.attr.value == "full_tensor":
+                continue
+            if parent.attr.value in _NUMBER_METHODS:
+                yield node
+            continue
+        if isinstance(parent, cst.FormattedStringExpression):
+            yield node
+            continue
+        if isinstance(parent, cst.Arg):
+            call = r.parent(parent)
+            func = call.func if isinstance(call, cst.Call) else None
+            if isinstance(func, cst.Name) and func.value in _NUMBER_FUNCS:
+                yield node
+            elif isinstance(func, cst.Attribute) and func.attr.value in _LOG_METHODS:
+                yield node
+            elif isinstance(func, cst.Attribute) and "math." in _dotted(func):
+                yield node
+            continue
+        if isinstance(parent, cst.DictElement) and parent.value is node:
+            yield node  # wandb.log({"grad_norm": norm}) and friends
+        elif isinstance(parent, (cst.FormattedStringExpression, cst.Comparison, cst.ComparisonTarget)):
+            yield node
+
+
+def _dotted(node) -> str:
+    from ..analysis.names import code
+
+    return code(node) + "."

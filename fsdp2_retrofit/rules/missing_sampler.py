@@ -1,0 +1,64 @@
+"""FSD108 missing-sampler."""
+from __future__ import annotations
+
+from . import Invalid, Rule, Valid
+
+_HEAD = (
+    "import torch\nfrom torch.distributed.fsdp import fully_shard\nfrom torch.utils.data import DataLoader\n"
+    "model = Net()\nfully_shard(model)\n"
+)
+_LOOP = "for x, y in loader:\n    loss = model(x).sum()\n    loss.backward()\n"
+
+
+class MissingSampler(Rule):
+    """Checks for a training DataLoader without a sampler in a sharded script.
+
+    ## What it does
+    In a script that shards a model, flags a `DataLoader` that a training loop (one
+    that calls `backward()`) reads and that gets no `sampler=` or `batch_sampler=`.
+
+    ## Why is this bad?
+    Every rank then iterates the whole dataset in the same order: all ranks train on
+    the same batches, so N GPUs do the work of one, and with `shuffle=True` each rank
+    shuffles on its own. The run looks healthy and learns as if the batch were N times
+    smaller than the compute spent.
+
+    ## Example
+    ```python
+    loader = DataLoader(dataset, batch_size=32, shuffle=True)
+    ```
+
+    ## Use instead
+    ```python
+    sampler = DistributedSampler(dataset, shuffle=True)
+    loader = DataLoader(dataset, batch_size=32, sampler=sampler)
+    ...
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+    ```
+
+    ## Fix safety
+    No automatic fix here; `fsdp2-retrofit rewrite` adds the sampler, its `set_epoch`
+    call and moves `shuffle` onto it.
+    """
+
+    CODE = "FSD108"
+    NAME = "missing-sampler"
+    MESSAGE = "DataLoader `{name}` has no DistributedSampler: every rank trains on the same batches"
+    TRIGGERS = ("DataLoader",)
+    VALID = (
+        Valid(_HEAD + "loader = DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds))\n" + _LOOP),
+        Valid("import torch\nfrom torch.utils.data import DataLoader\nloader = DataLoader(ds, batch_size=8)\n"
+              + _LOOP.replace("model(x)", "net(x)")),
+        Valid(_HEAD + "val_loader = DataLoader(ds, batch_size=8)\nfor x, y in val_loader:\n    model(x)\n"),
+    )
+    INVALID = (
+        Invalid(_HEAD + "loader = DataLoader(ds, batch_size=8, shuffle=True)\n" + _LOOP, line=6),
+    )
+
+    def check(self, ctx):
+        if not any(not s.legacy for s in ctx.shards.sites):
+            return
+        for loader in ctx.training_loaders():
+            if loader.trains and not loader.has_sampler:
+                yield loader.call, {"name": loader.name}, None

@@ -1,0 +1,65 @@
+"""FSD103 optimizer-before-shard."""
+from __future__ import annotations
+
+from . import Invalid, Rule, Valid
+
+_HEAD = "import torch\nfrom torch.distributed.fsdp import fully_shard\nmodel = Net()\n"
+
+
+class OptimizerBeforeShard(Rule):
+    """Checks for an optimizer built from a module's parameters before `fully_shard` of it.
+
+    ## What it does
+    Flags the construction of a `torch.optim` optimizer from `model.parameters()` (or
+    parameter groups built from it) when `fully_shard(model)` (or of one of its blocks)
+    comes later in the same function.
+
+    ## Why is this bad?
+    `fully_shard` replaces every parameter with a new DTensor parameter. An optimizer
+    built earlier still holds the old tensors: it steps tensors the model no longer
+    uses, so the model silently never trains (or the step fails on a device mismatch).
+
+    ## Example
+    ```python
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    fully_shard(model)
+    ```
+
+    ## Use instead
+    ```python
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    ```
+
+    ## Fix safety
+    No automatic fix: moving the construction can move code that reads its result.
+    `fsdp2-retrofit rewrite` builds the optimizer after sharding.
+    """
+
+    CODE = "FSD103"
+    NAME = "optimizer-before-shard"
+    MESSAGE = "optimizer `{name}` is built from `{root}`'s parameters before `fully_shard` (line {line}): it keeps the unsharded tensors"
+    VALID = (
+        Valid(_HEAD + "fully_shard(model)\noptimizer = torch.optim.AdamW(model.parameters())\n"),
+        Valid("import torch\nmodel = Net()\noptimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"),
+    )
+    INVALID = (
+        Invalid(_HEAD + "optimizer = torch.optim.AdamW(model.parameters())\nfully_shard(model)\n", line=4),
+        Invalid(
+            _HEAD + "groups = [{'params': [p for p in model.parameters() if p.ndim > 1]}]\n"
+            "opt = torch.optim.AdamW(groups, lr=1e-3)\nfor layer in model.layers:\n    fully_shard(layer)\n"
+            "fully_shard(model)\n",
+            line=5,
+        ),
+    )
+
+    def check(self, ctx):
+        shards = ctx.shards
+        for opt in shards.optimizers:
+            later = [
+                s for s in shards.sites
+                if s.scope is opt.scope and s.root in opt.models and s.order > opt.order and not s.legacy
+            ]
+            if later:
+                first = min(later, key=lambda s: s.order)
+                yield opt.call, {"name": opt.name, "root": first.root, "line": str(first.order[0])}, None

@@ -1,0 +1,101 @@
+"""FSD110 rank-gated-collective."""
+from __future__ import annotations
+
+import libcst as cst
+
+from ..analysis.sharding import COLLECTIVES, DCP_CALLS, STATE_DICT_GETTERS, STATE_DICT_SETTERS
+from . import Invalid, Rule, Valid
+
+_HEAD = (
+    "import torch\nimport torch.distributed as dist\nimport torch.distributed.checkpoint as dcp\n"
+    "from torch.distributed.fsdp import fully_shard\nfrom torch.distributed.checkpoint.state_dict import "
+    "StateDictOptions, get_model_state_dict\nmodel = Net()\nfully_shard(model)\nrank = dist.get_rank()\n"
+)
+
+
+class RankGatedCollective(Rule):
+    """Checks for a collective inside a branch that only rank 0 runs.
+
+    ## What it does
+    Flags, inside `if rank == 0:` (or `if master_process:`, `if dist.get_rank() == 0:`,
+    the `else` of `if rank != 0:`, ...): `dcp.save` / `dcp.load` / `dcp.async_save`,
+    `get_*_state_dict` with `full_state_dict=True`, `set_*_state_dict`, `.full_tensor()`,
+    `torch.distributed` collectives, and calls (forwards) of a sharded module.
+
+    ## Why is this bad?
+    Each of these is a collective: every rank must join. Inside a rank-0 branch the
+    other ranks never arrive, and rank 0 waits forever (a hang, or a timeout after
+    30 minutes on NCCL). Rank-0 gating is for printing, logging and plain-file writes.
+
+    ## Example
+    ```python
+    if rank == 0:
+        dcp.save(get_model_state_dict(model), checkpoint_id="ckpt")
+    ```
+
+    ## Use instead
+    ```python
+    dcp.save(get_model_state_dict(model), checkpoint_id="ckpt")  # every rank
+    if rank == 0:
+        print("saved")
+    ```
+
+    ## Fix safety
+    No automatic fix: which statements of the branch are plain-file writes and which
+    feed the collective needs a person (`fsdp2-retrofit rewrite` splits its own).
+    """
+
+    CODE = "FSD110"
+    NAME = "rank-gated-collective"
+    MESSAGE = "{what} inside a rank-0 branch (line {line}): the other ranks never join the collective"
+    TRIGGERS = ("rank", "master", "main_process")
+    VALID = (
+        Valid(_HEAD + "dcp.save(get_model_state_dict(model), checkpoint_id='ckpt')\nif rank == 0:\n"
+              "    print('saved')\n"),
+        Valid(_HEAD + "opts = StateDictOptions(full_state_dict=True, cpu_offload=True)\n"
+              "state = get_model_state_dict(model, options=opts)\nif rank == 0:\n    torch.save(state, 'model.pt')\n"),
+        Valid("import torch.distributed as dist\nif dist.get_rank() == 0:\n    dist.barrier()\n"),  # not sharded
+    )
+    INVALID = (
+        Invalid(_HEAD + "if rank == 0:\n    dcp.save(get_model_state_dict(model), checkpoint_id='ckpt')\n", line=10),
+        Invalid(_HEAD + "if dist.get_rank() == 0:\n    full = get_model_state_dict(model, "
+                "options=StateDictOptions(full_state_dict=True))\n    torch.save(full, 'model.pt')\n", line=10),
+        Invalid(_HEAD + "if master_process and step % 100 == 0:\n    val_loss = model(x_val).mean()\n", line=10),
+        Invalid(_HEAD + "if rank != 0:\n    pass\nelse:\n    dist.all_reduce(t)\n", line=12),
+    )
+
+    def check(self, ctx):
+        shards = ctx.shards
+        if not shards.sites:
+            return
+        for call in ctx.nodes(cst.Call):
+            branch = shards.rank_zero_branch(call)
+            if branch is None:
+                continue
+            what = self._collective(ctx, call)
+            if what:
+                yield call, {"what": what, "line": str(ctx.resolver.line(branch))}, None
+
+    def _collective(self, ctx, call: cst.Call):
+        names = ctx.resolver.qnames(call)
+        func = call.func
+        if names & DCP_CALLS:
+            return f"`{_code(func)}`"
+        if names & COLLECTIVES:
+            return f"`{_code(func)}`"
+        if names & STATE_DICT_SETTERS:
+            return f"`{_code(func)}`"
+        if names & set(STATE_DICT_GETTERS) and ctx.shards.full_state_options(call):
+            return f"full-state `{_code(func)}`"
+        if isinstance(func, cst.Attribute) and func.attr.value == "full_tensor":
+            return "`.full_tensor()`"
+        root = ctx.shards.sharded_module(func, call, unit=True)
+        if root is not None and not (isinstance(func, cst.Attribute) and func.attr.value not in ("forward",)):
+            return f"a forward of sharded `{root}`"
+        return None
+
+
+def _code(node) -> str:
+    from ..analysis.names import code
+
+    return code(node)

@@ -1,0 +1,104 @@
+"""FSD109 shard-container."""
+from __future__ import annotations
+
+import libcst as cst
+
+from ..analysis.names import FULLY_SHARD, attr_path
+from . import Invalid, Rule, Valid
+
+_NET = (
+    "import torch.nn as nn\nfrom torch.distributed.fsdp import fully_shard\n"
+    "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+    "        self.layers = nn.ModuleList([Block() for _ in range(4)])\n"
+    "        self.head = nn.Linear(8, 8)\n"
+    "model = Net()\n"
+)
+_BARE = {"torch.nn.ModuleList", "torch.nn.ModuleDict", "torch.nn.modules.container.ModuleList",
+         "torch.nn.modules.container.ModuleDict"}
+
+
+class ShardContainer(Rule):
+    """Checks for `fully_shard` of an `nn.ModuleList` or `nn.ModuleDict`.
+
+    ## What it does
+    Flags `fully_shard(x)` where `x` is a `ModuleList` or `ModuleDict`: built as one in
+    the same script, or an attribute that the model's class (in the script or a
+    sibling module) assigns one to.
+
+    ## Why is this bad?
+    FSDP2 all-gathers a unit's parameters in a hook on the unit's `forward`. Containers
+    are never called: the model iterates them and calls each block. The hooks never
+    fire, so the blocks run on their local shards, or stay all-gathered for the whole
+    step (no memory saving).
+
+    ## Example
+    ```python
+    fully_shard(model.layers)
+    ```
+
+    ## Use instead
+    ```python
+    for layer in model.layers:
+        fully_shard(layer)
+    ```
+
+    ## Fix safety
+    No automatic fix; shard each child (the loop above), then the root.
+    """
+
+    CODE = "FSD109"
+    NAME = "shard-container"
+    MESSAGE = "`{target}` is a {kind}, which has no forward: FSDP2's hooks never fire; shard its children"
+    VALID = (
+        Valid(_NET + "for layer in model.layers:\n    fully_shard(layer)\nfully_shard(model)\n"),
+        Valid(_NET + "fully_shard(model.head)\n"),
+    )
+    INVALID = (
+        Invalid(_NET + "fully_shard(model.layers)\nfully_shard(model)\n", line=9),
+        Invalid("import torch\nfrom torch.distributed.fsdp import fully_shard\n"
+                "blocks = torch.nn.ModuleList([Block(), Block()])\nfully_shard(blocks)\n", line=4),
+    )
+
+    def check(self, ctx):
+        for site in ctx.shards.sites:
+            if site.legacy:
+                continue
+            target = site.call.args[0].value
+            kind = self._container_kind(ctx, target, site.call)
+            if kind:
+                yield site.call, {"target": _code(target), "kind": kind}, None
+
+    def _container_kind(self, ctx, target, at):
+        if isinstance(target, cst.Name):
+            for value in ctx.shards.bound_values(target.value, at):
+                names = ctx.resolver.qnames(value) if isinstance(value, cst.Call) else set()
+                if names & _BARE:
+                    return sorted(names & _BARE)[0].rsplit(".", 1)[-1]
+            return None
+        path = attr_path(target)
+        if not path or len(path) < 2:
+            return None
+        owner_class = self._class_of(ctx, path[0], at)
+        if owner_class is None:
+            return None
+        for container in ctx.classes().block_containers(owner_class):
+            if container.path == tuple(path[1:]) and container.kind in ("ModuleList", "ModuleDict"):
+                return container.kind
+        return None
+
+    def _class_of(self, ctx, name: str, at):
+        for value in ctx.shards.bound_values(name, at):
+            call = value
+            while isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute):
+                call = call.func.value  # Net().to(device)
+            if isinstance(call, cst.Call):
+                for q in sorted(ctx.resolver.qnames(call)):
+                    if ctx.classes().is_module_class(q):
+                        return q
+        return None
+
+
+def _code(node) -> str:
+    from ..analysis.names import code
+
+    return code(node)

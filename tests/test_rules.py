@@ -1,0 +1,49 @@
+"""Every rule's VALID cases yield nothing; every INVALID case yields exactly its own
+finding on its line, and its fix (safe or unsafe) gives exactly the documented code."""
+from __future__ import annotations
+
+import pytest
+
+from fsdp2_retrofit.lint import lint_source
+from fsdp2_retrofit.rules import all_rules
+
+RULES = all_rules()
+VALID = [(r, i, c) for r in RULES for i, c in enumerate(r.VALID)]
+INVALID = [(r, i, c) for r in RULES for i, c in enumerate(r.INVALID)]
+
+
+def _id(item):
+    rule, i, _ = item
+    return f"{rule.CODE}-{i}"
+
+
+def test_catalogue_is_complete():
+    codes = [r.CODE for r in RULES]
+    assert codes == [f"FSD1{n:02d}" for n in range(1, 13)]
+    for rule in RULES:
+        doc = rule.__doc__ or ""
+        for heading in ("## What it does", "## Why is this bad?", "## Example", "## Use instead", "## Fix safety"):
+            assert heading in doc, (rule.CODE, heading)
+        assert rule.NAME and rule.MESSAGE and rule.VALID and rule.INVALID
+
+
+@pytest.mark.parametrize("item", VALID, ids=[_id(v) for v in VALID])
+def test_valid_cases_yield_nothing(item):
+    rule, _, case = item
+    findings = lint_source(case.code.encode(), "case.py", RULES).findings
+    assert [f for f in findings if f.code == rule.CODE] == []
+
+
+@pytest.mark.parametrize("item", INVALID, ids=[_id(v) for v in INVALID])
+def test_invalid_cases_yield_one_finding_on_their_line(item):
+    rule, _, case = item
+    findings = [f for f in lint_source(case.code.encode(), "case.py", RULES).findings if f.code == rule.CODE]
+    assert [(f.code, f.line) for f in findings] == [(rule.CODE, case.line)]
+    fixed = lint_source(case.code.encode(), "case.py", [rule], fix=True, unsafe_fixes=True)
+    if case.fixed is None:
+        assert findings[0].fix is None
+        assert fixed.fixed is None
+    else:
+        assert findings[0].fix is not None
+        assert (fixed.fixed or b"").decode() == case.fixed
+        assert fixed.findings == []

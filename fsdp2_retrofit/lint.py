@@ -7,7 +7,7 @@ that pass. Nothing here imports torch or runs the user's code.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type
 
 from .report import InputError

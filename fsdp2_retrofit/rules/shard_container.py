@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from ..analysis.names import FULLY_SHARD, attr_path
+from ..analysis.names import attr_path
 from . import Invalid, Rule, Valid
 
 _NET = (

@@ -139,10 +139,33 @@ def _findings(data: bytes, path: str, rules: Sequence[Type[Rule]]):
                     end_col=pos.end.column + 1,
                     fix=fix,
                     node=node,
+                    fix_record=None if fix is None else _fix_record(module, ctx.resolver, fix),
                 )
             )
     out.sort(key=lambda f: (f.line, f.col, f.code))
     return out, module
+
+
+def _fix_record(module, resolver, fix: Fix) -> dict:
+    """A fix as text edits on the source it was found in (for JSON output)."""
+    lines = module.code.splitlines()
+    edits = []
+    for e in fix.edits:
+        pos = resolver.position(e.node)
+        if pos is None:
+            continue
+        if e.kind == "replace":
+            start = {"row": pos.start.line, "column": pos.start.column + 1}
+            end = {"row": pos.end.line, "column": pos.end.column + 1}
+            edits.append({"content": module.code_for_node(e.new).strip(), "location": start, "end_location": end})
+        else:
+            line = lines[pos.start.line - 1] if pos.start.line <= len(lines) else ""
+            indent = line[: len(line) - len(line.lstrip())]
+            content = "".join(indent + module.code_for_node(s).strip() + "\n" for s in e.new)
+            row = pos.start.line if e.kind == "before" else pos.end.line + 1
+            at = {"row": row, "column": 1}
+            edits.append({"content": content, "location": at, "end_location": dict(at)})
+    return {"applicability": "safe" if fix.safe else "unsafe", "message": fix.message, "edits": edits}
 
 
 def _suppress(findings: List[Finding], data: bytes) -> Tuple[List[Finding], int]:

@@ -63,12 +63,20 @@ class Finding:
     col: int  # 1-based, like ruff
     end_line: int
     end_col: int
-    fix: Optional[Fix] = None
+    fix: Optional[Fix] = field(default=None, repr=False, compare=False)  # dropped when sent between processes
     node: Optional[cst.CSTNode] = field(default=None, repr=False, compare=False)
+    # the fix as data: {"applicability": "safe"|"unsafe", "message", "edits": [{content, location, end_location}]}
+    fix_record: Optional[dict] = None
 
     @property
-    def fixable(self) -> bool:
-        return self.fix is not None
+    def fix_safe(self) -> Optional[bool]:
+        """True: a safe fix; False: an unsafe one; None: no fix."""
+        return None if self.fix_record is None else self.fix_record["applicability"] == "safe"
+
+    def detached(self) -> "Finding":
+        """This finding without its syntax-tree references (picklable, small)."""
+        return Finding(self.code, self.name, self.message, self.path, self.line, self.col,
+                       self.end_line, self.end_col, fix_record=self.fix_record)
 
 
 class Rule:

@@ -115,7 +115,9 @@ class TorchSaveDTensor(Rule):
             what = ctx.shards.sharded_state(call.args[0].value, call)
             if what is None:
                 continue
-            yield call, {"what": what}, _fix(call, what)
+            # dcp.save is a collective: inside a rank-0 branch the "fix" would hang
+            gated = ctx.shards.rank_zero_branch(call) is not None
+            yield call, {"what": what}, None if gated else _fix(call, what)
 
 
 def _fix(call: cst.Call, what: str):

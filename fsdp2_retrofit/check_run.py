@@ -1,0 +1,149 @@
+"""One `fsdp2-retrofit check` invocation: select rules, find files, lint, fix, render, exit code."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import click
+
+from . import files, lint_report
+from .checker import CheckJob, FileResult, lint_one, run
+from .report import InputError, unified_diff
+
+EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
+PROGRESS_MIN_FILES = 50
+
+
+@dataclass
+class CheckSettings:
+    select: List[str] = field(default_factory=list)
+    extend_select: List[str] = field(default_factory=list)
+    ignore: List[str] = field(default_factory=list)
+    fix: bool = False  # compute fixes
+    write: bool = False  # write them to the files
+    diff: bool = False
+    unsafe_fixes: bool = False
+    output_format: str = "text"
+    exit_zero: bool = False
+    statistics: bool = False
+    exclude: Tuple[str, ...] = ()
+    force_exclude: bool = False
+    stdin_filename: Optional[str] = None
+    quiet: bool = False
+
+
+class CheckRun:
+    def __init__(self, settings: CheckSettings):
+        self.s = settings
+        self.errors = 0
+
+    def main(self, paths: Sequence[str], show_files: bool = False) -> int:
+        from .rules import selected, unknown_codes
+
+        bad = unknown_codes(self.s.select + self.s.extend_select + self.s.ignore)
+        if bad:
+            click.echo(f"error: unknown rule code or prefix {bad[0]!r} (see `fsdp2-retrofit rules`)", err=True)
+            return EXIT_ERROR
+        rules = tuple(selected(self.s.select, self.s.ignore, self.s.extend_select))
+        self.rules = rules
+        job = CheckJob(rules, fix=self.s.fix, unsafe_fixes=self.s.unsafe_fixes)
+
+        if list(paths) == ["-"]:
+            return self._stdin(job)
+        targets: List[str] = []
+        for path, error in files.discover(paths, self.s.exclude, self.s.force_exclude):
+            if error:
+                self._error(path, InputError(error))
+            else:
+                targets.append(path)
+        if show_files:
+            for t in targets:
+                click.echo(t)
+            return EXIT_ERROR if self.errors else EXIT_OK
+        results = self._run(job, targets)
+        return self._finish(results)
+
+    def _run(self, job: CheckJob, targets: List[str]) -> List[FileResult]:
+        if len(targets) >= PROGRESS_MIN_FILES and sys.stderr.isatty():
+            from rich.progress import Progress
+
+            with Progress(transient=True, console=_stderr_console()) as progress:
+                task = progress.add_task("checking", total=len(targets))
+                return run(job, targets, on_result=lambda _: progress.advance(task))
+        return run(job, targets)
+
+    def _stdin(self, job: CheckJob) -> int:
+        name = self.s.stdin_filename or "-"
+        data = sys.stdin.buffer.read()
+        result = lint_one(job, name, data)
+        if self.s.write and result.error is None:
+            # ruff's convention: the fixed source goes to stdout, findings to stderr
+            sys.stdout.buffer.write(result.fixed if result.fixed is not None else data)
+            sys.stdout.flush()
+            return self._finish([result], out_err=True)
+        return self._finish([result])
+
+    def _finish(self, results: List[FileResult], out_err: bool = False) -> int:
+        findings = []
+        fixed = bare = 0
+        would_change = False
+        for r in results:
+            if r.error is not None:
+                self._error(r.path, r.error)
+                continue
+            findings.extend(r.findings)
+            bare += r.bare_noqa
+            if r.fixed is None:
+                continue
+            if self.s.diff:
+                would_change = True
+                text = unified_diff(r.path, r.original.decode("utf-8", "replace"), r.fixed.decode("utf-8", "replace"))
+                click.echo(text, nl=False)
+            elif self.s.write and r.path != (self.s.stdin_filename or "-"):
+                try:
+                    files.check_writable(r.path)
+                    files.atomic_write(r.path, r.fixed)
+                except InputError as exc:
+                    self._error(r.path, exc)
+                    continue
+            if not self.s.diff:
+                fixed += r.applied
+        self._render(findings, fixed, bare, err=out_err)
+        if self.errors:
+            return EXIT_ERROR
+        if self.s.exit_zero:
+            return EXIT_OK
+        return EXIT_FINDINGS if findings or would_change else EXIT_OK
+
+    def _render(self, findings, fixed: int, bare: int, err: bool) -> None:
+        fmt = self.s.output_format
+        echo = lambda text: click.echo(text, err=err)  # noqa: E731
+        if self.s.statistics:
+            for line in lint_report.statistics(findings, bare, self.s.unsafe_fixes):
+                echo(line)
+            return
+        if fmt == "json":
+            echo(lint_report.to_json(findings))
+        elif fmt == "sarif":
+            echo(lint_report.sarif(findings, self.rules))
+        elif fmt == "github":
+            for line in lint_report.github(findings):
+                echo(line)
+        else:
+            for line in lint_report.text_lines(findings, self.s.unsafe_fixes):
+                echo(line)
+            if not self.s.quiet and not self.s.diff:
+                for line in lint_report.summary(findings, fixed, self.s.unsafe_fixes, fixing=self.s.write):
+                    echo(line)
+
+    def _error(self, path: str, exc: InputError) -> None:
+        self.errors += 1
+        where = f"{path}:{exc.line}" if exc.line else path
+        click.echo(f"{where}: error: {exc.message}", err=True)
+
+
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True)

@@ -1,0 +1,111 @@
+"""One `check` run over many files: read, prefilter, lint (in worker processes when
+there are many candidates), write fixes atomically, collect results in path order."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple, Type
+
+from .report import InputError
+from .rules import Rule
+
+# Below this many files that pass the prefilter, starting worker processes costs
+# more than it saves.
+PARALLEL_MIN_FILES = 16
+
+
+@dataclass
+class FileResult:
+    path: str
+    findings: list = field(default_factory=list)
+    original: bytes = b""
+    fixed: Optional[bytes] = None
+    applied: int = 0
+    bare_noqa: int = 0
+    error: Optional[InputError] = None
+
+
+@dataclass(frozen=True)
+class CheckJob:
+    rules: Tuple[Type[Rule], ...]
+    fix: bool = False
+    unsafe_fixes: bool = False
+
+
+def read_for_check(path: str) -> bytes:
+    """The bytes of a file to lint; InputError (one line) when it is not a text file."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise InputError(f"cannot read: {(exc.strerror or str(exc)).lower()}") from None
+    nul = data.find(b"\0")
+    if nul != -1:
+        raise InputError("binary file (contains NUL bytes), not a Python file", data.count(b"\n", 0, nul) + 1)
+    return data
+
+
+def lint_one(job: CheckJob, path: str, data: bytes) -> FileResult:
+    from .lint import lint_source
+
+    result = lint_source(data, path, job.rules, fix=job.fix, unsafe_fixes=job.unsafe_fixes)
+    return FileResult(
+        path=path,
+        findings=[f.detached() for f in result.findings],
+        original=data if result.fixed is not None else b"",
+        fixed=result.fixed,
+        applied=result.applied,
+        bare_noqa=result.bare_noqa,
+        error=result.error,
+    )
+
+
+def _lint_path(job: CheckJob, path: str) -> FileResult:
+    try:
+        data = read_for_check(path)
+    except InputError as exc:
+        return FileResult(path, error=exc)
+    return lint_one(job, path, data)
+
+
+def run(
+    job: CheckJob,
+    paths: Sequence[str],
+    workers: Optional[int] = None,
+    on_result: Optional[Callable[[FileResult], None]] = None,
+) -> List[FileResult]:
+    """Lint every path; results in the order of `paths`. Files that no selected rule
+    can apply to (the text prefilter) are not parsed, and never sent to a worker."""
+    from .lint import applicable
+
+    results: List[Optional[FileResult]] = [None] * len(paths)
+    candidates: List[int] = []
+    for i, path in enumerate(paths):
+        try:
+            data = read_for_check(path)
+        except InputError as exc:
+            results[i] = FileResult(path, error=exc)
+            continue
+        if applicable(data, job.rules):
+            candidates.append(i)
+        else:
+            results[i] = FileResult(path)
+        if on_result is not None and results[i] is not None:
+            on_result(results[i])
+    workers = workers if workers is not None else (os.cpu_count() or 1)
+    if workers > 1 and len(candidates) >= PARALLEL_MIN_FILES:
+        from concurrent.futures import ProcessPoolExecutor
+
+        chunk = max(1, len(candidates) // (workers * 4))
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            done = pool.map(_lint_path, [job] * len(candidates), [paths[i] for i in candidates], chunksize=chunk)
+            for i, result in zip(candidates, done):
+                results[i] = result
+                if on_result is not None:
+                    on_result(result)
+    else:
+        for i in candidates:
+            results[i] = _lint_path(job, paths[i])
+            if on_result is not None:
+                on_result(results[i])
+    return [r for r in results if r is not None]

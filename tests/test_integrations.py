@@ -1,0 +1,97 @@
+"""The pre-commit hooks through the real `pre-commit try-repo`, and the flake8 plugin
+through real flake8: a file with a pitfall fails, a clean one passes."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+PITFALL = """\
+import torch
+from torch.distributed.fsdp import fully_shard
+
+model = Net()
+fully_shard(model)
+logits = model.forward(x)
+"""
+CLEAN = PITFALL.replace("model.forward(x)", "model(x)")
+
+
+def _tool(name: str) -> str:
+    found = BIN / name
+    if found.exists():
+        return str(found)
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed: the test extra installs it")
+    return path
+
+
+@pytest.fixture(scope="module")
+def user_repo(tmp_path_factory):
+    """A user's git repository with one file that has a pitfall and one that is clean."""
+    repo = tmp_path_factory.mktemp("user_repo")
+    (repo / "bad.py").write_text(PITFALL)
+    (repo / "good.py").write_text(CLEAN)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@e", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@e"}
+    for cmd in (["git", "init", "-q"], ["git", "add", "."], ["git", "commit", "-qm", "init"]):
+        subprocess.run(cmd, cwd=repo, check=True, env=env)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def pre_commit_home(tmp_path_factory):
+    return tmp_path_factory.mktemp("pre_commit_home")
+
+
+def _try_repo(repo: Path, home: Path, hook: str, *files: str):
+    env = {**os.environ, "PRE_COMMIT_HOME": str(home), "PRE_COMMIT_COLOR": "never"}
+    env.pop("VIRTUAL_ENV", None)
+    return subprocess.run(
+        [_tool("pre-commit"), "try-repo", str(ROOT), hook, "--files", *files],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=900,
+    )
+
+
+@pytest.mark.integration
+def test_pre_commit_hook_fails_on_a_pitfall_and_passes_clean_code(user_repo, pre_commit_home):
+    bad = _try_repo(user_repo, pre_commit_home, "fsdp2-check", "bad.py")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "bad.py:6:10: FSD101" in bad.stdout, bad.stdout
+    good = _try_repo(user_repo, pre_commit_home, "fsdp2-check", "good.py")
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "Passed" in good.stdout
+
+
+@pytest.mark.integration
+def test_pre_commit_fix_hook_fixes_the_file(user_repo, pre_commit_home, tmp_path):
+    work = tmp_path / "repo"
+    shutil.copytree(user_repo, work)
+    result = _try_repo(work, pre_commit_home, "fsdp2-check-fix", "bad.py")
+    assert result.returncode == 1, result.stdout + result.stderr  # a fixer that changed a file fails the hook
+    assert (work / "bad.py").read_text() == CLEAN
+    again = _try_repo(work, pre_commit_home, "fsdp2-check-fix", "bad.py")
+    assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_flake8_plugin_reports_fsd_codes(tmp_path):
+    (tmp_path / "bad.py").write_text(PITFALL)
+    (tmp_path / "good.py").write_text(CLEAN)
+    bad = subprocess.run([_tool("flake8"), "--select", "FSD", "bad.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert bad.returncode == 1, bad.stderr
+    assert bad.stdout.splitlines() == [
+        "bad.py:6:10: FSD101 `model.forward(...)` bypasses FSDP2's hooks on sharded `model`; call `model(...)`"
+    ]
+    good = subprocess.run([_tool("flake8"), "--select", "FSD", "good.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert (good.returncode, good.stdout) == (0, "")
+    noqa = subprocess.run([_tool("flake8"), "--select", "FSD", "-"], input=PITFALL.replace(
+        "model.forward(x)", "model.forward(x)  # noqa: FSD101"), cwd=tmp_path, capture_output=True, text=True)
+    assert (noqa.returncode, noqa.stdout) == (0, "")

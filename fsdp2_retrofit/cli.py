@@ -307,9 +307,11 @@ def check_command(ctx: click.Context, paths, select, extend_select, ignore, fix,
         click.echo(f"error: {_one_line(str(exc))}", err=True)
         ctx.exit(EXIT_ERROR)
     settings = CheckSettings(
+        # ruff's layering: a --select on the command line replaces the configured selection
+        # (its ignores included); otherwise command-line codes add to the configured ones
         select=_codes(select) or _codes(config.get("select")),
-        extend_select=_codes(extend_select) + _codes(config.get("extend-select")),
-        ignore=_codes(ignore) + _codes(config.get("ignore")),
+        extend_select=_codes(extend_select) + ([] if select else _codes(config.get("extend-select"))),
+        ignore=_codes(ignore) + ([] if select else _codes(config.get("ignore"))),
         fix=fix or diff,
         write=fix and not diff,
         diff=diff,

@@ -1,0 +1,285 @@
+"""`fsdp2-retrofit check`: the pitfall fixtures, the cross-check against every rewrite
+fixture, and the command line (formats, exit codes, noqa, selection, fixes, config)."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fsdp2_retrofit import cli
+from fsdp2_retrofit.lint import lint_source
+from fsdp2_retrofit.rules import all_rules
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECK_FIXTURES = sorted((ROOT / "fixtures" / "check").glob("*.py"))
+REWRITE_FIXTURES = sorted((ROOT / "fixtures" / "rewrite").glob("*/*.py"))
+SHARED = ROOT.parent / "shared" / "examples"
+EXPECT = re.compile(r"#\s*expect:\s*(FSD\d{3})")
+
+BAD = """\
+import torch
+from torch.distributed.fsdp import fully_shard
+
+model = Net()
+fully_shard(model)
+out = model.forward(x)
+torch.save(model.state_dict(), "model.pt")
+"""
+
+
+def _lint(path: Path):
+    return lint_source(path.read_bytes(), str(path), all_rules()).findings
+
+
+def _invoke(args, **kwargs):
+    return CliRunner().invoke(cli.main, ["check", *args], catch_exceptions=False, **kwargs)
+
+
+# -- what the rules find -------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", CHECK_FIXTURES, ids=lambda p: p.name)
+def test_check_fixture_findings_are_exactly_the_marked_lines(path):
+    expected = sorted(
+        (i, m.group(1)) for i, line in enumerate(path.read_text().splitlines(), 1) for m in [EXPECT.search(line)] if m
+    )
+    found = sorted((f.line, f.code) for f in _lint(path))
+    assert found == expected
+
+
+def test_pitfall_fixtures_cover_every_rule():
+    codes = {m.group(1) for p in CHECK_FIXTURES for m in EXPECT.finditer(p.read_text())}
+    assert codes == {r.CODE for r in all_rules()}
+
+
+@pytest.mark.parametrize(
+    "path", REWRITE_FIXTURES + sorted(SHARED.glob("*.py")), ids=lambda p: f"{p.parent.name}/{p.name}"
+)
+def test_rewrite_fixtures_inputs_and_outputs_have_no_findings(path):
+    assert _lint(path) == []
+
+
+# Each mutation puts one pitfall back into the correct FSDP2 example: the cross-check
+# above would pass for a linter that never looks, this shows it looks.
+MUTATIONS = [
+    ("F.cross_entropy(model(x), y)", "F.cross_entropy(model.forward(x), y)", "FSD101"),
+    ("dcp.save(get_model_state_dict(model), checkpoint_id=args.out)", "torch.save(model.state_dict(), args.out)", "FSD102"),
+    ("torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
+     "gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); print(gn.item())", "FSD107"),
+    ("loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)",
+     "loader = DataLoader(data, batch_size=args.batch_size)", "FSD108"),
+]
+
+
+@pytest.mark.parametrize("before,after,code", MUTATIONS, ids=[m[2] for m in MUTATIONS])
+def test_a_pitfall_put_back_into_the_fsdp2_example_is_found(tmp_path, before, after, code):
+    text = (SHARED / "train_fsdp2.py").read_text()
+    assert before in text
+    path = tmp_path / "train.py"
+    path.write_text(text.replace(before, after))
+    line = next(i for i, l in enumerate(path.read_text().splitlines(), 1) if after.split(";")[0] in l)
+    assert [(f.code, f.line) for f in _lint(path)] == [(code, line)]
+
+
+# -- the command line ----------------------------------------------------------
+
+
+def test_text_output_and_exit_code(tmp_path):
+    (tmp_path / "bad.py").write_text(BAD)
+    result = _invoke([str(tmp_path / "bad.py")])
+    assert result.exit_code == 1
+    lines = result.output.splitlines()
+    assert lines[0] == f"{tmp_path / 'bad.py'}:6:7: FSD101 [*] `model.forward(...)` bypasses FSDP2's hooks on sharded `model`; call `model(...)`"
+    assert lines[1].startswith(f"{tmp_path / 'bad.py'}:7:1: FSD102 `torch.save` of the state dict")
+    assert lines[2:] == [
+        "Found 2 errors.",
+        "[*] 1 fixable with the `--fix` option.",
+        "(1 hidden fix can be enabled with the `--unsafe-fixes` option.)",
+    ]
+
+
+def test_clean_files_directories_and_empty_lists_exit_0(tmp_path):
+    (tmp_path / "good.py").write_text(BAD.replace("model.forward(x)", "model(x)").replace(
+        'torch.save(model.state_dict(), "model.pt")', ""))
+    assert _invoke([str(tmp_path / "good.py")]).exit_code == 0
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = _invoke([str(empty)])
+    assert (result.exit_code, result.output) == (0, "All checks passed!\n")
+
+
+def test_directories_are_walked_skipping_gitignored_and_excluded(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / ".venv" / "lib").mkdir(parents=True)
+    (repo / "build").mkdir()
+    for rel in ("pkg/train.py", "ignored.py", ".venv/lib/x.py", "build/y.py", "pkg/skipme.py"):
+        (repo / rel).write_text(BAD)
+    (repo / ".gitignore").write_text("ignored.py\n")
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    result = _invoke([str(repo), "--show-files", "--exclude", "skip*.py"])
+    assert result.output.splitlines() == [str(repo / "pkg" / "train.py")]
+    # named explicitly, an excluded file is checked, unless --force-exclude (pre-commit)
+    assert _invoke([str(repo / "build" / "y.py")]).exit_code == 1
+    assert _invoke([str(repo / "build" / "y.py"), "--force-exclude"]).exit_code == 0
+
+
+def test_noqa_on_the_line_and_for_the_file(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text(BAD.replace("model.forward(x)", "model.forward(x)  # noqa: FSD101"))
+    assert [l.split(": ")[1].split()[0] for l in _invoke([str(path), "-q"]).output.splitlines()] == ["FSD102"]
+    path.write_text(BAD.replace("model.forward(x)", "model.forward(x)  # noqa"))
+    result = _invoke([str(path), "--statistics"])
+    assert result.output.splitlines() == [
+        "    1\tFSD102\t[ ] torch-save-dtensor",
+        "    1\tnoqa\t[ ] bare `# noqa` (suppresses every code on its line; name the codes)",
+    ]
+    path.write_text("# fsdp2-retrofit: noqa: FSD102\n" + BAD)
+    assert "FSD102" not in _invoke([str(path)]).output
+    path.write_text("# fsdp2-retrofit: noqa\n" + BAD)
+    assert _invoke([str(path)]).exit_code == 0
+
+
+def test_select_and_ignore_by_code_and_prefix(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text(BAD)
+
+    def codes(*args):
+        return sorted({l.split(": ")[1].split()[0] for l in _invoke([str(path), "-q", *args]).output.splitlines()})
+
+    assert codes() == ["FSD101", "FSD102"]
+    assert codes("--select", "FSD102") == ["FSD102"]
+    assert codes("--ignore", "FSD101") == ["FSD102"]
+    assert codes("--select", "FSD10", "--ignore", "FSD102") == ["FSD101"]
+    assert codes("--select", "FSD101", "--ignore", "FSD1") == ["FSD101"]  # the more specific code wins
+    result = _invoke([str(path), "--select", "FSD999"])
+    assert result.exit_code == 2 and "unknown rule code or prefix 'FSD999'" in result.output
+
+
+def test_fix_writes_safe_fixes_and_diff_writes_nothing(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text(BAD)
+    diff = _invoke([str(path), "--diff"])
+    assert diff.exit_code == 1
+    assert "-out = model.forward(x)\n+out = model(x)\n" in diff.output
+    assert path.read_text() == BAD
+    fixed = _invoke([str(path), "--fix"])
+    assert fixed.exit_code == 1  # FSD102's fix is unsafe: it remains
+    assert path.read_text() == BAD.replace("model.forward(x)", "model(x)")
+    assert "Found 2 errors (1 fixed, 1 remaining)." in fixed.output
+    unsafe = _invoke([str(path), "--fix", "--unsafe-fixes"])
+    assert unsafe.exit_code == 0, unsafe.output
+    text = path.read_text()
+    assert 'dcp.save(model.state_dict(), checkpoint_id="model.pt")' in text
+    assert "import torch.distributed.checkpoint as dcp\n" in text
+    compile(text, str(path), "exec")
+
+
+def test_stdin_reads_and_fix_prints_the_fixed_source():
+    result = _invoke(["-", "--stdin-filename", "train.py"], input=BAD)
+    assert result.exit_code == 1
+    assert result.output.startswith("train.py:6:7: FSD101")
+    runner = CliRunner(mix_stderr=False) if "mix_stderr" in CliRunner.__init__.__code__.co_varnames else CliRunner()
+    fixed = runner.invoke(cli.main, ["check", "-", "--fix", "--select", "FSD101"], input=BAD)
+    assert fixed.exit_code == 0
+    assert fixed.stdout.startswith(BAD.replace("model.forward(x)", "model(x)"))
+
+
+def test_json_github_and_sarif_formats(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text(BAD)
+    data = json.loads(_invoke([str(path), "--output-format", "json"]).output)
+    assert [(d["code"], d["location"], d["end_location"]) for d in data] == [
+        ("FSD101", {"row": 6, "column": 7}, {"row": 6, "column": 23}),
+        ("FSD102", {"row": 7, "column": 1}, {"row": 7, "column": 43}),
+    ]
+    assert data[0]["fix"]["applicability"] == "safe"
+    assert data[0]["fix"]["edits"] == [
+        {"content": "model(x)", "location": {"row": 6, "column": 7}, "end_location": {"row": 6, "column": 23}}
+    ]
+    gh = _invoke([str(path), "--output-format", "github"]).output.splitlines()
+    assert gh[0] == (
+        f"::error title=fsdp2-retrofit (FSD101),file={path},line=6,col=7,endLine=6,endColumn=23::"
+        f"{path}:6:7: FSD101 `model.forward(...)` bypasses FSDP2's hooks on sharded `model`; call `model(...)`"
+    )
+    log = json.loads(_invoke([str(path), "--output-format", "sarif"]).output)
+    assert log["version"] == "2.1.0" and log["$schema"].endswith("sarif-2.1.0.json")
+    run = log["runs"][0]
+    assert [r["id"] for r in run["tool"]["driver"]["rules"]] == [r.CODE for r in all_rules()]
+    first = run["results"][0]
+    assert first["ruleId"] == "FSD101"
+    assert first["locations"][0]["physicalLocation"]["region"] == {
+        "startLine": 6, "startColumn": 7, "endLine": 6, "endColumn": 23}
+    assert first["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] == path.as_uri()
+
+
+def test_errors_exit_2_with_file_and_line_and_leave_the_file_alone(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("from torch.distributed.fsdp import fully_shard\ndef f(:\n")
+    before = broken.read_bytes()
+    result = _invoke([str(broken), "--fix"])
+    assert result.exit_code == 2
+    assert result.output.startswith(f"{broken}:2: error: syntax error")
+    assert broken.read_bytes() == before
+    missing = _invoke([str(tmp_path / "nope.py")])
+    assert missing.exit_code == 2 and "nope.py: error: no such file or directory" in missing.output
+
+
+def test_options_come_from_pyproject_and_the_command_line_wins(tmp_path, monkeypatch):
+    (tmp_path / "bad.py").write_text(BAD)
+    (tmp_path / "pyproject.toml").write_text('[tool.fsdp2-retrofit]\nignore = ["FSD102"]\n')
+    monkeypatch.chdir(tmp_path)
+    assert "FSD102" not in _invoke(["bad.py"]).output
+    assert "FSD102" in _invoke(["bad.py", "--select", "FSD102"]).output
+    (tmp_path / "pyproject.toml").write_text('[tool.fsdp2-retrofit]\nselct = ["FSD102"]\n')
+    result = _invoke(["bad.py"])
+    assert result.exit_code == 2 and "unknown option `selct`" in result.output
+
+
+def test_exit_zero_keeps_findings_but_exits_0(tmp_path):
+    (tmp_path / "bad.py").write_text(BAD)
+    result = _invoke([str(tmp_path / "bad.py"), "--exit-zero"])
+    assert result.exit_code == 0 and "FSD101" in result.output
+
+
+def test_rules_command_lists_and_explains():
+    listing = CliRunner().invoke(cli.main, ["rules"]).output
+    assert [l.split()[0] for l in listing.splitlines()[:12]] == [r.CODE for r in all_rules()]
+    doc = CliRunner().invoke(cli.main, ["rules", "FSD101"])
+    assert doc.exit_code == 0
+    for part in ("# FSD101 forward-call", "## Why is this bad?", "## Flagged", "## Not flagged", "model.forward(x)"):
+        assert part in doc.output
+    assert CliRunner().invoke(cli.main, ["rules", "FSD000"]).exit_code == 2
+
+
+def test_check_never_imports_torch(tmp_path):
+    (tmp_path / "bad.py").write_text(BAD)
+    code = (
+        "import sys; from fsdp2_retrofit.cli import main\n"
+        "try:\n    main(['check', sys.argv[1], '-q'])\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\nprint('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "bad.py")], capture_output=True, text=True)
+    assert out.stdout.splitlines()[-1] == "ok", out.stderr
+
+
+def test_many_files_run_in_worker_processes_with_the_same_result(tmp_path):
+    from fsdp2_retrofit import checker
+
+    paths = []
+    for i in range(checker.PARALLEL_MIN_FILES + 2):
+        p = tmp_path / f"f{i:02d}.py"
+        p.write_text(BAD if i % 2 else BAD.replace("model.forward(x)", "model(x)"))
+        paths.append(str(p))
+    job = checker.CheckJob(tuple(all_rules()))
+    serial = checker.run(job, paths, workers=1)
+    parallel = checker.run(job, paths, workers=2)
+    assert [(r.path, [(f.code, f.line) for f in r.findings]) for r in parallel] == [
+        (r.path, [(f.code, f.line) for f in r.findings]) for r in serial
+    ]
+    assert sum(len(r.findings) for r in serial) == 9 * 2 + 9  # FSD101 + FSD102 in odd files, FSD102 in even

@@ -460,6 +460,8 @@ class _Collector:
                 if callee is None:
                     continue
                 for param, arg in bind_args(callee, call) if init is None else _bind_method(callee, call):
+                    if init is None:
+                        changed |= self._sharded_by_callee(callee, param, arg, call)
                     root = f.sharded_module(arg, call)
                     if root is None:
                         continue
@@ -492,6 +494,22 @@ class _Collector:
                                 changed = True
             if not changed:
                 break
+
+    def _sharded_by_callee(self, callee: cst.FunctionDef, param: str, arg, call: cst.Call) -> bool:
+        """`apply_fsdp(model, mesh)`: a function that shards its parameter shards the
+        caller's module from that call on."""
+        f = self.facts
+        inside = [s for s in f.sites if s.scope is callee and s.root == param]
+        target = part_root(arg)
+        if not inside or target is None or target[0] == "self" or not target[1]:
+            return False
+        if any(s.call is call and s.root == target[0] for s in f.sites):
+            return False
+        f.sites.append(ShardSite(
+            call, target[0], any(s.whole for s in inside), f.scope_of(call), f.order(call),
+            all(s.legacy for s in inside),
+        ))
+        return True
 
     def _returns_sharded(self, fn: cst.FunctionDef) -> bool:
         for ret in self.r.nodes(cst.Return):

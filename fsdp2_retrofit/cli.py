@@ -45,11 +45,13 @@ def cached_rewrite(source: bytes, path: str, options: RetrofitOptions, use_cache
 @click.group(no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", "-V", prog_name="fsdp2-retrofit")
 def main() -> None:
-    """Rewrite single-GPU PyTorch training scripts into torchrun-ready FSDP2.
+    """Rewrite single-GPU PyTorch training scripts into torchrun-ready FSDP2,
+    and lint FSDP2 code for its pitfalls.
 
     \b
     Start with:
       fsdp2-retrofit rewrite train.py --diff
+      fsdp2-retrofit check train_fsdp2.py
     """
 
 

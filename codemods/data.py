@@ -11,6 +11,7 @@ from fsdp2_retrofit.edit import with_keyword, without_entry, without_keyword
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
 BATCH_NOTE = "# The per-rank batch stays as written: the global batch is now world_size x larger."
+KEEP_NOTE = "# --keep-global-batch: each rank reads 1/world_size of the batch; the global batch stays as written."
 
 
 class _DataEditor(StatementEditor):
@@ -18,6 +19,7 @@ class _DataEditor(StatementEditor):
         super().__init__()
         self.calls: Dict[cst.CSTNode, tuple] = {}  # loader call -> (sampler name, dataset replacement)
         self.dicts: set = set()  # kwargs dicts that lose their "shuffle"
+        self.batch: Dict[cst.CSTNode, cst.BaseExpression] = {}  # loader call -> per-rank batch size
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
         if original_node in self.calls:
@@ -25,6 +27,8 @@ class _DataEditor(StatementEditor):
             updated_node = without_keyword(updated_node, "shuffle")
             if dataset is not None:
                 updated_node = _replace_dataset(updated_node, dataset)
+            if original_node in self.batch:
+                updated_node = _replace_batch_size(updated_node, self.batch[original_node])
             return with_keyword(updated_node, "sampler", cst.Name(sampler))
         if original_node in self.dicts:
             return without_entry(updated_node, "shuffle")
@@ -74,10 +78,11 @@ class DistributeDataCommand(RetrofitStage):
         if hoisted is not None:
             new.append(self.stmt(f"{dataset} = {code(loader.dataset)}\n"))
         new.append(self.stmt(f"{sampler} = DistributedSampler({dataset}, shuffle={shuffle}{extra})\n"))
+        keep = self.options.keep_global_batch and self._keep_global_batch(loader, facts, editor, new)
         leading = list(loader.stmt.leading_lines)
         new[0] = new[0].with_changes(leading_lines=leading)
         editor.insert_before(loader.stmt, new)
-        note = cst.EmptyLine(comment=cst.Comment(BATCH_NOTE))
+        note = cst.EmptyLine(comment=cst.Comment(KEEP_NOTE if keep else BATCH_NOTE))
         editor.set_leading_lines(loader.stmt, [note])
         editor.calls[loader.call] = (sampler, cst.Name(dataset) if hoisted is not None else None)
         if loader.kwargs_dict is not None and loader.shuffle is not None and _has_key(loader.kwargs_dict, "shuffle"):
@@ -87,11 +92,32 @@ class DistributeDataCommand(RetrofitStage):
             loader.stmt,
             f"`{loader.name}` reads through a DistributedSampler (shuffle={shuffle}"
             + (f", drop_last={code(loader.drop_last)}" if loader.drop_last is not None else "")
-            + "); the per-rank batch size stays, so the global batch is world_size x larger",
+            + ("); the batch size is divided by the world size, so the global batch stays as written"
+               if keep else "); the per-rank batch size stays, so the global batch is world_size x larger"),
             "each rank must see its own part of the data",
             "without a sampler every rank trains on the same batches",
         )
         self._set_epoch(loader, sampler, facts, editor)
+
+    def _keep_global_batch(self, loader: LoaderSite, facts: ScriptFacts, editor: _DataEditor, new: list) -> bool:
+        """--keep-global-batch: each rank reads batch_size // world_size, checked at run time."""
+        size = _batch_size(loader.call)
+        if size is None:
+            self.attention(
+                loader.stmt,
+                f"--keep-global-batch: the batch size of `{loader.name}` is not an argument of the call: not divided",
+                "pass batch_size= to the DataLoader (not through a dict) so the rewrite can divide it",
+            )
+            return False
+        same_scope = facts.resolver.enclosing_function(loader.stmt) is facts.resolver.enclosing_function(
+            facts.models[0].stmt
+        )
+        world = "world_size" if same_scope else "dist.get_world_size()"
+        text = code(size)
+        operand = text if isinstance(size, (cst.Name, cst.Attribute, cst.Integer)) else f"({text})"
+        new.append(self.stmt(f'assert {operand} % {world} == 0, "the batch size must divide by the number of ranks"\n'))
+        editor.batch[loader.call] = self.expr(f"{operand} // {world}")
+        return True
 
     def _dataset(self, loader: LoaderSite, scope):
         if isinstance(loader.dataset, (cst.Name, cst.Attribute)):
@@ -181,6 +207,22 @@ def _has_key(node, key: str) -> bool:
         isinstance(e, cst.DictElement) and isinstance(e.key, cst.SimpleString) and e.key.evaluated_value == key
         for e in node.elements
     )
+
+
+def _batch_size(call: cst.Call) -> Optional[cst.BaseExpression]:
+    for i, a in enumerate(call.args):
+        if (a.keyword is not None and a.keyword.value == "batch_size") or (a.keyword is None and not a.star and i == 1):
+            return a.value
+    return None
+
+
+def _replace_batch_size(call: cst.Call, value: cst.BaseExpression) -> cst.Call:
+    args = list(call.args)
+    for i, a in enumerate(args):
+        if (a.keyword is not None and a.keyword.value == "batch_size") or (a.keyword is None and not a.star and i == 1):
+            args[i] = a.with_changes(value=value)
+            break
+    return call.with_changes(args=args)
 
 
 def _replace_dataset(call: cst.Call, dataset: cst.Name) -> cst.Call:

@@ -19,6 +19,7 @@ from fsdp2_retrofit.stage import (
     RetrofitStage,
 )
 
+from .accumulation import SyncGradientsOncePerStepCommand
 from .checkpoint import ConvertSavesCommand
 from .clipping import ReadGlobalGradNormCommand
 from .data import DistributeDataCommand
@@ -41,6 +42,7 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
         DistributeDataCommand,
         ConvertSavesCommand,
         ReadGlobalGradNormCommand,
+        SyncGradientsOncePerStepCommand,
         GateRankZeroCommand,
     ],
 ]

@@ -95,6 +95,16 @@ Examples:
     "--report", "report_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
     help="Report format: a table per file on stderr, or JSON on stdout (stderr with --diff).",
 )
+@click.option(
+    "--keep-global-batch", is_flag=True,
+    help="Divide each training DataLoader's batch size by the world size (checked at run time), so the same "
+    "arguments train on the same global batch as the single-GPU run. Default: the per-rank batch stays as written.",
+)
+@click.option(
+    "--accumulation-sync", type=click.Choice(["last", "every"]), default="last", show_default=True,
+    help="With gradient accumulation: reduce gradients once, on the last micro-batch (set_requires_gradient_sync; "
+    "unsharded gradients held meanwhile), or on every micro-batch (less memory, more communication).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No report; errors are still printed.")
 @click.option(
     "--no-cache", is_flag=True,
@@ -108,6 +118,8 @@ def rewrite_command(
     diff: bool,
     check: bool,
     shard: Tuple[str, ...],
+    keep_global_batch: bool,
+    accumulation_sync: str,
     report_format: str,
     quiet: bool,
     no_cache: bool,
@@ -115,7 +127,9 @@ def rewrite_command(
     if out is not None and len(paths) != 1:
         raise click.UsageError("-o/--output takes exactly one PATH")
     run = _Run(
-        options=RetrofitOptions(shard=tuple(shard)),
+        options=RetrofitOptions(
+            shard=tuple(shard), keep_global_batch=keep_global_batch, accumulation_sync=accumulation_sync
+        ),
         out=out,
         diff=diff,
         check=check,

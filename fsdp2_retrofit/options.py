@@ -12,6 +12,12 @@ class RetrofitOptions:
     # Class names (bare or dotted) whose instances become their own FSDP2 unit,
     # replacing the repeated-block detection.
     shard: Tuple[str, ...] = field(default_factory=tuple)
+    # "last": with gradient accumulation, reduce once per optimizer step
+    # (set_requires_gradient_sync); "every": reduce each micro-batch.
+    accumulation_sync: str = "last"
+    # divide each training DataLoader's batch size by the world size (the run is
+    # then numerically the single-process run at the same arguments)
+    keep_global_batch: bool = False
 
 
 # -- [tool.fsdp2-retrofit] in pyproject.toml -----------------------------------

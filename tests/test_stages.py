@@ -516,3 +516,62 @@ def setup():
 setup()
 ''')
     assert result.refusals[0].what == "`model` is a global built inside setup()"
+
+
+ACCUMULATION = MODEL + '''
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+for i, x in enumerate(batches):
+    loss = model(x).sum() / 4
+    loss.backward()
+    if (i + 1) % 4 == 0:
+        opt.step()
+        opt.zero_grad()
+'''
+
+
+def test_accumulation_syncs_on_the_last_micro_batch_by_default_and_every_one_on_request():
+    default = out(ACCUMULATION)
+    assert "    model.set_requires_gradient_sync((i + 1) % 4 == 0)\n    loss.backward()\n" in default
+    every = rewrite(ACCUMULATION, accumulation_sync="every")
+    assert "set_requires_gradient_sync" not in every.code.decode()
+    assert any(c.code == "accumulation" and "--accumulation-sync every" in c.what for c in every.changes)
+
+
+def test_accumulation_whose_condition_changes_after_backward_is_reported_not_guessed():
+    script = ACCUMULATION.replace(
+        "    if (i + 1) % 4 == 0:", "    micro = i + 1\n    if micro % 4 == 0:"
+    )
+    result = rewrite(script)
+    assert "set_requires_gradient_sync" not in result.code.decode()
+    assert any("changes after backward()" in a.what for a in result.attention)
+
+
+def test_an_unused_underscore_micro_loop_variable_is_named_for_the_condition():
+    script = MODEL + '''
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+for x in batches:
+    for _ in range(3):
+        model(x).sum().backward()
+    opt.step()
+'''
+    text = out(script)
+    assert "    for micro_step in range(3):\n        model.set_requires_gradient_sync(micro_step == 3 - 1)\n" in text
+
+
+def test_keep_global_batch_divides_the_batch_and_checks_it_divides():
+    script = MODEL + '''
+from torch.utils.data import DataLoader
+
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+loader = DataLoader(data, batch_size=bs * 2, shuffle=True)
+for x in loader:
+    model(x).sum().backward()
+    opt.step()
+'''
+    text = out(script, keep_global_batch=True)
+    assert 'assert (bs * 2) % world_size == 0, "the batch size must divide by the number of ranks"\n' in text
+    assert "loader = DataLoader(data, batch_size=(bs * 2) // world_size, sampler=sampler)\n" in text
+    assert "batch_size=bs * 2, sampler=sampler" in out(script)  # the default keeps the per-rank batch

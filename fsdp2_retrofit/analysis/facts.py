@@ -489,6 +489,12 @@ class _Analyser:
             if isinstance(loop.node, cst.For):
                 iterated |= names_in(loop.node.iter)
             iterated |= _next_call_names(loop.node)
+            # micro-batches split off each batch of an outer loop: that loop reads the data
+            for outer in self.r.ancestors(loop.node):
+                if isinstance(outer, cst.FunctionDef):
+                    break
+                if isinstance(outer, cst.For):
+                    iterated |= names_in(outer.iter)
         # `it = iter(loader)` (or a generator over it) read inside a training loop
         for stmt in stmts:
             if assigned_names(stmt) & iterated and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assign):

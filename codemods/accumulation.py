@@ -1,0 +1,227 @@
+"""accumulation: reduce gradients once per optimizer step, not once per micro-batch."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import libcst as cst
+
+from fsdp2_retrofit.analysis import LoopSite, ScriptFacts, code
+from fsdp2_retrofit.analysis.names import assigned_names, names_in
+from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+
+TRADE = (
+    "FSDP2's replacement for no_sync(): the micro-batches before the last keep their gradients "
+    "unsharded on each rank and the last one reduce-scatters the sum once (one reduction per "
+    "optimizer step instead of one per micro-batch, at the cost of holding unsharded gradients); "
+    "--accumulation-sync every keeps reducing each micro-batch (sharded gradients, less memory, more communication)"
+)
+
+
+class _AccumulationEditor(StatementEditor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.targets: dict = {}  # For loop -> new target name (`_` renamed)
+
+    def leave_For(self, original_node: cst.For, updated_node: cst.For):
+        if original_node in self.targets:
+            updated_node = updated_node.with_changes(target=cst.Name(self.targets[original_node]))
+        return updated_node
+
+
+class SyncGradientsOncePerStepCommand(RetrofitStage):
+    DESCRIPTION = "With gradient accumulation, call set_requires_gradient_sync(<last micro-batch>) before backward()."
+    CODE = "accumulation"
+
+    def make_editor(self) -> StatementEditor:
+        return _AccumulationEditor()
+
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: _AccumulationEditor) -> None:
+        if not facts.models:
+            return
+        for loop in facts.loops:
+            found = self._accumulation(loop, facts, editor)
+            if found is None:
+                continue
+            backward, condition, how = found
+            model = self._model(loop, facts)
+            if model is None:
+                self.attention(
+                    backward,
+                    "gradient accumulation with more than one model: gradients are reduced on every micro-batch",
+                    "call <model>.set_requires_gradient_sync(<last micro-batch>) before backward() for each model",
+                )
+                continue
+            if _already_synced(backward, facts):
+                continue
+            if self.options.accumulation_sync == "every":
+                self.change(
+                    backward,
+                    f"gradient accumulation ({how}) reduces every micro-batch (--accumulation-sync every)",
+                    TRADE,
+                )
+                continue
+            editor.insert_before(backward, [self.stmt(f"{model}.set_requires_gradient_sync({condition})\n")])
+            self.change(
+                backward,
+                f"`{model}.set_requires_gradient_sync({condition})` before backward() ({how})",
+                TRADE,
+                "DDP's no_sync()/require_backward_grad_sync do nothing on an FSDP2 module",
+            )
+
+    def _model(self, loop: LoopSite, facts: ScriptFacts) -> Optional[str]:
+        names = sorted(facts.model_names.get(loop.function, set()))
+        used = [n for n in names if n in names_in(loop.node)]
+        return used[0] if len(used) == 1 else None
+
+    def _accumulation(self, loop: LoopSite, facts: ScriptFacts, editor) -> Optional[Tuple[cst.CSTNode, str, str]]:
+        """(the statement that calls backward, the "last micro-batch" condition, how it was found)."""
+        r = facts.resolver
+        backward = _backward_statement(loop.node, r)
+        if backward is None:
+            return None
+        steps = _optimizer_steps(facts, loop.function)
+        if not steps:
+            return None
+        step = steps[0]
+        # an inner micro-batch loop: the optimizer steps after it
+        if not _inside(step, loop.node, r):
+            return self._micro_loop(loop, facts, editor)
+        skip = _skip_gate(backward, step, r)
+        if skip is not None:  # `if (i + 1) % accum != 0: continue` before the step
+            return backward, _negate(skip.test), f"the optimizer step is skipped under `if {code(skip.test)}`"
+        # a gate inside the loop: `if (i + 1) % accum == 0: optimizer.step()`
+        gate = next((a for a in r.ancestors(step) if isinstance(a, cst.If)), None)
+        if gate is None or not _inside(gate, loop.node, r) or _inside(backward, gate, r):
+            return None
+        if isinstance(loop.node, cst.For) and not _inside(gate, loop.node.body, r):
+            return None
+        changed_between = _assigned_between(backward, gate, r)
+        if names_in(gate.test) & changed_between:
+            self.attention(
+                backward,
+                "gradient accumulation whose step condition changes after backward(): gradients are reduced on every micro-batch",
+                f"`{code(gate.test)}` reads {', '.join(sorted(names_in(gate.test) & changed_between))}, "
+                "assigned between backward() and the test; compute the condition first, then call "
+                "set_requires_gradient_sync(condition) before backward()",
+            )
+            return None
+        return backward, code(gate.test), "the optimizer steps under `if " + code(gate.test) + "`"
+
+    def _micro_loop(self, loop: LoopSite, facts: ScriptFacts, editor) -> Optional[Tuple[cst.CSTNode, str, str]]:
+        node = loop.node
+        backward = _backward_statement(node, facts.resolver)
+        if not isinstance(node, cst.For) or not isinstance(node.iter, cst.Call):
+            return None
+        func, args = node.iter.func, node.iter.args
+        if isinstance(func, cst.Name) and func.value == "range" and len(args) == 1:
+            count = code(args[0].value)
+            target = node.target
+            if not isinstance(target, cst.Name):
+                return None
+            name = target.value
+            if name == "_" and "_" not in names_in(node.body):
+                name = self.fresh_name("micro_step", loop.function)
+                editor.targets[node] = name
+                editor.mark_work()
+            return backward, f"{name} == {_minus_one(count)}", f"the last of `range({count})` micro-batches"
+        if isinstance(func, cst.Name) and func.value == "enumerate" and len(args) == 1:
+            target = node.target
+            if isinstance(target, cst.Tuple) and isinstance(target.elements[0].value, cst.Name):
+                index = target.elements[0].value.value
+                seq = code(args[0].value)
+                return backward, f"{index} == len({seq}) - 1", f"the last micro-batch of `{seq}`"
+        self.attention(
+            backward,
+            "gradient accumulation over an inner loop whose last iteration is not known: "
+            "gradients are reduced on every micro-batch",
+            "call set_requires_gradient_sync(<last micro-batch>) before backward() to reduce once per step",
+        )
+        return None
+
+
+def _skip_gate(backward, step, r) -> Optional[cst.If]:
+    """An `if ...: continue` between backward() and the step, in the same block."""
+    block = r.block_of(backward)
+    if block is None or r.block_of(r.statement_of(step)) is not block:
+        return None
+    body = list(block.body)
+    between = body[body.index(backward) + 1 : body.index(r.statement_of(step))]
+    for stmt in between:
+        if (
+            isinstance(stmt, cst.If)
+            and stmt.orelse is None
+            and isinstance(stmt.body, cst.IndentedBlock)
+            and len(stmt.body.body) == 1
+            and isinstance(stmt.body.body[0], cst.SimpleStatementLine)
+            and isinstance(stmt.body.body[0].body[0], cst.Continue)
+        ):
+            if not (names_in(stmt.test) & _assigned_between(backward, stmt, r)):
+                return stmt
+    return None
+
+
+def _negate(test: cst.BaseExpression) -> str:
+    if isinstance(test, cst.Comparison) and len(test.comparisons) == 1:
+        op = test.comparisons[0].operator
+        flipped = {cst.NotEqual: "==", cst.Equal: "!=", cst.LessThan: ">=", cst.GreaterThanEqual: "<"}.get(type(op))
+        if flipped:
+            return f"{code(test.left)} {flipped} {code(test.comparisons[0].comparator)}"
+    return f"not ({code(test)})"
+
+
+def _minus_one(count: str) -> str:
+    return count[:-4] if count.endswith(" + 1") else f"{count} - 1"
+
+
+def _backward_statement(loop: cst.CSTNode, r) -> Optional[cst.CSTNode]:
+    """The one statement of the loop that calls `.backward()` (not inside a nested def)."""
+    found = []
+    for call in r.nodes(cst.Call):
+        f = call.func
+        if isinstance(f, cst.Attribute) and f.attr.value == "backward" and _inside(call, loop, r):
+            found.append(r.statement_of(call))
+    return found[0] if len(found) == 1 else None
+
+
+def _optimizer_steps(facts: ScriptFacts, function) -> list:
+    """`opt.step()` / `scaler.step(opt)` calls of the optimizers known in `function`."""
+    names = set(facts.optimizer_names.get(function, {}))
+    out = []
+    for call in facts.resolver.nodes(cst.Call):
+        f = call.func
+        if not (isinstance(f, cst.Attribute) and f.attr.value == "step"):
+            continue
+        if facts.resolver.enclosing_function(call) is not function:
+            continue
+        owner = f.value
+        if isinstance(owner, cst.Name) and owner.value in names:
+            out.append(call)
+        elif call.args and isinstance(call.args[0].value, cst.Name) and call.args[0].value.value in names:
+            out.append(call)  # scaler.step(optimizer)
+    return out
+
+
+def _inside(node, outer, r) -> bool:
+    return node is outer or any(a is outer for a in r.ancestors(node))
+
+
+def _assigned_between(first, gate, r) -> set:
+    """Names assigned by statements of the block holding `first`, after it and up to `gate`."""
+    block = r.block_of(first)
+    if block is None:
+        return set()
+    body = list(block.body)
+    out: set = set()
+    start = body.index(first) + 1
+    for stmt in body[start:]:
+        if stmt is gate or _inside(gate, stmt, r):
+            break
+        out |= assigned_names(stmt)
+    return out
+
+
+def _already_synced(backward, facts: ScriptFacts) -> bool:
+    block = facts.resolver.block_of(backward)
+    body = list(block.body) if block is not None else []
+    i = body.index(backward) if backward in body else 0
+    return i > 0 and "set_requires_gradient_sync" in code(body[i - 1])

@@ -133,7 +133,7 @@ class CheckRun:
         else:
             for line in lint_report.text_lines(findings, self.s.unsafe_fixes):
                 echo(line)
-            if not self.s.quiet and not self.s.diff:
+            if not self.s.quiet and not self.s.diff and (findings or fixed or not self.errors):
                 for line in lint_report.summary(findings, fixed, self.s.unsafe_fixes, fixing=self.s.write):
                     echo(line)
 

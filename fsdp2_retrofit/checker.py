@@ -48,7 +48,15 @@ def read_for_check(path: str) -> bytes:
 def lint_one(job: CheckJob, path: str, data: bytes) -> FileResult:
     from .lint import lint_source
 
-    result = lint_source(data, path, job.rules, fix=job.fix, unsafe_fixes=job.unsafe_fixes)
+    try:
+        result = lint_source(data, path, job.rules, fix=job.fix, unsafe_fixes=job.unsafe_fixes)
+    except Exception as exc:  # a bug in a rule: report this file, check the others
+        if os.environ.get("FSDP2_RETROFIT_TRACEBACK"):
+            raise
+        detail = str(exc).splitlines()[0] if str(exc) else ""
+        return FileResult(path, error=InputError(
+            f"internal error: {type(exc).__name__}: {detail} (set FSDP2_RETROFIT_TRACEBACK=1 for the traceback)"
+        ))
     return FileResult(
         path=path,
         findings=[f.detached() for f in result.findings],

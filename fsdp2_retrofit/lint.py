@@ -98,6 +98,8 @@ def lint_source(
                 new_findings, new_module = _findings(new, path, rules)
             except (SyntaxError, ValueError, InputError):
                 break  # a fix must never leave a file that does not parse: keep the last good one
+            if len(new_findings) >= len(findings):
+                break  # the fix did not remove its finding: keep the last good source
             current, findings, module = new, new_findings, new_module
             result.applied += count
         if current != data:
@@ -113,7 +115,14 @@ def _findings(data: bytes, path: str, rules: Sequence[Type[Rule]]):
     try:
         module = cst.parse_module(data)
     except cst.ParserSyntaxError as exc:
-        raise InputError(f"syntax error: {exc.message}", exc.raw_line) from None
+        line, message = exc.raw_line, exc.message
+        try:  # Python's own parser names the line people expect
+            compile(data, path, "exec", dont_inherit=True)
+        except SyntaxError as py:
+            line, message = py.lineno or line, py.msg
+        except ValueError:
+            pass
+        raise InputError(f"syntax error: {message}", line) from None
     except (UnicodeDecodeError, LookupError) as exc:
         raise InputError(f"cannot decode: {exc}") from None
     ctx = LintContext(module, path)
@@ -177,6 +186,8 @@ def _suppress(findings: List[Finding], data: bytes) -> Tuple[List[Finding], int]
     lines = text.splitlines()
     file_codes: Optional[Set[str]] = None
     for m in _FILE_NOQA.finditer(text):
+        if not _is_comment_line(text, m.start()):
+            continue  # the words inside a string, not a comment
         if not m.group("codes"):
             return [], 0
         file_codes = (file_codes or set()) | set(re.split(r"[,\s]+", m.group("codes").upper()))
@@ -195,6 +206,23 @@ def _suppress(findings: List[Finding], data: bytes) -> Tuple[List[Finding], int]
                 continue
         kept.append(f)
     return kept, bare
+
+
+def _is_comment_line(text: str, offset: int) -> bool:
+    """Whether the line at `offset` is a real comment (tokenize decides), not string content."""
+    import io
+    import tokenize
+
+    line = text.count("\n", 0, offset) + 1
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.start[0] > line:
+                return False
+            if tok.type == tokenize.COMMENT and tok.start[0] == line:
+                return True
+    except (tokenize.TokenError, SyntaxError):
+        return False
+    return False
 
 
 def apply_fixes(module, findings: Iterable[Finding]) -> Tuple[bytes, int]:

@@ -79,6 +79,8 @@ class ShardSite:
     scope: Scope
     order: Tuple[int, int]
     legacy: bool = False  # FullyShardedDataParallel (FSDP1)
+    # the call is fully_shard/FSDP itself (not a helper that shards, nor an argument received)
+    direct: bool = False
 
 
 @dataclass
@@ -119,7 +121,7 @@ class ShardFacts:
         root, whole = found
         alias = self._aliases.get(self.scope_of(at), {}).get(root)
         if alias is not None:
-            return alias[0], False
+            return alias[0], alias[1] and whole
         if root == "self":
             return None
         return root, whole
@@ -173,7 +175,8 @@ class ShardFacts:
         for opt in self.optimizers:
             if opt.name != name or not (opt.scope is fn or (opt.scope is None and not self._binds(fn, name))):
                 continue
-            if any(self.sites_for(root, at) for root in opt.models):
+            aliases = self._aliases.get(fn, {})
+            if any(self.sites_for(aliases.get(root, (root,))[0], at) for root in opt.models):
                 return opt
         return None
 
@@ -212,9 +215,7 @@ class ShardFacts:
             root = self.sharded_module(expr, at)
             if root is not None and self.is_fsdp2(root, at):
                 return f"sharded module `{expr.value}` itself"
-            values = [v for order, v in self._bindings.get(self.scope_of(at), {}).get(expr.value, [])
-                      if order < self.order(at)]
-            return self._first_state(values, at, depth - 1)
+            return self._first_state(self.bound_values(expr.value, at), at, depth - 1)
         return None
 
     def _first_state(self, exprs, at, depth) -> Optional[str]:
@@ -235,7 +236,7 @@ class ShardFacts:
                         bound = self._bindings.get(None, {}).get(value.value, [])
                     if not bound:
                         return True  # defined somewhere we cannot see: do not guess "sharded"
-                    value = bound[-1][1]
+                    value = bound[-1][1]  # (order, value, whole)
                 if isinstance(value, cst.Call):
                     for a in value.args:
                         if a.keyword is not None and a.keyword.value == "full_state_dict":
@@ -244,9 +245,12 @@ class ShardFacts:
         return False
 
     def bound_values(self, name: str, at: cst.CSTNode) -> List[cst.BaseExpression]:
-        """Values assigned to `name` (or into `name[...]`) before `at` in its function."""
+        """Values assigned to `name` before `at` in its function: the last plain
+        assignment, and what went into it after that (`name[k] = v`, `name.update(...)`)."""
         here = self.order(at)
-        return [v for order, v in self._bindings.get(self.scope_of(at), {}).get(name, []) if order < here]
+        earlier = [b for b in self._bindings.get(self.scope_of(at), {}).get(name, []) if b[0] < here]
+        starts = [i for i, b in enumerate(earlier) if b[2]]
+        return [b[1] for b in earlier[starts[-1] if starts else 0:]]
 
     def _binds(self, fn: Scope, name: str) -> bool:
         return name in self._bindings.get(fn, {}) or name in self._aliases.get(fn, {})
@@ -307,6 +311,13 @@ def rank_zero_test(test: cst.BaseExpression) -> Optional[str]:
             return "else"
         return None
     if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
+        inner_text = code(test.expression).lower()
+        if (
+            isinstance(test.expression, (cst.Name, cst.Attribute, cst.Call))
+            and "rank" in inner_text
+            and not any(w in inner_text for w in _RANK_ZERO_WORDS)
+        ):
+            return "body"  # `if not rank:` / `if not dist.get_rank():` is rank 0
         inner = rank_zero_test(test.expression)
         return {"body": "else", "else": "body"}.get(inner) if inner else None
     if isinstance(test, cst.Comparison) and len(test.comparisons) == 1:
@@ -365,13 +376,13 @@ class _Collector:
         scope = f.scope_of(call)
         found = f.part(call.args[0].value, call)
         if found is not None:
-            f.sites.append(ShardSite(call, found[0], found[1], scope, f.order(call), legacy))
+            f.sites.append(ShardSite(call, found[0], found[1], scope, f.order(call), legacy, direct=True))
         # `model = fully_shard(model)`, `model = FSDP(Net())`: the name bound to the result
         parent = self.r.parent(call)
         if isinstance(parent, cst.Assign) and len(parent.targets) == 1:
             bound = part_root(parent.targets[0].target)
             if bound is not None and bound[1] and (found is None or bound[0] != found[0]):
-                f.sites.append(ShardSite(call, bound[0], True, scope, f.order(call), legacy))
+                f.sites.append(ShardSite(call, bound[0], True, scope, f.order(call), legacy, direct=found is None))
 
     def _index_bindings(self) -> None:
         """name -> [(order, value)] per function, for `name = value` and `name[k] = value`."""
@@ -380,16 +391,21 @@ class _Collector:
             fn = f.scope_of(assign)
             for t in assign.targets:
                 target = t.target
+                whole = not isinstance(target, cst.Subscript)
                 if isinstance(target, cst.Subscript):
                     target = target.value
                 if isinstance(target, cst.Name):
-                    f._bindings.setdefault(fn, {}).setdefault(target.value, []).append((f.order(assign), assign.value))
+                    f._bindings.setdefault(fn, {}).setdefault(target.value, []).append(
+                        (f.order(assign), assign.value, whole)
+                    )
         for call in self.r.nodes(cst.Call):  # ckpt.update({...}) / ckpt.update(model=...)
             func = call.func
             if isinstance(func, cst.Attribute) and func.attr.value == "update" and isinstance(func.value, cst.Name):
                 fn = f.scope_of(call)
                 for arg in call.args:
-                    f._bindings.setdefault(fn, {}).setdefault(func.value.value, []).append((f.order(call), arg.value))
+                    f._bindings.setdefault(fn, {}).setdefault(func.value.value, []).append(
+                        (f.order(call), arg.value, False)
+                    )
 
     def _index_aliases(self) -> None:
         """Loop variables and names bound to parts of a module (`for block in model.layers`,
@@ -409,6 +425,10 @@ class _Collector:
                 f._aliases.setdefault(fn, {})[name] = (found[0], False)
         for assign in self.r.nodes(cst.Assign):
             value = assign.value
+            if isinstance(value, cst.Name) and len(assign.targets) == 1 and isinstance(assign.targets[0].target, cst.Name):
+                if value.value != "self" and assign.targets[0].target.value != value.value:
+                    f._aliases.setdefault(f.scope_of(assign), {})[assign.targets[0].target.value] = (value.value, True)
+                continue
             if isinstance(value, (cst.Subscript, cst.Attribute)) or (
                 isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute)
                 and value.func.attr.value in _PART_METHODS
@@ -482,16 +502,17 @@ class _Collector:
                                     changed |= _receive(f, method, name, site)
                         else:
                             changed |= _receive(f, scope_key, name, site)
-                # `model = setup(model)`: a function that returns what it sharded
+                # `model = setup(model)`, `model, opt = build(cfg)`: what a function returns sharded
                 if init is None:
                     parent = self.r.parent(call)
                     if isinstance(parent, cst.Assign) and len(parent.targets) == 1:
                         target = parent.targets[0].target
-                        if isinstance(target, cst.Name) and self._returns_sharded(callee):
-                            site = ShardSite(call, target.value, True, f.scope_of(call), f.order(call))
-                            if not any(s.call is call and s.root == target.value for s in f.sites):
-                                f.sites.append(site)
-                                changed = True
+                        for position in self._sharded_returns(callee):
+                            name = _target_at(target, position)
+                            if name is None or any(s.call is call and s.root == name for s in f.sites):
+                                continue
+                            f.sites.append(ShardSite(call, name, True, f.scope_of(call), f.order(call)))
+                            changed = True
             if not changed:
                 break
 
@@ -511,12 +532,30 @@ class _Collector:
         ))
         return True
 
-    def _returns_sharded(self, fn: cst.FunctionDef) -> bool:
+    def _sharded_returns(self, fn: cst.FunctionDef) -> Set[Optional[int]]:
+        """Positions of the returned values that are sharded modules: None for the
+        whole return value, i for the i-th element of a returned tuple."""
+        out: Set[Optional[int]] = set()
         for ret in self.r.nodes(cst.Return):
-            if self.r.enclosing_function(ret) is fn and ret.value is not None:
-                if self.facts.sharded_module(ret.value, ret) is not None:
-                    return True
-        return False
+            if self.r.enclosing_function(ret) is not fn or ret.value is None:
+                continue
+            value = ret.value
+            if isinstance(value, cst.Tuple):
+                for i, element in enumerate(value.elements):
+                    if self.facts.sharded_module(element.value, ret) is not None:
+                        out.add(i)
+            elif self.facts.sharded_module(value, ret) is not None:
+                out.add(None)
+        return out
+
+
+def _target_at(target, position: Optional[int]) -> Optional[str]:
+    if position is None:
+        return target.value if isinstance(target, cst.Name) else None
+    if isinstance(target, (cst.Tuple, cst.List)) and position < len(target.elements):
+        element = target.elements[position].value
+        return element.value if isinstance(element, cst.Name) else None
+    return None
 
 
 def _receive(f: ShardFacts, scope, name: str, site: ShardSite) -> bool:

@@ -79,6 +79,13 @@ class ForwardCall(Rule):
             line=8,
             fixed=_PRELUDE + "def evaluate(net, batch):\n    return net(batch)\nevaluate(model, x)\n",
         ),
+        Invalid(  # returned, sharded, in a tuple
+            "from torch.distributed.fsdp import fully_shard\ndef build():\n    m = Net()\n    fully_shard(m)\n"
+            "    return m, 1\nmodel, opt = build()\ny = model.forward(x)\n",
+            line=7,
+            fixed="from torch.distributed.fsdp import fully_shard\ndef build():\n    m = Net()\n    fully_shard(m)\n"
+            "    return m, 1\nmodel, opt = build()\ny = model(x)\n",
+        ),
         Invalid(  # sharded by a helper that shards its argument (torchtitan's apply_fsdp)
             "from torch.distributed.fsdp import fully_shard\ndef apply_fsdp(m):\n    for b in m.layers:\n"
             "        fully_shard(b)\n    fully_shard(m)\nmodel = Net()\napply_fsdp(model)\ny = model.forward(x)\n",

@@ -75,20 +75,27 @@ class LocalGradNorm(Rule):
                 continue
             if shards.sharded_module(clip.args[0].value, clip) is None:
                 continue
+            # a rank-0 branch around the clip (FSD110's finding) leaves no safe place for the collective
+            gated = shards.rank_zero_branch(clip) is not None
             parent = ctx.resolver.parent(clip)
             if isinstance(parent, cst.Attribute) and parent.attr.value in _NUMBER_METHODS:
                 new = parent.with_changes(value=cst.Call(cst.Attribute(clip, cst.Name("full_tensor"))))
-                yield clip, {"name": "clip_grad_norm_(...)"}, Fix("Read it with `.full_tensor()`", [Edit(parent, new)])
+                fix = None if gated else Fix("Read it with `.full_tensor()`", [Edit(parent, new)])
+                yield clip, {"name": "clip_grad_norm_(...)"}, fix
                 continue
             if not (isinstance(parent, cst.Assign) and len(parent.targets) == 1
                     and isinstance(parent.targets[0].target, cst.Name)):
                 continue
             name = parent.targets[0].target.value
             stmt = ctx.resolver.statement_of(clip)
-            fix = Fix(
-                f"Insert `{name} = {name}.full_tensor()` after the clip",
-                [Edit(stmt, [cst.parse_statement(f"{name} = {name}.full_tensor()\n")], kind="after")],
-            )
+            fix = None
+            # only where a statement can follow the clip's own line: not `a = clip(...); print(a)`,
+            # not a one-line `if c: a = clip(...)`
+            if not gated and isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
+                fix = Fix(
+                    f"Insert `{name} = {name}.full_tensor()` after the clip",
+                    [Edit(stmt, [cst.parse_statement(f"{name} = {name}.full_tensor()\n")], kind="after")],
+                )
             for use in _numeric_reads(ctx, name, clip):
                 yield use, {"name": name}, fix
 

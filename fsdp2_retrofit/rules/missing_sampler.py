@@ -51,6 +51,8 @@ class MissingSampler(Rule):
         Valid("import torch\nfrom torch.utils.data import DataLoader\nloader = DataLoader(ds, batch_size=8)\n"
               + _LOOP.replace("model(x)", "net(x)")),
         Valid(_HEAD + "val_loader = DataLoader(ds, batch_size=8)\nfor x, y in val_loader:\n    model(x)\n"),
+        Valid(_HEAD + "class Stream(torch.utils.data.IterableDataset):\n    pass\n"
+              "loader = DataLoader(Stream(), batch_size=8)\n" + _LOOP),
     )
     INVALID = (
         Invalid(_HEAD + "loader = DataLoader(ds, batch_size=8, shuffle=True)\n" + _LOOP, line=6),
@@ -60,5 +62,25 @@ class MissingSampler(Rule):
         if not any(not s.legacy for s in ctx.shards.sites):
             return
         for loader in ctx.training_loaders():
-            if loader.trains and not loader.has_sampler:
+            if loader.trains and not loader.has_sampler and not _iterable_dataset(ctx, loader):
                 yield loader.call, {"name": loader.name}, None
+
+
+ITERABLE = {"torch.utils.data.IterableDataset", "torch.utils.data.dataset.IterableDataset"}
+
+
+def _iterable_dataset(ctx, loader) -> bool:
+    """The loader reads an IterableDataset of the script: it takes no sampler (each
+    such dataset splits its stream itself)."""
+    import libcst as cst
+
+    expr = loader.dataset
+    if isinstance(expr, cst.Name):
+        bound = ctx.shards.bound_values(expr.value, loader.call)
+        expr = bound[-1] if bound else expr
+    if not isinstance(expr, cst.Call) or not isinstance(expr.func, cst.Name):
+        return False
+    for cls in ctx.nodes(cst.ClassDef):
+        if cls.name.value == expr.func.value:
+            return any(ctx.resolver.qnames(base.value) & ITERABLE for base in cls.bases)
+    return False

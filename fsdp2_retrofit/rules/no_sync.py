@@ -65,24 +65,24 @@ class NoSync(Rule):
                 root = shards.sharded_module(func.value, call)
                 if root is not None and shards.is_fsdp2(root, call):
                     yield call, {"what": f"{_code(func.value)}.no_sync()", "target": _code(func.value)}, None
-        for assign in ctx.nodes(cst.Assign):
-            if len(assign.targets) != 1:
-                continue
-            target = assign.targets[0].target
-            if not (isinstance(target, cst.Attribute) and target.attr.value == "require_backward_grad_sync"):
-                continue
-            root = shards.sharded_module(target.value, assign)
-            if root is None or not shards.is_fsdp2(root, assign):
-                continue
-            owner = _code(target.value)
-            new = cst.Expr(
-                cst.Call(
-                    cst.Attribute(target.value, cst.Name("set_requires_gradient_sync")),
-                    [cst.Arg(assign.value)],
-                )
-            )
-            fix = Fix(f"Call `{owner}.set_requires_gradient_sync(...)`", [Edit(assign, new)])
-            yield assign, {"what": f"{owner}.require_backward_grad_sync = ...", "target": owner}, fix
+        assigns = [(a, [t.target for t in a.targets]) for a in ctx.nodes(cst.Assign)]
+        assigns += [(a, [a.target]) for a in ctx.nodes(cst.AnnAssign) if a.value is not None]
+        for assign, targets in assigns:
+            for target in targets:
+                if not (isinstance(target, cst.Attribute) and target.attr.value == "require_backward_grad_sync"):
+                    continue
+                root = shards.sharded_module(target.value, assign)
+                if root is None or not shards.is_fsdp2(root, assign):
+                    continue
+                owner = _code(target.value)
+                fix = None
+                if isinstance(assign, cst.Assign) and len(targets) == 1:
+                    value = assign.value.with_changes(lpar=[], rpar=[]) if assign.value.lpar else assign.value
+                    new = cst.Expr(
+                        cst.Call(cst.Attribute(target.value, cst.Name("set_requires_gradient_sync")), [cst.Arg(value)])
+                    )
+                    fix = Fix(f"Call `{owner}.set_requires_gradient_sync(...)`", [Edit(assign, new)])
+                yield assign, {"what": f"{owner}.require_backward_grad_sync = ...", "target": owner}, fix
 
 
 def _code(node) -> str:

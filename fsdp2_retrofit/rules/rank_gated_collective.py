@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from ..analysis.sharding import COLLECTIVES, DCP_CALLS, STATE_DICT_GETTERS, STATE_DICT_SETTERS
+from ..analysis.sharding import CLIP_GRAD_NORM, COLLECTIVES, DCP_CALLS, STATE_DICT_GETTERS, STATE_DICT_SETTERS
 from . import Invalid, Rule, Valid
 
 _HEAD = (
@@ -20,7 +20,8 @@ class RankGatedCollective(Rule):
     Flags, inside `if rank == 0:` (or `if master_process:`, `if dist.get_rank() == 0:`,
     the `else` of `if rank != 0:`, ...): `dcp.save` / `dcp.load` / `dcp.async_save`,
     `get_*_state_dict` with `full_state_dict=True`, `set_*_state_dict`, `.full_tensor()`,
-    `torch.distributed` collectives, and calls (forwards) of a sharded module.
+    `clip_grad_norm_` of sharded parameters, `torch.distributed` collectives, and calls
+    (forwards) of a sharded module.
 
     ## Why is this bad?
     Each of these is a collective: every rank must join. Inside a rank-0 branch the
@@ -62,6 +63,7 @@ class RankGatedCollective(Rule):
                 "options=StateDictOptions(full_state_dict=True))\n    torch.save(full, 'model.pt')\n", line=10),
         Invalid(_HEAD + "if master_process and step % 100 == 0:\n    val_loss = model(x_val).mean()\n", line=10),
         Invalid(_HEAD + "if rank != 0:\n    pass\nelse:\n    dist.all_reduce(t)\n", line=12),
+        Invalid(_HEAD + "if not dist.get_rank():\n    y = model(x)\n", line=10),
     )
 
     def check(self, ctx):
@@ -87,6 +89,8 @@ class RankGatedCollective(Rule):
             return f"`{_code(func)}`"
         if names & set(STATE_DICT_GETTERS) and ctx.shards.full_state_options(call):
             return f"full-state `{_code(func)}`"
+        if names & CLIP_GRAD_NORM and call.args and ctx.shards.sharded_module(call.args[0].value, call):
+            return f"`{_code(func)}` of sharded parameters (its norm is all-reduced)"
         if isinstance(func, cst.Attribute) and func.attr.value == "full_tensor":
             return "`.full_tensor()`"
         root = ctx.shards.sharded_module(func, call, unit=True)

@@ -61,7 +61,7 @@ class ShardContainer(Rule):
 
     def check(self, ctx):
         for site in ctx.shards.sites:
-            if site.legacy:
+            if site.legacy or not site.direct or not site.call.args:
                 continue
             target = site.call.args[0].value
             kind = self._container_kind(ctx, target, site.call)

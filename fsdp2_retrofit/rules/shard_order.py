@@ -50,7 +50,7 @@ class ShardOrder(Rule):
     )
 
     def check(self, ctx):
-        sites = [s for s in ctx.shards.sites if not s.legacy]
+        sites = [s for s in ctx.shards.sites if not s.legacy and s.direct]
         for root_site in sites:
             if not root_site.whole:
                 continue

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import libcst as cst
 
+from ..analysis.names import code
 from ..analysis.sharding import TORCH_SAVE
 from . import Edit, Fix, Invalid, Rule, Valid
 
@@ -75,6 +76,7 @@ class TorchSaveDTensor(Rule):
         ),
         Valid("import torch\nfrom torch.distributed.fsdp import fully_shard\nmodel = Net()\n"
               "torch.save(model.state_dict(), 'init.pt')\nfully_shard(model)\n"),
+        Valid(_PRELUDE + "state = model.state_dict()\nstate = {'loss': 1.0}\ntorch.save(state, 'metrics.pt')\n"),
     )
     INVALID = (
         Invalid(
@@ -100,6 +102,10 @@ class TorchSaveDTensor(Rule):
             fixed=_FIXED_PRELUDE + "dcp.save({'optimizer': optimizer.state_dict()}, checkpoint_id='opt.pt')\n",
         ),
         Invalid(_PRELUDE + "torch.save(model, 'model.pt')\n", line=7),
+        Invalid(  # nanoGPT's raw_model alias
+            _PRELUDE + "raw_model = model\ntorch.save(raw_model.state_dict(), 'a.pt')\n", line=8,
+            fixed=_FIXED_PRELUDE + "raw_model = model\ndcp.save(raw_model.state_dict(), checkpoint_id='a.pt')\n",
+        ),
         Invalid(
             _PRELUDE + "ckpt = {}\nckpt['model'] = model.state_dict()\ntorch.save(ckpt, 'ckpt.pt')\n",
             line=9,
@@ -117,17 +123,32 @@ class TorchSaveDTensor(Rule):
                 continue
             # dcp.save is a collective: inside a rank-0 branch the "fix" would hang
             gated = ctx.shards.rank_zero_branch(call) is not None
-            yield call, {"what": what}, None if gated else _fix(call, what)
+            yield call, {"what": what}, None if gated else _fix(call, what, _dcp_name(ctx))
 
 
-def _fix(call: cst.Call, what: str):
-    if what.startswith("sharded module") or len(call.args) != 2 or any(a.star for a in call.args):
+def _dcp_name(ctx):
+    """(name, needs import) for torch.distributed.checkpoint: an existing
+    `import torch.distributed.checkpoint as X`, else `dcp` when that name is free."""
+    for imp in ctx.nodes(cst.Import):
+        for alias in imp.names:
+            if code(alias.name) == "torch.distributed.checkpoint" and alias.asname is not None:
+                return code(alias.asname.name), False
+    taken = {n.value for n in ctx.nodes(cst.Name)} - {"dcp"}
+    for node in ctx.nodes(cst.Name):
+        if node.value == "dcp":
+            return None, False  # `dcp` means something else here: no fix rather than a wrong one
+    return ("dcp", True) if "dcp" not in taken else (None, False)
+
+
+def _fix(call: cst.Call, what: str, dcp):
+    name, needs_import = dcp
+    if name is None or what.startswith("sharded module") or len(call.args) != 2 or any(a.star for a in call.args):
         return None  # a pickled module has no state-dict form to hand to dcp.save
     state, path = call.args
     if path.keyword is not None and path.keyword.value != "f":
         return None
     new = call.with_changes(
-        func=cst.Attribute(cst.Name("dcp"), cst.Name("save")),
+        func=cst.Attribute(cst.Name(name), cst.Name("save")),
         args=[
             state.with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT),
             path.with_changes(
@@ -140,5 +161,5 @@ def _fix(call: cst.Call, what: str):
         "Save with `dcp.save(..., checkpoint_id=...)` (the checkpoint becomes a directory)",
         [Edit(call, new)],
         safe=False,
-        imports=(("torch.distributed.checkpoint", None, "dcp"),),
+        imports=(("torch.distributed.checkpoint", None, "dcp"),) if needs_import else (),
     )

@@ -36,12 +36,12 @@ class LintContext:
     """What a rule sees: the tree, its resolved names and the sharding facts (computed once)."""
 
     def __init__(self, module, path: str):
-        from .analysis.names import Resolver
+        from .analysis.names import ImportResolver
         from .analysis.sharding import shard_facts
 
         self.module = module
         self.path = path
-        self.resolver = Resolver(module)
+        self.resolver = ImportResolver(module)
         self.shards = shard_facts(module, self.resolver)
         self._loaders = None
         self._classes = None
@@ -80,6 +80,14 @@ def lint_source(
     if not rules:
         return result
     try:
+        names = code_names(data, path)
+    except InputError as exc:
+        result.error = exc
+        return result
+    rules = [r for r in rules if r.may_apply_to_names(names)]
+    if not rules:
+        return result
+    try:
         findings, module = _findings(data, path, rules)
     except InputError as exc:
         result.error = exc
@@ -107,6 +115,25 @@ def lint_source(
     findings, result.bare_noqa = _suppress(findings, result.fixed or data)
     result.findings = findings
     return result
+
+
+def code_names(data: bytes, path: str) -> Set[str]:
+    """Every name the compiled code uses (globals, attributes, imports, locals), from
+    Python's own compiler: a mention in a comment or a docstring does not count."""
+    try:
+        top = compile(data, path, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        raise InputError(f"syntax error: {exc.msg}", exc.lineno or 0) from None
+    except ValueError as exc:  # NUL bytes and friends
+        raise InputError(f"cannot compile: {exc}") from None
+    names: Set[str] = set()
+    stack = [top]
+    while stack:
+        co = stack.pop()
+        names.update(co.co_names)
+        names.update(co.co_varnames)
+        stack.extend(c for c in co.co_consts if hasattr(c, "co_names"))
+    return names
 
 
 def _findings(data: bytes, path: str, rules: Sequence[Type[Rule]]):

@@ -77,7 +77,7 @@ class ShardSite:
     root: str  # "model", or "self.model" inside a class
     whole: bool  # the target is the root itself, not one of its parts
     scope: Scope
-    order: Tuple[int, int]
+    order: int  # source order (Resolver.order)
     legacy: bool = False  # FullyShardedDataParallel (FSDP1)
     # the call is fully_shard/FSDP itself (not a helper that shards, nor an argument received)
     direct: bool = False
@@ -89,7 +89,7 @@ class OptimizerBuild:
     call: cst.Call = field(repr=False)
     models: Set[str]  # roots whose parameters reach it
     scope: Scope
-    order: Tuple[int, int]
+    order: int
 
 
 @dataclass
@@ -103,9 +103,8 @@ class ShardFacts:
 
     # -- positions ----------------------------------------------------------
 
-    def order(self, node: cst.CSTNode) -> Tuple[int, int]:
-        pos = self.resolver.position(node)
-        return (pos.start.line, pos.start.column) if pos is not None else (0, 0)
+    def order(self, node: cst.CSTNode) -> int:
+        return self.resolver.order(node)
 
     def scope_of(self, node: cst.CSTNode) -> Scope:
         return self.resolver.enclosing_function(node)
@@ -487,7 +486,7 @@ class _Collector:
                         continue
                     found = f.sites_for(root, call)
                     site = ShardSite(
-                        found[0].call, root, any(s.whole for s in found), None, (0, 0), all(s.legacy for s in found)
+                        found[0].call, root, any(s.whole for s in found), None, -1, all(s.legacy for s in found)
                     )
                     names = [param]
                     if init is not None:
@@ -562,7 +561,7 @@ def _receive(f: ShardFacts, scope, name: str, site: ShardSite) -> bool:
     known = f._received.setdefault(scope, {})
     if name in known:
         return False
-    known[name] = ShardSite(site.call, name, site.whole, scope, (0, 0), site.legacy)
+    known[name] = ShardSite(site.call, name, site.whole, scope, -1, site.legacy)
     return True
 
 

@@ -101,6 +101,13 @@ class Rule:
         return any(t.encode() in data for t in cls.TRIGGERS)
 
     @classmethod
+    def may_apply_to_names(cls, names) -> bool:
+        """The second, exact prefilter: the names the compiled code uses (not its
+        comments or strings) include a sharding API (or, for rules that do not need
+        sharding, one of their triggers)."""
+        return bool(names & set(SHARDING_TRIGGERS if cls.NEEDS_SHARDING else cls.TRIGGERS))
+
+    @classmethod
     def summary(cls) -> str:
         doc = (cls.__doc__ or "").strip().splitlines()
         return doc[0] if doc else cls.NAME

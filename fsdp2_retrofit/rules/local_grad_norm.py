@@ -111,7 +111,7 @@ def _numeric_reads(ctx, name: str, clip: cst.Call):
         if shards.scope_of(a) is fn and shards.order(a) > start
         and any(isinstance(t.target, cst.Name) and t.target.value == name for t in a.targets)
     ]
-    end = min(rebound) if rebound else (10**9, 0)
+    end = min(rebound) if rebound else 10**12
     for node in ctx.nodes(cst.Name):
         if node.value != name or shards.scope_of(node) is not fn:
             continue

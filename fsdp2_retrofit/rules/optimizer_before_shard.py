@@ -62,4 +62,4 @@ class OptimizerBeforeShard(Rule):
             ]
             if later:
                 first = min(later, key=lambda s: s.order)
-                yield opt.call, {"name": opt.name, "root": first.root, "line": str(first.order[0])}, None
+                yield opt.call, {"name": opt.name, "root": first.root, "line": str(ctx.resolver.line(first.call))}, None

@@ -60,4 +60,4 @@ class ShardOrder(Rule):
             ]
             if parts:
                 first = min(parts, key=lambda s: s.order)
-                yield root_site.call, {"root": root_site.root, "line": str(first.order[0])}, None
+                yield root_site.call, {"root": root_site.root, "line": str(ctx.resolver.line(first.call))}, None

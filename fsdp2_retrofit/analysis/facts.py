@@ -457,30 +457,44 @@ class _Analyser:
 
     def _train_loops(self, loops) -> List[LoopSite]:
         """Innermost loops that call backward(), directly or through a per-step helper
-        of the script (`train_step(model, batch, optimizer)`, no loop of its own)."""
-        helpers = {
-            fn.name.value
-            for fn in self.module.body
-            if isinstance(fn, cst.FunctionDef)
-            and _calls_method(fn.body, "backward")
-            and not any(_calls_method(inner.body, "backward") for inner in _inner_loops(fn))
-        }
+        of the script (`train_step(model, batch, optimizer)`, no loop of its own).
 
-        def trains(node) -> bool:
-            return _calls_method(node, "backward") or _calls_function(node, helpers)
-
+        Works from the calls up (one walk of ancestors per backward() call), not by
+        visiting every loop's body."""
+        top = {fn for fn in self.module.body if isinstance(fn, cst.FunctionDef)}
+        backward = [c for c in self.calls if isinstance(c.func, cst.Attribute) and c.func.attr.value == "backward"]
+        chains = {id(c): self._loop_chain(c) for c in backward}
+        helpers = set()
+        for fn in top:
+            mine = [c for c in backward if chains[id(c)][1] is fn]
+            if mine and not any(chains[id(c)][0] for c in mine):
+                helpers.add(fn.name.value)
+        triggers = backward + [c for c in self.calls if isinstance(c.func, cst.Name) and c.func.value in helpers]
+        innermost, outer = set(), set()
+        for call in triggers:
+            chain = chains[id(call)][0] if id(call) in chains else self._loop_chain(call)[0]
+            if chain:
+                innermost.add(chain[0])
+                outer.update(chain[1:])
         out = []
         for loop in loops:
-            if not trains(loop.body):
-                continue
-            # the innermost loop that trains
-            if any(trains(inner.body) for inner in _inner_loops(loop)):
-                continue
-            site = LoopSite(loop, self.r.enclosing_function(loop))
-            if isinstance(loop, cst.For):
-                site.loader = iterated_name(loop.iter)
-            out.append(site)
+            if loop in innermost and loop not in outer:
+                site = LoopSite(loop, self.r.enclosing_function(loop))
+                if isinstance(loop, cst.For):
+                    site.loader = iterated_name(loop.iter)
+                out.append(site)
         return out
+
+    def _loop_chain(self, call):
+        """(the loops whose body holds `call`, innermost first; the nearest enclosing function)."""
+        chain, child = [], call
+        for anc in self.r.ancestors(call):
+            if isinstance(anc, cst.FunctionDef):
+                return chain, anc
+            if isinstance(anc, (cst.For, cst.While)) and child is anc.body:
+                chain.append(anc)
+            child = anc
+        return chain, None
 
     def _loaders(self, stmts, train_loops: List[LoopSite]) -> List[LoaderSite]:
         out = []
@@ -774,38 +788,6 @@ def _calls_method(node, method: str, into_functions: bool = False) -> bool:
 
     node.visit(_M())
     return bool(found)
-
-
-def _calls_function(node, names: Set[str]) -> bool:
-    found = []
-
-    class _F(cst.CSTVisitor):
-        def visit_FunctionDef(self, n) -> bool:
-            return False
-
-        def visit_Call(self, n: cst.Call) -> None:
-            if isinstance(n.func, cst.Name) and n.func.value in names:
-                found.append(n)
-
-    node.visit(_F())
-    return bool(found)
-
-
-def _inner_loops(loop):
-    found = []
-
-    class _L(cst.CSTVisitor):
-        def visit_For(self, n) -> None:
-            found.append(n)
-
-        def visit_While(self, n) -> None:
-            found.append(n)
-
-        def visit_FunctionDef(self, n) -> bool:
-            return False
-
-    loop.body.visit(_L())
-    return found
 
 
 def _next_call_names(loop) -> Set[str]:

@@ -11,9 +11,18 @@ PREAMBLE = """\
 {local_rank} = int(os.environ["LOCAL_RANK"])
 if torch.cuda.is_available():
     torch.cuda.set_device({local_rank})
-dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+dist.init_process_group({backend} if torch.cuda.is_available() else "gloo")
 {rank}, {world_size} = dist.get_rank(), dist.get_world_size()
-{mesh} = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", ({world_size},))
+"""
+MESH = """{mesh} = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", ({world_size},))\n"""
+# HSDP: a named 2-D mesh, replicas x shards; fully_shard replicates over dim 0 and shards over dim 1
+HSDP_MESH = """\
+assert {world_size} % {replicas} == 0, "HSDP: the number of ranks must be a multiple of {replicas} replicas"
+{mesh} = init_device_mesh(
+    "cuda" if torch.cuda.is_available() else "cpu",
+    ({replicas}, {world_size} // {replicas}),
+    mesh_dim_names=("replicate", "shard"),
+)
 """
 
 
@@ -31,7 +40,11 @@ class LaunchDistributedCommand(RetrofitStage):
             key: self.fresh_name(key, facts.entry_scope)
             for key in ("local_rank", "rank", "world_size", "mesh")
         }
-        preamble = cst.parse_module(PREAMBLE.format(**names), config=self.config).body
+        # with CPU offload the optimizer step and clipping run on CPU tensors: they need gloo too
+        backend = '"cpu:gloo,cuda:nccl"' if self.options.cpu_offload else '"nccl"'
+        mesh = HSDP_MESH if self.options.hsdp else MESH
+        text = (PREAMBLE + mesh).format(backend=backend, replicas=self.options.hsdp, **names)
+        preamble = cst.parse_module(text, config=self.config).body
         editor.insert_paragraph_before(anchor, preamble, first_in_block=anchor is block.body[0])
         editor.append_to(block, [self.stmt("dist.destroy_process_group()\n")])
         self.add_import("os")
@@ -40,8 +53,11 @@ class LaunchDistributedCommand(RetrofitStage):
         self.add_import("torch.distributed.device_mesh", "init_device_mesh")
         self.change(
             anchor,
-            "read LOCAL_RANK, set the CUDA device, init the process group (nccl, or gloo without CUDA), "
-            "build a 1-D device mesh over all ranks",
+            "read LOCAL_RANK, set the CUDA device, init the process group ("
+            + ("cpu:gloo,cuda:nccl for CPU offload" if self.options.cpu_offload else "nccl")
+            + ", or gloo without CUDA), "
+            + (f"build a 2-D (replicate, shard) device mesh of {self.options.hsdp} replicas for HSDP"
+               if self.options.hsdp else "build a 1-D device mesh over all ranks"),
             "torchrun starts one process per GPU; each must pick its own device before any CUDA work",
             "every rank on GPU 0 (hang or OOM) when set_device is missing",
         )

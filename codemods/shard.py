@@ -16,11 +16,96 @@ class ShardModelCommand(RetrofitStage):
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         self._refuse_unsafe(facts)
+        policies = None
         for model in facts.models:
             if model.sharded:
                 continue
-            editor.insert_after(model.shard_anchor, self._shard_statements(model, facts))
+            if policies is None:
+                policies = self._policies(model, facts)
+                statements = list(policies[1])
+            else:
+                statements = []
+            editor.insert_after(model.shard_anchor, statements + self._shard_statements(model, facts, policies[0]))
             self.add_import(FSDP_MODULE, "fully_shard")
+
+    def _policies(self, model: ModelSite, facts: ScriptFacts):
+        """(the keyword arguments every fully_shard gets besides the mesh, the statements
+        that define them): the mixed-precision and CPU-offload policies asked for."""
+        kwargs, statements = "", []
+        dtype = self._precision(model, facts)
+        if dtype:
+            name = self.fresh_name("mp_policy", model.scope)
+            torch_dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[dtype]
+            statements.append(self.stmt(
+                f"{name} = MixedPrecisionPolicy(param_dtype={torch_dtype}, reduce_dtype=torch.float32)\n"
+            ))
+            kwargs += f", mp_policy={name}"
+            self.add_import(FSDP_MODULE, "MixedPrecisionPolicy")
+            self.add_import("torch")
+            self.change(
+                model.shard_anchor,
+                f"MixedPrecisionPolicy({torch_dtype} parameters, float32 gradient reduction) on every fully_shard",
+                f"each unit's parameters are all-gathered and used in {torch_dtype} (half the communication "
+                "and memory of fp32), gradients are reduce-scattered in float32 and the optimizer keeps float32 "
+                "shards; results differ from an fp32 run by the rounding of the parameters to "
+                + torch_dtype,
+            )
+        if self.options.cpu_offload:
+            name = self.fresh_name("offload_policy", model.scope)
+            statements.append(self.stmt(f"{name} = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())\n"))
+            kwargs += f", offload_policy={name}"
+            self.add_import(FSDP_MODULE, "CPUOffloadPolicy")
+            self.change(
+                model.shard_anchor,
+                "CPUOffloadPolicy on every fully_shard: parameter, gradient and optimizer-state shards live in "
+                "CPU memory (pinned when CUDA is present)",
+                "each unit is copied to the GPU for its forward/backward and the optimizer steps on the CPU: "
+                "GPU memory for the model drops to about one unit, at the cost of host-device copies; the "
+                "numbers are those of the run without offload",
+            )
+        return kwargs, statements
+
+    def _precision(self, model: ModelSite, facts: ScriptFacts) -> str:
+        """"bf16", "fp16" or "" for --mixed-precision (auto: the script's autocast dtype)."""
+        from fsdp2_retrofit.analysis.facts import autocast_dtypes
+
+        wanted = self.options.mixed_precision
+        if wanted == "none":
+            return ""
+        if wanted == "auto":
+            found = autocast_dtypes(facts.resolver)
+            if not found:
+                self.attention(
+                    model.stmt,
+                    "--mixed-precision auto: the script uses no autocast; training stays in float32",
+                    "name a dtype (--mixed-precision bf16) to compute in lower precision anyway",
+                )
+                return ""
+            if len(found) > 1 or "unknown" in found:
+                self.refuse(
+                    model.stmt,
+                    "--mixed-precision auto: the script's autocast dtype is not one known dtype",
+                    f"found {', '.join(sorted(found))}; FSDP2 takes one parameter dtype per unit",
+                    "name it: --mixed-precision bf16 or fp16",
+                )
+            wanted = found.pop()
+        if facts.classes.mentions(model.class_name, "BatchNorm"):
+            self.refuse(
+                model.stmt,
+                f"--mixed-precision {wanted}: `{model.name}` has BatchNorm layers",
+                "FSDP2 would cast their parameters and running statistics to the low-precision dtype with the rest "
+                "of the unit; a separate float32 unit for them only works when the whole forward runs under autocast",
+                "run without --mixed-precision (autocast alone keeps BatchNorm in float32)",
+            )
+        if wanted == "fp16" and not any(
+            "GradScaler" in q for c in facts.resolver.nodes(cst.Call) for q in facts.resolver.qnames(c)
+        ):
+            self.attention(
+                model.stmt,
+                "--mixed-precision fp16 without a GradScaler: small gradients underflow in float16",
+                "scale the loss with torch.amp.GradScaler (works unchanged with FSDP2; not the FSDP1 ShardedGradScaler)",
+            )
+        return wanted
 
     def _refuse_unsafe(self, facts: ScriptFacts) -> None:
         for line, wrapper in facts.wrappers:
@@ -114,8 +199,8 @@ class ShardModelCommand(RetrofitStage):
         sibling module) the line that builds the model."""
         return self.line(node) or self.line(model.stmt)
 
-    def _shard_statements(self, model: ModelSite, facts: ScriptFacts):
-        mesh = f", mesh={facts.mesh_name}" if facts.mesh_name else ""
+    def _shard_statements(self, model: ModelSite, facts: ScriptFacts, policies: str = ""):
+        mesh = (f", mesh={facts.mesh_name}" if facts.mesh_name else "") + policies
         out = []
         if self.options.shard:
             var = self.fresh_name("module", model.scope)

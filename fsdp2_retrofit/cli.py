@@ -105,6 +105,21 @@ Examples:
     help="With gradient accumulation: reduce gradients once, on the last micro-batch (set_requires_gradient_sync; "
     "unsharded gradients held meanwhile), or on every micro-batch (less memory, more communication).",
 )
+@click.option(
+    "--mixed-precision", type=click.Choice(["none", "auto", "bf16", "fp16"]), default="none", show_default=True,
+    help="Give every fully_shard a MixedPrecisionPolicy: parameters in bf16/fp16, gradients reduced in float32. "
+    "auto takes the dtype of the script's autocast.",
+)
+@click.option(
+    "--cpu-offload", is_flag=True,
+    help="Keep parameter, gradient and optimizer-state shards in CPU memory (CPUOffloadPolicy; process group "
+    "cpu:gloo,cuda:nccl).",
+)
+@click.option(
+    "--hsdp", type=click.IntRange(min=1), default=None, metavar="REPLICAS",
+    help="Hybrid sharding: a 2-D (replicate, shard) mesh with REPLICAS groups; each group shards the model, "
+    "groups hold replicas (e.g. one group per node).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No report; errors are still printed.")
 @click.option(
     "--no-cache", is_flag=True,
@@ -120,6 +135,9 @@ def rewrite_command(
     shard: Tuple[str, ...],
     keep_global_batch: bool,
     accumulation_sync: str,
+    mixed_precision: str,
+    cpu_offload: bool,
+    hsdp: Optional[int],
     report_format: str,
     quiet: bool,
     no_cache: bool,
@@ -128,7 +146,12 @@ def rewrite_command(
         raise click.UsageError("-o/--output takes exactly one PATH")
     run = _Run(
         options=RetrofitOptions(
-            shard=tuple(shard), keep_global_batch=keep_global_batch, accumulation_sync=accumulation_sync
+            shard=tuple(shard),
+            keep_global_batch=keep_global_batch,
+            accumulation_sync=accumulation_sync,
+            mixed_precision=mixed_precision,
+            cpu_offload=cpu_offload,
+            hsdp=hsdp or 0,
         ),
         out=out,
         diff=diff,

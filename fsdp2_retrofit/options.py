@@ -18,6 +18,12 @@ class RetrofitOptions:
     # divide each training DataLoader's batch size by the world size (the run is
     # then numerically the single-process run at the same arguments)
     keep_global_batch: bool = False
+    # "none" | "auto" (the script's autocast dtype) | "bf16" | "fp16": FSDP2 MixedPrecisionPolicy
+    mixed_precision: str = "none"
+    # shard parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy)
+    cpu_offload: bool = False
+    # HSDP: replicate over this many groups, shard within each (2-D mesh); 0 = plain FSDP
+    hsdp: int = 0
 
 
 # -- [tool.fsdp2-retrofit] in pyproject.toml -----------------------------------

@@ -575,3 +575,40 @@ for x in loader:
     assert 'assert (bs * 2) % world_size == 0, "the batch size must divide by the number of ranks"\n' in text
     assert "loader = DataLoader(data, batch_size=(bs * 2) // world_size, sampler=sampler)\n" in text
     assert "batch_size=bs * 2, sampler=sampler" in out(script)  # the default keeps the per-rank batch
+
+
+PLAIN = MODEL + '''
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+for x in batches:
+    model(x).sum().backward()
+    opt.step()
+'''
+
+
+def test_mixed_precision_policy_on_every_fully_shard_and_what_auto_reads():
+    text = out(PLAIN, mixed_precision="bf16")
+    assert "mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)\n" in text
+    assert text.count("mp_policy=mp_policy") == 2  # the blocks and the root
+    auto = rewrite(PLAIN, mixed_precision="auto")  # no autocast in the script: stays fp32, and says so
+    assert "MixedPrecisionPolicy" not in auto.code.decode()
+    assert any("uses no autocast" in a.what for a in auto.attention)
+    fp16 = rewrite(PLAIN.replace("    model(x).sum()", "    with torch.autocast('cuda'):\n        y = model(x)\n    y.sum()"),
+                   mixed_precision="auto")
+    assert "param_dtype=torch.float16" in fp16.code.decode()  # autocast's default dtype on CUDA
+    assert any("without a GradScaler" in a.what for a in fp16.attention)
+
+
+def test_mixed_precision_with_batchnorm_is_refused_with_the_reason():
+    script = PLAIN.replace("self.fc = nn.Linear(4, 4)", "self.fc = nn.Linear(4, 4)\n        self.bn = nn.BatchNorm1d(4)")
+    result = rewrite(script, mixed_precision="bf16")
+    assert result.refusals and "BatchNorm" in result.refusals[0].what
+    assert result.code == result.original
+
+
+def test_cpu_offload_and_hsdp_shape_the_launch_and_the_shards():
+    text = out(PLAIN, cpu_offload=True, hsdp=2)
+    assert 'dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")' in text
+    assert "offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())\n" in text
+    assert text.count("offload_policy=offload_policy") == 2
+    assert 'mesh_dim_names=("replicate", "shard")' in text and "(2, world_size // 2)" in text

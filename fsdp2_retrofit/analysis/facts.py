@@ -141,6 +141,31 @@ def analyse(module: cst.Module, path: Optional[str] = None) -> ScriptFacts:
     return _Analyser(module, resolver, classes, path).run()
 
 
+AUTOCAST = {
+    "torch.autocast", "torch.amp.autocast", "torch.amp.autocast_mode.autocast",
+    "torch.cuda.amp.autocast", "torch.cpu.amp.autocast",
+}
+_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.half": "fp16"}
+
+
+def autocast_dtypes(resolver: Resolver) -> Set[str]:
+    """The low-precision dtypes ("bf16", "fp16") the script's autocast regions use."""
+    out: Set[str] = set()
+    for call in resolver.nodes(cst.Call):
+        names = resolver.qnames(call)
+        if not names & AUTOCAST:
+            continue
+        dtype = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == "dtype"), None)
+        if dtype is not None:
+            found = {_DTYPES[q] for q in resolver.qnames(dtype) if q in _DTYPES}
+            out |= found or {"unknown"}
+            continue
+        device = next((a.value for a in call.args if a.keyword is None or a.keyword.value == "device_type"), None)
+        cpu = isinstance(device, cst.SimpleString) and "cpu" in device.value or "torch.cpu.amp.autocast" in names
+        out.add("bf16" if cpu else "fp16")  # autocast's defaults
+    return out
+
+
 def training_loaders(module: cst.Module, resolver: Resolver) -> List[LoaderSite]:
     """The DataLoaders of a script, each marked whether a training loop reads it;
     needs no model facts (the lint asks this of scripts that are already sharded)."""

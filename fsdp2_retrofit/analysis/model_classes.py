@@ -77,6 +77,18 @@ class ClassRegistry:
                 found.append(Container((attr,) + c.path, c.block_class, c.kind, c.node))
         return found
 
+    def mentions(self, name: Optional[str], word: str, depth: int = 4) -> bool:
+        """`word` occurs in the source of the class or of a class it is built from."""
+        info = self.get(name)
+        if info is None or depth == 0:
+            return False
+        from .names import code
+
+        if word in code(info.node):
+            return True
+        inner = set(info.submodules.values()) | {c.block_class for c in info.containers if c.block_class}
+        return any(self.mentions(sub, word, depth - 1) for sub in inner)
+
     def ties(self, name: Optional[str]) -> List[Tuple[Path_, Path_]]:
         info = self.get(name)
         return list(info.ties) if info else []
@@ -272,6 +284,8 @@ def _repeated_elements(call: cst.Call) -> Optional[List[cst.Call]]:
         return []
     if len(call.args) == 1:
         value = call.args[0].value
+        while isinstance(value, cst.Subscript):  # `[Block() for ...][::-1]`: a slice of the blocks
+            value = value.value
         named = _ordered_dict_values(value)
         if named is not None:
             return named if len(named) >= 2 and all(isinstance(c, cst.Call) for c in named) else None

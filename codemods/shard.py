@@ -25,8 +25,34 @@ class ShardModelCommand(RetrofitStage):
                 statements = list(policies[1])
             else:
                 statements = []
-            editor.insert_after(model.shard_anchor, statements + self._shard_statements(model, facts, policies[0]))
+            statements = statements + self._shard_statements(model, facts, policies[0])
+            editor.insert_after(model.shard_anchor, statements + self._split_compile(model, facts, editor))
             self.add_import(FSDP_MODULE, "fully_shard")
+
+    def _compiled_model(self, call: cst.Call, facts: ScriptFacts):
+        """The model whose whole build statement is `name = torch.compile(<build>, ...)`."""
+        for model in facts.models:
+            small = model.stmt.body[0]
+            if isinstance(small, cst.Assign) and small.value is call and call.args and call.args[0].keyword is None:
+                return model
+        return None
+
+    def _split_compile(self, model: ModelSite, facts: ScriptFacts, editor: StatementEditor) -> list:
+        """`model = torch.compile(Net())` becomes `model = Net()`, the shards, then
+        `model = torch.compile(model)`: fully_shard must see the plain module."""
+        small = model.stmt.body[0]
+        call = small.value if isinstance(small, cst.Assign) else None
+        if call is None or call not in facts.compiled_builds:
+            return []
+        editor.replace(model.stmt, model.stmt.with_changes(body=[small.with_changes(value=call.args[0].value)]))
+        args = ", ".join([model.name] + [code(a).rstrip(",").strip() for a in call.args[1:]])
+        self.change(
+            model.stmt,
+            f"`torch.compile` moves after fully_shard: `{model.name} = {code(call.func)}({args})`",
+            "fully_shard registers its hooks on the plain module; compiling the sharded module keeps them "
+            "(checkpoints from get_model_state_dict name parameters without torch.compile's `_orig_mod.` prefix)",
+        )
+        return [self.stmt(f"{model.name} = {code(call.func)}({args})\n")]
 
     def _policies(self, model: ModelSite, facts: ScriptFacts):
         """(the keyword arguments every fully_shard gets besides the mesh, the statements
@@ -116,6 +142,8 @@ class ShardModelCommand(RetrofitStage):
                 "start from the single-GPU version of the script",
             )
         for call in facts.compiled_builds:
+            if self._compiled_model(call, facts) is not None:
+                continue  # `model = torch.compile(Net())`: split, see _split_compile
             self.refuse(
                 call,
                 "the model is compiled in the expression that builds it",

@@ -408,7 +408,7 @@ size = open("best.pt", "rb").read()
 @pytest.mark.parametrize(
     "tail, what",
     [
-        ("model = torch.compile(Net())\nopt = optim.SGD(model.parameters(), lr=0.1)\n",
+        ("model = [torch.compile(Net())][0]\nopt = optim.SGD(model.parameters(), lr=0.1)\n",
          "the model is compiled in the expression that builds it"),
         ("import copy\nmodel = Net()\nopt = optim.SGD(model.parameters(), lr=0.1)\nema = copy.deepcopy(model)\n",
          "`copy.deepcopy(model)` copies a model that gets sharded"),
@@ -612,3 +612,14 @@ def test_cpu_offload_and_hsdp_shape_the_launch_and_the_shards():
     assert "offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())\n" in text
     assert text.count("offload_policy=offload_policy") == 2
     assert 'mesh_dim_names=("replicate", "shard")' in text and "(2, world_size // 2)" in text
+
+
+def test_a_model_compiled_where_it_is_built_is_compiled_after_sharding():
+    text = out(MODEL + """
+model = torch.compile(Net().to("cpu"), mode="max-autotune")
+opt = optim.SGD(model.parameters(), lr=0.1)
+""")
+    assert (
+        'model = Net().to("cpu")\nfor block in model.blocks:\n    fully_shard(block)\nfully_shard(model)\n'
+        'model = torch.compile(model, mode="max-autotune")\nopt = optim.SGD(model.parameters(), lr=0.1)\n'
+    ) in text.replace("dist.destroy_process_group()\n", "").replace(", mesh=mesh", "")

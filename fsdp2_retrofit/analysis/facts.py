@@ -258,7 +258,10 @@ class _Analyser:
                 continue
             if self.r.enclosing_class(stmt) is not None:
                 continue
-            ctor = _innermost_call(assign.value)
+            value = assign.value
+            if self.r.is_call_to(value, {"torch.compile"}) and value.args:
+                value = value.args[0].value  # `model = torch.compile(Net())`: the shard stage splits it
+            ctor = _innermost_call(value)
             if ctor is not None:
                 calls.append((assign.targets[0].target.value, stmt, ctor))
         out = [(name, stmt, cls) for name, stmt, ctor in calls for cls in [self._class_of(ctor)] if cls]

@@ -247,9 +247,24 @@ class ShardModelCommand(RetrofitStage):
             )
         else:
             var = self.fresh_name("block", model.scope)
-            for container in model.containers:
+            policy = self.options.reshard_after_forward
+            for n, container in enumerate(model.containers):
                 path = ".".join((model.name,) + container.path)
-                out.append(self.stmt(f"for {var} in {path}:\n    fully_shard({var}{mesh})\n"))
+                if policy == "default" and n == len(model.containers) - 1:
+                    index = self.fresh_name("index", model.scope)
+                    out.append(self.stmt(
+                        f"for {index}, {var} in enumerate({path}):\n"
+                        f"    fully_shard({var}{mesh}, reshard_after_forward={index} < len({path}) - 1)\n"
+                    ))
+                    self.change(
+                        model.shard_anchor,
+                        f"the last block of `{path}` keeps its gathered parameters after forward",
+                        "backward starts with the last block: resharding it only to gather it again at once "
+                        "costs a second all-gather (torchtitan's default; --reshard-after-forward always|never)",
+                    )
+                else:
+                    keep = ", reshard_after_forward=False" if policy == "never" else ""
+                    out.append(self.stmt(f"for {var} in {path}:\n    fully_shard({var}{mesh}{keep})\n"))
                 self.change(
                     model.shard_anchor,
                     f"fully_shard each {container.block_class} in `{path}`",
@@ -269,7 +284,8 @@ class ShardModelCommand(RetrofitStage):
                     f"no repeated blocks found in `{model.name}`: only the root is sharded",
                     "pass --shard CLASS to make each block of that class its own unit",
                 )
-        out.append(self.stmt(f"fully_shard({model.name}{mesh})\n"))
+        keep = ", reshard_after_forward=False" if self.options.reshard_after_forward == "never" else ""
+        out.append(self.stmt(f"fully_shard({model.name}{mesh}{keep})\n"))
         self.change(
             model.shard_anchor,
             f"fully_shard the root `{model.name}` after its blocks",

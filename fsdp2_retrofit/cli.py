@@ -120,6 +120,13 @@ Examples:
     help="Hybrid sharding: a 2-D (replicate, shard) mesh with REPLICAS groups; each group shards the model, "
     "groups hold replicas (e.g. one group per node).",
 )
+@click.option(
+    "--reshard-after-forward", type=click.Choice(["default", "always", "never"]), default="default",
+    show_default=True,
+    help="Whether a unit frees its gathered parameters after forward. default: every block but the last "
+    "(backward needs it first; the root keeps its own, as FSDP2 does); always: every unit (least memory); "
+    "never: none (no all-gather in backward, most memory).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No report; errors are still printed.")
 @click.option(
     "--no-cache", is_flag=True,
@@ -138,6 +145,7 @@ def rewrite_command(
     mixed_precision: str,
     cpu_offload: bool,
     hsdp: Optional[int],
+    reshard_after_forward: str,
     report_format: str,
     quiet: bool,
     no_cache: bool,
@@ -152,6 +160,7 @@ def rewrite_command(
             mixed_precision=mixed_precision,
             cpu_offload=cpu_offload,
             hsdp=hsdp or 0,
+            reshard_after_forward=reshard_after_forward,
         ),
         out=out,
         diff=diff,

@@ -24,6 +24,9 @@ class RetrofitOptions:
     cpu_offload: bool = False
     # HSDP: replicate over this many groups, shard within each (2-D mesh); 0 = plain FSDP
     hsdp: int = 0
+    # "default": blocks free their gathered parameters after forward except the last one
+    # (torchtitan's rule); "always": every unit does (fully_shard's own default); "never": none does
+    reshard_after_forward: str = "default"
 
 
 # -- [tool.fsdp2-retrofit] in pyproject.toml -----------------------------------

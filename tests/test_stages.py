@@ -65,8 +65,8 @@ opt = optim.SGD(model.parameters(), lr=0.1)
             "from torch import nn, optim\n", "from torch import nn, optim\nfrom torch.distributed.fsdp import fully_shard\n"
         ) + '''
 model = Net()
-for block in model.blocks:
-    fully_shard(block)
+for index, block in enumerate(model.blocks):
+    fully_shard(block, reshard_after_forward=index < len(model.blocks) - 1)
 fully_shard(model)
 opt = optim.SGD(model.parameters(), lr=0.1)
 '''
@@ -206,7 +206,7 @@ model = Net()
 opt = optim.SGD(model.parameters(), lr=0.1)
 ''', shard=("Block",))
     assert 'if type(module).__name__ in ("Block",) and module is not model:' in code
-    assert "for block in" not in code
+    assert "enumerate(model.blocks)" not in code
 
 
 def test_blocks_sharing_a_tied_weight_stay_in_the_root_unit():
@@ -217,7 +217,7 @@ model = Net()
 opt = optim.SGD(model.parameters(), lr=0.1)
 ''')
     code = result.code.decode()
-    assert "for block in model.blocks" not in code and "fully_shard(model" in code
+    assert "enumerate(model.blocks)" not in code and "fully_shard(model" in code
     assert any("shares a parameter" in a.what for a in result.attention)
 
 
@@ -343,7 +343,7 @@ use_cuda = torch.cuda.is_available()
 model = Net().cuda() if use_cuda else Net()
 opt = optim.SGD(model.parameters(), lr=0.1)
 ''')
-    assert "model = Net().cuda() if use_cuda else Net()\nfor block in model.blocks:" in code
+    assert "model = Net().cuda() if use_cuda else Net()\nfor index, block in enumerate(model.blocks):" in code
 
 
 def test_a_trainer_class_holding_the_optimizer_is_refused_with_the_reason():
@@ -366,7 +366,7 @@ def test_sequential_of_an_ordered_dict_of_one_block_class_is_a_container():
 model = Net()
 opt = optim.SGD(model.parameters(), lr=0.1)
 ''')
-    assert "for block in model.blocks:\n    fully_shard(block, mesh=mesh)" in code
+    assert "for index, block in enumerate(model.blocks):\n    fully_shard(block, mesh=mesh, reshard_after_forward=" in code
 
 
 def test_a_method_that_only_reads_parameters_is_not_registered_as_forward():
@@ -391,7 +391,7 @@ model = Net()
 model.apply(init)
 opt = getattr(torch.optim, "SGD")(model.parameters(), lr=0.1)
 ''')
-    assert "model.apply(init)\nfor block in model.blocks:" in code
+    assert "model.apply(init)\nfor index, block in enumerate(model.blocks):" in code
     assert code.index("fully_shard(model, mesh=mesh)") < code.index("opt = getattr(")
 
 
@@ -618,8 +618,24 @@ def test_a_model_compiled_where_it_is_built_is_compiled_after_sharding():
     text = out(MODEL + """
 model = torch.compile(Net().to("cpu"), mode="max-autotune")
 opt = optim.SGD(model.parameters(), lr=0.1)
-""")
+""", reshard_after_forward="always")
     assert (
         'model = Net().to("cpu")\nfor block in model.blocks:\n    fully_shard(block)\nfully_shard(model)\n'
         'model = torch.compile(model, mode="max-autotune")\nopt = optim.SGD(model.parameters(), lr=0.1)\n'
     ) in text.replace("dist.destroy_process_group()\n", "").replace(", mesh=mesh", "")
+
+
+def test_reshard_after_forward_policies():
+    default = out(PLAIN)
+    assert (
+        "for index, block in enumerate(model.blocks):\n"
+        "    fully_shard(block, mesh=mesh, reshard_after_forward=index < len(model.blocks) - 1)\n"
+        "fully_shard(model, mesh=mesh)\n"
+    ) in default
+    always = out(PLAIN, reshard_after_forward="always")
+    assert "for block in model.blocks:\n    fully_shard(block, mesh=mesh)\nfully_shard(model, mesh=mesh)\n" in always
+    never = out(PLAIN, reshard_after_forward="never")
+    assert (
+        "for block in model.blocks:\n    fully_shard(block, mesh=mesh, reshard_after_forward=False)\n"
+        "fully_shard(model, mesh=mesh, reshard_after_forward=False)\n"
+    ) in never

@@ -60,13 +60,16 @@ class GateRankZeroCommand(RetrofitStage):
         for run in runs:
             test = self._rank_test(run[0].stmt, facts)
             first = run[0].stmt
-            if self._join_enclosing_if(run, test, facts, editor):
+            reduce, logged = self._averaged_losses(run, facts)
+            if not reduce and self._join_enclosing_if(run, test, facts, editor):
                 continue
-            inner = [first.with_changes(leading_lines=[])] + [s.stmt for s in run[1:]]
+            if reduce:
+                editor.insert_before(first, [reduce[0].with_changes(leading_lines=first.leading_lines)] + reduce[1:])
+            inner = [logged[0].with_changes(leading_lines=[])] + logged[1:]
             gate = cst.If(
                 test=self.expr(test),
                 body=cst.IndentedBlock(body=inner),
-                leading_lines=first.leading_lines,
+                leading_lines=[] if reduce else first.leading_lines,
             )
             editor.replace(first, gate)
             if test.startswith("dist."):
@@ -79,6 +82,41 @@ class GateRankZeroCommand(RetrofitStage):
                 "every rank runs the script; unguarded output repeats world_size times",
             )
         self._gate_progress_bars(facts, editor)
+
+    def _averaged_losses(self, run, facts: ScriptFacts):
+        """(statements that average each logged loss over the ranks, the run's statements
+        reading the averages). A loss is a `<name with "loss">.item()` the log line reads."""
+        stmts = [site.stmt for site in run]
+        if not self.options.reduce_logs:
+            return [], stmts
+        function = facts.resolver.enclosing_function(run[0].stmt)
+        reduced = _all_reduced_names(function or facts.module)
+        names: List[str] = []
+        for stmt in stmts:
+            for name in _item_reads(stmt):
+                if "loss" in name.lower() and name not in reduced and name not in names:
+                    names.append(name)
+        if not names:
+            return [], stmts
+        mapping, reduce = {}, []
+        for name in names:
+            avg = self.fresh_name(f"{name}_avg", function)
+            self.__dict__["_visible"][id(function)].add(avg)
+            mapping[name] = avg
+            reduce += [
+                self.stmt(f"{avg} = {name}.detach().clone()\n"),
+                self.stmt(f"dist.all_reduce({avg})  # a sum: gloo has no ReduceOp.AVG\n"),
+                self.stmt(f"{avg} /= dist.get_world_size()\n"),
+            ]
+        self.add_import("torch.distributed", asname="dist")
+        self.change(
+            run[0].stmt,
+            f"the logged {', '.join(f'`{n}`' for n in names)} is the mean over ranks "
+            f"({', '.join(mapping.values())}, all-reduced on every rank before the rank-0 print)",
+            "each rank's loss is the mean of its own part of the batch; their mean is the loss of the whole "
+            "global batch, the number the single-GPU run printed (--no-reduce-logs prints rank 0's own)",
+        )
+        return reduce, [s.visit(_ReadAverages(mapping)) for s in stmts]
 
     def _join_enclosing_if(self, run, test: str, facts: ScriptFacts, editor) -> bool:
         """When the run is the whole body of a plain `if cond:`, say `if cond and rank == 0:`
@@ -170,6 +208,53 @@ class GateRankZeroCommand(RetrofitStage):
                 self.add_import("torch.distributed", asname="dist")
             editor.mark_work()
             self.change(bar, f"progress bar shown on rank 0 only (`disable={negated}`)", "one bar, not world_size bars")
+
+
+class _ReadAverages(cst.CSTTransformer):
+    """`loss.item()` -> `loss_avg.item()` for the names in the mapping."""
+
+    def __init__(self, mapping):
+        super().__init__()
+        self.mapping = mapping
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
+        func = updated_node.func
+        if (
+            isinstance(func, cst.Attribute)
+            and func.attr.value == "item"
+            and isinstance(func.value, cst.Name)
+            and func.value.value in self.mapping
+        ):
+            return updated_node.with_changes(func=func.with_changes(value=cst.Name(self.mapping[func.value.value])))
+        return updated_node
+
+
+def _item_reads(stmt) -> List[str]:
+    found: List[str] = []
+
+    class _I(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            f = node.func
+            if isinstance(f, cst.Attribute) and f.attr.value == "item" and isinstance(f.value, cst.Name):
+                found.append(f.value.value)
+
+    stmt.visit(_I())
+    return found
+
+
+def _all_reduced_names(scope) -> set:
+    """Names passed to an all_reduce in `scope`: already averaged (a second rewrite)."""
+    found = set()
+
+    class _R(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            f = node.func
+            if isinstance(f, cst.Attribute) and f.attr.value == "all_reduce" and node.args:
+                if isinstance(node.args[0].value, cst.Name):
+                    found.add(node.args[0].value.value)
+
+    scope.visit(_R())
+    return found
 
 
 def _ancestor_in(stmt, block, facts: ScriptFacts):

@@ -127,6 +127,11 @@ Examples:
     "(backward needs it first; the root keeps its own, as FSDP2 does); always: every unit (least memory); "
     "never: none (no all-gather in backward, most memory).",
 )
+@click.option(
+    "--no-reduce-logs", is_flag=True,
+    help="Print rank 0's own loss. Default: a logged `loss.item()` is averaged over the ranks first (an "
+    "all_reduce on every rank), so the log reads like the single-GPU run's.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No report; errors are still printed.")
 @click.option(
     "--no-cache", is_flag=True,
@@ -146,6 +151,7 @@ def rewrite_command(
     cpu_offload: bool,
     hsdp: Optional[int],
     reshard_after_forward: str,
+    no_reduce_logs: bool,
     report_format: str,
     quiet: bool,
     no_cache: bool,
@@ -161,6 +167,7 @@ def rewrite_command(
             cpu_offload=cpu_offload,
             hsdp=hsdp or 0,
             reshard_after_forward=reshard_after_forward,
+            reduce_logs=not no_reduce_logs,
         ),
         out=out,
         diff=diff,

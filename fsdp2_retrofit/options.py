@@ -27,6 +27,8 @@ class RetrofitOptions:
     # "default": blocks free their gathered parameters after forward except the last one
     # (torchtitan's rule); "always": every unit does (fully_shard's own default); "never": none does
     reshard_after_forward: str = "default"
+    # average the losses that rank 0 logs over all ranks (an all_reduce before the print)
+    reduce_logs: bool = True
 
 
 # -- [tool.fsdp2-retrofit] in pyproject.toml -----------------------------------

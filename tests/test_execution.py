@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,25 @@ def test_wrong_global_batch_is_caught(shared_reference: Path, tmp_path: Path):
     diff = _compare(shared_reference, tmp_path / "dist.pt", [])
     print(f"\nshared example, 2 x 16 vs 1 x 64: max diff {diff:.3e}")
     assert diff > DEFAULT_TOLERANCE
+
+
+@pytest.mark.e2e
+def test_the_logged_loss_is_the_global_batch_loss(tmp_path: Path):
+    """Rank 0 prints the mean over ranks (the all_reduce the rewrite adds), so the
+    distributed log reads like the single-process log at the same global batch."""
+    case = FIXTURES / "main_modulelist"
+    (tmp_path / "single").mkdir()
+    (tmp_path / "dist").mkdir()
+    single = run_single(case / "input.py", ["--batch-size", "64"], tmp_path / "s.pt", cwd=tmp_path / "single")
+    dist = run_distributed(case / "expected.py", ["--batch-size", "32"], tmp_path / "d.pt", cwd=tmp_path / "dist")
+
+    def losses(text: str) -> list:
+        return [float(m.group(1)) for m in re.finditer(r"loss (\d+\.\d+)", text)]
+
+    expected, got = losses(single), losses(dist)
+    print(f"\nsingle {expected}\ndistributed {got}")
+    assert len(expected) == len(got) == 6
+    assert max(abs(a - b) for a, b in zip(expected, got)) <= 2e-4
 
 
 # --- the harness itself (fast) ----------------------------------------------

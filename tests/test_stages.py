@@ -639,3 +639,19 @@ def test_reshard_after_forward_policies():
         "for block in model.blocks:\n    fully_shard(block, mesh=mesh, reshard_after_forward=False)\n"
         "fully_shard(model, mesh=mesh, reshard_after_forward=False)\n"
     ) in never
+
+
+def test_logged_losses_are_averaged_over_ranks_outside_the_rank_zero_gate():
+    script = PLAIN.replace("    model(x).sum().backward()\n", "    loss = model(x).sum()\n    loss.backward()\n") + (
+        'print(f"loss {loss.item():.3f}")\n'
+    )
+    text = out(script)
+    assert (
+        "loss_avg = loss.detach().clone()\n"
+        "dist.all_reduce(loss_avg)  # a sum: gloo has no ReduceOp.AVG\n"
+        "loss_avg /= dist.get_world_size()\n"
+        "if rank == 0:\n"
+        '    print(f"loss {loss_avg.item():.3f}")\n'
+    ) in text
+    plain = out(script, reduce_logs=False)
+    assert "all_reduce" not in plain and 'if rank == 0:\n    print(f"loss {loss.item():.3f}")\n' in plain

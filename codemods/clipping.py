@@ -8,15 +8,52 @@ from fsdp2_retrofit.analysis.names import assigned_names, names_in
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
 CLIP = {"torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_"}
+NUMBER_METHODS = {"item", "tolist", "cpu", "numpy"}
+NUMBER_FUNCTIONS = {"float", "int", "round"}
+
+
+class _NormEditor(StatementEditor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: set = set()  # clip calls read in place: `clip_grad_norm_(...).item()`
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
+        if original_node in self.calls:
+            return cst.Call(cst.Attribute(updated_node, cst.Name("full_tensor")))
+        return updated_node
 
 
 class ReadGlobalGradNormCommand(RetrofitStage):
     DESCRIPTION = "After `norm = clip_grad_norm_(...)`, make `norm` a plain tensor with .full_tensor() on every rank."
     CODE = "clipping"
 
-    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
+    def make_editor(self) -> StatementEditor:
+        return _NormEditor()
+
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: _NormEditor) -> None:
         if not facts.models:
             return
+        for call in facts.resolver.nodes(cst.Call):
+            if not facts.resolver.is_call_to(call, CLIP):
+                continue
+            parent = facts.resolver.parent(call)
+            read = (
+                isinstance(parent, cst.Attribute) and parent.value is call and parent.attr.value in NUMBER_METHODS
+            ) or (
+                isinstance(parent, cst.Arg)
+                and isinstance(facts.resolver.parent(parent), cst.Call)
+                and isinstance(facts.resolver.parent(parent).func, cst.Name)
+                and facts.resolver.parent(parent).func.value in NUMBER_FUNCTIONS
+            )
+            if read:
+                editor.calls.add(call)
+                editor.mark_work()
+                self.change(
+                    call,
+                    "the norm clip_grad_norm_ returns is read with .full_tensor() first",
+                    "with sharded parameters the norm is a DTensor; full_tensor() gives every rank the global norm",
+                    "a local read differs per rank",
+                )
         for stmt in facts.resolver.nodes(cst.SimpleStatementLine):
             if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
                 continue

@@ -655,3 +655,15 @@ def test_logged_losses_are_averaged_over_ranks_outside_the_rank_zero_gate():
     ) in text
     plain = out(script, reduce_logs=False)
     assert "all_reduce" not in plain and 'if rank == 0:\n    print(f"loss {loss.item():.3f}")\n' in plain
+
+
+def test_a_grad_norm_read_in_place_is_read_as_a_full_tensor():
+    script = PLAIN.replace(
+        "    opt.step()\n",
+        "    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()\n"
+        "    g2 = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))\n    opt.step()\n",
+    )
+    text = out(script)
+    assert "gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor().item()\n" in text
+    assert "g2 = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor())\n" in text
+    assert out(text) == text  # a second rewrite changes nothing

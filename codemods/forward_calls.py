@@ -56,7 +56,7 @@ class ReplaceForwardCallsCommand(RetrofitStage):
                 if any(line.strip() in facts.resolver.module.code_for_node(s) for s in _after(root, facts)):
                     continue
                 editor.insert_after(root, [self.stmt(line)])
-                self.add_import("torch.distributed.fsdp", "register_fsdp_forward_method")
+                self.add_import(self.options.fsdp_module, "register_fsdp_forward_method")
                 self.change(
                     root,
                     f"register `{model.name}.{method}` as a forward method",

@@ -6,8 +6,6 @@ import libcst as cst
 from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
-FSDP_MODULE = "torch.distributed.fsdp"
-
 
 class ShardModelCommand(RetrofitStage):
     DESCRIPTION = "Shard each trained model bottom-up with fully_shard: repeated blocks first, then the root."
@@ -27,7 +25,7 @@ class ShardModelCommand(RetrofitStage):
                 statements = []
             statements = statements + self._shard_statements(model, facts, policies[0])
             editor.insert_after(model.shard_anchor, statements + self._split_compile(model, facts, editor))
-            self.add_import(FSDP_MODULE, "fully_shard")
+            self.add_import(self.options.fsdp_module, "fully_shard")
 
     def _compiled_model(self, call: cst.Call, facts: ScriptFacts):
         """The model whose whole build statement is `name = torch.compile(<build>, ...)`."""
@@ -66,7 +64,7 @@ class ShardModelCommand(RetrofitStage):
                 f"{name} = MixedPrecisionPolicy(param_dtype={torch_dtype}, reduce_dtype=torch.float32)\n"
             ))
             kwargs += f", mp_policy={name}"
-            self.add_import(FSDP_MODULE, "MixedPrecisionPolicy")
+            self.add_import(self.options.fsdp_module, "MixedPrecisionPolicy")
             self.add_import("torch")
             self.change(
                 model.shard_anchor,
@@ -80,7 +78,7 @@ class ShardModelCommand(RetrofitStage):
             name = self.fresh_name("offload_policy", model.scope)
             statements.append(self.stmt(f"{name} = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())\n"))
             kwargs += f", offload_policy={name}"
-            self.add_import(FSDP_MODULE, "CPUOffloadPolicy")
+            self.add_import(self.options.fsdp_module, "CPUOffloadPolicy")
             self.change(
                 model.shard_anchor,
                 "CPUOffloadPolicy on every fully_shard: parameter, gradient and optimizer-state shards live in "

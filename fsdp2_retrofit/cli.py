@@ -132,6 +132,16 @@ Examples:
     help="Print rank 0's own loss. Default: a logged `loss.item()` is averaged over the ranks first (an "
     "all_reduce on every rank), so the log reads like the single-GPU run's.",
 )
+@click.option(
+    "--torch-version", default="", metavar="X.Y", callback=lambda ctx, param, value: _torch_version(value),
+    help="The torch the output must run on (>= 2.4). Before 2.6 FSDP2 is imported from "
+    "torch.distributed._composable.fsdp. Default: 2.6 and newer (torch.distributed.fsdp).",
+)
+@click.option(
+    "--emit-slurm", "emit_slurm", metavar="FILE",
+    help="Also write an sbatch script to FILE that runs the result with `srun torchrun` (one PATH only; edit "
+    "its --nodes and --gpus-per-node).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No report; errors are still printed.")
 @click.option(
     "--no-cache", is_flag=True,
@@ -152,12 +162,16 @@ def rewrite_command(
     hsdp: Optional[int],
     reshard_after_forward: str,
     no_reduce_logs: bool,
+    torch_version: str,
+    emit_slurm: Optional[str],
     report_format: str,
     quiet: bool,
     no_cache: bool,
 ) -> None:
     if out is not None and len(paths) != 1:
         raise click.UsageError("-o/--output takes exactly one PATH")
+    if emit_slurm is not None and len(paths) != 1:
+        raise click.UsageError("--emit-slurm takes exactly one PATH")
     run = _Run(
         options=RetrofitOptions(
             shard=tuple(shard),
@@ -168,6 +182,7 @@ def rewrite_command(
             hsdp=hsdp or 0,
             reshard_after_forward=reshard_after_forward,
             reduce_logs=not no_reduce_logs,
+            torch_version=torch_version,
         ),
         out=out,
         diff=diff,
@@ -178,11 +193,34 @@ def rewrite_command(
     )
     for path in paths:
         run.process(path)
+    if emit_slurm is not None and run.exit_code != EXIT_ERROR:
+        from .launch_commands import slurm_script
+
+        try:
+            files.atomic_write(emit_slurm, slurm_script(out or paths[0]).encode())
+        except InputError as exc:
+            run._fail(emit_slurm, exc)
+        else:
+            if not quiet:
+                click.echo(f"wrote {emit_slurm}: sbatch {emit_slurm}", err=True)
     if not quiet and report_format == "json":
         click.echo(to_json(run.results), err=diff)
     if run.text_report and len(paths) > 1:
         run.summary()
     ctx.exit(run.exit_code)
+
+
+def _torch_version(value: str) -> str:
+    if not value:
+        return ""
+    import re
+
+    m = re.fullmatch(r"(\d+)\.(\d+)(?:\.\d+)?", value.strip())
+    if m is None:
+        raise click.BadParameter(f"{value!r} is not a version like 2.5")
+    if (int(m.group(1)), int(m.group(2))) < (2, 4):
+        raise click.BadParameter(f"FSDP2 (fully_shard) needs torch 2.4 or newer, not {value}")
+    return f"{m.group(1)}.{m.group(2)}"
 
 
 @dataclass

@@ -29,6 +29,18 @@ class RetrofitOptions:
     reshard_after_forward: str = "default"
     # average the losses that rank 0 logs over all ranks (an all_reduce before the print)
     reduce_logs: bool = True
+    # the torch the output must run on, "X.Y" ("" = 2.6 and newer): before 2.6 FSDP2 lives
+    # in torch.distributed._composable.fsdp
+    torch_version: str = ""
+
+    @property
+    def fsdp_module(self) -> str:
+        """Where fully_shard and its policies are imported from for `torch_version`."""
+        if self.torch_version:
+            major, minor = (int(p) for p in self.torch_version.split(".")[:2])
+            if (major, minor) < (2, 6):
+                return "torch.distributed._composable.fsdp"
+        return "torch.distributed.fsdp"
 
 
 # -- [tool.fsdp2-retrofit] in pyproject.toml -----------------------------------

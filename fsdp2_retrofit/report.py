@@ -112,14 +112,13 @@ class InputError(Exception):
 # Rendering for the terminal. rich is imported inside the functions: `--help`,
 # `--version`, `--quiet` and `--report json` never pay for it.
 
-LAUNCH_NPROC = "<gpus>"
 
 
 def launch_command(target: str) -> str:
     """The command that runs a rewritten script on every GPU of one machine."""
-    import shlex
+    from .launch_commands import single_node
 
-    return f"torchrun --nproc_per_node={LAUNCH_NPROC} {shlex.quote(target)}"
+    return single_node(target)
 
 
 def render_text(result: RewriteResult, console, *, target: Optional[str] = None, applied: bool = True) -> None:
@@ -180,7 +179,10 @@ def render_text(result: RewriteResult, console, *, target: Optional[str] = None,
         console.print(table)
 
     if result.changed:
+        from .launch_commands import multi_node
+
         console.print(Text.assemble("launch with: ", (launch_command(target), "bold")), soft_wrap=True)
+        console.print(Text.assemble("  on several nodes, on each: ", multi_node(target)), soft_wrap=True)
 
 
 def render_diff(diff: str, console) -> None:

@@ -551,3 +551,45 @@ def test_diff_headers_prefix_relative_paths_like_git():
 
     text = unified_diff("train.py", "a = 1\n", "a = 2\n")
     assert text.startswith("--- a/train.py\n+++ b/train.py\n")
+
+
+def test_launch_commands_are_printed_and_emit_slurm_writes_a_script(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_bytes(SCRIPT)
+    result = subprocess.run(
+        [str(CONSOLE_SCRIPT), "rewrite", str(script), "--emit-slurm", str(tmp_path / "job.sbatch")],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"launch with: torchrun --nproc_per_node=<gpus> {script}" in result.stderr
+    assert "--rdzv_backend=c10d --rdzv_endpoint=<head-node>:29500" in result.stderr
+    text = (tmp_path / "job.sbatch").read_text()
+    assert text.startswith("#!/bin/bash\n") and "srun torchrun" in text and f"    {script} \"$@\"\n" in text
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0
+    both = CliRunner().invoke(cli.main, ["rewrite", str(script), str(script), "--emit-slurm", "x.sbatch"])
+    assert both.exit_code == 2 and "--emit-slurm takes exactly one PATH" in both.output
+
+
+@pytest.mark.e2e
+def test_the_slurm_script_trains_under_a_stand_in_srun(tmp_path):
+    """The sbatch script, run by bash with stand-ins for srun and scontrol on one
+    2-process CPU node, trains the rewritten shared example to the end."""
+    from fsdp2_retrofit.launch_commands import slurm_script
+
+    out = tmp_path / "train_fsdp2.py"
+    assert CliRunner().invoke(cli.main, ["rewrite", str(EXAMPLE), "-o", str(out), "-q"]).exit_code == 0
+    job = tmp_path / "job.sbatch"
+    job.write_text(slurm_script(str(out), nodes=1, gpus_per_node=2))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/sh\nexec "$@"\n')
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
+    (bin_dir / "torchrun").write_text(f'#!/bin/sh\nexec {sys.executable} -m torch.distributed.run "$@"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**__import__("os").environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node1",
+           "SLURM_NNODES": "1", "SLURM_JOB_ID": "42", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(["bash", str(job), "--batch-size", "32", "--steps", "2", "--out", str(tmp_path / "ckpt")],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "ckpt" / ".metadata").is_file()

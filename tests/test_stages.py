@@ -667,3 +667,14 @@ def test_a_grad_norm_read_in_place_is_read_as_a_full_tensor():
     assert "gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor().item()\n" in text
     assert "g2 = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor())\n" in text
     assert out(text) == text  # a second rewrite changes nothing
+
+
+@pytest.mark.parametrize("version, module", [
+    ("2.4", "torch.distributed._composable.fsdp"),
+    ("2.5", "torch.distributed._composable.fsdp"),
+    ("2.6", "torch.distributed.fsdp"),
+    ("", "torch.distributed.fsdp"),
+])
+def test_torch_version_picks_the_fsdp2_import_path(version, module):
+    text = out(PLAIN, torch_version=version, mixed_precision="bf16", cpu_offload=True)
+    assert f"from {module} import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard\n" in text

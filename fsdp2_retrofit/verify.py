@@ -557,6 +557,7 @@ def report_json(verdict: Verdict, settings: VerifySettings) -> dict:
         "tolerance": {"weights_max_abs": settings.tolerance, "loss_rtol": settings.loss_rtol,
                       "loss_atol": settings.loss_atol},
         "first_diverging_step": first.step if first else None,
+        "max_loss_diff": max((r.loss_diff for r in verdict.rows if r.loss_diff is not None), default=None),
         "first_divergence": first.problem if first else None,
         "steps": [r.as_json() for r in verdict.rows],
         "weights": verdict.weights.as_json(settings.tolerance) if verdict.weights else None,

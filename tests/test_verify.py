@@ -119,6 +119,7 @@ def test_verdict_exit_codes_and_json():
     assert diverged.exit_code == EXIT_DIVERGED
     data = report_json(diverged, VerifySettings(script=Path("train.py")))
     assert data["first_diverging_step"] == 2 and data["equivalent"] is False
+    assert data["max_loss_diff"] == pytest.approx(0.2)
     assert data["steps"][1]["ok"] is False and data["memory"]["ranks"][0]["peak_bytes"] == 100
     json.dumps(data)
 
@@ -171,7 +172,8 @@ def _verify(*args) -> tuple[int, str, dict]:
 def _figures(name: str, report: dict) -> str:
     w = report.get("weights") or {}
     return (f"\n{name}: exit {report.get('exit_code')}, first diverging step {report.get('first_diverging_step')} "
-            f"({report.get('first_divergence')}), max weight diff {w.get('max_abs_diff')}")
+            f"({report.get('first_divergence')}), max loss diff {report.get('max_loss_diff')}, "
+            f"max weight diff {w.get('max_abs_diff')}")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,299 @@
+"""Instrumentation for `fsdp2-retrofit verify`, loaded by the scripts it runs.
+
+`verify` puts this directory first on the child's PYTHONPATH, so Python imports
+this module at start-up, before the user's script. Without
+FSDP2_RETROFIT_VERIFY_DIR in the environment it does nothing and imports
+nothing (then it only hands over to a sitecustomize it shadows). With it:
+
+* ``torch.Tensor.backward`` is wrapped: the value of each scalar tensor that
+  ``backward()`` is called on (the loss of a micro-step) is added up until the
+  next optimizer step. One step's loss is the SUM over its micro-steps: with
+  gradient accumulation the single run and every rank run the same number of
+  micro-steps, each on the matching slice of the global batch, so the mean
+  over ranks of the per-rank sums equals the single run's sum.
+* A global optimizer step pre-hook records the total gradient norm the
+  optimizer is about to use (after any clipping). Sharded gradients are
+  DTensors: each parameter's norm is taken as a DTensor and made whole with
+  ``.full_tensor()`` on every rank (the hook runs on every rank, so the
+  collectives line up, and HSDP meshes are reduced the right way).
+* A global optimizer step post-hook counts steps of the first optimizer that
+  steps ("the" optimizer; others are gathered at the end too). After K steps
+  (FSDP2_RETROFIT_VERIFY_STEPS) every rank gathers the final parameters in
+  ``param_groups`` order (DTensor -> ``.full_tensor()``), rank 0 writes them
+  with ``torch.save``, every rank writes its JSON record, and after a barrier
+  all ranks leave with ``os._exit(0)`` (files flushed first).
+* A script that ends before K steps is recorded when it calls
+  ``destroy_process_group`` (all ranks still together: weights gathered) or
+  at exit (weights gathered only while a process group is still up).
+* With FSDP2_RETROFIT_VERIFY_SAMPLER=1 (the single-process run), every
+  ``RandomSampler`` yields the permutation ``DistributedSampler(shuffle=True,
+  seed=0)`` draws at epoch e before it splits it between ranks, so batch k of
+  the single run holds exactly the samples of batch k on all ranks together
+  (the dataset length must divide by the number of ranks).
+
+Self-contained on purpose: the child may run another interpreter than the
+tool, so nothing here imports fsdp2_retrofit.
+"""
+import os
+import sys
+
+
+def _chain_shadowed_sitecustomize():
+    """Run the sitecustomize this one shadows (a distribution's or a venv's), if any."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is None or spec.origin is None or os.path.dirname(os.path.abspath(spec.origin)) == here:
+        return
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception:  # as Python itself does for a failing sitecustomize: carry on
+        pass
+
+
+def _active():
+    if not os.environ.get("FSDP2_RETROFIT_VERIFY_DIR"):
+        return False
+    # under torchrun only the workers record (the launcher has no LOCAL_RANK)
+    if os.environ.get("FSDP2_RETROFIT_VERIFY_MODE") == "dist" and "LOCAL_RANK" not in os.environ:
+        return False
+    return True
+
+
+def _install():
+    import atexit
+    import json
+    import resource
+    import time
+
+    import torch
+
+    out_dir = os.environ["FSDP2_RETROFIT_VERIFY_DIR"]
+    max_steps = int(os.environ.get("FSDP2_RETROFIT_VERIFY_STEPS", "10"))
+    main_pid = os.getpid()
+
+    state = {
+        "step": 0,
+        "pending_loss": None,  # sum of this step's micro-step losses
+        "pending_micro": 0,
+        "losses": [],
+        "grad_norms": [],
+        "micro_steps": [],
+        "optimizers": [],  # every optimizer that stepped, first to step first
+        "primary": None,
+        "done": False,
+        "failed": None,
+        "started": time.time(),
+    }
+
+    def _dist():
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                return dist
+        except Exception:
+            pass
+        return None
+
+    def _rank():
+        dist = _dist()
+        if dist is not None:
+            return dist.get_rank()
+        return int(os.environ.get("RANK", "0"))
+
+    def _is_dtensor(t):
+        try:
+            from torch.distributed.tensor import DTensor
+        except Exception:
+            return False
+        return isinstance(t, DTensor)
+
+    # -- the loss of each micro-step ------------------------------------------
+
+    original_backward = torch.Tensor.backward
+
+    def backward(self, *args, **kwargs):
+        try:
+            if self.numel() == 1:
+                value = self.detach()
+                if _is_dtensor(value):
+                    value = value.full_tensor()
+                value = float(value.float().item())
+                state["pending_loss"] = value if state["pending_loss"] is None else state["pending_loss"] + value
+                state["pending_micro"] += 1
+        except Exception:
+            pass
+        return original_backward(self, *args, **kwargs)
+
+    torch.Tensor.backward = backward
+
+    # -- the gradient norm and the step count ---------------------------------
+
+    def _grad_norm(optimizer):
+        total = 0.0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                n = torch.linalg.vector_norm(g.detach().float(), 2)
+                if _is_dtensor(n):
+                    n = n.full_tensor()
+                total += float(n.item()) ** 2
+        return total ** 0.5
+
+    def pre_hook(optimizer, args, kwargs):
+        if state["done"]:
+            return
+        if state["primary"] is None:
+            state["primary"] = optimizer
+        if all(o is not optimizer for o in state["optimizers"]):
+            state["optimizers"].append(optimizer)
+        if optimizer is state["primary"]:
+            state["grad_norms"].append(_grad_norm(optimizer))
+
+    def post_hook(optimizer, args, kwargs):
+        if state["done"] or optimizer is not state["primary"]:
+            return
+        state["step"] += 1
+        state["losses"].append(state["pending_loss"])
+        state["micro_steps"].append(state["pending_micro"])
+        state["pending_loss"], state["pending_micro"] = None, 0
+        if state["step"] >= max_steps:
+            finish("steps", gather=True)
+            dist = _dist()
+            if dist is not None:
+                dist.barrier()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(pre_hook)  # global: every optimizer, every rank
+    register_optimizer_step_post_hook(post_hook)
+
+    # -- writing the record ---------------------------------------------------
+
+    def _peak_memory():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return "cuda", int(torch.cuda.max_memory_allocated())
+        # ru_maxrss: KiB on Linux, bytes on macOS
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return "rss", int(rss if sys.platform == "darwin" else rss * 1024)
+
+    def _gather():
+        tensors = []
+        for optimizer in state["optimizers"]:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    t = p.detach()
+                    if _is_dtensor(t):
+                        t = t.full_tensor()
+                    tensors.append(t.cpu().clone())
+        return tensors
+
+    def finish(reason, gather):
+        if state["done"]:
+            return
+        state["done"] = True
+        rank = _rank()
+        weights = None
+        if gather:
+            try:
+                weights = _gather()
+            except Exception as exc:  # e.g. the process group is gone
+                state["failed"] = state["failed"] or f"could not gather the weights: {exc}"
+        if weights is not None and rank == 0:
+            tmp = os.path.join(out_dir, "weights.pt.tmp")
+            torch.save(weights, tmp)
+            os.replace(tmp, os.path.join(out_dir, "weights.pt"))
+        kind, peak = _peak_memory()
+        record = {
+            "rank": rank,
+            "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+            "reason": reason,
+            "steps": state["step"],
+            "losses": state["losses"],
+            "grad_norms": state["grad_norms"][: state["step"]],
+            "micro_steps": state["micro_steps"],
+            "weights": weights is not None,
+            "memory_kind": kind,
+            "peak_memory_bytes": peak,
+            "failed": state["failed"],
+            "seconds": time.time() - state["started"],
+        }
+        tmp = os.path.join(out_dir, f"rank{rank}.json.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+        os.replace(tmp, os.path.join(out_dir, f"rank{rank}.json"))
+
+    # the script ends before K steps: record while the ranks are still together
+    try:
+        import torch.distributed as _d
+
+        original_destroy = _d.destroy_process_group
+
+        def destroy_process_group(*args, **kwargs):
+            if not state["done"] and not args and not kwargs.get("group"):
+                finish("end", gather=True)
+            return original_destroy(*args, **kwargs)
+
+        _d.destroy_process_group = destroy_process_group
+    except Exception:
+        pass
+
+    original_excepthook = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        state["failed"] = f"{kind.__name__}: {value}"
+        original_excepthook(kind, value, tb)
+
+    sys.excepthook = excepthook
+
+    def at_exit():
+        if os.getpid() != main_pid:  # a forked DataLoader worker
+            return
+        import multiprocessing
+
+        if multiprocessing.parent_process() is not None:  # a spawned one
+            return
+        # weights need every rank; a single process or a live group can gather them
+        finish("exit", gather=_dist() is not None or "LOCAL_RANK" not in os.environ)
+
+    atexit.register(at_exit)
+
+
+def _install_reference_sampler():
+    import torch
+    from torch.utils.data import RandomSampler
+
+    original_iter = RandomSampler.__iter__
+
+    def reference_iter(self):
+        n = len(self.data_source)
+        if self.replacement or self.num_samples != n:
+            return original_iter(self)
+        epoch = getattr(self, "_fsdp2_verify_epoch", 0)
+        self._fsdp2_verify_epoch = epoch + 1
+        generator = torch.Generator()
+        generator.manual_seed(0 + epoch)  # DistributedSampler: seed + epoch
+        return iter(torch.randperm(n, generator=generator).tolist())
+
+    RandomSampler.__iter__ = reference_iter
+
+
+if _active():
+    try:
+        _install()
+        if os.environ.get("FSDP2_RETROFIT_VERIFY_SAMPLER") == "1":
+            _install_reference_sampler()
+    except Exception as _exc:  # never break the user's script; verify reports the missing record
+        sys.stderr.write(f"fsdp2-retrofit verify: instrumentation failed: {type(_exc).__name__}: {_exc}\n")
+
+_chain_shadowed_sitecustomize()

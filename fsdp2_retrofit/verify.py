@@ -1,0 +1,624 @@
+"""`fsdp2-retrofit verify`: run a script and its FSDP2 retrofit, and compare them.
+
+The original runs in one process, the retrofit under ``torchrun``; both are
+instrumented by ``_verify_site/sitecustomize.py`` (put first on the children's
+PYTHONPATH; the user's files are never edited), which records per optimizer
+step the loss (the sum of the micro-step losses ``backward()`` was called on)
+and the gradient norm the optimizer used, stops after K steps, and writes the
+final parameters. This module only starts processes and reads what they wrote:
+it never imports torch. The weights are compared by a small child script
+(``_verify_site/_fsdp2_verify_compare.py``) run with the same interpreter.
+
+Equivalence: every step's loss (single vs the mean over ranks) and gradient
+norm agree within ``rel 1e-4 / abs 1e-5`` (fp32 reductions in another order
+differ by ~1e-7 relative), and the final weights within ``--tolerance``
+(max abs diff, default 1e-4, the execution tests' bound).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+SITE_DIR = Path(__file__).resolve().parent / "_verify_site"
+COMPARE_SCRIPT = SITE_DIR / "_fsdp2_verify_compare.py"
+
+EXIT_EQUIVALENT = 0
+EXIT_DIVERGED = 1
+EXIT_ERROR = 2
+
+DEFAULT_STEPS = 10
+DEFAULT_NPROC = 2
+DEFAULT_WEIGHT_TOLERANCE = 1e-4
+LOSS_RTOL = 1e-4
+LOSS_ATOL = 1e-5
+DEFAULT_TIMEOUT_S = 600
+
+# gloo's threads can abort a rank during interpreter shutdown, after the script finished
+TEARDOWN_ABORT = "terminate called without an active exception"
+_ERROR_LINE = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception|Interrupt)\b.*$", re.MULTILINE)
+
+
+class VerifyError(Exception):
+    """Something could not run (exit 2); the message says what, ``detail`` shows the output."""
+
+    def __init__(self, message: str, detail: str = ""):
+        super().__init__(message)
+        self.message = message
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class VerifySettings:
+    script: Path
+    script_args: Tuple[str, ...] = ()
+    retrofitted: Optional[Path] = None
+    nproc: int = DEFAULT_NPROC
+    steps: int = DEFAULT_STEPS
+    tolerance: float = DEFAULT_WEIGHT_TOLERANCE
+    loss_rtol: float = LOSS_RTOL
+    loss_atol: float = LOSS_ATOL
+    per_rank_args: Tuple[str, ...] = ()
+    json_path: Optional[Path] = None
+    keep_runs: Optional[Path] = None
+    reuse_single: Optional[Path] = None
+    python: str = sys.executable
+    timeout: float = DEFAULT_TIMEOUT_S
+
+
+# -- arguments ----------------------------------------------------------------
+
+
+def single_run_args(args: Sequence[str], per_rank_args: Sequence[str], nproc: int) -> List[str]:
+    """The single run's arguments: each ``--per-rank-arg NAME`` value multiplied by nproc.
+
+    ``NAME VALUE`` and ``NAME=VALUE`` are both understood; a NAME missing from
+    ``args`` or with a non-integer value is an error (the script's default is
+    not known here: give it explicitly).
+    """
+    out = list(args)
+    for name in per_rank_args:
+        found = False
+        for i, arg in enumerate(out):
+            if arg == name and i + 1 < len(out):
+                out[i + 1] = _times(name, out[i + 1], nproc)
+                found = True
+                break
+            if arg.startswith(name + "="):
+                out[i] = f"{name}={_times(name, arg[len(name) + 1:], nproc)}"
+                found = True
+                break
+        if not found:
+            raise VerifyError(
+                f"--per-rank-arg {name}: not in the script arguments; pass it explicitly after `--` "
+                f"(e.g. `-- {name} 32`)"
+            )
+    return out
+
+
+def _times(name: str, value: str, nproc: int) -> str:
+    try:
+        return str(int(value) * nproc)
+    except ValueError:
+        raise VerifyError(f"--per-rank-arg {name}: value {value!r} is not an integer") from None
+
+
+# -- comparison (pure: unit-tested without torch) ------------------------------
+
+
+def close(a: Optional[float], b: Optional[float], rtol: float, atol: float) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if math.isnan(a) or math.isnan(b):
+        return False
+    return abs(a - b) <= atol + rtol * abs(a)
+
+
+def mean_over_ranks(values: Sequence[Optional[float]]) -> Optional[float]:
+    if not values or any(v is None for v in values):
+        return None
+    return sum(values) / len(values)  # type: ignore[arg-type]
+
+
+@dataclass
+class StepRow:
+    step: int  # 1-based optimizer step
+    loss_single: Optional[float]
+    loss_dist: Optional[float]
+    loss_ranks: List[Optional[float]]
+    grad_norm_single: Optional[float]
+    grad_norm_dist: Optional[float]
+    problem: str = ""  # empty when the step agrees
+
+    @property
+    def loss_diff(self) -> Optional[float]:
+        if self.loss_single is None or self.loss_dist is None:
+            return None
+        return abs(self.loss_single - self.loss_dist)
+
+    def as_json(self) -> dict:
+        return {
+            "step": self.step,
+            "loss_single": self.loss_single,
+            "loss_dist": self.loss_dist,
+            "loss_ranks": self.loss_ranks,
+            "loss_diff": self.loss_diff,
+            "grad_norm_single": self.grad_norm_single,
+            "grad_norm_dist": self.grad_norm_dist,
+            "ok": not self.problem,
+            "problem": self.problem or None,
+        }
+
+
+def compare_steps(single: dict, ranks: Sequence[dict], rtol: float = LOSS_RTOL, atol: float = LOSS_ATOL) -> List[StepRow]:
+    """One row per optimizer step either run recorded; ``problem`` says why a step diverges."""
+    n = max([len(single["losses"])] + [len(r["losses"]) for r in ranks])
+    rows = []
+    for i in range(n):
+        s_loss = _at(single["losses"], i)
+        s_norm = _at(single.get("grad_norms", []), i)
+        r_losses = [_at(r["losses"], i) for r in ranks]
+        d_norms = [_at(r.get("grad_norms", []), i) for r in ranks]
+        d_loss = mean_over_ranks(r_losses)
+        d_norm = d_norms[0] if d_norms else None
+        problem = ""
+        if i >= len(single["losses"]):
+            problem = "the single run stopped before this step"
+        elif any(i >= len(r["losses"]) for r in ranks):
+            problem = "the distributed run stopped before this step"
+        elif not close(s_loss, d_loss, rtol, atol):
+            problem = f"loss {_fmt(s_loss)} (single) vs {_fmt(d_loss)} (mean over ranks)"
+        elif not close(s_norm, d_norm, rtol, atol):
+            problem = f"gradient norm {_fmt(s_norm)} (single) vs {_fmt(d_norm)} (distributed)"
+        rows.append(StepRow(i + 1, s_loss, d_loss, r_losses, s_norm, d_norm, problem))
+    return rows
+
+
+def _at(values: Sequence, i: int):
+    return values[i] if i < len(values) else None
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.6g}"
+
+
+@dataclass
+class WeightsResult:
+    ok: bool
+    max_abs_diff: Optional[float]
+    worst_index: Optional[int]
+    count_single: int
+    count_dist: int
+    problem: str = ""
+
+    def as_json(self, tolerance: float) -> dict:
+        return {
+            "ok": self.ok,
+            "max_abs_diff": self.max_abs_diff,
+            "worst_index": self.worst_index,
+            "tensors": [self.count_single, self.count_dist],
+            "tolerance": tolerance,
+            "problem": self.problem or None,
+        }
+
+
+def compare_weights(summary: dict, tolerance: float) -> WeightsResult:
+    """Judge the compare script's output: same tensors, same shapes, max abs diff within tolerance."""
+    n_single, n_dist = summary["count"]
+    rows = summary["tensors"]
+    if n_single != n_dist:
+        return WeightsResult(False, None, None, n_single, n_dist,
+                             f"the optimizers hold {n_single} tensors in the single run, {n_dist} in the distributed run")
+    for row in rows:
+        if row["max_abs_diff"] is None:
+            return WeightsResult(False, None, row["index"], n_single, n_dist,
+                                 f"parameter {row['index']}: shape {tuple(row['shape_single'])} (single) vs "
+                                 f"{tuple(row['shape_dist'])} (distributed)")
+    if not rows:
+        return WeightsResult(True, 0.0, None, n_single, n_dist)
+    worst = max(rows, key=lambda r: r["max_abs_diff"])
+    diff = worst["max_abs_diff"]
+    ok = diff <= tolerance and not math.isnan(diff)
+    problem = "" if ok else (f"final weights differ by {diff:.3e} > {tolerance:g} (parameter {worst['index']}, "
+                             f"shape {tuple(worst['shape_single'])})")
+    return WeightsResult(ok, diff, worst["index"], n_single, n_dist, problem)
+
+
+@dataclass
+class Verdict:
+    rows: List[StepRow]
+    weights: Optional[WeightsResult]
+    single: dict
+    ranks: List[dict]
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def first_divergence(self) -> Optional[StepRow]:
+        return next((r for r in self.rows if r.problem), None)
+
+    @property
+    def equivalent(self) -> bool:
+        return self.first_divergence is None and self.weights is not None and self.weights.ok
+
+    @property
+    def exit_code(self) -> int:
+        if self.equivalent:
+            return EXIT_EQUIVALENT
+        if self.first_divergence is None and self.weights is None:
+            return EXIT_ERROR  # nothing diverged, but the weights could not be compared
+        return EXIT_DIVERGED
+
+    def summary(self) -> str:
+        first = self.first_divergence
+        if first is not None:
+            return f"diverged at step {first.step}: {first.problem}"
+        if self.weights is None:
+            return "error: the final weights were not recorded by both runs; cannot judge"
+        if not self.weights.ok:
+            return f"diverged: {self.weights.problem}"
+        return (f"equivalent: {len(self.rows)} steps agree, final weights within "
+                f"{self.weights.max_abs_diff:.3e}")
+
+
+# -- the terminal chart ----------------------------------------------------------
+
+
+def loss_chart(single: Sequence[Optional[float]], dist: Sequence[Optional[float]], height: int = 8,
+               width: int = 60) -> List[str]:
+    """A small text plot of two loss curves: `s` single, `d` distributed, `*` both."""
+    values = [v for v in list(single) + list(dist) if v is not None and math.isfinite(v)]
+    n = max(len(single), len(dist))
+    if not values or n == 0:
+        return []
+    lo, hi = min(values), max(values)
+    span = hi - lo or 1.0
+    col_w = max(1, min(4, width // n))
+    grid = [[" "] * (n * col_w) for _ in range(height)]
+
+    def row_of(v: float) -> int:
+        return height - 1 - int(round((v - lo) / span * (height - 1)))
+
+    for series, mark in ((single, "s"), (dist, "d")):
+        for i, v in enumerate(series):
+            if v is None or not math.isfinite(v):
+                continue
+            r, c = row_of(v), i * col_w
+            grid[r][c] = "*" if grid[r][c] not in (" ", mark) else mark
+    label_w = max(len(f"{hi:.4f}"), len(f"{lo:.4f}"))
+    lines = []
+    for r, cells in enumerate(grid):
+        label = f"{hi:.4f}" if r == 0 else f"{lo:.4f}" if r == height - 1 else ""
+        lines.append(f"{label:>{label_w}} |{''.join(cells).rstrip()}")
+    lines.append(" " * label_w + " +" + "-" * (n * col_w))
+    lines.append(" " * label_w + "  steps 1.." + str(n) + "   s single  d distributed (mean over ranks)  * both")
+    return lines
+
+
+def _bytes(n: Optional[int]) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n}"
+
+
+# -- running the children -----------------------------------------------------
+
+
+@dataclass
+class Run:
+    directory: Path
+    ranks: List[dict]
+    weights: Optional[Path]
+
+
+def _child_env(record_dir: Path, steps: int, mode: str, extra_path: Sequence[str] = ()) -> dict:
+    env = dict(os.environ)
+    for key in list(env):
+        if key.startswith("FSDP2_RETROFIT_VERIFY_"):
+            del env[key]
+    env["FSDP2_RETROFIT_VERIFY_DIR"] = str(record_dir)
+    env["FSDP2_RETROFIT_VERIFY_STEPS"] = str(steps)
+    env["FSDP2_RETROFIT_VERIFY_MODE"] = mode
+    if mode == "single":
+        env["FSDP2_RETROFIT_VERIFY_SAMPLER"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE_DIR), *extra_path, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    return env
+
+
+def _launch(cmd: List[str], env: dict, cwd: Path, timeout: float, what: str) -> Tuple[int, str]:
+    """Run cmd in its own session (torchrun's workers die with it on timeout); stdout passes
+    through to a log file; returns (exit code, stderr text)."""
+    with open(cwd / "stdout.log", "wb") as out, open(cwd / "stderr.log", "wb") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise VerifyError(f"the {what} timed out after {timeout:.0f} s (a deadlock?)",
+                              _tail((cwd / "stderr.log").read_text(errors="replace"))) from None
+    return rc, (cwd / "stderr.log").read_text(errors="replace")
+
+
+def _tail(text: str, lines: int = 25) -> str:
+    errors = list(dict.fromkeys(m.group(0) for m in _ERROR_LINE.finditer(text)))
+    tail = "\n".join(text.rstrip().splitlines()[-lines:])
+    head = ("exceptions:\n  " + "\n  ".join(errors[:6]) + "\n") if errors else ""
+    return f"{head}last lines of stderr:\n{tail}" if tail else head
+
+
+def _read_ranks(directory: Path, nproc: int, what: str, stderr: str) -> List[dict]:
+    ranks = []
+    for r in range(nproc):
+        path = directory / f"rank{r}.json"
+        if not path.is_file():
+            raise VerifyError(f"the {what} left no record for rank {r} (did the instrumentation load?)", _tail(stderr))
+        ranks.append(json.loads(path.read_text(encoding="utf-8")))
+    for rec in ranks:
+        if rec.get("failed"):
+            raise VerifyError(f"the {what} failed on rank {rec['rank']}: {rec['failed']}", _tail(stderr))
+    return ranks
+
+
+def run_script(cmd: List[str], directory: Path, env: dict, nproc: int, timeout: float, what: str) -> Run:
+    directory.mkdir(parents=True, exist_ok=True)
+    rc, stderr = _launch(cmd, env, directory, timeout, what)
+    if rc != 0:
+        # the gloo teardown abort after every rank has written its record is not the script's failure
+        complete = all((directory / f"rank{r}.json").is_file() for r in range(nproc))
+        if not (complete and TEARDOWN_ABORT in stderr):
+            raise VerifyError(f"the {what} failed (exit code {rc})", _tail(stderr))
+    ranks = _read_ranks(directory, nproc, what, stderr)
+    if any(r.get("world_size", 1) != nproc for r in ranks):
+        raise VerifyError(f"the {what} ran with world size {ranks[0].get('world_size')}, expected {nproc}")
+    if not ranks[0]["steps"]:
+        raise VerifyError(f"the {what} made no optimizer step (nothing to compare)", _tail(stderr))
+    weights = directory / "weights.pt"
+    return Run(directory, ranks, weights if weights.is_file() else None)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _single_meta(settings: VerifySettings, args: List[str]) -> dict:
+    return {"script": str(settings.script.resolve()), "sha256": _sha256(settings.script), "args": args,
+            "steps": settings.steps, "python": settings.python}
+
+
+def run_single(settings: VerifySettings, args: List[str], directory: Path) -> Run:
+    env = _child_env(directory, settings.steps, "single")
+    cmd = [settings.python, str(settings.script.resolve()), *args]
+    run = run_script(cmd, directory, env, 1, settings.timeout, f"single-process run of {settings.script}")
+    (directory / "meta.json").write_text(json.dumps(_single_meta(settings, args)), encoding="utf-8")
+    return run
+
+
+def reuse_single(settings: VerifySettings, args: List[str]) -> Run:
+    directory = settings.reuse_single
+    assert directory is not None
+    meta_path = directory / "meta.json"
+    if not meta_path.is_file():
+        raise VerifyError(f"--reuse-single {directory}: no recorded single run there (meta.json missing)")
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    expected = _single_meta(settings, args)
+    for key in ("sha256", "args", "steps"):
+        if meta.get(key) != expected[key]:
+            raise VerifyError(f"--reuse-single {directory}: recorded with another {key} "
+                              f"({meta.get(key)!r}, now {expected[key]!r})")
+    ranks = _read_ranks(directory, 1, "recorded single run", "")
+    weights = directory / "weights.pt"
+    return Run(directory, ranks, weights if weights.is_file() else None)
+
+
+def run_distributed(settings: VerifySettings, script: Path, directory: Path) -> Run:
+    env = _child_env(directory, settings.steps, "dist", [str(settings.script.resolve().parent)])
+    cmd = [settings.python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={settings.nproc}",
+           str(script), *settings.script_args]
+    return run_script(cmd, directory, env, settings.nproc, settings.timeout,
+                      f"distributed run of {settings.retrofitted or 'the retrofit'} (torchrun, {settings.nproc} ranks)")
+
+
+def compare_weight_files(python: str, single: Path, dist: Path, tolerance: float) -> WeightsResult:
+    proc = subprocess.run([python, str(COMPARE_SCRIPT), str(single), str(dist)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise VerifyError("comparing the final weights failed", _tail(proc.stderr))
+    return compare_weights(json.loads(proc.stdout), tolerance)
+
+
+# -- the retrofit -------------------------------------------------------------
+
+
+def retrofit_in_memory(script: Path, into: Path) -> Path:
+    """Retrofit `script` with keep_global_batch into `into/<same name>`; refusals are errors."""
+    from .options import RetrofitOptions
+    from .pipeline import rewrite_source
+    from .report import InputError
+
+    try:
+        source = script.read_bytes()
+    except OSError as exc:
+        raise VerifyError(f"{script}: cannot read: {exc.strerror}") from None
+    try:
+        result = rewrite_source(source, str(script), RetrofitOptions(keep_global_batch=True))
+    except InputError as exc:
+        where = f"{script}:{exc.line}" if exc.line else str(script)
+        raise VerifyError(f"{where}: {exc.message}") from None
+    if result.refusals:
+        first = result.refusals[0]
+        raise VerifyError(f"{script}:{first.line}: cannot retrofit: {first.what}: {first.why}")
+    into.mkdir(parents=True, exist_ok=True)
+    target = into / script.name
+    target.write_bytes(result.code)
+    return target
+
+
+# -- the whole command ------------------------------------------------------------
+
+
+def verify(settings: VerifySettings, console=None) -> int:
+    """Run, compare, report (on `console`, a rich Console); return the exit code."""
+    from rich.console import Console
+
+    console = console or Console(highlight=False)
+    root, cleanup = None, False
+    try:
+        try:
+            root, cleanup = _work_root(settings)
+            verdict = _run_and_compare(settings, root)
+        except VerifyError as exc:
+            import click
+
+            click.echo(f"error: {exc.message}", err=True)
+            if exc.detail:
+                click.echo(exc.detail, err=True)
+            if settings.json_path:
+                _write_json(settings.json_path, {"exit_code": EXIT_ERROR, "error": exc.message, "detail": exc.detail})
+            return EXIT_ERROR
+        render(verdict, settings, console)
+        if settings.json_path:
+            _write_json(settings.json_path, report_json(verdict, settings))
+        return verdict.exit_code
+    finally:
+        if cleanup and root is not None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _work_root(settings: VerifySettings) -> Tuple[Path, bool]:
+    if settings.keep_runs is None:
+        return Path(tempfile.mkdtemp(prefix="fsdp2-verify-")), True
+    root = settings.keep_runs.resolve()
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise VerifyError(f"--keep-runs {root}: not an empty directory")
+    root.mkdir(parents=True, exist_ok=True)
+    return root, False
+
+
+def _run_and_compare(settings: VerifySettings, root: Path) -> Verdict:
+    if not settings.script.is_file():
+        raise VerifyError(f"{settings.script}: no such file")
+    if settings.retrofitted is not None and not settings.retrofitted.is_file():
+        raise VerifyError(f"{settings.retrofitted}: no such file")
+    args = single_run_args(settings.script_args, settings.per_rank_args, settings.nproc)
+    if settings.retrofitted is None:
+        dist_script = retrofit_in_memory(settings.script, root / "retrofitted")
+    else:
+        dist_script = settings.retrofitted.resolve()
+
+    if settings.reuse_single is not None:
+        single = reuse_single(settings, args)
+    else:
+        _progress(f"running {settings.script} in one process ({settings.steps} steps at most)...")
+        single = run_single(settings, args, root / "single")
+    _progress(f"running {dist_script.name} under torchrun --nproc_per_node {settings.nproc}...")
+    dist = run_distributed(settings, dist_script, root / "dist")
+
+    rows = compare_steps(single.ranks[0], dist.ranks, settings.loss_rtol, settings.loss_atol)
+    notes = []
+    weights = None
+    if single.weights is not None and dist.weights is not None:
+        weights = compare_weight_files(settings.python, single.weights, dist.weights, settings.tolerance)
+    else:
+        missing = "single" if single.weights is None else "distributed"
+        notes.append(f"the {missing} run recorded no final weights (it ended without the ranks together)")
+    return Verdict(rows, weights, single.ranks[0], dist.ranks, notes)
+
+
+def _progress(message: str) -> None:
+    import click
+
+    click.echo(message, err=True)
+
+
+def report_json(verdict: Verdict, settings: VerifySettings) -> dict:
+    first = verdict.first_divergence
+    return {
+        "exit_code": verdict.exit_code,
+        "equivalent": verdict.equivalent,
+        "summary": verdict.summary(),
+        "script": str(settings.script),
+        "retrofitted": str(settings.retrofitted) if settings.retrofitted else None,
+        "nproc": settings.nproc,
+        "steps_requested": settings.steps,
+        "tolerance": {"weights_max_abs": settings.tolerance, "loss_rtol": settings.loss_rtol,
+                      "loss_atol": settings.loss_atol},
+        "first_diverging_step": first.step if first else None,
+        "max_loss_diff": max((r.loss_diff for r in verdict.rows if r.loss_diff is not None), default=None),
+        "first_divergence": first.problem if first else None,
+        "steps": [r.as_json() for r in verdict.rows],
+        "weights": verdict.weights.as_json(settings.tolerance) if verdict.weights else None,
+        "memory": {
+            "single": {"kind": verdict.single.get("memory_kind"), "peak_bytes": verdict.single.get("peak_memory_bytes")},
+            "ranks": [{"rank": r["rank"], "kind": r.get("memory_kind"), "peak_bytes": r.get("peak_memory_bytes")}
+                      for r in verdict.ranks],
+        },
+        "notes": verdict.notes,
+    }
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def render(verdict: Verdict, settings: VerifySettings, console) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=f"{settings.script.name}: 1 process vs {settings.nproc} ranks", title_justify="left")
+    table.add_column("step", justify="right")
+    table.add_column("loss single", justify="right")
+    table.add_column(f"loss dist (mean of {len(verdict.ranks)})", justify="right")
+    table.add_column("difference", justify="right")
+    table.add_column("grad norm single", justify="right")
+    table.add_column("grad norm dist", justify="right")
+    table.add_column("")
+    for row in verdict.rows:
+        diff = row.loss_diff
+        table.add_row(str(row.step), _fmt(row.loss_single), _fmt(row.loss_dist),
+                      "-" if diff is None else f"{diff:.2e}", _fmt(row.grad_norm_single), _fmt(row.grad_norm_dist),
+                      Text("ok", style="green") if not row.problem else Text("DIVERGED", style="bold red"))
+    console.print(table)
+    chart = loss_chart([r.loss_single for r in verdict.rows], [r.loss_dist for r in verdict.rows])
+    if chart:
+        console.print("\n".join(chart), markup=False, highlight=False)
+
+    memory = Table(title="peak memory", title_justify="left")
+    memory.add_column("run")
+    memory.add_column("peak", justify="right")
+    memory.add_column("vs single", justify="right")
+    memory.add_column("measured as")
+    base = verdict.single.get("peak_memory_bytes")
+    memory.add_row("single process", _bytes(base), "1.00x", _memory_kind(verdict.single))
+    for rec in verdict.ranks:
+        peak = rec.get("peak_memory_bytes")
+        ratio = f"{peak / base:.2f}x" if peak and base else "-"
+        memory.add_row(f"rank {rec['rank']}", _bytes(peak), ratio, _memory_kind(rec))
+    console.print(memory)
+
+    if verdict.weights is not None:
+        w = verdict.weights
+        value = "-" if w.max_abs_diff is None else f"{w.max_abs_diff:.3e}"
+        console.print(f"final weights: {w.count_single} tensors, max |single - distributed| = {value} "
+                      f"(tolerance {settings.tolerance:g})", markup=False)
+    for note in verdict.notes:
+        console.print(f"note: {note}", markup=False)
+    style = "bold green" if verdict.equivalent else "bold red"
+    console.print(Text(verdict.summary(), style=style))
+
+
+def _memory_kind(rec: dict) -> str:
+    return {"cuda": "torch.cuda.max_memory_allocated", "rss": "max RSS (ru_maxrss)"}.get(rec.get("memory_kind"), "-")

@@ -1,0 +1,292 @@
+"""`fsdp2-retrofit verify`: the comparison logic, and real runs that pass or fail.
+
+The unit tests (no torch, no processes) cover the argument scaling, the per-step
+and weight comparison, the verdict and the chart. The e2e tests run real scripts:
+one single-process reference of the shared example is recorded once
+(`--keep-runs`) and reused (`--reuse-single`) by the broken twins, which are
+made from the in-memory retrofit of that example by one small edit each.
+`pytest -s` prints the figures each run produced.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fsdp2_retrofit import cli
+from fsdp2_retrofit.verify import (
+    EXIT_DIVERGED,
+    EXIT_EQUIVALENT,
+    EXIT_ERROR,
+    Verdict,
+    VerifyError,
+    close,
+    compare_steps,
+    compare_weights,
+    loss_chart,
+    report_json,
+    single_run_args,
+    VerifySettings,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "examples"
+FIXTURE = REPO / "fixtures" / "rewrite" / "main_modulelist" / "input.py"
+STEPS = 6
+
+
+# --- units: no torch, no processes ---------------------------------------------
+
+
+def test_per_rank_arg_is_multiplied_for_the_single_run():
+    assert single_run_args(["--batch-size", "32", "--lr", "1"], ["--batch-size"], 2) == ["--batch-size", "64", "--lr", "1"]
+    assert single_run_args(["--batch-size=16"], ["--batch-size"], 4) == ["--batch-size=64"]
+    assert single_run_args(["--batch-size", "32"], [], 2) == ["--batch-size", "32"]
+    with pytest.raises(VerifyError, match="not in the script arguments"):
+        single_run_args(["--lr", "1"], ["--batch-size"], 2)
+    with pytest.raises(VerifyError, match="not an integer"):
+        single_run_args(["--batch-size", "big"], ["--batch-size"], 2)
+
+
+def _rec(losses, norms, rank=0):
+    return {"rank": rank, "losses": losses, "grad_norms": norms, "peak_memory_bytes": 100, "memory_kind": "rss"}
+
+
+def test_fp32_reduction_order_noise_passes_and_real_differences_do_not():
+    assert close(2.3559277, 2.3559277 + 3.6e-7, 1e-4, 1e-5)
+    assert close(1e-9, 2e-9, 1e-4, 1e-5)  # the absolute floor for losses near zero
+    assert not close(2.3559, 2.3621, 1e-4, 1e-5)
+    assert not close(1.0, None, 1e-4, 1e-5) and close(None, None, 1e-4, 1e-5)
+    assert not close(float("nan"), float("nan"), 1e-4, 1e-5)
+
+
+def test_the_distributed_loss_is_the_mean_over_ranks():
+    single = _rec([2.0, 1.5], [1.0, 0.9])
+    ranks = [_rec([1.9, 1.4], [1.0, 0.9], 0), _rec([2.1, 1.6], [1.0, 0.9], 1)]
+    rows = compare_steps(single, ranks)
+    assert [r.loss_dist for r in rows] == pytest.approx([2.0, 1.5])
+    assert not any(r.problem for r in rows)
+
+
+def test_the_first_diverging_step_is_named_loss_then_grad_norm_then_length():
+    single = _rec([2.0, 1.5, 1.2], [1.0, 0.9, 0.8])
+    loss_off = compare_steps(single, [_rec([2.0, 1.6, 1.3], [1.0, 0.9, 0.8])])
+    assert [r.step for r in loss_off if r.problem] == [2, 3]
+    assert "loss 1.5 (single) vs 1.6" in loss_off[1].problem
+
+    norm_off = compare_steps(single, [_rec([2.0, 1.5, 1.2], [1.41, 0.9, 0.8])])
+    assert norm_off[0].problem.startswith("gradient norm 1 (single) vs 1.41")
+
+    short = compare_steps(single, [_rec([2.0, 1.5], [1.0, 0.9])])
+    assert short[2].problem == "the distributed run stopped before this step"
+    longer = compare_steps(_rec([2.0], [1.0]), [_rec([2.0, 1.5], [1.0, 0.9])])
+    assert longer[1].problem == "the single run stopped before this step"
+
+
+def _summary(diffs, shapes=None, count=None):
+    shapes = shapes or [([4, 4], [4, 4])] * len(diffs)
+    rows = [{"index": i, "shape_single": a, "shape_dist": b, "max_abs_diff": d}
+            for i, (d, (a, b)) in enumerate(zip(diffs, shapes))]
+    return {"count": count or [len(diffs), len(diffs)], "tensors": rows}
+
+
+def test_weights_within_tolerance_and_the_ways_they_differ():
+    ok = compare_weights(_summary([1e-7, 3e-8]), 1e-4)
+    assert ok.ok and ok.max_abs_diff == 1e-7 and ok.worst_index == 0
+    far = compare_weights(_summary([1e-7, 2e-3]), 1e-4)
+    assert not far.ok and far.worst_index == 1 and "2.000e-03 > 0.0001" in far.problem
+    count = compare_weights(_summary([0.0], count=[2, 1]), 1e-4)
+    assert not count.ok and "2 tensors in the single run, 1" in count.problem
+    shape = compare_weights(_summary([None], shapes=[([4, 4], [2, 4])]), 1e-4)
+    assert not shape.ok and "(4, 4) (single) vs (2, 4)" in shape.problem
+
+
+def test_verdict_exit_codes_and_json():
+    single = _rec([2.0, 1.5], [1.0, 0.9])
+    same = [_rec([2.0, 1.5], [1.0, 0.9])]
+    good = compare_weights(_summary([1e-7]), 1e-4)
+    bad = compare_weights(_summary([1e-2]), 1e-4)
+    assert Verdict(compare_steps(single, same), good, single, same).exit_code == EXIT_EQUIVALENT
+    weights_only = Verdict(compare_steps(single, same), bad, single, same)
+    assert weights_only.exit_code == EXIT_DIVERGED and weights_only.summary().startswith("diverged: final weights")
+    assert Verdict(compare_steps(single, same), None, single, same).exit_code == EXIT_ERROR
+    diverged = Verdict(compare_steps(single, [_rec([2.0, 1.7], [1.0, 0.9])]), good, single, same)
+    assert diverged.exit_code == EXIT_DIVERGED
+    data = report_json(diverged, VerifySettings(script=Path("train.py")))
+    assert data["first_diverging_step"] == 2 and data["equivalent"] is False
+    assert data["max_loss_diff"] == pytest.approx(0.2)
+    assert data["steps"][1]["ok"] is False and data["memory"]["ranks"][0]["peak_bytes"] == 100
+    json.dumps(data)
+
+
+def test_loss_chart_marks_both_curves():
+    lines = loss_chart([2.0, 1.5, 1.0], [2.0, 1.6, 1.0], height=5)
+    body = "\n".join(lines)
+    assert lines[0].startswith("2.0000 |*") and "1.0000 |" in lines[4]
+    assert "s" in body and "d" in body
+    assert loss_chart([], []) == []
+
+
+def test_help_says_verify_runs_your_code():
+    result = CliRunner().invoke(cli.main, ["verify", "--help"])
+    assert result.exit_code == 0
+    assert "EXECUTES YOUR CODE" in result.output
+
+
+def test_importing_verify_does_not_import_torch():
+    code = "import sys, fsdp2_retrofit.cli, fsdp2_retrofit.verify; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_a_refused_retrofit_exits_2_with_its_reason(tmp_path: Path):
+    script = tmp_path / "no_model.py"
+    script.write_text("import torch\nprint(torch.ones(2))\n")
+    result = CliRunner().invoke(cli.main, ["verify", str(script)])
+    assert result.exit_code == EXIT_ERROR
+    assert "cannot retrofit" in result.output and "no_model.py:" in result.output
+    assert list(tmp_path.iterdir()) == [script]  # nothing written next to the user's file
+
+
+# --- real runs ----------------------------------------------------------------
+
+def e2e(test):
+    """Runs real scripts (torchrun for most): marked e2e, skipped without torch."""
+    needs_torch = pytest.mark.skipif(
+        importlib.util.find_spec("torch") is None, reason="the verify runs need torch (pip install -e .[test])"
+    )
+    return pytest.mark.e2e(needs_torch(test))
+
+
+def _verify(*args) -> tuple[int, str, dict]:
+    json_path = Path(args[args.index("--json") + 1]) if "--json" in args else None
+    result = CliRunner().invoke(cli.main, ["verify", *map(str, args)])
+    report = json.loads(json_path.read_text()) if json_path and json_path.is_file() else {}
+    return result.exit_code, result.output, report
+
+
+def _figures(name: str, report: dict) -> str:
+    w = report.get("weights") or {}
+    return (f"\n{name}: exit {report.get('exit_code')}, first diverging step {report.get('first_diverging_step')} "
+            f"({report.get('first_divergence')}), max loss diff {report.get('max_loss_diff')}, "
+            f"max weight diff {w.get('max_abs_diff')}")
+
+
+@pytest.fixture(scope="module")
+def shared_pass(tmp_path_factory):
+    """The shared pair (per-rank batch 32 on 2 ranks vs 64 in one process), runs kept for reuse."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("the verify runs need torch")
+    if not (SHARED / "train_single.py").is_file():
+        pytest.skip(f"shared examples not found at {SHARED}")
+    root = tmp_path_factory.mktemp("shared")
+    code, output, report = _verify(
+        SHARED / "train_single.py", "--retrofitted", SHARED / "train_fsdp2.py", "--per-rank-arg", "--batch-size",
+        "--steps", STEPS, "--keep-runs", root / "runs", "--json", root / "report.json", "--", "--batch-size", "32",
+    )
+    return code, output, report, root / "runs" / "single"
+
+
+@e2e
+def test_the_shared_example_pair_is_equivalent(shared_pass):
+    code, output, report, _ = shared_pass
+    print(_figures("shared example", report))
+    assert code == EXIT_EQUIVALENT, output
+    assert report["equivalent"] and len(report["steps"]) == STEPS
+    assert report["weights"]["max_abs_diff"] <= 1e-4
+    assert "equivalent" in output and "peak memory" in output
+
+
+@e2e
+def test_an_in_memory_retrofit_of_a_shuffled_fixture_is_equivalent(tmp_path: Path):
+    code, output, report = _verify(FIXTURE, "--steps", STEPS, "--json", tmp_path / "r.json", "--", "--batch-size", "64")
+    print(_figures("main_modulelist, in-memory retrofit", report))
+    assert code == EXIT_EQUIVALENT, output
+    assert not list(FIXTURE.parent.glob("*.pt"))  # the runs wrote into their own folders
+
+
+def _twin(tmp_path: Path, old: str, new: str, name: str, base: Path = SHARED / "train_single.py") -> Path:
+    """The in-memory retrofit of `base` (the shared example; keep-global-batch), with one edit."""
+    from fsdp2_retrofit.verify import retrofit_in_memory
+
+    code = retrofit_in_memory(base, tmp_path / "retrofit").read_text()
+    assert code.count(old) == 1, f"the retrofit no longer contains {old!r}"
+    twin = tmp_path / name
+    twin.write_text(code.replace(old, new))
+    return twin
+
+
+def _verify_twin(shared_pass, twin: Path, tmp_path: Path):
+    *_, single_dir = shared_pass
+    return _verify(SHARED / "train_single.py", "--retrofitted", twin, "--steps", STEPS, "--reuse-single", single_dir,
+                   "--json", tmp_path / "r.json", "--", "--batch-size", "64")
+
+
+@e2e
+def test_a_twin_without_the_distributed_sampler_diverges(shared_pass, tmp_path: Path):
+    twin = _twin(tmp_path, "batch_size=args.batch_size // world_size, sampler=sampler)",
+                 "batch_size=args.batch_size // world_size, shuffle=False)", "no_sampler.py")
+    code, output, report = _verify_twin(shared_pass, twin, tmp_path)
+    print(_figures("twin without DistributedSampler", report))
+    assert code == EXIT_DIVERGED, output
+    assert report["first_diverging_step"] == 1  # every rank trains on the first half of the batch
+    assert "diverged at step 1: loss" in output
+
+
+@e2e
+def test_a_twin_with_the_optimizer_built_before_sharding_diverges(shared_pass, tmp_path: Path):
+    optimizer = "    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)\n"
+    build = "    model = Net().to(device)\n"
+    source = _twin(tmp_path, optimizer, "", "tmp.py").read_text()
+    twin = tmp_path / "optimizer_first.py"
+    twin.write_text(source.replace(build, build + optimizer))
+    code, output, report = _verify_twin(shared_pass, twin, tmp_path)
+    print(_figures("twin with the optimizer built before fully_shard", report))
+    assert code == EXIT_DIVERGED, output
+    # it holds the unsharded tensors: no gradient ever reaches them, so the norm it sees is 0
+    assert report["first_diverging_step"] == 1 and "gradient norm" in report["first_divergence"]
+
+
+LOCAL_CLIP = """\
+        # clip on this rank's shard only: no all-reduce of the norm
+        local_norm = sum(float(p.grad.to_local().pow(2).sum()) for p in model.parameters()) ** 0.5
+        for p in model.parameters():
+            p.grad.mul_(min(1.0, MAX_NORM / (local_norm + 1e-6)))
+"""
+
+
+@e2e
+def test_a_twin_clipping_on_local_norms_diverges(tmp_path: Path):
+    """At max_norm 1.0 the shared example clips only its first step, barely (norm 1.003), and
+    each rank's local norm (~0.7) stays under it; at 0.25 both runs clip every step, the twin
+    with a different factor on each rank."""
+    clip = "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"
+    original = (SHARED / "train_single.py").read_text()
+    assert original.count(clip) == 1
+    script = tmp_path / "train_clip.py"
+    script.write_text(original.replace(clip, clip.replace("1.0)", "0.25)")))
+    twin = _twin(tmp_path, "        " + clip.replace("1.0)", "0.25)") + "\n",
+                 LOCAL_CLIP.replace("MAX_NORM", "0.25"), "local_clip.py", base=script)
+    code, output, report = _verify(script, "--retrofitted", twin, "--steps", STEPS, "--json", tmp_path / "r.json",
+                                   "--", "--batch-size", "64")
+    print(_figures("twin clipping on local norms (max_norm 0.25)", report))
+    # the clip is active in both runs: the single run's norms are clipped to 0.25 ...
+    assert all(row["grad_norm_single"] == pytest.approx(0.25, rel=1e-4) for row in report["steps"])
+    # ... and each rank clips its own shard to 0.25, so the whole gradient's norm is larger
+    assert report["steps"][0]["grad_norm_dist"] > 0.3
+    assert code == EXIT_DIVERGED, output
+    assert report["first_diverging_step"] == 1
+
+
+@e2e
+def test_a_script_that_crashes_exits_2_with_its_error(tmp_path: Path):
+    script = tmp_path / "crash.py"
+    script.write_text("import sys\nraise FileNotFoundError('no data at /nonexistent/train.bin')\n")
+    code, output, report = _verify(script, "--retrofitted", script, "--json", tmp_path / "r.json")
+    assert code == EXIT_ERROR
+    assert "single-process run" in output and "FileNotFoundError: no data at /nonexistent/train.bin" in output
+    assert report["exit_code"] == EXIT_ERROR

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Tuple
 
+EXPORTS = ("dcp", "full")
+
 
 @dataclass(frozen=True)
 class RetrofitOptions:
@@ -12,3 +14,12 @@ class RetrofitOptions:
     # Class names (bare or dotted) whose instances become their own FSDP2 unit,
     # replacing the repeated-block detection.
     shard: Tuple[str, ...] = field(default_factory=tuple)
+    # How model-only saves are written: "dcp" (a sharded checkpoint directory) or
+    # "full" (one torch.save file of the full state dict, written by rank 0).
+    export: str = "dcp"
+    # dcp.async_save instead of dcp.save (the process group gets a CPU backend too).
+    async_checkpoint: bool = False
+
+    def __post_init__(self) -> None:
+        if self.export not in EXPORTS:
+            raise ValueError(f"export must be one of {', '.join(EXPORTS)}, not {self.export!r}")

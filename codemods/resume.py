@@ -1,0 +1,270 @@
+"""resume: loads of checkpoints into the sharded model and optimizer.
+
+A path this script saves with DCP is loaded with dcp.load into state dicts built
+from the sharded model and optimizer, then set_*_state_dict; a single file (an
+--export full save, or weights from elsewhere) is loaded with full_state_dict and
+broadcast_from_rank0. Copies of a checkpoint directory become copytree on rank 0.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Set
+
+import libcst as cst
+
+from fsdp2_retrofit.analysis import ScriptFacts, code
+from fsdp2_retrofit.analysis.checkpoints import LoadSite, LoadUse, calls_to, loads, path_key, save_format, saves
+from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+
+from .checkpoint import FUTURE, STATE_DICT_MODULE
+
+COPIES = {"shutil.copy", "shutil.copyfile", "shutil.copy2"}
+READERS = {"shutil.move", "builtins.open", "os.path.getsize"} | COPIES
+BROADCAST = "StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)"
+
+
+class ConvertLoadsCommand(RetrofitStage):
+    DESCRIPTION = "Load checkpoints into the sharded model and optimizer (dcp.load + set_*_state_dict)."
+    CODE = "resume"
+
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
+        if not facts.models:
+            return
+        self.dcp_paths: Dict[str, List] = {}
+        self.full_paths: Set[str] = set()
+        self.dcp_keys: Set[str] = set()
+        self.async_saves: List[cst.CSTNode] = []
+        for site in saves(facts):
+            form = save_format(site, self.options.export)
+            if form == "dcp":
+                self.dcp_paths.setdefault(site.path_key, []).append(site)
+                self.dcp_keys |= set(site.dict_keys)
+                self.async_saves.append(site.stmt)
+            elif form == "full":
+                self.full_paths.add(site.path_key)
+        for site in loads(facts):
+            self._convert_load(site, facts, editor)
+        self._other_readers(facts, editor)
+
+    # -- torch.load ---------------------------------------------------------------
+
+    def _convert_load(self, site: LoadSite, facts: ScriptFacts, editor: StatementEditor) -> None:
+        state_uses = [u for u in site.uses if u.kind in ("model", "optimizer")]
+        resumes = any(u.kind == "optimizer" for u in state_uses) or bool(
+            site.var and {u.key for u in site.uses if u.key} & self.dcp_keys
+        )
+        if site.path_key in self.full_paths or (
+            site.path_key not in self.dcp_paths and state_uses and not resumes
+        ):
+            if state_uses:
+                self._load_full(site, state_uses, facts, editor)
+            return
+        if site.path_key not in self.dcp_paths and not resumes:
+            return
+        if site.unknown_use is not None or not state_uses or (
+            site.var and any(u.key is None for u in site.uses) and len(site.uses) > 1
+        ):
+            self.attention(
+                site.call,
+                f"reads `{code(site.path)}`, which is now a DCP checkpoint directory",
+                "torch.load cannot read it, and the tool cannot follow every read of what it returns: "
+                "load it with dcp.load into get_model_state_dict(model) / get_optimizer_state_dict(model, optimizer) "
+                "and set_model_state_dict / set_optimizer_state_dict",
+            )
+            return
+        self._require_built(site, state_uses, facts)
+        self._load_dcp(site, facts, editor)
+
+    def _require_built(self, site: LoadSite, uses: List[LoadUse], facts: ScriptFacts) -> None:
+        """DCP loads into the model's own (sharded) state dict: it must exist first."""
+        order = {id(s): i for i, s in enumerate(facts.resolver.nodes(cst.SimpleStatementLine))}
+        at = order.get(id(site.stmt), 0)
+        function = facts.resolver.enclosing_function(site.stmt)
+        built = {m.name: m.stmt for m in facts.models} | {o.name: o.stmt for o in facts.optimizers}
+        for use in uses:
+            where = built.get(use.owner)
+            if where is not None and facts.resolver.enclosing_function(where) is function and order.get(id(where), 0) > at:
+                self.refuse(
+                    site.call,
+                    f"the checkpoint is read before `{use.owner}` is built",
+                    "dcp.load fills the sharded model's and optimizer's own state dicts, so they must exist "
+                    "when the checkpoint is loaded",
+                    f"build `{use.owner}` before loading, then load its state",
+                )
+            if use.kind == "optimizer" and not use.model:
+                self.refuse(
+                    site.call,
+                    f"`{use.owner}` trains several models",
+                    "get_optimizer_state_dict / set_optimizer_state_dict take the one model the optimizer trains",
+                )
+
+    def _load_dcp(self, site: LoadSite, facts: ScriptFacts, editor: StatementEditor) -> None:
+        scope = facts.resolver.enclosing_function(site.stmt)
+        path = code(site.path)
+        new: List[cst.CSTNode] = []
+        if site.var is None:  # model.load_state_dict(torch.load(path))
+            use = site.uses[0]
+            var = self.fresh_name("state_dict" if use.kind == "model" else "optim_state_dict", scope)
+            self.__dict__["_visible"][id(scope)].add(var)
+            new.append(self.stmt(f"{var} = {_template(use)}\n"))
+            new.extend(self._dcp_load(var, path, site, facts))
+            new.append(self.stmt(_setter(use, var)))
+            editor.replace(site.stmt, new[0].with_changes(leading_lines=site.stmt.leading_lines))
+            editor.insert_after(site.stmt, new[1:])
+        else:
+            var = site.var
+            whole = [u for u in site.uses if u.key is None]
+            if whole:
+                template = _template(whole[0])
+            else:
+                entries: Dict[str, str] = {}
+                for use in site.uses:
+                    entries.setdefault(use.key, _template(use))
+                template = self._dict_text(entries, site.stmt)
+            editor.replace(
+                site.stmt, self.stmt(f"{var} = {template}\n").with_changes(leading_lines=site.stmt.leading_lines)
+            )
+            editor.insert_after(site.stmt, self._dcp_load(var, path, site, facts))
+            for use in site.uses:
+                if use.kind in ("model", "optimizer"):
+                    editor.replace(
+                        use.stmt, self.stmt(_setter(use, code(use.node))).with_changes(leading_lines=use.stmt.leading_lines)
+                    )
+        kinds = {u.kind for u in site.uses}
+        if any(_strict_option(u.call) for u in site.uses if u.kind in ("model", "optimizer")):
+            self.add_import(STATE_DICT_MODULE, "StateDictOptions")
+        self.add_import("torch.distributed.checkpoint", asname="dcp")
+        if "model" in kinds:
+            self.add_import(STATE_DICT_MODULE, "get_model_state_dict")
+            self.add_import(STATE_DICT_MODULE, "set_model_state_dict")
+        if "optimizer" in kinds:
+            self.add_import(STATE_DICT_MODULE, "get_optimizer_state_dict")
+            self.add_import(STATE_DICT_MODULE, "set_optimizer_state_dict")
+        loaded = ", ".join(sorted({f"`{u.owner}`" for u in site.uses if u.kind in ("model", "optimizer")}))
+        others = sorted({u.key for u in site.uses if u.kind in ("stateful", "value") and u.key})
+        self.change(
+            site.stmt,
+            f"load `{path}` with dcp.load into the state dicts of the sharded {loaded}, then set_*_state_dict"
+            + (f"; {', '.join(repr(k) for k in others)} restored from the checkpoint as saved" if others else ""),
+            "the checkpoint is a DCP directory of shards: each rank reads its own, for any number of ranks "
+            "(os.path.exists still finds it)",
+            "torch.load of a DCP directory fails; plain tensors loaded into DTensor parameters are wrong",
+        )
+
+    def _dcp_load(self, var: str, path: str, site: LoadSite, facts: ScriptFacts) -> List[cst.CSTNode]:
+        """dcp.load, after a running async save (earlier in the same function) finishes."""
+        function = facts.resolver.enclosing_function(site.stmt)
+        order = {id(s): i for i, s in enumerate(facts.resolver.nodes(cst.SimpleStatementLine))}
+        earlier_save = any(
+            facts.resolver.enclosing_function(s) is function and order.get(id(s), 0) < order.get(id(site.stmt), 0)
+            for s in self.async_saves
+        )
+        load = self.stmt(f"dcp.load({var}, checkpoint_id={path})\n")
+        if not (self.options.async_checkpoint and earlier_save):
+            return [load]
+        future = self.fresh_name(FUTURE, function)
+        return [self.stmt(f"if {future} is not None:\n    {future}.result()\n"), load]
+
+    def _dict_text(self, entries: Dict[str, str], stmt) -> str:
+        items = [f'"{k}": {v}' for k, v in entries.items()]
+        one_line = "{" + ", ".join(items) + "}"
+        indent = self._indent_of(stmt)
+        if len(indent) + len(one_line) + 12 <= 100:
+            return one_line
+        # continuation lines are relative to the statement's own indentation
+        inner = self.config.default_indent
+        return "{\n" + "".join(f"{inner}{item},\n" for item in items) + "}"
+
+    def _indent_of(self, stmt) -> str:
+        depth = sum(1 for a in self.facts.resolver.ancestors(stmt) if isinstance(a, cst.IndentedBlock))
+        return self.config.default_indent * depth
+
+    def _load_full(self, site: LoadSite, uses: List[LoadUse], facts: ScriptFacts, editor: StatementEditor) -> None:
+        """A single full-state file into the sharded model: rank 0's copy is broadcast."""
+        for use in uses:
+            if use.kind != "model":
+                self.attention(
+                    use.stmt,
+                    f"loads a single-file optimizer state into `{use.owner}`",
+                    "use set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))",
+                )
+                continue
+            arg = code(use.node) if site.var is not None else code(use.call.args[0].value)
+            editor.replace(
+                use.stmt,
+                self.stmt(f"set_model_state_dict({use.owner}, {arg}, options={BROADCAST})\n").with_changes(
+                    leading_lines=use.stmt.leading_lines
+                ),
+            )
+            self.add_import(STATE_DICT_MODULE, "set_model_state_dict")
+            self.add_import(STATE_DICT_MODULE, "StateDictOptions")
+            self.change(
+                use.stmt,
+                f"load the single file `{code(site.path)}` into the sharded `{use.owner}` with "
+                "set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)",
+                "rank 0's full tensors are broadcast and each rank keeps its shard",
+                "load_state_dict of plain tensors into DTensor parameters fails",
+            )
+
+    # -- other readers ------------------------------------------------------------
+
+    def _other_readers(self, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """A copy of a checkpoint directory becomes a copytree on rank 0; other reads are reported."""
+        for call in calls_to(facts, READERS):
+            if not call.args or path_key(call.args[0].value, facts) not in self.dcp_paths:
+                continue
+            path = code(call.args[0].value)
+            stmt = facts.resolver.statement_of(call)
+            if _is_statement_call(stmt, call) and facts.resolver.is_call_to(call, COPIES) and len(call.args) == 2:
+                dst = code(call.args[1].value)
+                editor.replace(
+                    stmt,
+                    self.stmt(
+                        f"if dist.get_rank() == 0:\n    shutil.copytree({path}, {dst}, dirs_exist_ok=True)\n"
+                    ).with_changes(leading_lines=stmt.leading_lines),
+                )
+                self.add_import("torch.distributed", asname="dist")
+                self.change(
+                    stmt,
+                    f"copy the checkpoint directory `{path}` with shutil.copytree, on rank 0",
+                    "the checkpoint is now a directory; one rank copies it (a plain file operation)",
+                    "copyfile of a directory fails",
+                )
+            else:
+                self.attention(
+                    call,
+                    f"reads `{path}`, which is now a DCP checkpoint directory",
+                    "load it with dcp.load into get_model_state_dict(model) and set_model_state_dict, "
+                    "or copy it with shutil.copytree (on one rank)",
+                )
+
+
+def _template(use: LoadUse) -> str:
+    """What dcp.load fills for one read of the checkpoint."""
+    if use.kind == "model":
+        return f"get_model_state_dict({use.owner})"
+    if use.kind == "optimizer":
+        return f"get_optimizer_state_dict({use.model}, {use.owner})"
+    if use.kind == "stateful":
+        return f"{use.owner}.state_dict()"
+    return "None"  # a plain value (step, epoch): DCP restores it as saved
+
+
+def _setter(use: LoadUse, state: str) -> str:
+    options = _strict_option(use.call)
+    if use.kind == "model":
+        return f"set_model_state_dict({use.owner}, {state}{options})\n"
+    return f"set_optimizer_state_dict({use.model}, {use.owner}, {state}{options})\n"
+
+
+def _strict_option(call: Optional[cst.Call]) -> str:
+    strict = next((a.value for a in call.args[1:] if a.keyword is None or a.keyword.value == "strict"), None) if call else None
+    return f", options=StateDictOptions(strict={code(strict)})" if strict is not None else ""
+
+
+def _is_statement_call(stmt, call) -> bool:
+    return (
+        isinstance(stmt, cst.SimpleStatementLine)
+        and len(stmt.body) == 1
+        and isinstance(stmt.body[0], cst.Expr)
+        and stmt.body[0].value is call
+    )

@@ -90,3 +90,20 @@ def test_resumed_run_equals_the_uninterrupted_run(case: Path, nproc: int, first_
     diff = max_abs_diff(reference, select(load_weights(tmp_path / "out.pt"), weights))
     print(f"\n{case.name}: saved on 2 ranks, resumed on {nproc}: max |uninterrupted - resumed| = {diff:.3e}")
     assert diff <= tolerance, f"{case.name} 2->{nproc}: weights differ by {diff:.3e} > {tolerance:g}"
+
+
+@pytest.mark.e2e
+def test_a_save_left_under_the_rank_gate_fails_the_run(tmp_path: Path):
+    """The rank-gated fixture is a real test: with its save put back under
+    `if master_process:` the run deadlocks (or gloo aborts it), and the timeout fails it."""
+    from harness import RunError
+
+    case = FIXTURES / "rank_gated_save"
+    save = '                dcp.save(checkpoint, checkpoint_id=os.path.join(args.out_dir, "best.pt"))\n'
+    text = (case / "expected.py").read_text(encoding="utf-8")
+    assert save in text
+    gated = text.replace(save, "                if master_process:\n    " + save)
+    script = tmp_path / "gated.py"
+    script.write_text(gated, encoding="utf-8")
+    with pytest.raises(RunError):
+        run_distributed(script, ["--batch-size", "16"], tmp_path / "out.pt", nproc=2, timeout=40)

@@ -516,3 +516,51 @@ def setup():
 setup()
 ''')
     assert result.refusals[0].what == "`model` is a global built inside setup()"
+
+
+def test_a_save_under_rank_zero_moves_out_and_plain_writes_stay():
+    code = out(MODEL + '''
+import json
+
+def main():
+    rank = 0
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        model(torch.ones(4)).sum().backward()
+        opt.step()
+    if rank == 0:
+        print("saving")
+        torch.save(model.state_dict(), "final.pt")
+        with open("cfg.json", "w") as f:
+            json.dump({"steps": 2}, f)
+
+main()
+''')
+    assert (
+        "    if rank == 0:\n"
+        '        print("saving")\n'
+        '    dcp.save(get_model_state_dict(model), checkpoint_id="final.pt")\n'
+        "    if rank == 0:\n"
+        '        with open("cfg.json", "w") as f:\n'
+    ) in code
+
+
+def test_a_save_under_a_rank_gate_with_an_else_is_refused():
+    source = MODEL + '''
+def main(rank):
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    if rank == 0:
+        torch.save(model.state_dict(), "final.pt")
+    else:
+        print("not saving")
+
+main(0)
+'''
+    result = rewrite(source)
+    assert result.refusals and result.refusals[0].what == "a checkpoint save inside a rank-0 branch that cannot be split"
+    save_line = dedent(source).splitlines().index('        torch.save(model.state_dict(), "final.pt")') + 1
+    assert result.refusals[0].line == save_line and result.code == dedent(source).encode()

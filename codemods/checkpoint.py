@@ -53,6 +53,9 @@ class _SaveEditor(StatementEditor):
             )
         return updated_node
 
+    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name):
+        return self.exprs.get(original_node, updated_node)  # torch.save(model, ...)
+
     def leave_SimpleStatementLine(self, original_node, updated_node):
         if original_node in self.assign and isinstance(updated_node.body[0], cst.Expr):
             target = cst.AssignTarget(cst.Name(self.assign[original_node]))
@@ -150,7 +153,6 @@ class ConvertSavesCommand(RetrofitStage):
             if id(node) not in inside:
                 continue
             name = self.fresh_name(f"{owner}_state", scope)
-            self.__dict__["_visible"][id(scope)].add(name)
             hoisted = self.stmt(f"{name} = {code(editor.exprs[node])}\n")
             self.pre.setdefault(stmt, []).append((True, hoisted))
             editor.exprs[node] = cst.Name(name)

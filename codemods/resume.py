@@ -107,6 +107,7 @@ class ConvertLoadsCommand(RetrofitStage):
             self.__dict__["_visible"][id(scope)].add(var)
             new.append(self.stmt(f"{var} = {_template(use)}\n"))
             new.extend(self._dcp_load(var, path, site, facts))
+            new.extend(self._reshard(use, facts))
             new.append(self.stmt(_setter(use, var)))
             editor.replace(site.stmt, new[0].with_changes(leading_lines=site.stmt.leading_lines))
             editor.insert_after(site.stmt, new[1:])
@@ -126,9 +127,7 @@ class ConvertLoadsCommand(RetrofitStage):
             editor.insert_after(site.stmt, self._dcp_load(var, path, site, facts))
             for use in site.uses:
                 if use.kind in ("model", "optimizer"):
-                    editor.replace(
-                        use.stmt, self.stmt(_setter(use, code(use.node))).with_changes(leading_lines=use.stmt.leading_lines)
-                    )
+                    self._replace_load(use, self.stmt(_setter(use, code(use.node))), facts, editor)
         kinds = {u.kind for u in site.uses}
         if any(_strict_option(u.call) for u in site.uses if u.kind in ("model", "optimizer")):
             self.add_import(STATE_DICT_MODULE, "StateDictOptions")
@@ -149,6 +148,30 @@ class ConvertLoadsCommand(RetrofitStage):
             "(os.path.exists still finds it)",
             "torch.load of a DCP directory fails; plain tensors loaded into DTensor parameters are wrong",
         )
+
+    def _replace_load(self, use: LoadUse, new: cst.CSTNode, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """`owner.load_state_dict(...)` -> `new`, after a reshard where the model may be unsharded."""
+        reshard = self._reshard(use, facts)
+        if reshard:
+            editor.insert_before(use.stmt, [reshard[0].with_changes(leading_lines=use.stmt.leading_lines)])
+            editor.replace(use.stmt, new)
+        else:
+            editor.replace(use.stmt, new.with_changes(leading_lines=use.stmt.leading_lines))
+
+    def _reshard(self, use: LoadUse, facts: ScriptFacts) -> List[cst.CSTNode]:
+        """`model.reshard()` before loading into a model that may have run a forward
+        without a backward since (an evaluation): FSDP2 leaves the root unit's parameters
+        unsharded then, and load_state_dict cannot copy DTensors into them. Not needed
+        before a training loop of the same function has started."""
+        if use.kind != "model":
+            return []
+        function = facts.resolver.enclosing_function(use.stmt)
+        order = {id(s): i for i, s in enumerate(facts.resolver.nodes(cst.SimpleStatementLine))}
+        at = order.get(id(use.stmt), 0)
+        loops = [l for l in facts.loops if l.function is function]
+        if loops and all(_first_line(l.node, order) > at for l in loops):
+            return []
+        return [self.stmt(f"{use.owner}.reshard()\n")]
 
     def _dcp_load(self, var: str, path: str, site: LoadSite, facts: ScriptFacts) -> List[cst.CSTNode]:
         """dcp.load, after a running async save (earlier in the same function) finishes."""
@@ -179,24 +202,30 @@ class ConvertLoadsCommand(RetrofitStage):
         return self.config.default_indent * depth
 
     def _load_full(self, site: LoadSite, uses: List[LoadUse], facts: ScriptFacts, editor: StatementEditor) -> None:
-        """A single full-state file into the sharded model: rank 0's copy is broadcast."""
+        """A single full-state file into the sharded model: rank 0 reads it, its tensors
+        are broadcast and each rank keeps its shard."""
+        converted = False
         for use in uses:
             if use.kind != "model":
                 self.attention(
                     use.stmt,
                     f"loads a single-file optimizer state into `{use.owner}`",
-                    "use set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))",
+                    "use set_optimizer_state_dict(model, optimizer, state, "
+                    "options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))",
                 )
                 continue
-            arg = code(use.node) if site.var is not None else code(use.call.args[0].value)
-            editor.replace(
-                use.stmt,
-                self.stmt(f"set_model_state_dict({use.owner}, {arg}, options={BROADCAST})\n").with_changes(
-                    leading_lines=use.stmt.leading_lines
-                ),
-            )
+            if site.var is None:  # only rank 0 reads the file
+                test = self.rank_zero_test(use.stmt, facts) or "dist.get_rank() == 0"
+                if test.startswith("dist."):
+                    self.add_import("torch.distributed", asname="dist")
+                arg = f"{code(use.call.args[0].value)} if {test} else {{}}"
+            else:
+                arg = code(use.node)
+            setter = self.stmt(f"set_model_state_dict({use.owner}, {arg}, options={BROADCAST})\n")
+            self._replace_load(use, setter, facts, editor)
             self.add_import(STATE_DICT_MODULE, "set_model_state_dict")
             self.add_import(STATE_DICT_MODULE, "StateDictOptions")
+            converted = True
             self.change(
                 use.stmt,
                 f"load the single file `{code(site.path)}` into the sharded `{use.owner}` with "
@@ -204,6 +233,12 @@ class ConvertLoadsCommand(RetrofitStage):
                 "rank 0's full tensors are broadcast and each rank keeps its shard",
                 "load_state_dict of plain tensors into DTensor parameters fails",
             )
+        if converted and site.var is not None and site.path_key in self.full_paths:
+            # every rank reads the file rank 0 wrote: wait until it is written
+            barrier = self.stmt("dist.barrier()\n").with_changes(leading_lines=site.stmt.leading_lines)
+            editor.insert_before(site.stmt, [barrier])
+            editor.set_leading_lines(site.stmt, [])
+            self.add_import("torch.distributed", asname="dist")
 
     # -- other readers ------------------------------------------------------------
 
@@ -236,6 +271,19 @@ class ConvertLoadsCommand(RetrofitStage):
                     "load it with dcp.load into get_model_state_dict(model) and set_model_state_dict, "
                     "or copy it with shutil.copytree (on one rank)",
                 )
+
+
+def _first_line(node, order) -> int:
+    """The position of the first simple statement inside `node`."""
+    found = []
+
+    class _F(cst.CSTVisitor):
+        def visit_SimpleStatementLine(self, n) -> bool:
+            found.append(order.get(id(n), 0))
+            return False
+
+    node.visit(_F())
+    return min(found) if found else 0
 
 
 def _template(use: LoadUse) -> str:

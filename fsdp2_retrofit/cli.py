@@ -93,6 +93,14 @@ Examples:
     "--report", "report_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
     help="Report format: a table per file on stderr, or JSON on stdout (stderr with --diff).",
 )
+@click.option(
+    "--export", "export", type=click.Choice(["dcp", "full"]), default="dcp", show_default=True,
+    help="Model-only saves: a DCP checkpoint directory, or one torch.save file of the full state dict (rank 0 writes).",
+)
+@click.option(
+    "--async-checkpoint", is_flag=True,
+    help="dcp.async_save (waiting on the previous save first); the process group gets a CPU backend too.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No report; errors are still printed.")
 @click.option(
     "--no-cache", is_flag=True,
@@ -107,13 +115,15 @@ def rewrite_command(
     check: bool,
     shard: Tuple[str, ...],
     report_format: str,
+    export: str,
+    async_checkpoint: bool,
     quiet: bool,
     no_cache: bool,
 ) -> None:
     if out is not None and len(paths) != 1:
         raise click.UsageError("-o/--output takes exactly one PATH")
     run = _Run(
-        options=RetrofitOptions(shard=tuple(shard)),
+        options=RetrofitOptions(shard=tuple(shard), export=export, async_checkpoint=async_checkpoint),
         out=out,
         diff=diff,
         check=check,

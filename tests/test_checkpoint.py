@@ -107,3 +107,31 @@ def test_a_save_left_under_the_rank_gate_fails_the_run(tmp_path: Path):
     script.write_text(gated, encoding="utf-8")
     with pytest.raises(RunError):
         run_distributed(script, ["--batch-size", "16"], tmp_path / "out.pt", nproc=2, timeout=40)
+
+
+@pytest.mark.e2e
+def test_full_export_loads_into_the_unsharded_model(tmp_path: Path):
+    """--export full: the files are plain torch.save files that single-GPU code loads
+    with torch.load + load_state_dict (strict), with the single-process weights."""
+    import importlib.util
+
+    case = FIXTURES / "export_full"
+    (tmp_path / "single").mkdir()
+    (tmp_path / "dist").mkdir()
+    run_single(case / "input.py", ["--batch-size", "32"], tmp_path / "single" / "model.pt")
+    run_distributed(case / "expected.py", ["--batch-size", "16"], tmp_path / "dist" / "model.pt", nproc=2)
+    for name in ("model.pt", "best.pt"):
+        assert (tmp_path / "dist" / name).is_file(), f"{name} must stay one file"
+
+    spec = importlib.util.spec_from_file_location("export_full_input", case / "input.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # defines the classes; main() runs only as __main__
+    model = module.Classifier()
+    model.load_state_dict(torch.load(tmp_path / "dist" / "model.pt", weights_only=True))
+    best = torch.load(tmp_path / "dist" / "best.pt", weights_only=True)
+    model.load_state_dict(best["model"])  # the best checkpoint loads too
+    model.load_state_dict(torch.load(tmp_path / "dist" / "model.pt", weights_only=True))
+    reference = torch.load(tmp_path / "single" / "model.pt", weights_only=True)
+    diff = max_abs_diff(reference, model.state_dict())
+    print(f"\nexport_full: torch.load of the exported file into Classifier() vs single process: {diff:.3e}")
+    assert diff <= DEFAULT_TOLERANCE

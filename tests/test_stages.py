@@ -462,6 +462,7 @@ main()
     assert (
         "    state_dict = get_model_state_dict(model)\n"
         "    dcp.load(state_dict, checkpoint_id=best)\n"
+        "    model.reshard()\n"
         "    set_model_state_dict(model, state_dict)\n"
     ) in code
     assert '    if dist.get_rank() == 0:\n        shutil.copytree(best, "copy.pt", dirs_exist_ok=True)\n' in code
@@ -564,3 +565,54 @@ main(0)
     assert result.refusals and result.refusals[0].what == "a checkpoint save inside a rank-0 branch that cannot be split"
     save_line = dedent(source).splitlines().index('        torch.save(model.state_dict(), "final.pt")') + 1
     assert result.refusals[0].line == save_line and result.code == dedent(source).encode()
+
+
+def test_export_full_gathers_on_every_rank_and_writes_on_rank_zero():
+    code = out(MODEL + '''
+def main():
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    torch.save(model.state_dict(), "model.pt")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, "resume.pt")
+    model.load_state_dict(torch.load("model.pt", map_location="cpu"))
+
+main()
+''', export="full")
+    assert (
+        "    model_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))\n"
+        "    if rank == 0:\n"
+        '        torch.save(model_state, "model.pt")\n'
+    ) in code
+    # a save with optimizer state stays a DCP checkpoint
+    assert 'dcp.save({"model": get_model_state_dict(model), "opt": get_optimizer_state_dict(model, opt)}, checkpoint_id="resume.pt")' in code
+    assert (
+        "    model.reshard()\n"
+        '    set_model_state_dict(model, torch.load("model.pt", map_location="cpu") if rank == 0 else {}, '
+        "options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))\n"
+    ) in code
+
+
+def test_whole_model_pickle_becomes_a_state_dict_save_and_other_data_is_untouched():
+    result = rewrite(MODEL + '''
+def main():
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(2):
+        loss = model(torch.ones(4)).sum()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    torch.save(model, "model.pt")
+    torch.save(torch.tensor(losses), "losses.pt")
+    torch.save({"losses": losses, "best": min(losses)}, "metrics.pt")
+
+main()
+''')
+    code = result.code.decode()
+    assert '    dcp.save(get_model_state_dict(model), checkpoint_id="model.pt")\n' in code
+    assert '    torch.save(torch.tensor(losses), "losses.pt")\n' in code
+    assert '    torch.save({"losses": losses, "best": min(losses)}, "metrics.pt")\n' in code
+    assert any("pickled the whole module" in a.what for a in result.attention)

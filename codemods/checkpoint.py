@@ -15,11 +15,13 @@ from fsdp2_retrofit.analysis.checkpoints import (
     split_rank_test,
 )
 from fsdp2_retrofit.analysis.names import assigned_names, names_in
+from fsdp2_retrofit.edit import with_keyword
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
 STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
 FULL_OPTIONS = "StateDictOptions(full_state_dict=True, cpu_offload=True)"
 FUTURE = "checkpoint_future"
+GROUP = "checkpoint_group"
 DIRECTORY_NOTE = (
     "each rank holds only its shards; DCP writes them in parallel and can reshard on load "
     "(one file: torch.distributed.checkpoint.format_utils.dcp_to_torch_save(dir, file))"
@@ -32,6 +34,7 @@ class _SaveEditor(StatementEditor):
         self.exprs: Dict[cst.CSTNode, cst.BaseExpression] = {}  # state_dict() calls -> replacements
         self.saves: Dict[cst.Call, cst.BaseExpression] = {}  # torch.save calls -> `dcp.save` callee
         self.assign: Dict[cst.CSTNode, str] = {}  # save statements whose result is kept (async)
+        self.save_group: Dict[cst.Call, str] = {}  # async saves -> their process group
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
         if original_node in self.exprs:
@@ -51,6 +54,8 @@ class _SaveEditor(StatementEditor):
                     ),
                 ],
             )
+            if original_node in self.save_group:
+                updated_node = with_keyword(updated_node, "process_group", cst.Name(self.save_group[original_node]))
         return updated_node
 
     def leave_Name(self, original_node: cst.Name, updated_node: cst.Name):
@@ -126,8 +131,11 @@ class ConvertSavesCommand(RetrofitStage):
         self.collective[stmt] = True
         self.add_import("torch.distributed.checkpoint", asname="dcp")
         if async_ok:
-            self.future = self.future or self.fresh_name(FUTURE, facts.resolver.enclosing_function(call))
+            scope = facts.resolver.enclosing_function(call)
+            self.future = self.future or self.fresh_name(FUTURE, scope)
+            self.group = self.fresh_name(GROUP, scope)
             editor.saves[call] = self.expr("dcp.async_save")
+            editor.save_group[call] = self.group
             editor.assign[stmt] = self.future
             wait = self.stmt(f"if {self.future} is not None:\n    {self.future}.result()\n")
             self.pre.setdefault(stmt, []).append((True, wait))
@@ -330,7 +338,16 @@ class ConvertSavesCommand(RetrofitStage):
         top = first
         while top not in list(block.body):
             top = facts.resolver.parent(top)
-        editor.insert_before(top, [self.stmt(f"{self.future} = None\n")])
+        # the background save runs its collectives in a gloo group of its own: on the
+        # training group they would interleave with the training's (gloo aborts)
+        setup = [
+            self.stmt(f'{self.group} = dist.new_group(backend="gloo")\n').with_changes(
+                leading_lines=[cst.EmptyLine(indent=False)]
+            ),
+            self.stmt(f"{self.future} = None\n"),
+        ]
+        editor.insert_before(top, setup)
+        self.add_import("torch.distributed", asname="dist")
         wait = self.stmt(f"if {self.future} is not None:\n    {self.future}.result()\n")
         destroy = next(
             (
@@ -348,9 +365,10 @@ class ConvertSavesCommand(RetrofitStage):
             editor.append_to(block, [wait])
         self.change(
             top,
-            f"async saves: `{self.future}` holds the running save; it is waited on before the next save and at the end",
-            "dcp.async_save returns at once and writes in the background; overlapping saves or an exit "
-            "before it finishes lose the checkpoint",
+            f"async saves in a gloo group of their own (`{self.group}`); `{self.future}` holds the running "
+            "save, waited on before the next save, before a load of it and at the end",
+            "dcp.async_save stages to CPU, returns and writes in the background; its collectives must not "
+            "interleave with training's, and overlapping saves or an exit before it finishes lose the checkpoint",
         )
 
 

@@ -616,3 +616,18 @@ main()
     assert '    torch.save(torch.tensor(losses), "losses.pt")\n' in code
     assert '    torch.save({"losses": losses, "best": min(losses)}, "metrics.pt")\n' in code
     assert any("pickled the whole module" in a.what for a in result.attention)
+
+
+def test_an_alias_of_the_model_saves_like_the_model():
+    code = out(MODEL + '''
+def main(ddp=False):
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    raw_model = model.module if ddp else model
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    torch.save(raw_model.state_dict(), "final.pt")
+
+main()
+''')
+    assert '    dcp.save(get_model_state_dict(raw_model), checkpoint_id="final.pt")\n' in code

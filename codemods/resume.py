@@ -12,7 +12,16 @@ from typing import Dict, List, Optional, Set
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
-from fsdp2_retrofit.analysis.checkpoints import LoadSite, LoadUse, calls_to, loads, path_key, save_format, saves
+from fsdp2_retrofit.analysis.checkpoints import (
+    LoadSite,
+    LoadUse,
+    calls_to,
+    loads,
+    may_be_tensor,
+    path_key,
+    save_format,
+    saves,
+)
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
 from .checkpoint import FUTURE, STATE_DICT_MODULE
@@ -33,11 +42,16 @@ class ConvertLoadsCommand(RetrofitStage):
         self.full_paths: Set[str] = set()
         self.dcp_keys: Set[str] = set()
         self.async_saves: List[cst.CSTNode] = []
+        self.saved_values: Dict[str, cst.BaseExpression] = {}  # dict key -> the value a DCP save writes
         for site in saves(facts):
             form = save_format(site, self.options.export)
             if form == "dcp":
                 self.dcp_paths.setdefault(site.path_key, []).append(site)
                 self.dcp_keys |= set(site.dict_keys)
+                if isinstance(site.state, cst.Dict):
+                    for e in site.state.elements:
+                        if isinstance(e, cst.DictElement) and isinstance(e.key, cst.SimpleString):
+                            self.saved_values.setdefault(e.key.evaluated_value, e.value)
                 self.async_saves.append(site.stmt)
             elif form == "full":
                 self.full_paths.add(site.path_key)
@@ -138,6 +152,16 @@ class ConvertLoadsCommand(RetrofitStage):
         if "optimizer" in kinds:
             self.add_import(STATE_DICT_MODULE, "get_optimizer_state_dict")
             self.add_import(STATE_DICT_MODULE, "set_optimizer_state_dict")
+        tensors = sorted(
+            {u.key for u in site.uses if u.kind == "value" and may_be_tensor(self.saved_values.get(u.key), facts)}
+        )
+        if tensors:
+            self.attention(
+                site.stmt,
+                f"{', '.join(repr(k) for k in tensors)} may be saved as a tensor: its dcp.load placeholder is None",
+                "dcp.load needs a tensor of the saved shape to load a tensor into (e.g. `torch.zeros(())` "
+                "for a scalar loss); save plain values with .item() or give the placeholder",
+            )
         loaded = ", ".join(sorted({f"`{u.owner}`" for u in site.uses if u.kind in ("model", "optimizer")}))
         others = sorted({u.key for u in site.uses if u.kind in ("stateful", "value") and u.key})
         self.change(

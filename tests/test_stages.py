@@ -631,3 +631,83 @@ def main(ddp=False):
 main()
 ''')
     assert '    dcp.save(get_model_state_dict(raw_model), checkpoint_id="final.pt")\n' in code
+
+
+def test_a_checkpoint_read_before_the_model_is_built_is_refused():
+    source = MODEL + '''
+def main():
+    checkpoint = torch.load("ckpt.pt")
+    model = Net()
+    model.load_state_dict(checkpoint["model"])
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    opt.load_state_dict(checkpoint["opt"])
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, "ckpt.pt")
+
+main()
+'''
+    result = rewrite(source)
+    assert result.refusals and result.refusals[0].what == "the checkpoint is read before `model` is built"
+    assert result.code == dedent(source).encode()
+
+
+def test_a_value_that_may_be_a_tensor_is_flagged_at_the_resume():
+    result = rewrite(MODEL + '''
+def main(resume):
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    if resume:
+        ckpt = torch.load("ckpt.pt")
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        step, loss = ckpt["step"], ckpt["loss"]
+    for step in range(2):
+        loss = model(torch.ones(4)).sum()
+        loss.backward()
+        opt.step()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "loss": loss}, "ckpt.pt")
+
+main(False)
+''')
+    code = result.code.decode()
+    assert (
+        "        ckpt = {\n"
+        '            "model": get_model_state_dict(model),\n'
+        '            "opt": get_optimizer_state_dict(model, opt),\n'
+        '            "step": None,\n'
+        '            "loss": None,\n'
+        "        }\n"
+        '        dcp.load(ckpt, checkpoint_id="ckpt.pt")\n'
+    ) in code
+    assert [a.what for a in result.attention if a.code == "resume"] == [
+        "'loss' may be saved as a tensor: its dcp.load placeholder is None"
+    ]
+
+
+def test_async_saves_wait_for_the_previous_one_and_at_the_end():
+    code = out(MODEL + '''
+def main():
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        model(torch.ones(4)).sum().backward()
+        opt.step()
+        torch.save({"model": model.state_dict(), "step": step}, "ckpt.pt")
+
+main()
+''', async_checkpoint=True)
+    assert (
+        '    checkpoint_group = dist.new_group(backend="gloo")\n'
+        "    checkpoint_future = None\n"
+        "    for step in range(4):\n"
+    ) in code
+    assert (
+        "        if checkpoint_future is not None:\n"
+        "            checkpoint_future.result()\n"
+        '        checkpoint_future = dcp.async_save({"model": get_model_state_dict(model), "step": step}, '
+        'checkpoint_id="ckpt.pt", process_group=checkpoint_group)\n'
+    ) in code
+    assert code.endswith(
+        "    if checkpoint_future is not None:\n        checkpoint_future.result()\n    dist.destroy_process_group()\n\nmain()\n"
+    )

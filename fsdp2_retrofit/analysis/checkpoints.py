@@ -281,6 +281,34 @@ def _state_dict_calls(node) -> List[cst.Call]:
     return found
 
 
+PLAIN_CALLS = {"int", "float", "len", "round", "str", "bool", "min", "max", "sum", "abs", "dict", "list", "vars"}
+
+
+def may_be_tensor(expr: Optional[cst.BaseExpression], facts: ScriptFacts) -> bool:
+    """Whether a saved value might be a tensor (`loss`), not a plain Python value
+    (`step`, `epoch`, `loss.item()`, a literal): a name counts when an assignment in its
+    function binds it to a call other than int(), float(), len(), ..."""
+    if expr is None:
+        return False
+    if isinstance(expr, (cst.BaseNumber, cst.BaseString, cst.Dict, cst.List, cst.Tuple)):
+        return False
+    if isinstance(expr, cst.Call):
+        func = expr.func
+        if isinstance(func, cst.Attribute) and func.attr.value in ("item", "tolist", "state_dict"):
+            return False
+        return not (isinstance(func, cst.Name) and func.value in PLAIN_CALLS)
+    if isinstance(expr, cst.Name):
+        function = facts.resolver.enclosing_function(expr)
+        for stmt in facts.resolver.nodes(cst.SimpleStatementLine):
+            if facts.resolver.enclosing_function(stmt) is not function or expr.value not in assigned_names(stmt):
+                continue
+            small = stmt.body[0]
+            if isinstance(small, cst.Assign) and isinstance(small.value, cst.Call) and may_be_tensor(small.value, facts):
+                return True
+        return False
+    return isinstance(expr, (cst.Subscript, cst.Attribute, cst.BinaryOperation))
+
+
 def is_rank_test(expr) -> bool:
     """A test that is true on one rank only: `rank == 0`, `master_process`,
     `args.local_rank == 0`, `dist.get_rank() == 0`, `is_main_process()`."""

@@ -186,9 +186,33 @@ class ConvertSavesCommand(RetrofitStage):
             if gate is None:
                 self._place_ungated(site, facts, editor)
             else:
-                gates.setdefault(gate, []).append(site)
+                gates.setdefault(gate, []).append(site.call)
+        # `if master_process: save_checkpoint(model, ...)`: a function of the script that saves
+        for call in self._calls_of_saving_functions(facts):
+            gate = rank_gate(call, facts)
+            if gate is not None:
+                gates.setdefault(gate, []).append(call)
         for gate, gated in gates.items():
             self._split(gate, gated, facts, editor)
+
+    def _calls_of_saving_functions(self, facts: ScriptFacts) -> List[cst.Call]:
+        """Calls of the script's functions that (directly or through another) save state."""
+        functions = {f.name.value: f for f in facts.module.body if isinstance(f, cst.FunctionDef)}
+        saving = {
+            facts.resolver.enclosing_function(stmt).name.value
+            for stmt in self.collective
+            if facts.resolver.enclosing_function(stmt) is not None
+        }
+        calls = [c for c in facts.resolver.nodes(cst.Call) if isinstance(c.func, cst.Name) and c.func.value in functions]
+        changed = True
+        while changed:
+            changed = False
+            for call in calls:
+                caller = facts.resolver.enclosing_function(call)
+                if call.func.value in saving and caller is not None and caller.name.value not in saving:
+                    saving.add(caller.name.value)
+                    changed = True
+        return [c for c in calls if c.func.value in saving]
 
     def _place_ungated(self, site: SaveSite, facts: ScriptFacts, editor: _SaveEditor) -> None:
         """The statements a save needs go right before it (its comments above them); a
@@ -210,7 +234,7 @@ class ConvertSavesCommand(RetrofitStage):
         editor.relead[stmt] = []
         editor.replace(stmt, cst.If(self.expr(test), cst.IndentedBlock([stmt]), leading_lines=leading))
 
-    def _split(self, gate: cst.If, gated: List[SaveSite], facts: ScriptFacts, editor: _SaveEditor) -> None:
+    def _split(self, gate: cst.If, gated: List[cst.Call], facts: ScriptFacts, editor: _SaveEditor) -> None:
         """`if A and rank == 0: body` -> `if A: body'`, where body' runs on every rank and
         only its output statements (prints, logs, plain-file writes) keep `if rank == 0:`.
         Assignments run on every rank too: later branches (`if loss < best: save`) must
@@ -218,7 +242,7 @@ class ConvertSavesCommand(RetrofitStage):
         rank, other = split_rank_test(gate.test)
         if gate.orelse is not None or not rank or not isinstance(gate.body, cst.IndentedBlock):
             self.refuse(
-                gated[0].call,
+                gated[0],
                 "a checkpoint save inside a rank-0 branch that cannot be split",
                 "the save is collective now (every rank writes its shards); under a rank-0 "
                 "`if` with an else branch or an `or` the other ranks never join it and the run deadlocks",

@@ -711,3 +711,23 @@ main()
     assert code.endswith(
         "    if checkpoint_future is not None:\n        checkpoint_future.result()\n    dist.destroy_process_group()\n\nmain()\n"
     )
+
+
+def test_a_rank_gated_call_of_a_saving_helper_runs_on_every_rank():
+    code = out(MODEL + '''
+def save_checkpoint(model, opt, path):
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+
+
+def main(is_main=True):
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    if is_main:
+        print("saving")
+        save_checkpoint(model, opt, "ckpt.pt")
+
+main()
+''')
+    assert '    if is_main:\n        print("saving")\n    save_checkpoint(model, opt, "ckpt.pt")\n' in code

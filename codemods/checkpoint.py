@@ -14,7 +14,7 @@ from fsdp2_retrofit.analysis.checkpoints import (
     saves,
     split_rank_test,
 )
-from fsdp2_retrofit.analysis.names import assigned_names, names_in
+from fsdp2_retrofit.analysis.names import names_in
 from fsdp2_retrofit.edit import with_keyword
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
@@ -80,8 +80,8 @@ class ConvertSavesCommand(RetrofitStage):
             return
         self.future: Optional[str] = None
         self._originals: set = set()  # statements of the script placed inside new `if`s
-        # statements each save needs right before it, and whether they must run on every rank
-        self.pre: Dict[cst.CSTNode, List[Tuple[bool, cst.CSTNode]]] = {}
+        # new statements each save needs right before it, on every rank (a gather, a wait)
+        self.pre: Dict[cst.CSTNode, List[cst.CSTNode]] = {}
         self.collective: Dict[cst.CSTNode, bool] = {}  # save statement -> runs on every rank
         sites = [s for s in saves(facts) if s.state_calls or s.whole_model]
         async_ok = self.options.async_checkpoint and self._async_possible(sites, facts)
@@ -95,7 +95,7 @@ class ConvertSavesCommand(RetrofitStage):
 
     def _convert(self, site: SaveSite, facts: ScriptFacts, editor: _SaveEditor, async_ok: bool) -> None:
         call, stmt = site.call, site.stmt
-        if len([a for a in call.args if a.keyword is None]) < 2 and not all(a.keyword for a in call.args[:2]):
+        if len(call.args) < 2:
             return
         full = save_format(site, self.options.export) == "full"
         if site.whole_model is not None:
@@ -138,7 +138,7 @@ class ConvertSavesCommand(RetrofitStage):
             editor.save_group[call] = self.group
             editor.assign[stmt] = self.future
             wait = self.stmt(f"if {self.future} is not None:\n    {self.future}.result()\n")
-            self.pre.setdefault(stmt, []).append((True, wait))
+            self.pre.setdefault(stmt, []).append(wait)
             how = "dcp.async_save (after waiting for the previous save)"
         else:
             editor.saves[call] = self.expr("dcp.save")
@@ -162,7 +162,7 @@ class ConvertSavesCommand(RetrofitStage):
                 continue
             name = self.fresh_name(f"{owner}_state", scope)
             hoisted = self.stmt(f"{name} = {code(editor.exprs[node])}\n")
-            self.pre.setdefault(stmt, []).append((True, hoisted))
+            self.pre.setdefault(stmt, []).append(hoisted)
             editor.exprs[node] = cst.Name(name)
         self.collective[stmt] = False
         self.change(
@@ -218,7 +218,7 @@ class ConvertSavesCommand(RetrofitStage):
         """The statements a save needs go right before it (its comments above them); a
         full export's torch.save goes under `if rank == 0:`."""
         stmt = site.stmt
-        pre = [s for _, s in self.pre.get(stmt, [])]
+        pre = list(self.pre.get(stmt, []))
         leading = list(getattr(stmt, "leading_lines", []))
         if pre:
             pre[0] = pre[0].with_changes(leading_lines=leading)
@@ -274,8 +274,7 @@ class ConvertSavesCommand(RetrofitStage):
     def _push_down(self, stmts, test, editor: _SaveEditor, facts: ScriptFacts) -> List[cst.CSTNode]:
         items: List[Tuple[bool, cst.CSTNode]] = []  # (runs on every rank, statement)
         for stmt in stmts:
-            for _, new in self.pre.get(stmt, []):
-                items.append((True, new))
+            items.extend((True, new) for new in self.pre.get(stmt, []))
             self._originals.add(stmt)
             if stmt in self.collective:
                 items.append((self.collective[stmt], stmt))

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Set
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
+from fsdp2_retrofit.analysis.names import assigned_names
 from fsdp2_retrofit.analysis.checkpoints import (
     LoadSite,
     LoadUse,
@@ -85,7 +86,7 @@ class ConvertLoadsCommand(RetrofitStage):
                 "and set_model_state_dict / set_optimizer_state_dict",
             )
             return
-        self._require_built(site, state_uses, facts)
+        self._require_built(site, state_uses + [u for u in site.uses if u.kind == "stateful"], facts)
         self._load_dcp(site, facts, editor)
 
     def _require_built(self, site: LoadSite, uses: List[LoadUse], facts: ScriptFacts) -> None:
@@ -93,15 +94,18 @@ class ConvertLoadsCommand(RetrofitStage):
         order = {id(s): i for i, s in enumerate(facts.resolver.nodes(cst.SimpleStatementLine))}
         at = order.get(id(site.stmt), 0)
         function = facts.resolver.enclosing_function(site.stmt)
-        built = {m.name: m.stmt for m in facts.models} | {o.name: o.stmt for o in facts.optimizers}
         for use in uses:
-            where = built.get(use.owner)
-            if where is not None and facts.resolver.enclosing_function(where) is function and order.get(id(where), 0) > at:
+            bindings = [
+                order.get(id(s), 0)
+                for s in facts.resolver.nodes(cst.SimpleStatementLine)
+                if facts.resolver.enclosing_function(s) is function and use.owner in assigned_names(s)
+            ]
+            if bindings and min(bindings) > at:
                 self.refuse(
                     site.call,
                     f"the checkpoint is read before `{use.owner}` is built",
-                    "dcp.load fills the sharded model's and optimizer's own state dicts, so they must exist "
-                    "when the checkpoint is loaded",
+                    "dcp.load fills the state dicts of the sharded model, its optimizer and scheduler, so they "
+                    "must exist when the checkpoint is loaded",
                     f"build `{use.owner}` before loading, then load its state",
                 )
             if use.kind == "optimizer" and not use.model:

@@ -731,3 +731,76 @@ def main(is_main=True):
 main()
 ''')
     assert '    if is_main:\n        print("saving")\n    save_checkpoint(model, opt, "ckpt.pt")\n' in code
+
+
+@pytest.mark.parametrize(
+    "test, gated",
+    [
+        ("rank == 0", True),
+        ("args.local_rank == 0", True),
+        ("dist.get_rank() == 0", True),
+        ('int(os.environ.get("RANK", 0)) == 0', True),
+        ("not rank", True),
+        ("master_process", True),
+        ("accelerator.is_main_process", True),
+        ("args.rank_loss", False),
+        ("step % 2 == 0", False),
+        ("rank == 1", False),
+    ],
+)
+def test_what_counts_as_a_rank_zero_test(test, gated):
+    import libcst as cst
+
+    from fsdp2_retrofit.analysis.checkpoints import is_rank_test
+
+    assert is_rank_test(cst.parse_expression(test)) is gated
+
+
+def test_a_save_under_a_plain_condition_that_mentions_rank_stays_under_it():
+    code = out(MODEL + '''
+def main(args):
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    if args.rank_loss:
+        torch.save(model.state_dict(), "final.pt")
+
+main(None)
+''')
+    assert '    if args.rank_loss:\n        dcp.save(get_model_state_dict(model), checkpoint_id="final.pt")\n' in code
+
+
+def test_a_scheduler_built_after_the_resume_is_refused():
+    source = MODEL + '''
+def main():
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    ckpt = torch.load("ckpt.pt")
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    sched = optim.lr_scheduler.StepLR(opt, 1)
+    sched.load_state_dict(ckpt["sched"])
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, "ckpt.pt")
+
+main()
+'''
+    result = rewrite(source)
+    assert result.refusals and result.refusals[0].what == "the checkpoint is read before `sched` is built"
+
+
+def test_a_save_under_a_rank_test_joined_by_or_is_refused():
+    result = rewrite(MODEL + '''
+def main(rank, final):
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    if final or rank == 0:
+        torch.save(model.state_dict(), "final.pt")
+
+main(0, True)
+''')
+    assert result.refusals and result.refusals[0].what == "a checkpoint save inside a rank-0 branch that cannot be split"

@@ -280,7 +280,7 @@ class ConvertSavesCommand(RetrofitStage):
                 items.append((self.collective[stmt], stmt))
             elif isinstance(stmt, cst.SimpleStatementLine):
                 items.append((self._every_rank(stmt, facts), stmt))
-            elif isinstance(stmt, (cst.If, cst.For, cst.While)) and isinstance(stmt.body, cst.IndentedBlock) and (
+            elif isinstance(stmt, (cst.If, cst.For, cst.While, cst.With)) and isinstance(stmt.body, cst.IndentedBlock) and (
                 self._needs_every_rank(stmt, facts)
             ):
                 items.append((True, self._push_down_compound(stmt, test, editor, facts)))
@@ -303,7 +303,7 @@ class ConvertSavesCommand(RetrofitStage):
 
     def _push_down_compound(self, stmt, test, editor: _SaveEditor, facts: ScriptFacts) -> cst.CSTNode:
         new = stmt.with_changes(body=stmt.body.with_changes(body=self._push_down(list(stmt.body.body), test, editor, facts)))
-        orelse = stmt.orelse
+        orelse = getattr(stmt, "orelse", None)
         if isinstance(orelse, cst.If):
             new = new.with_changes(orelse=self._push_down_compound(orelse, test, editor, facts))
         elif isinstance(orelse, cst.Else) and isinstance(orelse.body, cst.IndentedBlock):

@@ -804,3 +804,30 @@ def main(rank, final):
 main(0, True)
 ''')
     assert result.refusals and result.refusals[0].what == "a checkpoint save inside a rank-0 branch that cannot be split"
+
+
+def test_an_evaluation_under_no_grad_in_a_split_rank_gate_runs_on_every_rank():
+    code = out(MODEL + '''
+import json
+
+def main(master_process=True):
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    if master_process:
+        with torch.no_grad():
+            val = model(torch.ones(4)).sum().item()
+        torch.save(model.state_dict(), "final.pt")
+        with open("val.json", "w") as f:
+            json.dump({"val": val}, f)
+
+main()
+''')
+    assert (
+        "    with torch.no_grad():\n"
+        "        val = model(torch.ones(4)).sum().item()\n"
+        '    dcp.save(get_model_state_dict(model), checkpoint_id="final.pt")\n'
+        "    if master_process:\n"
+        '        with open("val.json", "w") as f:\n'
+    ) in code

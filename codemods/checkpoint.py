@@ -1,18 +1,31 @@
-"""checkpoint: no torch.save of sharded state; save it with torch.distributed.checkpoint."""
+"""checkpoint: no torch.save of sharded state; save it with torch.distributed.checkpoint,
+on every rank (a save under a rank-0 `if` moves out of it)."""
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
-from fsdp2_retrofit.analysis.names import assigned_names
+from fsdp2_retrofit.analysis.checkpoints import (
+    SaveSite,
+    rank_gate,
+    save_format,
+    saves,
+    split_rank_test,
+)
+from fsdp2_retrofit.analysis.names import names_in
+from fsdp2_retrofit.edit import with_keyword
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
-SAVE = {"torch.save", "torch.serialization.save"}
-COPIES = {"shutil.copy", "shutil.copyfile", "shutil.copy2"}
-READERS = {"torch.load", "shutil.move", "builtins.open", "os.path.getsize"} | COPIES
 STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
+FULL_OPTIONS = "StateDictOptions(full_state_dict=True, cpu_offload=True)"
+FUTURE = "checkpoint_future"
+GROUP = "checkpoint_group"
+DIRECTORY_NOTE = (
+    "each rank holds only its shards; DCP writes them in parallel and can reshard on load "
+    "(one file: torch.distributed.checkpoint.format_utils.dcp_to_torch_save(dir, file))"
+)
 
 
 class _SaveEditor(StatementEditor):
@@ -20,6 +33,8 @@ class _SaveEditor(StatementEditor):
         super().__init__()
         self.exprs: Dict[cst.CSTNode, cst.BaseExpression] = {}  # state_dict() calls -> replacements
         self.saves: Dict[cst.Call, cst.BaseExpression] = {}  # torch.save calls -> `dcp.save` callee
+        self.assign: Dict[cst.CSTNode, str] = {}  # save statements whose result is kept (async)
+        self.save_group: Dict[cst.Call, str] = {}  # async saves -> their process group
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
         if original_node in self.exprs:
@@ -39,11 +54,22 @@ class _SaveEditor(StatementEditor):
                     ),
                 ],
             )
+            if original_node in self.save_group:
+                updated_node = with_keyword(updated_node, "process_group", cst.Name(self.save_group[original_node]))
+        return updated_node
+
+    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name):
+        return self.exprs.get(original_node, updated_node)  # torch.save(model, ...)
+
+    def leave_SimpleStatementLine(self, original_node, updated_node):
+        if original_node in self.assign and isinstance(updated_node.body[0], cst.Expr):
+            target = cst.AssignTarget(cst.Name(self.assign[original_node]))
+            updated_node = updated_node.with_changes(body=[cst.Assign([target], updated_node.body[0].value)])
         return updated_node
 
 
 class ConvertSavesCommand(RetrofitStage):
-    DESCRIPTION = "Turn torch.save of model/optimizer state into dcp.save of get_*_state_dict()."
+    DESCRIPTION = "Turn torch.save of model/optimizer state into dcp.save of get_*_state_dict(), on every rank."
     CODE = "checkpoint"
 
     def make_editor(self) -> StatementEditor:
@@ -52,194 +78,342 @@ class ConvertSavesCommand(RetrofitStage):
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: _SaveEditor) -> None:
         if not facts.models:
             return
-        self.saved: Dict[str, str] = {}  # path key -> the path as written at the save
-        for call in _calls(facts, SAVE):
-            self._convert(call, facts, editor)
-        if self.saved:
-            self._convert_readers(facts, editor)
+        self.future: Optional[str] = None
+        self._originals: set = set()  # statements of the script placed inside new `if`s
+        # new statements each save needs right before it, on every rank (a gather, a wait)
+        self.pre: Dict[cst.CSTNode, List[cst.CSTNode]] = {}
+        self.collective: Dict[cst.CSTNode, bool] = {}  # save statement -> runs on every rank
+        sites = [s for s in saves(facts) if s.state_calls or s.whole_model]
+        async_ok = self.options.async_checkpoint and self._async_possible(sites, facts)
+        for site in sites:
+            self._convert(site, facts, editor, async_ok)
+        self._move_out_of_rank_gates(sites, facts, editor)
+        if async_ok and self.future:
+            self._wait_at_the_end(sites, facts, editor)
 
-    def _convert(self, call: cst.Call, facts: ScriptFacts, editor: _SaveEditor) -> None:
+    # -- one save ---------------------------------------------------------------
+
+    def _convert(self, site: SaveSite, facts: ScriptFacts, editor: _SaveEditor, async_ok: bool) -> None:
+        call, stmt = site.call, site.stmt
         if len(call.args) < 2:
             return
-        function = facts.resolver.enclosing_function(call)
-        models = facts.model_names.get(function, set())
-        optimizers = facts.optimizer_names.get(function, {})
-        obj = call.args[0].value
-        target = obj
-        if isinstance(obj, cst.Name):
-            target = _bound_value(obj.value, call, facts)
-            if target is None:
-                return
-        if isinstance(target, cst.Name) and target.value in models:
+        full = save_format(site, self.options.export) == "full"
+        if site.whole_model is not None:
+            model = site.whole_model
+            replacement = (
+                f"get_model_state_dict({model}, options={FULL_OPTIONS})" if full else f"get_model_state_dict({model})"
+            )
+            editor.exprs[site.state] = self.expr(replacement)
+            self.add_import(STATE_DICT_MODULE, "get_model_state_dict")
             self.attention(
                 call,
-                f"`torch.save({target.value}, ...)` pickles the whole sharded module",
-                "the file holds one rank's shards and is not loadable as a model; save a state dict instead",
+                f"`torch.save({model}, ...)` pickled the whole module; it now saves `{model}`'s state dict",
+                "a pickled sharded module holds one rank's shards and cannot be loaded; code that "
+                f"loads the file must build the model and load_state_dict (pass {model} to set_model_state_dict)",
             )
-            return
-        edits = self._state_edits(target, models, optimizers)
-        if not edits:
-            return
-        for node, replacement in edits.items():
-            editor.exprs[node] = self.expr(replacement)
-        path = call.args[1].value
-        editor.saves[call] = self.expr("dcp.save")
+            calls = [(site.state, "model", model)]
+        else:
+            calls = [(s.call, s.kind, s.model if s.kind == "model" else s.owner) for s in site.state_calls]
+            for s in site.state_calls:
+                if full:
+                    editor.exprs[s.call] = self.expr(f"get_model_state_dict({s.owner}, options={FULL_OPTIONS})")
+                elif s.kind == "model":
+                    editor.exprs[s.call] = self.expr(f"get_model_state_dict({s.owner})")
+                else:
+                    editor.exprs[s.call] = self.expr(f"get_optimizer_state_dict({s.model}, {s.owner})")
         editor.mark_work()
-        self.add_import("torch.distributed.checkpoint", asname="dcp")
-        kinds = sorted({"get_model_state_dict" if "model_state" in r else "get_optimizer_state_dict" for r in edits.values()})
+        kinds = sorted({"get_model_state_dict" if k == "model" else "get_optimizer_state_dict" for _, k, _ in calls})
         for kind in kinds:
             self.add_import(STATE_DICT_MODULE, kind)
-        self.saved[_path_key(path, facts)] = code(path)
+        if full:
+            self._full_export(site, calls, facts, editor)
+            return
+        self.collective[stmt] = True
+        self.add_import("torch.distributed.checkpoint", asname="dcp")
+        if async_ok:
+            scope = facts.resolver.enclosing_function(call)
+            self.future = self.future or self.fresh_name(FUTURE, scope)
+            self.group = self.fresh_name(GROUP, scope)
+            editor.saves[call] = self.expr("dcp.async_save")
+            editor.save_group[call] = self.group
+            editor.assign[stmt] = self.future
+            wait = self.stmt(f"if {self.future} is not None:\n    {self.future}.result()\n")
+            self.pre.setdefault(stmt, []).append(wait)
+            how = "dcp.async_save (after waiting for the previous save)"
+        else:
+            editor.saves[call] = self.expr("dcp.save")
+            how = "dcp.save"
         self.change(
             call,
-            f"torch.save -> dcp.save of {', '.join(kinds)}(...); `{code(path)}` is now a checkpoint directory",
-            "each rank holds only its shards; DCP writes them in parallel and can reshard on load "
-            "(one file: torch.distributed.checkpoint.format_utils.dcp_to_torch_save)",
+            f"torch.save -> {how} of {', '.join(kinds)}(...); `{code(site.path)}` is now a checkpoint directory",
+            DIRECTORY_NOTE,
             "torch.save of sharded state writes one rank's DTensor shards, not a loadable model",
         )
 
-    def _convert_readers(self, facts: ScriptFacts, editor: _SaveEditor) -> None:
-        """Code that reads a path this script now writes as a DCP directory: a load into
-        the model becomes dcp.load + set_model_state_dict; a file copy becomes a copy
-        of the directory on rank 0; anything else is reported."""
-        for call in _calls(facts, READERS):
-            if not call.args or _path_key(call.args[0].value, facts) not in self.saved:
+    def _full_export(self, site: SaveSite, calls, facts: ScriptFacts, editor: _SaveEditor) -> None:
+        """--export full: the full state dict is gathered on every rank (a collective),
+        rank 0 writes the file; a gathering call written inside the save moves before it."""
+        stmt = site.stmt
+        self.add_import(STATE_DICT_MODULE, "StateDictOptions")
+        scope = facts.resolver.enclosing_function(stmt)
+        inside = {id(n) for n in _descendants(stmt)}
+        for node, _kind, owner in calls:
+            if id(node) not in inside:
                 continue
-            path = code(call.args[0].value)
-            stmt = facts.resolver.statement_of(call)
-            model = _loaded_model(stmt, call, facts)
-            if model is not None:
-                state = self.fresh_name("state_dict", facts.resolver.enclosing_function(stmt))
-                lines = [
-                    f"{state} = get_model_state_dict({model})\n",
-                    f"dcp.load({state}, checkpoint_id={path})\n",
-                    f"set_model_state_dict({model}, {state})\n",
-                ]
-                new = [self.stmt(line) for line in lines]
-                editor.replace(stmt, new[0].with_changes(leading_lines=stmt.leading_lines))
-                editor.insert_after(stmt, new[1:])
-                self.add_import(STATE_DICT_MODULE, "get_model_state_dict")
-                self.add_import(STATE_DICT_MODULE, "set_model_state_dict")
-                self.change(
-                    stmt,
-                    f"load `{path}` with dcp.load into the sharded `{model}` (set_model_state_dict)",
-                    "the checkpoint is now a DCP directory of shards; each rank loads its own",
-                    "torch.load of a DCP directory fails; plain tensors loaded into DTensor parameters are wrong",
-                )
-            elif _is_statement_call(stmt, call) and facts.resolver.is_call_to(call, COPIES) and len(call.args) == 2:
-                dst = code(call.args[1].value)
-                editor.replace(
-                    stmt,
-                    self.stmt(
-                        f"if dist.get_rank() == 0:\n    shutil.copytree({path}, {dst}, dirs_exist_ok=True)\n"
-                    ).with_changes(leading_lines=stmt.leading_lines),
-                )
-                self.add_import("torch.distributed", asname="dist")
-                self.change(
-                    stmt,
-                    f"copy the checkpoint directory `{path}` with shutil.copytree, on rank 0",
-                    "the checkpoint is now a directory; one rank copies it (a plain file operation)",
-                    "copyfile of a directory fails",
-                )
+            name = self.fresh_name(f"{owner}_state", scope)
+            hoisted = self.stmt(f"{name} = {code(editor.exprs[node])}\n")
+            self.pre.setdefault(stmt, []).append(hoisted)
+            editor.exprs[node] = cst.Name(name)
+        self.collective[stmt] = False
+        self.change(
+            site.call,
+            f"`{code(site.path)}` stays one torch.save file of the full state dict: gathered with "
+            "get_model_state_dict(full_state_dict=True, cpu_offload=True) on every rank, written by rank 0",
+            "--export full: single-GPU code loads the file as before",
+            "gathering the state dict under a rank-0 `if` deadlocks; torch.save of sharded state writes shards",
+        )
+
+    # -- rank-0 branches ------------------------------------------------------------
+
+    def _move_out_of_rank_gates(self, sites, facts: ScriptFacts, editor: _SaveEditor) -> None:
+        """Split each rank-0 `if` around a save: what gathers or writes sharded state
+        runs on every rank, plain-file writes and prints stay on rank 0."""
+        gates: Dict[cst.If, List[cst.CSTNode]] = {}
+        for site in sites:
+            if site.stmt not in self.collective:
+                continue
+            gate = rank_gate(site.stmt, facts)
+            if gate is None:
+                self._place_ungated(site, facts, editor)
             else:
-                self.attention(
-                    call,
-                    f"reads `{path}`, which is now a DCP checkpoint directory",
-                    "load it with dcp.load into get_model_state_dict(model) and set_model_state_dict, "
-                    "or copy it with shutil.copytree (on one rank)",
-                )
+                gates.setdefault(gate, []).append(site.call)
+        # `if master_process: save_checkpoint(model, ...)`: a function of the script that saves
+        for call in self._calls_of_saving_functions(facts):
+            gate = rank_gate(call, facts)
+            if gate is not None:
+                gates.setdefault(gate, []).append(call)
+        for gate, gated in gates.items():
+            self._split(gate, gated, facts, editor)
 
-    def _state_edits(self, target, models, optimizers) -> Dict[cst.CSTNode, str]:
-        """`m.state_dict()` / `opt.state_dict()` calls in the saved object -> replacements."""
-        edits: Dict[cst.CSTNode, str] = {}
-        for call in _state_dict_calls(target):
-            owner = call.func.value
-            if not isinstance(owner, cst.Name):
-                continue
-            if owner.value in models:
-                edits[call] = f"get_model_state_dict({owner.value})"
-            elif owner.value in optimizers and optimizers[owner.value]:
-                edits[call] = f"get_optimizer_state_dict({optimizers[owner.value]}, {owner.value})"
-        return edits
+    def _calls_of_saving_functions(self, facts: ScriptFacts) -> List[cst.Call]:
+        """Calls of the script's functions that (directly or through another) save state."""
+        functions = {f.name.value: f for f in facts.module.body if isinstance(f, cst.FunctionDef)}
+        saving = {
+            facts.resolver.enclosing_function(stmt).name.value
+            for stmt in self.collective
+            if facts.resolver.enclosing_function(stmt) is not None
+        }
+        calls = [c for c in facts.resolver.nodes(cst.Call) if isinstance(c.func, cst.Name) and c.func.value in functions]
+        changed = True
+        while changed:
+            changed = False
+            for call in calls:
+                caller = facts.resolver.enclosing_function(call)
+                if call.func.value in saving and caller is not None and caller.name.value not in saving:
+                    saving.add(caller.name.value)
+                    changed = True
+        return [c for c in calls if c.func.value in saving]
 
+    def _place_ungated(self, site: SaveSite, facts: ScriptFacts, editor: _SaveEditor) -> None:
+        """The statements a save needs go right before it (its comments above them); a
+        full export's torch.save goes under `if rank == 0:`."""
+        stmt = site.stmt
+        pre = list(self.pre.get(stmt, []))
+        leading = list(getattr(stmt, "leading_lines", []))
+        if pre:
+            pre[0] = pre[0].with_changes(leading_lines=leading)
+            leading = []
+            editor.insert_before(stmt, pre)
+        if self.collective[stmt]:
+            if pre:
+                editor.set_leading_lines(stmt, [])
+            return
+        test = self.rank_zero_test(stmt, facts) or "dist.get_rank() == 0"
+        if test.startswith("dist."):
+            self.add_import("torch.distributed", asname="dist")
+        editor.relead[stmt] = []
+        editor.replace(stmt, cst.If(self.expr(test), cst.IndentedBlock([stmt]), leading_lines=leading))
 
-def _calls(facts: ScriptFacts, names):
-    found = []
+    def _split(self, gate: cst.If, gated: List[cst.Call], facts: ScriptFacts, editor: _SaveEditor) -> None:
+        """`if A and rank == 0: body` -> `if A: body'`, where body' runs on every rank and
+        only its output statements (prints, logs, plain-file writes) keep `if rank == 0:`.
+        Assignments run on every rank too: later branches (`if loss < best: save`) must
+        take the same way on every rank."""
+        rank, other = split_rank_test(gate.test)
+        if gate.orelse is not None or not rank or not isinstance(gate.body, cst.IndentedBlock):
+            self.refuse(
+                gated[0],
+                "a checkpoint save inside a rank-0 branch that cannot be split",
+                "the save is collective now (every rank writes its shards); under a rank-0 "
+                "`if` with an else branch or an `or` the other ranks never join it and the run deadlocks",
+                "save on every rank and keep only plain-file writes under the rank-0 `if`",
+            )
+        self.gate_models = facts.model_names.get(facts.resolver.enclosing_function(gate), set()) | set(
+            facts.optimizer_names.get(facts.resolver.enclosing_function(gate), {})
+        )
+        self.local_functions = {f.name.value for f in facts.module.body if isinstance(f, cst.FunctionDef)}
+        body = self._push_down(list(gate.body.body), _conjunction(rank), editor, facts)
+        if other:
+            pieces = [gate.with_changes(test=_conjunction(other), body=gate.body.with_changes(body=body))]
+        else:
+            pieces = body
+        first = pieces[0]
+        if first in self._originals:
+            editor.relead[first] = list(gate.leading_lines)
+        else:
+            pieces[0] = first.with_changes(leading_lines=gate.leading_lines)
+        editor.replace(gate, pieces[0])
+        editor.insert_after(gate, pieces[1:])
+        self.change(
+            gate,
+            f"the save moves out of `if {code(gate.test)}:` to every rank; prints and plain-file writes stay on rank 0",
+            "gathering and saving sharded state is collective: every rank must take part",
+            "a collective under a rank-0 `if` deadlocks the other ranks",
+        )
 
-    class _C(cst.CSTVisitor):
-        def visit_Call(self, node: cst.Call) -> None:
-            if facts.resolver.is_call_to(node, names):
-                found.append(node)
+    def _push_down(self, stmts, test, editor: _SaveEditor, facts: ScriptFacts) -> List[cst.CSTNode]:
+        items: List[Tuple[bool, cst.CSTNode]] = []  # (runs on every rank, statement)
+        for stmt in stmts:
+            items.extend((True, new) for new in self.pre.get(stmt, []))
+            self._originals.add(stmt)
+            if stmt in self.collective:
+                items.append((self.collective[stmt], stmt))
+            elif isinstance(stmt, cst.SimpleStatementLine):
+                items.append((self._every_rank(stmt, facts), stmt))
+            elif isinstance(stmt, (cst.If, cst.For, cst.While, cst.With)) and isinstance(stmt.body, cst.IndentedBlock) and (
+                self._needs_every_rank(stmt, facts)
+            ):
+                items.append((True, self._push_down_compound(stmt, test, editor, facts)))
+            else:
+                items.append((False, stmt))
+        out: List[cst.CSTNode] = []
+        run: List[cst.CSTNode] = []
+        for i, (every, node) in enumerate(items):
+            if not every:
+                run.append(node)
+            if run and (every or i == len(items) - 1):
+                for s in run:
+                    if s in self._originals:
+                        editor.relead[s] = [] if s is run[0] else list(s.leading_lines)
+                out.append(cst.If(test.deep_clone(), cst.IndentedBlock(run), leading_lines=list(run[0].leading_lines)))
+                run = []
+            if every:
+                out.append(node)
+        return out
 
-    facts.module.visit(_C())
-    return found
+    def _push_down_compound(self, stmt, test, editor: _SaveEditor, facts: ScriptFacts) -> cst.CSTNode:
+        new = stmt.with_changes(body=stmt.body.with_changes(body=self._push_down(list(stmt.body.body), test, editor, facts)))
+        orelse = getattr(stmt, "orelse", None)
+        if isinstance(orelse, cst.If):
+            new = new.with_changes(orelse=self._push_down_compound(orelse, test, editor, facts))
+        elif isinstance(orelse, cst.Else) and isinstance(orelse.body, cst.IndentedBlock):
+            inner = self._push_down(list(orelse.body.body), test, editor, facts)
+            new = new.with_changes(orelse=orelse.with_changes(body=orelse.body.with_changes(body=inner)))
+        return new
 
+    def _every_rank(self, stmt: cst.SimpleStatementLine, facts: ScriptFacts) -> bool:
+        """Computations (assignments) and anything touching the model, the optimizer or a
+        function of the script run on every rank; other calls (output) on rank 0."""
+        for small in stmt.body:
+            if not isinstance(small, cst.Expr):
+                return True
+            if names_in(small) & (self.gate_models | self.local_functions):
+                return True
+        return False
 
-def _state_dict_calls(node):
-    found = []
+    def _needs_every_rank(self, stmt, facts: ScriptFacts) -> bool:
+        """A compound statement with a save, an assignment or a model use inside."""
+        found = []
+        collective = self.collective
+        every = self._every_rank
 
-    class _S(cst.CSTVisitor):
-        def visit_Call(self, n: cst.Call) -> None:
-            if isinstance(n.func, cst.Attribute) and n.func.attr.value == "state_dict" and not n.args:
-                found.append(n)
+        class _V(cst.CSTVisitor):
+            def visit_SimpleStatementLine(self, node) -> bool:
+                if node in collective or every(node, facts):
+                    found.append(node)
+                return False
 
-    node.visit(_S())
-    return found
+        stmt.body.visit(_V())
+        if isinstance(stmt, cst.If) and stmt.orelse is not None:
+            stmt.orelse.visit(_V())
+        return bool(found)
 
+    # -- async ------------------------------------------------------------------------
 
-def _bound_value(name: str, call: cst.Call, facts: ScriptFacts) -> Optional[cst.BaseExpression]:
-    """The value `name` was last given in the same block before the save."""
-    stmt = facts.resolver.statement_of(call)
-    block = facts.resolver.block_of(stmt)
-    if block is None:
-        return None
-    body = list(block.body)
-    for earlier in reversed(body[: body.index(stmt)]):
-        if name in assigned_names(earlier):
-            small = earlier.body[0]
-            return small.value if isinstance(small, cst.Assign) and len(earlier.body) == 1 else None
-    return None
+    def _async_possible(self, sites, facts: ScriptFacts) -> bool:
+        """Async saves keep their future in the function that builds the model."""
+        entry = facts.entry_scope if isinstance(facts.entry_scope, cst.FunctionDef) else None
+        outside = [s for s in sites if facts.resolver.enclosing_function(s.call) is not entry]
+        for site in outside:
+            self.attention(
+                site.call,
+                "--async-checkpoint: this save is outside the function that builds the model; it stays dcp.save",
+                "the future of an async save must be waited on before the next save and at the end",
+            )
+        return not outside
 
-
-def _path_key(expr, facts: ScriptFacts) -> str:
-    """A path's text, seeing through a name bound once in the function (`best_path = ...`)."""
-    if isinstance(expr, cst.Name):
-        function = facts.resolver.enclosing_function(expr)
-        values = [
-            s.body[0].value
-            for s in facts.resolver.nodes(cst.SimpleStatementLine)
-            if len(s.body) == 1
-            and isinstance(s.body[0], cst.Assign)
-            and expr.value in assigned_names(s)
-            and facts.resolver.enclosing_function(s) is function
+    def _wait_at_the_end(self, sites, facts: ScriptFacts, editor: _SaveEditor) -> None:
+        block = facts.entry_block
+        first = min(
+            (facts.resolver.statement_of(s.call) for s in sites if s.stmt in editor.assign),
+            key=lambda s: _position(s, facts),
+        )
+        top = first
+        while top not in list(block.body):
+            top = facts.resolver.parent(top)
+        # the background save runs its collectives in a gloo group of its own: on the
+        # training group they would interleave with the training's (gloo aborts)
+        setup = [
+            self.stmt(f'{self.group} = dist.new_group(backend="gloo")\n').with_changes(
+                leading_lines=[cst.EmptyLine(indent=False)]
+            ),
+            self.stmt(f"{self.future} = None\n"),
         ]
-        if len(values) == 1:
-            return code(values[0])
-    return code(expr)
+        editor.insert_before(top, setup)
+        self.add_import("torch.distributed", asname="dist")
+        wait = self.stmt(f"if {self.future} is not None:\n    {self.future}.result()\n")
+        destroy = next(
+            (
+                s
+                for s in block.body
+                if isinstance(s, cst.SimpleStatementLine)
+                and isinstance(s.body[0], cst.Expr)
+                and facts.resolver.is_call_to(s.body[0].value, {"torch.distributed.destroy_process_group"})
+            ),
+            None,
+        )
+        if destroy is not None:
+            editor.insert_before(destroy, [wait])
+        else:
+            editor.append_to(block, [wait])
+        self.change(
+            top,
+            f"async saves in a gloo group of their own (`{self.group}`); `{self.future}` holds the running "
+            "save, waited on before the next save, before a load of it and at the end",
+            "dcp.async_save stages to CPU, returns and writes in the background; its collectives must not "
+            "interleave with training's, and overlapping saves or an exit before it finishes lose the checkpoint",
+        )
 
 
-def _is_statement_call(stmt, call) -> bool:
-    return (
-        isinstance(stmt, cst.SimpleStatementLine)
-        and len(stmt.body) == 1
-        and isinstance(stmt.body[0], cst.Expr)
-        and stmt.body[0].value is call
-    )
+def _conjunction(parts) -> cst.BaseExpression:
+    expr = parts[0]
+    for p in parts[1:]:
+        expr = cst.BooleanOperation(expr, cst.And(), p)
+    return expr
 
 
-def _loaded_model(stmt, load: cst.Call, facts: ScriptFacts):
-    """`model` for the statement `model.load_state_dict(torch.load(...))` of a sharded model."""
-    if not (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Expr)):
-        return None
-    outer = stmt.body[0].value
-    if not (
-        isinstance(outer, cst.Call)
-        and isinstance(outer.func, cst.Attribute)
-        and outer.func.attr.value == "load_state_dict"
-        and isinstance(outer.func.value, cst.Name)
-        and len(outer.args) == 1
-        and outer.args[0].value is load
-    ):
-        return None
-    name = outer.func.value.value
-    return name if facts.is_model_name(name, stmt) else None
+def _descendants(node):
+    found = []
+
+    class _D(cst.CSTVisitor):
+        def on_visit(self, n) -> bool:
+            found.append(n)
+            return True
+
+    node.visit(_D())
+    return found
+
+
+def _position(stmt, facts: ScriptFacts) -> int:
+    order = facts.resolver.nodes(cst.SimpleStatementLine)
+    return next((i for i, s in enumerate(order) if s is stmt), 0)

@@ -1,7 +1,7 @@
 """rank_zero: print and log on rank 0 only; never put a collective under that gate."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import libcst as cst
 
@@ -37,7 +37,7 @@ class GateRankZeroCommand(RetrofitStage):
             return
         runs: List[List[LogSite]] = []
         for site in facts.logs:
-            test = self._rank_test(site.stmt, facts)
+            test = self.rank_zero_test(site.stmt, facts)
             if site.gated or test is None:
                 continue
             if self._may_be_collective(site.stmt, facts):
@@ -58,7 +58,7 @@ class GateRankZeroCommand(RetrofitStage):
             else:
                 runs.append([site])
         for run in runs:
-            test = self._rank_test(run[0].stmt, facts)
+            test = self.rank_zero_test(run[0].stmt, facts)
             first = run[0].stmt
             reduce, logged = self._averaged_losses(run, facts)
             if not reduce and self._join_enclosing_if(run, test, facts, editor):
@@ -148,22 +148,6 @@ class GateRankZeroCommand(RetrofitStage):
         )
         return True
 
-    def _rank_test(self, stmt, facts: ScriptFacts) -> Optional[str]:
-        """`rank == 0` after the preamble in the entry scope, `dist.get_rank() == 0` in
-        functions that receive the model; None where no process group exists yet."""
-        function = facts.resolver.enclosing_function(stmt)
-        entry_fn = facts.entry_scope if isinstance(facts.entry_scope, cst.FunctionDef) else None
-        if function is entry_fn:
-            init_stmt = facts.resolver.statement_of(facts.distributed_init)
-            block = facts.resolver.block_of(init_stmt)
-            ancestor = _ancestor_in(stmt, block, facts)
-            if ancestor is None or list(block.body).index(ancestor) < list(block.body).index(init_stmt):
-                return None
-            return f"{facts.rank_name} == 0" if facts.rank_name else "dist.get_rank() == 0"
-        if function is not None and facts.model_names.get(function):
-            return "dist.get_rank() == 0"
-        return None
-
     def _may_be_collective(self, stmt, facts: ScriptFacts) -> bool:
         models = facts.model_names.get(facts.resolver.enclosing_function(stmt), set())
         found = []
@@ -199,7 +183,7 @@ class GateRankZeroCommand(RetrofitStage):
         bars: list = []
         facts.module.visit(_Bars())
         for bar in bars:
-            test = self._rank_test(facts.resolver.statement_of(bar), facts)
+            test = self.rank_zero_test(facts.resolver.statement_of(bar), facts)
             if test is None:
                 continue
             negated = test.replace("== 0", "!= 0")
@@ -255,14 +239,6 @@ def _all_reduced_names(scope) -> set:
 
     scope.visit(_R())
     return found
-
-
-def _ancestor_in(stmt, block, facts: ScriptFacts):
-    body = list(block.body)
-    node = stmt
-    while node is not None and node not in body:
-        node = facts.resolver.parent(node)
-    return node
 
 
 def _next_statement(stmt, block):

@@ -27,6 +27,7 @@ from .forward_calls import ReplaceForwardCallsCommand
 from .launch import LaunchDistributedCommand
 from .optimizer import MoveOptimizerCommand
 from .rank_zero import GateRankZeroCommand
+from .resume import ConvertLoadsCommand
 from .shard import ShardModelCommand
 
 # Stages in one group plan their edits on the same analysis and are applied in one
@@ -41,6 +42,7 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
         ReplaceForwardCallsCommand,
         DistributeDataCommand,
         ConvertSavesCommand,
+        ConvertLoadsCommand,
         ReadGlobalGradNormCommand,
         SyncGradientsOncePerStepCommand,
         GateRankZeroCommand,

@@ -143,6 +143,14 @@ Examples:
     help="Also write an sbatch script to FILE that runs the result with `srun torchrun` (one PATH only; edit "
     "its --nodes and --gpus-per-node).",
 )
+@click.option(
+    "--export", "export", type=click.Choice(["dcp", "full"]), default="dcp", show_default=True,
+    help="Model-only saves: a DCP checkpoint directory, or one torch.save file of the full state dict (rank 0 writes).",
+)
+@click.option(
+    "--async-checkpoint", is_flag=True,
+    help="dcp.async_save (waiting on the previous save first); the process group gets a CPU backend too.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No report; errors are still printed.")
 @click.option(
     "--no-cache", is_flag=True,
@@ -166,6 +174,8 @@ def rewrite_command(
     torch_version: str,
     emit_slurm: Optional[str],
     report_format: str,
+    export: str,
+    async_checkpoint: bool,
     quiet: bool,
     no_cache: bool,
 ) -> None:
@@ -184,6 +194,8 @@ def rewrite_command(
             reshard_after_forward=reshard_after_forward,
             reduce_logs=not no_reduce_logs,
             torch_version=torch_version,
+            export=export,
+            async_checkpoint=async_checkpoint,
         ),
         out=out,
         diff=diff,

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
+EXPORTS = ("dcp", "full")
+
 
 @dataclass(frozen=True)
 class RetrofitOptions:
@@ -32,6 +34,11 @@ class RetrofitOptions:
     # the torch the output must run on, "X.Y" ("" = 2.6 and newer): before 2.6 FSDP2 lives
     # in torch.distributed._composable.fsdp
     torch_version: str = ""
+    # How model-only saves are written: "dcp" (a sharded checkpoint directory) or
+    # "full" (one torch.save file of the full state dict, written by rank 0).
+    export: str = "dcp"
+    # dcp.async_save instead of dcp.save (the process group gets a CPU backend too).
+    async_checkpoint: bool = False
 
     @property
     def fsdp_module(self) -> str:
@@ -41,6 +48,10 @@ class RetrofitOptions:
             if (major, minor) < (2, 6):
                 return "torch.distributed._composable.fsdp"
         return "torch.distributed.fsdp"
+
+    def __post_init__(self) -> None:
+        if self.export not in EXPORTS:
+            raise ValueError(f"export must be one of {', '.join(EXPORTS)}, not {self.export!r}")
 
 
 # -- [tool.fsdp2-retrofit] in pyproject.toml -----------------------------------

@@ -104,6 +104,24 @@ class RetrofitStage(CodemodCommand):
     def add_import(self, module: str, obj: Optional[str] = None, asname: Optional[str] = None) -> None:
         AddImportsVisitor.add_needed_import(self.context, module, obj, asname)
 
+    def rank_zero_test(self, stmt: cst.CSTNode, facts: ScriptFacts) -> Optional[str]:
+        """`rank == 0` after the preamble in the entry scope, `dist.get_rank() == 0` in
+        functions that receive the model; None where no process group exists yet."""
+        function = facts.resolver.enclosing_function(stmt)
+        entry_fn = facts.entry_scope if isinstance(facts.entry_scope, cst.FunctionDef) else None
+        if function is entry_fn:
+            if facts.distributed_init is None:
+                return None
+            init_stmt = facts.resolver.statement_of(facts.distributed_init)
+            block = facts.resolver.block_of(init_stmt)
+            ancestor = _ancestor_in(stmt, block, facts)
+            if ancestor is None or list(block.body).index(ancestor) < list(block.body).index(init_stmt):
+                return None
+            return f"{facts.rank_name} == 0" if facts.rank_name else "dist.get_rank() == 0"
+        if function is not None and facts.model_names.get(function):
+            return "dist.get_rank() == 0"
+        return None
+
     def fresh_name(self, wanted: str, scope_node: Optional[cst.CSTNode]) -> str:
         """`wanted`, or `wanted_1`, ... when the scope (or the module's globals) uses it."""
         cache = self.__dict__.setdefault("_visible", {})
@@ -115,6 +133,15 @@ class RetrofitStage(CodemodCommand):
             n += 1
             name = f"{wanted}_{n}"
         return name
+
+
+def _ancestor_in(stmt, block, facts: ScriptFacts):
+    """The statement of `block` that holds `stmt` (or None)."""
+    body = list(block.body)
+    node = stmt
+    while node is not None and node not in body:
+        node = facts.resolver.parent(node)
+    return node
 
 
 def _names_visible(module: cst.Module, scope_node: Optional[cst.CSTNode]) -> set:
@@ -159,6 +186,8 @@ class StatementEditor(cst.CSTTransformer):
         self.replacement: Dict[cst.CSTNode, Optional[Stmt]] = {}
         self._updated: Dict[cst.CSTNode, cst.CSTNode] = {}
         self.leading: Dict[cst.CSTNode, List[cst.EmptyLine]] = {}
+        # leading lines for an original statement placed elsewhere (inside a new `if`)
+        self.relead: Dict[cst.CSTNode, List[cst.EmptyLine]] = {}
         self._extra_work = False
 
     def has_work(self) -> bool:
@@ -206,7 +235,23 @@ class StatementEditor(cst.CSTTransformer):
         return result
 
     def _resolve(self, node: cst.CSTNode) -> cst.CSTNode:
-        return self._updated.get(node, node)
+        """The edited version of an original statement; for a new compound statement
+        built around original ones (an `if` holding moved statements), theirs."""
+        if node in self._updated:
+            resolved = self._updated[node]
+        elif isinstance(node, (cst.BaseCompoundStatement, cst.Else)) and isinstance(
+            getattr(node, "body", None), cst.IndentedBlock
+        ):
+            resolved = node.with_changes(
+                body=node.body.with_changes(body=[self._resolve(s) for s in node.body.body])
+            )
+            if getattr(node, "orelse", None) is not None:
+                resolved = resolved.with_changes(orelse=self._resolve(node.orelse))
+        else:
+            resolved = node
+        if node in self.relead:
+            resolved = resolved.with_changes(leading_lines=self.relead[node])
+        return resolved
 
     def _edit_body(self, original_block, body_orig, body_new) -> list:
         out = []
@@ -214,7 +259,7 @@ class StatementEditor(cst.CSTTransformer):
             out.extend(self._resolve(s) for s in self.before.get(orig, ()))
             if orig in self.replacement:
                 if self.replacement[orig] is not None:
-                    out.append(self.replacement[orig])
+                    out.append(self._resolve(self.replacement[orig]))
             else:
                 if orig in self.leading:
                     new = new.with_changes(leading_lines=self.leading[orig])
@@ -254,6 +299,7 @@ class CombinedEditor(StatementEditor):
                     mine[key].extend(stmts)
             self.replacement.update(editor.replacement)
             self.leading.update(editor.leading)
+            self.relead.update(editor.relead)
             self._extra_work = self._extra_work or editor._extra_work
         self.expression_editors = [e for e in editors if type(e) is not StatementEditor]
 

@@ -174,6 +174,18 @@ def test_shard_classes_reach_the_options(tmp_path, fake):
     assert fake == [RetrofitOptions(shard=("Block", "mylib.Layer"))]
 
 
+def test_checkpoint_options_reach_the_options(tmp_path, fake):
+    rewrite(script(tmp_path), "--export", "full", "--async-checkpoint", "--quiet")
+    rewrite(script(tmp_path), "--quiet")
+    assert fake == [RetrofitOptions(export="full", async_checkpoint=True), RetrofitOptions()]
+    assert RetrofitOptions().export == "dcp"
+
+
+def test_unknown_export_format_is_a_usage_error(tmp_path, fake):
+    result = rewrite(script(tmp_path), "--export", "safetensors")
+    assert result.exit_code == 2 and "safetensors" in result.output and fake == []
+
+
 # --- diff and check ----------------------------------------------------------------------
 
 

@@ -72,8 +72,10 @@ def test_retrofit_trains_like_the_original(case: Path, tmp_path: Path):
     (tmp_path / "single").mkdir()
     (tmp_path / "dist").mkdir()
     run_single(case / "input.py", run["single_args"], tmp_path / "single.pt", cwd=tmp_path / "single")
+    timeout = {"timeout": run["timeout"]} if "timeout" in run else {}  # a deadlock fails, it does not hang
     run_distributed(
-        case / "expected.py", run["dist_args"], tmp_path / "dist.pt", nproc=run.get("nproc", 2), cwd=tmp_path / "dist"
+        case / "expected.py", run["dist_args"], tmp_path / "dist.pt", nproc=run.get("nproc", 2), cwd=tmp_path / "dist",
+        **timeout,
     )
     diff = _compare(tmp_path / "single.pt", tmp_path / "dist.pt", run["weights"], run.get("single_prefix", ""))
     print(f"\n{case.name}: max |single - distributed| = {diff:.3e} (tolerance {tolerance:g})")

@@ -462,6 +462,7 @@ main()
     assert (
         "    state_dict = get_model_state_dict(model)\n"
         "    dcp.load(state_dict, checkpoint_id=best)\n"
+        "    model.reshard()\n"
         "    set_model_state_dict(model, state_dict)\n"
     ) in code
     assert '    if dist.get_rank() == 0:\n        shutil.copytree(best, "copy.pt", dirs_exist_ok=True)\n' in code
@@ -678,3 +679,317 @@ def test_a_grad_norm_read_in_place_is_read_as_a_full_tensor():
 def test_torch_version_picks_the_fsdp2_import_path(version, module):
     text = out(PLAIN, torch_version=version, mixed_precision="bf16", cpu_offload=True)
     assert f"from {module} import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard\n" in text
+
+
+def test_a_save_under_rank_zero_moves_out_and_plain_writes_stay():
+    code = out(MODEL + '''
+import json
+
+def main():
+    rank = 0
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        model(torch.ones(4)).sum().backward()
+        opt.step()
+    if rank == 0:
+        print("saving")
+        torch.save(model.state_dict(), "final.pt")
+        with open("cfg.json", "w") as f:
+            json.dump({"steps": 2}, f)
+
+main()
+''')
+    assert (
+        "    if rank == 0:\n"
+        '        print("saving")\n'
+        '    dcp.save(get_model_state_dict(model), checkpoint_id="final.pt")\n'
+        "    if rank == 0:\n"
+        '        with open("cfg.json", "w") as f:\n'
+    ) in code
+
+
+def test_a_save_under_a_rank_gate_with_an_else_is_refused():
+    source = MODEL + '''
+def main(rank):
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    if rank == 0:
+        torch.save(model.state_dict(), "final.pt")
+    else:
+        print("not saving")
+
+main(0)
+'''
+    result = rewrite(source)
+    assert result.refusals and result.refusals[0].what == "a checkpoint save inside a rank-0 branch that cannot be split"
+    save_line = dedent(source).splitlines().index('        torch.save(model.state_dict(), "final.pt")') + 1
+    assert result.refusals[0].line == save_line and result.code == dedent(source).encode()
+
+
+def test_export_full_gathers_on_every_rank_and_writes_on_rank_zero():
+    code = out(MODEL + '''
+def main():
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    torch.save(model.state_dict(), "model.pt")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, "resume.pt")
+    model.load_state_dict(torch.load("model.pt", map_location="cpu"))
+
+main()
+''', export="full")
+    assert (
+        "    model_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))\n"
+        "    if rank == 0:\n"
+        '        torch.save(model_state, "model.pt")\n'
+    ) in code
+    # a save with optimizer state stays a DCP checkpoint
+    assert 'dcp.save({"model": get_model_state_dict(model), "opt": get_optimizer_state_dict(model, opt)}, checkpoint_id="resume.pt")' in code
+    assert (
+        "    model.reshard()\n"
+        '    set_model_state_dict(model, torch.load("model.pt", map_location="cpu") if rank == 0 else {}, '
+        "options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))\n"
+    ) in code
+
+
+def test_whole_model_pickle_becomes_a_state_dict_save_and_other_data_is_untouched():
+    result = rewrite(MODEL + '''
+def main():
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(2):
+        loss = model(torch.ones(4)).sum()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    torch.save(model, "model.pt")
+    torch.save(torch.tensor(losses), "losses.pt")
+    torch.save({"losses": losses, "best": min(losses)}, "metrics.pt")
+
+main()
+''')
+    code = result.code.decode()
+    assert '    dcp.save(get_model_state_dict(model), checkpoint_id="model.pt")\n' in code
+    assert '    torch.save(torch.tensor(losses), "losses.pt")\n' in code
+    assert '    torch.save({"losses": losses, "best": min(losses)}, "metrics.pt")\n' in code
+    assert any("pickled the whole module" in a.what for a in result.attention)
+
+
+def test_an_alias_of_the_model_saves_like_the_model():
+    code = out(MODEL + '''
+def main(ddp=False):
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    raw_model = model.module if ddp else model
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    torch.save(raw_model.state_dict(), "final.pt")
+
+main()
+''')
+    assert '    dcp.save(get_model_state_dict(raw_model), checkpoint_id="final.pt")\n' in code
+
+
+def test_a_checkpoint_read_before_the_model_is_built_is_refused():
+    source = MODEL + '''
+def main():
+    checkpoint = torch.load("ckpt.pt")
+    model = Net()
+    model.load_state_dict(checkpoint["model"])
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    opt.load_state_dict(checkpoint["opt"])
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, "ckpt.pt")
+
+main()
+'''
+    result = rewrite(source)
+    assert result.refusals and result.refusals[0].what == "the checkpoint is read before `model` is built"
+    assert result.code == dedent(source).encode()
+
+
+def test_a_value_that_may_be_a_tensor_is_flagged_at_the_resume():
+    result = rewrite(MODEL + '''
+def main(resume):
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    if resume:
+        ckpt = torch.load("ckpt.pt")
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        step, loss = ckpt["step"], ckpt["loss"]
+    for step in range(2):
+        loss = model(torch.ones(4)).sum()
+        loss.backward()
+        opt.step()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "loss": loss}, "ckpt.pt")
+
+main(False)
+''')
+    code = result.code.decode()
+    assert (
+        "        ckpt = {\n"
+        '            "model": get_model_state_dict(model),\n'
+        '            "opt": get_optimizer_state_dict(model, opt),\n'
+        '            "step": None,\n'
+        '            "loss": None,\n'
+        "        }\n"
+        '        dcp.load(ckpt, checkpoint_id="ckpt.pt")\n'
+    ) in code
+    assert [a.what for a in result.attention if a.code == "resume"] == [
+        "'loss' may be saved as a tensor: its dcp.load placeholder is None"
+    ]
+
+
+def test_async_saves_wait_for_the_previous_one_and_at_the_end():
+    code = out(MODEL + '''
+def main():
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        model(torch.ones(4)).sum().backward()
+        opt.step()
+        torch.save({"model": model.state_dict(), "step": step}, "ckpt.pt")
+
+main()
+''', async_checkpoint=True)
+    assert (
+        '    checkpoint_group = dist.new_group(backend="gloo")\n'
+        "    checkpoint_future = None\n"
+        "    for step in range(4):\n"
+    ) in code
+    assert (
+        "        if checkpoint_future is not None:\n"
+        "            checkpoint_future.result()\n"
+        '        checkpoint_future = dcp.async_save({"model": get_model_state_dict(model), "step": step}, '
+        'checkpoint_id="ckpt.pt", process_group=checkpoint_group)\n'
+    ) in code
+    assert code.endswith(
+        "    if checkpoint_future is not None:\n        checkpoint_future.result()\n    dist.destroy_process_group()\n\nmain()\n"
+    )
+
+
+def test_a_rank_gated_call_of_a_saving_helper_runs_on_every_rank():
+    code = out(MODEL + '''
+def save_checkpoint(model, opt, path):
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+
+
+def main(is_main=True):
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    if is_main:
+        print("saving")
+        save_checkpoint(model, opt, "ckpt.pt")
+
+main()
+''')
+    assert '    if is_main:\n        print("saving")\n    save_checkpoint(model, opt, "ckpt.pt")\n' in code
+
+
+@pytest.mark.parametrize(
+    "test, gated",
+    [
+        ("rank == 0", True),
+        ("args.local_rank == 0", True),
+        ("dist.get_rank() == 0", True),
+        ('int(os.environ.get("RANK", 0)) == 0', True),
+        ("not rank", True),
+        ("master_process", True),
+        ("accelerator.is_main_process", True),
+        ("args.rank_loss", False),
+        ("step % 2 == 0", False),
+        ("rank == 1", False),
+    ],
+)
+def test_what_counts_as_a_rank_zero_test(test, gated):
+    import libcst as cst
+
+    from fsdp2_retrofit.analysis.checkpoints import is_rank_test
+
+    assert is_rank_test(cst.parse_expression(test)) is gated
+
+
+def test_a_save_under_a_plain_condition_that_mentions_rank_stays_under_it():
+    code = out(MODEL + '''
+def main(args):
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    if args.rank_loss:
+        torch.save(model.state_dict(), "final.pt")
+
+main(None)
+''')
+    assert '    if args.rank_loss:\n        dcp.save(get_model_state_dict(model), checkpoint_id="final.pt")\n' in code
+
+
+def test_a_scheduler_built_after_the_resume_is_refused():
+    source = MODEL + '''
+def main():
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    ckpt = torch.load("ckpt.pt")
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    sched = optim.lr_scheduler.StepLR(opt, 1)
+    sched.load_state_dict(ckpt["sched"])
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, "ckpt.pt")
+
+main()
+'''
+    result = rewrite(source)
+    assert result.refusals and result.refusals[0].what == "the checkpoint is read before `sched` is built"
+
+
+def test_a_save_under_a_rank_test_joined_by_or_is_refused():
+    result = rewrite(MODEL + '''
+def main(rank, final):
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    if final or rank == 0:
+        torch.save(model.state_dict(), "final.pt")
+
+main(0, True)
+''')
+    assert result.refusals and result.refusals[0].what == "a checkpoint save inside a rank-0 branch that cannot be split"
+
+
+def test_an_evaluation_under_no_grad_in_a_split_rank_gate_runs_on_every_rank():
+    code = out(MODEL + '''
+import json
+
+def main(master_process=True):
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    if master_process:
+        with torch.no_grad():
+            val = model(torch.ones(4)).sum().item()
+        torch.save(model.state_dict(), "final.pt")
+        with open("val.json", "w") as f:
+            json.dump({"val": val}, f)
+
+main()
+''')
+    assert (
+        "    with torch.no_grad():\n"
+        "        val = model(torch.ones(4)).sum().item()\n"
+        '    dcp.save(get_model_state_dict(model), checkpoint_id="final.pt")\n'
+        "    if master_process:\n"
+        '        with open("val.json", "w") as f:\n'
+    ) in code

@@ -449,7 +449,22 @@ class _Analyser:
                     if param not in names.setdefault(callee, set()):
                         names[callee].add(param)
                         changed = True
+        self._add_aliases(names)
         return names
+
+    def _add_aliases(self, names) -> None:
+        """`raw_model = model`, `raw_model = model.module if ddp else model`: another name
+        for the same model, in the same function."""
+        for stmt in self.r.nodes(cst.SimpleStatementLine):
+            if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
+                continue
+            assign = stmt.body[0]
+            if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
+                continue
+            function = self.r.enclosing_function(stmt)
+            known = names.get(function, set())
+            if known and _aliases_model(assign.value, known):
+                known.add(assign.targets[0].target.value)
 
     def _local_calls(self):
         """(call, function) for every call of a top-level function of the script."""
@@ -723,6 +738,15 @@ class _Analyser:
 
 
 # -- small helpers -----------------------------------------------------------
+
+
+def _aliases_model(expr, known: Set[str]) -> bool:
+    """`model`, `model.module`, `model._orig_mod`, or a conditional choosing one of them."""
+    if isinstance(expr, cst.IfExp):
+        return _aliases_model(expr.body, known) or _aliases_model(expr.orelse, known)
+    if isinstance(expr, cst.Attribute) and expr.attr.value in ("module", "_orig_mod"):
+        expr = expr.value
+    return isinstance(expr, cst.Name) and expr.value in known
 
 
 def _innermost_call(expr) -> Optional[cst.Call]:

@@ -1,0 +1,346 @@
+"""resume: loads of checkpoints into the sharded model and optimizer.
+
+A path this script saves with DCP is loaded with dcp.load into state dicts built
+from the sharded model and optimizer, then set_*_state_dict; a single file (an
+--export full save, or weights from elsewhere) is loaded with full_state_dict and
+broadcast_from_rank0. Copies of a checkpoint directory become copytree on rank 0.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Set
+
+import libcst as cst
+
+from fsdp2_retrofit.analysis import ScriptFacts, code
+from fsdp2_retrofit.analysis.names import assigned_names
+from fsdp2_retrofit.analysis.checkpoints import (
+    LoadSite,
+    LoadUse,
+    calls_to,
+    loads,
+    may_be_tensor,
+    path_key,
+    save_format,
+    saves,
+)
+from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+
+from .checkpoint import FUTURE, STATE_DICT_MODULE
+
+COPIES = {"shutil.copy", "shutil.copyfile", "shutil.copy2"}
+READERS = {"shutil.move", "builtins.open", "os.path.getsize"} | COPIES
+BROADCAST = "StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)"
+
+
+class ConvertLoadsCommand(RetrofitStage):
+    DESCRIPTION = "Load checkpoints into the sharded model and optimizer (dcp.load + set_*_state_dict)."
+    CODE = "resume"
+
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
+        if not facts.models:
+            return
+        self.dcp_paths: Dict[str, List] = {}
+        self.full_paths: Set[str] = set()
+        self.dcp_keys: Set[str] = set()
+        self.async_saves: List[cst.CSTNode] = []
+        self.saved_values: Dict[str, cst.BaseExpression] = {}  # dict key -> the value a DCP save writes
+        for site in saves(facts):
+            form = save_format(site, self.options.export)
+            if form == "dcp":
+                self.dcp_paths.setdefault(site.path_key, []).append(site)
+                self.dcp_keys |= set(site.dict_keys)
+                if isinstance(site.state, cst.Dict):
+                    for e in site.state.elements:
+                        if isinstance(e, cst.DictElement) and isinstance(e.key, cst.SimpleString):
+                            self.saved_values.setdefault(e.key.evaluated_value, e.value)
+                self.async_saves.append(site.stmt)
+            elif form == "full":
+                self.full_paths.add(site.path_key)
+        for site in loads(facts):
+            self._convert_load(site, facts, editor)
+        self._other_readers(facts, editor)
+
+    # -- torch.load ---------------------------------------------------------------
+
+    def _convert_load(self, site: LoadSite, facts: ScriptFacts, editor: StatementEditor) -> None:
+        state_uses = [u for u in site.uses if u.kind in ("model", "optimizer")]
+        resumes = any(u.kind == "optimizer" for u in state_uses) or bool(
+            site.var and {u.key for u in site.uses if u.key} & self.dcp_keys
+        )
+        if site.path_key in self.full_paths or (
+            site.path_key not in self.dcp_paths and state_uses and not resumes
+        ):
+            if state_uses:
+                self._load_full(site, state_uses, facts, editor)
+            return
+        if site.path_key not in self.dcp_paths and not resumes:
+            return
+        if site.unknown_use is not None or not state_uses or (
+            site.var and any(u.key is None for u in site.uses) and len(site.uses) > 1
+        ):
+            self.attention(
+                site.call,
+                f"reads `{code(site.path)}`, which is now a DCP checkpoint directory",
+                "torch.load cannot read it, and the tool cannot follow every read of what it returns: "
+                "load it with dcp.load into get_model_state_dict(model) / get_optimizer_state_dict(model, optimizer) "
+                "and set_model_state_dict / set_optimizer_state_dict",
+            )
+            return
+        self._require_built(site, state_uses + [u for u in site.uses if u.kind == "stateful"], facts)
+        self._load_dcp(site, facts, editor)
+
+    def _require_built(self, site: LoadSite, uses: List[LoadUse], facts: ScriptFacts) -> None:
+        """DCP loads into the model's own (sharded) state dict: it must exist first."""
+        order = {id(s): i for i, s in enumerate(facts.resolver.nodes(cst.SimpleStatementLine))}
+        at = order.get(id(site.stmt), 0)
+        function = facts.resolver.enclosing_function(site.stmt)
+        for use in uses:
+            bindings = [
+                order.get(id(s), 0)
+                for s in facts.resolver.nodes(cst.SimpleStatementLine)
+                if facts.resolver.enclosing_function(s) is function and use.owner in assigned_names(s)
+            ]
+            if bindings and min(bindings) > at:
+                self.refuse(
+                    site.call,
+                    f"the checkpoint is read before `{use.owner}` is built",
+                    "dcp.load fills the state dicts of the sharded model, its optimizer and scheduler, so they "
+                    "must exist when the checkpoint is loaded",
+                    f"build `{use.owner}` before loading, then load its state",
+                )
+            if use.kind == "optimizer" and not use.model:
+                self.refuse(
+                    site.call,
+                    f"`{use.owner}` trains several models",
+                    "get_optimizer_state_dict / set_optimizer_state_dict take the one model the optimizer trains",
+                )
+
+    def _load_dcp(self, site: LoadSite, facts: ScriptFacts, editor: StatementEditor) -> None:
+        scope = facts.resolver.enclosing_function(site.stmt)
+        path = code(site.path)
+        new: List[cst.CSTNode] = []
+        if site.var is None:  # model.load_state_dict(torch.load(path))
+            use = site.uses[0]
+            var = self.fresh_name("state_dict" if use.kind == "model" else "optim_state_dict", scope)
+            self.__dict__["_visible"][id(scope)].add(var)
+            new.append(self.stmt(f"{var} = {_template(use)}\n"))
+            new.extend(self._dcp_load(var, path, site, facts))
+            new.extend(self._reshard(use, facts))
+            new.append(self.stmt(_setter(use, var)))
+            editor.replace(site.stmt, new[0].with_changes(leading_lines=site.stmt.leading_lines))
+            editor.insert_after(site.stmt, new[1:])
+        else:
+            var = site.var
+            whole = [u for u in site.uses if u.key is None]
+            if whole:
+                template = _template(whole[0])
+            else:
+                entries: Dict[str, str] = {}
+                for use in site.uses:
+                    entries.setdefault(use.key, _template(use))
+                template = self._dict_text(entries, site.stmt)
+            editor.replace(
+                site.stmt, self.stmt(f"{var} = {template}\n").with_changes(leading_lines=site.stmt.leading_lines)
+            )
+            editor.insert_after(site.stmt, self._dcp_load(var, path, site, facts))
+            for use in site.uses:
+                if use.kind in ("model", "optimizer"):
+                    self._replace_load(use, self.stmt(_setter(use, code(use.node))), facts, editor)
+        kinds = {u.kind for u in site.uses}
+        if any(_strict_option(u.call) for u in site.uses if u.kind in ("model", "optimizer")):
+            self.add_import(STATE_DICT_MODULE, "StateDictOptions")
+        self.add_import("torch.distributed.checkpoint", asname="dcp")
+        if "model" in kinds:
+            self.add_import(STATE_DICT_MODULE, "get_model_state_dict")
+            self.add_import(STATE_DICT_MODULE, "set_model_state_dict")
+        if "optimizer" in kinds:
+            self.add_import(STATE_DICT_MODULE, "get_optimizer_state_dict")
+            self.add_import(STATE_DICT_MODULE, "set_optimizer_state_dict")
+        tensors = sorted(
+            {u.key for u in site.uses if u.kind == "value" and may_be_tensor(self.saved_values.get(u.key), facts)}
+        )
+        if tensors:
+            self.attention(
+                site.stmt,
+                f"{', '.join(repr(k) for k in tensors)} may be saved as a tensor: its dcp.load placeholder is None",
+                "dcp.load needs a tensor of the saved shape to load a tensor into (e.g. `torch.zeros(())` "
+                "for a scalar loss); save plain values with .item() or give the placeholder",
+            )
+        loaded = ", ".join(sorted({f"`{u.owner}`" for u in site.uses if u.kind in ("model", "optimizer")}))
+        others = sorted({u.key for u in site.uses if u.kind in ("stateful", "value") and u.key})
+        self.change(
+            site.stmt,
+            f"load `{path}` with dcp.load into the state dicts of the sharded {loaded}, then set_*_state_dict"
+            + (f"; {', '.join(repr(k) for k in others)} restored from the checkpoint as saved" if others else ""),
+            "the checkpoint is a DCP directory of shards: each rank reads its own, for any number of ranks "
+            "(os.path.exists still finds it)",
+            "torch.load of a DCP directory fails; plain tensors loaded into DTensor parameters are wrong",
+        )
+
+    def _replace_load(self, use: LoadUse, new: cst.CSTNode, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """`owner.load_state_dict(...)` -> `new`, after a reshard where the model may be unsharded."""
+        reshard = self._reshard(use, facts)
+        if reshard:
+            editor.insert_before(use.stmt, [reshard[0].with_changes(leading_lines=use.stmt.leading_lines)])
+            editor.replace(use.stmt, new)
+        else:
+            editor.replace(use.stmt, new.with_changes(leading_lines=use.stmt.leading_lines))
+
+    def _reshard(self, use: LoadUse, facts: ScriptFacts) -> List[cst.CSTNode]:
+        """`model.reshard()` before loading into a model that may have run a forward
+        without a backward since (an evaluation): FSDP2 leaves the root unit's parameters
+        unsharded then, and load_state_dict cannot copy DTensors into them. Not needed
+        before a training loop of the same function has started."""
+        if use.kind != "model":
+            return []
+        function = facts.resolver.enclosing_function(use.stmt)
+        order = {id(s): i for i, s in enumerate(facts.resolver.nodes(cst.SimpleStatementLine))}
+        at = order.get(id(use.stmt), 0)
+        loops = [l for l in facts.loops if l.function is function]
+        if loops and all(_first_line(l.node, order) > at for l in loops):
+            return []
+        return [self.stmt(f"{use.owner}.reshard()\n")]
+
+    def _dcp_load(self, var: str, path: str, site: LoadSite, facts: ScriptFacts) -> List[cst.CSTNode]:
+        """dcp.load, after a running async save (earlier in the same function) finishes."""
+        function = facts.resolver.enclosing_function(site.stmt)
+        order = {id(s): i for i, s in enumerate(facts.resolver.nodes(cst.SimpleStatementLine))}
+        earlier_save = any(
+            facts.resolver.enclosing_function(s) is function and order.get(id(s), 0) < order.get(id(site.stmt), 0)
+            for s in self.async_saves
+        )
+        load = self.stmt(f"dcp.load({var}, checkpoint_id={path})\n")
+        if not (self.options.async_checkpoint and earlier_save):
+            return [load]
+        future = self.fresh_name(FUTURE, function)
+        return [self.stmt(f"if {future} is not None:\n    {future}.result()\n"), load]
+
+    def _dict_text(self, entries: Dict[str, str], stmt) -> str:
+        items = [f'"{k}": {v}' for k, v in entries.items()]
+        one_line = "{" + ", ".join(items) + "}"
+        indent = self._indent_of(stmt)
+        if len(indent) + len(one_line) + 12 <= 100:
+            return one_line
+        # continuation lines are relative to the statement's own indentation
+        inner = self.config.default_indent
+        return "{\n" + "".join(f"{inner}{item},\n" for item in items) + "}"
+
+    def _indent_of(self, stmt) -> str:
+        depth = sum(1 for a in self.facts.resolver.ancestors(stmt) if isinstance(a, cst.IndentedBlock))
+        return self.config.default_indent * depth
+
+    def _load_full(self, site: LoadSite, uses: List[LoadUse], facts: ScriptFacts, editor: StatementEditor) -> None:
+        """A single full-state file into the sharded model: rank 0 reads it, its tensors
+        are broadcast and each rank keeps its shard."""
+        converted = False
+        for use in uses:
+            if use.kind != "model":
+                self.attention(
+                    use.stmt,
+                    f"loads a single-file optimizer state into `{use.owner}`",
+                    "use set_optimizer_state_dict(model, optimizer, state, "
+                    "options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))",
+                )
+                continue
+            if site.var is None:  # only rank 0 reads the file
+                test = self.rank_zero_test(use.stmt, facts) or "dist.get_rank() == 0"
+                if test.startswith("dist."):
+                    self.add_import("torch.distributed", asname="dist")
+                arg = f"{code(use.call.args[0].value)} if {test} else {{}}"
+            else:
+                arg = code(use.node)
+            setter = self.stmt(f"set_model_state_dict({use.owner}, {arg}, options={BROADCAST})\n")
+            self._replace_load(use, setter, facts, editor)
+            self.add_import(STATE_DICT_MODULE, "set_model_state_dict")
+            self.add_import(STATE_DICT_MODULE, "StateDictOptions")
+            converted = True
+            self.change(
+                use.stmt,
+                f"load the single file `{code(site.path)}` into the sharded `{use.owner}` with "
+                "set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)",
+                "rank 0's full tensors are broadcast and each rank keeps its shard",
+                "load_state_dict of plain tensors into DTensor parameters fails",
+            )
+        if converted and site.var is not None and site.path_key in self.full_paths:
+            # every rank reads the file rank 0 wrote: wait until it is written
+            barrier = self.stmt("dist.barrier()\n").with_changes(leading_lines=site.stmt.leading_lines)
+            editor.insert_before(site.stmt, [barrier])
+            editor.set_leading_lines(site.stmt, [])
+            self.add_import("torch.distributed", asname="dist")
+
+    # -- other readers ------------------------------------------------------------
+
+    def _other_readers(self, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """A copy of a checkpoint directory becomes a copytree on rank 0; other reads are reported."""
+        for call in calls_to(facts, READERS):
+            if not call.args or path_key(call.args[0].value, facts) not in self.dcp_paths:
+                continue
+            path = code(call.args[0].value)
+            stmt = facts.resolver.statement_of(call)
+            if _is_statement_call(stmt, call) and facts.resolver.is_call_to(call, COPIES) and len(call.args) == 2:
+                dst = code(call.args[1].value)
+                editor.replace(
+                    stmt,
+                    self.stmt(
+                        f"if dist.get_rank() == 0:\n    shutil.copytree({path}, {dst}, dirs_exist_ok=True)\n"
+                    ).with_changes(leading_lines=stmt.leading_lines),
+                )
+                self.add_import("torch.distributed", asname="dist")
+                self.change(
+                    stmt,
+                    f"copy the checkpoint directory `{path}` with shutil.copytree, on rank 0",
+                    "the checkpoint is now a directory; one rank copies it (a plain file operation)",
+                    "copyfile of a directory fails",
+                )
+            else:
+                self.attention(
+                    call,
+                    f"reads `{path}`, which is now a DCP checkpoint directory",
+                    "load it with dcp.load into get_model_state_dict(model) and set_model_state_dict, "
+                    "or copy it with shutil.copytree (on one rank)",
+                )
+
+
+def _first_line(node, order) -> int:
+    """The position of the first simple statement inside `node`."""
+    found = []
+
+    class _F(cst.CSTVisitor):
+        def visit_SimpleStatementLine(self, n) -> bool:
+            found.append(order.get(id(n), 0))
+            return False
+
+    node.visit(_F())
+    return min(found) if found else 0
+
+
+def _template(use: LoadUse) -> str:
+    """What dcp.load fills for one read of the checkpoint."""
+    if use.kind == "model":
+        return f"get_model_state_dict({use.owner})"
+    if use.kind == "optimizer":
+        return f"get_optimizer_state_dict({use.model}, {use.owner})"
+    if use.kind == "stateful":
+        return f"{use.owner}.state_dict()"
+    return "None"  # a plain value (step, epoch): DCP restores it as saved
+
+
+def _setter(use: LoadUse, state: str) -> str:
+    options = _strict_option(use.call)
+    if use.kind == "model":
+        return f"set_model_state_dict({use.owner}, {state}{options})\n"
+    return f"set_optimizer_state_dict({use.model}, {use.owner}, {state}{options})\n"
+
+
+def _strict_option(call: Optional[cst.Call]) -> str:
+    strict = next((a.value for a in call.args[1:] if a.keyword is None or a.keyword.value == "strict"), None) if call else None
+    return f", options=StateDictOptions(strict={code(strict)})" if strict is not None else ""
+
+
+def _is_statement_call(stmt, call) -> bool:
+    return (
+        isinstance(stmt, cst.SimpleStatementLine)
+        and len(stmt.body) == 1
+        and isinstance(stmt.body[0], cst.Expr)
+        and stmt.body[0].value is call
+    )

@@ -1,0 +1,410 @@
+"""Checkpoint sites of a script: what each torch.save writes, what each torch.load
+feeds, and the rank-0 branches around them.
+
+The checkpoint stages ask these questions; the answers are computed on demand
+(most scripts save once or twice), from the facts of one analysis.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import libcst as cst
+
+from .facts import ScriptFacts
+from .names import assigned_names, code
+
+SAVE = {"torch.save", "torch.serialization.save"}
+LOAD = {"torch.load", "torch.serialization.load"}
+
+
+@dataclass
+class StateCall:
+    """A `x.state_dict()` call of a model or optimizer inside a saved object."""
+
+    call: cst.Call
+    kind: str  # "model" | "optimizer"
+    owner: str  # the name it is called on
+    model: str  # the model (for an optimizer: the model it trains)
+
+
+@dataclass
+class SaveSite:
+    call: cst.Call
+    stmt: cst.CSTNode
+    state: cst.BaseExpression  # what is saved, seen through a name bound just before
+    path: cst.BaseExpression
+    path_key: str
+    state_calls: List[StateCall] = field(default_factory=list)
+    whole_model: Optional[str] = None  # torch.save(model, path)
+    dict_keys: Tuple[str, ...] = ()  # the keys of a saved dict literal
+
+    @property
+    def model_only(self) -> bool:
+        return bool(self.state_calls) and all(s.kind == "model" for s in self.state_calls)
+
+
+@dataclass
+class LoadUse:
+    """One read of what torch.load returned."""
+
+    node: cst.CSTNode  # the expression that reads it (`ckpt["model"]`, `ckpt`)
+    stmt: cst.CSTNode
+    key: Optional[str]  # None: the whole object
+    kind: str  # "model" | "optimizer" | "stateful" (other .load_state_dict) | "value"
+    owner: Optional[str] = None  # the object whose load_state_dict receives it
+    model: Optional[str] = None
+    call: Optional[cst.Call] = None  # the load_state_dict call
+
+
+@dataclass
+class LoadSite:
+    call: cst.Call  # torch.load(...)
+    stmt: cst.CSTNode
+    path: cst.BaseExpression
+    path_key: str
+    var: Optional[str]  # `ckpt = torch.load(...)`; None for `model.load_state_dict(torch.load(...))`
+    uses: List[LoadUse] = field(default_factory=list)
+    unknown_use: Optional[cst.CSTNode] = None  # a read that is not `ckpt[KEY]` / `ckpt.get(KEY)`
+
+    @property
+    def loads_state(self) -> bool:
+        return any(u.kind in ("model", "optimizer") for u in self.uses)
+
+
+def save_format(site: SaveSite, export: str) -> Optional[str]:
+    """How a save is written after the rewrite: "dcp" (a checkpoint directory), "full"
+    (one torch.save file of the full state dict, --export full), None (left alone)."""
+    if not site.state_calls and site.whole_model is None:
+        return None
+    if export == "full" and (site.whole_model is not None or site.model_only):
+        return "full"
+    return "dcp"
+
+
+def calls_to(facts: ScriptFacts, names) -> List[cst.Call]:
+    return [c for c in facts.resolver.nodes(cst.Call) if facts.resolver.is_call_to(c, names)]
+
+
+def bound_value(name: str, node: cst.CSTNode, facts: ScriptFacts) -> Optional[cst.BaseExpression]:
+    """The value `name` was last given in the same block before `node`'s statement."""
+    stmt = facts.resolver.statement_of(node)
+    block = facts.resolver.block_of(stmt)
+    if block is None:
+        return None
+    body = list(block.body)
+    for earlier in reversed(body[: body.index(stmt)]):
+        if name in assigned_names(earlier):
+            small = earlier.body[0]
+            return small.value if isinstance(small, cst.Assign) and len(earlier.body) == 1 else None
+    return None
+
+
+def binding_statement(name: str, node: cst.CSTNode, facts: ScriptFacts) -> Optional[cst.CSTNode]:
+    stmt = facts.resolver.statement_of(node)
+    block = facts.resolver.block_of(stmt)
+    if block is None:
+        return None
+    body = list(block.body)
+    for earlier in reversed(body[: body.index(stmt)]):
+        if name in assigned_names(earlier):
+            return earlier
+    return None
+
+
+def path_key(expr, facts: ScriptFacts) -> str:
+    """A path's text, seeing through a name bound once in the function (`best_path = ...`)."""
+    if isinstance(expr, cst.Name):
+        function = facts.resolver.enclosing_function(expr)
+        values = [
+            s.body[0].value
+            for s in facts.resolver.nodes(cst.SimpleStatementLine)
+            if len(s.body) == 1
+            and isinstance(s.body[0], cst.Assign)
+            and expr.value in assigned_names(s)
+            and facts.resolver.enclosing_function(s) is function
+        ]
+        if len(values) == 1:
+            return code(values[0])
+    return code(expr)
+
+
+def _arg(call: cst.Call, index: int, keyword: str) -> Optional[cst.BaseExpression]:
+    for a in call.args:
+        if a.keyword is not None and a.keyword.value == keyword:
+            return a.value
+    positional = [a for a in call.args if a.keyword is None and not a.star]
+    return positional[index].value if len(positional) > index else None
+
+
+def saves(facts: ScriptFacts) -> List[SaveSite]:
+    """Every torch.save of the script, with the model/optimizer state it writes."""
+    out = []
+    for call in calls_to(facts, SAVE):
+        obj, path = _arg(call, 0, "obj"), _arg(call, 1, "f")
+        if obj is None or path is None:
+            continue
+        function = facts.resolver.enclosing_function(call)
+        models = facts.model_names.get(function, set())
+        optimizers = facts.optimizer_names.get(function, {})
+        state = obj
+        if isinstance(obj, cst.Name) and obj.value not in models:
+            state = bound_value(obj.value, call, facts)
+            if state is None:
+                continue
+        site = SaveSite(call, facts.resolver.statement_of(call), state, path, path_key(path, facts))
+        if isinstance(state, cst.Name) and state.value in models:
+            site.whole_model = state.value
+        for sd in _state_dict_calls(state):
+            owner = sd.func.value
+            if not isinstance(owner, cst.Name):
+                continue
+            if owner.value in models:
+                site.state_calls.append(StateCall(sd, "model", owner.value, owner.value))
+            elif owner.value in optimizers and optimizers[owner.value]:
+                site.state_calls.append(StateCall(sd, "optimizer", owner.value, optimizers[owner.value]))
+        if isinstance(state, cst.Dict):
+            site.dict_keys = tuple(
+                e.key.evaluated_value
+                for e in state.elements
+                if isinstance(e, cst.DictElement) and isinstance(e.key, cst.SimpleString)
+            )
+        out.append(site)
+    return out
+
+
+def loads(facts: ScriptFacts) -> List[LoadSite]:
+    """Every torch.load of the script and what reads its result."""
+    out = []
+    for call in calls_to(facts, LOAD):
+        path = _arg(call, 0, "f")
+        if path is None:
+            continue
+        stmt = facts.resolver.statement_of(call)
+        site = LoadSite(call, stmt, path, path_key(path, facts), None)
+        parent = facts.resolver.parent(call)
+        if (
+            isinstance(stmt, cst.SimpleStatementLine)
+            and len(stmt.body) == 1
+            and isinstance(stmt.body[0], cst.Assign)
+            and stmt.body[0].value is call
+            and len(stmt.body[0].targets) == 1
+            and isinstance(stmt.body[0].targets[0].target, cst.Name)
+        ):
+            site.var = stmt.body[0].targets[0].target.value
+            _collect_uses(site, facts)
+        elif isinstance(parent, cst.Arg):
+            use = _load_state_dict_use(call, None, stmt, facts)
+            if use is not None:
+                site.uses.append(use)
+        out.append(site)
+    return out
+
+
+def _collect_uses(site: LoadSite, facts: ScriptFacts) -> None:
+    r = facts.resolver
+    function = r.enclosing_function(site.stmt)
+    target = site.stmt.body[0].targets[0].target
+    after = False
+    for name in r.nodes(cst.Name):
+        if name is target:
+            after = True
+            continue
+        if not after or name.value != site.var or r.enclosing_function(name) is not function:
+            continue
+        parent = r.parent(name)
+        if isinstance(parent, cst.Attribute) and parent.attr is name:  # `args.ckpt`
+            continue
+        stmt = r.statement_of(name)
+        if stmt is site.stmt:
+            continue
+        if site.var in assigned_names(stmt):  # rebound: later reads are of something else
+            break
+        if isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], cst.Del):
+            continue
+        key = None
+        node = name
+        if isinstance(parent, cst.Subscript) and len(parent.slice) == 1:
+            index = parent.slice[0].slice
+            if isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString):
+                key, node = index.value.evaluated_value, parent
+        elif isinstance(parent, cst.Attribute) and parent.attr.value == "get":
+            call = r.parent(parent)
+            if isinstance(call, cst.Call) and call.args and isinstance(call.args[0].value, cst.SimpleString):
+                key, node = call.args[0].value.evaluated_value, call
+        use = _load_state_dict_use(node, key, stmt, facts)
+        if use is not None:
+            site.uses.append(use)
+        elif key is not None:
+            site.uses.append(LoadUse(node, stmt, key, "value"))
+        elif site.unknown_use is None:
+            site.unknown_use = name
+
+
+def _load_state_dict_use(node, key, stmt, facts: ScriptFacts) -> Optional[LoadUse]:
+    """`owner.load_state_dict(node)` as a statement of its own."""
+    r = facts.resolver
+    arg = r.parent(node)
+    call = r.parent(arg) if isinstance(arg, cst.Arg) else None
+    if not (
+        isinstance(call, cst.Call)
+        and isinstance(call.func, cst.Attribute)
+        and call.func.attr.value == "load_state_dict"
+        and isinstance(call.func.value, cst.Name)
+        and call.args[0] is arg
+        and isinstance(stmt, cst.SimpleStatementLine)
+        and len(stmt.body) == 1
+        and isinstance(stmt.body[0], cst.Expr)
+        and stmt.body[0].value is call
+    ):
+        return None
+    owner = call.func.value.value
+    function = r.enclosing_function(call)
+    optimizers = facts.optimizer_names.get(function, {})
+    if owner in facts.model_names.get(function, set()):
+        return LoadUse(node, stmt, key, "model", owner, owner, call)
+    if owner in optimizers:
+        return LoadUse(node, stmt, key, "optimizer", owner, optimizers[owner], call)
+    return LoadUse(node, stmt, key, "stateful", owner, None, call)
+
+
+def _state_dict_calls(node) -> List[cst.Call]:
+    found = []
+
+    class _S(cst.CSTVisitor):
+        def visit_Call(self, n: cst.Call) -> None:
+            if isinstance(n.func, cst.Attribute) and n.func.attr.value == "state_dict" and not n.args:
+                found.append(n)
+
+    node.visit(_S())
+    return found
+
+
+PLAIN_CALLS = {"int", "float", "len", "round", "str", "bool", "min", "max", "sum", "abs", "dict", "list", "vars"}
+
+
+def may_be_tensor(expr: Optional[cst.BaseExpression], facts: ScriptFacts) -> bool:
+    """Whether a saved value might be a tensor (`loss`), not a plain Python value
+    (`step`, `epoch`, `loss.item()`, a literal): a name counts when an assignment in its
+    function binds it to a call other than int(), float(), len(), ..."""
+    if expr is None:
+        return False
+    if isinstance(expr, (cst.BaseNumber, cst.BaseString, cst.Dict, cst.List, cst.Tuple)):
+        return False
+    if isinstance(expr, cst.Call):
+        func = expr.func
+        if isinstance(func, cst.Attribute) and func.attr.value in ("item", "tolist", "state_dict"):
+            return False
+        return not (isinstance(func, cst.Name) and func.value in PLAIN_CALLS)
+    if isinstance(expr, cst.Name):
+        function = facts.resolver.enclosing_function(expr)
+        for stmt in facts.resolver.nodes(cst.SimpleStatementLine):
+            if facts.resolver.enclosing_function(stmt) is not function or expr.value not in assigned_names(stmt):
+                continue
+            small = stmt.body[0]
+            if isinstance(small, cst.Assign) and isinstance(small.value, cst.Call) and may_be_tensor(small.value, facts):
+                return True
+        return False
+    return isinstance(expr, (cst.Subscript, cst.Attribute, cst.BinaryOperation))
+
+
+MAIN_FLAGS = ("master", "is_main", "main_process", "rank_zero", "rank0")
+
+
+def is_rank_test(expr) -> bool:
+    """A test that is true on one rank only: `rank == 0`, `args.local_rank == 0`,
+    `dist.get_rank() == 0`, `not rank`, `master_process`, `is_main_process()`.
+    (`args.rank_loss` or `step % N == 0` are not.)"""
+    if isinstance(expr, cst.Comparison) and len(expr.comparisons) == 1:
+        target = expr.comparisons[0]
+        sides = [expr.left, target.comparator]
+        zero = [s for s in sides if isinstance(s, cst.Integer) and s.value == "0"]
+        other = [s for s in sides if s not in zero]
+        return (
+            isinstance(target.operator, (cst.Equal, cst.Is))
+            and len(zero) == 1
+            and len(other) == 1
+            and _last_name(other[0]).endswith("rank")
+        )
+    if isinstance(expr, cst.UnaryOperation) and isinstance(expr.operator, cst.Not):
+        return _last_name(expr.expression).endswith("rank")
+    if isinstance(expr, cst.Call) and not expr.args:
+        return any(flag in _last_name(expr.func) for flag in MAIN_FLAGS)
+    if isinstance(expr, (cst.Name, cst.Attribute)):
+        return any(flag in _last_name(expr) for flag in MAIN_FLAGS)
+    return False
+
+
+def _last_name(expr) -> str:
+    """`local_rank` for `args.local_rank`, `get_rank` for `dist.get_rank()`,
+    `rank` for `int(os.environ["RANK"])`."""
+    while isinstance(expr, cst.Call):
+        func = expr.func
+        if isinstance(func, cst.Name) and func.value == "int" and expr.args:
+            expr = expr.args[0].value
+        elif isinstance(func, cst.Attribute) and func.attr.value == "get" and expr.args and isinstance(
+            expr.args[0].value, cst.SimpleString
+        ):
+            return expr.args[0].value.evaluated_value.lower()  # os.environ.get("RANK", 0)
+        else:
+            expr = func
+    if isinstance(expr, cst.Subscript) and len(expr.slice) == 1:
+        index = expr.slice[0].slice
+        if isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString):
+            return index.value.evaluated_value.lower()
+    if isinstance(expr, cst.Attribute):
+        return expr.attr.value.lower()
+    return expr.value.lower() if isinstance(expr, cst.Name) else ""
+
+
+def rank_gate(node: cst.CSTNode, facts: ScriptFacts) -> Optional[cst.If]:
+    """The innermost `if` of the same function around `node` whose test mentions a rank."""
+    for anc in facts.resolver.ancestors(node):
+        if isinstance(anc, cst.FunctionDef):
+            return None
+        if isinstance(anc, cst.If) and mentions_rank_test(anc.test) and _in_body(node, anc, facts):
+            return anc
+    return None
+
+
+def mentions_rank_test(expr) -> bool:
+    """A rank test anywhere in `expr` (`step % N == 0 and master_process`, `a or rank == 0`)."""
+    found = []
+
+    class _R(cst.CSTVisitor):
+        def on_visit(self, node) -> bool:
+            if isinstance(node, cst.BaseExpression) and is_rank_test(node):
+                found.append(node)
+            return not found
+
+    expr.visit(_R())
+    return bool(found)
+
+
+def _in_body(node, if_node: cst.If, facts: ScriptFacts) -> bool:
+    for anc in facts.resolver.ancestors(node):
+        if anc is if_node.body:
+            return True
+        if anc is if_node:
+            return False
+    return False
+
+
+def split_rank_test(test: cst.BaseExpression) -> Tuple[List[cst.BaseExpression], List[cst.BaseExpression]]:
+    """(rank conjuncts, other conjuncts) of an `a and b and ...` test; ([], []) when a
+    rank test sits under `or`/`not`, where no split keeps the meaning."""
+    parts: List[cst.BaseExpression] = []
+
+    def flatten(e):
+        if isinstance(e, cst.BooleanOperation) and isinstance(e.operator, cst.And) and not e.lpar:
+            flatten(e.left)
+            flatten(e.right)
+        else:
+            parts.append(e)
+
+    flatten(test)
+    rank = [p for p in parts if is_rank_test(p)]
+    other = [p for p in parts if not is_rank_test(p)]
+    if any(isinstance(p, (cst.BooleanOperation, cst.UnaryOperation)) for p in rank):
+        return [], []
+    return rank, other

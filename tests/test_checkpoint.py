@@ -1,0 +1,141 @@
+"""Execution tests of checkpoints: a resumed run equals the uninterrupted one, on
+any number of ranks.
+
+For every fixture with a ``[resume]`` table in its case.toml: ``expected.py``
+trains K steps on 2 ranks and saves; the checkpoint is then resumed for K more
+steps on each of ``ranks`` (the global batch kept: the per-rank batch is
+``global_batch // ranks``), and the final weights must equal those of
+``input.py`` run uninterrupted for 2K steps in one process (max abs diff <= the
+case's tolerance). ``pytest -s`` shows the measured differences.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from harness import load_weights, max_abs_diff, run_distributed, run_single, select
+
+if os.environ.get("CI"):
+    import torch  # CI installs the test extra: a missing torch must fail there, not skip
+else:
+    torch = pytest.importorskip("torch", reason="the execution tests need torch (pip install -e .[test])")
+
+try:
+    import tomllib
+except ImportError:  # Python < 3.11
+    tomllib = None
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "rewrite"
+DEFAULT_TOLERANCE = 1e-4
+
+
+def _config(case: Path) -> dict:
+    if tomllib is None:
+        pytest.skip("reading case.toml needs Python 3.11+ (tomllib)")
+    return tomllib.loads((case / "case.toml").read_text(encoding="utf-8"))
+
+
+def _resume_cases():
+    out = []
+    for case in sorted(p for p in FIXTURES.iterdir() if (p / "case.toml").is_file()):
+        text = (case / "case.toml").read_text(encoding="utf-8")
+        if "[resume]" not in text:
+            continue
+        ranks = [2, 1, 4]
+        if tomllib is not None:
+            ranks = tomllib.loads(text)["resume"].get("ranks", ranks)
+        out.extend(pytest.param(case, n, id=f"{case.name}-2to{n}") for n in ranks)
+    return out
+
+
+@pytest.fixture(scope="module")
+def first_runs(tmp_path_factory):
+    """Per case: the uninterrupted single-process reference, and the 2-rank run that
+    trains the first K steps and leaves its checkpoint behind (each run once)."""
+    done = {}
+
+    def get(case: Path):
+        if case.name not in done:
+            config = _config(case)
+            resume, weights = config["resume"], config["run"]["weights"]
+            root = tmp_path_factory.mktemp(case.name)
+            (root / "ref").mkdir()
+            (root / "first").mkdir()
+            run_single(case / "input.py", resume["reference_args"], root / "ref" / "out.pt")
+            batch = [resume["batch_flag"], str(resume["global_batch"] // 2)]
+            run_distributed(case / "expected.py", batch + resume["first_args"], root / "first" / "out.pt", nproc=2)
+            reference = select(load_weights(root / "ref" / "out.pt"), weights)
+            halfway = select(load_weights(root / "first" / "out.pt"), weights)
+            done[case.name] = (root, reference, halfway)
+        return done[case.name]
+
+    return get
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case, nproc", _resume_cases())
+def test_resumed_run_equals_the_uninterrupted_run(case: Path, nproc: int, first_runs, tmp_path: Path):
+    config = _config(case)
+    resume, weights = config["resume"], config["run"]["weights"]
+    tolerance = config["run"].get("tolerance", DEFAULT_TOLERANCE)
+    root, reference, halfway = first_runs(case)
+    # the comparison can fail: K steps are not 2K steps
+    assert max_abs_diff(reference, halfway) > tolerance
+
+    saved = root / "first" / resume["checkpoint"]
+    assert saved.is_dir() and (saved / ".metadata").is_file(), "the checkpoint must be a DCP directory"
+    shutil.copytree(saved, tmp_path / resume["checkpoint"])
+    batch = [resume["batch_flag"], str(resume["global_batch"] // nproc)]
+    stdout = run_distributed(case / "expected.py", batch + resume["resume_args"], tmp_path / "out.pt", nproc=nproc)
+    assert resume["resumed_marker"] in stdout, "the run did not resume from the checkpoint"
+    diff = max_abs_diff(reference, select(load_weights(tmp_path / "out.pt"), weights))
+    print(f"\n{case.name}: saved on 2 ranks, resumed on {nproc}: max |uninterrupted - resumed| = {diff:.3e}")
+    assert diff <= tolerance, f"{case.name} 2->{nproc}: weights differ by {diff:.3e} > {tolerance:g}"
+
+
+@pytest.mark.e2e
+def test_a_save_left_under_the_rank_gate_fails_the_run(tmp_path: Path):
+    """The rank-gated fixture is a real test: with its save put back under
+    `if master_process:` the run deadlocks (or gloo aborts it), and the timeout fails it."""
+    from harness import RunError
+
+    case = FIXTURES / "rank_gated_save"
+    save = '                dcp.save(checkpoint, checkpoint_id=os.path.join(args.out_dir, "best.pt"))\n'
+    text = (case / "expected.py").read_text(encoding="utf-8")
+    assert save in text
+    gated = text.replace(save, "                if master_process:\n    " + save)
+    script = tmp_path / "gated.py"
+    script.write_text(gated, encoding="utf-8")
+    with pytest.raises(RunError):
+        run_distributed(script, ["--batch-size", "16"], tmp_path / "out.pt", nproc=2, timeout=40)
+
+
+@pytest.mark.e2e
+def test_full_export_loads_into_the_unsharded_model(tmp_path: Path):
+    """--export full: the files are plain torch.save files that single-GPU code loads
+    with torch.load + load_state_dict (strict), with the single-process weights."""
+    import importlib.util
+
+    case = FIXTURES / "export_full"
+    (tmp_path / "single").mkdir()
+    (tmp_path / "dist").mkdir()
+    run_single(case / "input.py", ["--batch-size", "32"], tmp_path / "single" / "model.pt")
+    run_distributed(case / "expected.py", ["--batch-size", "16"], tmp_path / "dist" / "model.pt", nproc=2)
+    for name in ("model.pt", "best.pt"):
+        assert (tmp_path / "dist" / name).is_file(), f"{name} must stay one file"
+
+    spec = importlib.util.spec_from_file_location("export_full_input", case / "input.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # defines the classes; main() runs only as __main__
+    model = module.Classifier()
+    model.load_state_dict(torch.load(tmp_path / "dist" / "model.pt", weights_only=True))
+    best = torch.load(tmp_path / "dist" / "best.pt", weights_only=True)
+    model.load_state_dict(best["model"])  # the best checkpoint loads too
+    model.load_state_dict(torch.load(tmp_path / "dist" / "model.pt", weights_only=True))
+    reference = torch.load(tmp_path / "single" / "model.pt", weights_only=True)
+    diff = max_abs_diff(reference, model.state_dict())
+    print(f"\nexport_full: torch.load of the exported file into Classifier() vs single process: {diff:.3e}")
+    assert diff <= DEFAULT_TOLERANCE

@@ -187,9 +187,10 @@ class ConvertLoadsCommand(RetrofitStage):
             editor.replace(use.stmt, new.with_changes(leading_lines=use.stmt.leading_lines))
 
     def _reshard(self, use: LoadUse, facts: ScriptFacts) -> List[cst.CSTNode]:
-        """`model.reshard()` before loading into a model that may have run a forward
-        without a backward since (an evaluation): FSDP2 leaves the root unit's parameters
-        unsharded then, and load_state_dict cannot copy DTensors into them. Not needed
+        """Every unit's `reshard()` before loading into a model that may have run a forward
+        without a backward since (an evaluation): FSDP2 leaves the root's parameters (and,
+        with reshard_after_forward=False, the last block's) unsharded then, and
+        load_state_dict cannot copy DTensors into them. Not needed
         before a training loop of the same function has started."""
         if use.kind != "model":
             return []
@@ -199,7 +200,13 @@ class ConvertLoadsCommand(RetrofitStage):
         loops = [l for l in facts.loops if l.function is function]
         if loops and all(_first_line(l.node, order) > at for l in loops):
             return []
-        return [self.stmt(f"{use.owner}.reshard()\n")]
+        # the root, and under the default reshard policy the last block, keep their
+        # parameters gathered after a forward: reshard every unit
+        var = self.fresh_name("module", function)
+        self.add_import(self.options.fsdp_module, "FSDPModule")
+        return [self.stmt(
+            f"for {var} in {use.owner}.modules():\n    if isinstance({var}, FSDPModule):\n        {var}.reshard()\n"
+        )]
 
     def _dcp_load(self, var: str, path: str, site: LoadSite, facts: ScriptFacts) -> List[cst.CSTNode]:
         """dcp.load, after a running async save (earlier in the same function) finishes."""

@@ -462,7 +462,7 @@ main()
     assert (
         "    state_dict = get_model_state_dict(model)\n"
         "    dcp.load(state_dict, checkpoint_id=best)\n"
-        "    model.reshard()\n"
+        "    for module in model.modules():\n        if isinstance(module, FSDPModule):\n            module.reshard()\n"
         "    set_model_state_dict(model, state_dict)\n"
     ) in code
     assert '    if dist.get_rank() == 0:\n        shutil.copytree(best, "copy.pt", dirs_exist_ok=True)\n' in code
@@ -750,7 +750,7 @@ main()
     # a save with optimizer state stays a DCP checkpoint
     assert 'dcp.save({"model": get_model_state_dict(model), "opt": get_optimizer_state_dict(model, opt)}, checkpoint_id="resume.pt")' in code
     assert (
-        "    model.reshard()\n"
+        "    for module in model.modules():\n        if isinstance(module, FSDPModule):\n            module.reshard()\n"
         '    set_model_state_dict(model, torch.load("model.pt", map_location="cpu") if rank == 0 else {}, '
         "options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))\n"
     ) in code

@@ -105,6 +105,13 @@ Examples:
     help="With gradient accumulation: reduce gradients once, on the last micro-batch (set_requires_gradient_sync; "
     "unsharded gradients held meanwhile), or on every micro-batch (less memory, more communication).",
 )
+@click.option(
+    "--meta-init", is_flag=True,
+    help="Trade exact initialisation for memory: build the model on the meta device, shard it, then allocate "
+    "only this rank's shards (to_empty) and re-run its initialisation (reset_parameters, its own init, buffers). "
+    "The initial weights are new random draws, not the single-GPU run's. Refused when the initialisation cannot "
+    "be re-created safely.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No report; errors are still printed.")
 @click.option(
     "--no-cache", is_flag=True,
@@ -120,6 +127,7 @@ def rewrite_command(
     shard: Tuple[str, ...],
     keep_global_batch: bool,
     accumulation_sync: str,
+    meta_init: bool,
     report_format: str,
     quiet: bool,
     no_cache: bool,
@@ -128,7 +136,10 @@ def rewrite_command(
         raise click.UsageError("-o/--output takes exactly one PATH")
     run = _Run(
         options=RetrofitOptions(
-            shard=tuple(shard), keep_global_batch=keep_global_batch, accumulation_sync=accumulation_sync
+            shard=tuple(shard),
+            keep_global_batch=keep_global_batch,
+            accumulation_sync=accumulation_sync,
+            meta_init=meta_init,
         ),
         out=out,
         diff=diff,

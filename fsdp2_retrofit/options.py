@@ -18,6 +18,9 @@ class RetrofitOptions:
     # divide each training DataLoader's batch size by the world size (the run is
     # then numerically the single-process run at the same arguments)
     keep_global_batch: bool = False
+    # build the model on the meta device, shard it, then to_empty and re-run its
+    # initialisation: each rank only allocates its shards; values are fresh draws
+    meta_init: bool = False
 
 
 # -- [tool.fsdp2-retrofit] in pyproject.toml -----------------------------------

@@ -628,12 +628,10 @@ class _Planner:
             raise CannotReplay(node, ctx.info, f"name `{n}` in {ctx.info.name}", "the analysis cannot tell what it is")
         if not ctx.info.namespace:
             return  # the script's own module-level name
-        if dotted == n or _top_function(ctx.resolver, n) is not None or any(
-            isinstance(s, cst.ClassDef) and s.name.value == n for s in ctx.resolver.module.body
-        ):
-            # a module-level name of the sibling module: import it from there
-            dotted = f"{ctx.info.namespace}.{n}"
-        self._need_binding(n, dotted, node, ctx.info)
+        imported = _top_level_bindings(ctx.resolver, definitions=False)
+        # an import of the sibling module is repeated here; its own classes, functions
+        # and constants are imported from it
+        self._need_binding(n, imported.get(n, f"{ctx.info.namespace}.{n}"), node, ctx.info)
 
     def _need_binding(self, local: str, dotted: str, node, info: Optional[ClassInfo]) -> None:
         have = self.script_bindings.get(local)
@@ -770,11 +768,11 @@ def _top_function(resolver: Resolver, name: str) -> Optional[cst.FunctionDef]:
     )
 
 
-def _top_level_bindings(resolver: Resolver) -> Dict[str, str]:
-    """Names the script binds at module level by import (local -> dotted), and its classes."""
+def _top_level_bindings(resolver: Resolver, definitions: bool = True) -> Dict[str, str]:
+    """Names a module binds at its top level by import (local -> dotted), and its classes and functions."""
     out: Dict[str, str] = {}
     for stmt in resolver.module.body:
-        if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)):
+        if definitions and isinstance(stmt, (cst.ClassDef, cst.FunctionDef)):
             out[stmt.name.value] = stmt.name.value
         if not isinstance(stmt, cst.SimpleStatementLine):
             continue

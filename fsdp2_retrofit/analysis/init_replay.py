@@ -370,6 +370,12 @@ class _Planner:
                                "--meta-init cannot tell which buffer to re-create", "drop --meta-init for this script")
         if value is None or (isinstance(value, cst.Name) and value.value == "None"):
             return []
+        if isinstance(value, cst.IfExp) and "None" in {code(value.body), code(value.orelse)}:
+            raise CannotReplay(
+                call, ctx.info, f"buffer `{name.evaluated_value}` of {ctx.info.name} is `None` or a tensor",
+                "--meta-init re-creates buffers that always exist",
+                "register it under an `if` statement instead, or drop --meta-init for this script",
+            )
         try:
             self._check_calls(value, ctx)
             new = self._translate(value, ctx, bound=set())

@@ -212,7 +212,7 @@ def main(argv: List[str] = None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--dim", type=int, default=1024, help="block width (default 1024)")
-    parser.add_argument("--depth", type=int, default=24, help="number of blocks (default 24: 201.5M parameters)")
+    parser.add_argument("--depth", type=int, default=24, help="number of blocks (default 24: 201.6M parameters)")
     parser.add_argument("--steps", type=int, default=2, help="training steps per run (default 2)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks of the distributed runs (default 2)")
     parser.add_argument("--glibc-defaults", action="store_true",

@@ -233,6 +233,18 @@ REFUSED = [
         id="torch-class-without-a-complete-reset_parameters",
     ),
     pytest.param(
+        script().replace(
+            "    def forward", "    def reset_parameters(self):\n        self.fc = nn.Linear(8, 8)\n\n    def forward"),
+        "self.fc = nn.Linear(8, 8)", "`reset_parameters` stores `self.fc`",
+        id="reset_parameters-that-rebuilds",
+    ),
+    pytest.param(
+        script('logger.info("built")\ninit_fn(self.fc.weight)').replace(
+            "class Net", "import logging\nlogger = logging.getLogger()\ninit_fn = torch.nn.init.zeros_\n\n\nclass Net"),
+        "init_fn(self.fc.weight)", "`init_fn(self.fc.weight)`",
+        id="init-through-a-variable",
+    ),
+    pytest.param(
         script("self.setup_weights()", classes=""),
         "self.setup_weights()", "--meta-init: `self.setup_weights()`",
         id="unknown-method-in-init",

@@ -157,6 +157,9 @@ class _Planner:
             return
         self.visited.add(name)
         init = self._init_of(info, site, parent)
+        if "reset_parameters" in info.methods:  # the generic loop calls it after sharding
+            ctx = _Ctx(info, self._instance_var(), {})
+            self._check_pure(info.methods["reset_parameters"], ctx, 2)
         if init is None:
             return
         instance = self.model if root else self._instance_var()
@@ -359,6 +362,8 @@ class _Planner:
             return []  # self.layers.append(Block(...)): construction
         if self._children_in(call, ctx.resolver, ctx.info):
             return []
+        if not self._initialises(call, ctx):
+            return []  # print(...), logging: nothing to re-create
         self._check_calls(call, ctx)
         return [small.with_changes(value=self._translate(call, ctx, bound=set()))]
 
@@ -475,8 +480,15 @@ class _Planner:
         for call in _calls(node):
             name = _global_name(call, ctx.resolver, ctx.info) or ""
             attr = call.func.attr.value if isinstance(call.func, cst.Attribute) else ""
+            path = attr_path(call.func) or ()
             if name.startswith("torch.nn.init.") or name in PARAMETER:
                 return True
+            if len(path) == 2 and path[0] == "self" and path[1] != "__init__" and (
+                path[1] not in MODULE_METHODS or path[1] == "apply"
+            ):
+                return True  # self.init_weights(): the class's own initialisation
+            if any("self" in _names(a.value) for a in call.args):
+                return True  # my_init(self.fc.weight): it may write what it is given
             if attr in ("register_buffer", "register_parameter", "apply", "copy_") or (
                 attr.endswith("_") and not attr.startswith("_")
             ):

@@ -8,14 +8,15 @@ its own shards. The values are fresh random draws, not the single-process ones.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional
 
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.init_replay import CannotReplay, plan_init_replay, split_device_moves
-from fsdp2_retrofit.analysis.names import PLACEMENT_METHODS, assigned_names
-from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+from fsdp2_retrofit.analysis.names import PLACEMENT_METHODS, assigned_names, names_in
+from fsdp2_retrofit.stage import OPTIONS_KEY, RetrofitStage, StatementEditor
 
 MESH_DEVICE = '"cuda" if torch.cuda.is_available() else "cpu"'
 HINT = "drop --meta-init: the default rewrite builds the model as written, then shards it"
@@ -25,6 +26,13 @@ class InitOnMetaDeviceCommand(RetrofitStage):
     DESCRIPTION = "--meta-init: build each model on the meta device, then to_empty and re-run its initialisation."
     CODE = "meta_init"
     LATER_STAGES_READ_IMPORTS = True  # the shard stage must see `torch` bound
+
+    def __init__(self, context, options=None) -> None:
+        super().__init__(context, options)
+        if options is None and OPTIONS_KEY not in context.scratch:
+            # run on its own (python -m libcst.tool codemod meta_init.InitOnMetaDeviceCommand):
+            # choosing this command is asking for it
+            self.options = dataclasses.replace(self.options, meta_init=True)
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         if not self.options.meta_init:
@@ -112,6 +120,15 @@ class InitOnMetaDeviceCommand(RetrofitStage):
                 removed.append(stmt)
             elif kind == "init":
                 moved.append(stmt)
+            elif model.name in names_in(stmt) and not assigned_names(stmt) - {model.name}:
+                # e.g. model.load_state_dict(...): on the meta device it reads nothing,
+                # and the re-initialisation after to_empty would overwrite it anyway
+                self.refuse(
+                    stmt, f"--meta-init: `{_first_line(stmt)}` uses `{model.name}` between its build and fully_shard",
+                    "with --meta-init the model has no values until to_empty and the re-initialisation after "
+                    "sharding, which would also overwrite what this statement does",
+                    "load weights after sharding (set_model_state_dict / dcp.load), or " + HINT[0].lower() + HINT[1:],
+                )
         return body[end], moved, removed
 
     def _placement_device(self, stmt, model: ModelSite, facts: ScriptFacts):
@@ -180,6 +197,10 @@ def _constructor(expr) -> Optional[cst.Call]:
             continue
         return expr
     return None
+
+
+def _first_line(stmt: cst.CSTNode) -> str:
+    return code(stmt).splitlines()[0]
 
 
 def _render(stmt: cst.CSTNode) -> str:

@@ -6,6 +6,9 @@ from textwrap import dedent
 
 import pytest
 from click.testing import CliRunner
+from libcst.codemod import CodemodTest
+
+from codemods.meta_init import InitOnMetaDeviceCommand
 
 from fsdp2_retrofit import cli
 from fsdp2_retrofit.options import RetrofitOptions
@@ -187,6 +190,27 @@ def test_cli_flag_reaches_the_options_and_help_names_the_trade(tmp_path):
     assert 'with torch.device("meta"):' in path.read_text()
 
 
+class TestAlone(CodemodTest):
+    """The stage on its own (no shard stage): a valid single-process meta build."""
+
+    TRANSFORM = InitOnMetaDeviceCommand
+
+    def test_meta_build_then_to_empty_and_reset(self) -> None:
+        before = HEAD + NET.format(extra="") + "\nmodel = Net().cuda()\noptimizer = torch.optim.SGD(model.parameters(), 0.1)\n"
+        after = HEAD + NET.format(extra="") + (
+            '\nwith torch.device("meta"):\n'
+            "    model = Net()\n"
+            "# --meta-init: memory for this rank's shards only; then re-run the model's initialisation\n"
+            'model.to_empty(device="cuda")\n'
+            "with torch.no_grad():\n"
+            "    for module in model.modules():\n"
+            '        if callable(getattr(module, "reset_parameters", None)):\n'
+            "            module.reset_parameters()\n"
+            "optimizer = torch.optim.SGD(model.parameters(), 0.1)\n"
+        )
+        self.assertCodemod(before, after)
+
+
 # --- what it refuses ----------------------------------------------------------------------
 
 REFUSED = [
@@ -254,6 +278,12 @@ REFUSED = [
             "\n\ndef main", "\n\ndef build():\n    return Net()\n\n\ndef main"),
         "model = build()", "--meta-init: `model` is built by `build()`, not by its class",
         id="factory-function",
+    ),
+    pytest.param(
+        script().replace("    model = Net()\n", "    model = Net()\n    model.load_state_dict(torch.load('w.pt'))\n"
+                         "    model.to('cpu')\n"),
+        "model.load_state_dict", "--meta-init: `model.load_state_dict(torch.load('w.pt'))` uses `model` between",
+        id="weights-loaded-before-sharding",
     ),
     pytest.param(
         script(build="Net().to('cuda', torch.bfloat16)"),

@@ -25,6 +25,7 @@ from .clipping import ReadGlobalGradNormCommand
 from .data import DistributeDataCommand
 from .forward_calls import ReplaceForwardCallsCommand
 from .launch import LaunchDistributedCommand
+from .meta_init import InitOnMetaDeviceCommand
 from .optimizer import MoveOptimizerCommand
 from .rank_zero import GateRankZeroCommand
 from .resume import ConvertLoadsCommand
@@ -32,10 +33,13 @@ from .shard import ShardModelCommand
 
 # Stages in one group plan their edits on the same analysis and are applied in one
 # pass: none of them reads what another in its group writes. launch binds the
-# names (mesh, rank, dist) the others use; shard writes the fully_shard calls the
-# optimizer and forward_calls stages place themselves after.
+# names (mesh, rank, dist) the others use; meta_init (only with --meta-init) wraps
+# the build in `with torch.device("meta")` and adds to_empty and the re-initialisation
+# after it, so that shard's fully_shard calls land between the two; shard writes the
+# fully_shard calls the optimizer and forward_calls stages place themselves after.
 GROUPS: List[List[Type[RetrofitStage]]] = [
     [LaunchDistributedCommand],
+    [InitOnMetaDeviceCommand],
     [ShardModelCommand],
     [
         MoveOptimizerCommand,

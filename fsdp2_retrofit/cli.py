@@ -151,6 +151,13 @@ Examples:
     "--async-checkpoint", is_flag=True,
     help="dcp.async_save (waiting on the previous save first); the process group gets a CPU backend too.",
 )
+@click.option(
+    "--meta-init", is_flag=True,
+    help="Trade exact initialisation for memory: build the model on the meta device, shard it, then allocate "
+    "only this rank's shards (to_empty) and re-run its initialisation (reset_parameters, its own init, buffers). "
+    "The initial weights are new random draws, not the single-GPU run's. Refused when the initialisation cannot "
+    "be re-created safely.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No report; errors are still printed.")
 @click.option(
     "--no-cache", is_flag=True,
@@ -173,6 +180,7 @@ def rewrite_command(
     no_reduce_logs: bool,
     torch_version: str,
     emit_slurm: Optional[str],
+    meta_init: bool,
     report_format: str,
     export: str,
     async_checkpoint: bool,
@@ -196,6 +204,7 @@ def rewrite_command(
             torch_version=torch_version,
             export=export,
             async_checkpoint=async_checkpoint,
+            meta_init=meta_init,
         ),
         out=out,
         diff=diff,

@@ -40,6 +40,9 @@ class RetrofitOptions:
     # dcp.async_save instead of dcp.save (the process group gets a CPU backend too).
     async_checkpoint: bool = False
 
+    # build the model on the meta device, shard it, then to_empty and re-run its
+    # initialisation: each rank only allocates its shards; values are fresh draws
+    meta_init: bool = False
     @property
     def fsdp_module(self) -> str:
         """Where fully_shard and its policies are imported from for `torch_version`."""

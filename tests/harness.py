@@ -150,6 +150,38 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 TEARDOWN_RETRIES = 2
 
 
+# "loss 2.3012", "loss: 2.3", "loss=nan": the numbers a training loop prints
+_LOSS = re.compile(r"\bloss\b\s*[:=]?\s*(-?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf))", re.IGNORECASE)
+
+
+def losses_in(stdout: str) -> list[float]:
+    """Every loss a run printed, in order (one per line that prints one)."""
+    out = []
+    for line in stdout.splitlines():
+        match = _LOSS.search(line)
+        if match:
+            out.append(float(match.group(1)))
+    return out
+
+
+def assert_loss_falls(losses: Sequence[float], min_drop: float) -> None:
+    """The run learned: finite losses, and the last below the first by `min_drop` of it.
+
+    For runs that cannot match a single-process reference (--meta-init draws new
+    initial weights), this is what "it trains" means."""
+    import math
+
+    if len(losses) < 2:
+        raise AssertionError(f"need at least two printed losses, found {list(losses)}")
+    if not all(math.isfinite(x) for x in losses):
+        raise AssertionError(f"non-finite loss: {list(losses)}")
+    first, last = losses[0], losses[-1]
+    if not last < first * (1 - min_drop):
+        raise AssertionError(
+            f"loss did not fall by {min_drop:.0%}: first {first:.4f}, last {last:.4f} (all: {list(losses)})"
+        )
+
+
 def load_weights(path: Path):
     """Load what a run saved: a ``torch.save`` file or a DCP checkpoint directory."""
     import torch

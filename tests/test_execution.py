@@ -2,7 +2,10 @@
 
 Each ``fixtures/rewrite/<case>`` runs ``input.py`` in one process and
 ``expected.py`` under torchrun (CPU, gloo), at the same global batch, and the
-final weights must agree within the case's tolerance. The e2e tests take a few
+final weights must agree within the case's tolerance. Cases whose ``[run]`` says
+``mode = "trains"`` (``--meta-init``: new random initial weights, nothing to
+compare with) run only ``expected.py`` and must print losses that fall by
+``min_drop`` (default 20 %) from the first to the last. The e2e tests take a few
 seconds each; deselect them with ``-m "not e2e"``. ``pytest -s`` shows the
 measured differences.
 """
@@ -17,7 +20,9 @@ import pytest
 
 from harness import (
     RunError,
+    assert_loss_falls,
     load_weights,
+    losses_in,
     max_abs_diff,
     run_distributed,
     run_single,
@@ -38,10 +43,23 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures" / "rewrite"
 SHARED_EXAMPLES = REPO.parent / "shared" / "examples"
 DEFAULT_TOLERANCE = 1e-4
+DEFAULT_MIN_DROP = 0.2
 
 
 def _cases() -> list[Path]:
     return sorted(p for p in FIXTURES.iterdir() if (p / "input.py").is_file())
+
+
+def _run_config(case: Path) -> dict:
+    if tomllib is None:
+        pytest.skip("reading case.toml needs Python 3.11+ (tomllib)")
+    return tomllib.loads((case / "case.toml").read_text(encoding="utf-8"))["run"]
+
+
+def _mode(case: Path) -> str:
+    if tomllib is None:
+        return "parity"
+    return tomllib.loads((case / "case.toml").read_text(encoding="utf-8"))["run"].get("mode", "parity")
 
 
 def _compare(single_out: Path, dist_out: Path, keys: list[str], single_prefix: str = "") -> float:
@@ -58,13 +76,11 @@ def _compare(single_out: Path, dist_out: Path, keys: list[str], single_prefix: s
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("case", _cases(), ids=lambda p: p.name)
+@pytest.mark.parametrize("case", [c for c in _cases() if _mode(c) == "parity"], ids=lambda p: p.name)
 def test_retrofit_trains_like_the_original(case: Path, tmp_path: Path):
     if not (case / "expected.py").is_file():
         pytest.skip(f"{case.name}: no expected.py yet (the rewriter generates it)")
-    if tomllib is None:
-        pytest.skip("reading case.toml needs Python 3.11+ (tomllib)")
-    run = tomllib.loads((case / "case.toml").read_text(encoding="utf-8"))["run"]
+    run = _run_config(case)
     tolerance = run.get("tolerance", DEFAULT_TOLERANCE)
 
     # each run in its own folder: scripts that save periodically to relative paths
@@ -80,6 +96,32 @@ def test_retrofit_trains_like_the_original(case: Path, tmp_path: Path):
     diff = _compare(tmp_path / "single.pt", tmp_path / "dist.pt", run["weights"], run.get("single_prefix", ""))
     print(f"\n{case.name}: max |single - distributed| = {diff:.3e} (tolerance {tolerance:g})")
     assert diff <= tolerance, f"{case.name}: weights differ by {diff:.3e} > {tolerance:g}"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", [c for c in _cases() if _mode(c) == "trains"], ids=lambda p: p.name)
+def test_retrofit_trains(case: Path, tmp_path: Path):
+    """--meta-init outputs: the distributed run learns (its loss falls)."""
+    run = _run_config(case)
+    stdout = run_distributed(
+        case / "expected.py", run["dist_args"], tmp_path / "dist.pt", nproc=run.get("nproc", 2), cwd=tmp_path
+    )
+    losses = losses_in(stdout)
+    print(f"\n{case.name}: {len(losses)} losses, first {losses[0] if losses else None}, "
+          f"last {losses[-1] if losses else None}")
+    assert_loss_falls(losses, run.get("min_drop", DEFAULT_MIN_DROP))
+
+
+@pytest.mark.e2e
+def test_trains_check_fails_when_nothing_is_learned(tmp_path: Path):
+    """The check can fail: the same run at learning rate 0 keeps its loss."""
+    case = FIXTURES / "meta_init_plain"
+    run = _run_config(case)
+    stdout = run_distributed(case / "expected.py", [*run["dist_args"], "--lr", "0"], tmp_path / "dist.pt", cwd=tmp_path)
+    losses = losses_in(stdout)
+    print(f"\nlr 0: first {losses[0]}, last {losses[-1]}")
+    with pytest.raises(AssertionError, match="did not fall"):
+        assert_loss_falls(losses, DEFAULT_MIN_DROP)
 
 
 # --- the hand-written example pair in shared/ --------------------------------
@@ -226,6 +268,32 @@ def test_load_weights_reads_torch_save_and_dcp(tmp_path: Path):
     for path in (tmp_path / "plain.pt", tmp_path / "dcp"):
         loaded = load_weights(path)
         assert loaded["step"] == 7 and torch.equal(loaded["model"]["w"], state["model"]["w"])
+
+
+def test_losses_are_read_from_what_the_loop_prints():
+    out = "step 0 loss 2.3012\niter 1: loss 1.9\nloss=nan\nlr 0.001\nval_loss 7\nEpoch 3 | loss: 1e-3\n"
+    assert losses_in(out)[:2] == [2.3012, 1.9]
+    assert str(losses_in(out)[2]) == "nan"
+    assert losses_in(out)[3:] == [0.001]
+
+
+@pytest.mark.parametrize(
+    "losses, error",
+    [
+        ([2.3, 1.9, 1.2], None),
+        ([2.3, 2.2, 2.25], "did not fall by 20%"),  # flat
+        ([1.0, 1.5, 3.0], "did not fall"),  # diverging
+        ([2.3, float("nan"), 0.1], "non-finite"),  # garbage memory left by to_empty
+        ([2.3], "at least two"),
+        ([], "at least two"),
+    ],
+)
+def test_loss_must_fall(losses, error):
+    if error is None:
+        assert_loss_falls(losses, 0.2)
+    else:
+        with pytest.raises(AssertionError, match=error):
+            assert_loss_falls(losses, 0.2)
 
 
 def test_failed_run_names_the_exception(tmp_path: Path):

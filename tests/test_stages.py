@@ -993,3 +993,9 @@ main()
         "    if master_process:\n"
         '        with open("val.json", "w") as f:\n'
     ) in code
+
+
+def test_meta_init_with_cpu_offload_allocates_the_shards_on_the_cpu():
+    text = out(PLAIN, meta_init=True, cpu_offload=True)
+    assert 'model.to_empty(device="cpu")' in text
+    assert "offload_policy=offload_policy" in text

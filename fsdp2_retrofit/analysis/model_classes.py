@@ -40,6 +40,9 @@ class ClassInfo:
     plain_lists: List[Tuple[str, cst.CSTNode]] = field(default_factory=list)
     optimizer_in_init: Optional[cst.CSTNode] = None
     methods: Dict[str, cst.FunctionDef] = field(default_factory=dict)
+    # resolves names in the class's own file (the script or a sibling module)
+    namer: Optional["_Namer"] = field(default=None, repr=False, compare=False)
+    namespace: str = ""  # "" for the script, "model" for a sibling model.py
 
 
 class ClassRegistry:
@@ -189,6 +192,8 @@ def _collect(module, resolver: Resolver, namespace: str, file, registry: ClassRe
             node=cls,
             file=file,
             bases=[n for n in (namer.of(b.value) for b in cls.bases) if n],
+            namer=namer,
+            namespace=namespace,
         )
         for stmt in cls.body.body:
             if isinstance(stmt, cst.FunctionDef):

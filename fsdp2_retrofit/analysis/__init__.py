@@ -1,19 +1,31 @@
-"""The one place that understands a training script (see ScriptFacts)."""
-from .facts import LoaderSite, LogSite, LoopSite, ModelSite, OptimizerSite, ScriptFacts, analyse
-from .model_classes import ClassInfo, ClassRegistry, Container
-from .names import Resolver, code
+"""The one place that understands a training script (see ScriptFacts).
 
-__all__ = [
-    "ClassInfo",
-    "ClassRegistry",
-    "Container",
-    "LoaderSite",
-    "LogSite",
-    "LoopSite",
-    "ModelSite",
-    "OptimizerSite",
-    "Resolver",
-    "ScriptFacts",
-    "analyse",
-    "code",
-]
+Names are loaded on first use (PEP 562): `check` imports only the submodules it
+needs (names, sharding), not the rewriter's facts and class registry.
+"""
+from importlib import import_module
+
+_WHERE = {
+    "ClassInfo": "model_classes",
+    "ClassRegistry": "model_classes",
+    "Container": "model_classes",
+    "LoaderSite": "facts",
+    "LogSite": "facts",
+    "LoopSite": "facts",
+    "ModelSite": "facts",
+    "OptimizerSite": "facts",
+    "Resolver": "names",
+    "ScriptFacts": "facts",
+    "analyse": "facts",
+    "code": "names",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value

@@ -133,10 +133,17 @@ class ShardModelCommand(RetrofitStage):
 
     def _refuse_unsafe(self, facts: ScriptFacts) -> None:
         for line, wrapper in facts.wrappers:
+            if "FSDP1" not in wrapper:  # the migrate_ddp stage removes these before this stage runs
+                self.refuse(
+                    line,
+                    f"the script still uses {wrapper}",
+                    "the wrapper must go before fully_shard",
+                    "run the migrate_ddp stage first (the composite `rewrite` does)",
+                )
             self.refuse(
                 line,
                 f"the script already uses {wrapper}",
-                "migrating DDP, DataParallel and FSDP1 scripts is not supported yet",
+                "migrating FSDP1 scripts is not supported yet",
                 "start from the single-GPU version of the script",
             )
         for call in facts.compiled_builds:

@@ -109,6 +109,19 @@ def run_single(
     return _run(cmd, env, Path(cwd or Path(out).parent), timeout)
 
 
+def run_plain(
+    script: Path,
+    args: Sequence[str],
+    out: Path,
+    cwd: Optional[Path] = None,
+    timeout: float = DISTRIBUTED_TIMEOUT_S,
+) -> str:
+    """Run a script as one plain process with no reference shuffling: an original
+    that starts its own worker processes (mp.spawn)."""
+    cmd = [sys.executable, str(Path(script).resolve()), "--out", str(out), *args]
+    return _run(cmd, _base_env(), Path(cwd or Path(out).parent), timeout)
+
+
 def run_distributed(
     script: Path,
     args: Sequence[str],

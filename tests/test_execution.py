@@ -25,6 +25,7 @@ from harness import (
     losses_in,
     max_abs_diff,
     run_distributed,
+    run_plain,
     run_single,
     select,
 )
@@ -87,8 +88,15 @@ def test_retrofit_trains_like_the_original(case: Path, tmp_path: Path):
     # write plain files in one and DCP directories in the other
     (tmp_path / "single").mkdir()
     (tmp_path / "dist").mkdir()
-    run_single(case / "input.py", run["single_args"], tmp_path / "single.pt", cwd=tmp_path / "single")
     timeout = {"timeout": run["timeout"]} if "timeout" in run else {}  # a deadlock fails, it does not hang
+    reference = run.get("reference", "single")
+    if reference == "torchrun":  # a DDP original: itself under torchrun, same ranks and data
+        run_distributed(case / "input.py", run["single_args"], tmp_path / "single.pt", nproc=run.get("nproc", 2),
+                        cwd=tmp_path / "single", **timeout)
+    elif reference == "plain":  # an original that spawns its own workers
+        run_plain(case / "input.py", run["single_args"], tmp_path / "single.pt", cwd=tmp_path / "single", **timeout)
+    else:
+        run_single(case / "input.py", run["single_args"], tmp_path / "single.pt", cwd=tmp_path / "single")
     run_distributed(
         case / "expected.py", run["dist_args"], tmp_path / "dist.pt", nproc=run.get("nproc", 2), cwd=tmp_path / "dist",
         **timeout,

@@ -1,0 +1,294 @@
+"""migrate_ddp: a DDP or DataParallel script becomes a script of one plain model
+that the later stages shard like a single-GPU one (the wrapper goes, `.module`
+goes, `no_sync()` becomes `set_requires_gradient_sync`)."""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import libcst as cst
+from libcst.codemod.visitors import RemoveImportsVisitor
+
+from fsdp2_retrofit.analysis import ScriptFacts, code
+from fsdp2_retrofit.analysis.wrappers import DATA_PARALLEL, DDP, WrapSite, context_withs, reads_of, wrappers
+from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+
+from .accumulation import TRADE, _negate
+
+# DDP/DataParallel arguments that have no FSDP2 counterpart, and why dropping them is safe
+DROPPED = {
+    "device_ids": "fully_shard puts each unit on the mesh's device; set_device(local_rank) chose it",
+    "output_device": "outputs stay on the device the forward ran on, as with one GPU per process",
+    "dim": "no scatter of the batch: each process reads its own batch",
+    "find_unused_parameters": "FSDP2 reduce-scatters every parameter of a unit; one that got no gradient "
+    "contributes zeros, nothing waits for it",
+    "broadcast_buffers": "FSDP2 does not broadcast buffers each forward; every rank keeps its own (equal as long as "
+    "they are computed from equal inputs; BatchNorm statistics become per-rank)",
+    "gradient_as_bucket_view": "DDP bucket tuning; FSDP2 reduce-scatters each unit's gradients itself",
+    "bucket_cap_mb": "DDP bucket tuning; FSDP2 reduce-scatters each unit's gradients itself",
+    "static_graph": "DDP graph-caching hint; FSDP2 needs none",
+    "check_reduction": "deprecated DDP argument without effect",
+}
+
+
+class _MigrateEditor(StatementEditor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.strip: set = set()  # `model.module` attribute nodes -> `model`
+        self.collapse: set = set()  # IfExp nodes whose two sides become the same
+        self.values: Dict[cst.CSTNode, cst.BaseExpression] = {}  # wrapper call -> the module it wraps
+
+    def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute):
+        if original_node in self.strip:
+            return updated_node.value
+        return updated_node
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
+        if original_node in self.values:
+            return self.values[original_node]
+        return updated_node
+
+    def leave_IfExp(self, original_node: cst.IfExp, updated_node: cst.IfExp):
+        if original_node in self.collapse and code(updated_node.body) == code(updated_node.orelse):
+            return updated_node.body
+        return updated_node
+
+
+class MigrateDistributedWrappersCommand(RetrofitStage):
+    DESCRIPTION = "Remove DistributedDataParallel / DataParallel wrappers (and .module, no_sync) so the model can be sharded."
+    CODE = "migrate_ddp"
+
+    def make_editor(self) -> StatementEditor:
+        return _MigrateEditor()
+
+    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
+        tree = super().transform_module_impl(tree)
+        if self.context.scratch.get(RemoveImportsVisitor.CONTEXT_KEY):
+            tree = RemoveImportsVisitor(self.context).transform_module(tree)
+        return tree
+
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: _MigrateEditor) -> None:
+        found = wrappers(facts)
+        if not found.sites and not found.other_calls:
+            return
+        self._refuse_unsafe(found, facts)
+        for site in found.sites:
+            self._unwrap(site, facts, editor)
+        for attr in found.module_accesses:
+            editor.strip.add(attr)
+            parent = facts.resolver.parent(attr)
+            if isinstance(parent, cst.IfExp):
+                editor.collapse.add(parent)
+        if found.module_accesses:
+            editor.mark_work()
+            self.change(
+                found.module_accesses[0],
+                f"`.module` of the wrapped model goes ({len(found.module_accesses)} place(s))",
+                "without a wrapper the model is the module itself; the checkpoint stage then saves it with "
+                "get_model_state_dict",
+            )
+        for w in found.no_sync_withs:
+            self._no_sync_with(w, facts, editor)
+        for stmt, name, (negated, test), call in found.no_sync_choices:
+            self._no_sync_choice(stmt, name, negated, test, call, facts, editor)
+        for stmt in found.grad_sync_flags:
+            assign = stmt.body[0]
+            model = code(assign.targets[0].target.value)
+            editor.replace(stmt, stmt.with_changes(body=[cst.Expr(self.expr(
+                f"{model}.set_requires_gradient_sync({code(assign.value)})"
+            ))]))
+            self.change(
+                stmt,
+                f"`{model}.require_backward_grad_sync = ...` -> `{model}.set_requires_gradient_sync(...)`",
+                TRADE,
+                "DDP's require_backward_grad_sync does nothing on an FSDP2 module",
+            )
+        self._remove_imports(facts)
+
+    # -- the wrapper -----------------------------------------------------------
+
+    def _refuse_unsafe(self, found, facts: ScriptFacts) -> None:
+        for call in found.other_calls:
+            self.refuse(
+                call,
+                f"`{code(call.func)}(...)` is not assigned to a name on its own line",
+                "the migration replaces `model = DDP(model, ...)` statements; a wrapper built inside another "
+                "expression (returned, passed on, stored in an attribute) cannot be followed",
+                "wrap the model on its own line: `model = DDP(model, device_ids=[local_rank])`",
+            )
+        for node in found.other_uses:
+            self.refuse(
+                node,
+                f"`{code(facts.resolver.statement_of(node) or node)}` uses the wrapper class itself",
+                "after the migration no model is a DistributedDataParallel/DataParallel; an isinstance test or a "
+                "subclass would change meaning",
+                "drop the test (the model is never wrapped after the rewrite) and run rewrite again",
+            )
+        for call in found.no_sync_calls:
+            self.refuse(
+                call,
+                "`no_sync()` is used outside a `with` statement or a `ctx = model.no_sync() if ... else nullcontext()` choice",
+                "FSDP2 has no no_sync context; the migration turns those two shapes into set_requires_gradient_sync",
+                "use `with model.no_sync():` around the backward of the micro-batches that must not sync",
+            )
+        ddp = [s for s in found.sites if s.kind == "DistributedDataParallel"]
+        if ddp and found.rank_seeds:
+            self.refuse(
+                found.rank_seeds[0],
+                "the random seed depends on the rank",
+                "DDP copies rank 0's weights to every rank when it wraps the model; fully_shard keeps each rank's "
+                "own slice of its own weights, so a model built with a per-rank seed would mix initialisations",
+                "seed the model build with the same value on every rank (seed data augmentation separately)",
+            )
+        if facts.models and any(s.kind == "DataParallel" for s in found.sites) and ddp:
+            self.refuse(ddp[0].stmt, "the script uses both DataParallel and DistributedDataParallel",
+                        "one process per device cannot be derived from both", "keep one of them")
+        for site in found.sites:
+            if isinstance(site.inner, cst.Name) and site.inner.value != site.name:
+                self.refuse(
+                    site.stmt,
+                    f"the wrapped model gets a new name (`{site.name} = {code(site.call.func)}({site.inner.value}, ...)`)",
+                    "both names would stay in use for one module; following which is trained and which is saved "
+                    "is not supported",
+                    f"rebind the same name: `{site.inner.value} = {code(site.call.func)}({site.inner.value}, ...)`",
+                )
+            for key in site.kwargs:
+                if key not in DROPPED:
+                    self.refuse(
+                        site.stmt,
+                        f"`{key}=` of {site.kind} has no FSDP2 counterpart the rewrite knows",
+                        "dropping it could change what the script does (e.g. a process_group other than the "
+                        "world needs a matching device mesh)",
+                        f"remove `{key}=` (or build the mesh by hand) and run rewrite again",
+                    )
+
+    def _unwrap(self, site: WrapSite, facts: ScriptFacts, editor: _MigrateEditor) -> None:
+        if isinstance(site.inner, cst.Name):
+            editor.replace(site.stmt, None)
+            if site.stmt.leading_lines:
+                body = list(facts.resolver.block_of(site.stmt).body)
+                following = body[body.index(site.stmt) + 1] if body.index(site.stmt) + 1 < len(body) else None
+                if following is not None:
+                    editor.set_leading_lines(following, list(site.stmt.leading_lines) + list(following.leading_lines))
+            what = f"`{code(site.stmt)}` goes"
+        else:
+            editor.values[site.call] = site.inner
+            editor.mark_work()
+            what = f"`{site.name} = {code(site.inner)}` without the {site.kind} wrapper"
+        why = (
+            "fully_shard (added after the model is built) replaces DDP: it reduce-scatters gradients "
+            "instead of all-reducing full copies, and each rank keeps 1/world_size of the parameters, "
+            "gradients and optimizer state"
+            if site.kind == "DistributedDataParallel"
+            else "DataParallel runs one process over all GPUs; the script becomes a torchrun script with one "
+            "process per GPU, each rank holding 1/world_size of the model (fully_shard)"
+        )
+        self.change(site.stmt, what, why)
+        for key, value in site.kwargs.items():
+            self.change(site.stmt, f"dropped `{key}={code(value)}` of {site.kind}", DROPPED[key])
+
+    # -- no_sync -----------------------------------------------------------------
+
+    def _no_sync_with(self, w: cst.With, facts: ScriptFacts, editor: _MigrateEditor) -> None:
+        r = facts.resolver
+        item = next(i for i in w.items if isinstance(i.item, cst.Call) and i.item.func.attr.value == "no_sync")
+        model = code(item.item.func.value)
+        body = list(w.body.body) if isinstance(w.body, cst.IndentedBlock) else None
+        if body is None:
+            self.refuse(w, "a one-line `with ...no_sync(): ...`", "the body cannot be moved", "put the body on its own lines")
+        rest = [i for i in w.items if i is not item]
+        inner: List[cst.BaseStatement] = body
+        if rest:
+            rest[-1] = rest[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+            inner = [w.with_changes(items=rest)]
+        parent = r.parent(r.parent(w))  # With -> IndentedBlock -> If / Else
+        branch = r.parent(w)
+        if (
+            not rest
+            and isinstance(parent, (cst.If, cst.Else))
+            and len(branch.body) == 1
+        ):
+            the_if = parent if isinstance(parent, cst.If) else r.parent(parent)
+            if isinstance(the_if, cst.If) and isinstance(the_if.orelse, cst.Else):
+                in_body = parent is the_if
+                other = the_if.orelse.body if in_body else the_if.body
+                if [code(s) for s in other.body[: len(body)]] == [code(s) for s in body]:
+                    # the synced branch starts like the no_sync body: that part runs on every
+                    # micro-batch, after set_requires_gradient_sync(<last>); the rest stays under `if <last>`
+                    last = _negate(the_if.test) if in_body else code(the_if.test)
+                    first = self.stmt(f"{model}.set_requires_gradient_sync({last})\n").with_changes(
+                        leading_lines=the_if.leading_lines
+                    )
+                    tail = list(other.body[len(body):])
+                    after = [cst.If(test=self.expr(last), body=other.with_changes(body=tail))] if tail else []
+                    editor.insert_before(the_if, [first] + body + after)
+                    editor.replace(the_if, None)
+                    self.change(
+                        the_if,
+                        f"`if {code(the_if.test)}: with {model}.no_sync(): ... else: ...` -> "
+                        f"`{model}.set_requires_gradient_sync({last})` before the same backward"
+                        + (f", the rest under `if {last}:`" if tail else ""),
+                        TRADE,
+                        "DDP's no_sync() does not exist on an FSDP2 module",
+                    )
+                    return
+        off = self.stmt(f"{model}.set_requires_gradient_sync(False)\n").with_changes(leading_lines=w.leading_lines)
+        on = self.stmt(f"{model}.set_requires_gradient_sync(True)\n")
+        editor.insert_before(w, [off] + inner + [on])
+        editor.replace(w, None)
+        self.change(
+            w,
+            f"`with {model}.no_sync():` -> `{model}.set_requires_gradient_sync(False)` before its body, "
+            "`(True)` after it",
+            TRADE,
+            "DDP's no_sync() does not exist on an FSDP2 module",
+        )
+
+    def _no_sync_choice(self, stmt, name, negated, test, call, facts: ScriptFacts, editor: _MigrateEditor) -> None:
+        r = facts.resolver
+        fn = r.enclosing_function(stmt)
+        withs = context_withs(facts, name, stmt)
+        used = {id(n) for w in withs for i in w.items if isinstance(i.item, cst.Name) for n in [i.item]}
+        target = stmt.body[0].targets[0].target
+        others = [n for n in reads_of(facts, name, fn) if id(n) not in used and n is not target]
+        if others or not withs or any(not isinstance(w.body, cst.IndentedBlock) for w in withs):
+            self.refuse(
+                stmt,
+                f"`{name}` holds a no_sync() context used elsewhere than `with {name}:`",
+                "the migration replaces the choice by set_requires_gradient_sync and unwraps `with` statements only",
+                f"use `{name}` only as `with {name}:`",
+            )
+        model = code(call.func.value)
+        sync = _negate(test) if negated else code(test)
+        editor.replace(stmt, stmt.with_changes(body=[cst.Expr(self.expr(f"{model}.set_requires_gradient_sync({sync})"))]))
+        for w in withs:
+            rest = [i for i in w.items if not (isinstance(i.item, cst.Name) and i.item.value == name)]
+            if rest:
+                rest[-1] = rest[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+                editor.replace(w, w.with_changes(items=rest))
+            else:
+                body = list(w.body.body)
+                body[0] = body[0].with_changes(leading_lines=list(w.leading_lines) + list(body[0].leading_lines))
+                editor.insert_before(w, body)
+                editor.replace(w, None)
+        self.change(
+            stmt,
+            f"`{name} = {model}.no_sync() if ... else nullcontext()` -> `{model}.set_requires_gradient_sync({sync})`; "
+            f"`with {name}:` unwrapped",
+            TRADE,
+            "DDP's no_sync() does not exist on an FSDP2 module",
+        )
+
+    def _remove_imports(self, facts: ScriptFacts) -> None:
+        for node in facts.resolver.nodes(cst.ImportFrom):
+            if isinstance(node.names, cst.ImportStar) or node.module is None:
+                continue
+            module = code(node.module)
+            for alias in node.names:
+                name = code(alias.name)
+                asname = code(alias.asname.name) if alias.asname else None
+                if f"{module}.{name}" in DDP | DATA_PARALLEL or (module, name) == ("contextlib", "nullcontext"):
+                    RemoveImportsVisitor.remove_unused_import(self.context, module, name, asname)
+        for node in facts.resolver.nodes(cst.Import):
+            for alias in node.names:
+                if code(alias.name) == "contextlib" and alias.asname is None:
+                    RemoveImportsVisitor.remove_unused_import(self.context, "contextlib")

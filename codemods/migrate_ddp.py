@@ -78,11 +78,14 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
             parent = facts.resolver.parent(attr)
             if isinstance(parent, cst.IfExp):
                 editor.collapse.add(parent)
-        if found.module_accesses:
+        for call in found.module_getattrs:
+            editor.values[call] = call.args[0].value
+        accesses = found.module_accesses + found.module_getattrs
+        if accesses:
             editor.mark_work()
             self.change(
-                found.module_accesses[0],
-                f"`.module` of the wrapped model goes ({len(found.module_accesses)} place(s))",
+                accesses[0],
+                f"`.module` of the wrapped model goes ({len(accesses)} place(s))",
                 "without a wrapper the model is the module itself; the checkpoint stage then saves it with "
                 "get_model_state_dict",
             )
@@ -163,6 +166,10 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
 
     def _unwrap(self, site: WrapSite, facts: ScriptFacts, editor: _MigrateEditor) -> None:
         if isinstance(site.inner, cst.Name):
+            holder = facts.resolver.parent(facts.resolver.parent(site.stmt))
+            if isinstance(holder, cst.If) and holder.orelse is None and len(holder.body.body) == 1:
+                # `if torch.cuda.device_count() > 1: model = DataParallel(model)`: the if goes too
+                site = WrapSite(site.name, holder, site.call, site.kind, site.inner, site.kwargs)
             editor.replace(site.stmt, None)
             if site.stmt.leading_lines:
                 body = list(facts.resolver.block_of(site.stmt).body)

@@ -47,6 +47,8 @@ class WrapperFacts:
     other_uses: List[cst.CSTNode]
     # `model.module` attribute nodes (model: a name that holds a wrapped model there)
     module_accesses: List[cst.Attribute]
+    # `getattr(model, "module", model)` calls
+    module_getattrs: List[cst.Call]
     # `with model.no_sync():` statements, and calls of no_sync outside a with item
     no_sync_withs: List[cst.With]
     no_sync_calls: List[cst.Call]
@@ -89,6 +91,12 @@ def wrappers(facts) -> WrapperFacts:
         a for a in r.nodes(cst.Attribute)
         if a.attr.value == "module" and holds_wrapper(a.value, a)
     ] if sites else []
+    module_getattrs = [
+        c for c in r.nodes(cst.Call)
+        if isinstance(c.func, cst.Name) and c.func.value == "getattr" and len(c.args) == 3
+        and holds_wrapper(c.args[0].value, c) and isinstance(c.args[1].value, cst.SimpleString)
+        and c.args[1].value.evaluated_value == "module" and code(c.args[2].value) == code(c.args[0].value)
+    ] if sites else []
     no_sync_calls = [
         c for c in r.nodes(cst.Call)
         if isinstance(c.func, cst.Attribute) and c.func.attr.value == "no_sync" and holds_wrapper(c.func.value, c)
@@ -121,6 +129,7 @@ def wrappers(facts) -> WrapperFacts:
         other_calls=other_calls,
         other_uses=other_uses,
         module_accesses=module_accesses,
+        module_getattrs=module_getattrs,
         no_sync_withs=withs,
         no_sync_calls=[c for c in no_sync_calls if c not in in_withs and c not in chosen],
         no_sync_choices=choices,

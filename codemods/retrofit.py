@@ -27,6 +27,7 @@ from .forward_calls import ReplaceForwardCallsCommand
 from .launch import LaunchDistributedCommand
 from .meta_init import InitOnMetaDeviceCommand
 from .migrate_ddp import MigrateDistributedWrappersCommand
+from .migrate_spawn import MigrateSpawnCommand
 from .optimizer import MoveOptimizerCommand
 from .rank_zero import GateRankZeroCommand
 from .resume import ConvertLoadsCommand
@@ -39,6 +40,7 @@ from .shard import ShardModelCommand
 # after it, so that shard's fully_shard calls land between the two; shard writes the
 # fully_shard calls the optimizer and forward_calls stages place themselves after.
 GROUPS: List[List[Type[RetrofitStage]]] = [
+    [MigrateSpawnCommand],  # an mp.spawn launcher becomes a torchrun program
     [MigrateDistributedWrappersCommand],  # DDP/DataParallel go first: the rest sees one plain model
     [LaunchDistributedCommand],
     [InitOnMetaDeviceCommand],

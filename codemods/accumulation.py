@@ -51,8 +51,8 @@ class SyncGradientsOncePerStepCommand(RetrofitStage):
                     "call <model>.set_requires_gradient_sync(<last micro-batch>) before backward() for each model",
                 )
                 continue
-            if _already_synced(backward, facts):
-                continue
+            if _already_synced(backward, facts) or "set_requires_gradient_sync" in code(loop.node):
+                continue  # the script (or the migration from DDP's no_sync) decides already
             if self.options.accumulation_sync == "every":
                 self.change(
                     backward,

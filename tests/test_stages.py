@@ -273,12 +273,12 @@ main()
             "an optimizer is built inside Net.__init__",
         ),
         (
-            MODEL + "\nmodel = torch.nn.parallel.DistributedDataParallel(Net())\nopt = optim.SGD(model.parameters(), lr=0.1)\n",
-            24,
-            "the script already uses DistributedDataParallel",
+            MODEL + "\nmodel = torch.nn.parallel.DistributedDataParallel(Net())\nisinstance(model, torch.nn.parallel.DistributedDataParallel)\nopt = optim.SGD(model.parameters(), lr=0.1)\n",
+            25,
+            "`isinstance(model, torch.nn.parallel.DistributedDataParallel)` uses the wrapper class itself",
         ),
     ],
-    ids=["no-module", "no-optimizer", "plain-list", "optimizer-in-init", "ddp"],
+    ids=["no-module", "no-optimizer", "plain-list", "optimizer-in-init", "ddp-isinstance"],
 )
 def test_refusals_name_the_line_and_leave_the_code(script, where, what):
     result = rewrite(script)

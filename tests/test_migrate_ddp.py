@@ -1,0 +1,278 @@
+"""DDP, DataParallel and mp.spawn scripts migrate to FSDP2 (migrate_ddp and
+migrate_spawn stages, through the whole rewrite), or are refused with the line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from textwrap import dedent
+
+import pytest
+
+from fsdp2_retrofit.options import RetrofitOptions
+from fsdp2_retrofit.pipeline import rewrite_source
+
+HEAD = '''
+import os
+import contextlib
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+{imports}
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.fc(x)
+
+
+def main():
+    local_rank = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+{body}
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+LOOP = '''
+    for i in range(8):
+        x = torch.randn(4, 4)
+        loss = model(x).sum()
+{accum}
+        if (i + 1) % 2 == 0:
+            opt.step()
+            opt.zero_grad()
+'''
+
+
+def script(body: str, imports: str = "from torch.nn.parallel import DistributedDataParallel as DDP", accum: str = "        loss.backward()") -> str:
+    return HEAD.replace("{imports}", imports).replace("{body}", body.replace("{loop}", LOOP.replace("{accum}", accum)))
+
+
+def rewrite(source: str, **options):
+    return rewrite_source(dedent(source).encode(), "train.py", RetrofitOptions(**options))
+
+
+def out(source: str, **options) -> str:
+    result = rewrite(source, **options)
+    assert not result.refusals, result.refusals
+    return result.code.decode()
+
+
+def assert_no_ddp_api(code: str) -> None:
+    for word in ("DistributedDataParallel", "DDP(", "no_sync", ".module", "require_backward_grad_sync", "DataParallel"):
+        assert word not in code, word
+
+
+def test_nested_ddp_with_an_optimizer_built_before_it_and_dropped_arguments_reported():
+    body = '''    opt = torch.optim.SGD(Net().parameters(), lr=0.1)
+    model = DDP(Net().to("cpu"), device_ids=None, find_unused_parameters=True, gradient_as_bucket_view=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+{loop}
+    print(model.module.fc.weight.sum())'''
+    result = rewrite(script(body))
+    code = result.code.decode()
+    assert_no_ddp_api(code)
+    lines = [l.strip() for l in code.splitlines()]
+    build = lines.index('model = Net().to("cpu")')
+    assert lines[build + 3] == "fully_shard(model, mesh=mesh)"
+    assert lines.index("opt = torch.optim.SGD(model.parameters(), lr=0.1)") > build + 3
+    assert "model.fc.weight.sum()" in code
+    dropped = [c.what for c in result.changes if c.what.startswith("dropped")]
+    assert dropped == [
+        "dropped `device_ids=None` of DistributedDataParallel",
+        "dropped `find_unused_parameters=True` of DistributedDataParallel",
+        "dropped `gradient_as_bucket_view=True` of DistributedDataParallel",
+    ]
+    assert sum("init_process_group" in l for l in lines) == 1
+
+
+@pytest.mark.parametrize("imports, ctor", [
+    ("import torch.nn.parallel as par", "par.DistributedDataParallel"),
+    ("", "torch.nn.parallel.DistributedDataParallel"),
+    ("from torch.nn.parallel import DistributedDataParallel", "DistributedDataParallel"),
+])
+def test_every_import_spelling(imports, ctor):
+    body = f'''    model = Net()
+    model = {ctor}(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+{{loop}}'''
+    code = out(script(body, imports=imports))
+    assert_no_ddp_api(code)
+    assert "fully_shard(model, mesh=mesh)" in code
+
+
+BASE = '''    model = Net()
+    model = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+{loop}'''
+
+
+def test_no_sync_in_one_branch_of_identical_branches_becomes_one_sync_call():
+    accum = '''        if (i + 1) % 2 != 0:
+            with model.no_sync():
+                loss.backward()
+        else:
+            loss.backward()'''
+    code = out(script(BASE, accum=accum))
+    assert_no_ddp_api(code)
+    assert "        model.set_requires_gradient_sync((i + 1) % 2 == 0)\n        loss.backward()\n" in code
+    assert code.count("set_requires_gradient_sync") == 1
+
+
+def test_a_context_chosen_by_a_conditional_expression():
+    accum = '''        ctx = model.no_sync() if (i + 1) % 2 != 0 else contextlib.nullcontext()
+        with ctx:
+            loss = loss * 1.0
+            loss.backward()'''
+    code = out(script(BASE, accum=accum))
+    assert_no_ddp_api(code)
+    assert "model.set_requires_gradient_sync((i + 1) % 2 == 0)\n        loss = loss * 1.0\n        loss.backward()" in code
+    assert code.count("set_requires_gradient_sync") == 1
+    assert "contextlib" not in code  # the unused import goes
+
+
+def test_require_backward_grad_sync_and_a_with_holding_another_context():
+    accum = '''        model.require_backward_grad_sync = (i + 1) % 2 == 0
+        loss.backward()'''
+    code = out(script(BASE, accum=accum))
+    assert "model.set_requires_gradient_sync((i + 1) % 2 == 0)\n        loss.backward()" in code
+    accum = '''        with model.no_sync(), torch.autograd.set_detect_anomaly(False):
+            loss.backward()'''
+    code = out(script(BASE, accum=accum))
+    assert_no_ddp_api(code)
+    assert ("model.set_requires_gradient_sync(False)\n        with torch.autograd.set_detect_anomaly(False):\n"
+            "            loss.backward()\n        model.set_requires_gradient_sync(True)") in code
+
+
+def test_rank0_save_of_module_state_becomes_a_collective_dcp_save():
+    body = BASE + '''
+    if rank == 0:
+        torch.save(model.module.state_dict(), "final.pt")'''
+    code = out(script(body))
+    assert_no_ddp_api(code)
+    lines = [l.strip() for l in code.splitlines()]
+    save = lines.index('dcp.save(get_model_state_dict(model), checkpoint_id="final.pt")')
+    assert lines[save - 1] != "if rank == 0:"
+
+
+def test_dataparallel_under_a_device_count_test_goes_with_its_if():
+    source = '''
+import torch
+import torch.nn as nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+def main():
+    model = Net()
+    if torch.cuda.device_count() > 1:
+        model = nn.DataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    torch.save(getattr(model, "module", model).state_dict(), "m.pt")
+
+main()
+'''
+    code = out(source)
+    assert_no_ddp_api(code)
+    assert "device_count" not in code
+    assert "init_process_group" in code and "fully_shard(model, mesh=mesh)" in code
+
+
+SPAWN = '''
+import os
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def worker(rank, world_size, args):
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = "12355"
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    n = 2
+    {launch}
+'''
+
+
+def test_spawn_becomes_one_call_per_torchrun_process():
+    result = rewrite(SPAWN.replace("{launch}", "mp.spawn(worker, args=(n, None), nprocs=n, join=True)"))
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert 'worker(int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]), None)' in code
+    assert 'dist.init_process_group("gloo")' in code
+    assert "MASTER_" not in code and "mp." not in code and "torch.multiprocessing" not in code
+
+
+@pytest.mark.parametrize("launch, what", [
+    ("q = mp.Queue()\n    mp.spawn(worker, args=(n, q), nprocs=n)", "`q` is handed to the workers"),
+    ("ctx = mp.spawn(worker, args=(n, None), nprocs=n, join=False)", "the result of mp.spawn is used"),
+    ("mp.spawn(worker, args=(n, None), nprocs=n, join=False)", "`join=` of mp.spawn"),
+    ("mp.spawn(worker, args=make_args(), nprocs=n)", "are not a tuple written in the call"),
+])
+def test_unsafe_spawns_are_refused(launch, what):
+    result = rewrite(SPAWN.replace("{launch}", launch))
+    assert result.refusals and what in result.refusals[0].what
+    assert result.code == result.original
+
+
+@pytest.mark.parametrize("body, line, what", [
+    ("    torch.manual_seed(rank)\n" + BASE, 40, "the random seed depends on the rank"),
+    (BASE.replace("model = DDP(model)", "ddp_model = DDP(model)"), 42, "the wrapped model gets a new name"),
+    (BASE.replace("DDP(model)", "DDP(model, process_group=group)"), 42, "`process_group=` of DistributedDataParallel"),
+    (BASE + "\n    ctx = model.no_sync()", 42, "`no_sync()` is used outside a `with` statement"),
+])
+def test_unsafe_ddp_shapes_are_refused_by_the_cli(tmp_path, body, line, what):
+    path = tmp_path / "train.py"
+    source = dedent(script(body))
+    path.write_text(source)
+    proc = subprocess.run([sys.executable, "-m", "fsdp2_retrofit.cli", "rewrite", str(path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"{path}:" in proc.stdout + proc.stderr and what in proc.stdout + proc.stderr
+    assert path.read_text() == source

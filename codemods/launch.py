@@ -83,6 +83,7 @@ class LaunchDistributedCommand(RetrofitStage):
             )
         block = facts.entry_block
         self._set_device_first(group, facts, editor)
+        self._gloo_without_cuda(group, editor)
         dist = self._dist(group)
         world = group.world_size_name or f"{dist}.get_world_size()"
         mesh_name = self.fresh_name("mesh", facts.entry_scope)
@@ -109,6 +110,25 @@ class LaunchDistributedCommand(RetrofitStage):
         if not group.destroys:
             editor.append_to(block, [self.stmt(f"{self._dist(group)}.destroy_process_group()\n")])
             self.change(block.body[-1], "destroy the process group at the end", "a clean exit under torchrun")
+
+    def _gloo_without_cuda(self, group, editor: StatementEditor) -> None:
+        """A backend written as the literal "nccl" falls back to gloo without CUDA (CPU runs)."""
+        args = group.init.args
+        backend = next((a.value for a in args if a.keyword is not None and a.keyword.value == "backend"), None)
+        if backend is None and args and args[0].keyword is None:
+            backend = args[0].value
+        if not (isinstance(backend, cst.SimpleString) and backend.evaluated_value == "nccl"):
+            return
+        if not isinstance(group.init_stmt, cst.SimpleStatementLine):
+            return
+        new = self.expr(f'{backend.value} if torch.cuda.is_available() else "gloo"')
+        editor.replace(group.init_stmt, group.init_stmt.deep_replace(backend, new))
+        self.add_import("torch")
+        self.change(
+            group.init,
+            'the "nccl" backend falls back to "gloo" without CUDA',
+            "NCCL needs GPUs; with gloo the same script trains on CPU (tests, laptops)",
+        )
 
     def _dist(self, group) -> str:
         """The script's own spelling of torch.distributed (`dist` in `dist.init_process_group`),
@@ -142,14 +162,21 @@ class LaunchDistributedCommand(RetrofitStage):
                 holder = r.parent(holder)
             if holder is None or body.index(holder) < body.index(group.init_stmt):
                 continue
-            reads = names_in(holder) - {"torch"}
-            if reads & (assigned_between(block, group.init_stmt, holder) | assigned_names(group.init_stmt)):
-                continue  # it reads something bound after the init: leave it
-            editor.replace(holder, None)
-            editor.insert_before(group.init_stmt, [holder])
+            deps = _environment_reads(body[body.index(group.init_stmt) + 1 : body.index(holder)], holder)
+            if deps is None or names_in(holder) & assigned_names(group.init_stmt) or _asks_the_group(holder, r):
+                continue  # it reads something computed after the init: leave it
+            moved = []
+            for stmt in deps + [holder]:
+                editor.replace(stmt, None)
+                moved.append(stmt)
+            if _bare_set_device(holder):  # guarded, so that the script also runs without CUDA
+                moved[-1] = self.stmt(f"if torch.cuda.is_available():\n    {code(holder.body[0])}\n")
+            editor.insert_before(group.init_stmt, moved)
             self.change(
                 holder,
-                "`torch.cuda.set_device` moves before init_process_group",
+                "`torch.cuda.set_device` moves before init_process_group"
+                + (f" (with {', '.join(code(d) for d in deps)})" if deps else "")
+                + (", under `if torch.cuda.is_available():`" if _bare_set_device(holder) else ""),
                 "NCCL binds each rank's communicator to the current device when the group starts",
                 "every rank on GPU 0 (hang or OOM) when set_device comes late",
             )
@@ -185,6 +212,45 @@ class LaunchDistributedCommand(RetrofitStage):
             if _touches_torch(stmt, facts) or names_in(stmt) & model_names:
                 return stmt
         return facts.models[0].stmt
+
+
+def _environment_reads(between, holder):
+    """The statements of `between` that bind what `holder` reads, if each only reads the
+    environment (`local_rank = int(os.environ["LOCAL_RANK"])`); None if one reads more."""
+    wanted = names_in(holder)
+    deps = []
+    for stmt in reversed(between):
+        bound = assigned_names(stmt)
+        if not bound & wanted:
+            continue
+        text = code(stmt)
+        if not ("environ" in text or "getenv" in text) or "dist." in text or "get_rank" in text:
+            return None
+        deps.insert(0, stmt)
+        wanted |= names_in(stmt)
+    return deps
+
+
+def _asks_the_group(stmt, r) -> bool:
+    """`stmt` calls torch.distributed (get_rank, ...): it needs the group started."""
+    found = []
+
+    class _C(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            if any(q.startswith("torch.distributed") for q in r.qnames(node)):
+                found.append(node)
+
+    stmt.visit(_C())
+    return bool(found)
+
+
+def _bare_set_device(stmt) -> bool:
+    return (
+        isinstance(stmt, cst.SimpleStatementLine)
+        and len(stmt.body) == 1
+        and isinstance(stmt.body[0], cst.Expr)
+        and code(stmt.body[0]).startswith("torch.cuda.set_device(")
+    )
 
 
 def _shards_already(facts: ScriptFacts) -> bool:

@@ -98,11 +98,19 @@ def test_a_late_set_device_moves_before_the_group_and_a_missing_teardown_is_adde
     rank = dist.get_rank()'''
     out = lines(rewrite(setup, teardown=""))
     assert out.index("torch.cuda.set_device(0)") < out.index('dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")')
-    # set_device(local_rank) reads a name bound after the init: it stays, a guarded one goes first
+    # set_device(local_rank) reads a name bound from the environment after the init: both move, guarded
     out = lines(rewrite(setup.replace("set_device(0)", "set_device(local_rank)"), teardown=""))
     init = out.index('dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")')
+    assert out[init - 3 : init] == [
+        'local_rank = int(os.environ["LOCAL_RANK"])', "if torch.cuda.is_available():", "torch.cuda.set_device(local_rank)"
+    ]
+    # a name computed from the group stays after it: a guarded set_device of its own goes first
+    out = lines(rewrite(setup.replace("set_device(0)", "set_device(dist.get_rank() % 8)"), teardown=""))
+    init = out.index('dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")')
     assert out[init - 1] == "torch.cuda.set_device(local_rank_1)"
-    assert out[init - 3] == 'local_rank_1 = int(os.environ["LOCAL_RANK"])'
+    # a literal "nccl" falls back to gloo without CUDA
+    out = lines(rewrite(setup.replace('"nccl" if torch.cuda.is_available() else "gloo"', '"nccl"'), teardown=""))
+    assert 'dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")' in out
     assert out.count("dist.destroy_process_group()") == 1
     assert "mesh = init_device_mesh(\"cuda\" if torch.cuda.is_available() else \"cpu\", (dist.get_world_size(),))" in out
 

@@ -146,14 +146,6 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
             self.refuse(ddp[0].stmt, "the script uses both DataParallel and DistributedDataParallel",
                         "one process per device cannot be derived from both", "keep one of them")
         for site in found.sites:
-            if isinstance(site.inner, cst.Name) and site.inner.value != site.name:
-                self.refuse(
-                    site.stmt,
-                    f"the wrapped model gets a new name (`{site.name} = {code(site.call.func)}({site.inner.value}, ...)`)",
-                    "both names would stay in use for one module; following which is trained and which is saved "
-                    "is not supported",
-                    f"rebind the same name: `{site.inner.value} = {code(site.call.func)}({site.inner.value}, ...)`",
-                )
             for key in site.kwargs:
                 if key not in DROPPED:
                     self.refuse(
@@ -165,7 +157,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
                     )
 
     def _unwrap(self, site: WrapSite, facts: ScriptFacts, editor: _MigrateEditor) -> None:
-        if isinstance(site.inner, cst.Name):
+        if isinstance(site.inner, cst.Name) and site.inner.value == site.name:
             holder = facts.resolver.parent(facts.resolver.parent(site.stmt))
             if isinstance(holder, cst.If) and holder.orelse is None and len(holder.body.body) == 1:
                 # `if torch.cuda.device_count() > 1: model = DataParallel(model)`: the if goes too
@@ -180,7 +172,10 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
         else:
             editor.values[site.call] = site.inner
             editor.mark_work()
-            what = f"`{site.name} = {code(site.inner)}` without the {site.kind} wrapper"
+            what = f"`{site.name} = {code(site.inner)}` without the {site.kind} wrapper" + (
+                f" (`{site.name}` is another name for the sharded `{site.inner.value}`)"
+                if isinstance(site.inner, cst.Name) else ""
+            )
         why = (
             "fully_shard (added after the model is built) replaces DDP: it reduce-scatters gradients "
             "instead of all-reducing full copies, and each rank keeps 1/world_size of the parameters, "

@@ -263,7 +263,6 @@ def test_unsafe_spawns_are_refused(launch, what):
 
 @pytest.mark.parametrize("body, line, what", [
     ("    torch.manual_seed(rank)\n" + BASE, 40, "the random seed depends on the rank"),
-    (BASE.replace("model = DDP(model)", "ddp_model = DDP(model)"), 42, "the wrapped model gets a new name"),
     (BASE.replace("DDP(model)", "DDP(model, process_group=group)"), 42, "`process_group=` of DistributedDataParallel"),
     (BASE + "\n    ctx = model.no_sync()", 42, "`no_sync()` is used outside a `with` statement"),
 ])
@@ -276,3 +275,16 @@ def test_unsafe_ddp_shapes_are_refused_by_the_cli(tmp_path, body, line, what):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"{path}:" in proc.stdout + proc.stderr and what in proc.stdout + proc.stderr
     assert path.read_text() == source
+
+
+def test_a_wrapper_under_a_new_name_becomes_an_alias_of_the_sharded_model():
+    body = BASE.replace("model = DDP(model)", "ddp_model = DDP(model)").replace(
+        "model.parameters()", "ddp_model.parameters()") + """
+    if rank == 0:
+        torch.save(ddp_model.module.state_dict(), "m.pt")"""
+    code = out(script(body))
+    assert_no_ddp_api(code)
+    lines = [l.strip() for l in code.splitlines()]
+    shard = lines.index("fully_shard(model, mesh=mesh)")
+    assert lines[shard + 1] == "ddp_model = model"
+    assert 'dcp.save(get_model_state_dict(ddp_model), checkpoint_id="m.pt")' in lines

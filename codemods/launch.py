@@ -82,6 +82,15 @@ class LaunchDistributedCommand(RetrofitStage):
                 "start the process group unconditionally (the output runs under torchrun only)",
             )
         block = facts.entry_block
+        body = list(block.body)
+        top = facts.models[0].top
+        if group.start in body and top in body and body.index(top) < body.index(group.start):
+            self.refuse(
+                facts.models[0].stmt,
+                f"`{facts.models[0].name}` is built before the script starts its process group",
+                "fully_shard needs the device mesh, which needs the process group; sharding must follow the build",
+                "start the process group (init_process_group) before building the model",
+            )
         self._set_device_first(group, facts, editor)
         self._gloo_without_cuda(group, editor)
         dist = self._dist(group)

@@ -136,3 +136,8 @@ def test_a_conditional_group_is_refused():
     result = rewrite(setup)
     assert result.refusals and "under a condition" in result.refusals[0].what
     assert result.code == result.original
+
+
+def test_a_model_built_before_the_group_is_refused():
+    result = rewrite("    model = Net()\n" + ENV)
+    assert result.refusals and "built before the script starts its process group" in result.refusals[0].what

@@ -210,7 +210,8 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
             and len(branch.body) == 1
         ):
             the_if = parent if isinstance(parent, cst.If) else r.parent(parent)
-            if isinstance(the_if, cst.If) and isinstance(the_if.orelse, cst.Else):
+            # (an `elif` is no statement of a block: the generic form below handles it)
+            if isinstance(the_if, cst.If) and isinstance(the_if.orelse, cst.Else) and r.block_of(the_if) is not None:
                 in_body = parent is the_if
                 other = the_if.orelse.body if in_body else the_if.body
                 if [code(s) for s in other.body[: len(body)]] == [code(s) for s in body]:

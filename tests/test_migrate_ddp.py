@@ -288,3 +288,17 @@ def test_a_wrapper_under_a_new_name_becomes_an_alias_of_the_sharded_model():
     shard = lines.index("fully_shard(model, mesh=mesh)")
     assert lines[shard + 1] == "ddp_model = model"
     assert 'dcp.save(get_model_state_dict(ddp_model), checkpoint_id="m.pt")' in lines
+
+
+def test_no_sync_in_an_elif_branch_takes_the_generic_form():
+    accum = '''        if i == 100:
+            pass
+        elif (i + 1) % 2 != 0:
+            with model.no_sync():
+                loss.backward()
+        else:
+            loss.backward()'''
+    code = out(script(BASE, accum=accum))
+    assert_no_ddp_api(code)
+    assert ("            model.set_requires_gradient_sync(False)\n            loss.backward()\n"
+            "            model.set_requires_gradient_sync(True)\n") in code

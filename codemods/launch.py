@@ -5,7 +5,7 @@ import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.analysis.names import assigned_names, is_main_guard, names_in
-from fsdp2_retrofit.analysis.process_group import assigned_between, process_group
+from fsdp2_retrofit.analysis.process_group import process_group
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
 PREAMBLE = """\

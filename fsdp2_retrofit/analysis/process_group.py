@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import libcst as cst
 
-from .names import assigned_names, code, names_in
+from .names import code
 
 INIT = {"torch.distributed.init_process_group", "torch.distributed.distributed_c10d.init_process_group"}
 DESTROY = {"torch.distributed.destroy_process_group", "torch.distributed.distributed_c10d.destroy_process_group"}
@@ -137,15 +137,3 @@ def _env_int(value, key: str) -> bool:
 def world_size_name(facts) -> Optional[str]:
     scope = facts.entry_scope if isinstance(facts.entry_scope, cst.FunctionDef) else None
     return _bound_from(facts, scope, lambda v: is_world_size_value(v, facts.resolver))
-
-
-def assigned_between(block, first, last) -> set:
-    """Names assigned by the statements of `block` strictly between two of its statements."""
-    body = list(block.body)
-    out: set = set()
-    for stmt in body[body.index(first) + 1 : body.index(last)]:
-        out |= assigned_names(stmt)
-    return out
-
-
-__all__ = ["ProcessGroup", "process_group", "is_rank_value", "is_world_size_value", "world_size_name", "names_in"]

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Set
 
 import libcst as cst
 
-from .names import code, names_in
+from .names import code
 
 DDP = {
     "torch.nn.parallel.DistributedDataParallel",
@@ -202,4 +202,4 @@ def reads_of(facts, name: str, fn) -> List[cst.Name]:
     return [n for n in r.nodes(cst.Name) if n.value == name and r.enclosing_function(n) is fn]
 
 
-__all__ = ["WrapSite", "WrapperFacts", "wrappers", "context_withs", "reads_of", "names_in"]
+__all__ = ["WrapSite", "WrapperFacts", "wrappers", "context_withs", "reads_of"]

@@ -26,6 +26,7 @@ from .data import DistributeDataCommand
 from .forward_calls import ReplaceForwardCallsCommand
 from .launch import LaunchDistributedCommand
 from .meta_init import InitOnMetaDeviceCommand
+from .migrate_fsdp1 import MigrateFsdp1Command
 from .optimizer import MoveOptimizerCommand
 from .rank_zero import GateRankZeroCommand
 from .resume import ConvertLoadsCommand
@@ -38,6 +39,7 @@ from .shard import ShardModelCommand
 # after it, so that shard's fully_shard calls land between the two; shard writes the
 # fully_shard calls the optimizer and forward_calls stages place themselves after.
 GROUPS: List[List[Type[RetrofitStage]]] = [
+    [MigrateFsdp1Command],  # an FSDP1 script becomes what the others read; its settings become their options
     [LaunchDistributedCommand],
     [InitOnMetaDeviceCommand],
     [ShardModelCommand],
@@ -83,7 +85,9 @@ class RetrofitCommand(RetrofitStage):
 
     def run_stage(self, stage: Type[RetrofitStage], tree: cst.Module) -> cst.Module:
         context = self.stage_context()
-        tree = stage(context, self.options).transform_module(tree)
+        command = stage(context, self.options)
+        tree = command.transform_module(tree)
+        self.options = getattr(command, "options_for_later", self.options)  # migrate_fsdp1: the wrap's settings
         self.context.scratch[FACTS_KEY] = context.scratch.get(FACTS_KEY)
         self.after_stage(stage, tree, context)
         return tree

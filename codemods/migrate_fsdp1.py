@@ -259,6 +259,7 @@ class MigrateFsdp1Command(RetrofitStage):
         body = list(node.body.body)
         inside = [c for c in r.nodes(cst.Call) if node.body in r.ancestors(c)]
         converted = []
+        gathered: Dict[cst.Call, str] = {}
         for call in inside:
             func = call.func
             names = r.qnames(call)
@@ -293,6 +294,7 @@ class MigrateFsdp1Command(RetrofitStage):
             editor.exprs[call] = self.expr(replacement)
             handled.add(id(call))
             converted.append(replacement.split("(")[0])
+            gathered[call] = replacement
         if options or load_options:
             self.add_import(STATE_DICT_MODULE, "StateDictOptions")
         # the body takes the place of the `with`
@@ -303,6 +305,11 @@ class MigrateFsdp1Command(RetrofitStage):
                 test = self.rank_zero_test(node, facts) or "dist.get_rank() == 0"
                 if test.startswith("dist."):
                     self.add_import("torch.distributed", asname="dist")
+                for call, replacement in gathered.items():
+                    if stmt in r.ancestors(call):  # the collective stays on every rank, before the `if`
+                        name = self.fresh_name(f"{model}_state", r.enclosing_function(node))
+                        moved.append(self.stmt(f"{name} = {replacement}\n"))
+                        editor.exprs[call] = cst.Name(name)
                 gated = cst.If(test=self.expr(test), body=cst.IndentedBlock(body=[stmt]))
                 self.change(stmt, "the torch.save of the full state dict runs on rank 0 only",
                             "the full state dict is gathered to rank 0 (cpu_offload); every rank writing the "

@@ -230,12 +230,13 @@ class ShardModelCommand(RetrofitStage):
         out = []
         if self.options.shard:
             var = self.fresh_name("module", model.scope)
+            keep = ", reshard_after_forward=False" if self.options.reshard_after_forward == "never" else ""
             classes = ", ".join(f'"{c.rsplit(".", 1)[-1]}"' for c in self.options.shard)
             out.append(
                 self.stmt(
                     f"for {var} in reversed(list({model.name}.modules())):\n"
                     f"    if type({var}).__name__ in ({classes},) and {var} is not {model.name}:\n"
-                    f"        fully_shard({var}{mesh})\n"
+                    f"        fully_shard({var}{mesh}{keep})\n"
                 )
             )
             self.change(

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import libcst as cst
 
-from fsdp2_retrofit.analysis import ScriptFacts
-from fsdp2_retrofit.analysis.names import is_main_guard, names_in
+from fsdp2_retrofit.analysis import ScriptFacts, code
+from fsdp2_retrofit.analysis.names import assigned_names, is_main_guard, names_in
+from fsdp2_retrofit.analysis.process_group import assigned_between, process_group
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
 PREAMBLE = """\
@@ -32,7 +33,10 @@ class LaunchDistributedCommand(RetrofitStage):
     LATER_STAGES_READ_IMPORTS = True  # they find the mesh, rank and fully_shard by name
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
-        if facts.distributed_init is not None or facts.entry_block is None:
+        if facts.entry_block is None:
+            return
+        if facts.distributed_init is not None:
+            self._reuse(facts, editor)
             return
         block = facts.entry_block
         anchor = self._first_torch_statement(block, facts)
@@ -63,6 +67,109 @@ class LaunchDistributedCommand(RetrofitStage):
         )
         self.change(block.body[-1], "destroy the process group at the end", "a clean exit under torchrun")
 
+    def _reuse(self, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """The script starts its own process group (torchrun style): keep it, make sure
+        the CUDA device is set before it, and build the mesh after it."""
+        group = process_group(facts)
+        if facts.mesh_name is not None or _shards_already(facts):
+            return
+        if group.conditional is not None:
+            self.refuse(
+                group.init,
+                "the process group is started under a condition",
+                "fully_shard needs the process group and a device mesh on every run; the script also runs "
+                "without one, where the sharded model would have no group",
+                "start the process group unconditionally (the output runs under torchrun only)",
+            )
+        block = facts.entry_block
+        self._set_device_first(group, facts, editor)
+        dist = self._dist(group)
+        world = group.world_size_name or f"{dist}.get_world_size()"
+        mesh_name = self.fresh_name("mesh", facts.entry_scope)
+        mesh = HSDP_MESH if self.options.hsdp else MESH
+        text = mesh.format(mesh=mesh_name, world_size=world, replicas=self.options.hsdp)
+        statements = list(cst.parse_module(text, config=self.config).body)
+        if group.start is not None and group.start in block.body:
+            anchor = group.start
+            if group.world_size_name is not None:
+                anchor = self._after_binding(block, anchor, group.world_size_name)
+            editor.insert_after(anchor, statements)
+        else:
+            top = facts.models[0].top
+            editor.insert_paragraph_before(top, statements, first_in_block=top is block.body[0])
+            anchor = top
+        self.add_import("torch")
+        self.add_import("torch.distributed.device_mesh", "init_device_mesh")
+        self.change(
+            anchor,
+            f"reuse the script's process group; build a {'2-D (replicate, shard)' if self.options.hsdp else '1-D'} "
+            f"device mesh `{mesh_name}` over its {world} ranks after it",
+            "the script already starts a process group under torchrun: a second init_process_group would fail",
+        )
+        if not group.destroys:
+            editor.append_to(block, [self.stmt(f"{self._dist(group)}.destroy_process_group()\n")])
+            self.change(block.body[-1], "destroy the process group at the end", "a clean exit under torchrun")
+
+    def _dist(self, group) -> str:
+        """The script's own spelling of torch.distributed (`dist` in `dist.init_process_group`),
+        or `dist`, imported."""
+        func = group.init.func
+        if isinstance(func, cst.Attribute) and isinstance(func.value, (cst.Name, cst.Attribute)):
+            return code(func.value)
+        self.add_import("torch.distributed", asname="dist")
+        return "dist"
+
+    def _after_binding(self, block, anchor, name: str):
+        """`anchor`, or the later statement of the block that binds `name` (the mesh reads it)."""
+        body = list(block.body)
+        for stmt in body[body.index(anchor) + 1 :]:
+            if name in assigned_names(stmt):
+                return stmt
+        return anchor
+
+    def _set_device_first(self, group, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """`torch.cuda.set_device(local_rank)` before init_process_group: moved there when the
+        script calls it after, inserted (guarded by is_available) when it never does."""
+        r = facts.resolver
+        init_order = r.order(group.init)
+        if any(r.order(c) < init_order for c in group.set_device):
+            return
+        block = r.block_of(group.init_stmt)
+        body = list(block.body)
+        for call in group.set_device:
+            holder = r.statement_of(call)
+            while holder is not None and holder not in body:
+                holder = r.parent(holder)
+            if holder is None or body.index(holder) < body.index(group.init_stmt):
+                continue
+            reads = names_in(holder) - {"torch"}
+            if reads & (assigned_between(block, group.init_stmt, holder) | assigned_names(group.init_stmt)):
+                continue  # it reads something bound after the init: leave it
+            editor.replace(holder, None)
+            editor.insert_before(group.init_stmt, [holder])
+            self.change(
+                holder,
+                "`torch.cuda.set_device` moves before init_process_group",
+                "NCCL binds each rank's communicator to the current device when the group starts",
+                "every rank on GPU 0 (hang or OOM) when set_device comes late",
+            )
+            return
+        local_rank = group.local_rank_name
+        new = []
+        if local_rank is None:
+            local_rank = self.fresh_name("local_rank", r.enclosing_function(group.init))
+            new.append(self.stmt(f'{local_rank} = int(os.environ["LOCAL_RANK"])\n'))
+            self.add_import("os")
+        new.append(self.stmt(f"if torch.cuda.is_available():\n    torch.cuda.set_device({local_rank})\n"))
+        self.add_import("torch")
+        editor.insert_before(group.init_stmt, new)
+        self.change(
+            group.init_stmt,
+            f"`torch.cuda.set_device({local_rank})` before the script's init_process_group",
+            "torchrun starts one process per GPU; each must pick its own device before any CUDA work",
+            "every rank on GPU 0 (hang or OOM) when set_device is missing",
+        )
+
     def _first_torch_statement(self, block, facts: ScriptFacts):
         """The first statement of the entry block that touches torch or builds the model."""
         model_names = {m.name for m in facts.models}
@@ -78,6 +185,10 @@ class LaunchDistributedCommand(RetrofitStage):
             if _touches_torch(stmt, facts) or names_in(stmt) & model_names:
                 return stmt
         return facts.models[0].stmt
+
+
+def _shards_already(facts: ScriptFacts) -> bool:
+    return bool(facts.root_shard)
 
 
 def _touches_torch(stmt, facts: ScriptFacts) -> bool:

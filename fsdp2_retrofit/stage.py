@@ -113,10 +113,16 @@ class RetrofitStage(CodemodCommand):
             if facts.distributed_init is None:
                 return None
             init_stmt = facts.resolver.statement_of(facts.distributed_init)
-            block = facts.resolver.block_of(init_stmt)
-            ancestor = _ancestor_in(stmt, block, facts)
-            if ancestor is None or list(block.body).index(ancestor) < list(block.body).index(init_stmt):
-                return None
+            if facts.resolver.enclosing_function(init_stmt) is not entry_fn:
+                # started by a set-up function the entry block calls (or before it runs)
+                from .analysis.process_group import process_group
+
+                init_stmt = process_group(facts).start
+            if init_stmt is not None:
+                block = facts.resolver.block_of(init_stmt)
+                ancestor = _ancestor_in(stmt, block, facts)
+                if ancestor is None or list(block.body).index(ancestor) < list(block.body).index(init_stmt):
+                    return None
             return f"{facts.rank_name} == 0" if facts.rank_name else "dist.get_rank() == 0"
         if function is not None and facts.model_names.get(function):
             return "dist.get_rank() == 0"

@@ -84,14 +84,27 @@ opt = optim.SGD(model.parameters(), lr=0.1)
 class TestLaunch(CodemodTest):
     TRANSFORM = LaunchDistributedCommand
 
-    def test_nothing_added_twice(self) -> None:
-        code = MODEL + '''
+    def test_the_scripts_process_group_is_reused_not_added_twice(self) -> None:
+        before = MODEL + '''
 import torch.distributed as dist
 dist.init_process_group("gloo")
 model = Net()
 opt = optim.SGD(model.parameters(), lr=0.1)
 '''
-        self.assertCodemod(code, code)
+        after = MODEL.replace("from torch import nn, optim\n", "from torch import nn, optim\nimport os\n"
+                              "from torch.distributed.device_mesh import init_device_mesh\n", 1) + '''
+import torch.distributed as dist
+local_rank = int(os.environ["LOCAL_RANK"])
+if torch.cuda.is_available():
+    torch.cuda.set_device(local_rank)
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(),))
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+dist.destroy_process_group()
+'''
+        self.assertCodemod(before, after)
+        self.assertCodemod(after, after)  # a mesh exists: nothing added twice
 
 
 class TestForwardCalls(CodemodTest):

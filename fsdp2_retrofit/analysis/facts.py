@@ -200,7 +200,7 @@ class _Analyser:
         init_call = next(
             (c for c in calls if self.r.is_call_to(c, {"torch.distributed.init_process_group"})), None
         )
-        mesh_name, rank_name = self._launch_names(stmts)
+        mesh_name, rank_name = self._launch_names(stmts, entry_scope)
         facts = ScriptFacts(
             path=self.path,
             module=self.module,
@@ -619,10 +619,17 @@ class _Analyser:
                 return None
         return None
 
-    def _launch_names(self, stmts):
+    def _launch_names(self, stmts, entry_scope):
+        """The mesh and the rank names of the entry scope (the script's own, e.g.
+        `rank = int(os.environ["RANK"])`, or the launch stage's)."""
+        from .process_group import is_rank_value
+
         mesh = rank = None
+        entry_fn = entry_scope if isinstance(entry_scope, cst.FunctionDef) else None
         for stmt in stmts:
             if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
+                continue
+            if entry_scope is not None and self.r.enclosing_function(stmt) is not entry_fn:
                 continue
             assign = stmt.body[0]
             value, target = assign.value, assign.targets[0].target
@@ -637,7 +644,7 @@ class _Analyser:
             else:
                 pairs = [(target, value)]
             for t, v in pairs:
-                if isinstance(t, cst.Name) and self.r.is_call_to(v, {"torch.distributed.get_rank"}):
+                if isinstance(t, cst.Name) and is_rank_value(v, self.r):
                     rank = rank or t.value
         return mesh, rank
 

@@ -1,0 +1,151 @@
+"""The process group a script starts itself (`dist.init_process_group(...)` under
+torchrun): where it starts, relative to the model, and the names the script keeps
+for its local rank, rank and world size.
+
+The launch stage reuses such a group instead of starting a second one; rank-0
+gating and the sampler use the script's own names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import libcst as cst
+
+from .names import assigned_names, code, names_in
+
+INIT = {"torch.distributed.init_process_group", "torch.distributed.distributed_c10d.init_process_group"}
+DESTROY = {"torch.distributed.destroy_process_group", "torch.distributed.distributed_c10d.destroy_process_group"}
+SET_DEVICE = {"torch.cuda.set_device"}
+GET_RANK = {"torch.distributed.get_rank", "torch.distributed.distributed_c10d.get_rank"}
+GET_WORLD_SIZE = {"torch.distributed.get_world_size", "torch.distributed.distributed_c10d.get_world_size"}
+
+
+@dataclass
+class ProcessGroup:
+    init: cst.Call
+    init_stmt: cst.CSTNode  # the statement holding the call, in its own block
+    # the statement of the entry block after which the group exists (the init itself,
+    # or the call of the set-up function that starts it); None when it starts before
+    # the entry block runs (module level, above `main()`)
+    start: Optional[cst.CSTNode]
+    # the compound statement of the entry block the init sits in (`if ddp:`), if any
+    conditional: Optional[cst.CSTNode]
+    set_device: List[cst.Call] = field(default_factory=list)
+    local_rank_name: Optional[str] = None  # bound from LOCAL_RANK in the init's scope, before it
+    world_size_name: Optional[str] = None  # bound in the entry scope
+    destroys: List[cst.Call] = field(default_factory=list)
+
+
+def process_group(facts) -> Optional[ProcessGroup]:
+    """The script's own process group, or None when it starts none."""
+    if facts.distributed_init is None:
+        return None
+    r = facts.resolver
+    init = facts.distributed_init
+    init_stmt = r.statement_of(init)
+    start, conditional = _start(init_stmt, facts)
+    init_fn = r.enclosing_function(init)
+    calls = r.nodes(cst.Call)
+    return ProcessGroup(
+        init=init,
+        init_stmt=init_stmt,
+        start=start,
+        conditional=conditional,
+        set_device=[c for c in calls if r.is_call_to(c, SET_DEVICE)],
+        local_rank_name=_bound_from(facts, init_fn, lambda v: "LOCAL_RANK" in code(v), before=init),
+        world_size_name=world_size_name(facts),
+        destroys=[c for c in calls if r.is_call_to(c, DESTROY)],
+    )
+
+
+def _start(init_stmt, facts):
+    """(the entry-block statement after which the group exists, the compound
+    statement of the entry block around the init)."""
+    r = facts.resolver
+    block = facts.entry_block
+    body = list(block.body)
+    node = init_stmt
+    while node is not None and node not in body:
+        node = r.parent(node)
+    if node is not None:
+        return node, (node if node is not init_stmt else None)
+    # started in a set-up function that the entry block calls
+    init_fn = r.enclosing_function(init_stmt)
+    if init_fn is not None:
+        for stmt in body:
+            for call in _calls_in(stmt):
+                if isinstance(call.func, cst.Name) and call.func.value == init_fn.name.value:
+                    return stmt, None
+    return None, None
+
+
+def _calls_in(node) -> List[cst.Call]:
+    found: List[cst.Call] = []
+
+    class _C(cst.CSTVisitor):
+        def visit_Call(self, n: cst.Call) -> None:
+            found.append(n)
+
+    node.visit(_C())
+    return found
+
+
+def _bound_from(facts, function, test, before=None) -> Optional[str]:
+    """A name assigned in `function` (module level for None) from a value passing `test`."""
+    r = facts.resolver
+    limit = r.order(before) if before is not None else None
+    for stmt in r.nodes(cst.SimpleStatementLine):
+        if r.enclosing_function(stmt) is not function or (limit is not None and r.order(stmt) > limit):
+            continue
+        for target, value in _pairs(stmt):
+            if isinstance(target, cst.Name) and value is not None and test(value):
+                return target.value
+    return None
+
+
+def _pairs(stmt):
+    """(target, value) of a one-target assignment, element-wise for `a, b = x, y`."""
+    if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign) or len(stmt.body[0].targets) != 1:
+        return []
+    target, value = stmt.body[0].targets[0].target, stmt.body[0].value
+    if isinstance(target, cst.Tuple) and isinstance(value, cst.Tuple) and len(target.elements) == len(value.elements):
+        return [(t.value, v.value) for t, v in zip(target.elements, value.elements)]
+    return [(target, value)]
+
+
+def is_rank_value(value, resolver) -> bool:
+    """`dist.get_rank()`, `int(os.environ["RANK"])`, `int(os.getenv("RANK", 0))`."""
+    return resolver.is_call_to(value, GET_RANK) or _env_int(value, "RANK")
+
+
+def is_world_size_value(value, resolver) -> bool:
+    return resolver.is_call_to(value, GET_WORLD_SIZE) or _env_int(value, "WORLD_SIZE")
+
+
+def _env_int(value, key: str) -> bool:
+    """`int(<something reading the environment variable key>)`."""
+    if not (isinstance(value, cst.Call) and isinstance(value.func, cst.Name) and value.func.value == "int"):
+        return False
+    if len(value.args) != 1:
+        return False
+    text = code(value.args[0].value)
+    quoted = f'"{key}"' in text or f"'{key}'" in text
+    return quoted and ("environ" in text or "getenv" in text)
+
+
+def world_size_name(facts) -> Optional[str]:
+    scope = facts.entry_scope if isinstance(facts.entry_scope, cst.FunctionDef) else None
+    return _bound_from(facts, scope, lambda v: is_world_size_value(v, facts.resolver))
+
+
+def assigned_between(block, first, last) -> set:
+    """Names assigned by the statements of `block` strictly between two of its statements."""
+    body = list(block.body)
+    out: set = set()
+    for stmt in body[body.index(first) + 1 : body.index(last)]:
+        out |= assigned_names(stmt)
+    return out
+
+
+__all__ = ["ProcessGroup", "process_group", "is_rank_value", "is_world_size_value", "world_size_name", "names_in"]

@@ -1,0 +1,130 @@
+"""The launch stage on scripts that start their own process group (torchrun style):
+the group is reused, never started twice; set_device comes before it; the mesh after it;
+later stages use the script's own rank name."""
+from __future__ import annotations
+
+from textwrap import dedent
+
+from fsdp2_retrofit.options import RetrofitOptions
+from fsdp2_retrofit.pipeline import rewrite_source
+
+SCRIPT = '''
+import os
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def main():
+{setup}
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 4))
+    sampler = DistributedSampler(data)
+    loader = DataLoader(data, batch_size=8, sampler=sampler)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters())
+    for x, y in loader:
+        loss = (model(x) - y).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        print("loss", loss.item())
+    if rank == 0:
+        torch.save(model.state_dict(), "m.pt")
+{teardown}
+
+if __name__ == "__main__":
+    main()
+'''
+
+ENV = '''    local_rank = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group("gloo")
+    rank = int(os.environ["RANK"])
+    world_size = dist.get_world_size()'''
+
+
+def rewrite(setup: str = ENV, teardown: str = "    dist.destroy_process_group()\n", prefix: str = "", **options):
+    source = prefix + SCRIPT.replace("{setup}", setup).replace("{teardown}", teardown)
+    return rewrite_source(dedent(source).encode(), "train.py", RetrofitOptions(**options))
+
+
+def lines(result) -> list:
+    assert not result.refusals, result.refusals
+    return [l.strip() for l in result.code.decode().splitlines()]
+
+
+def test_one_group_one_sampler_one_teardown_and_the_scripts_rank_name():
+    out = lines(rewrite())
+    assert sum("init_process_group" in l for l in out) == 1
+    assert sum("DistributedSampler(" in l for l in out) == 1
+    assert sum("destroy_process_group" in l for l in out) == 1
+    init = out.index('dist.init_process_group("gloo")')
+    assert out[init - 1] == "torch.cuda.set_device(local_rank)"
+    # the mesh reads the script's own world size, after it is bound
+    mesh = out.index('mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (world_size,))')
+    assert mesh > out.index("world_size = dist.get_world_size()")
+    assert out.index("fully_shard(model, mesh=mesh)") > mesh
+    assert "if rank == 0:" in out and 'print("loss", loss_avg.item())' in out
+    # the collective save left the rank-0 branch
+    save = out.index('dcp.save(get_model_state_dict(model), checkpoint_id="m.pt")')
+    assert out[save - 1] != "if rank == 0:"
+
+
+def test_a_late_set_device_moves_before_the_group_and_a_missing_teardown_is_added():
+    setup = '''    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(0)
+    rank = dist.get_rank()'''
+    out = lines(rewrite(setup, teardown=""))
+    assert out.index("torch.cuda.set_device(0)") < out.index('dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")')
+    # set_device(local_rank) reads a name bound after the init: it stays, a guarded one goes first
+    out = lines(rewrite(setup.replace("set_device(0)", "set_device(local_rank)"), teardown=""))
+    init = out.index('dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")')
+    assert out[init - 1] == "torch.cuda.set_device(local_rank_1)"
+    assert out[init - 3] == 'local_rank_1 = int(os.environ["LOCAL_RANK"])'
+    assert out.count("dist.destroy_process_group()") == 1
+    assert "mesh = init_device_mesh(\"cuda\" if torch.cuda.is_available() else \"cpu\", (dist.get_world_size(),))" in out
+
+
+def test_a_group_started_by_a_set_up_function_gets_its_mesh_after_the_call():
+    prefix = '''
+def setup():
+    from torch.distributed import init_process_group
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    init_process_group(backend="gloo")
+'''
+    out = lines(rewrite("    setup()\n    rank = dist.get_rank()", prefix=prefix))
+    assert out[out.index("setup()") + 1].startswith("mesh = init_device_mesh(")
+    assert sum("init_process_group(" in l for l in out) == 1
+    assert "if rank == 0:" in out
+
+
+def test_a_conditional_group_is_refused():
+    setup = '''    ddp = "RANK" in os.environ
+    if ddp:
+        dist.init_process_group("gloo")
+    rank = int(os.environ.get("RANK", 0))'''
+    result = rewrite(setup)
+    assert result.refusals and "under a condition" in result.refusals[0].what
+    assert result.code == result.original

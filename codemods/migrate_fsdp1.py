@@ -26,8 +26,6 @@ from fsdp2_retrofit.analysis.fsdp1 import (
 )
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
-from .launch import HSDP_MESH, MESH
-
 STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
 PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
 BUFFER_NOTE = (
@@ -76,12 +74,12 @@ class MigrateFsdp1Command(RetrofitStage):
             self.refuse(problem.node, problem.what, problem.why, problem.hint)
         handled: Set[int] = set()
         self._carried: Dict[cst.CSTNode, list] = {}
+        self._hoisted: Set[str] = set()  # names given to gathered state dicts
         for wrap in uses.wraps:
             self._unwrap(wrap, editor)
             handled.add(id(wrap.stmt))
             handled.update(id(s) for s in wrap.consumed)
         self.options_for_later = self._options(uses.wraps, facts, editor)
-        self._mesh(uses.wraps, facts, editor)
         for block in uses.blocks:
             self._block(block, facts, editor, handled)
         for call in uses.clips:
@@ -201,26 +199,6 @@ class MigrateFsdp1Command(RetrofitStage):
             )
         return dataclasses.replace(options, **changes) if changes else options
 
-    def _mesh(self, wraps: List[Fsdp1Wrap], facts: ScriptFacts, editor: _Editor) -> None:
-        """The script keeps its own process group; the device mesh goes before the model
-        is built (the launch stage adds one only where it starts the process group)."""
-        if not wraps or facts.distributed_init is None or facts.mesh_name or not facts.models:
-            return
-        model = next((m for m in facts.models if m.name == wraps[0].target), facts.models[0])
-        name = self.fresh_name("mesh", model.scope)
-        template = HSDP_MESH if self.options_for_later.hsdp else MESH
-        text = template.format(mesh=name, world_size="dist.get_world_size()", replicas=self.options_for_later.hsdp)
-        editor.insert_paragraph_before(model.top, list(cst.parse_module(text, config=self.config).body), first_in_block=False)
-        self.add_import("torch")
-        self.add_import("torch.distributed", asname="dist")
-        self.add_import("torch.distributed.device_mesh", "init_device_mesh")
-        self.change(
-            model.top,
-            "a device mesh over the script's process group, before the model is built"
-            + (f" (2-D: {self.options_for_later.hsdp} replicas x shards, HSDP)" if self.options_for_later.hsdp else ""),
-            "fully_shard shards over a DeviceMesh; the script's init_process_group stays",
-        )
-
     def _offload_backend(self, facts: ScriptFacts, editor: _Editor) -> None:
         """CPU offload steps the optimizer on CPU tensors: the process group needs gloo too."""
         init = facts.distributed_init
@@ -259,17 +237,18 @@ class MigrateFsdp1Command(RetrofitStage):
         body = list(node.body.body)
         inside = [c for c in r.nodes(cst.Call) if node.body in r.ancestors(c)]
         converted = []
-        gathered: Dict[cst.Call, str] = {}
+        gathered: Dict[cst.Call, tuple] = {}  # call -> (its replacement, the model or optimizer)
         for call in inside:
             func = call.func
             names = r.qnames(call)
-            replacement = None
+            replacement, owner = None, model
             if (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == model
                     and func.attr.value == "state_dict" and not call.args):
                 replacement = f"get_model_state_dict({model}{_opt(options)})"
                 self.add_import(STATE_DICT_MODULE, "get_model_state_dict")
             elif any(n.endswith(".optim_state_dict") and is_fsdp1_name(n) for n in names) and len(call.args) == 2:
                 m, o = (code(a.value) for a in call.args)
+                owner = o
                 replacement = f"get_optimizer_state_dict({m}, {o}{_opt(options)})"
                 self.add_import(STATE_DICT_MODULE, "get_optimizer_state_dict")
             elif (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == model
@@ -294,7 +273,7 @@ class MigrateFsdp1Command(RetrofitStage):
             editor.exprs[call] = self.expr(replacement)
             handled.add(id(call))
             converted.append(replacement.split("(")[0])
-            gathered[call] = replacement
+            gathered[call] = (replacement, owner)
         if options or load_options:
             self.add_import(STATE_DICT_MODULE, "StateDictOptions")
         # the body takes the place of the `with`
@@ -305,9 +284,12 @@ class MigrateFsdp1Command(RetrofitStage):
                 test = self.rank_zero_test(node, facts) or "dist.get_rank() == 0"
                 if test.startswith("dist."):
                     self.add_import("torch.distributed", asname="dist")
-                for call, replacement in gathered.items():
+                for call, (replacement, owner) in gathered.items():
                     if stmt in r.ancestors(call):  # the collective stays on every rank, before the `if`
-                        name = self.fresh_name(f"{model}_state", r.enclosing_function(node))
+                        name = self.fresh_name(f"{owner}_state", r.enclosing_function(node))
+                        while name in self._hoisted:
+                            name = self.fresh_name(f"{name}_", r.enclosing_function(node))
+                        self._hoisted.add(name)
                         moved.append(self.stmt(f"{name} = {replacement}\n"))
                         editor.exprs[call] = cst.Name(name)
                 gated = cst.If(test=self.expr(test), body=cst.IndentedBlock(body=[stmt]))

@@ -82,6 +82,8 @@ class MigrateFsdp1Command(RetrofitStage):
         self.options_for_later = self._options(uses.wraps, facts, editor)
         for block in uses.blocks:
             self._block(block, facts, editor, handled)
+        for call in uses.default_state_dicts:
+            self._default_state_dict(call, facts, editor)
         for call in uses.clips:
             self._clip(call, editor)
         for call in uses.scalers:
@@ -315,6 +317,23 @@ class MigrateFsdp1Command(RetrofitStage):
                                "each rank writes its own shards; torch.distributed.checkpoint (dcp.save) writes "
                                "one checkpoint that can be loaded on any number of ranks")
         self.change(node, what, why, "gathering a state dict under a rank-0 `if` deadlocks")
+
+    def _default_state_dict(self, call: cst.Call, facts: ScriptFacts, editor: _Editor) -> None:
+        model = call.func.value.value
+        if rank_gate(call, facts) is not None:
+            self.refuse(call, f"`{model}.state_dict()` of the FSDP1 model runs under a rank-0 `if`",
+                        "it gathers the full state dict: a collective every rank must call (a deadlock in FSDP1 too)",
+                        "take it on every rank, then write the file under the rank-0 `if`")
+        editor.exprs[call] = self.expr(f"get_model_state_dict({model}, options=StateDictOptions(full_state_dict=True))")
+        self.add_import(STATE_DICT_MODULE, "get_model_state_dict")
+        self.add_import(STATE_DICT_MODULE, "StateDictOptions")
+        self.change(
+            call,
+            f"`{model}.state_dict()` -> get_model_state_dict({model}, options=StateDictOptions(full_state_dict=True)), "
+            "on every rank",
+            "FSDP1's default state dict type is FULL_STATE_DICT: every rank got the full state dict; an FSDP2 "
+            "module's state_dict() holds DTensor shards",
+        )
 
     # -- clip_grad_norm_ and ShardedGradScaler -----------------------------------
 

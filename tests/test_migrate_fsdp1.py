@@ -301,3 +301,18 @@ def test_cli_refuses_with_file_line_exit_2_and_keeps_the_file(tmp_path, monkeypa
     assert result.exit_code == 2, result.output
     assert f"{path}:{line_of('model = FSDP(', source)}:" in result.output
     assert path.read_text() == source
+
+
+def test_a_state_dict_outside_state_dict_type_is_fsdp1s_default_full_state_dict():
+    save = '    sd = model.state_dict()\n    if rank == 0:\n        torch.save(sd, "m.pt")'
+    code = out(save=save)
+    assert ('    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))\n'
+            '    if rank == 0:\n        torch.save(sd, "m.pt")\n') in code
+
+
+def test_a_model_built_in_the_wrap_call_is_kept():
+    source = source_of().replace("    model = Net()\n    model = FSDP(model, ", "    model = FSDP(Net(), ")
+    result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
+    assert not result.refusals
+    code = result.code.decode()
+    assert "    model = Net()\n" in code and "fully_shard(model, mesh=mesh)" in code

@@ -111,6 +111,9 @@ class Fsdp1Uses:
     blocks: List[StateDictBlock]
     scalers: List[cst.Call]
     clips: List[cst.Call]  # `model.clip_grad_norm_(...)` of a wrapped model
+    # `sd = model.state_dict()` of a wrapped model outside state_dict_type: FSDP1's default
+    # FULL_STATE_DICT, the full state dict on every rank
+    default_state_dicts: List[cst.Call]
     imports: List[cst.CSTNode]  # import statements that import FSDP1 names
     problems: List[Problem]
 
@@ -196,7 +199,15 @@ class _Finder:
             s for s in self.r.nodes(cst.SimpleStatementLine)
             if any(isinstance(b, cst.ImportFrom) and _imports_fsdp1(b) for b in s.body)
         ]
-        return Fsdp1Uses(wraps, blocks, scalers, clips, imports, self.problems)
+        in_blocks = {id(b.node.body) for b in blocks}
+        default_state_dicts = [
+            c for c in calls
+            if isinstance(c.func, cst.Attribute) and c.func.attr.value == "state_dict" and not c.args
+            and isinstance(c.func.value, cst.Name) and c.func.value.value in targets
+            and not any(id(a) in in_blocks for a in self.r.ancestors(c))
+            and _is_assigned_value(c, self.r)
+        ]
+        return Fsdp1Uses(wraps, blocks, scalers, clips, default_state_dicts, imports, self.problems)
 
     # -- FullyShardedDataParallel(...) ------------------------------------------------
 
@@ -455,6 +466,16 @@ class _Finder:
                 if isinstance(flag, cst.Name) and flag.value == "True":
                     block.cpu_offload = True
         return block
+
+
+def _is_assigned_value(call: cst.Call, r) -> bool:
+    """`name = call` as a statement of its own."""
+    stmt = r.statement_of(call)
+    return (
+        isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assign)
+        and stmt.body[0].value is call and len(stmt.body[0].targets) == 1
+        and isinstance(stmt.body[0].targets[0].target, cst.Name)
+    )
 
 
 def _imports_fsdp1(node: cst.ImportFrom) -> bool:

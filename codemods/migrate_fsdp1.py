@@ -366,7 +366,7 @@ class MigrateFsdp1Command(RetrofitStage):
                 names = [a for a in small.names if code(a.name) not in gone]
                 if not names:
                     continue
-                names[-1] = names[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+                names[-1] = names[-1].with_changes(comma=small.names[-1].comma)  # a trailing comma stays
                 small = small.with_changes(names=names)
             body.append(small)
         if not body:

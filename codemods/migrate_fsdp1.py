@@ -23,6 +23,7 @@ from fsdp2_retrofit.analysis.fsdp1 import (
     fsdp1_uses,
     is_fsdp1_name,
     leftover,
+    wrapped_name,
 )
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
@@ -40,6 +41,9 @@ class _Editor(StatementEditor):
         self.exprs: Dict[cst.CSTNode, cst.BaseExpression] = {}
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
+        return self.exprs.get(original_node, updated_node)
+
+    def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute):
         return self.exprs.get(original_node, updated_node)
 
 
@@ -86,6 +90,13 @@ class MigrateFsdp1Command(RetrofitStage):
             self._default_state_dict(call, facts, editor)
         for call in uses.clips:
             self._clip(call, editor)
+        state_owners = {id(c.func.value) for c in uses.default_state_dicts}
+        for attr in uses.module_attrs:
+            if id(attr) in state_owners:
+                continue  # the whole call is replaced
+            editor.exprs[attr] = attr.value
+            self.change(attr, f"`{code(attr)}` -> `{attr.value.value}`",
+                        "fully_shard keeps the model itself (no wrapper): its `.module` is the model")
         for call in uses.scalers:
             self._scaler(call, editor)
             handled.add(id(call))
@@ -154,7 +165,11 @@ class MigrateFsdp1Command(RetrofitStage):
         if first.classes and not options.shard:
             changes["shard"] = tuple(c.rsplit(".", 1)[-1] for c in first.classes)
         param, reduce = first.param_dtype, first.reduce_dtype
-        if param in PRECISION and options.mixed_precision in ("none", "auto"):
+        if param in PRECISION and options.mixed_precision not in ("none", "auto"):
+            self.attention(first.settings_node["mixed_precision"],
+                           f"--mixed-precision {options.mixed_precision} replaces the script's MixedPrecision",
+                           "the option given on the command line wins over the FSDP1 settings")
+        elif param in PRECISION:
             changes["mixed_precision"] = PRECISION[param]
             changes["mp_reduce_dtype"] = reduce or param
             self.change(
@@ -319,7 +334,7 @@ class MigrateFsdp1Command(RetrofitStage):
         self.change(node, what, why, "gathering a state dict under a rank-0 `if` deadlocks")
 
     def _default_state_dict(self, call: cst.Call, facts: ScriptFacts, editor: _Editor) -> None:
-        model = call.func.value.value
+        model = wrapped_name(call.func.value)
         if rank_gate(call, facts) is not None:
             self.refuse(call, f"`{model}.state_dict()` of the FSDP1 model runs under a rank-0 `if`",
                         "it gathers the full state dict: a collective every rank must call (a deadlock in FSDP1 too)",
@@ -329,7 +344,7 @@ class MigrateFsdp1Command(RetrofitStage):
         self.add_import(STATE_DICT_MODULE, "StateDictOptions")
         self.change(
             call,
-            f"`{model}.state_dict()` -> get_model_state_dict({model}, options=StateDictOptions(full_state_dict=True)), "
+            f"`{code(call.func.value)}.state_dict()` -> get_model_state_dict({model}, options=StateDictOptions(full_state_dict=True)), "
             "on every rank",
             "FSDP1's default state dict type is FULL_STATE_DICT: every rank got the full state dict; an FSDP2 "
             "module's state_dict() holds DTensor shards",

@@ -316,3 +316,11 @@ def test_a_model_built_in_the_wrap_call_is_kept():
     assert not result.refusals
     code = result.code.decode()
     assert "    model = Net()\n" in code and "fully_shard(model, mesh=mesh)" in code
+
+
+def test_the_wrapped_module_attribute_is_the_model_itself():
+    save = '    sd = model.module.state_dict()\n    if rank == 0:\n        torch.save(sd, "m.pt")'
+    result = rewrite(save=save, export="full")
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert "model.module." not in code and "get_model_state_dict(model" in code

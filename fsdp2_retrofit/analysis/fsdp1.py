@@ -114,6 +114,7 @@ class Fsdp1Uses:
     # `sd = model.state_dict()` of a wrapped model outside state_dict_type: FSDP1's default
     # FULL_STATE_DICT, the full state dict on every rank
     default_state_dicts: List[cst.Call]
+    module_attrs: List[cst.Attribute]  # `model.module`: the module FSDP1 wrapped
     imports: List[cst.CSTNode]  # import statements that import FSDP1 names
     problems: List[Problem]
 
@@ -203,11 +204,15 @@ class _Finder:
         default_state_dicts = [
             c for c in calls
             if isinstance(c.func, cst.Attribute) and c.func.attr.value == "state_dict" and not c.args
-            and isinstance(c.func.value, cst.Name) and c.func.value.value in targets
+            and _wrapped_name(c.func.value) in targets
             and not any(id(a) in in_blocks for a in self.r.ancestors(c))
             and _is_assigned_value(c, self.r)
         ]
-        return Fsdp1Uses(wraps, blocks, scalers, clips, default_state_dicts, imports, self.problems)
+        module_attrs = [
+            a for a in self.r.nodes(cst.Attribute)
+            if a.attr.value == "module" and isinstance(a.value, cst.Name) and a.value.value in targets
+        ]
+        return Fsdp1Uses(wraps, blocks, scalers, clips, default_state_dicts, module_attrs, imports, self.problems)
 
     # -- FullyShardedDataParallel(...) ------------------------------------------------
 
@@ -466,6 +471,16 @@ class _Finder:
                 if isinstance(flag, cst.Name) and flag.value == "True":
                     block.cpu_offload = True
         return block
+
+
+def wrapped_name(expr) -> Optional[str]:
+    """`model` for `model` and `model.module` (the module FSDP1 wraps)."""
+    if isinstance(expr, cst.Attribute) and expr.attr.value == "module":
+        expr = expr.value
+    return expr.value if isinstance(expr, cst.Name) else None
+
+
+_wrapped_name = wrapped_name
 
 
 def _is_assigned_value(call: cst.Call, r) -> bool:

@@ -27,6 +27,7 @@ from .forward_calls import ReplaceForwardCallsCommand
 from .launch import LaunchDistributedCommand
 from .meta_init import InitOnMetaDeviceCommand
 from .migrate_ddp import MigrateDistributedWrappersCommand
+from .migrate_fsdp1 import MigrateFsdp1Command
 from .migrate_spawn import MigrateSpawnCommand
 from .optimizer import MoveOptimizerCommand
 from .rank_zero import GateRankZeroCommand
@@ -42,6 +43,7 @@ from .shard import ShardModelCommand
 GROUPS: List[List[Type[RetrofitStage]]] = [
     [MigrateSpawnCommand],  # an mp.spawn launcher becomes a torchrun program
     [MigrateDistributedWrappersCommand],  # DDP/DataParallel go first: the rest sees one plain model
+    [MigrateFsdp1Command],  # an FSDP1 script becomes what the others read; its settings become their options
     [LaunchDistributedCommand],
     [InitOnMetaDeviceCommand],
     [ShardModelCommand],
@@ -87,7 +89,9 @@ class RetrofitCommand(RetrofitStage):
 
     def run_stage(self, stage: Type[RetrofitStage], tree: cst.Module) -> cst.Module:
         context = self.stage_context()
-        tree = stage(context, self.options).transform_module(tree)
+        command = stage(context, self.options)
+        tree = command.transform_module(tree)
+        self.options = getattr(command, "options_for_later", self.options)  # migrate_fsdp1: the wrap's settings
         self.context.scratch[FACTS_KEY] = context.scratch.get(FACTS_KEY)
         self.after_stage(stage, tree, context)
         return tree

@@ -61,14 +61,14 @@ class ShardModelCommand(RetrofitStage):
             name = self.fresh_name("mp_policy", model.scope)
             torch_dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[dtype]
             statements.append(self.stmt(
-                f"{name} = MixedPrecisionPolicy(param_dtype={torch_dtype}, reduce_dtype=torch.float32)\n"
+                f"{name} = MixedPrecisionPolicy(param_dtype={torch_dtype}, reduce_dtype=torch.{self.options.mp_reduce_dtype})\n"
             ))
             kwargs += f", mp_policy={name}"
             self.add_import(self.options.fsdp_module, "MixedPrecisionPolicy")
             self.add_import("torch")
             self.change(
                 model.shard_anchor,
-                f"MixedPrecisionPolicy({torch_dtype} parameters, float32 gradient reduction) on every fully_shard",
+                f"MixedPrecisionPolicy({torch_dtype} parameters, {self.options.mp_reduce_dtype} gradient reduction) on every fully_shard",
                 f"each unit's parameters are all-gathered and used in {torch_dtype} (half the communication "
                 "and memory of fp32), gradients are reduce-scattered in float32 and the optimizer keeps float32 "
                 "shards; results differ from an fp32 run by the rounding of the parameters to "
@@ -237,12 +237,13 @@ class ShardModelCommand(RetrofitStage):
         out = []
         if self.options.shard:
             var = self.fresh_name("module", model.scope)
+            keep = ", reshard_after_forward=False" if self.options.reshard_after_forward == "never" else ""
             classes = ", ".join(f'"{c.rsplit(".", 1)[-1]}"' for c in self.options.shard)
             out.append(
                 self.stmt(
                     f"for {var} in reversed(list({model.name}.modules())):\n"
                     f"    if type({var}).__name__ in ({classes},) and {var} is not {model.name}:\n"
-                    f"        fully_shard({var}{mesh})\n"
+                    f"        fully_shard({var}{mesh}{keep})\n"
                 )
             )
             self.change(

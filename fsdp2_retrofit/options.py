@@ -22,6 +22,8 @@ class RetrofitOptions:
     keep_global_batch: bool = False
     # "none" | "auto" (the script's autocast dtype) | "bf16" | "fp16": FSDP2 MixedPrecisionPolicy
     mixed_precision: str = "none"
+    # the MixedPrecisionPolicy's reduce_dtype (a torch dtype attribute); FSDP1 scripts carry theirs over
+    mp_reduce_dtype: str = "float32"
     # shard parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy)
     cpu_offload: bool = False
     # HSDP: replicate over this many groups, shard within each (2-D mesh); 0 = plain FSDP

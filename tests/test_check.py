@@ -61,6 +61,10 @@ def test_pitfall_fixtures_cover_every_rule():
     "path", REWRITE_FIXTURES + sorted(SHARED.glob("*.py")), ids=lambda p: f"{p.parent.name}/{p.name}"
 )
 def test_rewrite_fixtures_inputs_and_outputs_have_no_findings(path):
+    if path.name == "input.py" and path.parent.name.startswith("fsdp1_"):
+        # an FSDP1 input is the FSDP1 API the rewrite removes: check finds that and only that
+        assert {f.code for f in _lint(path)} == {"FSD111"}
+        return
     assert _lint(path) == []
 
 

@@ -95,8 +95,9 @@ def test_retrofit_trains_like_the_original(case: Path, tmp_path: Path):
                         cwd=tmp_path / "single", **timeout)
     elif reference == "plain":  # an original that spawns its own workers
         run_plain(case / "input.py", run["single_args"], tmp_path / "single.pt", cwd=tmp_path / "single", **timeout)
-    else:
-        run_single(case / "input.py", run["single_args"], tmp_path / "single.pt", cwd=tmp_path / "single")
+    else:  # reference_script: a hand-written single-process twin, for inputs that cannot run in one process (FSDP1)
+        run_single(case / run.get("reference_script", "input.py"), run["single_args"], tmp_path / "single.pt",
+                   cwd=tmp_path / "single")
     run_distributed(
         case / "expected.py", run["dist_args"], tmp_path / "dist.pt", nproc=run.get("nproc", 2), cwd=tmp_path / "dist",
         **timeout,

@@ -1,0 +1,326 @@
+"""FSDP1 -> FSDP2 (migrate_fsdp1): each FSDP1 form maps to its FSDP2 form, what
+cannot be mapped is refused with its line, and no FSDP1 API is left."""
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from fsdp2_retrofit import cli
+from fsdp2_retrofit.options import RetrofitOptions
+from fsdp2_retrofit.pipeline import rewrite_source
+
+SCRIPT = '''\
+import functools
+import os
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import (
+    CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType,
+)
+from torch.distributed.fsdp.wrap import (
+    ModuleWrapPolicy, lambda_auto_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy,
+)
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def main():
+    local_rank = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 4))
+    sampler = DistributedSampler(data)
+    loader = DataLoader(data, batch_size=8, sampler=sampler)
+    model = Net()
+    model = FSDP(model, {wrap})
+    opt = torch.optim.AdamW(model.parameters())
+    for x, y in loader:
+        loss = (model(x) - y).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        {clip}
+        opt.step()
+{save}
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+FULL_SAVE = '''\
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+        sd = model.state_dict()
+    if rank == 0:
+        torch.save(sd, "m.pt")'''
+
+FSDP1_TOKENS = ("FullyShardedDataParallel", "fully_sharded_data_parallel", "StateDictType", "ShardedGradScaler",
+                "FSDP.", "FSDP(", "MixedPrecision(", "CPUOffload(", "ShardingStrategy", "auto_wrap_policy")
+
+
+DEFAULT_WRAP = "auto_wrap_policy=ModuleWrapPolicy({Block})"
+
+
+def source_of(wrap=DEFAULT_WRAP, clip="pass", save=FULL_SAVE) -> str:
+    return SCRIPT.format(wrap=wrap, clip=clip, save=save)
+
+
+def rewrite(wrap=DEFAULT_WRAP, clip="pass", save=FULL_SAVE, **options):
+    return rewrite_source(source_of(wrap, clip, save).encode(), "train.py", RetrofitOptions(**options))
+
+
+def out(*args, **kwargs) -> str:
+    result = rewrite(*args, **kwargs)
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    for token in FSDP1_TOKENS:
+        assert token not in code, f"{token} left in:\n{code}"
+    return code
+
+
+def refusal(wrap=DEFAULT_WRAP, clip="pass", save=FULL_SAVE, **options):
+    """The refusal; the file is left as it was."""
+    result = rewrite(wrap, clip, save, **options)
+    assert result.refusals, result.code.decode()
+    assert result.code == source_of(wrap, clip, save).encode()
+    return result.refusals[0]
+
+
+def line_of(text: str, source: str) -> int:
+    return next(i for i, line in enumerate(source.splitlines(), 1) if text in line)
+
+
+SHARD_BLOCKS = '''\
+    for module in reversed(list(model.modules())):
+        if type(module).__name__ in ("Block",) and module is not model:
+            fully_shard(module, mesh=mesh{extra})
+    fully_shard(model, mesh=mesh{extra})
+'''
+
+
+@pytest.mark.parametrize("wrap", [
+    "auto_wrap_policy=ModuleWrapPolicy({Block})",
+    "auto_wrap_policy=ModuleWrapPolicy([Block])",
+    "auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})",
+    "auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, Block))",
+    "auto_wrap_policy=lambda module, recurse, nonwrapped_numel: recurse or isinstance(module, Block)",
+])
+def test_policies_name_the_units(wrap):
+    code = out(wrap)
+    assert SHARD_BLOCKS.format(extra="") in code
+    assert "model = FSDP" not in code and "import functools" in code  # the user's imports stay
+
+
+def test_a_policy_bound_to_a_name_is_read_and_its_statement_removed():
+    source = SCRIPT.format(wrap="auto_wrap_policy=policy", clip="pass", save=FULL_SAVE).replace(
+        "    model = Net()\n",
+        "    model = Net()\n    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})\n",
+    )
+    result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
+    code = result.code.decode()
+    assert "policy = " not in code and SHARD_BLOCKS.format(extra="") in code
+
+
+@pytest.mark.parametrize("wrap", ["", "auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=100)"])
+def test_no_policy_or_a_size_policy_shards_the_repeated_blocks(wrap):
+    code = out(wrap)
+    assert "for index, block in enumerate(model.blocks):" in code
+    assert "fully_shard(model, mesh=mesh)" in code
+
+
+@pytest.mark.parametrize("strategy, expected", [
+    ("FULL_SHARD", ""),
+    ("SHARD_GRAD_OP", ", reshard_after_forward=False"),
+])
+def test_sharding_strategies(strategy, expected):
+    code = out(f"auto_wrap_policy=ModuleWrapPolicy({{Block}}), sharding_strategy=ShardingStrategy.{strategy}")
+    assert SHARD_BLOCKS.format(extra=expected) in code
+
+
+def test_hybrid_shard_becomes_a_2d_mesh_with_hsdp():
+    code = out("auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy.HYBRID_SHARD", hsdp=2)
+    assert 'mesh_dim_names=("replicate", "shard")' in code
+
+
+def test_hybrid_shard_without_hsdp_is_refused():
+    found = refusal("sharding_strategy=ShardingStrategy.HYBRID_SHARD")
+    assert "replica" in found.what and "--hsdp" in found.hint
+
+
+def test_no_shard_is_refused():
+    found = refusal("sharding_strategy=ShardingStrategy.NO_SHARD")
+    assert "NO_SHARD" in found.what and found.line == line_of("model = FSDP(", source_of())
+
+
+def test_mixed_precision_becomes_the_policy_and_buffer_dtype_is_dropped():
+    result = rewrite("mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, "
+                     "buffer_dtype=torch.bfloat16)")
+    code = result.code.decode()
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in code
+    assert any("buffer_dtype" in c.what and "buffers" in c.why for c in result.changes)
+
+
+def test_mixed_precision_without_reduce_dtype_reduces_in_param_dtype():
+    code = out("mixed_precision=MixedPrecision(param_dtype=torch.float16)")
+    assert "MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)" in code
+
+
+def test_cpu_offload_becomes_the_policy_and_the_backend_gets_gloo():
+    code = out("cpu_offload=CPUOffload(offload_params=True)")
+    assert "CPUOffloadPolicy(" in code and "offload_policy=offload_policy" in code
+    assert 'dist.init_process_group("cpu:gloo,cuda:nccl")' in code
+
+
+@pytest.mark.parametrize("arg", ["device_id=local_rank", "use_orig_params=True", "sync_module_states=True",
+                                 "limit_all_gathers=True", "forward_prefetch=True",
+                                 "cpu_offload=CPUOffload(offload_params=False)"])
+def test_dropped_arguments_are_reported_with_their_reason(arg):
+    result = rewrite(f"auto_wrap_policy=ModuleWrapPolicy({{Block}}), {arg}")
+    assert not result.refusals
+    key = arg.split("=")[0]
+    assert any(f"dropped `{key}`" in c.what and c.why for c in result.changes), [c.what for c in result.changes]
+
+
+@pytest.mark.parametrize("arg", ["param_init_fn=init", "ignored_modules=[model.blocks[0]]"])
+def test_arguments_without_fsdp2_counterpart_are_refused(arg):
+    found = refusal(f"auto_wrap_policy=ModuleWrapPolicy({{Block}}), {arg}")
+    assert arg.split("=")[0] in found.what and found.line == line_of("model = FSDP(", source_of())
+
+
+def test_full_state_dict_is_gathered_on_every_rank_and_saved_by_rank_0():
+    code = out()
+    assert ("    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))\n"
+            "    if rank == 0:\n        torch.save(sd, \"m.pt\")\n") in code
+
+
+def test_a_save_inside_the_block_is_gated_and_the_gather_stays_outside():
+    save = ('    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):\n'
+            '        torch.save({"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}, "c.pt")')
+    code = out(save=save)
+    assert ("    model_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))\n"
+            "    opt_state = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))\n"
+            "    if rank == 0:\n"
+            '        torch.save({"model": model_state, "optim": opt_state}, "c.pt")\n') in code
+
+
+def test_sharded_state_dict_becomes_get_state_dict_for_dcp():
+    save = ('    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):\n'
+            '        state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}\n'
+            '        dcp.save(state, checkpoint_id="ckpt")')
+    source = SCRIPT.format(wrap="", clip="pass", save=save).replace("import os\n", "import os\nimport torch.distributed.checkpoint as dcp\n")
+    result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
+    assert not result.refusals
+    code = result.code.decode()
+    assert ('    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}\n'
+            '    dcp.save(state, checkpoint_id="ckpt")\n') in code
+    assert "StateDictType" not in code
+
+
+def test_loads_inside_a_full_state_dict_block():
+    save = ('    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):\n'
+            '        model.load_state_dict(torch.load("m.pt"))\n'
+            '        opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, torch.load("o.pt")))')
+    code = out(save=save)
+    assert 'set_model_state_dict(model, torch.load("m.pt"), options=StateDictOptions(full_state_dict=True))' in code
+    assert 'set_optimizer_state_dict(model, opt, torch.load("o.pt"), options=StateDictOptions(full_state_dict=True))' in code
+
+
+def test_local_state_dict_is_refused():
+    save = ('    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):\n'
+            '        sd = model.state_dict()')
+    found = refusal(save=save)
+    assert "LOCAL_STATE_DICT" in found.what or "LOCAL_STATE_DICT" in found.why
+
+
+def test_clip_grad_norm_method_becomes_the_torch_function_and_its_norm_is_read_whole():
+    source = SCRIPT.format(wrap="", clip="norm = model.clip_grad_norm_(1.0)", save=FULL_SAVE).replace(
+        "        opt.step()\n", "        opt.step()\n        print(norm.item())\n")
+    result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
+    code = result.code.decode()
+    assert ("        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
+            "        norm = norm.full_tensor()\n") in code
+
+
+def test_sharded_grad_scaler_becomes_the_amp_scaler():
+    source = SCRIPT.format(wrap="", clip="pass", save=FULL_SAVE).replace(
+        "    opt = torch.optim.AdamW(model.parameters())\n",
+        "    opt = torch.optim.AdamW(model.parameters())\n    scaler = ShardedGradScaler(init_scale=2.0**8)\n",
+    ).replace("import os\n", "import os\nfrom torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n")
+    result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
+    code = result.code.decode()
+    assert "scaler = torch.amp.GradScaler(init_scale=2.0**8)" in code and "ShardedGradScaler" not in code
+
+
+def test_summon_full_params_is_refused_with_the_fsdp2_alternative():
+    save = ('    with FSDP.summon_full_params(model):\n'
+            '        print(model.blocks[0].fc.weight.sum())')
+    found = refusal(save=save)
+    assert "summon_full_params" in found.what and "full_tensor" in found.hint
+    assert found.line == line_of("summon_full_params", source_of(save=save))
+
+
+def test_no_sync_is_refused():
+    found = refusal(clip="with model.no_sync():\n            pass")
+    assert "no_sync" in found.what
+
+
+def test_an_fsdp1_call_the_rewrite_does_not_know_is_refused():
+    clip = "FSDP.set_state_dict_type(model, StateDictType.FULL_STATE_DICT)"
+    found = refusal(clip=clip)
+    assert found.line == line_of("set_state_dict_type", source_of(clip=clip))
+
+
+def test_cli_refuses_with_file_line_exit_2_and_keeps_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("FSDP2_RETROFIT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "train.py"
+    source = SCRIPT.format(wrap="sharding_strategy=ShardingStrategy.NO_SHARD", clip="pass", save=FULL_SAVE)
+    path.write_text(source)
+    result = CliRunner().invoke(cli.main, ["rewrite", str(path)])
+    assert result.exit_code == 2, result.output
+    assert f"{path}:{line_of('model = FSDP(', source)}:" in result.output
+    assert path.read_text() == source
+
+
+def test_a_state_dict_outside_state_dict_type_is_fsdp1s_default_full_state_dict():
+    save = '    sd = model.state_dict()\n    if rank == 0:\n        torch.save(sd, "m.pt")'
+    code = out(save=save)
+    assert ('    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))\n'
+            '    if rank == 0:\n        torch.save(sd, "m.pt")\n') in code
+
+
+def test_a_model_built_in_the_wrap_call_is_kept():
+    source = source_of().replace("    model = Net()\n    model = FSDP(model, ", "    model = FSDP(Net(), ")
+    result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
+    assert not result.refusals
+    code = result.code.decode()
+    assert "    model = Net()\n" in code and "fully_shard(model, mesh=mesh)" in code
+
+
+def test_the_wrapped_module_attribute_is_the_model_itself():
+    save = '    sd = model.module.state_dict()\n    if rank == 0:\n        torch.save(sd, "m.pt")'
+    result = rewrite(save=save, export="full")
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert "model.module." not in code and "get_model_state_dict(model" in code

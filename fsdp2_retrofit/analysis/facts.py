@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Set, Union
 
 import libcst as cst
 
+from .library_models import LibraryModel, is_library_builder, library_model
 from .model_classes import ClassRegistry, Container, build_registry
 from .names import (
     DATALOADERS,
@@ -58,6 +59,7 @@ class ModelSite:
     containers: List[Container] = field(default_factory=list)
     tied_containers: List[Container] = field(default_factory=list)
     sharded: bool = False
+    library: Optional[LibraryModel] = None  # built by transformers/torchvision/timm (see library_models)
 
 
 @dataclass
@@ -292,6 +294,8 @@ class _Analyser:
 
     def _class_of(self, call: cst.Call) -> Optional[str]:
         for name in sorted(self.r.qnames(call)):
+            if is_library_builder(name):
+                return name  # `AutoModelForCausalLM.from_pretrained(...)`, `torchvision.models.resnet50(...)`
             if self.classes.is_module_class(name):
                 return name
             # a class imported from a library, e.g. torchvision.models.resnet18: only
@@ -407,7 +411,11 @@ class _Analyser:
         name, stmt, cls = binding
         top, block = self._scope_body(stmt)
         scope = self.r.enclosing_function(stmt) or self.module
-        containers = [c for c in self.classes.block_containers(cls) if c.block_class]
+        library = self._library_model(stmt, cls)
+        if library is not None:
+            containers = [Container(path, block, "library", stmt) for path, block in library.containers]
+        else:
+            containers = [c for c in self.classes.block_containers(cls) if c.block_class]
         ties = self.classes.ties(cls)
         tied = [c for c in containers if any(_under(a, c.path) or _under(b, c.path) for a, b in ties)]
         return ModelSite(
@@ -420,7 +428,19 @@ class _Analyser:
             shard_anchor=self._shard_anchor(name, top, block),
             containers=[c for c in containers if c not in tied],
             tied_containers=tied,
+            library=library,
         )
+
+    def _library_model(self, stmt, cls: Optional[str]) -> Optional[LibraryModel]:
+        """The layout of a model a library builds; the call is read when this statement
+        makes it (a factory function's model is known by the builder's name only)."""
+        if not cls or not is_library_builder(cls):
+            return None
+        value = stmt.body[0].value
+        if self.r.is_call_to(value, {"torch.compile"}) and value.args:
+            value = value.args[0].value
+        call = _innermost_call(value)
+        return library_model(cls, call if call is not None and cls in self.r.qnames(call) else None, self.r)
 
     def _shard_anchor(self, name: str, stmt, block) -> cst.CSTNode:
         """The last statement that builds or places the model before it is used."""

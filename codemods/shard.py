@@ -314,9 +314,11 @@ class ShardModelCommand(RetrofitStage):
             "transformers lists in `_no_split_modules` the layer classes it never splits (its own device map "
             "and FSDP wrapping use them); without such classes only the root is sharded",
         )
+        classes = self.fresh_name("no_split", model.scope)
         return [self.stmt(
-            f"{blocks} = [{m} for {m} in {model.name}.modules() "
-            f"if type({m}).__name__ in ({model.name}._no_split_modules or ())]\n"
+            f"{classes} = {model.name}._no_split_modules or ()\n"
+        ), self.stmt(
+            f"{blocks} = [{m} for {m} in {model.name}.modules() if type({m}).__name__ in {classes}]\n"
         ), self.stmt(
             f"for {var} in reversed({blocks}):\n"
             f"    fully_shard({var}{mesh}{keep.get(policy, '')})\n"

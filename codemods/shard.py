@@ -113,7 +113,7 @@ class ShardModelCommand(RetrofitStage):
                     "name it: --mixed-precision bf16 or fp16",
                 )
             wanted = found.pop()
-        if facts.classes.mentions(model.class_name, "BatchNorm"):
+        if facts.classes.mentions(model.class_name, "BatchNorm") or model.library and model.library.batchnorm:
             self.refuse(
                 model.stmt,
                 f"--mixed-precision {wanted}: `{model.name}` has BatchNorm layers",

@@ -53,18 +53,18 @@ HF_LAYOUTS = {
 _NOT_MODELS = ("Tokenizer", "TokenizerFast", "Config", "Processor", "FeatureExtractor", "ImageProcessor")
 
 _RESNET_LAYERS = tuple(("layer%d" % i,) for i in range(1, 5))
-# torchvision builder functions (regex on the name) -> (container paths, block class)
+# torchvision builder functions (regex on the name) -> (container paths, block class, has BatchNorm)
 TORCHVISION_LAYOUTS = (
-    (r"resnet(18|34)", _RESNET_LAYERS, "BasicBlock"),
-    (r"resnet(50|101|152)|resnext\d+_\w+|wide_resnet\d+_\d+", _RESNET_LAYERS, "Bottleneck"),
-    (r"vit_[bhl]_\d+", (("encoder", "layers"),), "EncoderBlock"),
+    (r"resnet(18|34)", _RESNET_LAYERS, "BasicBlock", True),
+    (r"resnet(50|101|152)|resnext\d+_\w+|wide_resnet\d+_\d+", _RESNET_LAYERS, "Bottleneck", True),
+    (r"vit_[bhl]_\d+", (("encoder", "layers"),), "EncoderBlock", False),
 )
-# timm model names (regex on the start of the name) -> (container paths, block class)
+# timm model names (regex on the name before its ".pretrained_tag") -> the same
 TIMM_LAYOUTS = (
-    (r"(vit|deit|deit3|beit|eva)\w*", (("blocks",),), "Block"),
-    (r"convnext\w*", (("stages",),), "ConvNeXtStage"),
-    (r"(resnet(18|34)|resnet(18|34)d)\b", _RESNET_LAYERS, "BasicBlock"),
-    (r"(resnet|resnext|wide_resnet)\w*", _RESNET_LAYERS, "Bottleneck"),
+    (r"(vit|deit|deit3|beit|eva)_\w*", (("blocks",),), "Block", False),
+    (r"convnext\w*", (("stages",),), "ConvNeXtStage", False),
+    (r"resnet(18|34)d?", _RESNET_LAYERS, "BasicBlock", True),
+    (r"(resnet|resnext|wide_resnet)\w*", _RESNET_LAYERS, "Bottleneck", True),
 )
 TIMM_BUILDERS = {"timm.create_model", "timm.models.create_model", "timm.models._factory.create_model"}
 
@@ -79,6 +79,7 @@ class LibraryModel:
     containers: Tuple[Tuple[Path_, str], ...]  # (path from the model, block class), in forward order
     no_split_modules: bool  # shard the classes of `model._no_split_modules` at run time
     why: str  # how the blocks were found, for the report
+    batchnorm: bool = False  # has BatchNorm layers (what --mixed-precision must know)
 
 
 def is_library_builder(qname: str) -> bool:
@@ -208,12 +209,13 @@ def _table(library: str, qname: str, name: Optional[str], table) -> LibraryModel
             "only the root is sharded (pass --shard CLASS to make each block of that class a unit)",
         )
     base = name.split(".")[0] if library == "timm" else name  # timm: "vit_base_patch16_224.augreg_in1k"
-    for pattern, paths, block in table:
+    for pattern, paths, block, batchnorm in table:
         if re.fullmatch(pattern, base):
             where = ", ".join("`." + ".".join(p) + "`" for p in paths)
             return LibraryModel(
                 library, qname, name, tuple((p, block) for p in paths), False,
                 f"{library} `{name}`: its {block}s live in {where}; stem and head stay in the root unit",
+                batchnorm,
             )
     return LibraryModel(
         library, qname, name, (), False,

@@ -194,6 +194,8 @@ class ShardModelCommand(RetrofitStage):
                 "build all models in the same function",
             )
         for model in facts.models:
+            if model.library is not None and model.library.refusal is not None:
+                self.refuse(model.stmt, *model.library.refusal)
             if _declared_global(model):
                 self.refuse(
                     model.stmt,

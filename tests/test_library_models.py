@@ -189,3 +189,47 @@ def test_mixed_precision_of_a_library_vit_is_not_refused():
     result = _rewrite(_script("import timm", 'model = timm.create_model("vit_small_patch16_224")'),
                       mixed_precision="bf16")
     assert not result.refusals
+
+
+@pytest.mark.parametrize(
+    "build, what",
+    [
+        ('model = AutoModelForCausalLM.from_pretrained(name, device_map="auto")',
+         "`device_map=` places the model over devices with accelerate hooks"),
+        ("model = AutoModelForCausalLM.from_pretrained(name, load_in_4bit=True)",
+         "`load_in_4bit=` quantizes the model with bitsandbytes"),
+        ("model = AutoModelForCausalLM.from_pretrained(name, quantization_config=bnb)",
+         "`quantization_config=` quantizes the model"),
+        ("model = AutoModelForCausalLM.from_pretrained(name)\nmodel = get_peft_model(model, lora)",
+         "`model` is wrapped by `get_peft_model` (PEFT) after it is built"),
+    ],
+)
+def test_placed_quantized_or_peft_models_are_refused(build, what):
+    script = _script("from peft import get_peft_model\nfrom transformers import AutoModelForCausalLM", build)
+    result = _rewrite(script)
+    assert [r.what for r in result.refusals] == [what]
+    assert result.refusals[0].line == 7 and result.refusals[0].why and result.refusals[0].hint
+
+
+def test_a_library_model_from_a_factory_function_is_known_by_its_builder():
+    script = dedent('''
+        import torch
+        import torchvision
+        from transformers import AutoModelForCausalLM
+
+
+        def build(name):
+            return AutoModelForCausalLM.from_config(name)
+
+
+        def main(name):
+            model = build(name)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            for batch in range(3):
+                model(batch).sum().backward()
+                optimizer.step()
+    ''')
+    result = _rewrite(script)
+    assert not result.refusals
+    assert "in no_split]" in result.code.decode()
+    assert any("its class is known only at run time" in c.what for c in result.changes)

@@ -6,12 +6,12 @@ Stages and lint rules ask these facts their questions ("which names hold models?
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Set, Union
 
 import libcst as cst
 
-from .library_models import LibraryModel, is_library_builder, library_model
+from .library_models import PEFT_WRAPPERS, LibraryModel, is_library_builder, library_model
 from .model_classes import ClassRegistry, Container, build_registry
 from .names import (
     DATALOADERS,
@@ -440,7 +440,20 @@ class _Analyser:
         if self.r.is_call_to(value, {"torch.compile"}) and value.args:
             value = value.args[0].value
         call = _innermost_call(value)
-        return library_model(cls, call if call is not None and cls in self.r.qnames(call) else None, self.r)
+        found = library_model(cls, call if call is not None and cls in self.r.qnames(call) else None, self.r)
+        name = stmt.body[0].targets[0].target.value
+        for later in self.r.nodes(cst.Assign):  # `model = get_peft_model(model, config)`
+            if (
+                self.r.calls_prefix(later.value, PEFT_WRAPPERS) and name in assigned_names(self.r.parent(later))
+                and self.r.enclosing_function(later) is self.r.enclosing_function(stmt)
+            ):
+                return replace(found, refusal=(
+                    f"`{name}` is wrapped by `{code(later.value.func)}` (PEFT) after it is built",
+                    "the adapters are added after the rewrite shards the model: their parameters would stay "
+                    "plain tensors whose gradients no rank reduces, and the ranks would drift apart",
+                    "train without PEFT, or keep the script single-GPU (PEFT with FSDP2 is not supported yet)",
+                ))
+        return found
 
     def _shard_anchor(self, name: str, stmt, block) -> cst.CSTNode:
         """The last statement that builds or places the model before it is used."""

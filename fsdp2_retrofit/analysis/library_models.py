@@ -19,7 +19,7 @@ Unknown torchvision/timm names leave only the root sharded (reported).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 import libcst as cst
@@ -50,6 +50,27 @@ HF_LAYOUTS = {
     "Bert": ("bert", ("encoder", "layer"), "BertLayer"),
     "Roberta": ("roberta", ("encoder", "layer"), "RobertaLayer"),
 }
+_PLACED = (
+    "the model is placed by transformers/accelerate ({arg}): its parameters are spread over devices or "
+    "quantized, with hooks moving them; fully_shard needs one ordinary module on the mesh device",
+)
+# keyword arguments of from_pretrained that leave nothing fully_shard can take over
+HF_REFUSED_ARGUMENTS = {
+    "device_map": ("`device_map=` places the model over devices with accelerate hooks",
+                   _PLACED[0].format(arg="device_map"),
+                   "drop device_map: the rewrite places each shard on its rank's device"),
+    "load_in_8bit": ("`load_in_8bit=` quantizes the model with bitsandbytes",
+                     "int8 weights are not trainable parameters FSDP2 can shard and reduce",
+                     "train in bf16 (--mixed-precision bf16), or keep the script single-GPU"),
+    "load_in_4bit": ("`load_in_4bit=` quantizes the model with bitsandbytes",
+                     "4-bit weights are packed buffers FSDP2 cannot shard like parameters (QLoRA with FSDP "
+                     "needs bnb_4bit_quant_storage and a library's own wrapping)",
+                     "train in bf16 (--mixed-precision bf16), or keep the script single-GPU"),
+    "quantization_config": ("`quantization_config=` quantizes the model",
+                            "quantized weights are not trainable parameters FSDP2 can shard and reduce",
+                            "train in bf16 (--mixed-precision bf16), or keep the script single-GPU"),
+}
+PEFT_WRAPPERS = "peft."
 _NOT_MODELS = ("Tokenizer", "TokenizerFast", "Config", "Processor", "FeatureExtractor", "ImageProcessor")
 
 _RESNET_LAYERS = tuple(("layer%d" % i,) for i in range(1, 5))
@@ -80,6 +101,7 @@ class LibraryModel:
     no_split_modules: bool  # shard the classes of `model._no_split_modules` at run time
     why: str  # how the blocks were found, for the report
     batchnorm: bool = False  # has BatchNorm layers (what --mixed-precision must know)
+    refusal: Optional[Tuple[str, str, str]] = None  # (what, why, hint) when nothing safe can be done
 
 
 def is_library_builder(qname: str) -> bool:
@@ -92,7 +114,11 @@ def library_model(qname: str, call: Optional[cst.Call], resolver: Optional[Resol
     None when the model comes out of a factory function (only the name is known)."""
     hf = _hf_class(qname)
     if hf is not None:
-        return _transformers(qname, hf, call, resolver)
+        found = _transformers(qname, hf, call, resolver)
+        for keyword, refusal in HF_REFUSED_ARGUMENTS.items():
+            if _argument(call, None, keyword) is not None:
+                return replace(found, refusal=refusal)
+        return found
     tv = _torchvision_name(qname)
     if tv is not None:
         if tv == "get_model":
@@ -138,7 +164,8 @@ def _transformers(qname: str, cls: str, call, resolver) -> LibraryModel:
         config_cls = _config_class(config, call, resolver)
         found = _family(config_cls) if config_cls else None
         source = f"its config is a {config_cls}" if found else (
-            "the checkpoint's config decides the class at run time" if config is None
+            "its class is known only at run time" if call is None
+            else "the checkpoint's config decides the class at run time" if config is None
             else f"the class of its config `{_short(config)}` is not known before it runs"
         )
     else:

@@ -3,6 +3,11 @@ and scripts that name their model by a class, a config or a string. The librarie
 are never imported (the rewriter reads names only)."""
 from __future__ import annotations
 
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
 from textwrap import dedent
 
 import libcst as cst
@@ -233,3 +238,51 @@ def test_a_library_model_from_a_factory_function_is_known_by_its_builder():
     assert not result.refusals
     assert "in no_split]" in result.code.decode()
     assert any("its class is known only at run time" in c.what for c in result.changes)
+
+
+# -- the units the outputs make, on one process --------------------------------
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "rewrite"
+UNIT_PROBE = """
+import sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+device = "cpu"
+args = type("Args", (), {"model": "stand-in/tiny-llama"})()
+def group_norm(channels):
+    return torch.nn.GroupNorm(4, channels)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "case, units",
+    [
+        ("hf_causal_lm", {"FSDPLlamaForCausalLM": 1, "FSDPLlamaDecoderLayer": 3}),
+        ("hf_pretrained_no_split", {"FSDPLlamaForCausalLM": 1, "FSDPLlamaDecoderLayer": 3}),
+        ("torchvision_resnet", {"FSDPResNet": 1, "FSDPBasicBlock": 8}),
+    ],
+)
+def test_the_outputs_shard_the_library_blocks(case, units, tmp_path):
+    """The shard statements of expected.py, run on one process against the fixture's
+    stand-in library: each decoder layer / residual block is its own FSDP unit (a
+    parity run alone would pass with only the root sharded)."""
+    pytest.importorskip("torch")
+    lines = (FIXTURES / case / "expected.py").read_text().splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith("    device = "))
+    end = next(i for i, l in enumerate(lines) if l.startswith("    optimizer = "))
+    body = "\n".join(l[4:] for l in lines[start + 1:end])
+    imports = "\n".join(l for l in lines if l.startswith(("import ", "from ")))
+    probe = imports + UNIT_PROBE + body + "\nprint(sorted(type(m).__name__ for m in model.modules() "
+    probe += "if type(m).__name__.startswith('FSDP')))\ndist.destroy_process_group()\n"
+    env = dict(os.environ, PYTHONPATH=str(FIXTURES / case), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "pg")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert {name: found.count(name) for name in set(found)} == units

@@ -195,7 +195,7 @@ class ShardModelCommand(RetrofitStage):
             )
         for model in facts.models:
             if model.library is not None and model.library.refusal is not None:
-                self.refuse(model.stmt, *model.library.refusal)
+                self.refuse(model.library.refusal_at or model.stmt, *model.library.refusal)
             if _declared_global(model):
                 self.refuse(
                     model.stmt,

@@ -197,23 +197,25 @@ def test_mixed_precision_of_a_library_vit_is_not_refused():
 
 
 @pytest.mark.parametrize(
-    "build, what",
+    "build, what, line",
     [
         ('model = AutoModelForCausalLM.from_pretrained(name, device_map="auto")',
-         "`device_map=` places the model over devices with accelerate hooks"),
+         "`device_map=` places the model over devices with accelerate hooks", 7),
         ("model = AutoModelForCausalLM.from_pretrained(name, load_in_4bit=True)",
-         "`load_in_4bit=` quantizes the model with bitsandbytes"),
+         "`load_in_4bit=` quantizes the model with bitsandbytes", 7),
         ("model = AutoModelForCausalLM.from_pretrained(name, quantization_config=bnb)",
-         "`quantization_config=` quantizes the model"),
+         "`quantization_config=` quantizes the model", 7),
         ("model = AutoModelForCausalLM.from_pretrained(name)\nmodel = get_peft_model(model, lora)",
-         "`model` is wrapped by `get_peft_model` (PEFT) after it is built"),
+         "`model` is wrapped by `get_peft_model` (PEFT) after it is built", 8),
+        ("model = AutoModelForCausalLM.from_pretrained(name)\nmodel.save_pretrained(name)",
+         "`model.save_pretrained` of a model the rewrite shards", 8),
     ],
 )
-def test_placed_quantized_or_peft_models_are_refused(build, what):
+def test_placed_quantized_peft_or_save_pretrained_models_are_refused(build, what, line):
     script = _script("from peft import get_peft_model\nfrom transformers import AutoModelForCausalLM", build)
     result = _rewrite(script)
     assert [r.what for r in result.refusals] == [what]
-    assert result.refusals[0].line == 7 and result.refusals[0].why and result.refusals[0].hint
+    assert result.refusals[0].line == line and result.refusals[0].why and result.refusals[0].hint
 
 
 def test_a_library_model_from_a_factory_function_is_known_by_its_builder():

@@ -442,12 +442,24 @@ class _Analyser:
         call = _innermost_call(value)
         found = library_model(cls, call if call is not None and cls in self.r.qnames(call) else None, self.r)
         name = stmt.body[0].targets[0].target.value
+        for save in self.calls:  # `model.save_pretrained(out)`, in any function that names it `model`
+            func = save.func
+            if (isinstance(func, cst.Attribute) and func.attr.value in ("save_pretrained", "push_to_hub")
+                    and isinstance(func.value, cst.Name) and func.value.value == name):
+                return replace(found, refusal_at=save, refusal=(
+                    f"`{code(func)}` of a model the rewrite shards",
+                    "after fully_shard each rank holds only its shards: the library would write one rank's "
+                    "pieces (or fail on DTensors)",
+                    f"save with torch.save({name}.state_dict(), path) (the rewrite converts it to a DCP checkpoint), "
+                    f"or gather first: get_model_state_dict({name}, options=StateDictOptions(full_state_dict=True, "
+                    f"cpu_offload=True)) on every rank, then {code(func)}(..., state_dict=it) on rank 0 only",
+                ))
         for later in self.r.nodes(cst.Assign):  # `model = get_peft_model(model, config)`
             if (
                 self.r.calls_prefix(later.value, PEFT_WRAPPERS) and name in assigned_names(self.r.parent(later))
                 and self.r.enclosing_function(later) is self.r.enclosing_function(stmt)
             ):
-                return replace(found, refusal=(
+                return replace(found, refusal_at=later, refusal=(
                     f"`{name}` is wrapped by `{code(later.value.func)}` (PEFT) after it is built",
                     "the adapters are added after the rewrite shards the model: their parameters would stay "
                     "plain tensors whose gradients no rank reduces, and the ranks would drift apart",

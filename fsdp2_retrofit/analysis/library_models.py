@@ -102,6 +102,7 @@ class LibraryModel:
     why: str  # how the blocks were found, for the report
     batchnorm: bool = False  # has BatchNorm layers (what --mixed-precision must know)
     refusal: Optional[Tuple[str, str, str]] = None  # (what, why, hint) when nothing safe can be done
+    refusal_at: Optional[cst.CSTNode] = None  # the node the refusal points at (default: the build)
 
 
 def is_library_builder(qname: str) -> bool:

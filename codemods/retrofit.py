@@ -25,6 +25,7 @@ from .clipping import ReadGlobalGradNormCommand
 from .data import DistributeDataCommand
 from .forward_calls import ReplaceForwardCallsCommand
 from .launch import LaunchDistributedCommand
+from .library_saves import GatherLibrarySavesCommand
 from .meta_init import InitOnMetaDeviceCommand
 from .optimizer import MoveOptimizerCommand
 from .rank_zero import GateRankZeroCommand
@@ -46,6 +47,7 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
         ReplaceForwardCallsCommand,
         DistributeDataCommand,
         ConvertSavesCommand,
+        GatherLibrarySavesCommand,
         ConvertLoadsCommand,
         ReadGlobalGradNormCommand,
         SyncGradientsOncePerStepCommand,

@@ -194,7 +194,7 @@ class ShardModelCommand(RetrofitStage):
                 "build all models in the same function",
             )
         for model in facts.models:
-            if model.library is not None and model.library.refusal is not None:
+            if model.library is not None and model.library.refusal is not None and not model.sharded:
                 self.refuse(model.library.refusal_at or model.stmt, *model.library.refusal)
             if _declared_global(model):
                 self.refuse(

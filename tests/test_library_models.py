@@ -207,8 +207,12 @@ def test_mixed_precision_of_a_library_vit_is_not_refused():
          "`quantization_config=` quantizes the model", 7),
         ("model = AutoModelForCausalLM.from_pretrained(name)\nmodel = get_peft_model(model, lora)",
          "`model` is wrapped by `get_peft_model` (PEFT) after it is built", 8),
-        ("model = AutoModelForCausalLM.from_pretrained(name)\nmodel.save_pretrained(name)",
-         "`model.save_pretrained` of a model the rewrite shards", 8),
+        ("model = AutoModelForCausalLM.from_pretrained(name)\nmodel.push_to_hub(name)",
+         "`model.push_to_hub` of a model the rewrite shards", 8),
+        ("model = AutoModelForCausalLM.from_pretrained(name)\nif rank == 0:\n    model.save_pretrained(name)",
+         "`model.save_pretrained` under a rank test", 9),
+        ("model = AutoModelForCausalLM.from_pretrained(name)\nmodel.save_pretrained(name, state_dict=sd)",
+         "`model.save_pretrained` is given its own state_dict", 8),
     ],
 )
 def test_placed_quantized_peft_or_save_pretrained_models_are_refused(build, what, line):
@@ -288,3 +292,38 @@ def test_the_outputs_shard_the_library_blocks(case, units, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     found = ast.literal_eval(done.stdout.strip().splitlines()[-1])
     assert {name: found.count(name) for name in set(found)} == units
+
+
+@pytest.mark.e2e
+def test_save_pretrained_writes_the_full_weights_once(tmp_path):
+    """hf_pretrained_no_split also saves with save_pretrained: the output gathers the
+    full state dict on every rank and writes it on rank 0; the folder holds the
+    single-process run's weights (a save of the sharded model would hold DTensors)."""
+    pytest.importorskip("torch")
+    from harness import load_weights, max_abs_diff, run_distributed, run_single
+
+    case = FIXTURES / "hf_pretrained_no_split"
+    (tmp_path / "single").mkdir()
+    (tmp_path / "dist").mkdir()
+    run_single(case / "input.py", ["--batch-size", "32"], tmp_path / "single.pt", cwd=tmp_path / "single")
+    run_distributed(case / "expected.py", ["--batch-size", "16"], tmp_path / "dist.pt", cwd=tmp_path / "dist")
+    single = load_weights(tmp_path / "single.pt.hf" / "pytorch_model.bin")
+    dist = load_weights(tmp_path / "dist.pt.hf" / "pytorch_model.bin")
+    assert all(type(t).__name__ == "Tensor" for t in dist.values())
+    diff = max_abs_diff(single, dist)
+    print(f"\nsave_pretrained: max |single - distributed| = {diff:.3e}")
+    assert diff <= 1e-4
+
+
+def test_save_pretrained_gathers_on_every_rank_and_writes_on_rank_zero():
+    script = _script("from transformers import AutoModelForCausalLM",
+                     "model = AutoModelForCausalLM.from_pretrained(name)\nmodel.save_pretrained(name)")
+    result = _rewrite(script)
+    assert not result.refusals
+    assert (
+        "    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))\n"
+        "    if rank == 0:\n"
+        "        model.save_pretrained(name, state_dict=full_state)\n"
+    ) in result.code.decode()
+    again = rewrite_source(result.code, "train.py", RetrofitOptions())
+    assert not again.refusals and again.code == result.code

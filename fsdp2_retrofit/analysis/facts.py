@@ -442,17 +442,16 @@ class _Analyser:
         call = _innermost_call(value)
         found = library_model(cls, call if call is not None and cls in self.r.qnames(call) else None, self.r)
         name = stmt.body[0].targets[0].target.value
-        for save in self.calls:  # `model.save_pretrained(out)`, in any function that names it `model`
+        for save in self.calls:  # `model.push_to_hub(...)`, in any function that names it `model`
             func = save.func
-            if (isinstance(func, cst.Attribute) and func.attr.value in ("save_pretrained", "push_to_hub")
+            if (isinstance(func, cst.Attribute) and func.attr.value == "push_to_hub"
                     and isinstance(func.value, cst.Name) and func.value.value == name):
                 return replace(found, refusal_at=save, refusal=(
                     f"`{code(func)}` of a model the rewrite shards",
-                    "after fully_shard each rank holds only its shards: the library would write one rank's "
-                    "pieces (or fail on DTensors)",
-                    f"save with torch.save({name}.state_dict(), path) (the rewrite converts it to a DCP checkpoint), "
-                    f"or gather first: get_model_state_dict({name}, options=StateDictOptions(full_state_dict=True, "
-                    f"cpu_offload=True)) on every rank, then {code(func)}(..., state_dict=it) on rank 0 only",
+                    "after fully_shard each rank holds only its shards: the library would upload one rank's "
+                    "pieces (or fail on DTensors), and push_to_hub takes no gathered state dict",
+                    f"save with {name}.save_pretrained(dir) (the rewrite gathers the full state for it) and "
+                    "upload that folder on rank 0",
                 ))
         for later in self.r.nodes(cst.Assign):  # `model = get_peft_model(model, config)`
             if (

@@ -43,6 +43,13 @@ class InitOnMetaDeviceCommand(RetrofitStage):
             self._build_on_meta(model, facts, editor)
 
     def _build_on_meta(self, model: ModelSite, facts: ScriptFacts, editor: StatementEditor) -> None:
+        if model.library is not None:
+            self.refuse(
+                model.stmt, f"--meta-init: `{model.name}` is built by {model.library.library}",
+                "its initialisation (or its pretrained weights) lives in the library, which the rewrite never "
+                "reads: after to_empty nothing could re-create the weights",
+                HINT,
+            )
         if model.top is not model.stmt:
             self.refuse(
                 model.stmt, f"--meta-init: `{model.name}` is built inside a compound statement",

@@ -25,6 +25,7 @@ from .clipping import ReadGlobalGradNormCommand
 from .data import DistributeDataCommand
 from .forward_calls import ReplaceForwardCallsCommand
 from .launch import LaunchDistributedCommand
+from .library_saves import GatherLibrarySavesCommand
 from .meta_init import InitOnMetaDeviceCommand
 from .migrate_ddp import MigrateDistributedWrappersCommand
 from .migrate_fsdp1 import MigrateFsdp1Command
@@ -52,6 +53,7 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
         ReplaceForwardCallsCommand,
         DistributeDataCommand,
         ConvertSavesCommand,
+        GatherLibrarySavesCommand,
         ConvertLoadsCommand,
         ReadGlobalGradNormCommand,
         SyncGradientsOncePerStepCommand,

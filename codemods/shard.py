@@ -113,7 +113,7 @@ class ShardModelCommand(RetrofitStage):
                     "name it: --mixed-precision bf16 or fp16",
                 )
             wanted = found.pop()
-        if facts.classes.mentions(model.class_name, "BatchNorm"):
+        if facts.classes.mentions(model.class_name, "BatchNorm") or model.library and model.library.batchnorm:
             self.refuse(
                 model.stmt,
                 f"--mixed-precision {wanted}: `{model.name}` has BatchNorm layers",
@@ -201,6 +201,8 @@ class ShardModelCommand(RetrofitStage):
                 "build all models in the same function",
             )
         for model in facts.models:
+            if model.library is not None and model.library.refusal is not None and not model.sharded:
+                self.refuse(model.library.refusal_at or model.stmt, *model.library.refusal)
             if _declared_global(model):
                 self.refuse(
                     model.stmt,
@@ -251,9 +253,16 @@ class ShardModelCommand(RetrofitStage):
                 f"fully_shard every {', '.join(self.options.shard)} inside `{model.name}`, innermost first",
                 "--shard names the units: each one's parameters are gathered only while it runs",
             )
+        elif model.library is not None and model.library.no_split_modules:
+            out.extend(self._no_split_statements(model, mesh))
         else:
             var = self.fresh_name("block", model.scope)
             policy = self.options.reshard_after_forward
+            if model.library is not None and model.containers:
+                self.change(
+                    model.stmt, f"`{model.name}` is {model.library.why}",
+                    "a library builds it: its layout comes from a table of known library models (never imported)",
+                )
             for n, container in enumerate(model.containers):
                 path = ".".join((model.name,) + container.path)
                 if policy == "default" and n == len(model.containers) - 1:
@@ -288,7 +297,8 @@ class ShardModelCommand(RetrofitStage):
                 self.attention(
                     model.stmt,
                     f"no repeated blocks found in `{model.name}`: only the root is sharded",
-                    "pass --shard CLASS to make each block of that class its own unit",
+                    f"`{model.name}` is {model.library.why}" if model.library is not None
+                    else "pass --shard CLASS to make each block of that class its own unit",
                 )
         keep = ", reshard_after_forward=False" if self.options.reshard_after_forward == "never" else ""
         out.append(self.stmt(f"fully_shard({model.name}{mesh}{keep})\n"))
@@ -299,6 +309,30 @@ class ShardModelCommand(RetrofitStage):
             "sharding the root first takes every parameter into one unit",
         )
         return out
+
+    def _no_split_statements(self, model: ModelSite, mesh: str) -> list:
+        """A transformers model whose class is decided at run time: a unit per module of
+        a class in `model._no_split_modules`, innermost first, found when it runs."""
+        blocks = self.fresh_name("blocks", model.scope)
+        var = self.fresh_name("block", model.scope)
+        m = self.fresh_name("module", model.scope)
+        policy = self.options.reshard_after_forward
+        keep = {"default": f", reshard_after_forward={var} is not {blocks}[-1]", "never": ", reshard_after_forward=False"}
+        self.change(
+            model.stmt,
+            f"`{model.name}` is {model.library.why}",
+            "transformers lists in `_no_split_modules` the layer classes it never splits (its own device map "
+            "and FSDP wrapping use them); without such classes only the root is sharded",
+        )
+        classes = self.fresh_name("no_split", model.scope)
+        return [self.stmt(
+            f"{classes} = {model.name}._no_split_modules or ()\n"
+        ), self.stmt(
+            f"{blocks} = [{m} for {m} in {model.name}.modules() if type({m}).__name__ in {classes}]\n"
+        ), self.stmt(
+            f"for {var} in reversed({blocks}):\n"
+            f"    fully_shard({var}{mesh}{keep.get(policy, '')})\n"
+        )]
 
 
 def _declared_global(model: ModelSite) -> bool:

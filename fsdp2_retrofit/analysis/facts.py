@@ -6,11 +6,12 @@ Stages and lint rules ask these facts their questions ("which names hold models?
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Set, Union
 
 import libcst as cst
 
+from .library_models import PEFT_WRAPPERS, LibraryModel, is_library_builder, library_model
 from .model_classes import ClassRegistry, Container, build_registry
 from .names import (
     DATALOADERS,
@@ -58,6 +59,7 @@ class ModelSite:
     containers: List[Container] = field(default_factory=list)
     tied_containers: List[Container] = field(default_factory=list)
     sharded: bool = False
+    library: Optional[LibraryModel] = None  # built by transformers/torchvision/timm (see library_models)
 
 
 @dataclass
@@ -292,6 +294,8 @@ class _Analyser:
 
     def _class_of(self, call: cst.Call) -> Optional[str]:
         for name in sorted(self.r.qnames(call)):
+            if is_library_builder(name):
+                return name  # `AutoModelForCausalLM.from_pretrained(...)`, `torchvision.models.resnet50(...)`
             if self.classes.is_module_class(name):
                 return name
             # a class imported from a library, e.g. torchvision.models.resnet18: only
@@ -407,7 +411,11 @@ class _Analyser:
         name, stmt, cls = binding
         top, block = self._scope_body(stmt)
         scope = self.r.enclosing_function(stmt) or self.module
-        containers = [c for c in self.classes.block_containers(cls) if c.block_class]
+        library = self._library_model(stmt, cls)
+        if library is not None:
+            containers = [Container(path, block, "library", stmt) for path, block in library.containers]
+        else:
+            containers = [c for c in self.classes.block_containers(cls) if c.block_class]
         ties = self.classes.ties(cls)
         tied = [c for c in containers if any(_under(a, c.path) or _under(b, c.path) for a, b in ties)]
         return ModelSite(
@@ -420,7 +428,43 @@ class _Analyser:
             shard_anchor=self._shard_anchor(name, top, block),
             containers=[c for c in containers if c not in tied],
             tied_containers=tied,
+            library=library,
         )
+
+    def _library_model(self, stmt, cls: Optional[str]) -> Optional[LibraryModel]:
+        """The layout of a model a library builds; the call is read when this statement
+        makes it (a factory function's model is known by the builder's name only)."""
+        if not cls or not is_library_builder(cls):
+            return None
+        value = stmt.body[0].value
+        if self.r.is_call_to(value, {"torch.compile"}) and value.args:
+            value = value.args[0].value
+        call = _innermost_call(value)
+        found = library_model(cls, call if call is not None and cls in self.r.qnames(call) else None, self.r)
+        name = stmt.body[0].targets[0].target.value
+        for save in self.calls:  # `model.push_to_hub(...)`, in any function that names it `model`
+            func = save.func
+            if (isinstance(func, cst.Attribute) and func.attr.value == "push_to_hub"
+                    and isinstance(func.value, cst.Name) and func.value.value == name):
+                return replace(found, refusal_at=save, refusal=(
+                    f"`{code(func)}` of a model the rewrite shards",
+                    "after fully_shard each rank holds only its shards: the library would upload one rank's "
+                    "pieces (or fail on DTensors), and push_to_hub takes no gathered state dict",
+                    f"save with {name}.save_pretrained(dir) (the rewrite gathers the full state for it) and "
+                    "upload that folder on rank 0",
+                ))
+        for later in self.r.nodes(cst.Assign):  # `model = get_peft_model(model, config)`
+            if (
+                self.r.calls_prefix(later.value, PEFT_WRAPPERS) and name in assigned_names(self.r.parent(later))
+                and self.r.enclosing_function(later) is self.r.enclosing_function(stmt)
+            ):
+                return replace(found, refusal_at=later, refusal=(
+                    f"`{name}` is wrapped by `{code(later.value.func)}` (PEFT) after it is built",
+                    "the adapters are added after the rewrite shards the model: their parameters would stay "
+                    "plain tensors whose gradients no rank reduces, and the ranks would drift apart",
+                    "train without PEFT, or keep the script single-GPU (PEFT with FSDP2 is not supported yet)",
+                ))
+        return found
 
     def _shard_anchor(self, name: str, stmt, block) -> cst.CSTNode:
         """The last statement that builds or places the model before it is used."""

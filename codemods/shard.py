@@ -4,6 +4,7 @@ from __future__ import annotations
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
+from fsdp2_retrofit.analysis.copies import unsafe_state_copies
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
 
@@ -14,6 +15,8 @@ class ShardModelCommand(RetrofitStage):
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         self._refuse_unsafe(facts)
+        for unsafe in unsafe_state_copies(facts):
+            self.attention(unsafe.node, unsafe.what, unsafe.why)
         policies = None
         for model in self._to_shard(facts):
             if model.sharded:

@@ -184,7 +184,7 @@ class ShardModelCommand(RetrofitStage):
                 "its sampler, saves and logging would be left unconverted",
                 "keep the training loop in a function that receives the model and optimizer",
             )
-        copied = {id(c.stmt.body[0].value) for c in facts.copies}
+        copied = {id(c.copy_call) for c in facts.copies}
         for call in facts.deep_copies:
             if id(call) in copied:
                 continue  # `ema = copy.deepcopy(model)` after the build: sharded like the model

@@ -59,6 +59,7 @@ class ModelSite:
     tied_containers: List[Container] = field(default_factory=list)
     sharded: bool = False
     copy_of: Optional[str] = None  # `ema = copy.deepcopy(model)`: the model it copies
+    copy_call: Optional[cst.Call] = None  # and that copy.deepcopy call
 
 
 @dataclass
@@ -482,10 +483,10 @@ class _Analyser:
             if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
                 continue
             assign = stmt.body[0]
-            call = assign.value
+            call = _innermost_call(assign.value)  # also `copy.deepcopy(model).eval()`
             if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
                 continue
-            if not (self.r.is_call_to(call, {"copy.deepcopy"}) and len(call.args) == 1
+            if not (call is not None and self.r.is_call_to(call, {"copy.deepcopy"}) and len(call.args) == 1
                     and isinstance(call.args[0].value, cst.Name)):
                 continue
             scope = self.r.enclosing_function(stmt) or self.module
@@ -513,6 +514,7 @@ class _Analyser:
                 containers=list(source.containers),
                 tied_containers=list(source.tied_containers),
                 copy_of=source.name,
+                copy_call=call,
             )
             # the model is sharded after its copy: both after the later of their anchors
             if body.index(site.shard_anchor) > body.index(source.shard_anchor):

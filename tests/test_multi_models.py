@@ -322,3 +322,46 @@ def test_unsafe_state_copies_are_flagged_and_safe_ones_are_not():
     result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
     assert not result.refusals
     assert sum("sharded `" in a.what for a in result.attention) == 2
+
+
+def test_two_models_each_with_its_optimizer_and_a_chained_copy_of_one():
+    """A GAN with a generator EMA (`G_ema = copy.deepcopy(G).eval()`): each trained model
+    is sharded before its own optimizer, the copy like its model, after the copy."""
+    source = script("""
+        G = Net()
+        opt_g = torch.optim.Adam(G.parameters(), lr=0.1)
+        G.to("cpu")
+        G_ema = copy.deepcopy(G).eval()
+        D = Net()
+        opt_d = torch.optim.Adam(D.parameters(), lr=0.1)
+    """, LOOP.replace("model(x)", "D(G(x))").replace("optimizer", "opt_d"))
+    facts = facts_of(source)
+    assert [(c.name, c.copy_of) for c in facts.copies] == [("G_ema", "G")]
+    result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
+    assert not result.refusals, result.refusals
+    out = result.code.decode()
+    order = [
+        "G_ema = copy.deepcopy(G).eval()",
+        "fully_shard(G, mesh=mesh)",
+        "opt_g = torch.optim.Adam",
+        "fully_shard(G_ema, mesh=mesh, reshard_after_forward=True)",
+        "D = Net()",
+        "fully_shard(D, mesh=mesh)",
+        "opt_d = torch.optim.Adam",
+    ]
+    assert [out.index(s) for s in order] == sorted(out.index(s) for s in order), out
+    assert rewrite_source(out.encode(), "train.py", RetrofitOptions()).code.decode() == out
+
+
+@pytest.mark.parametrize("handover", ["model = Net()\nmodel.encoder = encoder", "model = Wrapper(encoder)"])
+def test_a_frozen_module_inside_a_trained_model_is_not_a_frozen_model(handover):
+    source = script(f"""
+        encoder = Net()
+        encoder.requires_grad_(False)
+        {handover.replace(chr(10), chr(10) + '        ')}
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    """).replace("class Net(nn.Module):", "class Wrapper(nn.Module):\n    def __init__(self, inner):\n"
+                 "        super().__init__()\n        self.inner = inner\n\n\nclass Net(nn.Module):")
+    facts = facts_of(source)
+    assert [m.name for m in facts.models] == ["model"]
+    assert facts.frozen_models == []

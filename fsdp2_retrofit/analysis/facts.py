@@ -454,9 +454,23 @@ class _Analyser:
             if (scope, name) in seen or cls.rsplit(".", 1)[-1].endswith("Loss"):
                 continue
             seen.add((scope, name))  # the first binding of the name decides
-            if self._is_frozen(name, stmt):
+            if self._is_frozen(name, stmt) and not self._part_of_trained(name, scope, models):
                 out.append(self._model_site(binding, frozen=True))
         return out
+
+    def _part_of_trained(self, name: str, scope, models) -> bool:
+        """A frozen module handed to a trained model's constructor, or stored on it
+        (`model.encoder = encoder`): it is part of that model and sharded with it."""
+        for m in models:
+            if m.scope is scope and name in names_in(m.stmt.body[0].value):
+                return True
+        for assign in self.r.nodes(cst.Assign):
+            if (self.r.enclosing_function(assign) or self.module) is not scope or name not in names_in(assign.value):
+                continue
+            for t in assign.targets:
+                if isinstance(t.target, cst.Attribute) and root_name(t.target) in {m.name for m in models}:
+                    return True
+        return False
 
     def _is_frozen(self, name: str, stmt) -> bool:
         function = self.r.enclosing_function(stmt)

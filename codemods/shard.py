@@ -50,6 +50,13 @@ class ShardModelCommand(RetrofitStage):
                     "models",
                     "the device mesh exists only there; build it next to them to shard it",
                 )
+            elif frozen.top is not frozen.stmt:
+                self.attention(
+                    frozen.stmt,
+                    f"frozen `{frozen.name}` stays replicated: it is built inside an `if` or another block",
+                    "where it may not exist, a fully_shard after that block would fail; build it unconditionally "
+                    "to shard it",
+                )
             else:
                 sites.append(frozen)
         body = list(facts.models[0].block.body) if facts.models else []

@@ -365,3 +365,17 @@ def test_a_frozen_module_inside_a_trained_model_is_not_a_frozen_model(handover):
     facts = facts_of(source)
     assert [m.name for m in facts.models] == ["model"]
     assert facts.frozen_models == []
+
+
+def test_a_frozen_model_built_under_an_if_stays_replicated():
+    source = script("""
+        teacher = None
+        if torch.cuda.is_available():
+            teacher = Net().eval()
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    """)
+    result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
+    assert not result.refusals
+    assert "fully_shard(teacher" not in result.code.decode()
+    assert any("stays replicated: it is built inside an `if`" in a.what for a in result.attention)

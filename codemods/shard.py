@@ -204,12 +204,22 @@ class ShardModelCommand(RetrofitStage):
                 "make the copy right after the model is built (ema = copy.deepcopy(model))",
             )
         for what, call in facts.hidden_copies:
+            if id(call) in copied:
+                continue  # `ema = AveragedModel(model, ...)` after the build: its `.module` is sharded
+            if what == "AveragedModel":
+                self.refuse(
+                    call,
+                    "`AveragedModel(...)` deep-copies a model that gets sharded, inside its constructor",
+                    "its copy (`.module`) is sharded like the model only when it is made as "
+                    "`name = AveragedModel(model, ...)` in the block that builds the model, before the model is "
+                    "rebound, sharded or used in a loop (FSDP2 modules cannot be deep-copied after sharding)",
+                    "make it right after the model is built",
+                )
             self.refuse(
                 call,
-                f"`{what}(...)` deep-copies a model that gets sharded, inside its constructor"
-                if what == "AveragedModel" else f"class {what} deep-copies the model it is handed",
-                "the copy is made where the rewrite cannot shard it with the model's units (FSDP2 modules "
-                "cannot be deep-copied after sharding), and its state would be saved unconverted",
+                f"class {what} deep-copies the model it is handed",
+                "the copy is made inside a constructor, where the rewrite cannot shard it with the model's units "
+                "(FSDP2 modules cannot be deep-copied after sharding), and its state would be saved unconverted",
                 "keep the average as `ema = copy.deepcopy(model)` right after the build, updated with "
                 "`torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - decay)` under "
                 "torch.no_grad(): it is then sharded like the model",
@@ -371,7 +381,7 @@ class ShardModelCommand(RetrofitStage):
             if source is not None:
                 self.change(
                     source.stmt,
-                    f"`{source.name}` is sharded after `{model.name} = copy.deepcopy({source.name})`",
+                    f"`{source.name}` is sharded after `{code(model.stmt).strip()}`",
                     "the copy must be taken of the plain module, before fully_shard",
                 )
         elif any(model is f for f in facts.frozen_models):

@@ -232,17 +232,18 @@ def test_rewritten_copy_shards_model_then_copy_with_the_same_units():
             LOOP,
             "ema = copy.deepcopy(model)",
         ),
-        (  # AveragedModel copies inside its constructor
+        (  # an AveragedModel (copies inside its constructor) made under an `if`
             """
             model = Net()
-            ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999))
+            if torch.cuda.is_available():
+                ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999))
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             """,
             LOOP,
             "ema = AveragedModel(",
         ),
     ],
-    ids=["in-loop", "under-if", "after-rebinding", "AveragedModel"],
+    ids=["in-loop", "under-if", "after-rebinding", "AveragedModel-under-if"],
 )
 def test_cli_refuses_copies_it_cannot_shard(tmp_path, body, loop, line_of):
     source = script(body, loop)
@@ -379,3 +380,21 @@ def test_a_frozen_model_built_under_an_if_stays_replicated():
     assert not result.refusals
     assert "fully_shard(teacher" not in result.code.decode()
     assert any("stays replicated: it is built inside an `if`" in a.what for a in result.attention)
+
+
+def test_an_averaged_model_right_after_the_build_has_its_module_sharded_like_the_model():
+    source = script("""
+        model = Net()
+        swa = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    """, LOOP + "    torch.save(swa.state_dict(), 'swa.pt')\n")
+    facts = facts_of(source)
+    assert [(c.name, c.copy_of) for c in facts.copies] == [("swa.module", "model")]
+    assert "swa" in next(iter(facts.model_names.values()))
+    result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
+    assert not result.refusals, result.refusals
+    out = result.code.decode()
+    assert "for block in swa.module.blocks:\n        fully_shard(block, mesh=mesh)\n" in out
+    assert "fully_shard(swa.module, mesh=mesh, reshard_after_forward=True)" in out
+    assert "dcp.save(get_model_state_dict(swa), checkpoint_id='swa.pt')" in out
+    assert rewrite_source(out.encode(), "train.py", RetrofitOptions()).code.decode() == out

@@ -488,29 +488,34 @@ class _Analyser:
         )
 
     def _copies(self, models: List[ModelSite], stmts) -> List[ModelSite]:
-        """`ema = copy.deepcopy(model)` statements the rewrite can shard like the model:
-        in the block that builds it, after the build, with only simple statements (or
-        placements) between that neither rebind nor shard the model. The model's
-        fully_shard moves after the copy (and what prepares the copy)."""
+        """`ema = copy.deepcopy(model)` (or `AveragedModel(model, ...)`, whose `.module` is
+        the copy) statements the rewrite can shard like the model: in the block that
+        builds it, after the build, with no statement between that rebinds or shards the
+        model or runs a loop or block using it. The model's fully_shard moves after the
+        copy (and what prepares the copy)."""
         out: List[ModelSite] = []
         for stmt in stmts:
             if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
                 continue
             assign = stmt.body[0]
             call = _innermost_call(assign.value)  # also `copy.deepcopy(model).eval()`
-            if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
+            if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name) or call is None:
                 continue
-            if not (call is not None and self.r.is_call_to(call, {"copy.deepcopy"}) and len(call.args) == 1
-                    and isinstance(call.args[0].value, cst.Name)):
+            # AveragedModel(model, ...) deep-copies the model into its `.module`: that is what gets sharded
+            averaged = self.r.is_call_to(call, {"torch.optim.swa_utils.AveragedModel"})
+            copied = call.args[0].value if call.args and call.args[0].keyword is None and not call.args[0].star else None
+            if not ((averaged or (self.r.is_call_to(call, {"copy.deepcopy"}) and len(call.args) == 1))
+                    and isinstance(copied, cst.Name)):
                 continue
             scope = self.r.enclosing_function(stmt) or self.module
-            source = next((m for m in models if m.name == call.args[0].value.value and m.scope is scope), None)
+            source = next((m for m in models if m.name == copied.value and m.scope is scope), None)
             body = list(source.block.body) if source is not None else []
             if source is None or stmt not in body or source.top not in body:
                 continue
             between = body[body.index(source.top) + 1 : body.index(stmt)]
             if body.index(stmt) < body.index(source.top) or any(
-                (not isinstance(s, cst.SimpleStatementLine) and not _is_placement(s, source.name))
+                (not isinstance(s, cst.SimpleStatementLine) and not _is_placement(s, source.name)
+                 and source.name in names_in(s))
                 or source.name in assigned_names(s)
                 or any(self.r.qnames(c) & FULLY_SHARD for c in _calls_in(s))
                 for s in between
@@ -518,7 +523,7 @@ class _Analyser:
                 continue
             name = assign.targets[0].target.value
             site = ModelSite(
-                name=name,
+                name=name + ".module" if averaged else name,
                 stmt=stmt,
                 block=source.block,
                 scope=scope,
@@ -583,7 +588,8 @@ class _Analyser:
         """Model names per function, following calls that pass a model as an argument."""
         names: Dict[Optional[cst.FunctionDef], Set[str]] = {}
         for m in models:
-            names.setdefault(self.r.enclosing_function(m.stmt), set()).add(m.name)
+            # `ema.module` (an AveragedModel's copy) is sharded; `ema` is the model the script uses
+            names.setdefault(self.r.enclosing_function(m.stmt), set()).add(m.name.split(".", 1)[0])
         changed = True
         while changed:
             changed = False
@@ -878,6 +884,15 @@ class _Analyser:
                     and isinstance(call.args[0].value, cst.Name)
                 ):
                     out[call.args[0].value.value] = stmt
+                elif (  # `fully_shard(ema.module)`: an AveragedModel's copy
+                    isinstance(call, cst.Call)
+                    and self.r.qnames(call) & FULLY_SHARD
+                    and call.args
+                    and isinstance(call.args[0].value, cst.Attribute)
+                    and call.args[0].value.attr.value == "module"
+                    and isinstance(call.args[0].value.value, cst.Name)
+                ):
+                    out[call.args[0].value.value.value + ".module"] = stmt
         return out
 
 

@@ -398,3 +398,20 @@ def test_an_averaged_model_right_after_the_build_has_its_module_sharded_like_the
     assert "fully_shard(swa.module, mesh=mesh, reshard_after_forward=True)" in out
     assert "dcp.save(get_model_state_dict(swa), checkpoint_id='swa.pt')" in out
     assert rewrite_source(out.encode(), "train.py", RetrofitOptions()).code.decode() == out
+
+
+def test_a_teacher_load_comes_after_its_shard_and_is_converted_like_any_load():
+    source = script("""
+        teacher = Net()
+        teacher.load_state_dict(torch.load("teacher.pt"))
+        teacher.requires_grad_(False)
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    """)
+    result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
+    assert not result.refusals, result.refusals
+    out = result.code.decode()
+    shard = out.index("fully_shard(teacher, mesh=mesh, reshard_after_forward=True)")
+    load = out.index("set_model_state_dict(teacher, ")
+    assert shard < load < out.index("teacher.requires_grad_(False)")
+    assert "broadcast_from_rank0=True" in out[load:]

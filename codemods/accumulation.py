@@ -69,7 +69,7 @@ class SyncGradientsOncePerStepCommand(RetrofitStage):
             )
 
     def _model(self, loop: LoopSite, facts: ScriptFacts) -> Optional[str]:
-        names = sorted(facts.model_names.get(loop.function, set()))
+        names = sorted(facts.trained_names.get(loop.function, set()))  # not an EMA copy or a teacher
         used = [n for n in names if n in names_in(loop.node)]
         return used[0] if len(used) == 1 else None
 

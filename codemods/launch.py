@@ -208,7 +208,7 @@ class LaunchDistributedCommand(RetrofitStage):
 
     def _first_torch_statement(self, block, facts: ScriptFacts):
         """The first statement of the entry block that touches torch or builds the model."""
-        model_names = {m.name for m in facts.models}
+        model_names = {m.name for m in facts.models + facts.copies + facts.frozen_models}
         for stmt in block.body:
             if isinstance(stmt, (cst.Import, cst.ImportFrom, cst.FunctionDef, cst.ClassDef)):
                 continue

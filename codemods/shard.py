@@ -4,6 +4,7 @@ from __future__ import annotations
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
+from fsdp2_retrofit.analysis.copies import unsafe_state_copies
 from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
 
 
@@ -14,8 +15,10 @@ class ShardModelCommand(RetrofitStage):
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         self._refuse_unsafe(facts)
+        for unsafe in unsafe_state_copies(facts):
+            self.attention(unsafe.node, unsafe.what, unsafe.why)
         policies = None
-        for model in facts.models:
+        for model in self._to_shard(facts):
             if model.sharded:
                 continue
             if policies is None:
@@ -26,6 +29,38 @@ class ShardModelCommand(RetrofitStage):
             statements = statements + self._shard_statements(model, facts, policies[0])
             editor.insert_after(model.shard_anchor, statements + self._split_compile(model, facts, editor))
             self.add_import(self.options.fsdp_module, "fully_shard")
+
+    def _to_shard(self, facts: ScriptFacts) -> list:
+        """The trained models, their copies (EMA) and the frozen models sharded with them,
+        in the order their fully_shard calls are inserted (the policies come first)."""
+        sites = list(facts.models) + list(facts.copies)
+        for frozen in facts.frozen_models:
+            if frozen.sharded:
+                continue
+            if self.options.frozen_models == "replicate":
+                self.attention(
+                    frozen.stmt,
+                    f"frozen `{frozen.name}` stays replicated (--frozen-models replicate): every rank holds all of it",
+                    "its forward needs no communication; sharding it would keep 1/N of it per rank",
+                )
+            elif not facts.models or frozen.block is not facts.models[0].block:
+                self.attention(
+                    frozen.stmt,
+                    f"frozen `{frozen.name}` stays replicated: it is built outside the block that builds the trained "
+                    "models",
+                    "the device mesh exists only there; build it next to them to shard it",
+                )
+            elif frozen.top is not frozen.stmt:
+                self.attention(
+                    frozen.stmt,
+                    f"frozen `{frozen.name}` stays replicated: it is built inside an `if` or another block",
+                    "where it may not exist, a fully_shard after that block would fail; build it unconditionally "
+                    "to shard it",
+                )
+            else:
+                sites.append(frozen)
+        body = list(facts.models[0].block.body) if facts.models else []
+        return sorted(sites, key=lambda m: body.index(m.shard_anchor) if m.shard_anchor in body else -1)
 
     def _compiled_model(self, call: cst.Call, facts: ScriptFacts):
         """The model whose whole build statement is `name = torch.compile(<build>, ...)`."""
@@ -142,9 +177,9 @@ class ShardModelCommand(RetrofitStage):
                 )
             self.refuse(
                 line,
-                f"the script already uses {wrapper}",
-                "migrating FSDP1 scripts is not supported yet",
-                "start from the single-GPU version of the script",
+                f"the script still uses {wrapper}",
+                "the FSDP1 wrap must go before fully_shard",
+                "run the migrate_fsdp1 stage first (the composite `rewrite` does)",
             )
         for call in facts.compiled_builds:
             if self._compiled_model(call, facts) is not None:
@@ -163,12 +198,45 @@ class ShardModelCommand(RetrofitStage):
                 "its sampler, saves and logging would be left unconverted",
                 "keep the training loop in a function that receives the model and optimizer",
             )
+        copied = {id(c.copy_call) for c in facts.copies}
         for call in facts.deep_copies:
+            if id(call) in copied:
+                continue  # `ema = copy.deepcopy(model)` after the build: sharded like the model
             self.refuse(
                 call,
                 f"`{code(call)}` copies a model that gets sharded",
-                "FSDP2 modules cannot be deep-copied; an EMA or teacher copy needs its own fully_shard",
-                "make the copy before sharding and shard it like the model (and save it with get_model_state_dict)",
+                "FSDP2 modules cannot be deep-copied; a copy is sharded like the model only when it is made as "
+                "`name = copy.deepcopy(model)` in the block that builds the model, before the model is rebound, "
+                "sharded or used in a loop",
+                "make the copy right after the model is built (ema = copy.deepcopy(model))",
+            )
+        for what, call in facts.hidden_copies:
+            if id(call) in copied:
+                continue  # `ema = AveragedModel(model, ...)` after the build: its `.module` is sharded
+            if what == "AveragedModel":
+                self.refuse(
+                    call,
+                    "`AveragedModel(...)` deep-copies a model that gets sharded, inside its constructor",
+                    "its copy (`.module`) is sharded like the model only when it is made as "
+                    "`name = AveragedModel(model, ...)` in the block that builds the model, before the model is "
+                    "rebound, sharded or used in a loop (FSDP2 modules cannot be deep-copied after sharding)",
+                    "make it right after the model is built",
+                )
+            self.refuse(
+                call,
+                f"class {what} deep-copies the model it is handed",
+                "the copy is made inside a constructor, where the rewrite cannot shard it with the model's units "
+                "(FSDP2 modules cannot be deep-copied after sharding), and its state would be saved unconverted",
+                "keep the average as `ema = copy.deepcopy(model)` right after the build, updated with "
+                "`torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - decay)` under "
+                "torch.no_grad(): it is then sharded like the model",
+            )
+        if self.options.meta_init and facts.copies:
+            self.refuse(
+                facts.copies[0].stmt,
+                "--meta-init with a copy of the model",
+                "the copy would be made of the model on the meta device, before its re-initialisation",
+                "run without --meta-init",
             )
         if not facts.models:
             for cls, call in facts.class_optimizers:
@@ -237,6 +305,10 @@ class ShardModelCommand(RetrofitStage):
     def _shard_statements(self, model: ModelSite, facts: ScriptFacts, policies: str = ""):
         mesh = (f", mesh={facts.mesh_name}" if facts.mesh_name else "") + policies
         out = []
+        # a frozen model or a copy runs forward only: every unit, the root too, frees its
+        # gathered parameters after forward (no backward would gather them again)
+        forward_only = model.copy_of is not None or any(model is f for f in facts.frozen_models)
+        self._report_untrained(model, facts)
         if self.options.shard:
             var = self.fresh_name("module", model.scope)
             keep = ", reshard_after_forward=False" if self.options.reshard_after_forward == "never" else ""
@@ -265,7 +337,7 @@ class ShardModelCommand(RetrofitStage):
                 )
             for n, container in enumerate(model.containers):
                 path = ".".join((model.name,) + container.path)
-                if policy == "default" and n == len(model.containers) - 1:
+                if policy == "default" and n == len(model.containers) - 1 and not forward_only:
                     index = self.fresh_name("index", model.scope)
                     out.append(self.stmt(
                         f"for {index}, {var} in enumerate({path}):\n"
@@ -301,6 +373,8 @@ class ShardModelCommand(RetrofitStage):
                     else "pass --shard CLASS to make each block of that class its own unit",
                 )
         keep = ", reshard_after_forward=False" if self.options.reshard_after_forward == "never" else ""
+        if forward_only and not keep:
+            keep = ", reshard_after_forward=True"  # the root would otherwise keep its gathered parameters
         out.append(self.stmt(f"fully_shard({model.name}{mesh}{keep})\n"))
         self.change(
             model.shard_anchor,
@@ -333,6 +407,35 @@ class ShardModelCommand(RetrofitStage):
             f"for {var} in reversed({blocks}):\n"
             f"    fully_shard({var}{mesh}{keep.get(policy, '')})\n"
         )]
+
+
+    def _report_untrained(self, model: ModelSite, facts: ScriptFacts) -> None:
+        if model.copy_of is not None:
+            self.change(
+                model.stmt,
+                f"shard the copy `{model.name}` exactly like `{model.copy_of}` (same units, same mesh), after "
+                f"`{model.copy_of}`",
+                "an EMA update over zip(ema.parameters(), model.parameters()) then pairs identically sharded "
+                "DTensors: each rank averages its own shards; saves of its state go through get_model_state_dict",
+                "FSDP2 modules cannot be deep-copied: the copy is made before the model is sharded",
+            )
+            source = facts.model(model.copy_of)
+            if source is not None:
+                self.change(
+                    source.stmt,
+                    f"`{source.name}` is sharded after `{code(model.stmt).strip()}`",
+                    "the copy must be taken of the plain module, before fully_shard",
+                )
+        elif any(model is f for f in facts.frozen_models):
+            self.change(
+                model.stmt,
+                f"shard the frozen `{model.name}` too (no optimizer trains it): every unit frees its gathered "
+                "parameters after forward",
+                "each rank keeps 1/N of it and gathers one unit at a time in its forward (no gradients, no "
+                "reduce-scatter); the outputs are those of the full model. --frozen-models replicate keeps a "
+                "full copy per rank instead (no communication, full memory)",
+                "its forward is now a collective: every rank must run it, never under a rank-0 `if`",
+            )
 
 
 def _declared_global(model: ModelSite) -> bool:

@@ -129,6 +129,11 @@ Examples:
     "never: none (no all-gather in backward, most memory).",
 )
 @click.option(
+    "--frozen-models", type=click.Choice(["shard", "replicate"]), default="shard", show_default=True,
+    help="Models the script freezes and never trains (a distillation teacher): shard them like the trained "
+    "ones (1/N of the memory, an all-gather per unit in their forward) or keep a full copy on every rank.",
+)
+@click.option(
     "--no-reduce-logs", is_flag=True,
     help="Print rank 0's own loss. Default: a logged `loss.item()` is averaged over the ranks first (an "
     "all_reduce on every rank), so the log reads like the single-GPU run's.",
@@ -177,6 +182,7 @@ def rewrite_command(
     cpu_offload: bool,
     hsdp: Optional[int],
     reshard_after_forward: str,
+    frozen_models: str,
     no_reduce_logs: bool,
     torch_version: str,
     emit_slurm: Optional[str],
@@ -200,6 +206,7 @@ def rewrite_command(
             cpu_offload=cpu_offload,
             hsdp=hsdp or 0,
             reshard_after_forward=reshard_after_forward,
+            frozen_models=frozen_models,
             reduce_logs=not no_reduce_logs,
             torch_version=torch_version,
             export=export,

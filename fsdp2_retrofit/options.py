@@ -42,6 +42,10 @@ class RetrofitOptions:
     # dcp.async_save instead of dcp.save (the process group gets a CPU backend too).
     async_checkpoint: bool = False
 
+    # "shard": models the script freezes and never trains (a distillation teacher) are sharded
+    # like the trained ones, every unit resharding after forward; "replicate": left whole on every rank
+    frozen_models: str = "shard"
+
     # build the model on the meta device, shard it, then to_empty and re-run its
     # initialisation: each rank only allocates its shards; values are fresh draws
     meta_init: bool = False

@@ -60,6 +60,8 @@ class ModelSite:
     tied_containers: List[Container] = field(default_factory=list)
     sharded: bool = False
     library: Optional[LibraryModel] = None  # built by transformers/torchvision/timm (see library_models)
+    copy_of: Optional[str] = None  # `ema = copy.deepcopy(model)`: the model it copies
+    copy_call: Optional[cst.Call] = None  # and that copy.deepcopy call
 
 
 @dataclass
@@ -129,6 +131,17 @@ class ScriptFacts:
     deep_copies: List[cst.Call]  # `copy.deepcopy(model)` of a trained model
     trainer_classes: List[tuple]  # (class name, call) of a class with a backward() loop given a model
     module_ctor_names: Set[str]
+    # models no optimizer trains that the script freezes (requires_grad_(False), a loop setting
+    # requires_grad = False, eval()): a distillation teacher
+    frozen_models: List[ModelSite] = field(default_factory=list)
+    # `ema = copy.deepcopy(model)` statements made in the model's block before it is sharded
+    # (ModelSite.copy_of names the model); other deep copies stay in deep_copies only
+    copies: List[ModelSite] = field(default_factory=list)
+    # (what, call): copies made where the rewrite cannot shard them (AveragedModel, a class of
+    # the script whose constructor deep-copies the model it is handed)
+    hidden_copies: List[tuple] = field(default_factory=list)
+    # like model_names, for the models optimizers train only (no frozen models, no copies)
+    trained_names: Dict[Optional[cst.FunctionDef], Set[str]] = field(default_factory=dict)
 
     def model(self, name: str) -> Optional[ModelSite]:
         return next((m for m in self.models if m.name == name), None)
@@ -194,7 +207,10 @@ class _Analyser:
         bindings = self._module_bindings(stmts)
         optimizers = self._optimizers(stmts, bindings)
         models = self._trained_models(optimizers, bindings)
-        model_names = self._model_names(models)
+        trained_names = self._model_names(models)
+        copies = self._copies(models, stmts)
+        frozen = self._frozen_models(bindings, models, copies)
+        model_names = self._model_names(models + copies + frozen)
         train_loops = self._train_loops(loops)
         loaders = self._loaders(stmts, train_loops)
         entry_block = models[0].block if models else None
@@ -240,11 +256,15 @@ class _Analyser:
                 c for c in calls
                 if self.r.is_call_to(c, {"copy.deepcopy"}) and c.args
                 and isinstance(c.args[0].value, cst.Name)
-                and c.args[0].value.value in model_names.get(self.r.enclosing_function(c), set())
+                and c.args[0].value.value in trained_names.get(self.r.enclosing_function(c), set())
             ],
             trainer_classes=self._trainer_classes(calls, model_names),
+            frozen_models=frozen,
+            copies=copies,
+            hidden_copies=self._hidden_copies(calls, trained_names),
+            trained_names=trained_names,
         )
-        for m in models:
+        for m in models + copies + frozen:
             m.sharded = m.name in facts.root_shard
         return facts
 
@@ -407,7 +427,7 @@ class _Analyser:
         feeders.sort(key=lambda s: body.index(s) if s in body else -1)
         return found
 
-    def _model_site(self, binding) -> ModelSite:
+    def _model_site(self, binding, frozen: bool = False) -> ModelSite:
         name, stmt, cls = binding
         top, block = self._scope_body(stmt)
         scope = self.r.enclosing_function(stmt) or self.module
@@ -425,7 +445,7 @@ class _Analyser:
             scope=scope,
             class_name=cls,
             top=top,
-            shard_anchor=self._shard_anchor(name, top, block),
+            shard_anchor=self._shard_anchor(name, top, block, frozen),
             containers=[c for c in containers if c not in tied],
             tied_containers=tied,
             library=library,
@@ -466,11 +486,140 @@ class _Analyser:
                 ))
         return found
 
-    def _shard_anchor(self, name: str, stmt, block) -> cst.CSTNode:
-        """The last statement that builds or places the model before it is used."""
+    def _frozen_models(self, bindings, models, copies) -> List[ModelSite]:
+        """Modules no optimizer trains that the script freezes: `requires_grad_(False)`,
+        a loop setting `p.requires_grad = False` over its parameters, or `eval()`
+        (in its build expression or a statement of its function). Loss modules aside."""
+        seen = {(m.scope, m.name) for m in models + copies}
+        out: List[ModelSite] = []
+        for binding in bindings:
+            name, stmt, cls = binding
+            scope = self.r.enclosing_function(stmt) or self.module
+            if (scope, name) in seen or cls.rsplit(".", 1)[-1].endswith("Loss"):
+                continue
+            seen.add((scope, name))  # the first binding of the name decides
+            if self._is_frozen(name, stmt) and not self._part_of_trained(name, scope, models):
+                out.append(self._model_site(binding, frozen=True))
+        return out
+
+    def _part_of_trained(self, name: str, scope, models) -> bool:
+        """A frozen module handed to a trained model's constructor, or stored on it
+        (`model.encoder = encoder`): it is part of that model and sharded with it."""
+        for m in models:
+            if m.scope is scope and name in names_in(m.stmt.body[0].value):
+                return True
+        for assign in self.r.nodes(cst.Assign):
+            if (self.r.enclosing_function(assign) or self.module) is not scope or name not in names_in(assign.value):
+                continue
+            for t in assign.targets:
+                if isinstance(t.target, cst.Attribute) and root_name(t.target) in {m.name for m in models}:
+                    return True
+        return False
+
+    def _is_frozen(self, name: str, stmt) -> bool:
+        function = self.r.enclosing_function(stmt)
+        value = stmt.body[0].value
+        while isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute):
+            if _freeze_call(value, None):
+                return True  # `Teacher().to(device).eval()`
+            value = value.func.value
+        for call in self.calls:
+            if _freeze_call(call, name) and self.r.enclosing_function(call) is function:
+                return True
+        return any(
+            _freezing_loop(loop, name) and self.r.enclosing_function(loop) is function
+            for loop in self.r.nodes(cst.For)
+        )
+
+    def _copies(self, models: List[ModelSite], stmts) -> List[ModelSite]:
+        """`ema = copy.deepcopy(model)` (or `AveragedModel(model, ...)`, whose `.module` is
+        the copy) statements the rewrite can shard like the model: in the block that
+        builds it, after the build, with no statement between that rebinds or shards the
+        model or runs a loop or block using it. The model's fully_shard moves after the
+        copy (and what prepares the copy)."""
+        out: List[ModelSite] = []
+        for stmt in stmts:
+            if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
+                continue
+            assign = stmt.body[0]
+            call = _innermost_call(assign.value)  # also `copy.deepcopy(model).eval()`
+            if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name) or call is None:
+                continue
+            # AveragedModel(model, ...) deep-copies the model into its `.module`: that is what gets sharded
+            averaged = self.r.is_call_to(call, {"torch.optim.swa_utils.AveragedModel"})
+            copied = call.args[0].value if call.args and call.args[0].keyword is None and not call.args[0].star else None
+            if not ((averaged or (self.r.is_call_to(call, {"copy.deepcopy"}) and len(call.args) == 1))
+                    and isinstance(copied, cst.Name)):
+                continue
+            scope = self.r.enclosing_function(stmt) or self.module
+            source = next((m for m in models if m.name == copied.value and m.scope is scope), None)
+            body = list(source.block.body) if source is not None else []
+            if source is None or stmt not in body or source.top not in body:
+                continue
+            between = body[body.index(source.top) + 1 : body.index(stmt)]
+            if body.index(stmt) < body.index(source.top) or any(
+                (not isinstance(s, cst.SimpleStatementLine) and not _is_placement(s, source.name)
+                 and source.name in names_in(s))
+                or source.name in assigned_names(s)
+                or any(self.r.qnames(c) & FULLY_SHARD for c in _calls_in(s))
+                for s in between
+            ):
+                continue
+            name = assign.targets[0].target.value
+            site = ModelSite(
+                name=name + ".module" if averaged else name,
+                stmt=stmt,
+                block=source.block,
+                scope=scope,
+                class_name=source.class_name,
+                top=stmt,
+                shard_anchor=self._shard_anchor(name, stmt, source.block, frozen=True),
+                containers=list(source.containers),
+                tied_containers=list(source.tied_containers),
+                copy_of=source.name,
+                copy_call=call,
+            )
+            # the model is sharded after its copy: both after the later of their anchors
+            if body.index(site.shard_anchor) > body.index(source.shard_anchor):
+                source.shard_anchor = site.shard_anchor
+            out.append(site)
+        for site in out:
+            source = next(m for m in models if m.name == site.copy_of and m.scope is site.scope)
+            site.shard_anchor = source.shard_anchor
+        return out
+
+    def _hidden_copies(self, calls, trained_names) -> List[tuple]:
+        """Copies of a trained model made inside a constructor: AveragedModel(model, ...),
+        or a class of the script whose methods call copy.deepcopy (an EMA helper)."""
+        copying = {
+            c.name.value
+            for c in self.module.body
+            if isinstance(c, cst.ClassDef)
+            and any(self.r.is_call_to(call, {"copy.deepcopy"}) for call in _calls_in(c))
+        }
+        out = []
+        for call in calls:
+            known = trained_names.get(self.r.enclosing_function(call), set())
+            if not (call.args and isinstance(call.args[0].value, cst.Name) and call.args[0].value.value in known):
+                continue
+            if self.r.is_call_to(call, {"torch.optim.swa_utils.AveragedModel"}):
+                out.append(("AveragedModel", call))
+            elif isinstance(call.func, cst.Name) and call.func.value in copying:
+                out.append((call.func.value, call))
+        return out
+
+    def _shard_anchor(self, name: str, stmt, block, frozen: bool = False) -> cst.CSTNode:
+        """The last statement that builds or places the model before it is used; for a
+        frozen model or a copy, also what freezes it (eval(), requires_grad_(False), a
+        loop over its parameters), up to the first other statement that uses it."""
         body = list(block.body)
         anchor = stmt
         for later in body[body.index(stmt) + 1 :]:
+            if frozen and _prepares(later, name):
+                anchor = later
+                continue
+            if frozen and name in names_in(later):
+                break  # a load_state_dict, a forward: after sharding, as for a trained model
             if isinstance(later, (cst.For, cst.While, cst.FunctionDef, cst.With, cst.Try)):
                 break
             if _is_placement(later, name) or _initialises(later, name):
@@ -483,7 +632,8 @@ class _Analyser:
         """Model names per function, following calls that pass a model as an argument."""
         names: Dict[Optional[cst.FunctionDef], Set[str]] = {}
         for m in models:
-            names.setdefault(self.r.enclosing_function(m.stmt), set()).add(m.name)
+            # `ema.module` (an AveragedModel's copy) is sharded; `ema` is the model the script uses
+            names.setdefault(self.r.enclosing_function(m.stmt), set()).add(m.name.split(".", 1)[0])
         changed = True
         while changed:
             changed = False
@@ -785,6 +935,15 @@ class _Analyser:
                     and isinstance(call.args[0].value, cst.Name)
                 ):
                     out[call.args[0].value.value] = stmt
+                elif (  # `fully_shard(ema.module)`: an AveragedModel's copy
+                    isinstance(call, cst.Call)
+                    and self.r.qnames(call) & FULLY_SHARD
+                    and call.args
+                    and isinstance(call.args[0].value, cst.Attribute)
+                    and call.args[0].value.attr.value == "module"
+                    and isinstance(call.args[0].value.value, cst.Name)
+                ):
+                    out[call.args[0].value.value.value + ".module"] = stmt
         return out
 
 
@@ -845,6 +1004,72 @@ def _initialises(stmt, name: str) -> bool:
         and isinstance(value.func.value, cst.Name)
         and value.func.value.value == name
     )
+
+
+FREEZE_METHODS = {"eval", "train", "requires_grad_"}
+
+
+def _freeze_call(call, name: Optional[str]) -> bool:
+    """`name.eval()`, `name.train(False)`, `name.requires_grad_(False)` (name None: any receiver)."""
+    func = call.func
+    if not (isinstance(func, cst.Attribute) and func.attr.value in FREEZE_METHODS):
+        return False
+    if name is not None and not _is_placement_chain(func.value, name):
+        return False
+    if func.attr.value == "eval":
+        return not call.args
+    return len(call.args) == 1 and isinstance(call.args[0].value, cst.Name) and call.args[0].value.value == "False"
+
+
+def _freezing_loop(loop, name: str) -> bool:
+    """`for p in name.parameters(): p.requires_grad = False` (or `p.requires_grad_(False)`)."""
+    if not isinstance(loop, cst.For):
+        return False
+    it = loop.iter
+    if not (isinstance(it, cst.Call) and isinstance(it.func, cst.Attribute)
+            and it.func.attr.value in ("parameters", "named_parameters")
+            and isinstance(it.func.value, cst.Name) and it.func.value.value == name):
+        return False
+    found = []
+
+    class _F(cst.CSTVisitor):
+        def visit_Assign(self, node: cst.Assign) -> None:
+            if any(isinstance(t.target, cst.Attribute) and t.target.attr.value == "requires_grad"
+                   for t in node.targets) and isinstance(node.value, cst.Name) and node.value.value == "False":
+                found.append(node)
+
+        def visit_Call(self, node: cst.Call) -> None:
+            if _freeze_call(node, None) and node.func.attr.value == "requires_grad_":
+                found.append(node)
+
+    loop.body.visit(_F())
+    return bool(found)
+
+
+def _prepares(stmt, name: str) -> bool:
+    """A statement that only places or freezes `name` (or an `if` of such statements)."""
+    if isinstance(stmt, cst.If):
+        inner = list(stmt.body.body) if isinstance(stmt.body, cst.IndentedBlock) else [stmt.body]
+        return bool(inner) and stmt.orelse is None and all(_prepares(s, name) for s in inner)
+    if isinstance(stmt, cst.For):
+        return _freezing_loop(stmt, name)
+    if not isinstance(stmt, cst.SimpleStatementLine):
+        return False
+    if _is_placement(stmt, name) or _initialises(stmt, name):
+        return True
+    return all(isinstance(s, cst.Expr) and isinstance(s.value, cst.Call) and _freeze_call(s.value, name)
+               for s in stmt.body)
+
+
+def _calls_in(node) -> List[cst.Call]:
+    found: List[cst.Call] = []
+
+    class _C(cst.CSTVisitor):
+        def visit_Call(self, n: cst.Call) -> None:
+            found.append(n)
+
+    node.visit(_C())
+    return found
 
 
 def _is_placement_chain(expr, name: str) -> bool:

@@ -16,7 +16,6 @@ import libcst as cst
 from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.analysis.checkpoints import SAVE, rank_gate
 from fsdp2_retrofit.analysis.fsdp1 import (
-    Fsdp1Uses,
     Fsdp1Wrap,
     StateDictBlock,
     fsdp1_alias_names,

@@ -22,7 +22,7 @@ from typing import List, Optional, Set
 
 import libcst as cst
 
-from .names import code
+from .names import calls_in, code
 
 _STATE_ITERATORS = {"state_dict", "parameters", "named_parameters"}
 _STATE_GETTERS = {"state_dict", "parameters", "named_parameters"}
@@ -95,15 +95,7 @@ def _state_owner(expr, facts, at) -> Optional[str]:
 
 
 def _copy_calls(body) -> List[cst.Call]:
-    found: List[cst.Call] = []
-
-    class _C(cst.CSTVisitor):
-        def visit_Call(self, node: cst.Call) -> None:
-            if isinstance(node.func, cst.Attribute) and node.func.attr.value == "copy_":
-                found.append(node)
-
-    body.visit(_C())
-    return found
+    return [c for c in calls_in(body) if isinstance(c.func, cst.Attribute) and c.func.attr.value == "copy_"]
 
 
 def _subscripted_name(expr) -> Optional[str]:
@@ -147,12 +139,4 @@ def _holds_state_of_model(name: str, at, facts) -> bool:
 
 def _clones(comp) -> bool:
     element = comp.value if isinstance(comp, cst.DictComp) else comp.elt
-    found: List[cst.Call] = []
-
-    class _C(cst.CSTVisitor):
-        def visit_Call(self, node: cst.Call) -> None:
-            if isinstance(node.func, cst.Attribute) and node.func.attr.value in ("clone", "detach", "cpu", "float"):
-                found.append(node)
-
-    element.visit(_C())
-    return any(c.func.attr.value in ("clone", "cpu") for c in found)
+    return any(isinstance(c.func, cst.Attribute) and c.func.attr.value in ("clone", "cpu") for c in calls_in(element))

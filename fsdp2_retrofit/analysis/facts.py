@@ -22,6 +22,7 @@ from .names import (
     SELF_RETURNING_METHODS,
     Resolver,
     assigned_names,
+    calls_in,
     bind_args,
     code,
     is_main_guard,
@@ -561,7 +562,7 @@ class _Analyser:
                 (not isinstance(s, cst.SimpleStatementLine) and not _is_placement(s, source.name)
                  and source.name in names_in(s))
                 or source.name in assigned_names(s)
-                or any(self.r.qnames(c) & FULLY_SHARD for c in _calls_in(s))
+                or any(self.r.qnames(c) & FULLY_SHARD for c in calls_in(s))
                 for s in between
             ):
                 continue
@@ -595,7 +596,7 @@ class _Analyser:
             c.name.value
             for c in self.module.body
             if isinstance(c, cst.ClassDef)
-            and any(self.r.is_call_to(call, {"copy.deepcopy"}) for call in _calls_in(c))
+            and any(self.r.is_call_to(call, {"copy.deepcopy"}) for call in calls_in(c))
         }
         out = []
         for call in calls:
@@ -1059,17 +1060,6 @@ def _prepares(stmt, name: str) -> bool:
         return True
     return all(isinstance(s, cst.Expr) and isinstance(s.value, cst.Call) and _freeze_call(s.value, name)
                for s in stmt.body)
-
-
-def _calls_in(node) -> List[cst.Call]:
-    found: List[cst.Call] = []
-
-    class _C(cst.CSTVisitor):
-        def visit_Call(self, n: cst.Call) -> None:
-            found.append(n)
-
-    node.visit(_C())
-    return found
 
 
 def _is_placement_chain(expr, name: str) -> bool:

@@ -209,6 +209,18 @@ class _Indexer(cst.CSTVisitor):
         self.stack.pop()
 
 
+def calls_in(node: cst.CSTNode) -> List[cst.Call]:
+    """Every call inside `node` (itself included), in source order."""
+    found: List[cst.Call] = []
+
+    class _Calls(cst.CSTVisitor):
+        def visit_Call(self, n: cst.Call) -> None:
+            found.append(n)
+
+    node.visit(_Calls())
+    return found
+
+
 def names_in(node: cst.CSTNode) -> Set[str]:
     """Every bare identifier read or written anywhere inside `node`."""
     found: Set[str] = set()

@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import libcst as cst
 
-from .names import code
+from .names import calls_in, code
 
 INIT = {"torch.distributed.init_process_group", "torch.distributed.distributed_c10d.init_process_group"}
 DESTROY = {"torch.distributed.destroy_process_group", "torch.distributed.distributed_c10d.destroy_process_group"}
@@ -74,21 +74,10 @@ def _start(init_stmt, facts):
     init_fn = r.enclosing_function(init_stmt)
     if init_fn is not None:
         for stmt in body:
-            for call in _calls_in(stmt):
+            for call in calls_in(stmt):
                 if isinstance(call.func, cst.Name) and call.func.value == init_fn.name.value:
                     return stmt, None
     return None, None
-
-
-def _calls_in(node) -> List[cst.Call]:
-    found: List[cst.Call] = []
-
-    class _C(cst.CSTVisitor):
-        def visit_Call(self, n: cst.Call) -> None:
-            found.append(n)
-
-    node.visit(_C())
-    return found
 
 
 def _bound_from(facts, function, test, before=None) -> Optional[str]:

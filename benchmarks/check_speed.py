@@ -147,8 +147,8 @@ def corpus_files(extra: Sequence[Path], workdir: str) -> Tuple[List[str], Dict[s
 
 def prefilter_count(files: Sequence[str]) -> Tuple[int, int, int, int]:
     """(files passing, their bytes, all bytes, files passing with every rule selected)."""
-    from fsdp2_retrofit.lint import applicable
-    from fsdp2_retrofit.rules import all_rules, selected
+    from fsdp2_retrofit.check.lint import applicable
+    from fsdp2_retrofit.check.rules import all_rules, selected
 
     default, every = tuple(selected([], [])), tuple(all_rules())
     passing = passing_all = size = total = 0

@@ -6,8 +6,8 @@ from typing import Optional, Tuple
 import libcst as cst
 
 from fsdp2_retrofit.analysis import LoopSite, ScriptFacts, code
-from fsdp2_retrofit.analysis.names import assigned_names, names_in
-from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+from fsdp2_retrofit.syntax.names import assigned_names, names_in
+from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 TRADE = (
     "FSDP2's replacement for no_sync(): the micro-batches before the last keep their gradients "

@@ -14,9 +14,9 @@ from fsdp2_retrofit.analysis.checkpoints import (
     saves,
     split_rank_test,
 )
-from fsdp2_retrofit.analysis.names import names_in
-from fsdp2_retrofit.edit import with_keyword
-from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+from fsdp2_retrofit.syntax.names import names_in
+from fsdp2_retrofit.rewrite.edit import with_keyword
+from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
 FULL_OPTIONS = "StateDictOptions(full_state_dict=True, cpu_offload=True)"

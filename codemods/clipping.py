@@ -4,8 +4,8 @@ from __future__ import annotations
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
-from fsdp2_retrofit.analysis.names import assigned_names, names_in
-from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+from fsdp2_retrofit.syntax.names import assigned_names, names_in
+from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 CLIP = {"torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_"}
 NUMBER_METHODS = {"item", "tolist", "cpu", "numpy"}

@@ -6,9 +6,9 @@ from typing import Dict, Optional
 import libcst as cst
 
 from fsdp2_retrofit.analysis import LoaderSite, ScriptFacts, code
-from fsdp2_retrofit.analysis.names import iterated_name, names_in
-from fsdp2_retrofit.edit import with_keyword, without_entry, without_keyword
-from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+from fsdp2_retrofit.syntax.names import iterated_name, names_in
+from fsdp2_retrofit.rewrite.edit import with_keyword, without_entry, without_keyword
+from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 BATCH_NOTE = "# The per-rank batch stays as written: the global batch is now world_size x larger."
 KEEP_NOTE = "# --keep-global-batch: each rank reads 1/world_size of the batch; the global batch stays as written."

@@ -6,7 +6,7 @@ from typing import Set
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts
-from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 # nn.Module's own API: calling these on a sharded model needs no forward hooks.
 MODULE_API = {

@@ -4,9 +4,9 @@ from __future__ import annotations
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
-from fsdp2_retrofit.analysis.names import assigned_names, is_main_guard, names_in
+from fsdp2_retrofit.syntax.names import assigned_names, is_main_guard, names_in
 from fsdp2_retrofit.analysis.process_group import process_group
-from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 PREAMBLE = """\
 {local_rank} = int(os.environ["LOCAL_RANK"])

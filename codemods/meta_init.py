@@ -15,8 +15,8 @@ import libcst as cst
 
 from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.init_replay import CannotReplay, plan_init_replay, split_device_moves
-from fsdp2_retrofit.analysis.names import PLACEMENT_METHODS, assigned_names, names_in
-from fsdp2_retrofit.stage import OPTIONS_KEY, RetrofitStage, StatementEditor
+from fsdp2_retrofit.syntax.names import PLACEMENT_METHODS, assigned_names, names_in
+from fsdp2_retrofit.rewrite.stage import OPTIONS_KEY, RetrofitStage, StatementEditor
 
 MESH_DEVICE = '"cuda" if torch.cuda.is_available() else "cpu"'
 HINT = "drop --meta-init: the default rewrite builds the model as written, then shards it"

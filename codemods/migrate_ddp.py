@@ -10,7 +10,7 @@ from libcst.codemod.visitors import RemoveImportsVisitor
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.analysis.wrappers import DATA_PARALLEL, DDP, WrapSite, context_withs, reads_of, wrappers
-from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 from .accumulation import TRADE, _negate
 

@@ -24,7 +24,7 @@ from fsdp2_retrofit.analysis.fsdp1 import (
     leftover,
     wrapped_name,
 )
-from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
 PRECISION = {"bfloat16": "bf16", "float16": "fp16"}

@@ -8,8 +8,8 @@ from libcst.codemod.visitors import RemoveImportsVisitor
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.analysis.spawn import SpawnSite, spawns
-from fsdp2_retrofit.edit import without_keyword
-from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+from fsdp2_retrofit.rewrite.edit import without_keyword
+from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 LOCAL_RANK = 'int(os.environ["LOCAL_RANK"])'
 WORLD_SIZE = 'int(os.environ["WORLD_SIZE"])'

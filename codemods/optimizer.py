@@ -4,8 +4,8 @@ from __future__ import annotations
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts
-from fsdp2_retrofit.analysis.names import assigned_names, names_in
-from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+from fsdp2_retrofit.syntax.names import assigned_names, names_in
+from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 
 class MoveOptimizerCommand(RetrofitStage):

@@ -6,8 +6,8 @@ from typing import List
 import libcst as cst
 
 from fsdp2_retrofit.analysis import LogSite, ScriptFacts, code
-from fsdp2_retrofit.edit import with_keyword
-from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+from fsdp2_retrofit.rewrite.edit import with_keyword
+from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 
 # Module methods that read local state only: safe to call on one rank.

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Set
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
-from fsdp2_retrofit.analysis.names import assigned_names
+from fsdp2_retrofit.syntax.names import assigned_names
 from fsdp2_retrofit.analysis.checkpoints import (
     LoadSite,
     LoadUse,
@@ -23,7 +23,7 @@ from fsdp2_retrofit.analysis.checkpoints import (
     save_format,
     saves,
 )
-from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 from .checkpoint import FUTURE, STATE_DICT_MODULE
 

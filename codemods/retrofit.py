@@ -8,8 +8,8 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 
 from fsdp2_retrofit.analysis import code
-from fsdp2_retrofit.imports import place_added_imports
-from fsdp2_retrofit.stage import (
+from fsdp2_retrofit.rewrite.imports import place_added_imports
+from fsdp2_retrofit.rewrite.stage import (
     ATTENTION_KEY,
     CHANGES_KEY,
     DEFERRED_IMPORTS_KEY,

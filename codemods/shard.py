@@ -5,7 +5,7 @@ import libcst as cst
 
 from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.copies import unsafe_state_copies
-from fsdp2_retrofit.stage import RetrofitStage, StatementEditor
+from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 
 class ShardModelCommand(RetrofitStage):

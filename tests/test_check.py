@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from fsdp2_retrofit import cli
-from fsdp2_retrofit.lint import lint_source
-from fsdp2_retrofit.rules import all_rules
+from fsdp2_retrofit.check.lint import lint_source
+from fsdp2_retrofit.check.rules import all_rules
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_FIXTURES = sorted((ROOT / "fixtures" / "check").glob("*.py"))
@@ -273,7 +273,7 @@ def test_check_never_imports_torch(tmp_path):
 
 
 def test_many_files_run_in_worker_processes_with_the_same_result(tmp_path):
-    from fsdp2_retrofit import checker
+    from fsdp2_retrofit.check import checker
 
     paths = []
     for i in range(checker.PARALLEL_MIN_FILES + 2):

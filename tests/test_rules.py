@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp2_retrofit.lint import lint_source
-from fsdp2_retrofit.rules import all_rules
+from fsdp2_retrofit.check.lint import lint_source
+from fsdp2_retrofit.check.rules import all_rules
 
 RULES = all_rules()
 VALID = [(r, i, c) for r in RULES for i, c in enumerate(r.VALID)]

@@ -1,7 +1,7 @@
 """The one place that understands a training script (see ScriptFacts).
 
 Names are loaded on first use (PEP 562): `check` imports only the submodules it
-needs (names, sharding), not the rewriter's facts and class registry.
+needs (sharding; names live in fsdp2_retrofit.syntax), not the rewriter's facts and class registry.
 """
 from importlib import import_module
 
@@ -14,10 +14,10 @@ _WHERE = {
     "LoopSite": "facts",
     "ModelSite": "facts",
     "OptimizerSite": "facts",
-    "Resolver": "names",
+    "Resolver": "fsdp2_retrofit.syntax.names",
     "ScriptFacts": "facts",
     "analyse": "facts",
-    "code": "names",
+    "code": "fsdp2_retrofit.syntax.names",
 }
 
 __all__ = sorted(_WHERE)
@@ -26,6 +26,7 @@ __all__ = sorted(_WHERE)
 def __getattr__(name: str):
     if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f".{_WHERE[name]}", __name__), name)
+    where = _WHERE[name]
+    value = getattr(import_module(where if "." in where else f".{where}", __name__), name)
     globals()[name] = value
     return value

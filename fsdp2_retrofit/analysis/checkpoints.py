@@ -12,7 +12,7 @@ from typing import List, Optional, Tuple
 import libcst as cst
 
 from .facts import ScriptFacts
-from .names import assigned_names, code
+from fsdp2_retrofit.syntax.names import assigned_names, code
 
 SAVE = {"torch.save", "torch.serialization.save"}
 LOAD = {"torch.load", "torch.serialization.load"}

@@ -22,7 +22,7 @@ from typing import List, Optional, Set
 
 import libcst as cst
 
-from .names import calls_in, code
+from fsdp2_retrofit.syntax.names import calls_in, code
 
 _STATE_ITERATORS = {"state_dict", "parameters", "named_parameters"}
 _STATE_GETTERS = {"state_dict", "parameters", "named_parameters"}

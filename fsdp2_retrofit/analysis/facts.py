@@ -13,7 +13,7 @@ import libcst as cst
 
 from .library_models import PEFT_WRAPPERS, LibraryModel, is_library_builder, library_model
 from .model_classes import ClassRegistry, Container, build_registry
-from .names import (
+from fsdp2_retrofit.syntax.names import (
     DATALOADERS,
     FULLY_SHARD,
     NOT_OPTIMIZERS,

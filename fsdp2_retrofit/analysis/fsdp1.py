@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from .facts import ScriptFacts
-from .names import assigned_names, code
+from fsdp2_retrofit.syntax.names import assigned_names, code
 
 FSDP1_CLASS = "torch.distributed.fsdp.FullyShardedDataParallel"
 FSDP1_CLASSES = {FSDP1_CLASS, "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel"}

@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from .model_classes import ClassInfo, ClassRegistry
-from .names import CONTAINERS, Resolver, attr_path, code
+from fsdp2_retrofit.syntax.names import CONTAINERS, Resolver, attr_path, code
 
 # torch.nn classes whose reset_parameters() re-creates every parameter and buffer
 # they own (or which own none).

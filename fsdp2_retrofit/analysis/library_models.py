@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 
 import libcst as cst
 
-from .names import Resolver
+from fsdp2_retrofit.syntax.names import Resolver
 
 Path_ = Tuple[str, ...]
 
@@ -272,7 +272,7 @@ def _literal(expr) -> Optional[str]:
 
 
 def _short(expr) -> str:
-    from .names import code
+    from fsdp2_retrofit.syntax.names import code
 
     text = code(expr)
     return text if len(text) <= 40 else text[:37] + "..."

@@ -12,7 +12,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import libcst as cst
 
-from .names import CONTAINERS, OPTIMIZER_PREFIX, NOT_OPTIMIZERS, TORCH_MODULE_BASES, Resolver, attr_path
+from fsdp2_retrofit.syntax.names import CONTAINERS, OPTIMIZER_PREFIX, NOT_OPTIMIZERS, TORCH_MODULE_BASES, Resolver, attr_path
 
 Path_ = Tuple[str, ...]
 
@@ -85,7 +85,7 @@ class ClassRegistry:
         info = self.get(name)
         if info is None or depth == 0:
             return False
-        from .names import code
+        from fsdp2_retrofit.syntax.names import code
 
         if word in code(info.node):
             return True

@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import libcst as cst
 
-from .names import calls_in, code
+from fsdp2_retrofit.syntax.names import calls_in, code
 
 INIT = {"torch.distributed.init_process_group", "torch.distributed.distributed_c10d.init_process_group"}
 DESTROY = {"torch.distributed.destroy_process_group", "torch.distributed.distributed_c10d.destroy_process_group"}

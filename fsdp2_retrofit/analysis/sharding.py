@@ -13,7 +13,7 @@ from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import libcst as cst
 
-from .names import (
+from fsdp2_retrofit.syntax.names import (
     FULLY_SHARD,
     NOT_OPTIMIZERS,
     OPTIMIZER_PREFIX,

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import libcst as cst
 
-from .names import code
+from fsdp2_retrofit.syntax.names import code
 from .process_group import INIT
 
 SPAWN = {"torch.multiprocessing.spawn", "torch.multiprocessing.spawn.spawn", "torch.multiprocessing.start_processes"}

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Set
 
 import libcst as cst
 
-from .names import code
+from fsdp2_retrofit.syntax.names import code
 
 DDP = {
     "torch.nn.parallel.DistributedDataParallel",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from ..analysis.sharding import TORCH_LOAD
+from fsdp2_retrofit.analysis.sharding import TORCH_LOAD
 from . import Invalid, Rule, Valid
 
 _HEAD = "import torch\nfrom torch.distributed.fsdp import fully_shard\nmodel = Net()\n"
@@ -85,6 +85,6 @@ class LoadIntoSharded(Rule):
 
 
 def _code(node) -> str:
-    from ..analysis.names import code
+    from fsdp2_retrofit.syntax.names import code
 
     return code(node)

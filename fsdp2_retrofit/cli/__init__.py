@@ -13,9 +13,9 @@ from typing import List, Optional, Tuple
 
 import click
 
-from . import __version__, files
-from .options import RetrofitOptions
-from .report import InputError, RewriteResult, render_diff, render_text, to_json, unified_diff
+from fsdp2_retrofit import __version__, files
+from fsdp2_retrofit.options import RetrofitOptions
+from fsdp2_retrofit.report import InputError, RewriteResult, render_diff, render_text, to_json, unified_diff
 
 EXIT_OK = 0
 EXIT_WOULD_CHANGE = 1
@@ -26,14 +26,14 @@ _TRACEBACK_ENV = "FSDP2_RETROFIT_TRACEBACK"
 
 def rewrite_source(source: bytes, path: str, options: RetrofitOptions) -> RewriteResult:
     """The pipeline, imported on first use (it pulls in libcst and every stage)."""
-    from .pipeline import rewrite_source as run
+    from fsdp2_retrofit.rewrite.pipeline import rewrite_source as run
 
     return run(source, path, options)
 
 
 def cached_rewrite(source: bytes, path: str, options: RetrofitOptions, use_cache: bool) -> RewriteResult:
     """A result from the cache when the script and its folder are unchanged, else the pipeline."""
-    from . import cache
+    from fsdp2_retrofit.rewrite import cache
 
     result = cache.lookup(path, source, options) if use_cache else None
     if result is None:
@@ -223,7 +223,7 @@ def rewrite_command(
     for path in paths:
         run.process(path)
     if emit_slurm is not None and run.exit_code != EXIT_ERROR:
-        from .launch_commands import slurm_script
+        from fsdp2_retrofit.rewrite.launch_commands import slurm_script
 
         try:
             files.atomic_write(emit_slurm, slurm_script(out or paths[0]).encode())
@@ -420,8 +420,8 @@ def _codes(values) -> List[str]:
 @click.pass_context
 def check_command(ctx: click.Context, paths, select, extend_select, ignore, fix, unsafe_fixes, diff, output_format,
                   exit_zero, statistics, exclude, force_exclude, stdin_filename, show_files, quiet) -> None:
-    from .check_run import CheckRun, CheckSettings
-    from .options import ConfigError, load_config
+    from fsdp2_retrofit.check.run import CheckRun, CheckSettings
+    from fsdp2_retrofit.options import ConfigError, load_config
 
     try:
         _, config = load_config(".")
@@ -520,7 +520,7 @@ Examples:
 @click.pass_context
 def verify_command(ctx: click.Context, script, script_args, retrofitted, nproc, steps, tolerance, per_rank_args,
                    json_path, keep_runs, reuse_single, python, timeout) -> None:
-    from .verify import VerifySettings, verify
+    from fsdp2_retrofit.verify import VerifySettings, verify
 
     settings = VerifySettings(
         script=script, script_args=tuple(script_args), retrofitted=retrofitted, nproc=nproc, steps=steps,
@@ -544,7 +544,7 @@ List the lint rules, or explain one.
 @click.argument("code", required=False, metavar="[CODE]")
 @click.pass_context
 def rules_command(ctx: click.Context, code: Optional[str]) -> None:
-    from .rules import all_rules, rule_by_code
+    from fsdp2_retrofit.check.rules import all_rules, rule_by_code
 
     if code is None:
         rules = all_rules()
@@ -586,6 +586,3 @@ def _one_line(message: str) -> str:
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     return lines[0] if lines else message.strip()
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

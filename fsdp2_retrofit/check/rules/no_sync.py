@@ -86,6 +86,6 @@ class NoSync(Rule):
 
 
 def _code(node) -> str:
-    from ..analysis.names import code
+    from fsdp2_retrofit.syntax.names import code
 
     return code(node)

@@ -8,8 +8,8 @@ from typing import Optional
 import libcst as cst
 from libcst.codemod import CodemodContext
 
-from .options import RetrofitOptions
-from .report import InputError, RefusedError, RewriteResult
+from fsdp2_retrofit.options import RetrofitOptions
+from fsdp2_retrofit.report import InputError, RefusedError, RewriteResult
 from .stage import ATTENTION_KEY, CHANGES_KEY, OPTIONS_KEY
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Tupl
 import libcst as cst
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..lint import LintContext
+    from fsdp2_retrofit.check.lint import LintContext
 
 SHARDING_TRIGGERS = ("fully_shard", "FullyShardedDataParallel")
 

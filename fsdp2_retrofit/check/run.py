@@ -7,9 +7,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import click
 
-from . import files, lint_report
+from fsdp2_retrofit import files
+from fsdp2_retrofit.check import formats
 from .checker import CheckJob, FileResult, lint_one, run
-from .report import InputError, unified_diff
+from fsdp2_retrofit.report import InputError, unified_diff
 
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
 PROGRESS_MIN_FILES = 50
@@ -120,21 +121,21 @@ class CheckRun:
         fmt = self.s.output_format
         echo = lambda text: click.echo(text, err=err)  # noqa: E731
         if self.s.statistics:
-            for line in lint_report.statistics(findings, bare, self.s.unsafe_fixes):
+            for line in formats.statistics(findings, bare, self.s.unsafe_fixes):
                 echo(line)
             return
         if fmt == "json":
-            echo(lint_report.to_json(findings))
+            echo(formats.to_json(findings))
         elif fmt == "sarif":
-            echo(lint_report.sarif(findings, self.rules))
+            echo(formats.sarif(findings, self.rules))
         elif fmt == "github":
-            for line in lint_report.github(findings):
+            for line in formats.github(findings):
                 echo(line)
         else:
-            for line in lint_report.text_lines(findings, self.s.unsafe_fixes):
+            for line in formats.text_lines(findings, self.s.unsafe_fixes):
                 echo(line)
             if not self.s.quiet and not self.s.diff and (findings or fixed or not self.errors):
-                for line in lint_report.summary(findings, fixed, self.s.unsafe_fixes, fixing=self.s.write):
+                for line in formats.summary(findings, fixed, self.s.unsafe_fixes, fixing=self.s.write):
                     echo(line)
 
     def _error(self, path: str, exc: InputError) -> None:

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type
 
-from .report import InputError
+from fsdp2_retrofit.report import InputError
 from .rules import Finding, Fix, Rule
 
 _NOQA = re.compile(r"#\s*noqa(?::[\s]?(?P<codes>[A-Z]+[0-9]+(?:[,\s]+[A-Z]+[0-9]+)*))?", re.IGNORECASE)
@@ -36,8 +36,8 @@ class LintContext:
     """What a rule sees: the tree, its resolved names and the sharding facts (computed once)."""
 
     def __init__(self, module, path: str):
-        from .analysis.names import ImportResolver
-        from .analysis.sharding import shard_facts
+        from fsdp2_retrofit.syntax.names import ImportResolver
+        from fsdp2_retrofit.analysis.sharding import shard_facts
 
         self.module = module
         self.path = path
@@ -52,7 +52,7 @@ class LintContext:
     def training_loaders(self):
         """DataLoaders a training loop iterates (the rewriter's own finding of them)."""
         if self._loaders is None:
-            from .analysis.facts import training_loaders
+            from fsdp2_retrofit.analysis.facts import training_loaders
 
             self._loaders = training_loaders(self.module, self.resolver)
         return self._loaders
@@ -60,7 +60,7 @@ class LintContext:
     def classes(self):
         """The model classes of the script and its sibling modules (parsed on first use)."""
         if self._classes is None:
-            from .analysis.model_classes import build_registry
+            from fsdp2_retrofit.analysis.model_classes import build_registry
 
             self._classes = build_registry(self.module, self.resolver, self.path if self.path != "-" else None)
         return self._classes
@@ -256,7 +256,7 @@ def apply_fixes(module, findings: Iterable[Finding]) -> Tuple[bytes, int]:
     """Apply the fixes of `findings` whose edits do not overlap; (new source, count)."""
     import libcst as cst
 
-    from .imports import place_added_imports
+    from fsdp2_retrofit.rewrite.imports import place_added_imports
 
     replace: Dict[cst.CSTNode, cst.CSTNode] = {}
     before: Dict[cst.CSTNode, list] = {}
@@ -293,7 +293,7 @@ def apply_fixes(module, findings: Iterable[Finding]) -> Tuple[bytes, int]:
         from libcst.codemod import CodemodContext
         from libcst.codemod.visitors import AddImportsVisitor
 
-        from .analysis.names import code
+        from fsdp2_retrofit.syntax.names import code
 
         originals = {code(s) for s in module.body if isinstance(s, cst.SimpleStatementLine)}
         context = CodemodContext()

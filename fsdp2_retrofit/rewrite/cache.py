@@ -17,9 +17,9 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from . import __version__
-from .options import RetrofitOptions
-from .report import Attention, Change, Refusal, RewriteResult
+from fsdp2_retrofit import __version__
+from fsdp2_retrofit.options import RetrofitOptions
+from fsdp2_retrofit.report import Attention, Change, Refusal, RewriteResult
 
 
 def cache_dir() -> Path:

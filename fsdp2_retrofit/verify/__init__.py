@@ -1,13 +1,13 @@
 """`fsdp2-retrofit verify`: run a script and its FSDP2 retrofit, and compare them.
 
 The original runs in one process, the retrofit under ``torchrun``; both are
-instrumented by ``_verify_site/sitecustomize.py`` (put first on the children's
+instrumented by ``_site/sitecustomize.py`` (put first on the children's
 PYTHONPATH; the user's files are never edited), which records per optimizer
 step the loss (the sum of the micro-step losses ``backward()`` was called on)
 and the gradient norm the optimizer used, stops after K steps, and writes the
 final parameters. This module only starts processes and reads what they wrote:
 it never imports torch. The weights are compared by a small child script
-(``_verify_site/_fsdp2_verify_compare.py``) run with the same interpreter.
+(``_site/_fsdp2_verify_compare.py``) run with the same interpreter.
 
 Equivalence: every step's loss (single vs the mean over ranks) and gradient
 norm agree within ``rel 1e-4 / abs 1e-5`` (fp32 reductions in another order
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-SITE_DIR = Path(__file__).resolve().parent / "_verify_site"
+SITE_DIR = Path(__file__).resolve().parent / "_site"
 COMPARE_SCRIPT = SITE_DIR / "_fsdp2_verify_compare.py"
 
 EXIT_EQUIVALENT = 0
@@ -445,9 +445,9 @@ def compare_weight_files(python: str, single: Path, dist: Path, tolerance: float
 
 def retrofit_in_memory(script: Path, into: Path) -> Path:
     """Retrofit `script` with keep_global_batch into `into/<same name>`; refusals are errors."""
-    from .options import RetrofitOptions
-    from .pipeline import rewrite_source
-    from .report import InputError
+    from fsdp2_retrofit.options import RetrofitOptions
+    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+    from fsdp2_retrofit.report import InputError
 
     try:
         source = script.read_bytes()

@@ -9,9 +9,9 @@ import libcst as cst
 from libcst.codemod import CodemodCommand, CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 
-from .analysis import ScriptFacts, analyse
-from .options import RetrofitOptions
-from .report import Attention, Change, Refusal, RefusedError
+from fsdp2_retrofit.analysis import ScriptFacts, analyse
+from fsdp2_retrofit.options import RetrofitOptions
+from fsdp2_retrofit.report import Attention, Change, Refusal, RefusedError
 
 CHANGES_KEY = "fsdp2_retrofit.changes"
 ATTENTION_KEY = "fsdp2_retrofit.attention"
@@ -115,7 +115,7 @@ class RetrofitStage(CodemodCommand):
             init_stmt = facts.resolver.statement_of(facts.distributed_init)
             if facts.resolver.enclosing_function(init_stmt) is not entry_fn:
                 # started by a set-up function the entry block calls (or before it runs)
-                from .analysis.process_group import process_group
+                from fsdp2_retrofit.analysis.process_group import process_group
 
                 init_stmt = process_group(facts).start
             if init_stmt is not None:

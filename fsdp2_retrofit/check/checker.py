@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Type
 
-from .report import InputError
+from fsdp2_retrofit.report import InputError
 from .rules import Rule
 
 # Below this many files that pass the prefilter, starting worker processes costs

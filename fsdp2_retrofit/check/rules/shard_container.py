@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from ..analysis.names import attr_path
+from fsdp2_retrofit.syntax.names import attr_path
 from . import Invalid, Rule, Valid
 
 _NET = (
@@ -99,6 +99,6 @@ class ShardContainer(Rule):
 
 
 def _code(node) -> str:
-    from ..analysis.names import code
+    from fsdp2_retrofit.syntax.names import code
 
     return code(node)

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import libcst as cst
 
-from .analysis.names import code
+from fsdp2_retrofit.syntax.names import code
 
 _STDLIB = set(getattr(sys, "stdlib_module_names", ())) | {"os", "sys", "argparse", "math", "json", "time"}
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from ..analysis.sharding import CLIP_GRAD_NORM, COLLECTIVES, DCP_CALLS, STATE_DICT_GETTERS, STATE_DICT_SETTERS
+from fsdp2_retrofit.analysis.sharding import CLIP_GRAD_NORM, COLLECTIVES, DCP_CALLS, STATE_DICT_GETTERS, STATE_DICT_SETTERS
 from . import Invalid, Rule, Valid
 
 _HEAD = (
@@ -100,6 +100,6 @@ class RankGatedCollective(Rule):
 
 
 def _code(node) -> str:
-    from ..analysis.names import code
+    from fsdp2_retrofit.syntax.names import code
 
     return code(node)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterator, List, Tuple
 
-from . import __version__
+from fsdp2_retrofit import __version__
 
 
 class Flake8Plugin:

@@ -5,7 +5,7 @@ import json
 from collections import Counter
 from typing import Iterable, List, Sequence
 
-from . import __version__
+from fsdp2_retrofit import __version__
 
 DOCS_URL = "https://github.com/fsdp2-retrofit/fsdp2-retrofit#rules"
 

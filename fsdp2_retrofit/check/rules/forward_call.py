@@ -114,6 +114,6 @@ class ForwardCall(Rule):
 
 
 def _code(node) -> str:
-    from ..analysis.names import code
+    from fsdp2_retrofit.syntax.names import code
 
     return code(node)

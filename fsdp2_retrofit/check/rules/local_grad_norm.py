@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from ..analysis.sharding import CLIP_GRAD_NORM
+from fsdp2_retrofit.analysis.sharding import CLIP_GRAD_NORM
 from . import Edit, Fix, Invalid, Rule, Valid
 
 _HEAD = "import torch\nfrom torch.distributed.fsdp import fully_shard\nfully_shard(model)\n"
@@ -144,6 +144,6 @@ def _numeric_reads(ctx, name: str, clip: cst.Call):
 
 
 def _dotted(node) -> str:
-    from ..analysis.names import code
+    from fsdp2_retrofit.syntax.names import code
 
     return code(node) + "."

@@ -15,10 +15,10 @@ from fsdp2_retrofit.analysis.checkpoints import (
     split_rank_test,
 )
 from fsdp2_retrofit.syntax.names import names_in
+from fsdp2_retrofit.syntax.torch_api import DESTROY_PROCESS_GROUP, STATE_DICT_MODULE
 from fsdp2_retrofit.rewrite.edit import with_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
-STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
 FULL_OPTIONS = "StateDictOptions(full_state_dict=True, cpu_offload=True)"
 FUTURE = "checkpoint_future"
 GROUP = "checkpoint_group"
@@ -378,7 +378,7 @@ class ConvertSavesCommand(RetrofitStage):
                 for s in block.body
                 if isinstance(s, cst.SimpleStatementLine)
                 and isinstance(s.body[0], cst.Expr)
-                and facts.resolver.is_call_to(s.body[0].value, {"torch.distributed.destroy_process_group"})
+                and facts.resolver.is_call_to(s.body[0].value, DESTROY_PROCESS_GROUP)
             ),
             None,
         )

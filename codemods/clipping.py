@@ -5,9 +5,9 @@ import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.syntax.names import assigned_names, names_in
+from fsdp2_retrofit.syntax.torch_api import CLIP_GRAD_NORM as CLIP
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
-CLIP = {"torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_"}
 NUMBER_METHODS = {"item", "tolist", "cpu", "numpy"}
 NUMBER_FUNCTIONS = {"float", "int", "round"}
 

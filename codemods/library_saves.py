@@ -7,8 +7,7 @@ import libcst as cst
 from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.analysis.checkpoints import rank_gate
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
-
-STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
+from fsdp2_retrofit.syntax.torch_api import STATE_DICT_MODULE
 
 
 class GatherLibrarySavesCommand(RetrofitStage):

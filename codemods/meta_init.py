@@ -16,6 +16,7 @@ import libcst as cst
 from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.init_replay import CannotReplay, plan_init_replay, split_device_moves
 from fsdp2_retrofit.syntax.names import PLACEMENT_METHODS, assigned_names, names_in
+from fsdp2_retrofit.syntax.torch_api import TORCH_DEVICE
 from fsdp2_retrofit.rewrite.stage import OPTIONS_KEY, RetrofitStage, StatementEditor
 
 MESH_DEVICE = '"cuda" if torch.cuda.is_available() else "cpu"'
@@ -191,7 +192,7 @@ class InitOnMetaDeviceCommand(RetrofitStage):
 
 def _built_on_meta(top, facts: ScriptFacts) -> bool:
     return isinstance(top, cst.With) and any(
-        facts.resolver.is_call_to(item.item, {"torch.device"}) and item.item.args
+        facts.resolver.is_call_to(item.item, TORCH_DEVICE) and item.item.args
         and isinstance(item.item.args[0].value, cst.SimpleString)
         and item.item.args[0].value.evaluated_value == "meta"
         for item in top.items

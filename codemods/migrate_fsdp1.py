@@ -25,8 +25,8 @@ from fsdp2_retrofit.analysis.fsdp1 import (
     wrapped_name,
 )
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
+from fsdp2_retrofit.syntax.torch_api import STATE_DICT_MODULE
 
-STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
 PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
 BUFFER_NOTE = (
     "FSDP2 does not cast buffers: they keep the dtype the model gives them "

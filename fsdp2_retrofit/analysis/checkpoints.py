@@ -13,9 +13,8 @@ import libcst as cst
 
 from .facts import ScriptFacts
 from fsdp2_retrofit.syntax.names import assigned_names, code
-
-SAVE = {"torch.save", "torch.serialization.save"}
-LOAD = {"torch.load", "torch.serialization.load"}
+from fsdp2_retrofit.syntax.rank import is_rank_test, mentions_rank_test, split_rank_test  # noqa: F401  (stages import them from here)
+from fsdp2_retrofit.syntax.torch_api import TORCH_LOAD as LOAD, TORCH_SAVE as SAVE
 
 
 @dataclass
@@ -308,55 +307,6 @@ def may_be_tensor(expr: Optional[cst.BaseExpression], facts: ScriptFacts) -> boo
     return isinstance(expr, (cst.Subscript, cst.Attribute, cst.BinaryOperation))
 
 
-MAIN_FLAGS = ("master", "is_main", "main_process", "rank_zero", "rank0")
-
-
-def is_rank_test(expr) -> bool:
-    """A test that is true on one rank only: `rank == 0`, `args.local_rank == 0`,
-    `dist.get_rank() == 0`, `not rank`, `master_process`, `is_main_process()`.
-    (`args.rank_loss` or `step % N == 0` are not.)"""
-    if isinstance(expr, cst.Comparison) and len(expr.comparisons) == 1:
-        target = expr.comparisons[0]
-        sides = [expr.left, target.comparator]
-        zero = [s for s in sides if isinstance(s, cst.Integer) and s.value == "0"]
-        other = [s for s in sides if s not in zero]
-        return (
-            isinstance(target.operator, (cst.Equal, cst.Is))
-            and len(zero) == 1
-            and len(other) == 1
-            and _last_name(other[0]).endswith("rank")
-        )
-    if isinstance(expr, cst.UnaryOperation) and isinstance(expr.operator, cst.Not):
-        return _last_name(expr.expression).endswith("rank")
-    if isinstance(expr, cst.Call) and not expr.args:
-        return any(flag in _last_name(expr.func) for flag in MAIN_FLAGS)
-    if isinstance(expr, (cst.Name, cst.Attribute)):
-        return any(flag in _last_name(expr) for flag in MAIN_FLAGS)
-    return False
-
-
-def _last_name(expr) -> str:
-    """`local_rank` for `args.local_rank`, `get_rank` for `dist.get_rank()`,
-    `rank` for `int(os.environ["RANK"])`."""
-    while isinstance(expr, cst.Call):
-        func = expr.func
-        if isinstance(func, cst.Name) and func.value == "int" and expr.args:
-            expr = expr.args[0].value
-        elif isinstance(func, cst.Attribute) and func.attr.value == "get" and expr.args and isinstance(
-            expr.args[0].value, cst.SimpleString
-        ):
-            return expr.args[0].value.evaluated_value.lower()  # os.environ.get("RANK", 0)
-        else:
-            expr = func
-    if isinstance(expr, cst.Subscript) and len(expr.slice) == 1:
-        index = expr.slice[0].slice
-        if isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString):
-            return index.value.evaluated_value.lower()
-    if isinstance(expr, cst.Attribute):
-        return expr.attr.value.lower()
-    return expr.value.lower() if isinstance(expr, cst.Name) else ""
-
-
 def rank_gate(node: cst.CSTNode, facts: ScriptFacts) -> Optional[cst.If]:
     """The innermost `if` of the same function around `node` whose test mentions a rank."""
     for anc in facts.resolver.ancestors(node):
@@ -367,20 +317,6 @@ def rank_gate(node: cst.CSTNode, facts: ScriptFacts) -> Optional[cst.If]:
     return None
 
 
-def mentions_rank_test(expr) -> bool:
-    """A rank test anywhere in `expr` (`step % N == 0 and master_process`, `a or rank == 0`)."""
-    found = []
-
-    class _R(cst.CSTVisitor):
-        def on_visit(self, node) -> bool:
-            if isinstance(node, cst.BaseExpression) and is_rank_test(node):
-                found.append(node)
-            return not found
-
-    expr.visit(_R())
-    return bool(found)
-
-
 def _in_body(node, if_node: cst.If, facts: ScriptFacts) -> bool:
     for anc in facts.resolver.ancestors(node):
         if anc is if_node.body:
@@ -388,23 +324,3 @@ def _in_body(node, if_node: cst.If, facts: ScriptFacts) -> bool:
         if anc is if_node:
             return False
     return False
-
-
-def split_rank_test(test: cst.BaseExpression) -> Tuple[List[cst.BaseExpression], List[cst.BaseExpression]]:
-    """(rank conjuncts, other conjuncts) of an `a and b and ...` test; ([], []) when a
-    rank test sits under `or`/`not`, where no split keeps the meaning."""
-    parts: List[cst.BaseExpression] = []
-
-    def flatten(e):
-        if isinstance(e, cst.BooleanOperation) and isinstance(e.operator, cst.And) and not e.lpar:
-            flatten(e.left)
-            flatten(e.right)
-        else:
-            parts.append(e)
-
-    flatten(test)
-    rank = [p for p in parts if is_rank_test(p)]
-    other = [p for p in parts if not is_rank_test(p)]
-    if any(isinstance(p, (cst.BooleanOperation, cst.UnaryOperation)) for p in rank):
-        return [], []
-    return rank, other

@@ -30,6 +30,17 @@ from fsdp2_retrofit.syntax.names import (
     names_in,
     root_name,
 )
+from fsdp2_retrofit.syntax.rank import is_rank_value, mentions_rank
+from fsdp2_retrofit.syntax.torch_api import (
+    AUTOCAST,
+    AVERAGED_MODEL,
+    DATA_PARALLEL,
+    DDP,
+    FSDP1_CLASSES,
+    INIT_DEVICE_MESH,
+    INIT_PROCESS_GROUP,
+    TORCH_COMPILE,
+)
 
 Block = Union[cst.IndentedBlock, cst.Module]
 Scope = Union[cst.FunctionDef, cst.Module]
@@ -39,10 +50,9 @@ LOG_CALLS = {"print"}
 WRITE_CALLS = {"sys.stdout.write", "sys.stderr.write", "tqdm.tqdm.write", "tqdm.auto.tqdm.write"}
 LOGGER_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
 DISTRIBUTED_WRAPPERS = {
-    "torch.nn.parallel.DistributedDataParallel": "DistributedDataParallel",
-    "torch.nn.DataParallel": "DataParallel",
-    "torch.nn.parallel.DataParallel": "DataParallel",
-    "torch.distributed.fsdp.FullyShardedDataParallel": "FullyShardedDataParallel (FSDP1)",
+    **dict.fromkeys(DDP, "DistributedDataParallel"),
+    **dict.fromkeys(DATA_PARALLEL, "DataParallel"),
+    **dict.fromkeys(FSDP1_CLASSES, "FullyShardedDataParallel (FSDP1)"),
 }
 
 
@@ -157,10 +167,6 @@ def analyse(module: cst.Module, path: Optional[str] = None) -> ScriptFacts:
     return _Analyser(module, resolver, classes, path).run()
 
 
-AUTOCAST = {
-    "torch.autocast", "torch.amp.autocast", "torch.amp.autocast_mode.autocast",
-    "torch.cuda.amp.autocast", "torch.cpu.amp.autocast",
-}
 _DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.half": "fp16"}
 
 
@@ -217,7 +223,7 @@ class _Analyser:
         entry_block = models[0].block if models else None
         entry_scope = models[0].scope if models else None
         init_call = next(
-            (c for c in calls if self.r.is_call_to(c, {"torch.distributed.init_process_group"})), None
+            (c for c in calls if self.r.is_call_to(c, INIT_PROCESS_GROUP)), None
         )
         mesh_name, rank_name = self._launch_names(stmts, entry_scope)
         facts = ScriptFacts(
@@ -249,7 +255,7 @@ class _Analyser:
             class_optimizers=self._class_optimizers(calls),
             compiled_builds=[
                 c for c in calls
-                if self.r.is_call_to(c, {"torch.compile"}) and c.args
+                if self.r.is_call_to(c, TORCH_COMPILE) and c.args
                 and _innermost_call(c.args[0].value) is not None
                 and self._class_of(_innermost_call(c.args[0].value))
             ],
@@ -282,7 +288,7 @@ class _Analyser:
             if self.r.enclosing_class(stmt) is not None:
                 continue
             value = assign.value
-            if self.r.is_call_to(value, {"torch.compile"}) and value.args:
+            if self.r.is_call_to(value, TORCH_COMPILE) and value.args:
                 value = value.args[0].value  # `model = torch.compile(Net())`: the shard stage splits it
             ctor = _innermost_call(value)
             if ctor is not None:
@@ -458,7 +464,7 @@ class _Analyser:
         if not cls or not is_library_builder(cls):
             return None
         value = stmt.body[0].value
-        if self.r.is_call_to(value, {"torch.compile"}) and value.args:
+        if self.r.is_call_to(value, TORCH_COMPILE) and value.args:
             value = value.args[0].value
         call = _innermost_call(value)
         found = library_model(cls, call if call is not None and cls in self.r.qnames(call) else None, self.r)
@@ -547,7 +553,7 @@ class _Analyser:
             if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name) or call is None:
                 continue
             # AveragedModel(model, ...) deep-copies the model into its `.module`: that is what gets sharded
-            averaged = self.r.is_call_to(call, {"torch.optim.swa_utils.AveragedModel"})
+            averaged = self.r.is_call_to(call, AVERAGED_MODEL)
             copied = call.args[0].value if call.args and call.args[0].keyword is None and not call.args[0].star else None
             if not ((averaged or (self.r.is_call_to(call, {"copy.deepcopy"}) and len(call.args) == 1))
                     and isinstance(copied, cst.Name)):
@@ -603,7 +609,7 @@ class _Analyser:
             known = trained_names.get(self.r.enclosing_function(call), set())
             if not (call.args and isinstance(call.args[0].value, cst.Name) and call.args[0].value.value in known):
                 continue
-            if self.r.is_call_to(call, {"torch.optim.swa_utils.AveragedModel"}):
+            if self.r.is_call_to(call, AVERAGED_MODEL):
                 out.append(("AveragedModel", call))
             elif isinstance(call.func, cst.Name) and call.func.value in copying:
                 out.append((call.func.value, call))
@@ -817,8 +823,6 @@ class _Analyser:
     def _launch_names(self, stmts, entry_scope):
         """The mesh and the rank names of the entry scope (the script's own, e.g.
         `rank = int(os.environ["RANK"])`, or the launch stage's)."""
-        from .process_group import is_rank_value
-
         mesh = rank = None
         entry_fn = entry_scope if isinstance(entry_scope, cst.FunctionDef) else None
         for stmt in stmts:
@@ -829,7 +833,7 @@ class _Analyser:
             assign = stmt.body[0]
             value, target = assign.value, assign.targets[0].target
             if isinstance(target, cst.Name) and self.r.is_call_to(
-                value, {"torch.distributed.device_mesh.init_device_mesh"}
+                value, INIT_DEVICE_MESH
             ):
                 mesh = mesh or target.value
             pairs = []
@@ -876,7 +880,7 @@ class _Analyser:
 
     def _is_rank_gated(self, node) -> bool:
         for anc in self.r.ancestors(node):
-            if isinstance(anc, (cst.If,)) and _mentions_rank(anc.test):
+            if isinstance(anc, (cst.If,)) and mentions_rank(anc.test):
                 return True
             if isinstance(anc, cst.FunctionDef):
                 return False
@@ -1161,8 +1165,3 @@ def _mutates(node, name: str) -> bool:
 
     node.visit(_M())
     return bool(found)
-
-
-def _mentions_rank(test) -> bool:
-    text = code(test)
-    return any(k in text for k in ("rank", "master", "is_main"))

@@ -14,10 +14,8 @@ import libcst as cst
 
 from .facts import ScriptFacts
 from fsdp2_retrofit.syntax.names import assigned_names, code
-
-FSDP1_CLASS = "torch.distributed.fsdp.FullyShardedDataParallel"
-FSDP1_CLASSES = {FSDP1_CLASS, "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel"}
-SCALER = {"torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler", "torch.distributed.fsdp.ShardedGradScaler"}
+from fsdp2_retrofit.syntax.torch_api import FSDP1_CLASSES
+from fsdp2_retrofit.syntax.torch_api import SHARDED_GRAD_SCALER as SCALER
 # FSDP1-only names exported by torch.distributed.fsdp (the FSDP2 ones are fully_shard,
 # MixedPrecisionPolicy, CPUOffloadPolicy, OffloadPolicy, FSDPModule, register_fsdp_forward_method, ...)
 FSDP1_NAMES = {

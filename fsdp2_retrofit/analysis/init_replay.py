@@ -32,6 +32,7 @@ import libcst as cst
 
 from .model_classes import ClassInfo, ClassRegistry
 from fsdp2_retrofit.syntax.names import CONTAINERS, Resolver, attr_path, code
+from fsdp2_retrofit.syntax.torch_api import NN_PARAMETER as PARAMETER, TORCH_MODULE_BASES
 
 # torch.nn classes whose reset_parameters() re-creates every parameter and buffer
 # they own (or which own none).
@@ -62,7 +63,6 @@ MODULE_METHODS = {
     "parameters", "named_parameters", "buffers", "named_buffers", "modules", "named_modules", "children",
     "named_children", "apply", "get_submodule", "get_parameter", "get_buffer",
 }
-PARAMETER = {"torch.nn.Parameter", "torch.nn.parameter.Parameter"}
 # nn.Parameter(<factory>(...)) -> the nn.init call that draws the same distribution
 PARAM_FACTORIES = {
     "torch.zeros": "zeros_", "torch.ones": "ones_", "torch.randn": "normal_", "torch.rand": "uniform_",
@@ -183,7 +183,7 @@ class _Planner:
     def _init_of(self, info: ClassInfo, site, parent) -> Optional[cst.FunctionDef]:
         init = info.methods.get("__init__")
         for base in info.bases:
-            if base in ("torch.nn.Module", "torch.nn.modules.module.Module"):
+            if base in TORCH_MODULE_BASES:
                 continue
             if self.classes.get(base) is not None:
                 if init is None:

@@ -13,12 +13,9 @@ from typing import List, Optional
 import libcst as cst
 
 from fsdp2_retrofit.syntax.names import calls_in, code
-
-INIT = {"torch.distributed.init_process_group", "torch.distributed.distributed_c10d.init_process_group"}
-DESTROY = {"torch.distributed.destroy_process_group", "torch.distributed.distributed_c10d.destroy_process_group"}
-SET_DEVICE = {"torch.cuda.set_device"}
-GET_RANK = {"torch.distributed.get_rank", "torch.distributed.distributed_c10d.get_rank"}
-GET_WORLD_SIZE = {"torch.distributed.get_world_size", "torch.distributed.distributed_c10d.get_world_size"}
+from fsdp2_retrofit.syntax.rank import is_rank_value, is_world_size_value  # noqa: F401  (is_rank_value: kept importable here)
+from fsdp2_retrofit.syntax.torch_api import CUDA_SET_DEVICE as SET_DEVICE
+from fsdp2_retrofit.syntax.torch_api import DESTROY_PROCESS_GROUP as DESTROY
 
 
 @dataclass
@@ -101,26 +98,6 @@ def _pairs(stmt):
     if isinstance(target, cst.Tuple) and isinstance(value, cst.Tuple) and len(target.elements) == len(value.elements):
         return [(t.value, v.value) for t, v in zip(target.elements, value.elements)]
     return [(target, value)]
-
-
-def is_rank_value(value, resolver) -> bool:
-    """`dist.get_rank()`, `int(os.environ["RANK"])`, `int(os.getenv("RANK", 0))`."""
-    return resolver.is_call_to(value, GET_RANK) or _env_int(value, "RANK")
-
-
-def is_world_size_value(value, resolver) -> bool:
-    return resolver.is_call_to(value, GET_WORLD_SIZE) or _env_int(value, "WORLD_SIZE")
-
-
-def _env_int(value, key: str) -> bool:
-    """`int(<something reading the environment variable key>)`."""
-    if not (isinstance(value, cst.Call) and isinstance(value.func, cst.Name) and value.func.value == "int"):
-        return False
-    if len(value.args) != 1:
-        return False
-    text = code(value.args[0].value)
-    quoted = f'"{key}"' in text or f"'{key}'" in text
-    return quoted and ("environ" in text or "getenv" in text)
 
 
 def world_size_name(facts) -> Optional[str]:

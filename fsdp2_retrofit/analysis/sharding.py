@@ -13,58 +13,31 @@ from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import (
+from fsdp2_retrofit.syntax.names import Resolver, bind_args, code, names_in
+from fsdp2_retrofit.syntax.rank import rank_zero_side
+from fsdp2_retrofit.syntax.torch_api import (
+    FSDP1_CLASSES,
     FULLY_SHARD,
+    GET_MODEL_STATE_DICT,
+    GET_OPTIMIZER_STATE_DICT,
+    GET_STATE_DICT,
     NOT_OPTIMIZERS,
     OPTIMIZER_PREFIX,
-    Resolver,
-    bind_args,
-    code,
-    names_in,
+    STATE_DICT_GETTERS,
 )
 
-FSDP1 = {
-    "torch.distributed.fsdp.FullyShardedDataParallel",
-    "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel",
+FSDP1 = FSDP1_CLASSES
+# what each state-dict getter returns, for messages
+_GETTER_KINDS = {
+    **dict.fromkeys(GET_MODEL_STATE_DICT, "model"),
+    **dict.fromkeys(GET_OPTIMIZER_STATE_DICT, "optimizer"),
+    **dict.fromkeys(GET_STATE_DICT, "model and optimizer"),
 }
-STATE_DICT_GETTERS = {
-    "torch.distributed.checkpoint.state_dict.get_model_state_dict": "model",
-    "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict": "optimizer",
-    "torch.distributed.checkpoint.state_dict.get_state_dict": "model and optimizer",
-}
-STATE_DICT_SETTERS = {
-    "torch.distributed.checkpoint.state_dict.set_model_state_dict",
-    "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict",
-    "torch.distributed.checkpoint.state_dict.set_state_dict",
-}
-DCP_CALLS = {
-    "torch.distributed.checkpoint.save",
-    "torch.distributed.checkpoint.load",
-    "torch.distributed.checkpoint.async_save",
-    "torch.distributed.checkpoint.save_state_dict",
-    "torch.distributed.checkpoint.load_state_dict",
-    "torch.distributed.checkpoint.state_dict_saver.save",
-    "torch.distributed.checkpoint.state_dict_saver.async_save",
-    "torch.distributed.checkpoint.state_dict_loader.load",
-}
-COLLECTIVES = {
-    "torch.distributed." + name
-    for name in (
-        "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
-        "broadcast_object_list", "barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-        "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
-        "monitored_barrier",
-    )
-}
-CLIP_GRAD_NORM = {"torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_"}
-TORCH_SAVE = {"torch.save", "torch.serialization.save"}
-TORCH_LOAD = {"torch.load", "torch.serialization.load"}
 # methods that give parts of a module (iterating them yields submodules or entries)
 _PART_METHODS = {
     "children", "modules", "named_children", "named_modules", "values", "items", "parameters", "named_parameters",
 }
 _ITERATION_WRAPPERS = {"enumerate", "reversed", "list", "tuple", "iter", "zip", "sorted"}
-_RANK_ZERO_WORDS = ("master", "is_main", "main_process", "rank_zero", "rank0", "is_primary", "is_chief")
 
 Scope = Optional[cst.CSTNode]  # FunctionDef, ClassDef (for self.attr), or None for the module
 
@@ -195,11 +168,11 @@ class ShardFacts:
                 if isinstance(owner, cst.Name) and self.optimizer(owner.value, at) is not None:
                     return f"the state of optimizer `{owner.value}` over sharded parameters"
                 return None
-            getter = self.resolver.qnames(expr) & set(STATE_DICT_GETTERS)
+            getter = self.resolver.qnames(expr) & STATE_DICT_GETTERS
             if getter and expr.args and not self.full_state_options(expr):
                 first = expr.args[0].value
                 if self.sharded_module(first, at) is not None:
-                    return f"the sharded {STATE_DICT_GETTERS[getter.pop()]} state from `{code(expr.func)}`"
+                    return f"the sharded {_GETTER_KINDS[getter.pop()]} state from `{code(expr.func)}`"
                 return None
             if isinstance(func, cst.Name) and func.value == "dict":
                 return self._first_state([a.value for a in expr.args], at, depth)
@@ -263,7 +236,7 @@ class ShardFacts:
             if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
                 return None
             if isinstance(anc, cst.If):
-                side = rank_zero_test(anc.test)
+                side = rank_zero_side(anc.test)
                 if side == "body" and child is anc.body:
                     return anc
                 if side == "else" and child is anc.orelse:
@@ -297,52 +270,6 @@ def part_root(expr: cst.BaseExpression) -> Optional[Tuple[str, bool]]:
             expr = expr.func.value
         else:
             return None
-
-
-def rank_zero_test(test: cst.BaseExpression) -> Optional[str]:
-    """"body" when an `if` with this test runs its body on rank 0 only, "else" when it
-    runs its else branch on rank 0 only, None otherwise."""
-    if isinstance(test, cst.BooleanOperation):
-        if isinstance(test.operator, cst.And):
-            if "body" in (rank_zero_test(test.left), rank_zero_test(test.right)):
-                return "body"
-        elif "else" in (rank_zero_test(test.left), rank_zero_test(test.right)):
-            return "else"
-        return None
-    if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
-        inner_text = code(test.expression).lower()
-        if (
-            isinstance(test.expression, (cst.Name, cst.Attribute, cst.Call))
-            and "rank" in inner_text
-            and not any(w in inner_text for w in _RANK_ZERO_WORDS)
-        ):
-            return "body"  # `if not rank:` / `if not dist.get_rank():` is rank 0
-        inner = rank_zero_test(test.expression)
-        return {"body": "else", "else": "body"}.get(inner) if inner else None
-    if isinstance(test, cst.Comparison) and len(test.comparisons) == 1:
-        op = test.comparisons[0].operator
-        left, right = test.left, test.comparisons[0].comparator
-        text = code(left) + " " + code(right)
-        if "rank" not in text.lower():
-            return None
-        zero = _is_zero(left) or _is_zero(right)
-        if isinstance(op, cst.Equal) and zero:
-            return "body"
-        if isinstance(op, cst.In) and isinstance(right, (cst.List, cst.Tuple, cst.Set)):
-            return "body" if any(_is_zero(e.value) for e in right.elements) else None
-        if isinstance(op, cst.NotEqual) and zero:
-            return "else"
-        if isinstance(op, (cst.GreaterThan,)) and _is_zero(right):
-            return "else"
-        return None
-    if isinstance(test, (cst.Name, cst.Attribute, cst.Call)):
-        text = code(test).lower()
-        return "body" if any(w in text for w in _RANK_ZERO_WORDS) else None
-    return None
-
-
-def _is_zero(expr) -> bool:
-    return isinstance(expr, cst.Integer) and expr.value == "0"
 
 
 def shard_facts(module: cst.Module, resolver: Resolver) -> ShardFacts:

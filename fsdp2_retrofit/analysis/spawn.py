@@ -8,9 +8,8 @@ from typing import List, Optional
 import libcst as cst
 
 from fsdp2_retrofit.syntax.names import code
-from .process_group import INIT
+from fsdp2_retrofit.syntax.torch_api import INIT_PROCESS_GROUP as INIT, SPAWN
 
-SPAWN = {"torch.multiprocessing.spawn", "torch.multiprocessing.spawn.spawn", "torch.multiprocessing.start_processes"}
 # objects that only exist in the launching process: a torchrun worker cannot receive them
 PROCESS_OBJECTS = ("Queue", "SimpleQueue", "JoinableQueue", "Manager", "Pipe", "Event", "Lock", "Barrier",
                    "Value", "Array", "Semaphore", "Condition")

@@ -12,18 +12,9 @@ from typing import Dict, List, Optional, Set
 import libcst as cst
 
 from fsdp2_retrofit.syntax.names import code
-
-DDP = {
-    "torch.nn.parallel.DistributedDataParallel",
-    "torch.nn.parallel.distributed.DistributedDataParallel",
-}
-DATA_PARALLEL = {
-    "torch.nn.DataParallel",
-    "torch.nn.parallel.DataParallel",
-    "torch.nn.parallel.data_parallel.DataParallel",
-}
+from fsdp2_retrofit.syntax.rank import mentions_rank
+from fsdp2_retrofit.syntax.torch_api import DATA_PARALLEL, DDP, MANUAL_SEED
 NULL_CONTEXTS = {"contextlib.nullcontext"}
-RANK_WORDS = ("rank",)
 
 
 @dataclass
@@ -121,8 +112,8 @@ def wrappers(facts) -> WrapperFacts:
     ]
     seeds = [
         c for c in r.nodes(cst.Call)
-        if r.qnames(c) & {"torch.manual_seed", "torch.random.manual_seed", "torch.cuda.manual_seed_all"}
-        and any(w in code(a.value).lower() for a in c.args for w in RANK_WORDS)
+        if r.qnames(c) & MANUAL_SEED
+        and any(mentions_rank(a.value) for a in c.args)
     ]
     return WrapperFacts(
         sites=sites,

@@ -7,24 +7,21 @@ from typing import Dict, Iterator, List, Optional, Set, Type
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider, ScopeProvider
 
+from .torch_api import (  # noqa: F401  (torch's qualified names: one table, still importable from here)
+    CONTAINERS,
+    DATALOADERS,
+    FULLY_SHARD,
+    NOT_OPTIMIZERS,
+    OPTIMIZER_PREFIX,
+    TORCH_MODULE_BASES,
+)
+
 _EMPTY = cst.Module(body=[])
 
-TORCH_MODULE_BASES = {"torch.nn.Module", "torch.nn.modules.module.Module"}
-OPTIMIZER_PREFIX = "torch.optim."
-NOT_OPTIMIZERS = ("torch.optim.lr_scheduler.", "torch.optim.swa_utils.")
-DATALOADERS = {"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"}
 # nn.Module methods that return the module itself: placement and mode changes.
 SELF_RETURNING_METHODS = {"to", "cuda", "cpu", "float", "double", "half", "bfloat16", "train", "eval", "requires_grad_"}
 # those that move parameters or change their dtype: fully_shard comes after them.
 PLACEMENT_METHODS = {"to", "cuda", "cpu", "float", "double", "half", "bfloat16"}
-CONTAINERS = {"torch.nn.ModuleList", "torch.nn.Sequential", "torch.nn.ModuleDict"}
-FULLY_SHARD = {
-    "torch.distributed.fsdp.fully_shard",
-    "torch.distributed._composable.fsdp.fully_shard",
-    "torch.distributed._composable.fsdp.fully_shard.fully_shard",
-    "torch.distributed.fsdp._fully_shard.fully_shard",
-    "torch.distributed.fsdp._fully_shard._fully_shard.fully_shard",
-}
 
 
 def code(node: cst.CSTNode) -> str:

@@ -3,16 +3,8 @@ from __future__ import annotations
 
 import libcst as cst
 
+from fsdp2_retrofit.syntax.torch_api import FSDP1_CLASSES, SHARDED_GRAD_SCALER as SCALER
 from . import Invalid, Rule, Valid
-
-FSDP1_CLASSES = {
-    "torch.distributed.fsdp.FullyShardedDataParallel",
-    "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel",
-}
-SCALER = {
-    "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler",
-    "torch.distributed.fsdp.ShardedGradScaler",
-}
 
 
 class Fsdp1Api(Rule):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from fsdp2_retrofit.analysis.sharding import TORCH_LOAD
+from fsdp2_retrofit.syntax.torch_api import TORCH_LOAD
 from . import Invalid, Rule, Valid
 
 _HEAD = "import torch\nfrom torch.distributed.fsdp import fully_shard\nmodel = Net()\n"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from fsdp2_retrofit.analysis.sharding import CLIP_GRAD_NORM
+from fsdp2_retrofit.syntax.torch_api import CLIP_GRAD_NORM
 from . import Edit, Fix, Invalid, Rule, Valid
 
 _HEAD = "import torch\nfrom torch.distributed.fsdp import fully_shard\nfully_shard(model)\n"

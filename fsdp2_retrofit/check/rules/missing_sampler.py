@@ -1,6 +1,7 @@
 """FSD108 missing-sampler."""
 from __future__ import annotations
 
+from fsdp2_retrofit.syntax.torch_api import ITERABLE_DATASETS as ITERABLE
 from . import Invalid, Rule, Valid
 
 _HEAD = (
@@ -66,7 +67,6 @@ class MissingSampler(Rule):
                 yield loader.call, {"name": loader.name}, None
 
 
-ITERABLE = {"torch.utils.data.IterableDataset", "torch.utils.data.dataset.IterableDataset"}
 
 
 def _iterable_dataset(ctx, loader) -> bool:

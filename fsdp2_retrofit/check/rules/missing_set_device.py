@@ -3,16 +3,9 @@ from __future__ import annotations
 
 import libcst as cst
 
+from fsdp2_retrofit.syntax.torch_api import DEVICE_SELECTORS as SET_DEVICE, INIT_PROCESS_GROUP as INIT
 from . import Edit, Fix, Invalid, Rule, Valid
 
-INIT = {"torch.distributed.init_process_group", "torch.distributed.distributed_c10d.init_process_group"}
-SET_DEVICE = {
-    "torch.cuda.set_device",
-    "torch.accelerator.set_device_index",
-    "torch.xpu.set_device",
-    "torch.npu.set_device",
-    "torch.set_default_device",
-}
 _HEAD = "import os\nimport torch\nimport torch.distributed as dist\nfrom torch.distributed.fsdp import fully_shard\n"
 
 

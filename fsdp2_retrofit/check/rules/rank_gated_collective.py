@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import libcst as cst
 
-from fsdp2_retrofit.analysis.sharding import CLIP_GRAD_NORM, COLLECTIVES, DCP_CALLS, STATE_DICT_GETTERS, STATE_DICT_SETTERS
+from fsdp2_retrofit.syntax.rank import TEXT_TRIGGERS as RANK_TEXT
+from fsdp2_retrofit.syntax.torch_api import CLIP_GRAD_NORM, COLLECTIVES, DCP_CALLS, STATE_DICT_GETTERS, STATE_DICT_SETTERS
 from . import Invalid, Rule, Valid
 
 _HEAD = (
@@ -49,7 +50,7 @@ class RankGatedCollective(Rule):
     CODE = "FSD110"
     NAME = "rank-gated-collective"
     MESSAGE = "{what} inside a rank-0 branch (line {line}): the other ranks never join the collective"
-    TRIGGERS = ("rank", "master", "main_process")
+    TRIGGERS = RANK_TEXT
     VALID = (
         Valid(_HEAD + "dcp.save(get_model_state_dict(model), checkpoint_id='ckpt')\nif rank == 0:\n"
               "    print('saved')\n"),
@@ -87,7 +88,7 @@ class RankGatedCollective(Rule):
             return f"`{_code(func)}`"
         if names & STATE_DICT_SETTERS:
             return f"`{_code(func)}`"
-        if names & set(STATE_DICT_GETTERS) and ctx.shards.full_state_options(call):
+        if names & STATE_DICT_GETTERS and ctx.shards.full_state_options(call):
             return f"full-state `{_code(func)}`"
         if names & CLIP_GRAD_NORM and call.args and ctx.shards.sharded_module(call.args[0].value, call):
             return f"`{_code(func)}` of sharded parameters (its norm is all-reduced)"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import libcst as cst
 
 from fsdp2_retrofit.syntax.names import attr_path
+from fsdp2_retrofit.syntax.torch_api import BARE_CONTAINERS as _BARE
 from . import Invalid, Rule, Valid
 
 _NET = (
@@ -13,8 +14,6 @@ _NET = (
     "        self.head = nn.Linear(8, 8)\n"
     "model = Net()\n"
 )
-_BARE = {"torch.nn.ModuleList", "torch.nn.ModuleDict", "torch.nn.modules.container.ModuleList",
-         "torch.nn.modules.container.ModuleDict"}
 
 
 class ShardContainer(Rule):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import libcst as cst
 
 from fsdp2_retrofit.syntax.names import code
-from fsdp2_retrofit.analysis.sharding import TORCH_SAVE
+from fsdp2_retrofit.syntax.torch_api import TORCH_SAVE
 from . import Edit, Fix, Invalid, Rule, Valid
 
 _PRELUDE = """\

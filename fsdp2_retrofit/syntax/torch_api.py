@@ -1,0 +1,124 @@
+"""Every torch API the analyses recognise, by qualified name: one table for rewrite and check.
+
+Each set holds every spelling a script can reach the API by once imports are resolved
+(`torch.nn.parallel.DistributedDataParallel` and the private module it is defined in,
+`...parallel.distributed.DistributedDataParallel`), so a rewrite stage and a lint rule
+that ask about the same API always agree. Word lists that belong to one analysis
+(FSDP1 keywords, init-function tables) stay with that analysis.
+"""
+from __future__ import annotations
+
+# -- modules -----------------------------------------------------------------
+
+TORCH_MODULE_BASES = frozenset({"torch.nn.Module", "torch.nn.modules.module.Module"})
+MODULE_LIST = frozenset({"torch.nn.ModuleList", "torch.nn.modules.container.ModuleList"})
+MODULE_DICT = frozenset({"torch.nn.ModuleDict", "torch.nn.modules.container.ModuleDict"})
+SEQUENTIAL = frozenset({"torch.nn.Sequential"})
+# containers without a forward of their own (fully_shard of one never runs its hooks)
+BARE_CONTAINERS = MODULE_LIST | MODULE_DICT
+CONTAINERS = BARE_CONTAINERS | SEQUENTIAL
+NN_PARAMETER = frozenset({"torch.nn.Parameter", "torch.nn.parameter.Parameter"})
+TORCH_COMPILE = frozenset({"torch.compile"})
+TORCH_DEVICE = frozenset({"torch.device"})
+MANUAL_SEED = frozenset({"torch.manual_seed", "torch.random.manual_seed", "torch.cuda.manual_seed_all"})
+
+# -- optimizers --------------------------------------------------------------
+
+OPTIMIZER_PREFIX = "torch.optim."  # a call under it builds an optimizer...
+NOT_OPTIMIZERS = ("torch.optim.lr_scheduler.", "torch.optim.swa_utils.")  # ...unless under one of these
+AVERAGED_MODEL = frozenset({"torch.optim.swa_utils.AveragedModel"})
+
+# -- data --------------------------------------------------------------------
+
+DATALOADERS = frozenset({"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"})
+ITERABLE_DATASETS = frozenset({"torch.utils.data.IterableDataset", "torch.utils.data.dataset.IterableDataset"})
+
+# -- precision and gradients -------------------------------------------------
+
+AUTOCAST = frozenset({
+    "torch.autocast", "torch.amp.autocast", "torch.amp.autocast_mode.autocast",
+    "torch.cuda.amp.autocast", "torch.cpu.amp.autocast",
+})
+CLIP_GRAD_NORM = frozenset({"torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_"})
+
+# -- process group and devices -----------------------------------------------
+
+INIT_PROCESS_GROUP = frozenset({
+    "torch.distributed.init_process_group", "torch.distributed.distributed_c10d.init_process_group",
+})
+DESTROY_PROCESS_GROUP = frozenset({
+    "torch.distributed.destroy_process_group", "torch.distributed.distributed_c10d.destroy_process_group",
+})
+GET_RANK = frozenset({"torch.distributed.get_rank", "torch.distributed.distributed_c10d.get_rank"})
+GET_WORLD_SIZE = frozenset({"torch.distributed.get_world_size", "torch.distributed.distributed_c10d.get_world_size"})
+CUDA_SET_DEVICE = frozenset({"torch.cuda.set_device"})
+# every call that picks this process's device: torch.cuda.set_device and its
+# counterparts for other accelerators (what FSD106 accepts before init_process_group)
+DEVICE_SELECTORS = CUDA_SET_DEVICE | {
+    "torch.accelerator.set_device_index",
+    "torch.xpu.set_device",
+    "torch.npu.set_device",
+    "torch.set_default_device",
+}
+INIT_DEVICE_MESH = frozenset({"torch.distributed.device_mesh.init_device_mesh"})
+COLLECTIVES = frozenset(
+    "torch.distributed." + name
+    for name in (
+        "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
+        "broadcast_object_list", "barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+        "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
+        "monitored_barrier",
+    )
+)
+SPAWN = frozenset({
+    "torch.multiprocessing.spawn", "torch.multiprocessing.spawn.spawn", "torch.multiprocessing.start_processes",
+})
+
+# -- sharding and other wrappers ---------------------------------------------
+
+FULLY_SHARD = frozenset({
+    "torch.distributed.fsdp.fully_shard",
+    "torch.distributed._composable.fsdp.fully_shard",
+    "torch.distributed._composable.fsdp.fully_shard.fully_shard",
+    "torch.distributed.fsdp._fully_shard.fully_shard",
+    "torch.distributed.fsdp._fully_shard._fully_shard.fully_shard",
+})
+FSDP1_CLASS = "torch.distributed.fsdp.FullyShardedDataParallel"
+FSDP1_CLASSES = frozenset({FSDP1_CLASS, "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel"})
+SHARDED_GRAD_SCALER = frozenset({
+    "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler", "torch.distributed.fsdp.ShardedGradScaler",
+})
+DDP = frozenset({
+    "torch.nn.parallel.DistributedDataParallel",
+    "torch.nn.parallel.distributed.DistributedDataParallel",
+})
+DATA_PARALLEL = frozenset({
+    "torch.nn.DataParallel",
+    "torch.nn.parallel.DataParallel",
+    "torch.nn.parallel.data_parallel.DataParallel",
+})
+
+# -- saving and loading ------------------------------------------------------
+
+TORCH_SAVE = frozenset({"torch.save", "torch.serialization.save"})
+TORCH_LOAD = frozenset({"torch.load", "torch.serialization.load"})
+DCP_CALLS = frozenset({
+    "torch.distributed.checkpoint.save",
+    "torch.distributed.checkpoint.load",
+    "torch.distributed.checkpoint.async_save",
+    "torch.distributed.checkpoint.save_state_dict",
+    "torch.distributed.checkpoint.load_state_dict",
+    "torch.distributed.checkpoint.state_dict_saver.save",
+    "torch.distributed.checkpoint.state_dict_saver.async_save",
+    "torch.distributed.checkpoint.state_dict_loader.load",
+})
+STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"  # the getters' and setters' public home
+GET_MODEL_STATE_DICT = frozenset({"torch.distributed.checkpoint.state_dict.get_model_state_dict"})
+GET_OPTIMIZER_STATE_DICT = frozenset({"torch.distributed.checkpoint.state_dict.get_optimizer_state_dict"})
+GET_STATE_DICT = frozenset({"torch.distributed.checkpoint.state_dict.get_state_dict"})
+STATE_DICT_GETTERS = GET_MODEL_STATE_DICT | GET_OPTIMIZER_STATE_DICT | GET_STATE_DICT
+STATE_DICT_SETTERS = frozenset({
+    "torch.distributed.checkpoint.state_dict.set_model_state_dict",
+    "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict",
+    "torch.distributed.checkpoint.state_dict.set_state_dict",
+})

@@ -1,0 +1,224 @@
+"""The syntax layer: one table of torch's qualified names, one rank-0 classifier.
+
+Rewrite stages and lint rules ask these the same questions, so they must agree; the
+cases below are the spellings the older per-module copies accepted (and a few each
+must reject)."""
+import ast
+from pathlib import Path
+
+import libcst as cst
+import pytest
+
+from fsdp2_retrofit.syntax import rank, torch_api
+from fsdp2_retrofit.syntax.names import Resolver
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def expr(text: str) -> cst.BaseExpression:
+    return cst.parse_expression(text)
+
+
+# -- the rank-0 classifier ----------------------------------------------------
+
+@pytest.mark.parametrize(
+    "test, side",
+    [
+        # true on rank 0 only: the if's body runs there
+        ("rank == 0", "body"),
+        ("0 == rank", "body"),
+        ("rank is 0", "body"),
+        ("args.local_rank == 0", "body"),
+        ("dist.get_rank() == 0", "body"),
+        ('int(os.environ["RANK"]) == 0', "body"),
+        ('int(os.environ.get("RANK", 0)) == 0', "body"),
+        ("args.local_rank in (-1, 0)", "body"),
+        ("local_rank in [0]", "body"),
+        ("not rank", "body"),
+        ("not dist.get_rank()", "body"),
+        ("master_process", "body"),
+        ("args.is_master", "body"),
+        ("accelerator.is_main_process", "body"),
+        ("is_main_process()", "body"),
+        ("is_main_process(args)", "body"),
+        ("trainer.is_rank_zero", "body"),
+        ("is_rank0()", "body"),
+        ("state.is_primary", "body"),
+        ("is_chief", "body"),
+        ("step % N == 0 and rank == 0", "body"),
+        ("master_process and step % 100 == 0", "body"),
+        # false on rank 0 only: its else branch runs there
+        ("rank != 0", "else"),
+        ("rank > 0", "else"),
+        ("0 < rank", "else"),
+        ("not master_process", "else"),
+        ("not is_main_process()", "else"),
+        ("rank != 0 or verbose", "else"),
+        # not a rank-0 gate
+        ("rank == 1", None),
+        ("rank >= 0", None),
+        ("step % 2 == 0", None),
+        ("args.rank_loss", None),
+        ("args.rank_loss == 0", None),
+        ("rank % 2 == 0", None),
+        ("world_size == 0", None),
+        ("local_rank in (1, 2)", None),
+        ("rank == 0 or verbose", None),
+        ("not verbose", None),
+        ("verbose", None),
+    ],
+)
+def test_which_branch_of_a_test_runs_on_rank_zero_only(test, side):
+    assert rank.rank_zero_side(expr(test)) == side
+
+
+@pytest.mark.parametrize(
+    "test, gated",
+    [
+        ("rank == 0", True),
+        ("args.local_rank in (-1, 0)", True),
+        ("is_main_process()", True),
+        ("not rank", True),
+        # a conjunction is split by split_rank_test, not one rank test
+        ("step % 10 == 0 and rank == 0", False),
+        ("rank != 0", False),
+        ("args.rank_loss", False),
+    ],
+)
+def test_one_rank_test_is_one_condition_true_on_rank_zero(test, gated):
+    assert rank.is_rank_test(expr(test)) is gated
+
+
+@pytest.mark.parametrize(
+    "test, mentions",
+    [
+        ("step % 10 == 0 and master_process", True),
+        ("a or rank == 0", True),
+        ("(x and dist.get_rank() == 0) or y", True),
+        ("rank != 0", False),
+        ("step % 10 == 0", False),
+    ],
+)
+def test_a_rank_test_anywhere_in_a_condition(test, mentions):
+    assert rank.mentions_rank_test(expr(test)) is mentions
+
+
+def test_a_conjunction_splits_into_its_rank_tests_and_the_rest():
+    ranks, other = rank.split_rank_test(expr("step % 10 == 0 and rank == 0 and verbose"))
+    assert [cst.Module([]).code_for_node(p) for p in ranks] == ["rank == 0"]
+    assert [cst.Module([]).code_for_node(p) for p in other] == ["step % 10 == 0", "verbose"]
+    assert rank.split_rank_test(expr("not rank and verbose")) == ([], [])
+
+
+@pytest.mark.parametrize(
+    "text, mentions",
+    [("seed + rank", True), ("seed + args.local_rank", True), ("MASTER", True), ("is_main and x", True),
+     ("seed + 1", False), ("verbose", False)],
+)
+def test_a_text_that_thinks_about_ranks(text, mentions):
+    assert rank.mentions_rank(expr(text)) is mentions
+
+
+def _values(source: str):
+    module = cst.parse_module(source)
+    resolver = Resolver(module)
+    return resolver, {
+        s.body[0].targets[0].target.value: s.body[0].value
+        for s in module.body
+        if isinstance(s, cst.SimpleStatementLine) and isinstance(s.body[0], cst.Assign)
+    }
+
+
+def test_rank_and_world_size_values():
+    resolver, values = _values(
+        "import os\nimport torch.distributed as dist\nfrom torch.distributed import get_world_size\n"
+        "a = dist.get_rank()\nb = int(os.environ['RANK'])\nc = int(os.getenv(\"RANK\", 0))\n"
+        "d = get_world_size()\ne = int(os.environ['WORLD_SIZE'])\nf = int(os.environ['LOCAL_RANK'])\n"
+        "g = get_rank()\nh = 0\n"
+    )
+    ranks = {k for k, v in values.items() if rank.is_rank_value(v, resolver)}
+    sizes = {k for k, v in values.items() if rank.is_world_size_value(v, resolver)}
+    assert ranks == {"a", "b", "c"}
+    assert sizes == {"d", "e"}
+
+
+def test_the_lint_prefilter_holds_every_rank_word():
+    from fsdp2_retrofit.check.rules.rank_gated_collective import RankGatedCollective
+
+    for word in (rank.RANK_WORD, *rank.MAIN_WORDS):
+        assert word in RankGatedCollective.TRIGGERS and word.upper() in RankGatedCollective.TRIGGERS
+
+
+# -- the table of torch names -------------------------------------------------
+
+@pytest.mark.parametrize(
+    "source, table",
+    [
+        ("from torch.nn.parallel import DistributedDataParallel as DDP\nDDP(m)", "DDP"),
+        ("import torch.nn.parallel.distributed as d\nd.DistributedDataParallel(m)", "DDP"),
+        ("import torch.nn as nn\nnn.DataParallel(m)", "DATA_PARALLEL"),
+        ("from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\nFSDP(m)", "FSDP1_CLASSES"),
+        ("from torch.distributed.fsdp import fully_shard\nfully_shard(m)", "FULLY_SHARD"),
+        ("from torch.distributed._composable.fsdp import fully_shard\nfully_shard(m)", "FULLY_SHARD"),
+        ("import torch.distributed as dist\ndist.init_process_group('gloo')", "INIT_PROCESS_GROUP"),
+        ("from torch.distributed.distributed_c10d import init_process_group\ninit_process_group()",
+         "INIT_PROCESS_GROUP"),
+        ("import torch\ntorch.save(x, 'p')", "TORCH_SAVE"),
+        ("from torch.serialization import load\nload('p')", "TORCH_LOAD"),
+        ("import torch.distributed.checkpoint as dcp\ndcp.save(x)", "DCP_CALLS"),
+        ("from torch.nn.modules.container import ModuleList\nModuleList([])", "CONTAINERS"),
+        ("import torch.multiprocessing as mp\nmp.spawn(f)", "SPAWN"),
+        ("from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\nShardedGradScaler()",
+         "SHARDED_GRAD_SCALER"),
+        ("import torch\ntorch.nn.utils.clip_grad_norm_(p, 1.0)", "CLIP_GRAD_NORM"),
+    ],
+)
+def test_each_spelling_resolves_into_its_table_entry(source, table):
+    module = cst.parse_module(source)
+    resolver = Resolver(module)
+    call = module.body[-1].body[0].value
+    assert resolver.is_call_to(call, getattr(torch_api, table))
+
+
+def test_the_analyses_and_the_rules_share_the_table():
+    """The names modules used to define for themselves are the table's objects now."""
+    from fsdp2_retrofit.analysis import checkpoints, fsdp1, process_group, sharding, wrappers
+    from fsdp2_retrofit.check.rules import fsdp1_api, missing_set_device, shard_container
+    from fsdp2_retrofit.syntax import names
+
+    assert checkpoints.SAVE is torch_api.TORCH_SAVE and checkpoints.LOAD is torch_api.TORCH_LOAD
+    assert fsdp1.SCALER is fsdp1_api.SCALER is torch_api.SHARDED_GRAD_SCALER
+    assert fsdp1.FSDP1_CLASSES is fsdp1_api.FSDP1_CLASSES is sharding.FSDP1 is torch_api.FSDP1_CLASSES
+    assert missing_set_device.INIT is torch_api.INIT_PROCESS_GROUP
+    assert process_group.SET_DEVICE <= missing_set_device.SET_DEVICE  # check accepts any device choice
+    assert wrappers.DDP is torch_api.DDP and names.FULLY_SHARD is torch_api.FULLY_SHARD
+    assert shard_container._BARE <= names.CONTAINERS
+
+
+def _torch_name_sets(path: Path):
+    """Module-level set literals (or frozenset(...) calls) holding "torch." strings."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if not isinstance(node, ast.Assign):
+            continue
+        value = node.value
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "frozenset":
+            value = value.args[0] if value.args else value
+        if isinstance(value, (ast.Set, ast.SetComp)) and any(
+            isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value.startswith("torch.")
+            for c in ast.walk(value)
+        ):
+            yield node.lineno
+
+
+def test_no_module_keeps_its_own_copy_of_torch_names():
+    table = ROOT / "fsdp2_retrofit" / "syntax" / "torch_api.py"
+    assert list(_torch_name_sets(table)), "the detector finds the table's own sets"
+    copies = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for folder in ("fsdp2_retrofit", "codemods")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if path != table
+        for line in _torch_name_sets(path)
+    ]
+    assert copies == []

@@ -2,6 +2,7 @@
 
 Names are loaded on first use (PEP 562): `check` imports only the submodules it
 needs (sharding; names live in fsdp2_retrofit.syntax), not the rewriter's facts and class registry.
+ScriptFacts (facts) assembles the per-site analyses: models, optimizers, loops, data, logs, launch.
 """
 from importlib import import_module
 
@@ -9,15 +10,24 @@ _WHERE = {
     "ClassInfo": "model_classes",
     "ClassRegistry": "model_classes",
     "Container": "model_classes",
-    "LoaderSite": "facts",
-    "LogSite": "facts",
-    "LoopSite": "facts",
-    "ModelSite": "facts",
-    "OptimizerSite": "facts",
+    "LoaderSite": "data",
+    "LogSite": "logs",
+    "LoopSite": "loops",
+    "ModelSite": "models",
+    "OptimizerSite": "optimizers",
     "Resolver": "fsdp2_retrofit.syntax.names",
     "ScriptFacts": "facts",
     "analyse": "facts",
     "code": "fsdp2_retrofit.syntax.names",
+    "distributed_init": "launch",
+    "distributed_wrappers": "launch",
+    "launch_names": "launch",
+    "log_sites": "logs",
+    "module_bindings": "models",
+    "optimizer_sites": "optimizers",
+    "train_loops": "loops",
+    "trained_models": "models",
+    "training_loaders": "data",
 }
 
 __all__ = sorted(_WHERE)

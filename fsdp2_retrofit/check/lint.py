@@ -52,7 +52,7 @@ class LintContext:
     def training_loaders(self):
         """DataLoaders a training loop iterates (the rewriter's own finding of them)."""
         if self._loaders is None:
-            from fsdp2_retrofit.analysis.facts import training_loaders
+            from fsdp2_retrofit.analysis.data import training_loaders
 
             self._loaders = training_loaders(self.module, self.resolver)
         return self._loaders

@@ -1,0 +1,80 @@
+"""How a script launches: its process group, the names it keeps for the mesh and the
+rank, and the DDP/DataParallel/FSDP1 wrappers it already uses."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import libcst as cst
+
+from .site_analysis import SiteAnalysis
+from fsdp2_retrofit.syntax.names import Resolver
+from fsdp2_retrofit.syntax.rank import is_rank_value
+from fsdp2_retrofit.syntax.torch_api import DATA_PARALLEL, DDP, FSDP1_CLASSES, INIT_DEVICE_MESH, INIT_PROCESS_GROUP
+
+
+DISTRIBUTED_WRAPPERS = {
+    **dict.fromkeys(DDP, "DistributedDataParallel"),
+    **dict.fromkeys(DATA_PARALLEL, "DataParallel"),
+    **dict.fromkeys(FSDP1_CLASSES, "FullyShardedDataParallel (FSDP1)"),
+}
+
+
+class LaunchAnalysis(SiteAnalysis):
+    """Finds what the script does to launch itself."""
+
+    def _launch_names(self, stmts, entry_scope):
+        """The mesh and the rank names of the entry scope (the script's own, e.g.
+        `rank = int(os.environ["RANK"])`, or the launch stage's)."""
+        mesh = rank = None
+        entry_fn = entry_scope if isinstance(entry_scope, cst.FunctionDef) else None
+        for stmt in stmts:
+            if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
+                continue
+            if entry_scope is not None and self.r.enclosing_function(stmt) is not entry_fn:
+                continue
+            assign = stmt.body[0]
+            value, target = assign.value, assign.targets[0].target
+            if isinstance(target, cst.Name) and self.r.is_call_to(
+                value, INIT_DEVICE_MESH
+            ):
+                mesh = mesh or target.value
+            pairs = []
+            if isinstance(target, cst.Tuple) and isinstance(value, cst.Tuple):
+                pairs = list(zip(target.elements, value.elements))
+                pairs = [(t.value, v.value) for t, v in pairs]
+            else:
+                pairs = [(target, value)]
+            for t, v in pairs:
+                if isinstance(t, cst.Name) and is_rank_value(v, self.r):
+                    rank = rank or t.value
+        return mesh, rank
+
+    def _distributed_init(self, calls) -> Optional[cst.Call]:
+        """The script's own `init_process_group(...)` call, if any."""
+        return next(
+            (c for c in calls if self.r.is_call_to(c, INIT_PROCESS_GROUP)), None
+        )
+
+    def _wrappers(self, calls) -> List[tuple]:
+        """(line, name) of each DDP/DataParallel/FSDP1 use."""
+        return [
+            (self.r.line(c), DISTRIBUTED_WRAPPERS[q])
+            for c in calls
+            for q in self.r.qnames(c)
+            if q in DISTRIBUTED_WRAPPERS
+        ]
+
+
+def launch_names(module: cst.Module, resolver: Resolver, entry_scope=None):
+    """(mesh name, rank name) the entry scope (None: module level) binds."""
+    return LaunchAnalysis(module, resolver)._launch_names(resolver.nodes(cst.SimpleStatementLine), entry_scope)
+
+
+def distributed_init(module: cst.Module, resolver: Resolver) -> Optional[cst.Call]:
+    """The script's own `init_process_group(...)` call, if any."""
+    return LaunchAnalysis(module, resolver)._distributed_init(resolver.nodes(cst.Call))
+
+
+def distributed_wrappers(module: cst.Module, resolver: Resolver) -> List[tuple]:
+    """(line, name) of each DDP/DataParallel/FSDP1 use."""
+    return LaunchAnalysis(module, resolver)._wrappers(resolver.nodes(cst.Call))

@@ -1,0 +1,67 @@
+"""Training loops: the for/while loops that call backward(), and the loader each iterates."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import libcst as cst
+
+from .site_analysis import SiteAnalysis
+from fsdp2_retrofit.syntax.names import Resolver, iterated_name
+
+
+@dataclass
+class LoopSite:
+    node: cst.CSTNode  # For or While that calls backward()
+    function: Optional[cst.FunctionDef]
+    loader: Optional[str] = None
+
+
+class LoopAnalysis(SiteAnalysis):
+    """Finds the training loops."""
+
+    def _train_loops(self, loops) -> List[LoopSite]:
+        """Innermost loops that call backward(), directly or through a per-step helper
+        of the script (`train_step(model, batch, optimizer)`, no loop of its own).
+
+        Works from the calls up (one walk of ancestors per backward() call), not by
+        visiting every loop's body."""
+        top = {fn for fn in self.module.body if isinstance(fn, cst.FunctionDef)}
+        backward = [c for c in self.calls if isinstance(c.func, cst.Attribute) and c.func.attr.value == "backward"]
+        chains = {id(c): self._loop_chain(c) for c in backward}
+        helpers = set()
+        for fn in top:
+            mine = [c for c in backward if chains[id(c)][1] is fn]
+            if mine and not any(chains[id(c)][0] for c in mine):
+                helpers.add(fn.name.value)
+        triggers = backward + [c for c in self.calls if isinstance(c.func, cst.Name) and c.func.value in helpers]
+        innermost, outer = set(), set()
+        for call in triggers:
+            chain = chains[id(call)][0] if id(call) in chains else self._loop_chain(call)[0]
+            if chain:
+                innermost.add(chain[0])
+                outer.update(chain[1:])
+        out = []
+        for loop in loops:
+            if loop in innermost and loop not in outer:
+                site = LoopSite(loop, self.r.enclosing_function(loop))
+                if isinstance(loop, cst.For):
+                    site.loader = iterated_name(loop.iter)
+                out.append(site)
+        return out
+
+    def _loop_chain(self, call):
+        """(the loops whose body holds `call`, innermost first; the nearest enclosing function)."""
+        chain, child = [], call
+        for anc in self.r.ancestors(call):
+            if isinstance(anc, cst.FunctionDef):
+                return chain, anc
+            if isinstance(anc, (cst.For, cst.While)) and child is anc.body:
+                chain.append(anc)
+            child = anc
+        return chain, None
+
+
+def train_loops(module: cst.Module, resolver: Resolver) -> List[LoopSite]:
+    """The loops of a script that call backward() (directly or through its functions)."""
+    return LoopAnalysis(module, resolver)._train_loops(resolver.nodes(cst.For) + resolver.nodes(cst.While))

@@ -1,0 +1,589 @@
+"""Models: the names bound to nn.Module instances (built here, by a factory function
+or a library), which an optimizer trains, copies and frozen models, where each is
+sharded, and the forward calls and trainer classes that use them."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Set
+
+import libcst as cst
+
+from .library_models import PEFT_WRAPPERS, LibraryModel, is_library_builder, library_model
+from .model_classes import ClassRegistry, Container, build_registry
+from .site_analysis import Block, Scope, SiteAnalysis
+from fsdp2_retrofit.syntax.names import (
+    PLACEMENT_METHODS,
+    SELF_RETURNING_METHODS,
+    Resolver,
+    assigned_names,
+    bind_args,
+    calls_in,
+    code,
+    is_main_guard,
+    names_in,
+    root_name,
+)
+from fsdp2_retrofit.syntax.torch_api import AVERAGED_MODEL, FULLY_SHARD, TORCH_COMPILE
+
+
+STDLIB = set(getattr(sys, "stdlib_module_names", ())) | {"argparse", "logging", "collections", "dataclasses"}
+
+
+@dataclass
+class ModelSite:
+    """A name bound to an nn.Module instance that an optimizer trains."""
+
+    name: str
+    stmt: cst.SimpleStatementLine
+    block: Block
+    scope: Scope
+    class_name: Optional[str]
+    top: cst.CSTNode  # the statement of the entry block that builds it (stmt, or an if/else around it)
+    shard_anchor: cst.CSTNode  # fully_shard goes right after this statement
+    containers: List[Container] = field(default_factory=list)
+    tied_containers: List[Container] = field(default_factory=list)
+    sharded: bool = False
+    library: Optional[LibraryModel] = None  # built by transformers/torchvision/timm (see library_models)
+    copy_of: Optional[str] = None  # `ema = copy.deepcopy(model)`: the model it copies
+    copy_call: Optional[cst.Call] = None  # and that copy.deepcopy call
+
+
+class ModelAnalysis(SiteAnalysis):
+    """Finds the models, their copies and their shard anchors."""
+
+    def _module_bindings(self, stmts):
+        """(name, stmt, class) for every `name = SomeModule(...)[.to(...)]` outside classes,
+        also when a function of the script builds and returns it (`model = build_model()`)."""
+        calls = []
+        for stmt in stmts:
+            if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
+                continue
+            assign = stmt.body[0]
+            if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
+                continue
+            if self.r.enclosing_class(stmt) is not None:
+                continue
+            value = assign.value
+            if self.r.is_call_to(value, TORCH_COMPILE) and value.args:
+                value = value.args[0].value  # `model = torch.compile(Net())`: the shard stage splits it
+            ctor = _innermost_call(value)
+            if ctor is not None:
+                calls.append((assign.targets[0].target.value, stmt, ctor))
+        out = [(name, stmt, cls) for name, stmt, ctor in calls for cls in [self._class_of(ctor)] if cls]
+        factories = self._factories(out)
+        for name, stmt, ctor in calls:
+            if isinstance(ctor.func, cst.Name) and ctor.func.value in factories:
+                out.append((name, stmt, factories[ctor.func.value]))
+        return out
+
+    def _factories(self, bindings) -> Dict[str, str]:
+        """Functions of the script that return a module they build: name -> its class."""
+        out: Dict[str, str] = {}
+        for fn in self.module.body:
+            if not isinstance(fn, cst.FunctionDef):
+                continue
+            local = {b[0]: b[2] for b in bindings if self.r.enclosing_function(b[1]) is fn}
+            for ret in [r for r in self.r.nodes(cst.Return) if self.r.enclosing_function(r) is fn]:
+                value = ret.value
+                while _is_placement_chain(value, root_name(value) or "") and isinstance(value, cst.Call):
+                    value = value.func.value  # `return model.to(device)`
+                if isinstance(value, cst.Name) and value.value in local:
+                    out[fn.name.value] = local[value.value]
+                elif value is not None and _innermost_call(value) is not None:
+                    cls = self._class_of(_innermost_call(value))
+                    if cls:
+                        out[fn.name.value] = cls
+        return out
+
+    def _class_of(self, call: cst.Call) -> Optional[str]:
+        for name in sorted(self.r.qnames(call)):
+            if is_library_builder(name):
+                return name  # `AutoModelForCausalLM.from_pretrained(...)`, `torchvision.models.resnet50(...)`
+            if self.classes.is_module_class(name):
+                return name
+            # a class imported from a library, e.g. torchvision.models.resnet18: only
+            # known when something trains it; the optimizer decides.
+            if (
+                "." in name
+                and name.rsplit(".", 1)[-1][:1].isupper()
+                and not name.startswith("torch.")
+                and name.split(".")[0] not in STDLIB
+            ):
+                return name
+        return None
+
+    def _trained_models(self, optimizers, bindings) -> List["ModelSite"]:
+        """The first binding, in the optimizer's own function, of each name it trains."""
+        models: List[ModelSite] = []
+        seen = set()
+        for opt in optimizers:
+            scope = self.r.enclosing_function(opt.stmt)
+            for name in opt.models:
+                if (scope, name) in seen:
+                    continue
+                binding = next(
+                    (b for b in bindings if b[0] == name and self.r.enclosing_function(b[1]) is scope), None
+                )
+                if binding is not None:
+                    seen.add((scope, name))
+                    models.append(self._model_site(binding))
+        order = {id(s): i for i, s in enumerate(self.r.nodes(cst.SimpleStatementLine))}
+        models.sort(key=lambda m: order.get(id(m.stmt), 0))
+        return models
+
+    def _scope_body(self, stmt):
+        """The statement holding `stmt` directly in its function body, the module, or the
+        `if __name__ == "__main__":` block, and that block."""
+        top = stmt
+        for anc in self.r.ancestors(stmt):
+            if isinstance(anc, (cst.IndentedBlock, cst.Module)):
+                owner = self.r.parent(anc)
+                if isinstance(anc, cst.Module) or isinstance(owner, cst.FunctionDef) or is_main_guard(owner):
+                    return top, anc
+            elif isinstance(anc, cst.BaseCompoundStatement):
+                top = anc
+        return top, self.r.block_of(stmt)
+
+    def _model_site(self, binding, frozen: bool = False) -> ModelSite:
+        name, stmt, cls = binding
+        top, block = self._scope_body(stmt)
+        scope = self.r.enclosing_function(stmt) or self.module
+        library = self._library_model(stmt, cls)
+        if library is not None:
+            containers = [Container(path, block, "library", stmt) for path, block in library.containers]
+        else:
+            containers = [c for c in self.classes.block_containers(cls) if c.block_class]
+        ties = self.classes.ties(cls)
+        tied = [c for c in containers if any(_under(a, c.path) or _under(b, c.path) for a, b in ties)]
+        return ModelSite(
+            name=name,
+            stmt=stmt,
+            block=block,
+            scope=scope,
+            class_name=cls,
+            top=top,
+            shard_anchor=self._shard_anchor(name, top, block, frozen),
+            containers=[c for c in containers if c not in tied],
+            tied_containers=tied,
+            library=library,
+        )
+
+    def _library_model(self, stmt, cls: Optional[str]) -> Optional[LibraryModel]:
+        """The layout of a model a library builds; the call is read when this statement
+        makes it (a factory function's model is known by the builder's name only)."""
+        if not cls or not is_library_builder(cls):
+            return None
+        value = stmt.body[0].value
+        if self.r.is_call_to(value, TORCH_COMPILE) and value.args:
+            value = value.args[0].value
+        call = _innermost_call(value)
+        found = library_model(cls, call if call is not None and cls in self.r.qnames(call) else None, self.r)
+        name = stmt.body[0].targets[0].target.value
+        for save in self.calls:  # `model.push_to_hub(...)`, in any function that names it `model`
+            func = save.func
+            if (isinstance(func, cst.Attribute) and func.attr.value == "push_to_hub"
+                    and isinstance(func.value, cst.Name) and func.value.value == name):
+                return replace(found, refusal_at=save, refusal=(
+                    f"`{code(func)}` of a model the rewrite shards",
+                    "after fully_shard each rank holds only its shards: the library would upload one rank's "
+                    "pieces (or fail on DTensors), and push_to_hub takes no gathered state dict",
+                    f"save with {name}.save_pretrained(dir) (the rewrite gathers the full state for it) and "
+                    "upload that folder on rank 0",
+                ))
+        for later in self.r.nodes(cst.Assign):  # `model = get_peft_model(model, config)`
+            if (
+                self.r.calls_prefix(later.value, PEFT_WRAPPERS) and name in assigned_names(self.r.parent(later))
+                and self.r.enclosing_function(later) is self.r.enclosing_function(stmt)
+            ):
+                return replace(found, refusal_at=later, refusal=(
+                    f"`{name}` is wrapped by `{code(later.value.func)}` (PEFT) after it is built",
+                    "the adapters are added after the rewrite shards the model: their parameters would stay "
+                    "plain tensors whose gradients no rank reduces, and the ranks would drift apart",
+                    "train without PEFT, or keep the script single-GPU (PEFT with FSDP2 is not supported yet)",
+                ))
+        return found
+
+    def _frozen_models(self, bindings, models, copies) -> List[ModelSite]:
+        """Modules no optimizer trains that the script freezes: `requires_grad_(False)`,
+        a loop setting `p.requires_grad = False` over its parameters, or `eval()`
+        (in its build expression or a statement of its function). Loss modules aside."""
+        seen = {(m.scope, m.name) for m in models + copies}
+        out: List[ModelSite] = []
+        for binding in bindings:
+            name, stmt, cls = binding
+            scope = self.r.enclosing_function(stmt) or self.module
+            if (scope, name) in seen or cls.rsplit(".", 1)[-1].endswith("Loss"):
+                continue
+            seen.add((scope, name))  # the first binding of the name decides
+            if self._is_frozen(name, stmt) and not self._part_of_trained(name, scope, models):
+                out.append(self._model_site(binding, frozen=True))
+        return out
+
+    def _part_of_trained(self, name: str, scope, models) -> bool:
+        """A frozen module handed to a trained model's constructor, or stored on it
+        (`model.encoder = encoder`): it is part of that model and sharded with it."""
+        for m in models:
+            if m.scope is scope and name in names_in(m.stmt.body[0].value):
+                return True
+        for assign in self.r.nodes(cst.Assign):
+            if (self.r.enclosing_function(assign) or self.module) is not scope or name not in names_in(assign.value):
+                continue
+            for t in assign.targets:
+                if isinstance(t.target, cst.Attribute) and root_name(t.target) in {m.name for m in models}:
+                    return True
+        return False
+
+    def _is_frozen(self, name: str, stmt) -> bool:
+        function = self.r.enclosing_function(stmt)
+        value = stmt.body[0].value
+        while isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute):
+            if _freeze_call(value, None):
+                return True  # `Teacher().to(device).eval()`
+            value = value.func.value
+        for call in self.calls:
+            if _freeze_call(call, name) and self.r.enclosing_function(call) is function:
+                return True
+        return any(
+            _freezing_loop(loop, name) and self.r.enclosing_function(loop) is function
+            for loop in self.r.nodes(cst.For)
+        )
+
+    def _copies(self, models: List[ModelSite], stmts) -> List[ModelSite]:
+        """`ema = copy.deepcopy(model)` (or `AveragedModel(model, ...)`, whose `.module` is
+        the copy) statements the rewrite can shard like the model: in the block that
+        builds it, after the build, with no statement between that rebinds or shards the
+        model or runs a loop or block using it. The model's fully_shard moves after the
+        copy (and what prepares the copy)."""
+        out: List[ModelSite] = []
+        for stmt in stmts:
+            if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
+                continue
+            assign = stmt.body[0]
+            call = _innermost_call(assign.value)  # also `copy.deepcopy(model).eval()`
+            if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name) or call is None:
+                continue
+            # AveragedModel(model, ...) deep-copies the model into its `.module`: that is what gets sharded
+            averaged = self.r.is_call_to(call, AVERAGED_MODEL)
+            copied = call.args[0].value if call.args and call.args[0].keyword is None and not call.args[0].star else None
+            if not ((averaged or (self.r.is_call_to(call, {"copy.deepcopy"}) and len(call.args) == 1))
+                    and isinstance(copied, cst.Name)):
+                continue
+            scope = self.r.enclosing_function(stmt) or self.module
+            source = next((m for m in models if m.name == copied.value and m.scope is scope), None)
+            body = list(source.block.body) if source is not None else []
+            if source is None or stmt not in body or source.top not in body:
+                continue
+            between = body[body.index(source.top) + 1 : body.index(stmt)]
+            if body.index(stmt) < body.index(source.top) or any(
+                (not isinstance(s, cst.SimpleStatementLine) and not _is_placement(s, source.name)
+                 and source.name in names_in(s))
+                or source.name in assigned_names(s)
+                or any(self.r.qnames(c) & FULLY_SHARD for c in calls_in(s))
+                for s in between
+            ):
+                continue
+            name = assign.targets[0].target.value
+            site = ModelSite(
+                name=name + ".module" if averaged else name,
+                stmt=stmt,
+                block=source.block,
+                scope=scope,
+                class_name=source.class_name,
+                top=stmt,
+                shard_anchor=self._shard_anchor(name, stmt, source.block, frozen=True),
+                containers=list(source.containers),
+                tied_containers=list(source.tied_containers),
+                copy_of=source.name,
+                copy_call=call,
+            )
+            # the model is sharded after its copy: both after the later of their anchors
+            if body.index(site.shard_anchor) > body.index(source.shard_anchor):
+                source.shard_anchor = site.shard_anchor
+            out.append(site)
+        for site in out:
+            source = next(m for m in models if m.name == site.copy_of and m.scope is site.scope)
+            site.shard_anchor = source.shard_anchor
+        return out
+
+    def _hidden_copies(self, calls, trained_names) -> List[tuple]:
+        """Copies of a trained model made inside a constructor: AveragedModel(model, ...),
+        or a class of the script whose methods call copy.deepcopy (an EMA helper)."""
+        copying = {
+            c.name.value
+            for c in self.module.body
+            if isinstance(c, cst.ClassDef)
+            and any(self.r.is_call_to(call, {"copy.deepcopy"}) for call in calls_in(c))
+        }
+        out = []
+        for call in calls:
+            known = trained_names.get(self.r.enclosing_function(call), set())
+            if not (call.args and isinstance(call.args[0].value, cst.Name) and call.args[0].value.value in known):
+                continue
+            if self.r.is_call_to(call, AVERAGED_MODEL):
+                out.append(("AveragedModel", call))
+            elif isinstance(call.func, cst.Name) and call.func.value in copying:
+                out.append((call.func.value, call))
+        return out
+
+    def _shard_anchor(self, name: str, stmt, block, frozen: bool = False) -> cst.CSTNode:
+        """The last statement that builds or places the model before it is used; for a
+        frozen model or a copy, also what freezes it (eval(), requires_grad_(False), a
+        loop over its parameters), up to the first other statement that uses it."""
+        body = list(block.body)
+        anchor = stmt
+        for later in body[body.index(stmt) + 1 :]:
+            if frozen and _prepares(later, name):
+                anchor = later
+                continue
+            if frozen and name in names_in(later):
+                break  # a load_state_dict, a forward: after sharding, as for a trained model
+            if isinstance(later, (cst.For, cst.While, cst.FunctionDef, cst.With, cst.Try)):
+                break
+            if _is_placement(later, name) or _initialises(later, name):
+                anchor = later
+            elif name in assigned_names(later):
+                break  # rebound by something else (torch.compile, a wrapper): shard before it
+        return anchor
+
+    def _model_names(self, models: List[ModelSite]) -> Dict[Optional[cst.FunctionDef], Set[str]]:
+        """Model names per function, following calls that pass a model as an argument."""
+        names: Dict[Optional[cst.FunctionDef], Set[str]] = {}
+        for m in models:
+            # `ema.module` (an AveragedModel's copy) is sharded; `ema` is the model the script uses
+            names.setdefault(self.r.enclosing_function(m.stmt), set()).add(m.name.split(".", 1)[0])
+        changed = True
+        while changed:
+            changed = False
+            for call, callee in self._local_calls():
+                known = names.get(self.r.enclosing_function(call), set())
+                for param in _params_receiving(callee, call, known):
+                    if param not in names.setdefault(callee, set()):
+                        names[callee].add(param)
+                        changed = True
+        self._add_aliases(names)
+        return names
+
+    def _add_aliases(self, names) -> None:
+        """`raw_model = model`, `raw_model = model.module if ddp else model`: another name
+        for the same model, in the same function."""
+        for stmt in self.r.nodes(cst.SimpleStatementLine):
+            if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
+                continue
+            assign = stmt.body[0]
+            if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
+                continue
+            function = self.r.enclosing_function(stmt)
+            known = names.get(function, set())
+            if known and _aliases_model(assign.value, known):
+                known.add(assign.targets[0].target.value)
+
+    def _forward_calls(self, model_names) -> List[cst.Call]:
+        out = []
+        for call in self.calls:
+            func = call.func
+            if not (isinstance(func, cst.Attribute) and func.attr.value == "forward"):
+                continue
+            target = func.value
+            if isinstance(target, cst.Name) and target.value in model_names.get(
+                self.r.enclosing_function(call), set()
+            ):
+                out.append(call)
+        return out
+
+    def _trainer_classes(self, calls, model_names) -> List[tuple]:
+        """Script classes (not modules) whose methods call backward(), built with a model."""
+        trainers = {
+            c.name.value
+            for c in self.module.body
+            if isinstance(c, cst.ClassDef)
+            and not self.classes.is_module_class(c.name.value)
+            and _calls_method(c.body, "backward", into_functions=True)
+        }
+        out = []
+        for call in calls:
+            if isinstance(call.func, cst.Name) and call.func.value in trainers:
+                known = model_names.get(self.r.enclosing_function(call), set())
+                if any(isinstance(a.value, cst.Name) and a.value.value in known for a in call.args):
+                    out.append((call.func.value, call))
+        return out
+
+    def _shard_statements(self, stmts) -> Dict[str, cst.SimpleStatementLine]:
+        out = {}
+        for stmt in stmts:
+            for small in stmt.body:
+                call = small.value if isinstance(small, cst.Expr) else None
+                if (
+                    isinstance(call, cst.Call)
+                    and self.r.qnames(call) & FULLY_SHARD
+                    and call.args
+                    and isinstance(call.args[0].value, cst.Name)
+                ):
+                    out[call.args[0].value.value] = stmt
+                elif (  # `fully_shard(ema.module)`: an AveragedModel's copy
+                    isinstance(call, cst.Call)
+                    and self.r.qnames(call) & FULLY_SHARD
+                    and call.args
+                    and isinstance(call.args[0].value, cst.Attribute)
+                    and call.args[0].value.attr.value == "module"
+                    and isinstance(call.args[0].value.value, cst.Name)
+                ):
+                    out[call.args[0].value.value.value + ".module"] = stmt
+        return out
+
+
+def module_bindings(module: cst.Module, resolver: Resolver, classes: Optional[ClassRegistry] = None):
+    """(name, statement, class) of every name bound to a module instance outside classes."""
+    classes = classes if classes is not None else build_registry(module, resolver, None)
+    return ModelAnalysis(module, resolver, classes)._module_bindings(resolver.nodes(cst.SimpleStatementLine))
+
+
+def trained_models(module: cst.Module, resolver: Resolver, optimizers, bindings,
+                   classes: Optional[ClassRegistry] = None) -> List[ModelSite]:
+    """The models of `bindings` that `optimizers` (optimizers.optimizer_sites) train."""
+    classes = classes if classes is not None else build_registry(module, resolver, None)
+    return ModelAnalysis(module, resolver, classes)._trained_models(optimizers, bindings)
+
+
+def _aliases_model(expr, known: Set[str]) -> bool:
+    """`model`, `model.module`, `model._orig_mod`, or a conditional choosing one of them."""
+    if isinstance(expr, cst.IfExp):
+        return _aliases_model(expr.body, known) or _aliases_model(expr.orelse, known)
+    if isinstance(expr, cst.Attribute) and expr.attr.value in ("module", "_orig_mod"):
+        expr = expr.value
+    return isinstance(expr, cst.Name) and expr.value in known
+
+
+def _innermost_call(expr) -> Optional[cst.Call]:
+    """`Net(...)` for `Net(...)`, `Net(...).to(d)`, `Net(...).cuda().float()`,
+    `Net().cuda() if use_cuda else Net()`."""
+    if isinstance(expr, cst.IfExp):
+        return _innermost_call(expr.body) or _innermost_call(expr.orelse)
+    while isinstance(expr, cst.Call):
+        func = expr.func
+        if isinstance(func, cst.Attribute) and func.attr.value in SELF_RETURNING_METHODS and isinstance(func.value, cst.Call):
+            expr = func.value
+            continue
+        return expr
+    return None
+
+
+def _is_placement(stmt, name: str) -> bool:
+    """`m.to(d)`, `m = m.cuda()`, or an `if` whose body only does such things."""
+    if isinstance(stmt, cst.If):
+        inner = list(stmt.body.body) if isinstance(stmt.body, cst.IndentedBlock) else [stmt.body]
+        return bool(inner) and all(_is_placement(s, name) for s in inner) and stmt.orelse is None
+    if not isinstance(stmt, cst.SimpleStatementLine):
+        return False
+    for small in stmt.body:
+        value = small.value if isinstance(small, (cst.Expr, cst.Assign)) else None
+        if isinstance(small, cst.Assign):
+            targets = small.targets
+            if len(targets) != 1 or not (isinstance(targets[0].target, cst.Name) and targets[0].target.value == name):
+                return False
+        if not _is_placement_chain(value, name):
+            return False
+    return True
+
+
+def _initialises(stmt, name: str) -> bool:
+    """`model.apply(init_fn)`: an in-place (re)initialisation, done before sharding."""
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return False
+    small = stmt.body[0]
+    value = small.value if isinstance(small, (cst.Expr, cst.Assign)) else None
+    return (
+        isinstance(value, cst.Call)
+        and isinstance(value.func, cst.Attribute)
+        and value.func.attr.value == "apply"
+        and isinstance(value.func.value, cst.Name)
+        and value.func.value.value == name
+    )
+
+
+FREEZE_METHODS = {"eval", "train", "requires_grad_"}
+
+
+def _freeze_call(call, name: Optional[str]) -> bool:
+    """`name.eval()`, `name.train(False)`, `name.requires_grad_(False)` (name None: any receiver)."""
+    func = call.func
+    if not (isinstance(func, cst.Attribute) and func.attr.value in FREEZE_METHODS):
+        return False
+    if name is not None and not _is_placement_chain(func.value, name):
+        return False
+    if func.attr.value == "eval":
+        return not call.args
+    return len(call.args) == 1 and isinstance(call.args[0].value, cst.Name) and call.args[0].value.value == "False"
+
+
+def _freezing_loop(loop, name: str) -> bool:
+    """`for p in name.parameters(): p.requires_grad = False` (or `p.requires_grad_(False)`)."""
+    if not isinstance(loop, cst.For):
+        return False
+    it = loop.iter
+    if not (isinstance(it, cst.Call) and isinstance(it.func, cst.Attribute)
+            and it.func.attr.value in ("parameters", "named_parameters")
+            and isinstance(it.func.value, cst.Name) and it.func.value.value == name):
+        return False
+    found = []
+
+    class _F(cst.CSTVisitor):
+        def visit_Assign(self, node: cst.Assign) -> None:
+            if any(isinstance(t.target, cst.Attribute) and t.target.attr.value == "requires_grad"
+                   for t in node.targets) and isinstance(node.value, cst.Name) and node.value.value == "False":
+                found.append(node)
+
+        def visit_Call(self, node: cst.Call) -> None:
+            if _freeze_call(node, None) and node.func.attr.value == "requires_grad_":
+                found.append(node)
+
+    loop.body.visit(_F())
+    return bool(found)
+
+
+def _prepares(stmt, name: str) -> bool:
+    """A statement that only places or freezes `name` (or an `if` of such statements)."""
+    if isinstance(stmt, cst.If):
+        inner = list(stmt.body.body) if isinstance(stmt.body, cst.IndentedBlock) else [stmt.body]
+        return bool(inner) and stmt.orelse is None and all(_prepares(s, name) for s in inner)
+    if isinstance(stmt, cst.For):
+        return _freezing_loop(stmt, name)
+    if not isinstance(stmt, cst.SimpleStatementLine):
+        return False
+    if _is_placement(stmt, name) or _initialises(stmt, name):
+        return True
+    return all(isinstance(s, cst.Expr) and isinstance(s.value, cst.Call) and _freeze_call(s.value, name)
+               for s in stmt.body)
+
+
+def _is_placement_chain(expr, name: str) -> bool:
+    if isinstance(expr, cst.Name):
+        return expr.value == name
+    if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
+        return expr.func.attr.value in PLACEMENT_METHODS and _is_placement_chain(expr.func.value, name)
+    return False
+
+
+def _under(path, prefix) -> bool:
+    return tuple(path[: len(prefix)]) == tuple(prefix)
+
+
+def _params_receiving(fn: cst.FunctionDef, call: cst.Call, known: Set[str]):
+    for param, arg in bind_args(fn, call):
+        if isinstance(arg, cst.Name) and arg.value in known:
+            yield param
+
+
+def _calls_method(node, method: str, into_functions: bool = False) -> bool:
+    found = []
+
+    class _M(cst.CSTVisitor):
+        def visit_FunctionDef(self, n) -> bool:
+            return into_functions
+
+        def visit_Call(self, n: cst.Call) -> None:
+            if isinstance(n.func, cst.Attribute) and n.func.attr.value == method:
+                found.append(n)
+
+    node.visit(_M())
+    return bool(found)

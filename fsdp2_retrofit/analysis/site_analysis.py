@@ -1,0 +1,36 @@
+"""What each per-site analysis of a script reads: the module, its resolver, the
+script's classes and every call, computed once.
+
+The analyses (models.py, optimizers.py, loops.py, data.py, logs.py, launch.py) each
+find one kind of site; ScriptFacts (facts.py) assembles them for one script.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Union
+
+import libcst as cst
+
+from .model_classes import ClassRegistry
+from fsdp2_retrofit.syntax.names import Resolver
+
+Block = Union[cst.IndentedBlock, cst.Module]
+Scope = Union[cst.FunctionDef, cst.Module]
+
+
+class SiteAnalysis:
+    """One script's module, resolver, classes and calls, for the methods that find its sites."""
+
+    def __init__(self, module: cst.Module, resolver: Resolver, classes: Optional[ClassRegistry] = None,
+                 path: Optional[str] = None):
+        self.module = module
+        self.r = resolver
+        self.classes = classes if classes is not None else ClassRegistry()
+        self.path = path
+        self.calls: List[cst.Call] = resolver.nodes(cst.Call)
+
+    def _local_calls(self):
+        """(call, function) for every call of a top-level function of the script."""
+        functions = {s.name.value: s for s in self.module.body if isinstance(s, cst.FunctionDef)}
+        for call in self.calls:
+            if isinstance(call.func, cst.Name) and call.func.value in functions:
+                yield call, functions[call.func.value]

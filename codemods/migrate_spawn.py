@@ -16,24 +16,10 @@ WORLD_SIZE = 'int(os.environ["WORLD_SIZE"])'
 DROPPED_SPAWN = {"start_method": "torchrun starts the processes", "daemon": "torchrun starts the processes"}
 
 
-class _SpawnEditor(StatementEditor):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: dict = {}  # init_process_group call -> keywords to drop
-
-    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
-        for key in self.calls.get(original_node, ()):
-            updated_node = without_keyword(updated_node, key)
-        return updated_node
-
-
 class MigrateSpawnCommand(RetrofitStage):
     DESCRIPTION = "Turn an mp.spawn launcher into a torchrun program (rank and world size from the environment)."
     CODE = "migrate_spawn"
     LATER_STAGES_READ_IMPORTS = True
-
-    def make_editor(self) -> StatementEditor:
-        return _SpawnEditor()
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         tree = super().transform_module_impl(tree)
@@ -41,7 +27,7 @@ class MigrateSpawnCommand(RetrofitStage):
             tree = RemoveImportsVisitor(self.context).transform_module(tree)
         return tree
 
-    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: _SpawnEditor) -> None:
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         sites = spawns(facts)
         if not sites:
             return
@@ -77,8 +63,9 @@ class MigrateSpawnCommand(RetrofitStage):
                     "torchrun provides the rendezvous (MASTER_ADDR/MASTER_PORT), RANK and WORLD_SIZE: the default "
                     "env:// reads them",
                 )
-        editor.calls[site.init] = [k for k in ("init_method", "rank", "world_size") if k in init_kw]
-        editor.mark_work()
+        for key in ("init_method", "rank", "world_size"):
+            if key in init_kw:
+                editor.replace_expression(site.init, lambda call, key=key: without_keyword(call, key))
         for s in site.rendezvous:
             editor.replace(s, None)
             self.change(s, f"`{code(s)}` goes", "torchrun sets MASTER_ADDR and MASTER_PORT for every process")

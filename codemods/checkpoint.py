@@ -230,6 +230,7 @@ class ConvertSavesCommand(RetrofitStage):
         rank, other = split_rank_test(gate.test)
         if gate.orelse is not None or not rank or not isinstance(gate.body, cst.IndentedBlock):
             self.refuse(
+                "FSR701",
                 gated[0],
                 "a checkpoint save inside a rank-0 branch that cannot be split",
                 "the save is collective now (every rank writes its shards); under a rank-0 "

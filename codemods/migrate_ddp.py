@@ -92,6 +92,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
     def _refuse_unsafe(self, found, facts: ScriptFacts) -> None:
         for call in found.other_calls:
             self.refuse(
+                "FSR201",
                 call,
                 f"`{code(call.func)}(...)` is not assigned to a name on its own line",
                 "the migration replaces `model = DDP(model, ...)` statements; a wrapper built inside another "
@@ -100,6 +101,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
             )
         for node in found.other_uses:
             self.refuse(
+                "FSR202",
                 node,
                 f"`{code(facts.resolver.statement_of(node) or node)}` uses the wrapper class itself",
                 "after the migration no model is a DistributedDataParallel/DataParallel; an isinstance test or a "
@@ -108,6 +110,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
             )
         for call in found.no_sync_calls:
             self.refuse(
+                "FSR203",
                 call,
                 "`no_sync()` is used outside a `with` statement or a `ctx = model.no_sync() if ... else nullcontext()` choice",
                 "FSDP2 has no no_sync context; the migration turns those two shapes into set_requires_gradient_sync",
@@ -116,6 +119,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
         ddp = [s for s in found.sites if s.kind == "DistributedDataParallel"]
         if ddp and found.rank_seeds:
             self.refuse(
+                "FSR204",
                 found.rank_seeds[0],
                 "the random seed depends on the rank",
                 "DDP copies rank 0's weights to every rank when it wraps the model; fully_shard keeps each rank's "
@@ -123,12 +127,13 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
                 "seed the model build with the same value on every rank (seed data augmentation separately)",
             )
         if facts.models and any(s.kind == "DataParallel" for s in found.sites) and ddp:
-            self.refuse(ddp[0].stmt, "the script uses both DataParallel and DistributedDataParallel",
+            self.refuse("FSR205", ddp[0].stmt, "the script uses both DataParallel and DistributedDataParallel",
                         "one process per device cannot be derived from both", "keep one of them")
         for site in found.sites:
             for key in site.kwargs:
                 if key not in DROPPED:
                     self.refuse(
+                        "FSR206",
                         site.stmt,
                         f"`{key}=` of {site.kind} has no FSDP2 counterpart the rewrite knows",
                         "dropping it could change what the script does (e.g. a process_group other than the "
@@ -175,7 +180,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
         model = code(item.item.func.value)
         body = list(w.body.body) if isinstance(w.body, cst.IndentedBlock) else None
         if body is None:
-            self.refuse(w, "a one-line `with ...no_sync(): ...`", "the body cannot be moved", "put the body on its own lines")
+            self.refuse("FSR203", w, "a one-line `with ...no_sync(): ...`", "the body cannot be moved", "put the body on its own lines")
         rest = [i for i in w.items if i is not item]
         inner: List[cst.BaseStatement] = body
         if rest:
@@ -234,6 +239,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
         others = [n for n in reads_of(facts, name, fn) if id(n) not in used and n is not target]
         if others or not withs or any(not isinstance(w.body, cst.IndentedBlock) for w in withs):
             self.refuse(
+                "FSR203",
                 stmt,
                 f"`{name}` holds a no_sync() context used elsewhere than `with {name}:`",
                 "the migration replaces the choice by set_requires_gradient_sync and unwraps `with` statements only",

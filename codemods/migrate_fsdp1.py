@@ -59,7 +59,7 @@ class MigrateFsdp1Command(RetrofitStage):
         if not uses.any:
             return
         for problem in uses.problems:
-            self.refuse(problem.node, problem.what, problem.why, problem.hint)
+            self.refuse(problem.code, problem.node, problem.what, problem.why, problem.hint)
         handled: Set[int] = set()
         self._carried: Dict[cst.CSTNode, list] = {}
         self._hoisted: Set[str] = set()  # names given to gathered state dicts
@@ -88,6 +88,7 @@ class MigrateFsdp1Command(RetrofitStage):
         if node is not None:
             stmt = facts.resolver.statement_of(node)
             self.refuse(
+                "FSR306",
                 node,
                 f"`{code(stmt).strip().splitlines()[0]}` uses FSDP1 API the rewrite does not convert",
                 "no FSDP1 API may be left in an FSDP2 script (the two cannot be mixed on one model)",
@@ -140,6 +141,7 @@ class MigrateFsdp1Command(RetrofitStage):
         for other in wraps[1:]:
             if settings(other) != settings(first):
                 self.refuse(
+                    "FSR307",
                     other.stmt, "several FSDP(...) wraps with different settings",
                     "the rewrite gives every fully_shard the same policy and unit rule",
                     "use the same FSDP settings for every model",
@@ -164,6 +166,7 @@ class MigrateFsdp1Command(RetrofitStage):
             )
         elif param not in (None, "float32") or reduce not in (None, "float32", param):
             self.refuse(
+                "FSR308",
                 first.settings_node["mixed_precision"], "MixedPrecision(...) with this combination of dtypes",
                 "the rewrite maps a bfloat16/float16 param_dtype (and its reduce_dtype) only",
                 "use param_dtype=torch.bfloat16 or torch.float16",
@@ -180,6 +183,7 @@ class MigrateFsdp1Command(RetrofitStage):
         if strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
             if not options.hsdp:
                 self.refuse(
+                    "FSR309",
                     first.settings_node["sharding_strategy"], f"ShardingStrategy.{strategy} needs the replica count",
                     "FSDP1 sharded within a node and replicated across nodes; FSDP2's HSDP is a 2-D "
                     "(replicate, shard) mesh whose shape the rewrite cannot know",
@@ -267,7 +271,7 @@ class MigrateFsdp1Command(RetrofitStage):
             if replacement is None:
                 continue
             if rank_gate(call, facts) is not None:
-                self.refuse(call, f"`{code(call)}` runs under a rank-0 `if`",
+                self.refuse("FSR310", call, f"`{code(call)}` runs under a rank-0 `if`",
                             "gathering or scattering a state dict is a collective: every rank must call it",
                             "take it on every rank, then write the file under the rank-0 `if`")
             editor.replace_expression(call, self.expr(replacement))
@@ -319,7 +323,7 @@ class MigrateFsdp1Command(RetrofitStage):
     def _default_state_dict(self, call: cst.Call, facts: ScriptFacts, editor: StatementEditor) -> None:
         model = wrapped_name(call.func.value)
         if rank_gate(call, facts) is not None:
-            self.refuse(call, f"`{model}.state_dict()` of the FSDP1 model runs under a rank-0 `if`",
+            self.refuse("FSR310", call, f"`{model}.state_dict()` of the FSDP1 model runs under a rank-0 `if`",
                         "it gathers the full state dict: a collective every rank must call (a deadlock in FSDP1 too)",
                         "take it on every rank, then write the file under the rank-0 `if`")
         editor.replace_expression(call, self.expr(f"get_model_state_dict({model}, options=StateDictOptions(full_state_dict=True))"))

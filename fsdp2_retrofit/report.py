@@ -36,6 +36,7 @@ class Refusal:
     what: str
     why: str
     hint: str = ""
+    code: str = ""  # its kind in the refusal catalogue (`fsdp2-retrofit rules FSR101`)
 
 
 class RefusedError(Exception):
@@ -144,7 +145,7 @@ def render_text(result: RewriteResult, console, *, target: Optional[str] = None,
                 why = Text(r.why)
                 if r.hint:
                     why.append(f"\nhint: {r.hint}", style="italic")
-                table.add_row(str(r.line), Text(r.what), why)
+                table.add_row(str(r.line), Text(f"{r.code} {r.what}" if r.code else r.what), why)
             console.print(table)
         return
 

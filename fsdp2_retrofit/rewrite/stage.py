@@ -12,6 +12,7 @@ from libcst.codemod.visitors import AddImportsVisitor
 from fsdp2_retrofit.analysis import ScriptFacts, analyse
 from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.report import Attention, Change, Refusal, RefusedError
+from fsdp2_retrofit.rewrite.refusals import CATALOGUE
 
 CHANGES_KEY = "fsdp2_retrofit.changes"
 ATTENTION_KEY = "fsdp2_retrofit.attention"
@@ -99,9 +100,12 @@ class RetrofitStage(CodemodCommand):
         line = node_or_line if isinstance(node_or_line, int) else self.line(node_or_line)
         self.context.scratch.setdefault(ATTENTION_KEY, []).append(Attention(line, self.CODE, what, why))
 
-    def refuse(self, node_or_line, what: str, why: str, hint: str = "") -> None:
+    def refuse(self, code: str, node_or_line, what: str, why: str, hint: str = "") -> None:
+        """Refuse the whole file: `code` is the kind of refusal (fsdp2_retrofit.rewrite.refusals)."""
+        if code not in CATALOGUE:
+            raise ValueError(f"refusal code {code!r} is not in the catalogue")
         line = node_or_line if isinstance(node_or_line, int) else self.line(node_or_line)
-        raise RefusedError(Refusal(line, what, why, hint))
+        raise RefusedError(Refusal(line, what, why, hint, code))
 
     def add_import(self, module: str, obj: Optional[str] = None, asname: Optional[str] = None) -> None:
         AddImportsVisitor.add_needed_import(self.context, module, obj, asname)

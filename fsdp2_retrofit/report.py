@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Iterable, List, Optional, Sequence
 
 
@@ -57,6 +57,8 @@ class RewriteResult:
     changes: List[Change]
     attention: List[Attention]
     refusals: List[Refusal]
+    # the other files the analysis looked for (found or not): the result depends on them
+    inputs: List[str] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:

@@ -559,27 +559,21 @@ def test_cache_answers_a_second_run_and_misses_when_a_sibling_changes(tmp_path, 
     assert any(cache.cache_dir().iterdir())
 
 
-PKG_MODELS = """import torch.nn as nn
+PKG_MODELS = """from torch import nn
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
+class Block(nn.Sequential):
+    def __init__(self, width):
+        super().__init__(nn.Linear(width, width), nn.Tanh())
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, width=4, depth=3):
         super().__init__()
         self.layers = {layers}
 
     def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
+        return self.layers[-1](self.layers[0](x))
 """
 PKG_SCRIPT = """import torch
 
@@ -609,7 +603,7 @@ def test_cache_misses_when_a_module_in_a_package_the_analysis_read_changes(tmp_p
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
     models = tmp_path / "pkg" / "models.py"
-    models.write_text(PKG_MODELS.format(layers="nn.ModuleList([Block() for _ in range(3)])"))
+    models.write_text(PKG_MODELS.format(layers="nn.ModuleList([Block(width) for _ in range(depth)])"))
     script = tmp_path / "train.py"
     script.write_text(PKG_SCRIPT)
     calls = []
@@ -625,7 +619,7 @@ def test_cache_misses_when_a_module_in_a_package_the_analysis_read_changes(tmp_p
     assert b"fully_shard(block, mesh=mesh" in blocks.code and len(calls) == 1
     assert rewrite_once().code == blocks.code and len(calls) == 1  # unchanged: from the cache
     # a plain list instead of a ModuleList: its layers are not registered, the rewrite refuses
-    models.write_text(PKG_MODELS.format(layers="[Block() for _ in range(3)]"))
+    models.write_text(PKG_MODELS.format(layers="[Block(width) for _ in range(depth)]"))
     plain = rewrite_once()
     assert len(calls) == 2 and plain.code == script.read_bytes()
     assert [r.code for r in plain.refusals] == ["FSR618"]

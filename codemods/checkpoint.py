@@ -46,9 +46,9 @@ def _dcp_save(call: cst.Call, callee: cst.BaseExpression) -> cst.Call:
     )
 
 
-def _assigned_to(stmt: cst.SimpleStatementLine, name: str) -> cst.SimpleStatementLine:
+def _assigned_to(stmt: cst.CSTNode, name: str) -> cst.CSTNode:
     """`f(...)` -> `name = f(...)`."""
-    if not isinstance(stmt.body[0], cst.Expr):
+    if not (isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], cst.Expr)):
         return stmt
     return stmt.with_changes(body=[cst.Assign([cst.AssignTarget(cst.Name(name))], stmt.body[0].value)])
 

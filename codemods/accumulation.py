@@ -17,25 +17,11 @@ TRADE = (
 )
 
 
-class _AccumulationEditor(StatementEditor):
-    def __init__(self) -> None:
-        super().__init__()
-        self.targets: dict = {}  # For loop -> new target name (`_` renamed)
-
-    def leave_For(self, original_node: cst.For, updated_node: cst.For):
-        if original_node in self.targets:
-            updated_node = updated_node.with_changes(target=cst.Name(self.targets[original_node]))
-        return updated_node
-
-
 class SyncGradientsOncePerStepCommand(RetrofitStage):
     DESCRIPTION = "With gradient accumulation, call set_requires_gradient_sync(<last micro-batch>) before backward()."
     CODE = "accumulation"
 
-    def make_editor(self) -> StatementEditor:
-        return _AccumulationEditor()
-
-    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: _AccumulationEditor) -> None:
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         if not facts.models:
             return
         for loop in facts.loops:
@@ -121,8 +107,7 @@ class SyncGradientsOncePerStepCommand(RetrofitStage):
             name = target.value
             if name == "_" and "_" not in names_in(node.body):
                 name = self.fresh_name("micro_step", loop.function)
-                editor.targets[node] = name
-                editor.mark_work()
+                editor.replace_expression(node, lambda updated, name=name: updated.with_changes(target=cst.Name(name)))
             return backward, f"{name} == {_minus_one(count)}", f"the last of `range({count})` micro-batches"
         if isinstance(func, cst.Name) and func.value == "enumerate" and len(args) == 1:
             target = node.target

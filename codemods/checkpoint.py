@@ -28,57 +28,40 @@ DIRECTORY_NOTE = (
 )
 
 
-class _SaveEditor(StatementEditor):
-    def __init__(self) -> None:
-        super().__init__()
-        self.exprs: Dict[cst.CSTNode, cst.BaseExpression] = {}  # state_dict() calls -> replacements
-        self.saves: Dict[cst.Call, cst.BaseExpression] = {}  # torch.save calls -> `dcp.save` callee
-        self.assign: Dict[cst.CSTNode, str] = {}  # save statements whose result is kept (async)
-        self.save_group: Dict[cst.Call, str] = {}  # async saves -> their process group
+def _dcp_save(call: cst.Call, callee: cst.BaseExpression) -> cst.Call:
+    """`torch.save(state, path)` -> `<callee>(state, checkpoint_id=path)`."""
+    state, path = call.args[0], call.args[1]
+    return call.with_changes(
+        func=callee,
+        args=[
+            state.with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT),
+            path.with_changes(
+                keyword=cst.Name("checkpoint_id"),
+                equal=cst.AssignEqual(
+                    whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")
+                ),
+                comma=path.comma if len(call.args) == 2 else cst.MaybeSentinel.DEFAULT,
+            ),
+        ],
+    )
 
-    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
-        if original_node in self.exprs:
-            return self.exprs[original_node]
-        if original_node in self.saves:
-            state, path = updated_node.args[0], updated_node.args[1]
-            updated_node = updated_node.with_changes(
-                func=self.saves[original_node],
-                args=[
-                    state.with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT),
-                    path.with_changes(
-                        keyword=cst.Name("checkpoint_id"),
-                        equal=cst.AssignEqual(
-                            whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")
-                        ),
-                        comma=path.comma if len(updated_node.args) == 2 else cst.MaybeSentinel.DEFAULT,
-                    ),
-                ],
-            )
-            if original_node in self.save_group:
-                updated_node = with_keyword(updated_node, "process_group", cst.Name(self.save_group[original_node]))
-        return updated_node
 
-    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name):
-        return self.exprs.get(original_node, updated_node)  # torch.save(model, ...)
-
-    def leave_SimpleStatementLine(self, original_node, updated_node):
-        if original_node in self.assign and isinstance(updated_node.body[0], cst.Expr):
-            target = cst.AssignTarget(cst.Name(self.assign[original_node]))
-            updated_node = updated_node.with_changes(body=[cst.Assign([target], updated_node.body[0].value)])
-        return updated_node
+def _assigned_to(stmt: cst.CSTNode, name: str) -> cst.CSTNode:
+    """`f(...)` -> `name = f(...)`."""
+    if not (isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], cst.Expr)):
+        return stmt
+    return stmt.with_changes(body=[cst.Assign([cst.AssignTarget(cst.Name(name))], stmt.body[0].value)])
 
 
 class ConvertSavesCommand(RetrofitStage):
     DESCRIPTION = "Turn torch.save of model/optimizer state into dcp.save of get_*_state_dict(), on every rank."
     CODE = "checkpoint"
 
-    def make_editor(self) -> StatementEditor:
-        return _SaveEditor()
-
-    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: _SaveEditor) -> None:
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         if not facts.models:
             return
         self.future: Optional[str] = None
+        self._async: set = set()  # save statements whose result is kept (async)
         self._originals: set = set()  # statements of the script placed inside new `if`s
         # new statements each save needs right before it, on every rank (a gather, a wait)
         self.pre: Dict[cst.CSTNode, List[cst.CSTNode]] = {}
@@ -93,7 +76,7 @@ class ConvertSavesCommand(RetrofitStage):
 
     # -- one save ---------------------------------------------------------------
 
-    def _convert(self, site: SaveSite, facts: ScriptFacts, editor: _SaveEditor, async_ok: bool) -> None:
+    def _convert(self, site: SaveSite, facts: ScriptFacts, editor: StatementEditor, async_ok: bool) -> None:
         call, stmt = site.call, site.stmt
         if len(call.args) < 2:
             return
@@ -103,7 +86,7 @@ class ConvertSavesCommand(RetrofitStage):
             replacement = (
                 f"get_model_state_dict({model}, options={FULL_OPTIONS})" if full else f"get_model_state_dict({model})"
             )
-            editor.exprs[site.state] = self.expr(replacement)
+            states = {site.state: self.expr(replacement)}
             self.add_import(STATE_DICT_MODULE, "get_model_state_dict")
             self.attention(
                 call,
@@ -114,19 +97,21 @@ class ConvertSavesCommand(RetrofitStage):
             calls = [(site.state, "model", model)]
         else:
             calls = [(s.call, s.kind, s.model if s.kind == "model" else s.owner) for s in site.state_calls]
+            states = {}  # state_dict() calls -> their replacements
             for s in site.state_calls:
                 if full:
-                    editor.exprs[s.call] = self.expr(f"get_model_state_dict({s.owner}, options={FULL_OPTIONS})")
+                    states[s.call] = self.expr(f"get_model_state_dict({s.owner}, options={FULL_OPTIONS})")
                 elif s.kind == "model":
-                    editor.exprs[s.call] = self.expr(f"get_model_state_dict({s.owner})")
+                    states[s.call] = self.expr(f"get_model_state_dict({s.owner})")
                 else:
-                    editor.exprs[s.call] = self.expr(f"get_optimizer_state_dict({s.model}, {s.owner})")
-        editor.mark_work()
+                    states[s.call] = self.expr(f"get_optimizer_state_dict({s.model}, {s.owner})")
+        for node, new in states.items():
+            editor.replace_expression(node, new)
         kinds = sorted({"get_model_state_dict" if k == "model" else "get_optimizer_state_dict" for _, k, _ in calls})
         for kind in kinds:
             self.add_import(STATE_DICT_MODULE, kind)
         if full:
-            self._full_export(site, calls, facts, editor)
+            self._full_export(site, calls, states, facts, editor)
             return
         self.collective[stmt] = True
         self.add_import("torch.distributed.checkpoint", asname="dcp")
@@ -134,14 +119,17 @@ class ConvertSavesCommand(RetrofitStage):
             scope = facts.resolver.enclosing_function(call)
             self.future = self.future or self.fresh_name(FUTURE, scope)
             self.group = self.fresh_name(GROUP, scope)
-            editor.saves[call] = self.expr("dcp.async_save")
-            editor.save_group[call] = self.group
-            editor.assign[stmt] = self.future
+            callee, group, future = self.expr("dcp.async_save"), self.group, self.future
+            editor.replace_expression(call, lambda updated: with_keyword(
+                _dcp_save(updated, callee), "process_group", cst.Name(group)))
+            editor.replace_expression(stmt, lambda updated: _assigned_to(updated, future))
+            self._async.add(stmt)
             wait = self.stmt(f"if {self.future} is not None:\n    {self.future}.result()\n")
             self.pre.setdefault(stmt, []).append(wait)
             how = "dcp.async_save (after waiting for the previous save)"
         else:
-            editor.saves[call] = self.expr("dcp.save")
+            callee = self.expr("dcp.save")
+            editor.replace_expression(call, lambda updated: _dcp_save(updated, callee))
             how = "dcp.save"
         self.change(
             call,
@@ -150,7 +138,7 @@ class ConvertSavesCommand(RetrofitStage):
             "torch.save of sharded state writes one rank's DTensor shards, not a loadable model",
         )
 
-    def _full_export(self, site: SaveSite, calls, facts: ScriptFacts, editor: _SaveEditor) -> None:
+    def _full_export(self, site: SaveSite, calls, states, facts: ScriptFacts, editor: StatementEditor) -> None:
         """--export full: the full state dict is gathered on every rank (a collective),
         rank 0 writes the file; a gathering call written inside the save moves before it."""
         stmt = site.stmt
@@ -161,9 +149,9 @@ class ConvertSavesCommand(RetrofitStage):
             if id(node) not in inside:
                 continue
             name = self.fresh_name(f"{owner}_state", scope)
-            hoisted = self.stmt(f"{name} = {code(editor.exprs[node])}\n")
+            hoisted = self.stmt(f"{name} = {code(states[node])}\n")
             self.pre.setdefault(stmt, []).append(hoisted)
-            editor.exprs[node] = cst.Name(name)
+            editor.replace_expression(node, cst.Name(name))
         self.collective[stmt] = False
         self.change(
             site.call,
@@ -175,7 +163,7 @@ class ConvertSavesCommand(RetrofitStage):
 
     # -- rank-0 branches ------------------------------------------------------------
 
-    def _move_out_of_rank_gates(self, sites, facts: ScriptFacts, editor: _SaveEditor) -> None:
+    def _move_out_of_rank_gates(self, sites, facts: ScriptFacts, editor: StatementEditor) -> None:
         """Split each rank-0 `if` around a save: what gathers or writes sharded state
         runs on every rank, plain-file writes and prints stay on rank 0."""
         gates: Dict[cst.If, List[cst.CSTNode]] = {}
@@ -214,7 +202,7 @@ class ConvertSavesCommand(RetrofitStage):
                     changed = True
         return [c for c in calls if c.func.value in saving]
 
-    def _place_ungated(self, site: SaveSite, facts: ScriptFacts, editor: _SaveEditor) -> None:
+    def _place_ungated(self, site: SaveSite, facts: ScriptFacts, editor: StatementEditor) -> None:
         """The statements a save needs go right before it (its comments above them); a
         full export's torch.save goes under `if rank == 0:`."""
         stmt = site.stmt
@@ -234,7 +222,7 @@ class ConvertSavesCommand(RetrofitStage):
         editor.relead[stmt] = []
         editor.replace(stmt, cst.If(self.expr(test), cst.IndentedBlock([stmt]), leading_lines=leading))
 
-    def _split(self, gate: cst.If, gated: List[cst.Call], facts: ScriptFacts, editor: _SaveEditor) -> None:
+    def _split(self, gate: cst.If, gated: List[cst.Call], facts: ScriptFacts, editor: StatementEditor) -> None:
         """`if A and rank == 0: body` -> `if A: body'`, where body' runs on every rank and
         only its output statements (prints, logs, plain-file writes) keep `if rank == 0:`.
         Assignments run on every rank too: later branches (`if loss < best: save`) must
@@ -242,6 +230,7 @@ class ConvertSavesCommand(RetrofitStage):
         rank, other = split_rank_test(gate.test)
         if gate.orelse is not None or not rank or not isinstance(gate.body, cst.IndentedBlock):
             self.refuse(
+                "FSR701",
                 gated[0],
                 "a checkpoint save inside a rank-0 branch that cannot be split",
                 "the save is collective now (every rank writes its shards); under a rank-0 "
@@ -271,7 +260,7 @@ class ConvertSavesCommand(RetrofitStage):
             "a collective under a rank-0 `if` deadlocks the other ranks",
         )
 
-    def _push_down(self, stmts, test, editor: _SaveEditor, facts: ScriptFacts) -> List[cst.CSTNode]:
+    def _push_down(self, stmts, test, editor: StatementEditor, facts: ScriptFacts) -> List[cst.CSTNode]:
         items: List[Tuple[bool, cst.CSTNode]] = []  # (runs on every rank, statement)
         for stmt in stmts:
             items.extend((True, new) for new in self.pre.get(stmt, []))
@@ -301,7 +290,7 @@ class ConvertSavesCommand(RetrofitStage):
                 out.append(node)
         return out
 
-    def _push_down_compound(self, stmt, test, editor: _SaveEditor, facts: ScriptFacts) -> cst.CSTNode:
+    def _push_down_compound(self, stmt, test, editor: StatementEditor, facts: ScriptFacts) -> cst.CSTNode:
         new = stmt.with_changes(body=stmt.body.with_changes(body=self._push_down(list(stmt.body.body), test, editor, facts)))
         orelse = getattr(stmt, "orelse", None)
         if isinstance(orelse, cst.If):
@@ -352,10 +341,10 @@ class ConvertSavesCommand(RetrofitStage):
             )
         return not outside
 
-    def _wait_at_the_end(self, sites, facts: ScriptFacts, editor: _SaveEditor) -> None:
+    def _wait_at_the_end(self, sites, facts: ScriptFacts, editor: StatementEditor) -> None:
         block = facts.entry_block
         first = min(
-            (facts.resolver.statement_of(s.call) for s in sites if s.stmt in editor.assign),
+            (facts.resolver.statement_of(s.call) for s in sites if s.stmt in self._async),
             key=lambda s: _position(s, facts),
         )
         top = first

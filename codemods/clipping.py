@@ -12,25 +12,11 @@ NUMBER_METHODS = {"item", "tolist", "cpu", "numpy"}
 NUMBER_FUNCTIONS = {"float", "int", "round"}
 
 
-class _NormEditor(StatementEditor):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: set = set()  # clip calls read in place: `clip_grad_norm_(...).item()`
-
-    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
-        if original_node in self.calls:
-            return cst.Call(cst.Attribute(updated_node, cst.Name("full_tensor")))
-        return updated_node
-
-
 class ReadGlobalGradNormCommand(RetrofitStage):
     DESCRIPTION = "After `norm = clip_grad_norm_(...)`, make `norm` a plain tensor with .full_tensor() on every rank."
     CODE = "clipping"
 
-    def make_editor(self) -> StatementEditor:
-        return _NormEditor()
-
-    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: _NormEditor) -> None:
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         if not facts.models:
             return
         for call in facts.resolver.nodes(cst.Call):
@@ -46,8 +32,7 @@ class ReadGlobalGradNormCommand(RetrofitStage):
                 and facts.resolver.parent(parent).func.value in NUMBER_FUNCTIONS
             )
             if read:
-                editor.calls.add(call)
-                editor.mark_work()
+                editor.replace_expression(call, lambda updated: cst.Call(cst.Attribute(updated, cst.Name("full_tensor"))))
                 self.change(
                     call,
                     "the norm clip_grad_norm_ returns is read with .full_tensor() first",

@@ -1,7 +1,7 @@
 """data: give every training DataLoader a DistributedSampler, and set its epoch."""
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Optional
 
 import libcst as cst
 
@@ -14,40 +14,23 @@ BATCH_NOTE = "# The per-rank batch stays as written: the global batch is now wor
 KEEP_NOTE = "# --keep-global-batch: each rank reads 1/world_size of the batch; the global batch stays as written."
 
 
-class _DataEditor(StatementEditor):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: Dict[cst.CSTNode, tuple] = {}  # loader call -> (sampler name, dataset replacement)
-        self.dicts: set = set()  # kwargs dicts that lose their "shuffle"
-        self.batch: Dict[cst.CSTNode, cst.BaseExpression] = {}  # loader call -> per-rank batch size
-
-    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
-        if original_node in self.calls:
-            sampler, dataset = self.calls[original_node]
-            updated_node = without_keyword(updated_node, "shuffle")
-            if dataset is not None:
-                updated_node = _replace_dataset(updated_node, dataset)
-            if original_node in self.batch:
-                updated_node = _replace_batch_size(updated_node, self.batch[original_node])
-            return with_keyword(updated_node, "sampler", cst.Name(sampler))
-        if original_node in self.dicts:
-            return without_entry(updated_node, "shuffle")
-        return updated_node
-
-    def leave_Dict(self, original_node: cst.Dict, updated_node: cst.Dict):
-        if original_node in self.dicts:
-            return without_entry(updated_node, "shuffle")
-        return updated_node
+def _sampled(call: cst.Call, sampler: str, dataset: Optional[cst.BaseExpression],
+             batch: Optional[cst.BaseExpression]) -> cst.Call:
+    """A DataLoader call reading through `sampler` (its shuffle dropped; its dataset
+    and per-rank batch size replaced where given)."""
+    call = without_keyword(call, "shuffle")
+    if dataset is not None:
+        call = _replace_dataset(call, dataset)
+    if batch is not None:
+        call = _replace_batch_size(call, batch)
+    return with_keyword(call, "sampler", cst.Name(sampler))
 
 
 class DistributeDataCommand(RetrofitStage):
     DESCRIPTION = "Shard the training data across ranks with DistributedSampler and set_epoch."
     CODE = "data"
 
-    def make_editor(self) -> StatementEditor:
-        return _DataEditor()
-
-    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: _DataEditor) -> None:
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         training = [l for l in facts.loaders if l.trains]
         if not training and facts.loops and not facts.loaders:
             self.attention(
@@ -68,7 +51,7 @@ class DistributeDataCommand(RetrofitStage):
                 continue
             self._distribute(loader, facts, editor, several=len(training) > 1)
 
-    def _distribute(self, loader: LoaderSite, facts: ScriptFacts, editor: _DataEditor, several: bool) -> None:
+    def _distribute(self, loader: LoaderSite, facts: ScriptFacts, editor: StatementEditor, several: bool) -> None:
         scope = facts.resolver.enclosing_function(loader.stmt)
         sampler = self.fresh_name(f"{loader.name}_sampler" if several else "sampler", scope)
         dataset, hoisted = self._dataset(loader, scope)
@@ -78,15 +61,17 @@ class DistributeDataCommand(RetrofitStage):
         if hoisted is not None:
             new.append(self.stmt(f"{dataset} = {code(loader.dataset)}\n"))
         new.append(self.stmt(f"{sampler} = DistributedSampler({dataset}, shuffle={shuffle}{extra})\n"))
-        keep = self.options.keep_global_batch and self._keep_global_batch(loader, facts, editor, new)
+        batch = self._keep_global_batch(loader, facts, new) if self.options.keep_global_batch else None
+        keep = batch is not None
         leading = list(loader.stmt.leading_lines)
         new[0] = new[0].with_changes(leading_lines=leading)
         editor.insert_before(loader.stmt, new)
         note = cst.EmptyLine(comment=cst.Comment(KEEP_NOTE if keep else BATCH_NOTE))
         editor.set_leading_lines(loader.stmt, [note])
-        editor.calls[loader.call] = (sampler, cst.Name(dataset) if hoisted is not None else None)
+        new_dataset = cst.Name(dataset) if hoisted is not None else None
+        editor.replace_expression(loader.call, lambda call: _sampled(call, sampler, new_dataset, batch))
         if loader.kwargs_dict is not None and loader.shuffle is not None and _has_key(loader.kwargs_dict, "shuffle"):
-            editor.dicts.add(loader.kwargs_dict)
+            editor.replace_expression(loader.kwargs_dict, lambda kwargs: without_entry(kwargs, "shuffle"))
         self.add_import("torch.utils.data.distributed", "DistributedSampler")
         self.change(
             loader.stmt,
@@ -99,8 +84,9 @@ class DistributeDataCommand(RetrofitStage):
         )
         self._set_epoch(loader, sampler, facts, editor)
 
-    def _keep_global_batch(self, loader: LoaderSite, facts: ScriptFacts, editor: _DataEditor, new: list) -> bool:
-        """--keep-global-batch: each rank reads batch_size // world_size, checked at run time."""
+    def _keep_global_batch(self, loader: LoaderSite, facts: ScriptFacts, new: list) -> Optional[cst.BaseExpression]:
+        """--keep-global-batch: each rank reads batch_size // world_size, checked at run time
+        (the per-rank batch size; None where it cannot be divided)."""
         size = _batch_size(loader.call)
         if size is None:
             self.attention(
@@ -108,7 +94,7 @@ class DistributeDataCommand(RetrofitStage):
                 f"--keep-global-batch: the batch size of `{loader.name}` is not an argument of the call: not divided",
                 "pass batch_size= to the DataLoader (not through a dict) so the rewrite can divide it",
             )
-            return False
+            return None
         same_scope = facts.resolver.enclosing_function(loader.stmt) is facts.resolver.enclosing_function(
             facts.models[0].stmt
         )
@@ -116,8 +102,7 @@ class DistributeDataCommand(RetrofitStage):
         text = code(size)
         operand = text if isinstance(size, (cst.Name, cst.Attribute, cst.Integer)) else f"({text})"
         new.append(self.stmt(f'assert {operand} % {world} == 0, "the batch size must divide by the number of ranks"\n'))
-        editor.batch[loader.call] = self.expr(f"{operand} // {world}")
-        return True
+        return self.expr(f"{operand} // {world}")
 
     def _dataset(self, loader: LoaderSite, scope):
         if isinstance(loader.dataset, (cst.Name, cst.Attribute)):

@@ -1,8 +1,6 @@
 """forward_calls: call sharded modules, never their `.forward`."""
 from __future__ import annotations
 
-from typing import Set
-
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts
@@ -19,28 +17,13 @@ MODULE_API = {
 }
 
 
-class _ForwardEditor(StatementEditor):
-    def __init__(self, calls: Set[cst.Call]):
-        super().__init__()
-        self.calls = calls
-        if calls:
-            self.mark_work()
-
-    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
-        if original_node in self.calls:
-            return updated_node.with_changes(func=updated_node.func.value)
-        return updated_node
-
-
 class ReplaceForwardCallsCommand(RetrofitStage):
     DESCRIPTION = "Replace model.forward(x) with model(x); register other entry points of sharded models."
     CODE = "forward_calls"
 
-    def make_editor(self) -> StatementEditor:
-        return _ForwardEditor(set(self.facts.forward_calls))
-
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         for call in facts.forward_calls:
+            editor.replace_expression(call, lambda updated: updated.with_changes(func=updated.func.value))
             self.change(
                 call,
                 f"`{call.func.value.value}.forward(...)` -> `{call.func.value.value}(...)`",

@@ -75,6 +75,7 @@ class LaunchDistributedCommand(RetrofitStage):
             return
         if group.conditional is not None:
             self.refuse(
+                "FSR401",
                 group.init,
                 "the process group is started under a condition",
                 "fully_shard needs the process group and a device mesh on every run; the script also runs "
@@ -86,6 +87,7 @@ class LaunchDistributedCommand(RetrofitStage):
         top = facts.models[0].top
         if group.start in body and top in body and body.index(top) < body.index(group.start):
             self.refuse(
+                "FSR402",
                 facts.models[0].stmt,
                 f"`{facts.models[0].name}` is built before the script starts its process group",
                 "fully_shard needs the device mesh, which needs the process group; sharding must follow the build",

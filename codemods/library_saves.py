@@ -31,6 +31,7 @@ class GatherLibrarySavesCommand(RetrofitStage):
             return  # already `full_state = get_model_state_dict(...)`, then the gated save
         if given is not None:
             self.refuse(
+                "FSR702",
                 stmt, f"`{code(call.func)}` is given its own state_dict",
                 "which state it writes is for the script to say; a state dict of a sharded model holds one "
                 "rank's shards",
@@ -39,6 +40,7 @@ class GatherLibrarySavesCommand(RetrofitStage):
             )
         if rank_gate(stmt, facts) is not None:
             self.refuse(
+                "FSR703",
                 stmt, f"`{code(call.func)}` under a rank test",
                 "gathering the full state dict is a collective every rank must join: under a rank-0 `if` "
                 "the other ranks never do (deadlock)",

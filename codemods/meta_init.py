@@ -46,6 +46,7 @@ class InitOnMetaDeviceCommand(RetrofitStage):
     def _build_on_meta(self, model: ModelSite, facts: ScriptFacts, editor: StatementEditor) -> None:
         if model.library is not None:
             self.refuse(
+                "FSR501",
                 model.stmt, f"--meta-init: `{model.name}` is built by {model.library.library}",
                 "its initialisation (or its pretrained weights) lives in the library, which the rewrite never "
                 "reads: after to_empty nothing could re-create the weights",
@@ -53,6 +54,7 @@ class InitOnMetaDeviceCommand(RetrofitStage):
             )
         if model.top is not model.stmt:
             self.refuse(
+                "FSR502",
                 model.stmt, f"--meta-init: `{model.name}` is built inside a compound statement",
                 "the meta build, to_empty and re-initialisation need the model built by one plain statement",
                 HINT,
@@ -61,10 +63,11 @@ class InitOnMetaDeviceCommand(RetrofitStage):
         try:
             build, device = split_device_moves(assign.value, facts.resolver)
         except CannotReplay as err:
-            self.refuse(err.node or model.stmt, f"--meta-init: {err.what}", err.why, HINT)
+            self.refuse("FSR503", err.node or model.stmt, f"--meta-init: {err.what}", err.why, HINT)
         ctor = _constructor(build)
         if ctor is None or model.class_name not in facts.resolver.qnames(ctor):
             self.refuse(
+                "FSR504",
                 model.stmt, f"--meta-init: `{model.name}` is built by `{code(assign.value)}`, not by its class",
                 "the re-initialisation is read from the constructor call and the class's __init__",
                 "call the model's class in the training script, or " + HINT[0].lower() + HINT[1:],
@@ -134,6 +137,7 @@ class InitOnMetaDeviceCommand(RetrofitStage):
                 # e.g. model.load_state_dict(...): on the meta device it reads nothing,
                 # and the re-initialisation after to_empty would overwrite it anyway
                 self.refuse(
+                    "FSR505",
                     stmt, f"--meta-init: `{_first_line(stmt)}` uses `{model.name}` between its build and fully_shard",
                     "with --meta-init the model has no values until to_empty and the re-initialisation after "
                     "sharding, which would also overwrite what this statement does",
@@ -164,7 +168,7 @@ class InitOnMetaDeviceCommand(RetrofitStage):
         try:
             rest, device = split_device_moves(value, facts.resolver)
         except CannotReplay as err:
-            self.refuse(err.node or stmt, f"--meta-init: {err.what}", err.why, HINT)
+            self.refuse("FSR503", err.node or stmt, f"--meta-init: {err.what}", err.why, HINT)
         if isinstance(rest, cst.Name) and rest.value == model.name:
             return "device", device
         return None, None  # a dtype change: it works on the meta model, keep it
@@ -187,7 +191,7 @@ class InitOnMetaDeviceCommand(RetrofitStage):
             where = f" ({err.info.file}:{position})"
         elif err.node is not None and self.line(err.node):
             line = err.node
-        self.refuse(line, f"--meta-init: {err.what}{where}", err.why, err.hint or HINT)
+        self.refuse("FSR503", line, f"--meta-init: {err.what}{where}", err.why, err.hint or HINT)
 
 
 def _built_on_meta(top, facts: ScriptFacts) -> bool:

@@ -3,7 +3,7 @@ that the later stages shard like a single-GPU one (the wrapper goes, `.module`
 goes, `no_sync()` becomes `set_requires_gradient_sync`)."""
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import List
 
 import libcst as cst
 from libcst.codemod.visitors import RemoveImportsVisitor
@@ -30,35 +30,14 @@ DROPPED = {
 }
 
 
-class _MigrateEditor(StatementEditor):
-    def __init__(self) -> None:
-        super().__init__()
-        self.strip: set = set()  # `model.module` attribute nodes -> `model`
-        self.collapse: set = set()  # IfExp nodes whose two sides become the same
-        self.values: Dict[cst.CSTNode, cst.BaseExpression] = {}  # wrapper call -> the module it wraps
-
-    def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute):
-        if original_node in self.strip:
-            return updated_node.value
-        return updated_node
-
-    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
-        if original_node in self.values:
-            return self.values[original_node]
-        return updated_node
-
-    def leave_IfExp(self, original_node: cst.IfExp, updated_node: cst.IfExp):
-        if original_node in self.collapse and code(updated_node.body) == code(updated_node.orelse):
-            return updated_node.body
-        return updated_node
+def _collapsed(choice: cst.IfExp) -> cst.BaseExpression:
+    """`a if c else a` (both sides the same once `.module` is gone) -> `a`."""
+    return choice.body if code(choice.body) == code(choice.orelse) else choice
 
 
 class MigrateDistributedWrappersCommand(RetrofitStage):
     DESCRIPTION = "Remove DistributedDataParallel / DataParallel wrappers (and .module, no_sync) so the model can be sharded."
     CODE = "migrate_ddp"
-
-    def make_editor(self) -> StatementEditor:
-        return _MigrateEditor()
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         tree = super().transform_module_impl(tree)
@@ -66,23 +45,24 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
             tree = RemoveImportsVisitor(self.context).transform_module(tree)
         return tree
 
-    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: _MigrateEditor) -> None:
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         found = wrappers(facts)
         if not found.sites and not found.other_calls:
             return
         self._refuse_unsafe(found, facts)
         for site in found.sites:
             self._unwrap(site, facts, editor)
+        choices = set()
         for attr in found.module_accesses:
-            editor.strip.add(attr)
+            editor.replace_expression(attr, lambda updated: updated.value)
             parent = facts.resolver.parent(attr)
-            if isinstance(parent, cst.IfExp):
-                editor.collapse.add(parent)
+            if isinstance(parent, cst.IfExp) and parent not in choices:
+                choices.add(parent)
+                editor.replace_expression(parent, _collapsed)
         for call in found.module_getattrs:
-            editor.values[call] = call.args[0].value
+            editor.replace_expression(call, call.args[0].value)
         accesses = found.module_accesses + found.module_getattrs
         if accesses:
-            editor.mark_work()
             self.change(
                 accesses[0],
                 f"`.module` of the wrapped model goes ({len(accesses)} place(s))",
@@ -112,6 +92,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
     def _refuse_unsafe(self, found, facts: ScriptFacts) -> None:
         for call in found.other_calls:
             self.refuse(
+                "FSR201",
                 call,
                 f"`{code(call.func)}(...)` is not assigned to a name on its own line",
                 "the migration replaces `model = DDP(model, ...)` statements; a wrapper built inside another "
@@ -120,6 +101,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
             )
         for node in found.other_uses:
             self.refuse(
+                "FSR202",
                 node,
                 f"`{code(facts.resolver.statement_of(node) or node)}` uses the wrapper class itself",
                 "after the migration no model is a DistributedDataParallel/DataParallel; an isinstance test or a "
@@ -128,6 +110,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
             )
         for call in found.no_sync_calls:
             self.refuse(
+                "FSR203",
                 call,
                 "`no_sync()` is used outside a `with` statement or a `ctx = model.no_sync() if ... else nullcontext()` choice",
                 "FSDP2 has no no_sync context; the migration turns those two shapes into set_requires_gradient_sync",
@@ -136,6 +119,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
         ddp = [s for s in found.sites if s.kind == "DistributedDataParallel"]
         if ddp and found.rank_seeds:
             self.refuse(
+                "FSR204",
                 found.rank_seeds[0],
                 "the random seed depends on the rank",
                 "DDP copies rank 0's weights to every rank when it wraps the model; fully_shard keeps each rank's "
@@ -143,12 +127,13 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
                 "seed the model build with the same value on every rank (seed data augmentation separately)",
             )
         if facts.models and any(s.kind == "DataParallel" for s in found.sites) and ddp:
-            self.refuse(ddp[0].stmt, "the script uses both DataParallel and DistributedDataParallel",
+            self.refuse("FSR205", ddp[0].stmt, "the script uses both DataParallel and DistributedDataParallel",
                         "one process per device cannot be derived from both", "keep one of them")
         for site in found.sites:
             for key in site.kwargs:
                 if key not in DROPPED:
                     self.refuse(
+                        "FSR206",
                         site.stmt,
                         f"`{key}=` of {site.kind} has no FSDP2 counterpart the rewrite knows",
                         "dropping it could change what the script does (e.g. a process_group other than the "
@@ -156,7 +141,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
                         f"remove `{key}=` (or build the mesh by hand) and run rewrite again",
                     )
 
-    def _unwrap(self, site: WrapSite, facts: ScriptFacts, editor: _MigrateEditor) -> None:
+    def _unwrap(self, site: WrapSite, facts: ScriptFacts, editor: StatementEditor) -> None:
         if isinstance(site.inner, cst.Name) and site.inner.value == site.name:
             holder = facts.resolver.parent(facts.resolver.parent(site.stmt))
             if isinstance(holder, cst.If) and holder.orelse is None and len(holder.body.body) == 1:
@@ -170,8 +155,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
                     editor.set_leading_lines(following, list(site.stmt.leading_lines) + list(following.leading_lines))
             what = f"`{code(site.stmt)}` goes"
         else:
-            editor.values[site.call] = site.inner
-            editor.mark_work()
+            editor.replace_expression(site.call, site.inner)
             what = f"`{site.name} = {code(site.inner)}` without the {site.kind} wrapper" + (
                 f" (`{site.name}` is another name for the sharded `{site.inner.value}`)"
                 if isinstance(site.inner, cst.Name) else ""
@@ -190,13 +174,13 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
 
     # -- no_sync -----------------------------------------------------------------
 
-    def _no_sync_with(self, w: cst.With, facts: ScriptFacts, editor: _MigrateEditor) -> None:
+    def _no_sync_with(self, w: cst.With, facts: ScriptFacts, editor: StatementEditor) -> None:
         r = facts.resolver
         item = next(i for i in w.items if isinstance(i.item, cst.Call) and i.item.func.attr.value == "no_sync")
         model = code(item.item.func.value)
         body = list(w.body.body) if isinstance(w.body, cst.IndentedBlock) else None
         if body is None:
-            self.refuse(w, "a one-line `with ...no_sync(): ...`", "the body cannot be moved", "put the body on its own lines")
+            self.refuse("FSR203", w, "a one-line `with ...no_sync(): ...`", "the body cannot be moved", "put the body on its own lines")
         rest = [i for i in w.items if i is not item]
         inner: List[cst.BaseStatement] = body
         if rest:
@@ -246,7 +230,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
             "DDP's no_sync() does not exist on an FSDP2 module",
         )
 
-    def _no_sync_choice(self, stmt, name, negated, test, call, facts: ScriptFacts, editor: _MigrateEditor) -> None:
+    def _no_sync_choice(self, stmt, name, negated, test, call, facts: ScriptFacts, editor: StatementEditor) -> None:
         r = facts.resolver
         fn = r.enclosing_function(stmt)
         withs = context_withs(facts, name, stmt)
@@ -255,6 +239,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
         others = [n for n in reads_of(facts, name, fn) if id(n) not in used and n is not target]
         if others or not withs or any(not isinstance(w.body, cst.IndentedBlock) for w in withs):
             self.refuse(
+                "FSR203",
                 stmt,
                 f"`{name}` holds a no_sync() context used elsewhere than `with {name}:`",
                 "the migration replaces the choice by set_requires_gradient_sync and unwraps `with` statements only",

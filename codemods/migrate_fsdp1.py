@@ -34,27 +34,12 @@ BUFFER_NOTE = (
 )
 
 
-class _Editor(StatementEditor):
-    def __init__(self) -> None:
-        super().__init__()
-        self.exprs: Dict[cst.CSTNode, cst.BaseExpression] = {}
-
-    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
-        return self.exprs.get(original_node, updated_node)
-
-    def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute):
-        return self.exprs.get(original_node, updated_node)
-
-
 class MigrateFsdp1Command(RetrofitStage):
     DESCRIPTION = "Migrate FSDP1 (FullyShardedDataParallel) to FSDP2: its wrap becomes the shard stage's fully_shard calls."
     CODE = "fsdp1"
     LATER_STAGES_READ_IMPORTS = True  # removed FSDP1 imports must be gone before the others analyse
 
-    def make_editor(self) -> StatementEditor:
-        return _Editor()
-
-    def _remove(self, stmt, editor: _Editor) -> None:
+    def _remove(self, stmt, editor: StatementEditor) -> None:
         """Drop a statement; its blank lines and comments go to the statement after it."""
         editor.replace(stmt, None)
         block = self.facts.resolver.block_of(stmt)
@@ -62,19 +47,19 @@ class MigrateFsdp1Command(RetrofitStage):
         if stmt.leading_lines and stmt in body and body.index(stmt) + 1 < len(body):
             self._carried.setdefault(body[body.index(stmt) + 1], []).extend(stmt.leading_lines)
 
-    def _lead(self, editor: _Editor) -> None:
+    def _lead(self, editor: StatementEditor) -> None:
         """Give the carried lines to the statements that stay."""
         for node, lines in self._carried.items():
             if node in editor.replacement and editor.replacement[node] is None:
                 continue
             editor.set_leading_lines(node, list(lines) + list(node.leading_lines))
 
-    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: _Editor) -> None:
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         uses = fsdp1_uses(facts)
         if not uses.any:
             return
         for problem in uses.problems:
-            self.refuse(problem.node, problem.what, problem.why, problem.hint)
+            self.refuse(problem.code, problem.node, problem.what, problem.why, problem.hint)
         handled: Set[int] = set()
         self._carried: Dict[cst.CSTNode, list] = {}
         self._hoisted: Set[str] = set()  # names given to gathered state dicts
@@ -93,7 +78,7 @@ class MigrateFsdp1Command(RetrofitStage):
         for attr in uses.module_attrs:
             if id(attr) in state_owners:
                 continue  # the whole call is replaced
-            editor.exprs[attr] = attr.value
+            editor.replace_expression(attr, attr.value)
             self.change(attr, f"`{code(attr)}` -> `{attr.value.value}`",
                         "fully_shard keeps the model itself (no wrapper): its `.module` is the model")
         for call in uses.scalers:
@@ -103,6 +88,7 @@ class MigrateFsdp1Command(RetrofitStage):
         if node is not None:
             stmt = facts.resolver.statement_of(node)
             self.refuse(
+                "FSR306",
                 node,
                 f"`{code(stmt).strip().splitlines()[0]}` uses FSDP1 API the rewrite does not convert",
                 "no FSDP1 API may be left in an FSDP2 script (the two cannot be mixed on one model)",
@@ -111,11 +97,10 @@ class MigrateFsdp1Command(RetrofitStage):
         for stmt in uses.imports:
             self._drop_imports(stmt, editor)
         self._lead(editor)
-        editor.mark_work()
 
     # -- the wrap ------------------------------------------------------------------
 
-    def _unwrap(self, wrap: Fsdp1Wrap, editor: _Editor) -> None:
+    def _unwrap(self, wrap: Fsdp1Wrap, editor: StatementEditor) -> None:
         if isinstance(wrap.wrapped, cst.Name) and wrap.wrapped.value == wrap.target:
             self._remove(wrap.stmt, editor)
         else:
@@ -146,7 +131,7 @@ class MigrateFsdp1Command(RetrofitStage):
         for key, why in wrap.dropped:
             self.change(wrap.stmt, f"dropped `{key}`", why)
 
-    def _options(self, wraps: List[Fsdp1Wrap], facts: ScriptFacts, editor: _Editor):
+    def _options(self, wraps: List[Fsdp1Wrap], facts: ScriptFacts, editor: StatementEditor):
         """The options the later stages run with: the wrap's settings."""
         options = self.options
         if not wraps:
@@ -156,6 +141,7 @@ class MigrateFsdp1Command(RetrofitStage):
         for other in wraps[1:]:
             if settings(other) != settings(first):
                 self.refuse(
+                    "FSR307",
                     other.stmt, "several FSDP(...) wraps with different settings",
                     "the rewrite gives every fully_shard the same policy and unit rule",
                     "use the same FSDP settings for every model",
@@ -180,6 +166,7 @@ class MigrateFsdp1Command(RetrofitStage):
             )
         elif param not in (None, "float32") or reduce not in (None, "float32", param):
             self.refuse(
+                "FSR308",
                 first.settings_node["mixed_precision"], "MixedPrecision(...) with this combination of dtypes",
                 "the rewrite maps a bfloat16/float16 param_dtype (and its reduce_dtype) only",
                 "use param_dtype=torch.bfloat16 or torch.float16",
@@ -196,6 +183,7 @@ class MigrateFsdp1Command(RetrofitStage):
         if strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
             if not options.hsdp:
                 self.refuse(
+                    "FSR309",
                     first.settings_node["sharding_strategy"], f"ShardingStrategy.{strategy} needs the replica count",
                     "FSDP1 sharded within a node and replicated across nodes; FSDP2's HSDP is a 2-D "
                     "(replicate, shard) mesh whose shape the rewrite cannot know",
@@ -215,7 +203,7 @@ class MigrateFsdp1Command(RetrofitStage):
             )
         return dataclasses.replace(options, **changes) if changes else options
 
-    def _offload_backend(self, facts: ScriptFacts, editor: _Editor) -> None:
+    def _offload_backend(self, facts: ScriptFacts, editor: StatementEditor) -> None:
         """CPU offload steps the optimizer on CPU tensors: the process group needs gloo too."""
         init = facts.distributed_init
         if init is None:
@@ -227,9 +215,9 @@ class MigrateFsdp1Command(RetrofitStage):
         if backend is None:
             return  # the default backend has gloo for CPU tensors and nccl for CUDA ones
         if isinstance(backend, cst.SimpleString) and backend.evaluated_value == "nccl":
-            editor.exprs[init] = init.with_changes(args=[
+            editor.replace_expression(init, init.with_changes(args=[
                 a.with_changes(value=self.expr('"cpu:gloo,cuda:nccl"')) if a.value is backend else a for a in init.args
-            ])
+            ]))
             self.change(init, 'the process group backend "nccl" -> "cpu:gloo,cuda:nccl"',
                         "with CPUOffloadPolicy the optimizer step and clipping run on CPU tensors")
         elif not (isinstance(backend, cst.SimpleString) and "gloo" in backend.evaluated_value):
@@ -238,7 +226,7 @@ class MigrateFsdp1Command(RetrofitStage):
 
     # -- with FSDP.state_dict_type(...) -------------------------------------------
 
-    def _block(self, block: StateDictBlock, facts: ScriptFacts, editor: _Editor, handled: Set[int]) -> None:
+    def _block(self, block: StateDictBlock, facts: ScriptFacts, editor: StatementEditor, handled: Set[int]) -> None:
         node = block.node
         handled.add(id(node.items[0]))
         for stmt in block.consumed:
@@ -283,10 +271,10 @@ class MigrateFsdp1Command(RetrofitStage):
             if replacement is None:
                 continue
             if rank_gate(call, facts) is not None:
-                self.refuse(call, f"`{code(call)}` runs under a rank-0 `if`",
+                self.refuse("FSR310", call, f"`{code(call)}` runs under a rank-0 `if`",
                             "gathering or scattering a state dict is a collective: every rank must call it",
                             "take it on every rank, then write the file under the rank-0 `if`")
-            editor.exprs[call] = self.expr(replacement)
+            editor.replace_expression(call, self.expr(replacement))
             handled.add(id(call))
             converted.append(replacement.split("(")[0])
             gathered[call] = (replacement, owner)
@@ -307,7 +295,7 @@ class MigrateFsdp1Command(RetrofitStage):
                             name = self.fresh_name(f"{name}_", r.enclosing_function(node))
                         self._hoisted.add(name)
                         moved.append(self.stmt(f"{name} = {replacement}\n"))
-                        editor.exprs[call] = cst.Name(name)
+                        editor.replace_expression(call, cst.Name(name))
                 gated = cst.If(test=self.expr(test), body=cst.IndentedBlock(body=[stmt]))
                 self.change(stmt, "the torch.save of the full state dict runs on rank 0 only",
                             "the full state dict is gathered to rank 0 (cpu_offload); every rank writing the "
@@ -332,13 +320,13 @@ class MigrateFsdp1Command(RetrofitStage):
                                "one checkpoint that can be loaded on any number of ranks")
         self.change(node, what, why, "gathering a state dict under a rank-0 `if` deadlocks")
 
-    def _default_state_dict(self, call: cst.Call, facts: ScriptFacts, editor: _Editor) -> None:
+    def _default_state_dict(self, call: cst.Call, facts: ScriptFacts, editor: StatementEditor) -> None:
         model = wrapped_name(call.func.value)
         if rank_gate(call, facts) is not None:
-            self.refuse(call, f"`{model}.state_dict()` of the FSDP1 model runs under a rank-0 `if`",
+            self.refuse("FSR310", call, f"`{model}.state_dict()` of the FSDP1 model runs under a rank-0 `if`",
                         "it gathers the full state dict: a collective every rank must call (a deadlock in FSDP1 too)",
                         "take it on every rank, then write the file under the rank-0 `if`")
-        editor.exprs[call] = self.expr(f"get_model_state_dict({model}, options=StateDictOptions(full_state_dict=True))")
+        editor.replace_expression(call, self.expr(f"get_model_state_dict({model}, options=StateDictOptions(full_state_dict=True))"))
         self.add_import(STATE_DICT_MODULE, "get_model_state_dict")
         self.add_import(STATE_DICT_MODULE, "StateDictOptions")
         self.change(
@@ -351,20 +339,20 @@ class MigrateFsdp1Command(RetrofitStage):
 
     # -- clip_grad_norm_ and ShardedGradScaler -----------------------------------
 
-    def _clip(self, call: cst.Call, editor: _Editor) -> None:
+    def _clip(self, call: cst.Call, editor: StatementEditor) -> None:
         model = call.func.value.value
         args = [cst.Arg(self.expr(f"{model}.parameters()"), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))]
-        editor.exprs[call] = call.with_changes(func=self.expr("torch.nn.utils.clip_grad_norm_"), args=args + list(call.args))
+        editor.replace_expression(call, call.with_changes(func=self.expr("torch.nn.utils.clip_grad_norm_"), args=args + list(call.args)))
         self.add_import("torch")
         self.change(call, f"`{model}.clip_grad_norm_(...)` -> `torch.nn.utils.clip_grad_norm_({model}.parameters(), ...)`",
                     "FSDP2 modules have no clip_grad_norm_ method; the torch function works on DTensor gradients "
                     "and returns the global norm as a DTensor")
 
-    def _scaler(self, call: cst.Call, editor: _Editor) -> None:
+    def _scaler(self, call: cst.Call, editor: StatementEditor) -> None:
         args = [a for a in call.args if not (a.keyword is not None and a.keyword.value == "process_group")]
         if args and isinstance(args[-1].comma, cst.Comma) and len(args) < len(call.args):
             args[-1] = args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
-        editor.exprs[call] = call.with_changes(func=self.expr("torch.amp.GradScaler"), args=args)
+        editor.replace_expression(call, call.with_changes(func=self.expr("torch.amp.GradScaler"), args=args))
         self.add_import("torch")
         self.change(call, "ShardedGradScaler -> torch.amp.GradScaler"
                     + (" (process_group dropped)" if len(args) < len(call.args) else ""),
@@ -372,7 +360,7 @@ class MigrateFsdp1Command(RetrofitStage):
 
     # -- imports ----------------------------------------------------------------
 
-    def _drop_imports(self, stmt: cst.SimpleStatementLine, editor: _Editor) -> None:
+    def _drop_imports(self, stmt: cst.SimpleStatementLine, editor: StatementEditor) -> None:
         body = []
         for small in stmt.body:
             if isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):

@@ -16,24 +16,10 @@ WORLD_SIZE = 'int(os.environ["WORLD_SIZE"])'
 DROPPED_SPAWN = {"start_method": "torchrun starts the processes", "daemon": "torchrun starts the processes"}
 
 
-class _SpawnEditor(StatementEditor):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: dict = {}  # init_process_group call -> keywords to drop
-
-    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
-        for key in self.calls.get(original_node, ()):
-            updated_node = without_keyword(updated_node, key)
-        return updated_node
-
-
 class MigrateSpawnCommand(RetrofitStage):
     DESCRIPTION = "Turn an mp.spawn launcher into a torchrun program (rank and world size from the environment)."
     CODE = "migrate_spawn"
     LATER_STAGES_READ_IMPORTS = True
-
-    def make_editor(self) -> StatementEditor:
-        return _SpawnEditor()
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         tree = super().transform_module_impl(tree)
@@ -41,12 +27,12 @@ class MigrateSpawnCommand(RetrofitStage):
             tree = RemoveImportsVisitor(self.context).transform_module(tree)
         return tree
 
-    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: _SpawnEditor) -> None:
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         sites = spawns(facts)
         if not sites:
             return
         if len(sites) > 1:
-            self.refuse(sites[1].call, "the script calls mp.spawn more than once",
+            self.refuse("FSR101", sites[1].call, "the script calls mp.spawn more than once",
                         "torchrun starts one set of processes", "launch one worker function")
         site = sites[0]
         self._refuse_unsafe(site, facts)
@@ -77,8 +63,9 @@ class MigrateSpawnCommand(RetrofitStage):
                     "torchrun provides the rendezvous (MASTER_ADDR/MASTER_PORT), RANK and WORLD_SIZE: the default "
                     "env:// reads them",
                 )
-        editor.calls[site.init] = [k for k in ("init_method", "rank", "world_size") if k in init_kw]
-        editor.mark_work()
+        for key in ("init_method", "rank", "world_size"):
+            if key in init_kw:
+                editor.replace_expression(site.init, lambda call, key=key: without_keyword(call, key))
         for s in site.rendezvous:
             editor.replace(s, None)
             self.change(s, f"`{code(s)}` goes", "torchrun sets MASTER_ADDR and MASTER_PORT for every process")
@@ -99,26 +86,26 @@ class MigrateSpawnCommand(RetrofitStage):
     def _refuse_unsafe(self, site: SpawnSite, facts: ScriptFacts) -> None:
         spawn = code(site.call.func)
         if site.worker is None:
-            self.refuse(site.call, f"the function {spawn} starts is not a top-level function of this script",
+            self.refuse("FSR102", site.call, f"the function {spawn} starts is not a top-level function of this script",
                         "the rewrite must call it once per torchrun process and rewrite its process group",
                         "spawn a function defined in this script")
         if site.args is None:
-            self.refuse(site.call, f"the args of {spawn} are not a tuple written in the call",
+            self.refuse("FSR103", site.call, f"the args of {spawn} are not a tuple written in the call",
                         "each argument must be mapped to the worker's parameters (and the world size to WORLD_SIZE)",
                         "write args=(a, b, ...) in the call")
         if not (isinstance(site.stmt, cst.SimpleStatementLine) and isinstance(site.stmt.body[0], cst.Expr)
                 and site.stmt.body[0].value is site.call):
-            self.refuse(site.call, f"the result of {spawn} is used",
+            self.refuse("FSR104", site.call, f"the result of {spawn} is used",
                         "torchrun workers return nothing to a launcher: there is no spawn context or return value",
                         f"call {spawn}(...) as a statement of its own")
         for key in site.other_kwargs:
             if key not in DROPPED_SPAWN:
-                self.refuse(site.call, f"`{key}=` of {spawn}",
+                self.refuse("FSR105", site.call, f"`{key}=` of {spawn}",
                             "with join=False (or other launcher options) the launching process keeps working "
                             "alongside its workers; under torchrun there is no launching process",
                             "join the workers (the default) and run rewrite again")
         for expr in site.process_objects:
-            self.refuse(expr, f"`{code(expr)}` is handed to the workers by {spawn}",
+            self.refuse("FSR106", expr, f"`{code(expr)}` is handed to the workers by {spawn}",
                         "queues, pipes, managers and shared values live in the launching process: torchrun "
                         "workers are separate programs and cannot receive them (it cannot be derived from the "
                         "environment)",
@@ -127,21 +114,21 @@ class MigrateSpawnCommand(RetrofitStage):
         params = worker.params
         starred = isinstance(params.star_arg, cst.Param) or params.star_kwarg is not None or params.kwonly_params
         if starred or len(params.params) != 1 + len(site.args):
-            self.refuse(worker, f"{worker.name.value}() does not take exactly the index plus the {len(site.args)} spawn args",
+            self.refuse("FSR107", worker, f"{worker.name.value}() does not take exactly the index plus the {len(site.args)} spawn args",
                         "the rewrite maps each spawn argument to one parameter", "give the worker plain parameters")
         if site.init is None:
-            self.refuse(worker, f"{worker.name.value}() starts no process group",
+            self.refuse("FSR108", worker, f"{worker.name.value}() starts no process group",
                         "an mp.spawn worker without init_process_group cannot become a torchrun worker automatically",
                         "call dist.init_process_group in the worker")
         init_kw = {a.keyword.value: a.value for a in site.init.args if a.keyword is not None}
         first = worker.params.params[0].name.value
         if "store" in init_kw:
-            self.refuse(site.init, "init_process_group is given a store",
+            self.refuse("FSR109", site.init, "init_process_group is given a store",
                         "torchrun's env:// rendezvous replaces the store", "drop store= and run rewrite again")
         if "rank" in init_kw and code(init_kw["rank"]) != first:
-            self.refuse(site.init, f"the global rank is computed (`rank={code(init_kw['rank'])}`)",
+            self.refuse("FSR110", site.init, f"the global rank is computed (`rank={code(init_kw['rank'])}`)",
                         "torchrun's RANK replaces it, but the script's own rank arithmetic (node rank x GPUs per "
                         "node) would stay in use elsewhere", "pass the spawn index as the rank")
         if any(a.keyword is None for a in site.init.args[1:]):
-            self.refuse(site.init, "init_process_group takes positional arguments after the backend",
+            self.refuse("FSR111", site.init, "init_process_group takes positional arguments after the backend",
                         "init_method/world_size/rank must be recognised to be dropped", "pass them by keyword")

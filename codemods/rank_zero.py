@@ -14,25 +14,11 @@ from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 LOCAL_METHODS = {"parameters", "named_parameters", "buffers", "named_buffers", "modules", "named_modules", "children"}
 
 
-class _TqdmEditor(StatementEditor):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tqdm: dict = {}
-
-    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
-        if original_node in self.tqdm:
-            return with_keyword(updated_node, "disable", self.tqdm[original_node])
-        return updated_node
-
-
 class GateRankZeroCommand(RetrofitStage):
     DESCRIPTION = "Print, log and show progress bars on rank 0 only."
     CODE = "rank_zero"
 
-    def make_editor(self) -> StatementEditor:
-        return _TqdmEditor()
-
-    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: _TqdmEditor) -> None:
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         if facts.distributed_init is None:
             return
         runs: List[List[LogSite]] = []
@@ -172,7 +158,7 @@ class GateRankZeroCommand(RetrofitStage):
         stmt.visit(_C())
         return bool(found)
 
-    def _gate_progress_bars(self, facts: ScriptFacts, editor: _TqdmEditor) -> None:
+    def _gate_progress_bars(self, facts: ScriptFacts, editor: StatementEditor) -> None:
         class _Bars(cst.CSTVisitor):
             def visit_Call(self, node: cst.Call) -> None:
                 if any(q.split(".")[0] == "tqdm" for q in facts.resolver.qnames(node)) and not any(
@@ -187,10 +173,10 @@ class GateRankZeroCommand(RetrofitStage):
             if test is None:
                 continue
             negated = test.replace("== 0", "!= 0")
-            editor.tqdm[bar] = self.expr(negated)
+            disable = self.expr(negated)
+            editor.replace_expression(bar, lambda updated, disable=disable: with_keyword(updated, "disable", disable))
             if negated.startswith("dist."):
                 self.add_import("torch.distributed", asname="dist")
-            editor.mark_work()
             self.change(bar, f"progress bar shown on rank 0 only (`disable={negated}`)", "one bar, not world_size bars")
 
 

@@ -102,6 +102,7 @@ class ConvertLoadsCommand(RetrofitStage):
             ]
             if bindings and min(bindings) > at:
                 self.refuse(
+                    "FSR801",
                     site.call,
                     f"the checkpoint is read before `{use.owner}` is built",
                     "dcp.load fills the state dicts of the sharded model, its optimizer and scheduler, so they "
@@ -110,6 +111,7 @@ class ConvertLoadsCommand(RetrofitStage):
                 )
             if use.kind == "optimizer" and not use.model:
                 self.refuse(
+                    "FSR802",
                     site.call,
                     f"`{use.owner}` trains several models",
                     "get_optimizer_state_dict / set_optimizer_state_dict take the one model the optimizer trains",

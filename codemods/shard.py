@@ -142,6 +142,7 @@ class ShardModelCommand(RetrofitStage):
                 return ""
             if len(found) > 1 or "unknown" in found:
                 self.refuse(
+                    "FSR602",
                     model.stmt,
                     "--mixed-precision auto: the script's autocast dtype is not one known dtype",
                     f"found {', '.join(sorted(found))}; FSDP2 takes one parameter dtype per unit",
@@ -150,6 +151,7 @@ class ShardModelCommand(RetrofitStage):
             wanted = found.pop()
         if facts.classes.mentions(model.class_name, "BatchNorm") or model.library and model.library.batchnorm:
             self.refuse(
+                "FSR603",
                 model.stmt,
                 f"--mixed-precision {wanted}: `{model.name}` has BatchNorm layers",
                 "FSDP2 would cast their parameters and running statistics to the low-precision dtype with the rest "
@@ -170,12 +172,14 @@ class ShardModelCommand(RetrofitStage):
         for line, wrapper in facts.wrappers:
             if "FSDP1" not in wrapper:  # the migrate_ddp stage removes these before this stage runs
                 self.refuse(
+                    "FSR601",
                     line,
                     f"the script still uses {wrapper}",
                     "the wrapper must go before fully_shard",
                     "run the migrate_ddp stage first (the composite `rewrite` does)",
                 )
             self.refuse(
+                "FSR601",
                 line,
                 f"the script still uses {wrapper}",
                 "the FSDP1 wrap must go before fully_shard",
@@ -185,6 +189,7 @@ class ShardModelCommand(RetrofitStage):
             if self._compiled_model(call, facts) is not None:
                 continue  # `model = torch.compile(Net())`: split, see _split_compile
             self.refuse(
+                "FSR604",
                 call,
                 "the model is compiled in the expression that builds it",
                 "fully_shard must see the plain module, before torch.compile wraps it",
@@ -192,6 +197,7 @@ class ShardModelCommand(RetrofitStage):
             )
         for cls, call in facts.trainer_classes:
             self.refuse(
+                "FSR605",
                 call,
                 f"the training loop lives in class {cls}, which is handed the model",
                 "following the model, optimizer and data into a trainer object is not supported yet: "
@@ -203,6 +209,7 @@ class ShardModelCommand(RetrofitStage):
             if id(call) in copied:
                 continue  # `ema = copy.deepcopy(model)` after the build: sharded like the model
             self.refuse(
+                "FSR606",
                 call,
                 f"`{code(call)}` copies a model that gets sharded",
                 "FSDP2 modules cannot be deep-copied; a copy is sharded like the model only when it is made as "
@@ -215,6 +222,7 @@ class ShardModelCommand(RetrofitStage):
                 continue  # `ema = AveragedModel(model, ...)` after the build: its `.module` is sharded
             if what == "AveragedModel":
                 self.refuse(
+                    "FSR607",
                     call,
                     "`AveragedModel(...)` deep-copies a model that gets sharded, inside its constructor",
                     "its copy (`.module`) is sharded like the model only when it is made as "
@@ -223,6 +231,7 @@ class ShardModelCommand(RetrofitStage):
                     "make it right after the model is built",
                 )
             self.refuse(
+                "FSR608",
                 call,
                 f"class {what} deep-copies the model it is handed",
                 "the copy is made inside a constructor, where the rewrite cannot shard it with the model's units "
@@ -233,6 +242,7 @@ class ShardModelCommand(RetrofitStage):
             )
         if self.options.meta_init and facts.copies:
             self.refuse(
+                "FSR609",
                 facts.copies[0].stmt,
                 "--meta-init with a copy of the model",
                 "the copy would be made of the model on the meta device, before its re-initialisation",
@@ -241,6 +251,7 @@ class ShardModelCommand(RetrofitStage):
         if not facts.models:
             for cls, call in facts.class_optimizers:
                 self.refuse(
+                    "FSR610",
                     call,
                     f"the optimizer is built inside class {cls} (e.g. self.optimizer)",
                     "models and optimizers held by a trainer object are not supported yet: "
@@ -249,12 +260,14 @@ class ShardModelCommand(RetrofitStage):
                 )
             if not facts.module_ctor_names:
                 self.refuse(
+                    "FSR611",
                     1,
                     "no nn.Module is built in this script",
                     "there is no model to shard",
                     "run rewrite on the script that builds the model and its optimizer",
                 )
             self.refuse(
+                "FSR612",
                 1,
                 "no optimizer trains a model built in this script",
                 "fully_shard must come before the optimizer is built from the model's parameters",
@@ -263,6 +276,7 @@ class ShardModelCommand(RetrofitStage):
         scopes = {id(m.block) for m in facts.models}
         if len(scopes) > 1:
             self.refuse(
+                "FSR613",
                 facts.models[1].stmt,
                 "models are built in different blocks",
                 "one process group and mesh must cover every model; the rewrite needs them built in one place",
@@ -270,9 +284,11 @@ class ShardModelCommand(RetrofitStage):
             )
         for model in facts.models:
             if model.library is not None and model.library.refusal is not None and not model.sharded:
-                self.refuse(model.library.refusal_at or model.stmt, *model.library.refusal)
+                kind, what, why, hint = model.library.refusal
+                self.refuse(kind, model.library.refusal_at or model.stmt, what, why, hint)
             if _declared_global(model):
                 self.refuse(
+                    "FSR617",
                     model.stmt,
                     f"`{model.name}` is a global built inside {model.scope.name.value}()",
                     "set-up, training and saving are spread over functions that share globals; the "
@@ -284,6 +300,7 @@ class ShardModelCommand(RetrofitStage):
                 continue
             for attr, node in info.plain_lists:
                 self.refuse(
+                    "FSR618",
                     self._class_line(node, model),
                     f"`self.{attr}` keeps layers in a plain Python list",
                     "its parameters are not registered: they are neither trained nor sharded",
@@ -291,6 +308,7 @@ class ShardModelCommand(RetrofitStage):
                 )
             if info.optimizer_in_init:
                 self.refuse(
+                    "FSR619",
                     self._class_line(info.optimizer_in_init, model),
                     f"an optimizer is built inside {info.name}.__init__",
                     "it would hold the unsharded parameters; fully_shard replaces them with DTensors",

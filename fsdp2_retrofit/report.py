@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Iterable, List, Optional, Sequence
 
 
@@ -36,6 +36,7 @@ class Refusal:
     what: str
     why: str
     hint: str = ""
+    code: str = ""  # its kind in the refusal catalogue (`fsdp2-retrofit rules FSR101`)
 
 
 class RefusedError(Exception):
@@ -56,6 +57,8 @@ class RewriteResult:
     changes: List[Change]
     attention: List[Attention]
     refusals: List[Refusal]
+    # the other files the analysis looked for (found or not): the result depends on them
+    inputs: List[str] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:
@@ -144,7 +147,7 @@ def render_text(result: RewriteResult, console, *, target: Optional[str] = None,
                 why = Text(r.why)
                 if r.hint:
                     why.append(f"\nhint: {r.hint}", style="italic")
-                table.add_row(str(r.line), Text(r.what), why)
+                table.add_row(str(r.line), Text(f"{r.code} {r.what}" if r.code else r.what), why)
             console.print(table)
         return
 

@@ -559,6 +559,74 @@ def test_cache_answers_a_second_run_and_misses_when_a_sibling_changes(tmp_path, 
     assert any(cache.cache_dir().iterdir())
 
 
+PKG_MODELS = """from torch import nn
+
+
+class Block(nn.Sequential):
+    def __init__(self, width):
+        super().__init__(nn.Linear(width, width), nn.Tanh())
+
+
+class Net(nn.Module):
+    def __init__(self, width=4, depth=3):
+        super().__init__()
+        self.layers = {layers}
+
+    def forward(self, x):
+        return self.layers[-1](self.layers[0](x))
+"""
+PKG_SCRIPT = """import torch
+
+from pkg.models import Net
+
+
+def main():
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        loss = model(torch.randn(2, 4)).sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_cache_misses_when_a_module_in_a_package_the_analysis_read_changes(tmp_path, monkeypatch):
+    """The blocks of Net live in pkg/models.py: its edit must reach the rewrite (not the cache)."""
+    from fsdp2_retrofit.options import RetrofitOptions
+
+    monkeypatch.setenv("FSDP2_RETROFIT_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    models = tmp_path / "pkg" / "models.py"
+    models.write_text(PKG_MODELS.format(layers="nn.ModuleList([Block(width) for _ in range(depth)])"))
+    script = tmp_path / "train.py"
+    script.write_text(PKG_SCRIPT)
+    calls = []
+    real = cli.rewrite_source
+
+    def counting(source, path, options):
+        calls.append(path)
+        return real(source, path, options)
+
+    monkeypatch.setattr(cli, "rewrite_source", counting)
+    rewrite_once = lambda: cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(), use_cache=True)  # noqa: E731
+    blocks = rewrite_once()
+    assert b"fully_shard(block, mesh=mesh" in blocks.code and len(calls) == 1
+    assert rewrite_once().code == blocks.code and len(calls) == 1  # unchanged: from the cache
+    # a plain list instead of a ModuleList: its layers are not registered, the rewrite refuses
+    models.write_text(PKG_MODELS.format(layers="[Block(width) for _ in range(depth)]"))
+    plain = rewrite_once()
+    assert len(calls) == 2 and plain.code == script.read_bytes()
+    assert [r.code for r in plain.refusals] == ["FSR618"]
+    assert rewrite_once().refusals == plain.refusals and len(calls) == 2
+    assert str(models) in plain.inputs
+
+
 def test_diff_headers_prefix_relative_paths_like_git():
     from fsdp2_retrofit.report import unified_diff
 

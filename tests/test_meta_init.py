@@ -322,6 +322,6 @@ def test_cli_refusal_is_one_line_with_exit_2_and_the_file_untouched(tmp_path):
     result = CliRunner().invoke(cli.main, ["rewrite", str(path), "--meta-init", "--no-cache", "--quiet"])
     assert result.exit_code == 2
     lines = result.stderr.splitlines()
-    assert lines[0].startswith(f"{path}:{line_of(code, 'MultiheadAttention')}: --meta-init: the model builds")
+    assert lines[0].startswith(f"{path}:{line_of(code, 'MultiheadAttention')}: FSR503 --meta-init: the model builds")
     assert len([l for l in lines if not l.lstrip().startswith("hint:")]) == 1
     assert path.read_text() == code

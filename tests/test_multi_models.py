@@ -270,7 +270,7 @@ def test_cli_refuses_a_class_that_copies_the_model(tmp_path):
     result = CliRunner().invoke(cli.main, ["rewrite", str(path)])
     assert result.exit_code == 2, result.output
     line = next(i for i, text in enumerate(source.splitlines(), 1) if "ema = ModelEMA(model)" in text)
-    assert result.stderr.startswith(f"{path}:{line}: class ModelEMA deep-copies the model it is handed")
+    assert result.stderr.startswith(f"{path}:{line}: FSR608 class ModelEMA deep-copies the model it is handed")
     assert path.read_text() == source
 
 

@@ -66,6 +66,7 @@ REFUSED = {
 
 @dataclass
 class Problem:
+    code: str  # the refusal's code in fsdp2_retrofit.rewrite.refusals
     node: cst.CSTNode
     what: str
     why: str
@@ -175,6 +176,7 @@ class _Finder:
                 method = c.func.attr.value
                 if method == "no_sync":
                     self.problems.append(Problem(
+                        "FSR306",
                         c, f"`{code(c)}` (FSDP1 gradient accumulation without reduction)",
                         "FSDP2 modules have no no_sync(); the rewrite does not restructure this loop yet",
                         f"call {c.func.value.value}.set_requires_gradient_sync(False) on the micro-batches "
@@ -183,6 +185,7 @@ class _Finder:
             names = _qnames(c, self.facts)
             if any(n.endswith(".summon_full_params") and is_fsdp1_name(n) for n in names):
                 self.problems.append(Problem(
+                    "FSR306",
                     c, "FSDP.summon_full_params(...) is not converted",
                     "FSDP2 has no summon_full_params: parameters are DTensors and stay sharded",
                     "read a parameter whole with `param.full_tensor()` (a collective, on every rank), or the "
@@ -190,6 +193,7 @@ class _Finder:
                 ))
             if any(n.endswith(".set_state_dict_type") and is_fsdp1_name(n) for n in names):
                 self.problems.append(Problem(
+                    "FSR305",
                     c, "FSDP.set_state_dict_type(...) changes what every later state_dict() returns",
                     "the rewrite converts state dicts taken inside `with FSDP.state_dict_type(...)` only",
                     "take the state dicts inside `with FSDP.state_dict_type(model, ...):`",
@@ -222,6 +226,7 @@ class _Finder:
             and isinstance(small.targets[0].target, cst.Name)
         ):
             self.problems.append(Problem(
+                "FSR301",
                 call, "FullyShardedDataParallel(...) is not the whole value of `name = FSDP(...)`",
                 "the rewrite replaces the wrap statement by fully_shard calls on the model it names",
                 "write `model = FSDP(model, ...)` on its own line",
@@ -229,12 +234,13 @@ class _Finder:
             return None
         wrapped = _keyword(call, "module", 0)
         if wrapped is None:
-            self.problems.append(Problem(call, "FullyShardedDataParallel(...) without a module", "nothing to shard"))
+            self.problems.append(Problem("FSR301", call, "FullyShardedDataParallel(...) without a module", "nothing to shard"))
             return None
         wrap = Fsdp1Wrap(call, stmt, small.targets[0].target.value, wrapped)
         positional = [a for a in call.args if a.keyword is None]
         if len(positional) > 1 or any(a.star for a in call.args):
             self.problems.append(Problem(
+                "FSR301",
                 call, "FullyShardedDataParallel(...) with positional or unpacked arguments after the module",
                 "the rewrite reads FSDP1's settings by keyword", "pass them by keyword",
             ))
@@ -255,7 +261,7 @@ class _Finder:
                 wrap.dropped.append((key, DROPPED[key]))
             else:
                 why = REFUSED.get(key, "the rewrite does not know how FSDP2 does this")
-                self.problems.append(Problem(arg, f"FullyShardedDataParallel(..., {key}=...)", why,
+                self.problems.append(Problem("FSR302", arg, f"FullyShardedDataParallel(..., {key}=...)", why,
                                              "remove the argument, or migrate this part by hand"))
         return wrap
 
@@ -275,8 +281,8 @@ class _Finder:
             wrap.consumed.append(stmts[0])
         return stmts[0].body[0].value
 
-    def _refuse(self, node, what, why, hint=""):
-        self.problems.append(Problem(node, what, why, hint))
+    def _refuse(self, code, node, what, why, hint=""):
+        self.problems.append(Problem(code, node, what, why, hint))
 
     def _policy(self, wrap: Fsdp1Wrap, expr) -> None:
         value = self._resolve(expr, wrap)
@@ -300,6 +306,7 @@ class _Finder:
             kind = "size"
         if kind is None or (kind in ("transformer", "module", "lambda") and not classes):
             self._refuse(
+                "FSR303",
                 expr, f"auto_wrap_policy={code(expr)} is not a policy the rewrite reads",
                 "it reads transformer_auto_wrap_policy / lambda_auto_wrap_policy (functools.partial), "
                 "ModuleWrapPolicy({Block}), size_based_auto_wrap_policy, or a lambda testing isinstance",
@@ -368,11 +375,12 @@ class _Finder:
     def _strategy(self, wrap: Fsdp1Wrap, expr) -> None:
         member = self._enum_member(self._resolve(expr, wrap), "ShardingStrategy")
         if member is None:
-            self._refuse(expr, f"sharding_strategy={code(expr)} is not a ShardingStrategy member",
+            self._refuse("FSR303", expr, f"sharding_strategy={code(expr)} is not a ShardingStrategy member",
                          "the rewrite maps each member to its FSDP2 setting", "write ShardingStrategy.FULL_SHARD (or another member)")
             return
         if member == "NO_SHARD":
             self._refuse(
+                "FSR304",
                 expr, "sharding_strategy=ShardingStrategy.NO_SHARD",
                 "NO_SHARD is data parallelism without sharding (DDP); FSDP2 always shards over the mesh",
                 "use DistributedDataParallel (or let the rewrite shard: remove sharding_strategy)",
@@ -385,7 +393,7 @@ class _Finder:
         if isinstance(value, cst.Name) and value.value == "None":
             return
         if not (isinstance(value, cst.Call) and any(q.endswith(".MixedPrecision") and is_fsdp1_name(q) for q in _qnames(value, self.facts))):
-            self._refuse(expr, f"mixed_precision={code(expr)} is not a MixedPrecision(...) the rewrite can read",
+            self._refuse("FSR303", expr, f"mixed_precision={code(expr)} is not a MixedPrecision(...) the rewrite can read",
                          "its dtypes become the MixedPrecisionPolicy", "write MixedPrecision(param_dtype=..., ...) in the call or one assignment")
             return
         for arg in value.args:
@@ -393,7 +401,7 @@ class _Finder:
             if key in ("param_dtype", "reduce_dtype", "buffer_dtype"):
                 dtype = self._dtype(arg.value)
                 if dtype is None:
-                    self._refuse(arg, f"MixedPrecision({key}={code(arg.value)})", "the dtype is not one the rewrite knows",
+                    self._refuse("FSR303", arg, f"MixedPrecision({key}={code(arg.value)})", "the dtype is not one the rewrite knows",
                                  "write torch.bfloat16, torch.float16 or torch.float32")
                     return
                 setattr(wrap, key, None if dtype == "None" else dtype)
@@ -402,7 +410,7 @@ class _Finder:
                                      "(MixedPrecisionPolicy.cast_forward_inputs, on by default) and keeps gradients "
                                      "in the reduce dtype"))
             else:
-                self._refuse(arg, "MixedPrecision(...) with an argument the rewrite does not read", "",
+                self._refuse("FSR303", arg, "MixedPrecision(...) with an argument the rewrite does not read", "",
                              "pass param_dtype/reduce_dtype/buffer_dtype by keyword")
                 return
 
@@ -419,7 +427,7 @@ class _Finder:
         if isinstance(value, cst.Name) and value.value == "None":
             return
         if not (isinstance(value, cst.Call) and any(q.endswith(".CPUOffload") and is_fsdp1_name(q) for q in _qnames(value, self.facts))):
-            self._refuse(expr, f"cpu_offload={code(expr)} is not a CPUOffload(...) the rewrite can read", "",
+            self._refuse("FSR303", expr, f"cpu_offload={code(expr)} is not a CPUOffload(...) the rewrite can read", "",
                          "write CPUOffload(offload_params=True) in the call or one assignment")
             return
         flag = _keyword(value, "offload_params", 0)
@@ -428,7 +436,7 @@ class _Finder:
         elif isinstance(flag, cst.Name) and flag.value == "True":
             wrap.offload = True
         else:
-            self._refuse(flag, f"CPUOffload(offload_params={code(flag)})", "the value must be known when rewriting",
+            self._refuse("FSR303", flag, f"CPUOffload(offload_params={code(flag)})", "the value must be known when rewriting",
                          "write True or False")
 
     # -- with FSDP.state_dict_type(...) ---------------------------------------------
@@ -443,13 +451,14 @@ class _Finder:
             return None
         call = calls[0]
         if len(node.items) != 1 or node.items[0].asname is not None:
-            self._refuse(node, "`with FSDP.state_dict_type(...)` together with other context managers", "",
+            self._refuse("FSR305", node, "`with FSDP.state_dict_type(...)` together with other context managers", "",
                          "give it a `with` statement of its own")
             return None
         model = _keyword(call, "module", 0)
         kind = self._enum_member(_keyword(call, "state_dict_type", 1), "StateDictType") if _keyword(call, "state_dict_type", 1) is not None else None
         if not isinstance(model, cst.Name) or kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
             self._refuse(
+                "FSR305",
                 call, f"`{code(call)}` is not converted",
                 "the rewrite converts FULL_STATE_DICT and SHARDED_STATE_DICT of a model named by a variable "
                 "(LOCAL_STATE_DICT has no FSDP2 counterpart)",
@@ -462,7 +471,7 @@ class _Finder:
             config = self._resolve(config, block)
         if config is not None and kind == "FULL_STATE_DICT":
             if not isinstance(config, cst.Call):
-                self._refuse(config, f"state_dict_config={code(config)}", "its settings must be readable", "write FullStateDictConfig(...) in the call")
+                self._refuse("FSR305", config, f"state_dict_config={code(config)}", "its settings must be readable", "write FullStateDictConfig(...) in the call")
                 return None
             for key in ("offload_to_cpu", "rank0_only"):
                 flag = _keyword(config, key)

@@ -56,17 +56,17 @@ _PLACED = (
 )
 # keyword arguments of from_pretrained that leave nothing fully_shard can take over
 HF_REFUSED_ARGUMENTS = {
-    "device_map": ("`device_map=` places the model over devices with accelerate hooks",
+    "device_map": ("FSR614", "`device_map=` places the model over devices with accelerate hooks",
                    _PLACED[0].format(arg="device_map"),
                    "drop device_map: the rewrite places each shard on its rank's device"),
-    "load_in_8bit": ("`load_in_8bit=` quantizes the model with bitsandbytes",
+    "load_in_8bit": ("FSR614", "`load_in_8bit=` quantizes the model with bitsandbytes",
                      "int8 weights are not trainable parameters FSDP2 can shard and reduce",
                      "train in bf16 (--mixed-precision bf16), or keep the script single-GPU"),
-    "load_in_4bit": ("`load_in_4bit=` quantizes the model with bitsandbytes",
+    "load_in_4bit": ("FSR614", "`load_in_4bit=` quantizes the model with bitsandbytes",
                      "4-bit weights are packed buffers FSDP2 cannot shard like parameters (QLoRA with FSDP "
                      "needs bnb_4bit_quant_storage and a library's own wrapping)",
                      "train in bf16 (--mixed-precision bf16), or keep the script single-GPU"),
-    "quantization_config": ("`quantization_config=` quantizes the model",
+    "quantization_config": ("FSR614", "`quantization_config=` quantizes the model",
                             "quantized weights are not trainable parameters FSDP2 can shard and reduce",
                             "train in bf16 (--mixed-precision bf16), or keep the script single-GPU"),
 }
@@ -101,7 +101,8 @@ class LibraryModel:
     no_split_modules: bool  # shard the classes of `model._no_split_modules` at run time
     why: str  # how the blocks were found, for the report
     batchnorm: bool = False  # has BatchNorm layers (what --mixed-precision must know)
-    refusal: Optional[Tuple[str, str, str]] = None  # (what, why, hint) when nothing safe can be done
+    # (refusal code, what, why, hint) when nothing safe can be done
+    refusal: Optional[Tuple[str, str, str, str]] = None
     refusal_at: Optional[cst.CSTNode] = None  # the node the refusal points at (default: the build)
 
 

@@ -6,9 +6,11 @@ one of the sibling `model.py` is `model.Block`.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import libcst as cst
 
@@ -108,6 +110,30 @@ class ClassRegistry:
                     changed = True
 
 
+# The files the analysis looked for, found or not: what a rewrite depends on besides
+# the script (its cache entry checks them). Collected while `recording_reads()` runs.
+_LOOKED_AT: ContextVar[Optional[Set[str]]] = ContextVar("fsdp2_retrofit_looked_at", default=None)
+
+
+@contextmanager
+def recording_reads() -> Iterator[Set[str]]:
+    """Collect, into the set it yields, every file path the analysis looks for."""
+    looked_at: Set[str] = set()
+    token = _LOOKED_AT.set(looked_at)
+    try:
+        yield looked_at
+    finally:
+        _LOOKED_AT.reset(token)
+
+
+def _is_file(path: Path) -> bool:
+    """`path.is_file()`, recorded: whether the file exists is an input too."""
+    looked_at = _LOOKED_AT.get()
+    if looked_at is not None:
+        looked_at.add(str(path))
+    return path.is_file()
+
+
 def build_registry(module: cst.Module, resolver: Resolver, path: Optional[str]) -> ClassRegistry:
     registry = ClassRegistry()
     _collect(module, resolver, namespace="", file=path, registry=registry)
@@ -129,9 +155,9 @@ def _collect_siblings(module, resolver, folder: Path, registry, seen, depth) -> 
         if dotted in seen:
             continue
         candidate = folder.joinpath(*dotted.split(".")).with_suffix(".py")
-        if not candidate.is_file():
+        if not _is_file(candidate):
             candidate = folder.joinpath(*dotted.split("."), "__init__.py")
-        if not candidate.is_file():
+        if not _is_file(candidate):
             continue
         seen.add(dotted)
         parsed = _parse_sibling(candidate)

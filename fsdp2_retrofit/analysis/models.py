@@ -185,6 +185,7 @@ class ModelAnalysis(SiteAnalysis):
             if (isinstance(func, cst.Attribute) and func.attr.value == "push_to_hub"
                     and isinstance(func.value, cst.Name) and func.value.value == name):
                 return replace(found, refusal_at=save, refusal=(
+                    "FSR615",
                     f"`{code(func)}` of a model the rewrite shards",
                     "after fully_shard each rank holds only its shards: the library would upload one rank's "
                     "pieces (or fail on DTensors), and push_to_hub takes no gathered state dict",
@@ -197,6 +198,7 @@ class ModelAnalysis(SiteAnalysis):
                 and self.r.enclosing_function(later) is self.r.enclosing_function(stmt)
             ):
                 return replace(found, refusal_at=later, refusal=(
+                    "FSR616",
                     f"`{name}` is wrapped by `{code(later.value.func)}` (PEFT) after it is built",
                     "the adapters are added after the rewrite shards the model: their parameters would stay "
                     "plain tensors whose gradients no rank reduces, and the ranks would drift apart",

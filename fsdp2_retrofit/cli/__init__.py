@@ -296,7 +296,8 @@ class _Run:
         self.results.append(result)
         if result.refusals:
             first = result.refusals[0]
-            self._error(path, first.line, f"{first.what}: {first.why}", first.hint)
+            code = f"{first.code} " if first.code else ""
+            self._error(path, first.line, f"{code}{first.what}: {first.why}", first.hint)
             self.counts["failed"] += 1
             self._bump(EXIT_ERROR)
             if self.text_report:
@@ -531,20 +532,24 @@ def verify_command(ctx: click.Context, script, script_args, retrofitted, nproc, 
 
 
 RULES_HELP = """\
-List the lint rules, or explain one.
+List the lint rules and the rewrite's refusals, or explain one.
 
 \b
-  fsdp2-retrofit rules           the catalogue: code, name, fix, summary
+  fsdp2-retrofit rules           the catalogues: lint rules (code, name, fix,
+                                 summary), then what `rewrite` refuses (code,
+                                 stage, name, summary)
   fsdp2-retrofit rules FSD101    why it matters, an example, the fix, and the
                                  flagged / not flagged cases the tests run
+  fsdp2-retrofit rules FSR101    what is refused, why, and what to do
 """
 
 
-@main.command("rules", help=RULES_HELP, short_help="The lint rule catalogue; one rule's documentation.")
+@main.command("rules", help=RULES_HELP, short_help="The lint rules and refusal codes; one code's documentation.")
 @click.argument("code", required=False, metavar="[CODE]")
 @click.pass_context
 def rules_command(ctx: click.Context, code: Optional[str]) -> None:
     from fsdp2_retrofit.check.rules import all_rules, rule_by_code
+    from fsdp2_retrofit.rewrite.refusals import all_refusals, refusal_by_code
 
     if code is None:
         rules = all_rules()
@@ -553,6 +558,16 @@ def rules_command(ctx: click.Context, code: Optional[str]) -> None:
         for r in rules:
             click.echo(f"{r.CODE}  {r.NAME:<{width}}  {fixes[r.fix_availability()]:<4}  {r.summary()}")
         click.echo("\nfix*: some cases. `fsdp2-retrofit rules CODE` explains one.")
+        refusals = all_refusals()
+        width = max(len(r.name) for r in refusals)
+        stage_width = max(len(r.stage) for r in refusals)
+        click.echo("\nrewrite refuses (the file is left unchanged, exit 2):")
+        for r in refusals:
+            click.echo(f"{r.code}  {r.stage:<{stage_width}}  {r.name:<{width}}  {r.summary}")
+        return
+    refusal = refusal_by_code(code)
+    if refusal is not None:
+        click.echo(refusal.doc(), nl=False)
         return
     rule = rule_by_code(code)
     if rule is None:

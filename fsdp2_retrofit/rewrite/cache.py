@@ -3,9 +3,12 @@
 Like black's cache: a pre-commit or CI run of `rewrite --check` over unchanged
 files answers from here without loading libcst. The key is the tool's version,
 the options, the script's bytes and path, and the size and mtime of every Python
-file beside it (a sibling model.py changes what the rewrite sees). Entries are
-JSON files under $FSDP2_RETROFIT_CACHE_DIR, else $XDG_CACHE_HOME/fsdp2-retrofit,
-else ~/.cache/fsdp2-retrofit. Any problem with the cache means a miss, never an error.
+file beside it. The entry also lists every file the analysis looked for (modules
+the script imports, in its folder or in packages below it: RewriteResult.inputs)
+with a hash of its bytes, or null where it was absent; a lookup re-hashes them, and
+any difference is a miss. Entries are JSON files under $FSDP2_RETROFIT_CACHE_DIR,
+else $XDG_CACHE_HOME/fsdp2-retrofit, else ~/.cache/fsdp2-retrofit. Any problem
+with the cache means a miss, never an error.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Iterable, Optional
 
 from fsdp2_retrofit import __version__
 from fsdp2_retrofit.options import RetrofitOptions
@@ -30,9 +33,12 @@ def cache_dir() -> Path:
     return Path(base) / "fsdp2-retrofit"
 
 
+FORMAT = 2  # of the entries: 2 added inputs and refusal codes
+
+
 def _key(path: str, source: bytes, options: RetrofitOptions) -> str:
     digest = hashlib.sha256()
-    digest.update(f"{__version__}\0{os.path.abspath(path)}\0{options!r}\0".encode())
+    digest.update(f"{__version__}\0{FORMAT}\0{os.path.abspath(path)}\0{options!r}\0".encode())
     digest.update(source)
     folder = Path(path).resolve().parent
     try:
@@ -48,9 +54,22 @@ def _key(path: str, source: bytes, options: RetrofitOptions) -> str:
     return digest.hexdigest()
 
 
+def _fingerprints(paths: Iterable[str]) -> Dict[str, Optional[str]]:
+    """Each file's content hash; None for a file that is absent (or unreadable)."""
+    found: Dict[str, Optional[str]] = {}
+    for name in paths:
+        try:
+            found[name] = hashlib.sha256(Path(name).read_bytes()).hexdigest()
+        except OSError:
+            found[name] = None
+    return found
+
+
 def lookup(path: str, source: bytes, options: RetrofitOptions) -> Optional[RewriteResult]:
     try:
         entry = json.loads((cache_dir() / _key(path, source, options)).read_text())
+        if _fingerprints(entry["inputs"]) != entry["inputs"]:
+            return None  # a file the analysis read (or looked for) changed
         return RewriteResult(
             path=path,
             original=source,
@@ -58,6 +77,7 @@ def lookup(path: str, source: bytes, options: RetrofitOptions) -> Optional[Rewri
             changes=[Change(**c) for c in entry["changes"]],
             attention=[Attention(**a) for a in entry["attention"]],
             refusals=[Refusal(**r) for r in entry["refusals"]],
+            inputs=sorted(entry["inputs"]),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -69,6 +89,7 @@ def store(result: RewriteResult, options: RetrofitOptions) -> None:
         "changes": [dataclasses.asdict(c) for c in result.changes],
         "attention": [dataclasses.asdict(a) for a in result.attention],
         "refusals": [dataclasses.asdict(r) for r in result.refusals],
+        "inputs": _fingerprints(result.inputs),
     }
     target = cache_dir() / _key(result.path, result.original, options)
     try:

@@ -38,6 +38,7 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
     `code` is the original. Raises InputError for input that cannot be parsed.
     """
     from codemods.retrofit import RetrofitCommand
+    from fsdp2_retrofit.analysis.model_classes import recording_reads
 
     options = options or RetrofitOptions()
     if not source.strip():
@@ -49,10 +50,11 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
     command = RetrofitCommand(context, options)
     command.after_stage = tracker.wrap(command.after_stage)  # type: ignore[method-assign]
     try:
-        new_module = command.transform_module(module)
+        with recording_reads() as looked_at:
+            new_module = command.transform_module(module)
     except RefusedError as refused:
         refusal = dataclasses.replace(refused.refusal, line=tracker.to_original(refused.refusal.line))
-        return RewriteResult(path, source, source, [], [], [refusal])
+        return RewriteResult(path, source, source, [], [], [refusal], sorted(looked_at))
     new_code = new_module.bytes
     _must_compile(new_module, path)
     return RewriteResult(
@@ -62,6 +64,7 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
         sorted(tracker.mapped(context.scratch.get(CHANGES_KEY, [])), key=lambda c: c.line),
         sorted(tracker.mapped(context.scratch.get(ATTENTION_KEY, [])), key=lambda a: a.line),
         [],
+        sorted(looked_at),
     )
 
 

@@ -3,7 +3,7 @@ edits keyed by original nodes, and recording changes for the report."""
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import libcst as cst
 from libcst.codemod import CodemodCommand, CodemodContext
@@ -12,6 +12,7 @@ from libcst.codemod.visitors import AddImportsVisitor
 from fsdp2_retrofit.analysis import ScriptFacts, analyse
 from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.report import Attention, Change, Refusal, RefusedError
+from fsdp2_retrofit.rewrite.refusals import CATALOGUE
 
 CHANGES_KEY = "fsdp2_retrofit.changes"
 ATTENTION_KEY = "fsdp2_retrofit.attention"
@@ -20,6 +21,8 @@ FACTS_KEY = "fsdp2_retrofit.facts"  # the last analysis, reused while the tree i
 DEFERRED_IMPORTS_KEY = "fsdp2_retrofit.deferred_imports"  # set by the composite: add these at the end
 
 Stmt = Union[cst.SimpleStatementLine, cst.BaseCompoundStatement]
+# What replaces a node: a new node, or a function of the node as edited so far
+Replacement = Union[cst.CSTNode, Callable[[cst.CSTNode], cst.CSTNode]]
 
 
 class RetrofitStage(CodemodCommand):
@@ -97,9 +100,12 @@ class RetrofitStage(CodemodCommand):
         line = node_or_line if isinstance(node_or_line, int) else self.line(node_or_line)
         self.context.scratch.setdefault(ATTENTION_KEY, []).append(Attention(line, self.CODE, what, why))
 
-    def refuse(self, node_or_line, what: str, why: str, hint: str = "") -> None:
+    def refuse(self, code: str, node_or_line, what: str, why: str, hint: str = "") -> None:
+        """Refuse the whole file: `code` is the kind of refusal (fsdp2_retrofit.rewrite.refusals)."""
+        if code not in CATALOGUE:
+            raise ValueError(f"refusal code {code!r} is not in the catalogue")
         line = node_or_line if isinstance(node_or_line, int) else self.line(node_or_line)
-        raise RefusedError(Refusal(line, what, why, hint))
+        raise RefusedError(Refusal(line, what, why, hint, code))
 
     def add_import(self, module: str, obj: Optional[str] = None, asname: Optional[str] = None) -> None:
         AddImportsVisitor.add_needed_import(self.context, module, obj, asname)
@@ -179,9 +185,8 @@ def _names_visible(module: cst.Module, scope_node: Optional[cst.CSTNode]) -> set
 
 
 class StatementEditor(cst.CSTTransformer):
-    """Inserts, replaces, removes and moves statements, keyed by the original nodes.
-
-    Stages that also change expressions subclass it and add `leave_*` methods.
+    """Inserts, replaces, removes and moves statements, and replaces expressions
+    (any node), all keyed by the original nodes of the tree the stage analysed.
     """
 
     def __init__(self) -> None:
@@ -194,14 +199,19 @@ class StatementEditor(cst.CSTTransformer):
         self.leading: Dict[cst.CSTNode, List[cst.EmptyLine]] = {}
         # leading lines for an original statement placed elsewhere (inside a new `if`)
         self.relead: Dict[cst.CSTNode, List[cst.EmptyLine]] = {}
-        self._extra_work = False
+        # node -> its edits, applied in order when the node is left
+        self.expressions: Dict[cst.CSTNode, List[Replacement]] = defaultdict(list)
 
     def has_work(self) -> bool:
-        return bool(self.before or self.after or self.append or self.replacement or self.leading or self._extra_work)
+        return bool(
+            self.before or self.after or self.append or self.replacement or self.leading or self.expressions
+        )
 
-    def mark_work(self) -> None:
-        """Expression-level edits exist (the subclass's leave_* methods do them)."""
-        self._extra_work = True
+    def replace_expression(self, original: cst.CSTNode, new: Replacement) -> None:
+        """Replace `original` (any node of the analysed tree) by `new`, or by
+        `new(updated)` where `updated` is the node with its children's edits made
+        and the edits registered before this one applied: edits compose."""
+        self.expressions[original].append(new)
 
     def insert_before(self, stmt: cst.CSTNode, new: Sequence[Stmt]) -> None:
         self.before[stmt].extend(new)
@@ -236,6 +246,8 @@ class StatementEditor(cst.CSTTransformer):
 
     def on_leave(self, original_node, updated_node):
         result = super().on_leave(original_node, updated_node)
+        for new in self.expressions.get(original_node, ()):
+            result = new(result) if callable(new) else new
         if isinstance(original_node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
             self._updated[original_node] = result
         return result
@@ -287,11 +299,8 @@ class StatementEditor(cst.CSTTransformer):
 
 
 class CombinedEditor(StatementEditor):
-    """The edits several stages planned on the same tree, applied in one pass.
-
-    Statement edits are merged in stage order; each stage's expression edits (its
-    editor's `leave_*` methods) run in stage order on every node.
-    """
+    """The edits several stages planned on the same tree, applied in one pass,
+    merged in stage order (expression edits of one node run in that order too)."""
 
     def __init__(self, editors: Sequence[StatementEditor]) -> None:
         super().__init__()
@@ -300,18 +309,10 @@ class CombinedEditor(StatementEditor):
                 (self.before, editor.before),
                 (self.after, editor.after),
                 (self.append, editor.append),
+                (self.expressions, editor.expressions),
             ):
-                for key, stmts in theirs.items():
-                    mine[key].extend(stmts)
+                for key, items in theirs.items():
+                    mine[key].extend(items)
             self.replacement.update(editor.replacement)
             self.leading.update(editor.leading)
             self.relead.update(editor.relead)
-            self._extra_work = self._extra_work or editor._extra_work
-        self.expression_editors = [e for e in editors if type(e) is not StatementEditor]
-
-    def on_leave(self, original_node, updated_node):
-        if not isinstance(original_node, (cst.IndentedBlock, cst.Module)):
-            name = f"leave_{type(original_node).__name__}"
-            for editor in self.expression_editors:
-                updated_node = getattr(editor, name)(original_node, updated_node)
-        return super().on_leave(original_node, updated_node)

@@ -1,0 +1,258 @@
+"""The refusal catalogue: every construct `rewrite` refuses to convert, with a stable code.
+
+A refusal leaves the whole file unchanged (exit 2). Codes are `FSR` + three digits,
+the first digit the stage that refuses, in pipeline order: 1 migrate_spawn,
+2 migrate_ddp, 3 migrate_fsdp1, 4 launch, 5 meta_init (--meta-init), 6 shard,
+7 checkpoint and library_saves, 8 resume. A code names one kind of refusal; the
+message names the construct in the script (`fsdp2-retrofit rules FSR101`).
+Codes are never reused for something else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+STAGES = {
+    "1": "migrate_spawn",
+    "2": "migrate_ddp",
+    "3": "migrate_fsdp1",
+    "4": "launch",
+    "5": "meta_init",
+    "6": "shard",
+    "7": "checkpoint",
+    "8": "resume",
+}
+
+
+@dataclass(frozen=True)
+class RefusalRule:
+    """One kind of refusal: what is refused, why, and what to do."""
+
+    code: str
+    name: str
+    summary: str  # what is refused, one line
+    why: str
+    fix: str
+    stage_name: str = ""  # where it is not the code's stage (library_saves among the 7xx)
+
+    @property
+    def stage(self) -> str:
+        return self.stage_name or STAGES[self.code[3]]
+
+    def doc(self) -> str:
+        """The documentation `fsdp2-retrofit rules CODE` shows, in ruff's shape."""
+        return "\n".join([
+            f"# {self.code} {self.name}", "",
+            f"Refused by the {self.stage} stage: the file is left unchanged (exit 2).", "",
+            "## What is refused", self.summary, "",
+            "## Why", self.why, "",
+            "## What to do", self.fix,
+        ]) + "\n"
+
+
+_RULES = [
+    # -- 1xx migrate_spawn ---------------------------------------------------------
+    RefusalRule("FSR101", "spawn-more-than-once", "The script calls mp.spawn more than once.",
+                "torchrun starts one set of processes per run.", "Launch one worker function."),
+    RefusalRule("FSR102", "spawn-worker-not-top-level",
+                "The function mp.spawn starts is not a top-level function of the script.",
+                "The rewrite must call it once per torchrun process and rewrite its process group.",
+                "Spawn a function defined at the top level of the script."),
+    RefusalRule("FSR103", "spawn-args-not-literal", "The args of mp.spawn are not a tuple written in the call.",
+                "Each argument is mapped to one of the worker's parameters (the world size to WORLD_SIZE).",
+                "Write `args=(a, b, ...)` in the call."),
+    RefusalRule("FSR104", "spawn-result-used", "The value mp.spawn returns is used.",
+                "torchrun workers return nothing to a launcher: there is no spawn context or return value.",
+                "Call mp.spawn(...) as a statement of its own."),
+    RefusalRule("FSR105", "spawn-launcher-option", "mp.spawn is given `join=False` or another launcher option.",
+                "The launching process would keep working alongside its workers; under torchrun there is none.",
+                "Join the workers (the default) and run rewrite again."),
+    RefusalRule("FSR106", "spawn-shared-object", "A queue, pipe, manager or shared value is handed to the workers.",
+                "These live in the launching process; torchrun workers are separate programs and cannot receive them.",
+                "Exchange results through files or collectives (dist.gather_object) instead."),
+    RefusalRule("FSR107", "spawn-worker-signature",
+                "The worker does not take exactly the spawn index plus the spawn args.",
+                "The rewrite maps each spawn argument to one parameter.", "Give the worker plain parameters."),
+    RefusalRule("FSR108", "spawn-worker-without-process-group", "The spawned worker starts no process group.",
+                "An mp.spawn worker without init_process_group cannot become a torchrun worker automatically.",
+                "Call dist.init_process_group in the worker."),
+    RefusalRule("FSR109", "spawn-init-store", "init_process_group is given a store.",
+                "torchrun's env:// rendezvous replaces the store.", "Drop `store=` and run rewrite again."),
+    RefusalRule("FSR110", "spawn-computed-rank", "The worker computes its global rank for init_process_group.",
+                "torchrun's RANK replaces it, but the script's own rank arithmetic would stay in use elsewhere.",
+                "Pass the spawn index as the rank."),
+    RefusalRule("FSR111", "spawn-init-positional",
+                "init_process_group takes positional arguments after the backend.",
+                "init_method, world_size and rank must be recognised to be dropped.", "Pass them by keyword."),
+    # -- 2xx migrate_ddp ---------------------------------------------------------
+    RefusalRule("FSR201", "ddp-wrap-in-expression",
+                "A DDP/DataParallel wrapper is built inside another expression, not `model = DDP(model, ...)`.",
+                "The migration replaces wrap statements; a wrapper returned, passed on or stored in an attribute "
+                "cannot be followed.", "Wrap the model on its own line: `model = DDP(model, device_ids=[local_rank])`."),
+    RefusalRule("FSR202", "ddp-wrapper-class-used", "The script uses the wrapper class itself (isinstance, subclass).",
+                "After the migration no model is a DDP/DataParallel: the test or subclass would change meaning.",
+                "Drop the test (the model is never wrapped after the rewrite) and run rewrite again."),
+    RefusalRule("FSR203", "ddp-no-sync-shape",
+                "`no_sync()` is used in a shape the migration does not convert.",
+                "FSDP2 has no no_sync context; the migration turns `with model.no_sync():` (on lines of its own) and "
+                "`ctx = model.no_sync() if ... else nullcontext()` into set_requires_gradient_sync.",
+                "Use `with model.no_sync():` around the backward of the micro-batches that must not sync."),
+    RefusalRule("FSR204", "ddp-rank-seed", "The random seed of a DDP script depends on the rank.",
+                "DDP copies rank 0's weights when it wraps; fully_shard keeps each rank's own slice of its own "
+                "weights, so a per-rank seed would mix initialisations.",
+                "Seed the model build with the same value on every rank (seed data augmentation separately)."),
+    RefusalRule("FSR205", "ddp-and-data-parallel", "The script uses both DataParallel and DistributedDataParallel.",
+                "One process per device cannot be derived from both.", "Keep one of them."),
+    RefusalRule("FSR206", "ddp-unknown-argument", "A DDP/DataParallel argument has no FSDP2 counterpart the rewrite knows.",
+                "Dropping it could change what the script does (e.g. a process_group other than the world).",
+                "Remove the argument (or build the mesh by hand) and run rewrite again."),
+    # -- 3xx migrate_fsdp1 ---------------------------------------------------------
+    RefusalRule("FSR301", "fsdp1-wrap-shape",
+                "An FSDP(...) wrap is not `name = FSDP(module, key=...)` on its own line.",
+                "The rewrite replaces the wrap statement by fully_shard calls on the model it names and reads "
+                "FSDP1's settings by keyword.", "Write `model = FSDP(model, ...)` on its own line, settings by keyword."),
+    RefusalRule("FSR302", "fsdp1-unknown-argument", "FSDP(...) is given an argument the rewrite cannot migrate.",
+                "The rewrite does not know how FSDP2 does what the argument does.",
+                "Remove the argument, or migrate this part by hand."),
+    RefusalRule("FSR303", "fsdp1-unreadable-setting",
+                "An FSDP1 setting (auto_wrap_policy, sharding_strategy, MixedPrecision, CPUOffload) cannot be read.",
+                "Each setting becomes an FSDP2 option (units, reshard_after_forward, MixedPrecisionPolicy, "
+                "CPUOffloadPolicy); its value must be known when rewriting.",
+                "Write the setting in the call (or one assignment) with literal values and known members."),
+    RefusalRule("FSR304", "fsdp1-no-shard", "sharding_strategy=ShardingStrategy.NO_SHARD.",
+                "NO_SHARD is data parallelism without sharding (DDP); FSDP2 always shards over the mesh.",
+                "Use DistributedDataParallel (or let the rewrite shard: remove sharding_strategy)."),
+    RefusalRule("FSR305", "fsdp1-state-dict-type",
+                "A state dict type the rewrite does not convert (set_state_dict_type, LOCAL_STATE_DICT, a shared "
+                "`with`, an unreadable config).",
+                "The rewrite converts FULL_STATE_DICT and SHARDED_STATE_DICT blocks of their own "
+                "(`with FSDP.state_dict_type(model, ...):`) into get_/set_*_state_dict calls.",
+                "Take the state dicts inside `with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):`."),
+    RefusalRule("FSR306", "fsdp1-unconverted-api", "FSDP1 API the rewrite does not convert is left in the script.",
+                "No FSDP1 API may be left in an FSDP2 script (the two cannot be mixed on one model).",
+                "Migrate this use by hand (FSDP2: get_model_state_dict, DTensor.full_tensor, set_requires_gradient_sync)."),
+    RefusalRule("FSR307", "fsdp1-mixed-wrap-settings", "Several FSDP(...) wraps with different settings.",
+                "The rewrite gives every fully_shard the same policy and unit rule.",
+                "Use the same FSDP settings for every model."),
+    RefusalRule("FSR308", "fsdp1-precision-combination", "MixedPrecision(...) with a combination of dtypes the rewrite does not map.",
+                "The rewrite maps a bfloat16/float16 param_dtype (and its reduce_dtype) only.",
+                "Use param_dtype=torch.bfloat16 or torch.float16."),
+    RefusalRule("FSR309", "fsdp1-hybrid-without-hsdp", "ShardingStrategy.HYBRID_SHARD without `--hsdp`.",
+                "FSDP2's HSDP is a 2-D (replicate, shard) mesh whose shape the rewrite cannot know.",
+                "Pass --hsdp N (N = the number of nodes, i.e. replicas)."),
+    RefusalRule("FSR310", "fsdp1-state-dict-rank-gated", "An FSDP1 state dict is taken under a rank-0 `if`.",
+                "Gathering or scattering a state dict is a collective every rank must call.",
+                "Take it on every rank, then write the file under the rank-0 `if`."),
+    # -- 4xx launch --------------------------------------------------------------------
+    RefusalRule("FSR401", "launch-conditional-process-group", "The process group is started under a condition.",
+                "fully_shard needs the process group and a device mesh on every run.",
+                "Start the process group unconditionally (the output runs under torchrun only)."),
+    RefusalRule("FSR402", "launch-model-before-process-group",
+                "The model is built before the script starts its process group.",
+                "fully_shard needs the device mesh, which needs the process group; sharding must follow the build.",
+                "Start the process group (init_process_group) before building the model."),
+    # -- 5xx meta_init -------------------------------------------------------------------
+    RefusalRule("FSR501", "meta-init-library-model", "--meta-init with a model built by a library (transformers, timm, ...).",
+                "Its initialisation or pretrained weights live in the library, which the rewrite never reads.",
+                "Run without --meta-init."),
+    RefusalRule("FSR502", "meta-init-compound-build", "--meta-init with a model built inside a compound statement.",
+                "The meta build, to_empty and re-initialisation need the model built by one plain statement.",
+                "Build the model in one plain statement, or run without --meta-init."),
+    RefusalRule("FSR503", "meta-init-cannot-replay", "--meta-init where the model's initialisation cannot be re-created.",
+                "After to_empty the memory holds garbage: every parameter and buffer must be re-initialised exactly "
+                "as the constructor did, and the analysis cannot follow this part of it.",
+                "Run without --meta-init, or follow the message's hint."),
+    RefusalRule("FSR504", "meta-init-not-built-by-class", "--meta-init with a model not built by calling its class.",
+                "The re-initialisation is read from the constructor call and the class's __init__.",
+                "Call the model's class in the training script, or run without --meta-init."),
+    RefusalRule("FSR505", "meta-init-use-before-shard", "--meta-init with a statement using the model between its build and fully_shard.",
+                "The model has no values until to_empty and the re-initialisation, which would also overwrite it.",
+                "Load weights after sharding (set_model_state_dict / dcp.load), or run without --meta-init."),
+    # -- 6xx shard ---------------------------------------------------------------------
+    RefusalRule("FSR601", "shard-wrapper-left", "The shard stage runs on a script that still uses DDP/FSDP1 wrappers.",
+                "The wrapper must go before fully_shard.",
+                "Run the migrate stages first (the composite `rewrite` does)."),
+    RefusalRule("FSR602", "shard-autocast-dtype-unknown", "--mixed-precision auto with several or unknown autocast dtypes.",
+                "FSDP2 takes one parameter dtype per unit.", "Name it: --mixed-precision bf16 or fp16."),
+    RefusalRule("FSR603", "shard-batchnorm-low-precision", "Mixed precision for a model with BatchNorm layers.",
+                "FSDP2 would cast their parameters and running statistics to the low-precision dtype.",
+                "Run without --mixed-precision (autocast alone keeps BatchNorm in float32)."),
+    RefusalRule("FSR604", "shard-compiled-in-build", "The model is compiled in the expression that builds it.",
+                "fully_shard must see the plain module, before torch.compile wraps it.",
+                "Build it first (`model = Net()`), then `model = torch.compile(model)` on its own line."),
+    RefusalRule("FSR605", "shard-trainer-class-loop", "The training loop lives in a class that is handed the model.",
+                "Following the model, optimizer and data into a trainer object is not supported yet.",
+                "Keep the training loop in a function that receives the model and optimizer."),
+    RefusalRule("FSR606", "shard-copy-elsewhere", "A sharded model is copied other than right after its build.",
+                "FSDP2 modules cannot be deep-copied; a copy is sharded like the model only when made as "
+                "`name = copy.deepcopy(model)` in the block that builds it.",
+                "Make the copy right after the model is built (ema = copy.deepcopy(model))."),
+    RefusalRule("FSR607", "shard-averaged-model-in-constructor", "`AveragedModel(...)` of a sharded model inside a constructor.",
+                "Its copy is sharded like the model only when made in the block that builds the model.",
+                "Make it right after the model is built."),
+    RefusalRule("FSR608", "shard-class-copies-model", "A class deep-copies the model it is handed.",
+                "The copy is made inside a constructor, where the rewrite cannot shard it with the model's units.",
+                "Keep the copy as `ema = copy.deepcopy(model)` right after the build."),
+    RefusalRule("FSR609", "shard-meta-init-with-copy", "--meta-init with a copy of the model.",
+                "The copy would be made of the model on the meta device, before its re-initialisation.",
+                "Run without --meta-init."),
+    RefusalRule("FSR610", "shard-optimizer-in-class", "The optimizer is built inside a trainer class.",
+                "The rewrite must shard the model before that optimizer is built.",
+                "Build the model and optimizer in a function and pass them to the class."),
+    RefusalRule("FSR611", "shard-no-model", "No nn.Module is built in the script.", "There is no model to shard.",
+                "Run rewrite on the script that builds the model and its optimizer."),
+    RefusalRule("FSR612", "shard-no-optimizer", "No optimizer trains a model built in the script.",
+                "fully_shard must come before the optimizer is built from the model's parameters.",
+                "Build the optimizer from model.parameters() in the same script."),
+    RefusalRule("FSR613", "shard-models-in-different-blocks", "Models are built in different blocks.",
+                "One process group and mesh must cover every model; the rewrite needs them built in one place.",
+                "Build all models in the same function."),
+    RefusalRule("FSR614", "shard-library-placement-argument",
+                "A library model is loaded with device_map= or quantization (load_in_8bit/4bit, quantization_config).",
+                "Placed or quantized weights are not plain trainable parameters FSDP2 can shard and reduce.",
+                "Drop the argument (train in bf16 with --mixed-precision bf16), or keep the script single-GPU."),
+    RefusalRule("FSR615", "shard-library-push-to-hub", "push_to_hub of a model the rewrite shards.",
+                "Each rank holds only its shards: the library would upload one rank's pieces.",
+                "Save with save_pretrained(dir) (the rewrite gathers the full state) and upload that folder on rank 0."),
+    RefusalRule("FSR616", "shard-library-peft", "The model is wrapped by PEFT after it is built.",
+                "The adapters would stay plain tensors whose gradients no rank reduces: the ranks drift apart.",
+                "Train without PEFT, or keep the script single-GPU."),
+    RefusalRule("FSR617", "shard-global-built-in-function", "The model is a global built inside a set-up function.",
+                "The process group would be torn down at the end of the set-up function.",
+                "Build the model in the function that trains and saves it, or pass it as an argument."),
+    RefusalRule("FSR618", "shard-plain-list-of-layers", "A model keeps layers in a plain Python list.",
+                "Their parameters are not registered: they are neither trained nor sharded.",
+                "Use nn.ModuleList."),
+    RefusalRule("FSR619", "shard-optimizer-in-init", "An optimizer is built inside the model's __init__.",
+                "It would hold the unsharded parameters; fully_shard replaces them with DTensors.",
+                "Build the optimizer in the training script, after the model."),
+    # -- 7xx checkpoint and library saves ------------------------------------------------
+    RefusalRule("FSR701", "checkpoint-unsplittable-rank-branch",
+                "A checkpoint save inside a rank-0 branch that cannot be split (an else branch, an `or`).",
+                "The save is collective now: other ranks would never join it and the run would hang.",
+                "Save on every rank and keep only plain-file writes under the rank-0 `if`."),
+    RefusalRule("FSR702", "library-save-own-state-dict", "save_pretrained is given its own state_dict.",
+                "Which state it writes is for the script to say; a sharded model's state dict holds one rank's shards.",
+                "Pass a full state dict gathered on every rank (get_model_state_dict with full_state_dict=True).",
+                "library_saves"),
+    RefusalRule("FSR703", "library-save-rank-gated", "save_pretrained of a sharded model under a rank test.",
+                "Gathering the full state dict is a collective every rank must join (deadlock).",
+                "Call save_pretrained outside the rank test; the rewrite gates the write itself.", "library_saves"),
+    # -- 8xx resume ---------------------------------------------------------------------
+    RefusalRule("FSR801", "resume-load-before-build", "A checkpoint is read before the model or optimizer it fills is built.",
+                "dcp.load fills the state dicts of the sharded model, its optimizer and scheduler: they must exist.",
+                "Build them before loading, then load their state."),
+    RefusalRule("FSR802", "resume-optimizer-of-several-models", "A loaded optimizer trains several models.",
+                "get_/set_optimizer_state_dict take the one model the optimizer trains.",
+                "Give each model its own optimizer."),
+]
+
+CATALOGUE: Dict[str, RefusalRule] = {r.code: r for r in _RULES}
+
+
+def all_refusals() -> List[RefusalRule]:
+    return list(_RULES)
+
+
+def refusal_by_code(code: str) -> Optional[RefusalRule]:
+    return CATALOGUE.get(code.upper())

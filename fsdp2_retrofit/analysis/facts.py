@@ -151,8 +151,9 @@ class ScriptFacts:
         return name in self.model_names.get(self.resolver.enclosing_function(node), set())
 
 
-def analyse(module: cst.Module, path: Optional[str] = None) -> ScriptFacts:
-    resolver = Resolver(module)
+def analyse(module: cst.Module, path: Optional[str] = None, origins=None) -> ScriptFacts:
+    """The facts of `module`; with `origins` (syntax.names.Origins) lines are the user's file's."""
+    resolver = Resolver(module, origins)
     classes = build_registry(module, resolver, path)
     return _Analyser(module, resolver, classes, path).run()
 

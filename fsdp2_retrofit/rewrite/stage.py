@@ -3,21 +3,27 @@ edits keyed by original nodes, and recording changes for the report."""
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Union
 
 import libcst as cst
 from libcst.codemod import CodemodCommand, CodemodContext
-from libcst.codemod.visitors import AddImportsVisitor
 
 from fsdp2_retrofit.analysis import ScriptFacts, analyse
 from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.report import Attention, Change, Refusal, RefusedError
+from fsdp2_retrofit.syntax.names import Origins
+
+from .imports import add_imports
 
 CHANGES_KEY = "fsdp2_retrofit.changes"
 ATTENTION_KEY = "fsdp2_retrofit.attention"
 OPTIONS_KEY = "fsdp2_retrofit.options"
 FACTS_KEY = "fsdp2_retrofit.facts"  # the last analysis, reused while the tree is unchanged
 DEFERRED_IMPORTS_KEY = "fsdp2_retrofit.deferred_imports"  # set by the composite: add these at the end
+IMPORTS_KEY = "fsdp2_retrofit.imports"  # the imports a stage needs: (module, object, alias)
+ORIGINS_KEY = "fsdp2_retrofit.origins"  # syntax.names.Origins: set by the composite, lines of the user's file
 
 Stmt = Union[cst.SimpleStatementLine, cst.BaseCompoundStatement]
 
@@ -32,7 +38,7 @@ class RetrofitStage(CodemodCommand):
     CODE = "stage"
     # Whether later stages' analysis must see this stage's imports resolved (the
     # names it binds, e.g. `dist`, `fully_shard`). If not, the composite adds them
-    # once at the end instead of running AddImportsVisitor after this stage.
+    # once at the end instead of after this stage.
     LATER_STAGES_READ_IMPORTS = False
 
     def __init__(self, context: CodemodContext, options: Optional[RetrofitOptions] = None) -> None:
@@ -44,13 +50,47 @@ class RetrofitStage(CodemodCommand):
         """As CodemodCommand's, without the defensive deep copy of the tree: stages
         never mutate nodes and resolve their own metadata (analysis)."""
         tree = self.transform_module_impl(tree)
-        needed = self.context.scratch.get(AddImportsVisitor.CONTEXT_KEY)
+        needed = self.context.scratch.get(IMPORTS_KEY)
         deferred = self.context.scratch.get(DEFERRED_IMPORTS_KEY)
         if needed and deferred is not None and not self.LATER_STAGES_READ_IMPORTS:
             deferred.extend(needed)
         elif needed:
-            tree = self._instantiate_and_run(AddImportsVisitor, tree)
+            tree = add_imports(tree, needed, self.carry)
         return tree
+
+    @property
+    def origins(self) -> Optional[Origins]:
+        return self.context.scratch.get(ORIGINS_KEY)
+
+    def carry(self, old: cst.CSTNode, new: cst.CSTNode) -> None:
+        """`new` stands for `old` (for the report's line numbers)."""
+        if self.origins is not None:
+            self.origins.carry(old, new)
+
+    def remove_unused_imports(self, tree: cst.Module) -> cst.Module:
+        """Drop the imports the stage scheduled with RemoveImportsVisitor.remove_unused_import."""
+        from libcst.codemod.visitors import RemoveImportsVisitor
+        from libcst.metadata import MetadataWrapper
+
+        if not self.context.scratch.get(RemoveImportsVisitor.CONTEXT_KEY):
+            return tree
+
+        class _Remove(CarryLines, RemoveImportsVisitor):
+            @contextmanager
+            def _handle_metadata_reference(self, module):
+                # libcst's copies the tree first; ours keeps the nodes, so their origins hold
+                wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+                outer = self.context
+                with self.resolve(wrapper):
+                    self.context = replace(outer, wrapper=wrapper)
+                    try:
+                        yield module
+                    finally:
+                        self.context = outer
+
+        remover = _Remove(self.context)
+        remover.origins = self.origins
+        return remover.transform_module(tree)
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         editor = self.plan(tree, self.facts_for(tree))
@@ -59,7 +99,9 @@ class RetrofitStage(CodemodCommand):
     def facts_for(self, tree: cst.Module) -> ScriptFacts:
         """The analysis of `tree`: the last one if it was of this very tree."""
         known = self.context.scratch.get(FACTS_KEY)
-        facts = known if known is not None and known.module is tree else analyse(tree, self.context.filename)
+        if known is None or known.module is not tree:
+            known = analyse(tree, self.context.filename, self.origins)
+        facts = known
         self.context.scratch[FACTS_KEY] = facts
         return facts
 
@@ -68,6 +110,7 @@ class RetrofitStage(CodemodCommand):
         self.facts = facts
         self.config = tree.config_for_parsing
         editor = self.make_editor()
+        editor.origins = self.origins
         self.edit(tree, facts, editor)
         return editor
 
@@ -102,7 +145,7 @@ class RetrofitStage(CodemodCommand):
         raise RefusedError(Refusal(line, what, why, hint))
 
     def add_import(self, module: str, obj: Optional[str] = None, asname: Optional[str] = None) -> None:
-        AddImportsVisitor.add_needed_import(self.context, module, obj, asname)
+        self.context.scratch.setdefault(IMPORTS_KEY, []).append((module, obj, asname))
 
     def rank_zero_test(self, stmt: cst.CSTNode, facts: ScriptFacts) -> Optional[str]:
         """`rank == 0` after the preamble in the entry scope, `dist.get_rank() == 0` in
@@ -178,7 +221,20 @@ def _names_visible(module: cst.Module, scope_node: Optional[cst.CSTNode]) -> set
     return found
 
 
-class StatementEditor(cst.CSTTransformer):
+class CarryLines:
+    """Mixin for a transformer: each node it rebuilds stands for the node it replaces
+    (recorded in `origins`, when set)."""
+
+    origins: Optional[Origins] = None
+
+    def on_leave(self, original_node, updated_node):
+        result = super().on_leave(original_node, updated_node)
+        if self.origins is not None and isinstance(result, cst.CSTNode):
+            self.origins.carry(original_node, result)
+        return result
+
+
+class StatementEditor(CarryLines, cst.CSTTransformer):
     """Inserts, replaces, removes and moves statements, keyed by the original nodes.
 
     Stages that also change expressions subclass it and add `leave_*` methods.
@@ -256,8 +312,14 @@ class StatementEditor(cst.CSTTransformer):
         else:
             resolved = node
         if node in self.relead:
-            resolved = resolved.with_changes(leading_lines=self.relead[node])
+            resolved = self._changed(resolved, leading_lines=self.relead[node])
         return resolved
+
+    def _changed(self, node: cst.CSTNode, **changes) -> cst.CSTNode:
+        new = node.with_changes(**changes)
+        if self.origins is not None:
+            self.origins.carry(node, new)
+        return new
 
     def _edit_body(self, original_block, body_orig, body_new) -> list:
         out = []
@@ -268,7 +330,7 @@ class StatementEditor(cst.CSTTransformer):
                     out.append(self._resolve(self.replacement[orig]))
             else:
                 if orig in self.leading:
-                    new = new.with_changes(leading_lines=self.leading[orig])
+                    new = self._changed(new, leading_lines=self.leading[orig])
                 out.append(new)
             out.extend(self._resolve(s) for s in self.after.get(orig, ()))
         tail = [self._resolve(s) for s in self.append.get(original_block, ())]

@@ -36,11 +36,39 @@ def _force(value):
     return value() if callable(value) else value
 
 
+class Origins:
+    """Which node of the user's file (the first parse) each node of a later tree stands
+    for, so every stage reports the user's own line numbers.
+
+    Transforms call `carry(old, new)` for each node they rebuild; nodes they keep are
+    the same objects. A node the rewrite wrote has no origin (see Resolver.line).
+    """
+
+    def __init__(self, first: cst.Module):
+        self.first = first
+        self._source: Dict[cst.CSTNode, cst.CSTNode] = {}
+        self._positions = None
+
+    def carry(self, old: cst.CSTNode, new: cst.CSTNode) -> None:
+        if new is not old:
+            self._source[new] = self._source.get(old, old)
+
+    def line(self, node: cst.CSTNode) -> int:
+        """The line of the user's file `node` stands for; 0 for a node the rewrite wrote."""
+        if self._positions is None:
+            self._positions = MetadataWrapper(self.first, unsafe_skip_copy=True).resolve(PositionProvider)
+        pos = self._positions.get(self._source.get(node, node))
+        return pos.start.line if pos is not None else 0
+
+
 class Resolver:
     """Metadata for one module, computed once; nodes are the module's own (no copy)."""
 
-    def __init__(self, module: cst.Module):
+    origins: Optional[Origins] = None
+
+    def __init__(self, module: cst.Module, origins: Optional[Origins] = None):
         self.module = module
+        self.origins = origins
         self._wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
         resolved = self._wrapper.resolve_many([QualifiedNameProvider, ScopeProvider])
         self._qualified = resolved[QualifiedNameProvider]
@@ -86,10 +114,37 @@ class Resolver:
             node = self._parents.get(node)
 
     def line(self, node: cst.CSTNode) -> int:
+        """The node's line; with `origins`, its line in the user's file (for a node the
+        rewrite wrote, the user's next line after it)."""
+        if self.origins is not None:
+            return self._original_line(node)
         if self._positions is None:
             self._positions = self._wrapper.resolve(PositionProvider)
         pos = self._positions.get(node)
         return pos.start.line if pos is not None else 0
+
+    def _original_line(self, node: cst.CSTNode) -> int:
+        while node is not None:
+            found = self.origins.line(node)
+            if found:
+                return found
+            parent = self._parents.get(node)
+            if isinstance(parent, (cst.IndentedBlock, cst.Module)):
+                body = parent.body
+                at = next((i for i, s in enumerate(body) if s is node), len(body))
+                for later in body[at + 1:]:
+                    found = self._first_original_line(later)
+                    if found:
+                        return found
+            node = parent
+        return 0
+
+    def _first_original_line(self, stmt: cst.CSTNode) -> int:
+        """The first user line a statement (or a new one wrapped around user statements) holds."""
+        found = self.origins.line(stmt)
+        if found or not isinstance(getattr(stmt, "body", None), cst.IndentedBlock):
+            return found
+        return next((n for n in map(self._first_original_line, stmt.body.body) if n), 0)
 
     def position(self, node: cst.CSTNode):
         """The node's CodeRange (1-based lines, 0-based columns), or None."""

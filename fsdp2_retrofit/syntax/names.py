@@ -1,11 +1,12 @@
 """Name resolution over one parsed module: qualified names, parents, lines, scopes."""
 from __future__ import annotations
 
+import builtins
 from collections import defaultdict
 from typing import Dict, Iterator, List, Optional, Set, Type
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider, ScopeProvider
+from libcst.metadata import MetadataWrapper, PositionProvider
 
 _EMPTY = cst.Module(body=[])
 
@@ -32,8 +33,38 @@ def code(node: cst.CSTNode) -> str:
     return _EMPTY.code_for_node(node).strip()
 
 
-def _force(value):
-    return value() if callable(value) else value
+_BUILTINS = frozenset(dir(builtins))
+
+
+def _module_bindings(body) -> Iterator[str]:
+    """Names the module's own code binds: assignments, loops, `with ... as`, classes and
+    functions at the top level (inside top-level if/for/while/with/try too)."""
+    for stmt in body:
+        if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)):
+            yield stmt.name.value
+        elif isinstance(stmt, cst.SimpleStatementLine):
+            yield from assigned_names(stmt)
+        else:
+            if isinstance(stmt, cst.For):
+                yield from (t.value for t in _flatten_target(stmt.target) if isinstance(t, cst.Name))
+            elif isinstance(stmt, cst.With):
+                for item in stmt.items:
+                    if item.asname is not None:
+                        yield from (t.value for t in _flatten_target(item.asname.name) if isinstance(t, cst.Name))
+            for block in _blocks_of(stmt):
+                yield from _module_bindings(block.body)
+
+
+def _blocks_of(stmt) -> Iterator[cst.IndentedBlock]:
+    """The indented blocks of a compound statement (none of them a new scope)."""
+    parts = [getattr(stmt, "body", None), getattr(stmt, "orelse", None), getattr(stmt, "finalbody", None)]
+    for part in parts + list(getattr(stmt, "handlers", ())):
+        if isinstance(part, cst.IndentedBlock):
+            yield part
+        elif isinstance(part, cst.If):  # elif
+            yield from _blocks_of(part)
+        elif isinstance(getattr(part, "body", None), cst.IndentedBlock):  # else, except, finally
+            yield part.body
 
 
 class Origins:
@@ -62,19 +93,46 @@ class Origins:
 
 
 class Resolver:
-    """Metadata for one module, computed once; nodes are the module's own (no copy)."""
+    """Metadata for one module, computed in one walk; nodes are the module's own (no copy).
+
+    Qualified names come from the file's imports (wherever they are), its top-level
+    classes, functions and assignments, and Python's builtins (`builtins.open`), not
+    from libcst's scope analysis: a local variable that shadows an imported or global
+    name is not told apart (rare in training scripts), and a file is resolved in one
+    walk instead of libcst's several.
+    """
 
     origins: Optional[Origins] = None
 
     def __init__(self, module: cst.Module, origins: Optional[Origins] = None):
         self.module = module
         self.origins = origins
-        self._wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-        resolved = self._wrapper.resolve_many([QualifiedNameProvider, ScopeProvider])
-        self._qualified = resolved[QualifiedNameProvider]
-        self._scopes = resolved[ScopeProvider]
+        self._wrapper = None
         self._positions = None  # computed on the first line() call: only stages that report need it
         self._index(module)
+        self._table = self._name_table(module)
+
+    def _name_table(self, module: cst.Module) -> Dict[str, str]:
+        """Local name -> qualified name, for the names the module binds globally or imports."""
+        table: Dict[str, str] = {}
+        for name in _module_bindings(module.body):
+            table[name] = name
+        for imp in self._by_type.get(cst.Import, []):
+            for alias in imp.names:
+                dotted = code(alias.name)
+                if alias.asname is not None:
+                    table[code(alias.asname.name)] = dotted
+                else:
+                    table[dotted.split(".")[0]] = dotted.split(".")[0]
+        for imp in self._by_type.get(cst.ImportFrom, []):
+            if isinstance(imp.names, cst.ImportStar):
+                continue
+            base = code(imp.module) if imp.module is not None else ""
+            for alias in imp.names:
+                name = code(alias.name)
+                local = code(alias.asname.name) if alias.asname is not None else name
+                table[local] = f"{base}.{name}" if base else name
+        return table
 
     def _index(self, module: cst.Module) -> None:
         # One walk records every node's parent and source-order rank and indexes the nodes by type.
@@ -95,8 +153,19 @@ class Resolver:
         """Fully qualified names of a name, attribute or call (its callee)."""
         if isinstance(node, cst.Call):
             node = node.func
-        found = self._qualified.get(node)
-        return {q.name.lstrip(".") for q in _force(found)} if found is not None else set()
+        found = self._dotted(node)
+        return {found} if found else set()
+
+    def _dotted(self, node) -> Optional[str]:
+        if isinstance(node, cst.Name):
+            found = self._table.get(node.value)
+            if found is None and node.value in _BUILTINS:
+                return f"builtins.{node.value}"
+            return found
+        if isinstance(node, cst.Attribute):
+            base = self._dotted(node.value)
+            return f"{base}.{node.attr.value}" if base else None
+        return None
 
     def is_call_to(self, node: cst.CSTNode, names) -> bool:
         return isinstance(node, cst.Call) and bool(self.qnames(node) & set(names))
@@ -118,9 +187,7 @@ class Resolver:
         rewrite wrote, the user's next line after it)."""
         if self.origins is not None:
             return self._original_line(node)
-        if self._positions is None:
-            self._positions = self._wrapper.resolve(PositionProvider)
-        pos = self._positions.get(node)
+        pos = self.position(node)
         return pos.start.line if pos is not None else 0
 
     def _original_line(self, node: cst.CSTNode) -> int:
@@ -149,11 +216,9 @@ class Resolver:
     def position(self, node: cst.CSTNode):
         """The node's CodeRange (1-based lines, 0-based columns), or None."""
         if self._positions is None:
+            self._wrapper = MetadataWrapper(self.module, unsafe_skip_copy=True)
             self._positions = self._wrapper.resolve(PositionProvider)
         return self._positions.get(node)
-
-    def scope(self, node: cst.CSTNode):
-        return self._scopes.get(node)
 
     def enclosing_function(self, node: cst.CSTNode) -> Optional[cst.FunctionDef]:
         for anc in self.ancestors(node):
@@ -182,66 +247,8 @@ class Resolver:
         return parent if isinstance(parent, (cst.IndentedBlock, cst.Module)) else None
 
 
-class ImportResolver(Resolver):
-    """A Resolver without libcst's scope analysis, for `check`: qualified names come
-    from the file's import statements and its top-level classes and functions.
-
-    A local variable that shadows an imported name is not noticed (rare in training
-    scripts); in exchange a file is resolved in one walk instead of libcst's several.
-    """
-
-    def __init__(self, module: cst.Module):
-        self.module = module
-        self._wrapper = None
-        self._positions = None
-        self._index(module)
-        table: Dict[str, str] = {}
-        for stmt in module.body:
-            if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)):
-                table[stmt.name.value] = stmt.name.value
-        for imp in self._by_type.get(cst.Import, []):
-            for alias in imp.names:
-                dotted = code(alias.name)
-                if alias.asname is not None:
-                    table[code(alias.asname.name)] = dotted
-                else:
-                    table[dotted.split(".")[0]] = dotted.split(".")[0]
-        for imp in self._by_type.get(cst.ImportFrom, []):
-            if isinstance(imp.names, cst.ImportStar):
-                continue
-            base = code(imp.module) if imp.module is not None else ""
-            for alias in imp.names:
-                name = code(alias.name)
-                local = code(alias.asname.name) if alias.asname is not None else name
-                table[local] = f"{base}.{name}" if base else name
-        self._table = table
-
-    def qnames(self, node: cst.CSTNode) -> Set[str]:
-        if isinstance(node, cst.Call):
-            node = node.func
-        found = self._dotted(node)
-        return {found} if found else set()
-
-    def _dotted(self, node) -> Optional[str]:
-        if isinstance(node, cst.Name):
-            return self._table.get(node.value)
-        if isinstance(node, cst.Attribute):
-            base = self._dotted(node.value)
-            return f"{base}.{node.attr.value}" if base else None
-        return None
-
-    def position(self, node: cst.CSTNode):
-        if self._positions is None:
-            self._wrapper = MetadataWrapper(self.module, unsafe_skip_copy=True)
-            self._positions = self._wrapper.resolve(PositionProvider)
-        return self._positions.get(node)
-
-    def line(self, node: cst.CSTNode) -> int:
-        pos = self.position(node)
-        return pos.start.line if pos is not None else 0
-
-    def scope(self, node: cst.CSTNode):  # pragma: no cover - the rewriter's question, not check's
-        raise NotImplementedError("ImportResolver has no scope analysis")
+# `check` asks the same questions of a file; the name is kept for it.
+ImportResolver = Resolver
 
 
 class _Indexer(cst.CSTVisitor):

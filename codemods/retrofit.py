@@ -108,6 +108,8 @@ class RetrofitCommand(RetrofitStage):
             self.context.scratch[FACTS_KEY] = context.scratch[FACTS_KEY]
         editor = CombinedEditor([e for _, _, e in planned])
         editor.origins = self.origins
+        facts = self.context.scratch.get(FACTS_KEY)
+        editor.resolver = facts.resolver if facts is not None and facts.module is tree else None
         new_tree = tree.visit(editor) if editor.has_work() else tree
         for i, (stage_class, context, _) in enumerate(planned):
             self.deferred_imports.extend(context.scratch.get(IMPORTS_KEY, []))

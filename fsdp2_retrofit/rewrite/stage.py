@@ -111,6 +111,7 @@ class RetrofitStage(CodemodCommand):
         self.config = tree.config_for_parsing
         editor = self.make_editor()
         editor.origins = self.origins
+        editor.resolver = facts.resolver
         self.edit(tree, facts, editor)
         return editor
 
@@ -237,8 +238,14 @@ class CarryLines:
 class StatementEditor(CarryLines, cst.CSTTransformer):
     """Inserts, replaces, removes and moves statements, keyed by the original nodes.
 
-    Stages that also change expressions subclass it and add `leave_*` methods.
+    Stages that also change expressions subclass it and add `leave_*` methods; they
+    keep those edits in dicts or sets keyed by the original nodes, so that, given the
+    analysis's `resolver`, the editor descends only into the statements and
+    expressions that hold an edit: every other subtree is kept as it is (the same
+    nodes), and a rewrite costs what it changes, not the size of the file.
     """
+
+    resolver = None  # the Resolver of the tree this editor is applied to (None: visit everything)
 
     def __init__(self) -> None:
         super().__init__()
@@ -251,6 +258,27 @@ class StatementEditor(CarryLines, cst.CSTTransformer):
         # leading lines for an original statement placed elsewhere (inside a new `if`)
         self.relead: Dict[cst.CSTNode, List[cst.EmptyLine]] = {}
         self._extra_work = False
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if self.resolver is not None:
+            if self.__dict__.get("_paths") is None:
+                self._paths = self._edit_paths()
+            if node not in self._paths:
+                return False
+        return super().on_visit(node)
+
+    def _edit_paths(self) -> set:
+        """The nodes edits are keyed on, with all their ancestors."""
+        paths = {self.resolver.module}
+        for editor in [self, *getattr(self, "expression_editors", ())]:
+            for name, value in vars(editor).items():
+                if name.startswith("_") or not isinstance(value, (dict, set, frozenset)):
+                    continue
+                for node in value:
+                    while isinstance(node, cst.CSTNode) and node not in paths:
+                        paths.add(node)
+                        node = self.resolver.parent(node)
+        return paths
 
     def has_work(self) -> bool:
         return bool(self.before or self.after or self.append or self.replacement or self.leading or self._extra_work)

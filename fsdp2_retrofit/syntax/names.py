@@ -78,18 +78,38 @@ class Origins:
     def __init__(self, first: cst.Module):
         self.first = first
         self._source: Dict[cst.CSTNode, cst.CSTNode] = {}
-        self._positions = None
+        self.first_resolver: Optional["Resolver"] = None  # set by the first tree's Resolver
+        self._starts: Optional[Dict[cst.CSTNode, int]] = None  # top-level statement -> lines before it
+        self._positions: Dict[cst.CSTNode, object] = {}  # top-level statement -> its nodes' positions
 
     def carry(self, old: cst.CSTNode, new: cst.CSTNode) -> None:
         if new is not old:
             self._source[new] = self._source.get(old, old)
 
     def line(self, node: cst.CSTNode) -> int:
-        """The line of the user's file `node` stands for; 0 for a node the rewrite wrote."""
-        if self._positions is None:
-            self._positions = MetadataWrapper(self.first, unsafe_skip_copy=True).resolve(PositionProvider)
-        pos = self._positions.get(self._source.get(node, node))
-        return pos.start.line if pos is not None else 0
+        """The line of the user's file `node` stands for; 0 for a node the rewrite wrote.
+
+        Positions are computed per top-level statement of the first tree, for the
+        statements asked about only (a report names a few lines of a long file)."""
+        node = self._source.get(node, node)
+        top = node
+        if self.first_resolver is None:
+            Resolver(self.first, self)
+        parents = self.first_resolver._parents
+        while top in parents and parents[top] is not self.first:
+            top = parents[top]
+        if parents.get(top) is not self.first:
+            return 0
+        if self._starts is None:
+            self._starts, before = {}, len(self.first.header)
+            for stmt in self.first.body:
+                self._starts[stmt] = before
+                before += self.first.code_for_node(stmt).count("\n")
+        if top not in self._positions:
+            alone = self.first.with_changes(body=[top], header=[], footer=[])
+            self._positions[top] = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
+        pos = self._positions[top].get(node)
+        return self._starts[top] + pos.start.line if pos is not None else 0
 
 
 class Resolver:
@@ -111,6 +131,8 @@ class Resolver:
         self._positions = None  # computed on the first line() call: only stages that report need it
         self._index(module)
         self._table = self._name_table(module)
+        if origins is not None and module is origins.first:
+            origins.first_resolver = self
 
     def _name_table(self, module: cst.Module) -> Dict[str, str]:
         """Local name -> qualified name, for the names the module binds globally or imports."""

@@ -176,7 +176,7 @@ class RetrofitStage(CodemodCommand):
         """`wanted`, or `wanted_1`, ... when the scope (or the module's globals) uses it."""
         cache = self.__dict__.setdefault("_visible", {})
         if id(scope_node) not in cache:
-            cache[id(scope_node)] = _names_visible(self.facts.module, scope_node)
+            cache[id(scope_node)] = _names_visible(self.facts.resolver, scope_node)
         taken = cache[id(scope_node)]
         name, n = wanted, 0
         while name in taken:
@@ -194,31 +194,31 @@ def _ancestor_in(stmt, block, facts: ScriptFacts):
     return node
 
 
-def _names_visible(module: cst.Module, scope_node: Optional[cst.CSTNode]) -> set:
-    """Names bound or read in a function plus the module's top level (not other bodies)."""
+def _names_visible(resolver, scope_node: Optional[cst.CSTNode]) -> set:
+    """Names bound or read in a function plus the module's top level (not other bodies):
+    every identifier (not an attribute's name) whose innermost enclosing def or class is
+    none, or is the function `scope_node` at the top level; and the names of the defs and
+    classes those places hold."""
+    inside = scope_node if isinstance(scope_node, cst.FunctionDef) else None
+    defs = (cst.FunctionDef, cst.ClassDef)
+
+    def owner(node):
+        return next((a for a in resolver.ancestors(node) if isinstance(a, defs)), None)
+
+    def visible(node) -> bool:
+        found = owner(node)
+        return found is None or (found is inside and owner(found) is None)
+
     found = set()
-
-    class _V(cst.CSTVisitor):
-        def __init__(self, inside: Optional[cst.CSTNode]):
-            super().__init__()
-            self.inside = inside
-
-        def visit_Name(self, node: cst.Name) -> None:
-            found.add(node.value)
-
-        def visit_Attribute(self, node: cst.Attribute) -> bool:
-            node.value.visit(self)  # `x.state_dict` binds no name `state_dict`
-            return False
-
-        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-            found.add(node.name.value)
-            return node is self.inside
-
-        def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-            found.add(node.name.value)
-            return False
-
-    module.visit(_V(scope_node if isinstance(scope_node, cst.FunctionDef) else None))
+    for name in resolver.nodes(cst.Name):
+        parent = resolver.parent(name)
+        if isinstance(parent, cst.Attribute) and parent.attr is name:
+            continue  # `x.state_dict` binds no name `state_dict`
+        if isinstance(parent, defs) and parent.name is name:
+            if visible(parent):
+                found.add(name.value)
+        elif visible(name):
+            found.add(name.value)
     return found
 
 

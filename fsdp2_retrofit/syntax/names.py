@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import builtins
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from typing import Dict, Iterator, List, Optional, Set, Type
 
@@ -161,7 +162,9 @@ class Resolver:
         self._parents: Dict[cst.CSTNode, cst.CSTNode] = {}
         self._by_type: Dict[Type[cst.CSTNode], List[cst.CSTNode]] = defaultdict(list)
         self._order: Dict[cst.CSTNode, int] = {}
-        module.visit(_Indexer(self._parents, self._by_type, self._order))
+        self._last: Dict[cst.CSTNode, int] = {}  # the rank of a node's last descendant
+        self._ranks: Dict[Type[cst.CSTNode], List[int]] = {}  # per type, the ranks of nodes(type)
+        module.visit(_Indexer(self._parents, self._by_type, self._order, self._last))
 
     def order(self, node: cst.CSTNode) -> int:
         """The node's rank in a pre-order walk: source order, a node before its children."""
@@ -170,6 +173,17 @@ class Resolver:
     def nodes(self, kind: Type[cst.CSTNode]) -> List[cst.CSTNode]:
         """Every node of exactly this type, in source order."""
         return self._by_type.get(kind, [])
+
+    def descendants(self, node: cst.CSTNode, kind: Type[cst.CSTNode]) -> List[cst.CSTNode]:
+        """Every node of exactly this type inside `node` (itself included), in source
+        order, from the index: no walk of the subtree."""
+        first = self._order.get(node)
+        if first is None:
+            return []
+        if kind not in self._ranks:
+            self._ranks[kind] = [self._order[n] for n in self._by_type.get(kind, [])]
+        ranks = self._ranks[kind]
+        return self._by_type.get(kind, [])[bisect_left(ranks, first) : bisect_right(ranks, self._last[node])]
 
     def qnames(self, node: cst.CSTNode) -> Set[str]:
         """Fully qualified names of a name, attribute or call (its callee)."""
@@ -274,11 +288,12 @@ ImportResolver = Resolver
 
 
 class _Indexer(cst.CSTVisitor):
-    def __init__(self, parents, by_type, order):
+    def __init__(self, parents, by_type, order, last):
         super().__init__()
         self.parents = parents
         self.by_type = by_type
         self.order = order
+        self.last = last
         self.stack: List[cst.CSTNode] = []
 
     def on_visit(self, node: cst.CSTNode) -> bool:
@@ -290,6 +305,7 @@ class _Indexer(cst.CSTVisitor):
         return True
 
     def on_leave(self, original_node: cst.CSTNode) -> None:
+        self.last[original_node] = len(self.order) - 1
         self.stack.pop()
 
 

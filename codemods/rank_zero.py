@@ -173,15 +173,12 @@ class GateRankZeroCommand(RetrofitStage):
         return bool(found)
 
     def _gate_progress_bars(self, facts: ScriptFacts, editor: _TqdmEditor) -> None:
-        class _Bars(cst.CSTVisitor):
-            def visit_Call(self, node: cst.Call) -> None:
-                if any(q.split(".")[0] == "tqdm" for q in facts.resolver.qnames(node)) and not any(
-                    a.keyword is not None and a.keyword.value == "disable" for a in node.args
-                ):
-                    bars.append(node)
-
-        bars: list = []
-        facts.module.visit(_Bars())
+        bars = [
+            node
+            for node in facts.resolver.nodes(cst.Call)
+            if any(q.split(".")[0] == "tqdm" for q in facts.resolver.qnames(node))
+            and not any(a.keyword is not None and a.keyword.value == "disable" for a in node.args)
+        ]
         for bar in bars:
             test = self.rank_zero_test(facts.resolver.statement_of(bar), facts)
             if test is None:

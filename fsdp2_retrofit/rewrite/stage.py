@@ -196,28 +196,27 @@ def _ancestor_in(stmt, block, facts: ScriptFacts):
 
 def _names_visible(resolver, scope_node: Optional[cst.CSTNode]) -> set:
     """Names bound or read in a function plus the module's top level (not other bodies):
-    every identifier (not an attribute's name) whose innermost enclosing def or class is
-    none, or is the function `scope_node` at the top level; and the names of the defs and
-    classes those places hold."""
+    the identifiers (not attribute names) outside every def and class but `scope_node`,
+    and the names of the outermost of those defs and classes. One pass over the index."""
     inside = scope_node if isinstance(scope_node, cst.FunctionDef) else None
-    defs = (cst.FunctionDef, cst.ClassDef)
-
-    def owner(node):
-        return next((a for a in resolver.ancestors(node) if isinstance(a, defs)), None)
-
-    def visible(node) -> bool:
-        found = owner(node)
-        return found is None or (found is inside and owner(found) is None)
-
+    others = [d for kind in (cst.FunctionDef, cst.ClassDef) for d in resolver.nodes(kind) if d is not inside]
     found = set()
+    closed = []  # the spans of the outermost other bodies, in source order
+    for d in sorted(others, key=resolver.order):
+        first, last = resolver.span(d)
+        if closed and first <= closed[-1][1]:
+            continue  # inside a body that is not visible
+        closed.append((first, last))
+        found.add(d.name.value)
+    at = 0
     for name in resolver.nodes(cst.Name):
+        rank = resolver.order(name)
+        while at < len(closed) and closed[at][1] < rank:
+            at += 1
+        if at < len(closed) and closed[at][0] <= rank:
+            continue
         parent = resolver.parent(name)
-        if isinstance(parent, cst.Attribute) and parent.attr is name:
-            continue  # `x.state_dict` binds no name `state_dict`
-        if isinstance(parent, defs) and parent.name is name:
-            if visible(parent):
-                found.add(name.value)
-        elif visible(name):
+        if not (isinstance(parent, cst.Attribute) and parent.attr is name):  # `x.state_dict` binds no `state_dict`
             found.add(name.value)
     return found
 

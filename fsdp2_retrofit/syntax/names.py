@@ -174,6 +174,10 @@ class Resolver:
         """Every node of exactly this type, in source order."""
         return self._by_type.get(kind, [])
 
+    def span(self, node: cst.CSTNode) -> tuple:
+        """The ranks (see order) of the node and of its last descendant."""
+        return self._order.get(node, -1), self._last.get(node, -1)
+
     def descendants(self, node: cst.CSTNode, kind: Type[cst.CSTNode]) -> List[cst.CSTNode]:
         """Every node of exactly this type inside `node` (itself included), in source
         order, from the index: no walk of the subtree."""

@@ -100,7 +100,8 @@ class RetrofitStage(CodemodCommand):
         """The analysis of `tree`: the last one if it was of this very tree."""
         known = self.context.scratch.get(FACTS_KEY)
         if known is None or known.module is not tree:
-            known = analyse(tree, self.context.filename, self.origins)
+            previous = known.resolver if known is not None else None
+            known = analyse(tree, self.context.filename, self.origins, previous)
         facts = known
         self.context.scratch[FACTS_KEY] = facts
         return facts

@@ -125,12 +125,18 @@ class Resolver:
 
     origins: Optional[Origins] = None
 
-    def __init__(self, module: cst.Module, origins: Optional[Origins] = None):
+    def __init__(self, module: cst.Module, origins: Optional[Origins] = None, previous: Optional["Resolver"] = None):
+        """`previous`: the Resolver of a tree `module` was made from; the subtrees the two
+        share (the same nodes: a stage's edit keeps what it does not change) are indexed
+        from it, not walked again."""
         self.module = module
         self.origins = origins
         self._wrapper = None
         self._positions = None  # computed on the first line() call: only stages that report need it
-        self._index(module)
+        if previous is None:
+            self._index(module)
+        else:
+            self._reindex(module, previous)
         self._table = self._name_table(module)
         if origins is not None and module is origins.first:
             origins.first_resolver = self
@@ -164,7 +170,45 @@ class Resolver:
         self._order: Dict[cst.CSTNode, int] = {}
         self._last: Dict[cst.CSTNode, int] = {}  # the rank of a node's last descendant
         self._ranks: Dict[Type[cst.CSTNode], List[int]] = {}  # per type, the ranks of nodes(type)
-        module.visit(_Indexer(self._parents, self._by_type, self._order, self._last))
+        self._seq: List[cst.CSTNode] = []  # every node, in pre-order
+        module.visit(_Indexer(self._parents, self._by_type, self._order, self._last, self._seq))
+
+    def _reindex(self, module: cst.Module, previous: "Resolver") -> None:
+        """The index of `module`, copying each subtree it shares with `previous`'s tree."""
+        old_order, old_last, old_seq, old_parents = previous._order, previous._last, previous._seq, previous._parents
+        seq: List[cst.CSTNode] = []
+        parents: Dict[cst.CSTNode, cst.CSTNode] = {}
+        last: Dict[cst.CSTNode, int] = {}
+        stack: List[tuple] = [(module, None)]
+        while stack:
+            node, parent = stack.pop()
+            if parent is _LEAVE:
+                last[node] = len(seq) - 1
+                continue
+            if parent is not None:
+                parents[node] = parent
+            start = old_order.get(node)
+            if start is not None and old_seq[start] is node:
+                end = old_last[node]
+                shift = len(seq) - start
+                block = old_seq[start : end + 1]
+                seq.extend(block)
+                for n in block[1:]:
+                    parents[n] = old_parents[n]
+                for n in block:
+                    last[n] = old_last[n] + shift
+                continue
+            seq.append(node)
+            stack.append((node, _LEAVE))
+            stack.extend((child, node) for child in reversed(node.children))
+        self._seq = seq
+        self._parents = parents
+        self._last = last
+        self._order = {n: i for i, n in enumerate(seq)}
+        self._by_type = defaultdict(list)
+        for n in seq:
+            self._by_type[type(n)].append(n)
+        self._ranks = {}
 
     def order(self, node: cst.CSTNode) -> int:
         """The node's rank in a pre-order walk: source order, a node before its children."""
@@ -291,17 +335,22 @@ class Resolver:
 ImportResolver = Resolver
 
 
+_LEAVE = object()
+
+
 class _Indexer(cst.CSTVisitor):
-    def __init__(self, parents, by_type, order, last):
+    def __init__(self, parents, by_type, order, last, seq):
         super().__init__()
         self.parents = parents
         self.by_type = by_type
         self.order = order
         self.last = last
+        self.seq = seq
         self.stack: List[cst.CSTNode] = []
 
     def on_visit(self, node: cst.CSTNode) -> bool:
-        self.order[node] = len(self.order)
+        self.order[node] = len(self.seq)
+        self.seq.append(node)
         if self.stack:
             self.parents[node] = self.stack[-1]
         self.by_type[type(node)].append(node)
@@ -309,7 +358,7 @@ class _Indexer(cst.CSTVisitor):
         return True
 
     def on_leave(self, original_node: cst.CSTNode) -> None:
-        self.last[original_node] = len(self.order) - 1
+        self.last[original_node] = len(self.seq) - 1
         self.stack.pop()
 
 

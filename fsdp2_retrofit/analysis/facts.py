@@ -749,7 +749,7 @@ class _Analyser:
         for loop in train_loops:
             if isinstance(loop.node, cst.For):
                 iterated |= names_in(loop.node.iter)
-            iterated |= _next_call_names(loop.node)
+            iterated |= _next_call_names(loop.node, self.r)
             # micro-batches split off each batch of an outer loop: that loop reads the data
             for outer in self.r.ancestors(loop.node):
                 if isinstance(outer, cst.FunctionDef):
@@ -1117,16 +1117,12 @@ def _calls_method(node, method: str, into_functions: bool = False) -> bool:
     return bool(found)
 
 
-def _next_call_names(loop) -> Set[str]:
+def _next_call_names(loop, resolver: Resolver) -> Set[str]:
     """Names handed to `next(...)` inside a loop: iterators it draws batches from."""
     found: Set[str] = set()
-
-    class _N(cst.CSTVisitor):
-        def visit_Call(self, node: cst.Call) -> None:
-            if isinstance(node.func, cst.Name) and node.func.value == "next" and node.args:
-                found.update(names_in(node.args[0].value))
-
-    loop.visit(_N())
+    for node in resolver.descendants(loop, cst.Call):
+        if isinstance(node.func, cst.Name) and node.func.value == "next" and node.args:
+            found.update(names_in(node.args[0].value))
     return found
 
 

@@ -10,12 +10,13 @@ module). Target: a ratio <= 5 at every size, and a rewrite time that grows
 linearly with the lines.
 
 Scripts: (a) the shared example (/work/shared/examples/train_single.py), and
-generated scripts of about --sizes lines in two shapes:
+generated scripts of about --sizes lines in two shapes, both built around the
+main_modulelist fixture (a normal training script):
 
   flat     many small top-level statements: module-level constants and small
-           helper functions around a normal training script (the example's body);
-  classes  few large classes: a model file of a handful of big nn.Module classes
-           (long __init__ and forward, many layers) and a training loop.
+           helper functions before its classes;
+  classes  few large classes: a handful of big nn.Module classes (long __init__
+           and forward, many layers) before its main(), which trains the last.
 
 Prints a Markdown table: lines, shape, parse s, rewrite s, ratio, and rewrite
 microseconds per line (flat across sizes means linear growth). --profile prints
@@ -33,80 +34,19 @@ sys.path.insert(0, str(ROOT))
 
 EXAMPLE = Path("/work/shared/examples/train_single.py")
 
-HEAD = '''\
-"""A generated training script."""
-import argparse
-
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
-'''
-
-TRAIN = '''
-
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--out", default="model.pt")
-    args = parser.parse_args()
-
-    torch.manual_seed(0)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    data = TensorDataset(torch.randn(512, 16), torch.randint(0, 10, (512,)))
-    loader = DataLoader(data, batch_size=args.batch_size, shuffle=False)
-
-    model = {model}().to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    step = 0
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        loss = F.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        print(f"step {{step}} loss {{loss.item():.4f}}")
-        step += 1
-        if step == args.steps:
-            break
-    torch.save(model.state_dict(), args.out)
+BASE = ROOT / "fixtures" / "rewrite" / "main_modulelist" / "input.py"  # a normal training script
 
 
-if __name__ == "__main__":
-    main()
-'''
-
-SMALL_MODEL = '''
-
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return x + self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self, dim=16, depth=4, classes=10):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(dim) for _ in range(depth)])
-        self.head = nn.Linear(dim, classes)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-'''
+def _base() -> str:
+    return BASE.read_text()
 
 
 def flat(lines: int) -> str:
-    """Many small top-level statements around the training script."""
-    parts = [HEAD, SMALL_MODEL]
-    used = sum(p.count("\n") for p in parts) + TRAIN.count("\n")
-    i = 0
+    """Many small top-level statements (settings, helpers) around the training script."""
+    base = _base()
+    at = base.index("\n\nclass ")
+    parts = []
+    used, i = base.count("\n") + 1, 0
     while used < lines:
         if i % 5 == 4:
             parts.append(f"\n\ndef helper_{i}(x, scale=SCALE_{i - 1}):\n    return x * scale + {i}\n")
@@ -115,33 +55,32 @@ def flat(lines: int) -> str:
             parts.append(f"SCALE_{i} = {i} * 0.5  # a setting\n")
             used += 1
         i += 1
-    parts.append(TRAIN.format(model="Net"))
-    return "".join(parts)
+    return base[:at] + "\n\n" + "".join(parts) + base[at:]
 
 
 def classes(lines: int) -> str:
-    """A handful of big model classes (about 1,000 lines each) and a training loop."""
-    parts = [HEAD]
-    used = HEAD.count("\n") + TRAIN.count("\n")
+    """A handful of big model classes (about 1,000 lines each), the last one trained."""
+    base = _base()
     n_classes = max(1, min(8, lines // 1000))
-    per_class = max(20, (lines - used) // n_classes)
-    layers = max(2, (per_class - 12) // 3)
+    layers = max(2, (lines - base.count("\n")) // n_classes // 4)
+    parts = []
     for c in range(n_classes):
-        init = "".join(f"        self.layer{k} = nn.Linear(16, 16)\n" for k in range(layers))
-        # every third line of forward is a comment, as in a real model
+        init = "".join(f"        self.layer{k} = nn.Linear(24, 24)\n" for k in range(layers))
         forward = "".join(
-            f"        x = x + self.layer{k}(x)\n" + (f"        # layer {k}\n" if k % 2 else "        x = F.gelu(x)\n")
+            f"        x = x + self.layer{k}(x)\n" + (f"        # layer {k}\n" if k % 2 else "        x = x.relu()\n")
+            + "        x = self.norm(x)\n"
             for k in range(layers)
         )
         parts.append(
             f"\n\nclass Model{c}(nn.Module):\n"
             f'    """Model {c}."""\n\n'
             f"    def __init__(self):\n        super().__init__()\n{init}"
-            f"        self.head = nn.Linear(16, 10)\n\n"
+            f"        self.norm = nn.LayerNorm(24)\n        self.head = nn.Linear(24, 8)\n\n"
             f"    def forward(self, x):\n{forward}        return self.head(x)\n"
         )
-    parts.append(TRAIN.format(model=f"Model{n_classes - 1}"))
-    return "".join(parts)
+    at = base.index("\n\ndef main")
+    text = base[:at] + "".join(parts) + base[at:]
+    return text.replace("model = Classifier()", f"model = Model{n_classes - 1}()", 1)
 
 
 def measure(source: bytes, repeat: int):

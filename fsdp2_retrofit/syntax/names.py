@@ -37,6 +37,25 @@ def code(node: cst.CSTNode) -> str:
 _BUILTINS = frozenset(dir(builtins))
 
 
+def import_bindings(imp, keep_relative: bool = False) -> Iterator[tuple]:
+    """(local name, dotted name) for each name an Import or ImportFrom binds
+    (`from . import x` gives `x`, or `.x` with keep_relative)."""
+    if isinstance(imp, cst.Import):
+        for alias in imp.names:
+            dotted = code(alias.name)
+            if alias.asname is not None:
+                yield code(alias.asname.name), dotted
+            else:
+                yield dotted.split(".")[0], dotted.split(".")[0]
+    elif not isinstance(imp.names, cst.ImportStar):
+        base = code(imp.module) if imp.module is not None else ""
+        if keep_relative:
+            base = "." * len(imp.relative) + base
+        for alias in imp.names:
+            name = code(alias.name)
+            yield (code(alias.asname.name) if alias.asname is not None else name), (f"{base}.{name}" if base else name)
+
+
 def _module_bindings(body) -> Iterator[str]:
     """Names the module's own code binds: assignments, loops, `with ... as`, classes and
     functions at the top level (inside top-level if/for/while/with/try too)."""
@@ -146,21 +165,9 @@ class Resolver:
         table: Dict[str, str] = {}
         for name in _module_bindings(module.body):
             table[name] = name
-        for imp in self._by_type.get(cst.Import, []):
-            for alias in imp.names:
-                dotted = code(alias.name)
-                if alias.asname is not None:
-                    table[code(alias.asname.name)] = dotted
-                else:
-                    table[dotted.split(".")[0]] = dotted.split(".")[0]
-        for imp in self._by_type.get(cst.ImportFrom, []):
-            if isinstance(imp.names, cst.ImportStar):
-                continue
-            base = code(imp.module) if imp.module is not None else ""
-            for alias in imp.names:
-                name = code(alias.name)
-                local = code(alias.asname.name) if alias.asname is not None else name
-                table[local] = f"{base}.{name}" if base else name
+        for kind in (cst.Import, cst.ImportFrom):
+            for imp in self._by_type.get(kind, []):
+                table.update(import_bindings(imp))
         return table
 
     def _index(self, module: cst.Module) -> None:

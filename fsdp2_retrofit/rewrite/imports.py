@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import code
+from fsdp2_retrofit.syntax.names import dotted
 
 Wanted = Tuple[str, Optional[str], Optional[str]]  # (module, object or None, alias or None)
 Carry = Callable[[cst.CSTNode, cst.CSTNode], None]  # (old node, the new node that stands for it)
@@ -93,7 +93,7 @@ def _top_imports(body) -> List[cst.BaseSmallStatement]:
 def _from_module(imp: cst.ImportFrom) -> Optional[str]:
     if imp.relative or imp.module is None:
         return None
-    return code(imp.module)
+    return dotted(imp.module)
 
 
 def _drop_present(body, plain: Set[str], aliased: Dict[str, str], objects) -> None:
@@ -101,10 +101,10 @@ def _drop_present(body, plain: Set[str], aliased: Dict[str, str], objects) -> No
     for imp in _top_imports(body):
         if isinstance(imp, cst.Import):
             for alias in imp.names:
-                name = code(alias.name)
+                name = dotted(alias.name)
                 if alias.asname is None:
                     plain.discard(name)
-                elif aliased.get(name) == code(alias.asname.name):
+                elif aliased.get(name) == dotted(alias.asname.name):
                     del aliased[name]
             continue
         mod = _from_module(imp)
@@ -113,7 +113,7 @@ def _drop_present(body, plain: Set[str], aliased: Dict[str, str], objects) -> No
         if isinstance(imp.names, cst.ImportStar):
             del objects[mod]
             continue
-        have = {(code(a.name), code(a.asname.name) if a.asname else None) for a in imp.names}
+        have = {(dotted(a.name), dotted(a.asname.name) if a.asname else None) for a in imp.names}
         objects[mod] = [pair for pair in objects[mod] if pair not in have]
         if not objects[mod]:
             del objects[mod]
@@ -143,7 +143,7 @@ def _merge_into_leading(body: list, objects, carry: Carry) -> None:
             for o, a in objects.pop(mod)
         ]
         old = list(imp.names)
-        names = sorted(old + extra, key=lambda alias: code(alias.name))
+        names = sorted(old + extra, key=lambda alias: dotted(alias.name))
         commas = [a.comma for a in old[:-1]] + [cst.MaybeSentinel.DEFAULT] * len(extra) + [old[-1].comma]
         new_imp = imp.with_changes(names=[a.with_changes(comma=c) for a, c in zip(names, commas)])
         carry(imp, new_imp)
@@ -172,8 +172,8 @@ def _blank_line_after_leading_imports(body: list, carry: Carry) -> None:
 def top_module(stmt: cst.SimpleStatementLine) -> str:
     small = stmt.body[0]
     if isinstance(small, cst.ImportFrom):
-        return code(small.module) if small.module is not None else ""
-    return code(small.names[0].name)
+        return dotted(small.module) if small.module is not None else ""
+    return dotted(small.names[0].name)
 
 
 def _is_import(stmt) -> bool:

@@ -37,23 +37,32 @@ def code(node: cst.CSTNode) -> str:
 _BUILTINS = frozenset(dir(builtins))
 
 
+def dotted(node: cst.CSTNode) -> str:
+    """`a.b.c` for a name or an attribute chain (an import's module or name), without codegen."""
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        return f"{dotted(node.value)}.{node.attr.value}"
+    return code(node)
+
+
 def import_bindings(imp, keep_relative: bool = False) -> Iterator[tuple]:
     """(local name, dotted name) for each name an Import or ImportFrom binds
     (`from . import x` gives `x`, or `.x` with keep_relative)."""
     if isinstance(imp, cst.Import):
         for alias in imp.names:
-            dotted = code(alias.name)
+            full = dotted(alias.name)
             if alias.asname is not None:
-                yield code(alias.asname.name), dotted
+                yield dotted(alias.asname.name), full
             else:
-                yield dotted.split(".")[0], dotted.split(".")[0]
+                yield full.split(".")[0], full.split(".")[0]
     elif not isinstance(imp.names, cst.ImportStar):
-        base = code(imp.module) if imp.module is not None else ""
+        base = dotted(imp.module) if imp.module is not None else ""
         if keep_relative:
             base = "." * len(imp.relative) + base
         for alias in imp.names:
-            name = code(alias.name)
-            yield (code(alias.asname.name) if alias.asname is not None else name), (f"{base}.{name}" if base else name)
+            name = dotted(alias.name)
+            yield (dotted(alias.asname.name) if alias.asname is not None else name), (f"{base}.{name}" if base else name)
 
 
 def _module_bindings(body) -> Iterator[str]:

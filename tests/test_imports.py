@@ -106,20 +106,25 @@ def test_a_file_without_imports_gets_them_after_the_docstring():
     assert got == '"""Doc."""\nimport torch\n\nx = 1\n'
 
 
+# libcst's AddImportsVisitor recursed once per statement after a module docstring
+# (a RecursionError past about 1,000 statements)
+
+
 def test_a_module_of_5000_statements_does_not_recurse():
-    source = "import torch\n" + "".join(f"X{i} = {i}\n" for i in range(5000))
+    source = '"""Settings."""\nimport torch\n' + "".join(f"X{i} = {i}\n" for i in range(5000))
     got = added(source, ("torch.distributed", None, "dist"), ("torch.distributed.fsdp", "fully_shard", None))
-    assert got.splitlines()[:3] == [
+    assert got.splitlines()[:4] == [
+        '"""Settings."""',
         "import torch",
         "import torch.distributed as dist",
         "from torch.distributed.fsdp import fully_shard",
     ]
-    assert got.count("\n") == 5000 + 4  # the imports and a blank line before the code
+    assert got.count("\n") == 5000 + 5  # the docstring, the imports and a blank line before the code
 
 
 def test_a_script_of_5000_statements_is_rewritten():
     constants = "".join(f"SETTING_{i} = {i}\n" for i in range(5000))
-    source = dedent(SCRIPT).replace("\n\ndef main", "\n" + constants + "\n\ndef main", 1)
+    source = '"""A long script."""' + dedent(SCRIPT).replace("\n\ndef main", "\n" + constants + "\n\ndef main", 1)
     result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
     assert not result.refusals, result.refusals
     assert "fully_shard(model" in result.code.decode()

@@ -44,7 +44,8 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
     module = parse(source, path)
     context = CodemodContext(filename=path)
     context.scratch[OPTIONS_KEY] = options
-    context.scratch[ORIGINS_KEY] = Origins(module)  # every record names a line of `source`
+    # every record names a line of `source`
+    context.scratch[ORIGINS_KEY] = Origins(module, source.decode(module.encoding, errors="replace"))
     command = RetrofitCommand(context, options)
     try:
         new_module = command.transform_module(module)

@@ -104,12 +104,37 @@ class Origins:
     the same objects. A node the rewrite wrote has no origin (see Resolver.line).
     """
 
-    def __init__(self, first: cst.Module):
+    def __init__(self, first: cst.Module, text: Optional[str] = None):
+        """`text`: the source `first` was parsed from, when at hand (lines are then
+        counted from the end of the file too, for statements near it)."""
         self.first = first
+        self._newlines = None if text is None else text.count("\n") + (0 if first.has_trailing_newline else 1)
         self._source: Dict[cst.CSTNode, cst.CSTNode] = {}
         self.first_resolver: Optional["Resolver"] = None  # set by the first tree's Resolver
-        self._starts: Optional[Dict[cst.CSTNode, int]] = None  # top-level statement -> lines before it
+        self._at: Optional[Dict[cst.CSTNode, int]] = None  # top-level statement -> its index
         self._positions: Dict[cst.CSTNode, object] = {}  # top-level statement -> its nodes' positions
+
+    def _lines_before(self, top: cst.CSTNode) -> int:
+        """How many lines of the file come before a top-level statement (its leading
+        comments and blank lines included). Only the statements between it and the
+        nearer end of the file are rendered: knowing the file's length, those after the
+        middle are counted from the end (the training function is mostly near it, after
+        the model's classes)."""
+        body = self.first.body
+        if self._at is None:
+            self._at = {stmt: i for i, stmt in enumerate(body)}
+            self._forward = [len(self.first.header)]  # lines before body[0], body[1], ...
+            self._backward = [] if self._newlines is None else [self._newlines - len(self.first.footer)]
+        i = self._at[top]
+        if self._backward and i >= len(body) // 2:
+            while len(self._backward) <= len(body) - i:  # lines before body[-1], body[-2], ... after the end
+                stmt = body[len(body) - len(self._backward)]
+                self._backward.append(self._backward[-1] - self.first.code_for_node(stmt).count("\n"))
+            return self._backward[len(body) - i]
+        while len(self._forward) <= i:
+            stmt = body[len(self._forward) - 1]
+            self._forward.append(self._forward[-1] + self.first.code_for_node(stmt).count("\n"))
+        return self._forward[i]
 
     def carry(self, old: cst.CSTNode, new: cst.CSTNode) -> None:
         if new is not old:
@@ -129,16 +154,11 @@ class Origins:
             top = parents[top]
         if parents.get(top) is not self.first:
             return 0
-        if self._starts is None:
-            self._starts, before = {}, len(self.first.header)
-            for stmt in self.first.body:
-                self._starts[stmt] = before
-                before += self.first.code_for_node(stmt).count("\n")
         if top not in self._positions:
             alone = self.first.with_changes(body=[top], header=[], footer=[])
             self._positions[top] = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
         pos = self._positions[top].get(node)
-        return self._starts[top] + pos.start.line if pos is not None else 0
+        return self._lines_before(top) + pos.start.line if pos is not None else 0
 
 
 class Resolver:

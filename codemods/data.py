@@ -139,18 +139,13 @@ def _epoch_loop(loader: LoaderSite, facts: ScriptFacts) -> Optional[cst.For]:
     """The innermost `for <name> in ...` around a whole pass over the loader: a loop
     over it, or a call that hands it to a function (`train_one_epoch(model, loader)`)."""
     best = None
-
-    class _Loops(cst.CSTVisitor):
-        def visit_For(self, node: cst.For) -> None:
-            nonlocal best
-            if not isinstance(node.target, cst.Name) or loader.name in names_in(node.iter):
-                return
-            if isinstance(node.body, cst.SimpleStatementSuite):
-                return
-            if _passes_over(node.body, loader.name):
-                best = node  # visited outer first, so the last kept is the innermost
-
-    loader.block.visit(_Loops())
+    for node in facts.resolver.descendants(loader.block, cst.For):  # outer loops first
+        if not isinstance(node.target, cst.Name) or loader.name in names_in(node.iter):
+            continue
+        if isinstance(node.body, cst.SimpleStatementSuite):
+            continue
+        if _passes_over(node.body, loader.name):
+            best = node  # the last kept is the innermost
     return best
 
 

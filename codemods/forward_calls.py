@@ -53,22 +53,18 @@ class ReplaceForwardCallsCommand(RetrofitStage):
         if info is None:
             return []
         called = []
-
-        class _Calls(cst.CSTVisitor):
-            def visit_Call(self, node: cst.Call) -> None:
-                func = node.func
-                if (
-                    isinstance(func, cst.Attribute)
-                    and isinstance(func.value, cst.Name)
-                    and func.value.value == model.name
-                    and func.attr.value in info.methods
-                    and func.attr.value not in MODULE_API
-                    and not func.attr.value.startswith("_")
-                    and func.attr.value not in called
-                ):
-                    called.append(func.attr.value)
-
-        facts.module.visit(_Calls())
+        for node in facts.resolver.nodes(cst.Call):
+            func = node.func
+            if (
+                isinstance(func, cst.Attribute)
+                and isinstance(func.value, cst.Name)
+                and func.value.value == model.name
+                and func.attr.value in info.methods
+                and func.attr.value not in MODULE_API
+                and not func.attr.value.startswith("_")
+                and func.attr.value not in called
+            ):
+                called.append(func.attr.value)
         return [m for m in called if _runs_self(info.methods[m], info)]
 
 

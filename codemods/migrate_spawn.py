@@ -23,9 +23,7 @@ class MigrateSpawnCommand(RetrofitStage):
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         tree = super().transform_module_impl(tree)
-        if self.context.scratch.get(RemoveImportsVisitor.CONTEXT_KEY):
-            tree = RemoveImportsVisitor(self.context).transform_module(tree)
-        return tree
+        return self.remove_unused_imports(tree)
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         sites = spawns(facts)

@@ -76,7 +76,7 @@ class GateRankZeroCommand(RetrofitStage):
         if not self.options.reduce_logs:
             return [], stmts
         function = facts.resolver.enclosing_function(run[0].stmt)
-        reduced = _all_reduced_names(function or facts.module)
+        reduced = _all_reduced_names(function or facts.module, facts)
         names: List[str] = []
         for stmt in stmts:
             for name in _item_reads(stmt):
@@ -159,15 +159,12 @@ class GateRankZeroCommand(RetrofitStage):
         return bool(found)
 
     def _gate_progress_bars(self, facts: ScriptFacts, editor: StatementEditor) -> None:
-        class _Bars(cst.CSTVisitor):
-            def visit_Call(self, node: cst.Call) -> None:
-                if any(q.split(".")[0] == "tqdm" for q in facts.resolver.qnames(node)) and not any(
-                    a.keyword is not None and a.keyword.value == "disable" for a in node.args
-                ):
-                    bars.append(node)
-
-        bars: list = []
-        facts.module.visit(_Bars())
+        bars = [
+            node
+            for node in facts.resolver.nodes(cst.Call)
+            if any(q.split(".")[0] == "tqdm" for q in facts.resolver.qnames(node))
+            and not any(a.keyword is not None and a.keyword.value == "disable" for a in node.args)
+        ]
         for bar in bars:
             test = self.rank_zero_test(facts.resolver.statement_of(bar), facts)
             if test is None:
@@ -212,18 +209,14 @@ def _item_reads(stmt) -> List[str]:
     return found
 
 
-def _all_reduced_names(scope) -> set:
+def _all_reduced_names(scope, facts: ScriptFacts) -> set:
     """Names passed to an all_reduce in `scope`: already averaged (a second rewrite)."""
     found = set()
-
-    class _R(cst.CSTVisitor):
-        def visit_Call(self, node: cst.Call) -> None:
-            f = node.func
-            if isinstance(f, cst.Attribute) and f.attr.value == "all_reduce" and node.args:
-                if isinstance(node.args[0].value, cst.Name):
-                    found.add(node.args[0].value.value)
-
-    scope.visit(_R())
+    for node in facts.resolver.descendants(scope, cst.Call):
+        f = node.func
+        if isinstance(f, cst.Attribute) and f.attr.value == "all_reduce" and node.args:
+            if isinstance(node.args[0].value, cst.Name):
+                found.add(node.args[0].value.value)
     return found
 
 

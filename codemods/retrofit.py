@@ -5,19 +5,20 @@ from typing import List, Type
 
 import libcst as cst
 from libcst.codemod import CodemodContext
-from libcst.codemod.visitors import AddImportsVisitor
 
-from fsdp2_retrofit.analysis import code
-from fsdp2_retrofit.rewrite.imports import place_added_imports
+from fsdp2_retrofit.rewrite.imports import add_imports
 from fsdp2_retrofit.rewrite.stage import (
     ATTENTION_KEY,
     CHANGES_KEY,
     DEFERRED_IMPORTS_KEY,
     FACTS_KEY,
+    IMPORTS_KEY,
     OPTIONS_KEY,
+    ORIGINS_KEY,
     CombinedEditor,
     RetrofitStage,
 )
+from fsdp2_retrofit.syntax.names import Origins
 
 from .accumulation import SyncGradientsOncePerStepCommand
 from .checkpoint import ConvertSavesCommand
@@ -70,21 +71,19 @@ class RetrofitCommand(RetrofitStage):
     CODE = "retrofit"
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        original_imports = {code(s) for s in tree.body}
+        if self.origins is None:
+            self.context.scratch[ORIGINS_KEY] = Origins(tree)
         self.deferred_imports: list = []
         for group in GROUPS:
             tree = self.run_group(group, tree)
-        if self.deferred_imports:
-            context = CodemodContext(filename=self.context.filename)
-            context.scratch[AddImportsVisitor.CONTEXT_KEY] = self.deferred_imports
-            tree = AddImportsVisitor(context).transform_module(tree)
-        return place_added_imports(tree, original_imports)
+        return add_imports(tree, self.deferred_imports, self.carry)
 
     def stage_context(self) -> CodemodContext:
         """Each stage gets its own context (its imports, its report), sharing the analysis."""
         context = CodemodContext(filename=self.context.filename, full_module_name=self.context.full_module_name)
         context.scratch[OPTIONS_KEY] = self.options
         context.scratch[DEFERRED_IMPORTS_KEY] = self.deferred_imports
+        context.scratch[ORIGINS_KEY] = self.origins
         if FACTS_KEY in self.context.scratch:
             context.scratch[FACTS_KEY] = self.context.scratch[FACTS_KEY]
         return context
@@ -108,10 +107,12 @@ class RetrofitCommand(RetrofitStage):
             planned.append((stage_class, context, stage.plan(tree, stage.facts_for(tree))))
             self.context.scratch[FACTS_KEY] = context.scratch[FACTS_KEY]
         editor = CombinedEditor([e for _, _, e in planned])
+        editor.origins = self.origins
+        facts = self.context.scratch.get(FACTS_KEY)
+        editor.resolver = facts.resolver if facts is not None and facts.module is tree else None
         new_tree = tree.visit(editor) if editor.has_work() else tree
         for i, (stage_class, context, _) in enumerate(planned):
-            self.deferred_imports.extend(context.scratch.get(AddImportsVisitor.CONTEXT_KEY, []))
-            # every stage of the group reported lines of the same input tree
+            self.deferred_imports.extend(context.scratch.get(IMPORTS_KEY, []))
             self.after_stage(stage_class, new_tree if i == len(planned) - 1 else tree, context)
         return new_tree
 

@@ -286,7 +286,7 @@ class ShardModelCommand(RetrofitStage):
             if model.library is not None and model.library.refusal is not None and not model.sharded:
                 kind, what, why, hint = model.library.refusal
                 self.refuse(kind, model.library.refusal_at or model.stmt, what, why, hint)
-            if _declared_global(model):
+            if _declared_global(model, facts):
                 self.refuse(
                     "FSR617",
                     model.stmt,
@@ -456,14 +456,8 @@ class ShardModelCommand(RetrofitStage):
             )
 
 
-def _declared_global(model: ModelSite) -> bool:
+def _declared_global(model: ModelSite, facts: ScriptFacts) -> bool:
     if not isinstance(model.scope, cst.FunctionDef):
         return False
-    found = []
-
-    class _G(cst.CSTVisitor):
-        def visit_Global(self, node: cst.Global) -> None:
-            found.extend(n.name.value for n in node.names)
-
-    model.scope.body.visit(_G())
+    found = [n.name.value for node in facts.resolver.descendants(model.scope.body, cst.Global) for n in node.names]
     return model.name in found

@@ -91,8 +91,9 @@ dist.init_process_group("gloo")
 model = Net()
 opt = optim.SGD(model.parameters(), lr=0.1)
 '''
-        after = MODEL.replace("from torch import nn, optim\n", "from torch import nn, optim\nimport os\n"
-                              "from torch.distributed.device_mesh import init_device_mesh\n", 1) + '''
+        # the stage's imports go to their groups, sorted (stdlib first), as in the full rewrite
+        after = MODEL.replace("import torch\nfrom torch import nn, optim\n", "import os\n\nimport torch\n"
+                              "from torch import nn, optim\nfrom torch.distributed.device_mesh import init_device_mesh\n", 1) + '''
 import torch.distributed as dist
 local_rank = int(os.environ["LOCAL_RANK"])
 if torch.cuda.is_available():
@@ -183,8 +184,8 @@ torch.save(state, "ckpt.pt")
 torch.save({"loss": [1.0, 0.5]}, "metrics.pt")
 '''
         after = MODEL.replace(
-            "from torch import nn, optim\n",
-            "from torch import nn, optim\nimport torch.distributed.checkpoint as dcp\n"
+            "import torch\nfrom torch import nn, optim\n",
+            "import torch\nimport torch.distributed.checkpoint as dcp\nfrom torch import nn, optim\n"
             "from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict\n",
         ) + '''
 model = Net()

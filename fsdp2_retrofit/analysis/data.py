@@ -36,7 +36,7 @@ class LoaderAnalysis(SiteAnalysis):
         for loop in train_loops:
             if isinstance(loop.node, cst.For):
                 iterated |= names_in(loop.node.iter)
-            iterated |= _next_call_names(loop.node)
+            iterated |= _next_call_names(loop.node, self.r)
             # micro-batches split off each batch of an outer loop: that loop reads the data
             for outer in self.r.ancestors(loop.node):
                 if isinstance(outer, cst.FunctionDef):
@@ -118,16 +118,12 @@ def training_loaders(module: cst.Module, resolver: Resolver) -> List[LoaderSite]
     return LoaderAnalysis(module, resolver)._loaders(resolver.nodes(cst.SimpleStatementLine), loops)
 
 
-def _next_call_names(loop) -> Set[str]:
+def _next_call_names(loop, resolver: Resolver) -> Set[str]:
     """Names handed to `next(...)` inside a loop: iterators it draws batches from."""
     found: Set[str] = set()
-
-    class _N(cst.CSTVisitor):
-        def visit_Call(self, node: cst.Call) -> None:
-            if isinstance(node.func, cst.Name) and node.func.value == "next" and node.args:
-                found.update(names_in(node.args[0].value))
-
-    loop.visit(_N())
+    for node in resolver.descendants(loop, cst.Call):
+        if isinstance(node.func, cst.Name) and node.func.value == "next" and node.args:
+            found.update(names_in(node.args[0].value))
     return found
 
 

@@ -71,8 +71,11 @@ class ScriptFacts:
         return name in self.model_names.get(self.resolver.enclosing_function(node), set())
 
 
-def analyse(module: cst.Module, path: Optional[str] = None) -> ScriptFacts:
-    resolver = Resolver(module)
+def analyse(module: cst.Module, path: Optional[str] = None, origins=None, previous=None) -> ScriptFacts:
+    """The facts of `module`; with `origins` (syntax.names.Origins) lines are the user's
+    file's; `previous`, the Resolver of the tree `module` was edited from, saves walking
+    what the edit kept."""
+    resolver = Resolver(module, origins, previous)
     classes = build_registry(module, resolver, path)
     return _Analyser(module, resolver, classes, path).run()
 

@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from .model_classes import ClassInfo, ClassRegistry
-from fsdp2_retrofit.syntax.names import CONTAINERS, Resolver, attr_path, code
+from fsdp2_retrofit.syntax.names import CONTAINERS, Resolver, attr_path, code, import_bindings
 from fsdp2_retrofit.syntax.torch_api import NN_PARAMETER as PARAMETER, TORCH_MODULE_BASES
 
 # torch.nn classes whose reset_parameters() re-creates every parameter and buffer
@@ -795,19 +795,8 @@ def _top_level_bindings(resolver: Resolver, definitions: bool = True) -> Dict[st
         if not isinstance(stmt, cst.SimpleStatementLine):
             continue
         for small in stmt.body:
-            if isinstance(small, cst.Import):
-                for alias in small.names:
-                    dotted = code(alias.name)
-                    if alias.asname is not None:
-                        out[code(alias.asname.name)] = dotted
-                    else:
-                        out[dotted.split(".")[0]] = dotted.split(".")[0]
-            elif isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
-                base = ("." * len(small.relative)) + (code(small.module) if small.module else "")
-                for alias in small.names:
-                    name = code(alias.name)
-                    local = code(alias.asname.name) if alias.asname is not None else name
-                    out[local] = f"{base}.{name}" if base else name
+            if isinstance(small, (cst.Import, cst.ImportFrom)):
+                out.update(import_bindings(small, keep_relative=True))
     return out
 
 

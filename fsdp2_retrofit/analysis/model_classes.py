@@ -232,30 +232,24 @@ def _collect(module, resolver: Resolver, namespace: str, file, registry: ClassRe
 
 def _read_init(init: cst.FunctionDef, namer: _Namer, info: ClassInfo) -> None:
     appended: Dict[str, List[cst.Call]] = {}
-
-    class _Init(cst.CSTVisitor):
-        def visit_Assign(self, node: cst.Assign) -> None:
-            for target in node.targets:
-                tpath = attr_path(target.target)
-                if not tpath or tpath[0] != "self" or len(tpath) < 2:
-                    continue
-                _read_self_assign(tpath[1:], node.value, node, namer, info)
-
-        def visit_Call(self, node: cst.Call) -> None:
-            # self.layers.append(Block(...)) inside a loop of __init__
-            func = node.func
-            if isinstance(func, cst.Attribute) and func.attr.value in ("append", "extend") and node.args:
-                tpath = attr_path(func.value)
-                if tpath and tpath[0] == "self" and len(tpath) == 2:
-                    value = node.args[0].value
-                    if isinstance(value, cst.Call):
-                        appended.setdefault(tpath[1], []).append(value)
-            if namer.resolver.calls_prefix(node, OPTIMIZER_PREFIX) and not any(
-                namer.resolver.calls_prefix(node, p) for p in NOT_OPTIMIZERS
-            ):
-                info.optimizer_in_init = info.optimizer_in_init or node
-
-    init.visit(_Init())
+    resolver = namer.resolver
+    for node in resolver.descendants(init, cst.Assign):
+        for target in node.targets:
+            tpath = attr_path(target.target)
+            if not tpath or tpath[0] != "self" or len(tpath) < 2:
+                continue
+            _read_self_assign(tpath[1:], node.value, node, namer, info)
+    for node in resolver.descendants(init, cst.Call):
+        # self.layers.append(Block(...)) inside a loop of __init__
+        func = node.func
+        if isinstance(func, cst.Attribute) and func.attr.value in ("append", "extend") and node.args:
+            tpath = attr_path(func.value)
+            if tpath and tpath[0] == "self" and len(tpath) == 2:
+                value = node.args[0].value
+                if isinstance(value, cst.Call):
+                    appended.setdefault(tpath[1], []).append(value)
+        if resolver.calls_prefix(node, OPTIMIZER_PREFIX) and not any(resolver.calls_prefix(node, p) for p in NOT_OPTIMIZERS):
+            info.optimizer_in_init = info.optimizer_in_init or node
     for attr, calls in appended.items():
         for c in info.containers:
             if c.path == (attr,) and c.block_class is None:

@@ -80,11 +80,17 @@ class ModelAnalysis(SiteAnalysis):
     def _factories(self, bindings) -> Dict[str, str]:
         """Functions of the script that return a module they build: name -> its class."""
         out: Dict[str, str] = {}
+        locals_of: Dict[Optional[cst.FunctionDef], Dict[str, str]] = {}
+        for b in bindings:
+            locals_of.setdefault(self.r.enclosing_function(b[1]), {})[b[0]] = b[2]
+        returns_of: Dict[Optional[cst.FunctionDef], List[cst.Return]] = {}
+        for r in self.r.nodes(cst.Return):
+            returns_of.setdefault(self.r.enclosing_function(r), []).append(r)
         for fn in self.module.body:
             if not isinstance(fn, cst.FunctionDef):
                 continue
-            local = {b[0]: b[2] for b in bindings if self.r.enclosing_function(b[1]) is fn}
-            for ret in [r for r in self.r.nodes(cst.Return) if self.r.enclosing_function(r) is fn]:
+            local = locals_of.get(fn, {})
+            for ret in returns_of.get(fn, []):
                 value = ret.value
                 while _is_placement_chain(value, root_name(value) or "") and isinstance(value, cst.Call):
                     value = value.func.value  # `return model.to(device)`
@@ -315,7 +321,7 @@ class ModelAnalysis(SiteAnalysis):
             c.name.value
             for c in self.module.body
             if isinstance(c, cst.ClassDef)
-            and any(self.r.is_call_to(call, {"copy.deepcopy"}) for call in calls_in(c))
+            and any(self.r.is_call_to(call, {"copy.deepcopy"}) for call in self.r.descendants(c, cst.Call))
         }
         out = []
         for call in calls:

@@ -256,7 +256,7 @@ def apply_fixes(module, findings: Iterable[Finding]) -> Tuple[bytes, int]:
     """Apply the fixes of `findings` whose edits do not overlap; (new source, count)."""
     import libcst as cst
 
-    from fsdp2_retrofit.rewrite.imports import place_added_imports
+    from fsdp2_retrofit.rewrite.imports import add_imports
 
     replace: Dict[cst.CSTNode, cst.CSTNode] = {}
     before: Dict[cst.CSTNode, list] = {}
@@ -290,17 +290,7 @@ def apply_fixes(module, findings: Iterable[Finding]) -> Tuple[bytes, int]:
 
     new = module.visit(_Apply())
     if imports:
-        from libcst.codemod import CodemodContext
-        from libcst.codemod.visitors import AddImportsVisitor
-
-        from fsdp2_retrofit.syntax.names import code
-
-        originals = {code(s) for s in module.body if isinstance(s, cst.SimpleStatementLine)}
-        context = CodemodContext()
-        for mod, obj, alias in imports:
-            AddImportsVisitor.add_needed_import(context, mod, obj, alias)
-        new = AddImportsVisitor(context).transform_module(new)
-        new = place_added_imports(new, originals)
+        new = add_imports(new, imports)
     return new.bytes, len(applied)
 
 

@@ -3,22 +3,28 @@ edits keyed by original nodes, and recording changes for the report."""
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import libcst as cst
 from libcst.codemod import CodemodCommand, CodemodContext
-from libcst.codemod.visitors import AddImportsVisitor
 
 from fsdp2_retrofit.analysis import ScriptFacts, analyse
 from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.report import Attention, Change, Refusal, RefusedError
 from fsdp2_retrofit.rewrite.refusals import CATALOGUE
+from fsdp2_retrofit.syntax.names import Origins
+
+from .imports import add_imports
 
 CHANGES_KEY = "fsdp2_retrofit.changes"
 ATTENTION_KEY = "fsdp2_retrofit.attention"
 OPTIONS_KEY = "fsdp2_retrofit.options"
 FACTS_KEY = "fsdp2_retrofit.facts"  # the last analysis, reused while the tree is unchanged
 DEFERRED_IMPORTS_KEY = "fsdp2_retrofit.deferred_imports"  # set by the composite: add these at the end
+IMPORTS_KEY = "fsdp2_retrofit.imports"  # the imports a stage needs: (module, object, alias)
+ORIGINS_KEY = "fsdp2_retrofit.origins"  # syntax.names.Origins: set by the composite, lines of the user's file
 
 Stmt = Union[cst.SimpleStatementLine, cst.BaseCompoundStatement]
 # What replaces a node: a new node, or a function of the node as edited so far
@@ -35,7 +41,7 @@ class RetrofitStage(CodemodCommand):
     CODE = "stage"
     # Whether later stages' analysis must see this stage's imports resolved (the
     # names it binds, e.g. `dist`, `fully_shard`). If not, the composite adds them
-    # once at the end instead of running AddImportsVisitor after this stage.
+    # once at the end instead of after this stage.
     LATER_STAGES_READ_IMPORTS = False
 
     def __init__(self, context: CodemodContext, options: Optional[RetrofitOptions] = None) -> None:
@@ -47,13 +53,47 @@ class RetrofitStage(CodemodCommand):
         """As CodemodCommand's, without the defensive deep copy of the tree: stages
         never mutate nodes and resolve their own metadata (analysis)."""
         tree = self.transform_module_impl(tree)
-        needed = self.context.scratch.get(AddImportsVisitor.CONTEXT_KEY)
+        needed = self.context.scratch.get(IMPORTS_KEY)
         deferred = self.context.scratch.get(DEFERRED_IMPORTS_KEY)
         if needed and deferred is not None and not self.LATER_STAGES_READ_IMPORTS:
             deferred.extend(needed)
         elif needed:
-            tree = self._instantiate_and_run(AddImportsVisitor, tree)
+            tree = add_imports(tree, needed, self.carry)
         return tree
+
+    @property
+    def origins(self) -> Optional[Origins]:
+        return self.context.scratch.get(ORIGINS_KEY)
+
+    def carry(self, old: cst.CSTNode, new: cst.CSTNode) -> None:
+        """`new` stands for `old` (for the report's line numbers)."""
+        if self.origins is not None:
+            self.origins.carry(old, new)
+
+    def remove_unused_imports(self, tree: cst.Module) -> cst.Module:
+        """Drop the imports the stage scheduled with RemoveImportsVisitor.remove_unused_import."""
+        from libcst.codemod.visitors import RemoveImportsVisitor
+        from libcst.metadata import MetadataWrapper
+
+        if not self.context.scratch.get(RemoveImportsVisitor.CONTEXT_KEY):
+            return tree
+
+        class _Remove(CarryLines, RemoveImportsVisitor):
+            @contextmanager
+            def _handle_metadata_reference(self, module):
+                # libcst's copies the tree first; ours keeps the nodes, so their origins hold
+                wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+                outer = self.context
+                with self.resolve(wrapper):
+                    self.context = replace(outer, wrapper=wrapper)
+                    try:
+                        yield module
+                    finally:
+                        self.context = outer
+
+        remover = _Remove(self.context)
+        remover.origins = self.origins
+        return remover.transform_module(tree)
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         editor = self.plan(tree, self.facts_for(tree))
@@ -62,7 +102,10 @@ class RetrofitStage(CodemodCommand):
     def facts_for(self, tree: cst.Module) -> ScriptFacts:
         """The analysis of `tree`: the last one if it was of this very tree."""
         known = self.context.scratch.get(FACTS_KEY)
-        facts = known if known is not None and known.module is tree else analyse(tree, self.context.filename)
+        if known is None or known.module is not tree:
+            previous = known.resolver if known is not None else None
+            known = analyse(tree, self.context.filename, self.origins, previous)
+        facts = known
         self.context.scratch[FACTS_KEY] = facts
         return facts
 
@@ -71,6 +114,8 @@ class RetrofitStage(CodemodCommand):
         self.facts = facts
         self.config = tree.config_for_parsing
         editor = self.make_editor()
+        editor.origins = self.origins
+        editor.resolver = facts.resolver
         self.edit(tree, facts, editor)
         return editor
 
@@ -108,7 +153,7 @@ class RetrofitStage(CodemodCommand):
         raise RefusedError(Refusal(line, what, why, hint, code))
 
     def add_import(self, module: str, obj: Optional[str] = None, asname: Optional[str] = None) -> None:
-        AddImportsVisitor.add_needed_import(self.context, module, obj, asname)
+        self.context.scratch.setdefault(IMPORTS_KEY, []).append((module, obj, asname))
 
     def rank_zero_test(self, stmt: cst.CSTNode, facts: ScriptFacts) -> Optional[str]:
         """`rank == 0` after the preamble in the entry scope, `dist.get_rank() == 0` in
@@ -138,7 +183,7 @@ class RetrofitStage(CodemodCommand):
         """`wanted`, or `wanted_1`, ... when the scope (or the module's globals) uses it."""
         cache = self.__dict__.setdefault("_visible", {})
         if id(scope_node) not in cache:
-            cache[id(scope_node)] = _names_visible(self.facts.module, scope_node)
+            cache[id(scope_node)] = _names_visible(self.facts.resolver, scope_node)
         taken = cache[id(scope_node)]
         name, n = wanted, 0
         while name in taken:
@@ -156,38 +201,57 @@ def _ancestor_in(stmt, block, facts: ScriptFacts):
     return node
 
 
-def _names_visible(module: cst.Module, scope_node: Optional[cst.CSTNode]) -> set:
-    """Names bound or read in a function plus the module's top level (not other bodies)."""
+def _names_visible(resolver, scope_node: Optional[cst.CSTNode]) -> set:
+    """Names bound or read in a function plus the module's top level (not other bodies):
+    the identifiers (not attribute names) outside every def and class but `scope_node`,
+    and the names of the outermost of those defs and classes. One pass over the index."""
+    inside = scope_node if isinstance(scope_node, cst.FunctionDef) else None
+    others = [d for kind in (cst.FunctionDef, cst.ClassDef) for d in resolver.nodes(kind) if d is not inside]
     found = set()
-
-    class _V(cst.CSTVisitor):
-        def __init__(self, inside: Optional[cst.CSTNode]):
-            super().__init__()
-            self.inside = inside
-
-        def visit_Name(self, node: cst.Name) -> None:
-            found.add(node.value)
-
-        def visit_Attribute(self, node: cst.Attribute) -> bool:
-            node.value.visit(self)  # `x.state_dict` binds no name `state_dict`
-            return False
-
-        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-            found.add(node.name.value)
-            return node is self.inside
-
-        def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-            found.add(node.name.value)
-            return False
-
-    module.visit(_V(scope_node if isinstance(scope_node, cst.FunctionDef) else None))
+    closed = []  # the spans of the outermost other bodies, in source order
+    for d in sorted(others, key=resolver.order):
+        first, last = resolver.span(d)
+        if closed and first <= closed[-1][1]:
+            continue  # inside a body that is not visible
+        closed.append((first, last))
+        found.add(d.name.value)
+    at = 0
+    for name in resolver.nodes(cst.Name):
+        rank = resolver.order(name)
+        while at < len(closed) and closed[at][1] < rank:
+            at += 1
+        if at < len(closed) and closed[at][0] <= rank:
+            continue
+        parent = resolver.parent(name)
+        if not (isinstance(parent, cst.Attribute) and parent.attr is name):  # `x.state_dict` binds no `state_dict`
+            found.add(name.value)
     return found
 
 
-class StatementEditor(cst.CSTTransformer):
+class CarryLines:
+    """Mixin for a transformer: each node it rebuilds stands for the node it replaces
+    (recorded in `origins`, when set)."""
+
+    origins: Optional[Origins] = None
+
+    def on_leave(self, original_node, updated_node):
+        result = super().on_leave(original_node, updated_node)
+        if self.origins is not None and isinstance(result, cst.CSTNode):
+            self.origins.carry(original_node, result)
+        return result
+
+
+class StatementEditor(CarryLines, cst.CSTTransformer):
     """Inserts, replaces, removes and moves statements, and replaces expressions
     (any node), all keyed by the original nodes of the tree the stage analysed.
+
+    As every edit is keyed by an original node, given the
+    analysis's `resolver`, the editor descends only into the statements and
+    expressions that hold an edit: every other subtree is kept as it is (the same
+    nodes), and a rewrite costs what it changes, not the size of the file.
     """
+
+    resolver = None  # the Resolver of the tree this editor is applied to (None: visit everything)
 
     def __init__(self) -> None:
         super().__init__()
@@ -201,6 +265,27 @@ class StatementEditor(cst.CSTTransformer):
         self.relead: Dict[cst.CSTNode, List[cst.EmptyLine]] = {}
         # node -> its edits, applied in order when the node is left
         self.expressions: Dict[cst.CSTNode, List[Replacement]] = defaultdict(list)
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if self.resolver is not None:
+            if self.__dict__.get("_paths") is None:
+                self._paths = self._edit_paths()
+            if node not in self._paths:
+                return False
+        return super().on_visit(node)
+
+    def _edit_paths(self) -> set:
+        """The nodes edits are keyed on, with all their ancestors."""
+        paths = {self.resolver.module}
+        for editor in [self, *getattr(self, "expression_editors", ())]:
+            for name, value in vars(editor).items():
+                if name.startswith("_") or not isinstance(value, (dict, set, frozenset)):
+                    continue
+                for node in value:
+                    while isinstance(node, cst.CSTNode) and node not in paths:
+                        paths.add(node)
+                        node = self.resolver.parent(node)
+        return paths
 
     def has_work(self) -> bool:
         return bool(
@@ -246,8 +331,11 @@ class StatementEditor(cst.CSTTransformer):
 
     def on_leave(self, original_node, updated_node):
         result = super().on_leave(original_node, updated_node)
-        for new in self.expressions.get(original_node, ()):
+        edits = self.expressions.get(original_node, ())
+        for new in edits:
             result = new(result) if callable(new) else new
+        if edits and self.origins is not None and isinstance(result, cst.CSTNode):
+            self.origins.carry(original_node, result)
         if isinstance(original_node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
             self._updated[original_node] = result
         return result
@@ -268,8 +356,14 @@ class StatementEditor(cst.CSTTransformer):
         else:
             resolved = node
         if node in self.relead:
-            resolved = resolved.with_changes(leading_lines=self.relead[node])
+            resolved = self._changed(resolved, leading_lines=self.relead[node])
         return resolved
+
+    def _changed(self, node: cst.CSTNode, **changes) -> cst.CSTNode:
+        new = node.with_changes(**changes)
+        if self.origins is not None:
+            self.origins.carry(node, new)
+        return new
 
     def _edit_body(self, original_block, body_orig, body_new) -> list:
         out = []
@@ -280,7 +374,7 @@ class StatementEditor(cst.CSTTransformer):
                     out.append(self._resolve(self.replacement[orig]))
             else:
                 if orig in self.leading:
-                    new = new.with_changes(leading_lines=self.leading[orig])
+                    new = self._changed(new, leading_lines=self.leading[orig])
                 out.append(new)
             out.extend(self._resolve(s) for s in self.after.get(orig, ()))
         tail = [self._resolve(s) for s in self.append.get(original_block, ())]

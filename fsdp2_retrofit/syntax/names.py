@@ -1,11 +1,13 @@
 """Name resolution over one parsed module: qualified names, parents, lines, scopes."""
 from __future__ import annotations
 
+import builtins
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from typing import Dict, Iterator, List, Optional, Set, Type
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider, ScopeProvider
+from libcst.metadata import MetadataWrapper, PositionProvider
 
 from .torch_api import (  # noqa: F401  (torch's qualified names: one table, still importable from here)
     CONTAINERS,
@@ -29,28 +31,217 @@ def code(node: cst.CSTNode) -> str:
     return _EMPTY.code_for_node(node).strip()
 
 
-def _force(value):
-    return value() if callable(value) else value
+_BUILTINS = frozenset(dir(builtins))
+
+
+def dotted(node: cst.CSTNode) -> str:
+    """`a.b.c` for a name or an attribute chain (an import's module or name), without codegen."""
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        return f"{dotted(node.value)}.{node.attr.value}"
+    return code(node)
+
+
+def import_bindings(imp, keep_relative: bool = False) -> Iterator[tuple]:
+    """(local name, dotted name) for each name an Import or ImportFrom binds
+    (`from . import x` gives `x`, or `.x` with keep_relative)."""
+    if isinstance(imp, cst.Import):
+        for alias in imp.names:
+            full = dotted(alias.name)
+            if alias.asname is not None:
+                yield dotted(alias.asname.name), full
+            else:
+                yield full.split(".")[0], full.split(".")[0]
+    elif not isinstance(imp.names, cst.ImportStar):
+        base = dotted(imp.module) if imp.module is not None else ""
+        if keep_relative:
+            base = "." * len(imp.relative) + base
+        for alias in imp.names:
+            name = dotted(alias.name)
+            yield (dotted(alias.asname.name) if alias.asname is not None else name), (f"{base}.{name}" if base else name)
+
+
+def _module_bindings(body) -> Iterator[str]:
+    """Names the module's own code binds: assignments, loops, `with ... as`, classes and
+    functions at the top level (inside top-level if/for/while/with/try too)."""
+    for stmt in body:
+        if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)):
+            yield stmt.name.value
+        elif isinstance(stmt, cst.SimpleStatementLine):
+            yield from assigned_names(stmt)
+        else:
+            if isinstance(stmt, cst.For):
+                yield from (t.value for t in _flatten_target(stmt.target) if isinstance(t, cst.Name))
+            elif isinstance(stmt, cst.With):
+                for item in stmt.items:
+                    if item.asname is not None:
+                        yield from (t.value for t in _flatten_target(item.asname.name) if isinstance(t, cst.Name))
+            for block in _blocks_of(stmt):
+                yield from _module_bindings(block.body)
+
+
+def _blocks_of(stmt) -> Iterator[cst.IndentedBlock]:
+    """The indented blocks of a compound statement (none of them a new scope)."""
+    parts = [getattr(stmt, "body", None), getattr(stmt, "orelse", None), getattr(stmt, "finalbody", None)]
+    for part in parts + list(getattr(stmt, "handlers", ())):
+        if isinstance(part, cst.IndentedBlock):
+            yield part
+        elif isinstance(part, cst.If):  # elif
+            yield from _blocks_of(part)
+        elif isinstance(getattr(part, "body", None), cst.IndentedBlock):  # else, except, finally
+            yield part.body
+
+
+class Origins:
+    """Which node of the user's file (the first parse) each node of a later tree stands
+    for, so every stage reports the user's own line numbers.
+
+    Transforms call `carry(old, new)` for each node they rebuild; nodes they keep are
+    the same objects. A node the rewrite wrote has no origin (see Resolver.line).
+    """
+
+    def __init__(self, first: cst.Module, text: Optional[str] = None):
+        """`text`: the source `first` was parsed from, when at hand (lines are then
+        counted from the end of the file too, for statements near it)."""
+        self.first = first
+        self._newlines = None if text is None else text.count("\n") + (0 if first.has_trailing_newline else 1)
+        self._source: Dict[cst.CSTNode, cst.CSTNode] = {}
+        self.first_resolver: Optional["Resolver"] = None  # set by the first tree's Resolver
+        self._at: Optional[Dict[cst.CSTNode, int]] = None  # top-level statement -> its index
+        self._positions: Dict[cst.CSTNode, object] = {}  # top-level statement -> its nodes' positions
+
+    def _lines_before(self, top: cst.CSTNode) -> int:
+        """How many lines of the file come before a top-level statement (its leading
+        comments and blank lines included). Only the statements between it and the
+        nearer end of the file are rendered: knowing the file's length, those after the
+        middle are counted from the end (the training function is mostly near it, after
+        the model's classes)."""
+        body = self.first.body
+        if self._at is None:
+            self._at = {stmt: i for i, stmt in enumerate(body)}
+            self._forward = [len(self.first.header)]  # lines before body[0], body[1], ...
+            self._backward = [] if self._newlines is None else [self._newlines - len(self.first.footer)]
+        i = self._at[top]
+        if self._backward and i >= len(body) // 2:
+            while len(self._backward) <= len(body) - i:  # lines before body[-1], body[-2], ... after the end
+                stmt = body[len(body) - len(self._backward)]
+                self._backward.append(self._backward[-1] - self.first.code_for_node(stmt).count("\n"))
+            return self._backward[len(body) - i]
+        while len(self._forward) <= i:
+            stmt = body[len(self._forward) - 1]
+            self._forward.append(self._forward[-1] + self.first.code_for_node(stmt).count("\n"))
+        return self._forward[i]
+
+    def carry(self, old: cst.CSTNode, new: cst.CSTNode) -> None:
+        if new is not old:
+            self._source[new] = self._source.get(old, old)
+
+    def line(self, node: cst.CSTNode) -> int:
+        """The line of the user's file `node` stands for; 0 for a node the rewrite wrote.
+
+        Positions are computed per top-level statement of the first tree, for the
+        statements asked about only (a report names a few lines of a long file)."""
+        node = self._source.get(node, node)
+        top = node
+        if self.first_resolver is None:
+            Resolver(self.first, self)
+        parents = self.first_resolver._parents
+        while top in parents and parents[top] is not self.first:
+            top = parents[top]
+        if parents.get(top) is not self.first:
+            return 0
+        if top not in self._positions:
+            alone = self.first.with_changes(body=[top], header=[], footer=[])
+            self._positions[top] = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
+        pos = self._positions[top].get(node)
+        return self._lines_before(top) + pos.start.line if pos is not None else 0
 
 
 class Resolver:
-    """Metadata for one module, computed once; nodes are the module's own (no copy)."""
+    """Metadata for one module, computed in one walk; nodes are the module's own (no copy).
 
-    def __init__(self, module: cst.Module):
+    Qualified names come from the file's imports (wherever they are), its top-level
+    classes, functions and assignments, and Python's builtins (`builtins.open`), not
+    from libcst's scope analysis: a local variable that shadows an imported or global
+    name is not told apart (rare in training scripts), and a file is resolved in one
+    walk instead of libcst's several.
+    """
+
+    origins: Optional[Origins] = None
+
+    def __init__(self, module: cst.Module, origins: Optional[Origins] = None, previous: Optional["Resolver"] = None):
+        """`previous`: the Resolver of a tree `module` was made from; the subtrees the two
+        share (the same nodes: a stage's edit keeps what it does not change) are indexed
+        from it, not walked again."""
         self.module = module
-        self._wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-        resolved = self._wrapper.resolve_many([QualifiedNameProvider, ScopeProvider])
-        self._qualified = resolved[QualifiedNameProvider]
-        self._scopes = resolved[ScopeProvider]
+        self.origins = origins
+        self._wrapper = None
         self._positions = None  # computed on the first line() call: only stages that report need it
-        self._index(module)
+        if previous is None:
+            self._index(module)
+        else:
+            self._reindex(module, previous)
+        self._table = self._name_table(module)
+        if origins is not None and module is origins.first:
+            origins.first_resolver = self
+
+    def _name_table(self, module: cst.Module) -> Dict[str, str]:
+        """Local name -> qualified name, for the names the module binds globally or imports."""
+        table: Dict[str, str] = {}
+        for name in _module_bindings(module.body):
+            table[name] = name
+        for kind in (cst.Import, cst.ImportFrom):
+            for imp in self._by_type.get(kind, []):
+                table.update(import_bindings(imp))
+        return table
 
     def _index(self, module: cst.Module) -> None:
         # One walk records every node's parent and source-order rank and indexes the nodes by type.
         self._parents: Dict[cst.CSTNode, cst.CSTNode] = {}
         self._by_type: Dict[Type[cst.CSTNode], List[cst.CSTNode]] = defaultdict(list)
         self._order: Dict[cst.CSTNode, int] = {}
-        module.visit(_Indexer(self._parents, self._by_type, self._order))
+        self._last: Dict[cst.CSTNode, int] = {}  # the rank of a node's last descendant
+        self._ranks: Dict[Type[cst.CSTNode], List[int]] = {}  # per type, the ranks of nodes(type)
+        self._seq: List[cst.CSTNode] = []  # every node, in pre-order
+        module.visit(_Indexer(self._parents, self._by_type, self._order, self._last, self._seq))
+
+    def _reindex(self, module: cst.Module, previous: "Resolver") -> None:
+        """The index of `module`, copying each subtree it shares with `previous`'s tree."""
+        old_order, old_last, old_seq, old_parents = previous._order, previous._last, previous._seq, previous._parents
+        seq: List[cst.CSTNode] = []
+        parents: Dict[cst.CSTNode, cst.CSTNode] = {}
+        last: Dict[cst.CSTNode, int] = {}
+        stack: List[tuple] = [(module, None)]
+        while stack:
+            node, parent = stack.pop()
+            if parent is _LEAVE:
+                last[node] = len(seq) - 1
+                continue
+            if parent is not None:
+                parents[node] = parent
+            start = old_order.get(node)
+            if start is not None and old_seq[start] is node:
+                end = old_last[node]
+                shift = len(seq) - start
+                block = old_seq[start : end + 1]
+                seq.extend(block)
+                for n in block[1:]:
+                    parents[n] = old_parents[n]
+                for n in block:
+                    last[n] = old_last[n] + shift
+                continue
+            seq.append(node)
+            stack.append((node, _LEAVE))
+            stack.extend((child, node) for child in reversed(node.children))
+        self._seq = seq
+        self._parents = parents
+        self._last = last
+        self._order = {n: i for i, n in enumerate(seq)}
+        self._by_type = defaultdict(list)
+        for n in seq:
+            self._by_type[type(n)].append(n)
+        self._ranks = {}
 
     def order(self, node: cst.CSTNode) -> int:
         """The node's rank in a pre-order walk: source order, a node before its children."""
@@ -60,12 +251,38 @@ class Resolver:
         """Every node of exactly this type, in source order."""
         return self._by_type.get(kind, [])
 
+    def span(self, node: cst.CSTNode) -> tuple:
+        """The ranks (see order) of the node and of its last descendant."""
+        return self._order.get(node, -1), self._last.get(node, -1)
+
+    def descendants(self, node: cst.CSTNode, kind: Type[cst.CSTNode]) -> List[cst.CSTNode]:
+        """Every node of exactly this type inside `node` (itself included), in source
+        order, from the index: no walk of the subtree."""
+        first = self._order.get(node)
+        if first is None:
+            return []
+        if kind not in self._ranks:
+            self._ranks[kind] = [self._order[n] for n in self._by_type.get(kind, [])]
+        ranks = self._ranks[kind]
+        return self._by_type.get(kind, [])[bisect_left(ranks, first) : bisect_right(ranks, self._last[node])]
+
     def qnames(self, node: cst.CSTNode) -> Set[str]:
         """Fully qualified names of a name, attribute or call (its callee)."""
         if isinstance(node, cst.Call):
             node = node.func
-        found = self._qualified.get(node)
-        return {q.name.lstrip(".") for q in _force(found)} if found is not None else set()
+        found = self._dotted(node)
+        return {found} if found else set()
+
+    def _dotted(self, node) -> Optional[str]:
+        if isinstance(node, cst.Name):
+            found = self._table.get(node.value)
+            if found is None and node.value in _BUILTINS:
+                return f"builtins.{node.value}"
+            return found
+        if isinstance(node, cst.Attribute):
+            base = self._dotted(node.value)
+            return f"{base}.{node.attr.value}" if base else None
+        return None
 
     def is_call_to(self, node: cst.CSTNode, names) -> bool:
         return isinstance(node, cst.Call) and bool(self.qnames(node) & set(names))
@@ -83,19 +300,42 @@ class Resolver:
             node = self._parents.get(node)
 
     def line(self, node: cst.CSTNode) -> int:
-        if self._positions is None:
-            self._positions = self._wrapper.resolve(PositionProvider)
-        pos = self._positions.get(node)
+        """The node's line; with `origins`, its line in the user's file (for a node the
+        rewrite wrote, the user's next line after it)."""
+        if self.origins is not None:
+            return self._original_line(node)
+        pos = self.position(node)
         return pos.start.line if pos is not None else 0
+
+    def _original_line(self, node: cst.CSTNode) -> int:
+        while node is not None:
+            found = self.origins.line(node)
+            if found:
+                return found
+            parent = self._parents.get(node)
+            if isinstance(parent, (cst.IndentedBlock, cst.Module)):
+                body = parent.body
+                at = next((i for i, s in enumerate(body) if s is node), len(body))
+                for later in body[at + 1:]:
+                    found = self._first_original_line(later)
+                    if found:
+                        return found
+            node = parent
+        return 0
+
+    def _first_original_line(self, stmt: cst.CSTNode) -> int:
+        """The first user line a statement (or a new one wrapped around user statements) holds."""
+        found = self.origins.line(stmt)
+        if found or not isinstance(getattr(stmt, "body", None), cst.IndentedBlock):
+            return found
+        return next((n for n in map(self._first_original_line, stmt.body.body) if n), 0)
 
     def position(self, node: cst.CSTNode):
         """The node's CodeRange (1-based lines, 0-based columns), or None."""
         if self._positions is None:
+            self._wrapper = MetadataWrapper(self.module, unsafe_skip_copy=True)
             self._positions = self._wrapper.resolve(PositionProvider)
         return self._positions.get(node)
-
-    def scope(self, node: cst.CSTNode):
-        return self._scopes.get(node)
 
     def enclosing_function(self, node: cst.CSTNode) -> Optional[cst.FunctionDef]:
         for anc in self.ancestors(node):
@@ -124,78 +364,26 @@ class Resolver:
         return parent if isinstance(parent, (cst.IndentedBlock, cst.Module)) else None
 
 
-class ImportResolver(Resolver):
-    """A Resolver without libcst's scope analysis, for `check`: qualified names come
-    from the file's import statements and its top-level classes and functions.
+# `check` asks the same questions of a file; the name is kept for it.
+ImportResolver = Resolver
 
-    A local variable that shadows an imported name is not noticed (rare in training
-    scripts); in exchange a file is resolved in one walk instead of libcst's several.
-    """
 
-    def __init__(self, module: cst.Module):
-        self.module = module
-        self._wrapper = None
-        self._positions = None
-        self._index(module)
-        table: Dict[str, str] = {}
-        for stmt in module.body:
-            if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)):
-                table[stmt.name.value] = stmt.name.value
-        for imp in self._by_type.get(cst.Import, []):
-            for alias in imp.names:
-                dotted = code(alias.name)
-                if alias.asname is not None:
-                    table[code(alias.asname.name)] = dotted
-                else:
-                    table[dotted.split(".")[0]] = dotted.split(".")[0]
-        for imp in self._by_type.get(cst.ImportFrom, []):
-            if isinstance(imp.names, cst.ImportStar):
-                continue
-            base = code(imp.module) if imp.module is not None else ""
-            for alias in imp.names:
-                name = code(alias.name)
-                local = code(alias.asname.name) if alias.asname is not None else name
-                table[local] = f"{base}.{name}" if base else name
-        self._table = table
-
-    def qnames(self, node: cst.CSTNode) -> Set[str]:
-        if isinstance(node, cst.Call):
-            node = node.func
-        found = self._dotted(node)
-        return {found} if found else set()
-
-    def _dotted(self, node) -> Optional[str]:
-        if isinstance(node, cst.Name):
-            return self._table.get(node.value)
-        if isinstance(node, cst.Attribute):
-            base = self._dotted(node.value)
-            return f"{base}.{node.attr.value}" if base else None
-        return None
-
-    def position(self, node: cst.CSTNode):
-        if self._positions is None:
-            self._wrapper = MetadataWrapper(self.module, unsafe_skip_copy=True)
-            self._positions = self._wrapper.resolve(PositionProvider)
-        return self._positions.get(node)
-
-    def line(self, node: cst.CSTNode) -> int:
-        pos = self.position(node)
-        return pos.start.line if pos is not None else 0
-
-    def scope(self, node: cst.CSTNode):  # pragma: no cover - the rewriter's question, not check's
-        raise NotImplementedError("ImportResolver has no scope analysis")
+_LEAVE = object()
 
 
 class _Indexer(cst.CSTVisitor):
-    def __init__(self, parents, by_type, order):
+    def __init__(self, parents, by_type, order, last, seq):
         super().__init__()
         self.parents = parents
         self.by_type = by_type
         self.order = order
+        self.last = last
+        self.seq = seq
         self.stack: List[cst.CSTNode] = []
 
     def on_visit(self, node: cst.CSTNode) -> bool:
-        self.order[node] = len(self.order)
+        self.order[node] = len(self.seq)
+        self.seq.append(node)
         if self.stack:
             self.parents[node] = self.stack[-1]
         self.by_type[type(node)].append(node)
@@ -203,6 +391,7 @@ class _Indexer(cst.CSTVisitor):
         return True
 
     def on_leave(self, original_node: cst.CSTNode) -> None:
+        self.last[original_node] = len(self.seq) - 1
         self.stack.pop()
 
 

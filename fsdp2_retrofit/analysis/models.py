@@ -56,20 +56,12 @@ class ModelAnalysis(SiteAnalysis):
         """(name, stmt, class) for every `name = SomeModule(...)[.to(...)]` outside classes,
         also when a function of the script builds and returns it (`model = build_model()`)."""
         calls = []
-        for stmt in stmts:
-            if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
-                continue
-            assign = stmt.body[0]
-            if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
-                continue
-            if self.r.enclosing_class(stmt) is not None:
-                continue
-            value = assign.value
+        for name, stmt, value in self._named_assignments(stmts):
             if self.r.is_call_to(value, TORCH_COMPILE) and value.args:
                 value = value.args[0].value  # `model = torch.compile(Net())`: the shard stage splits it
             ctor = _innermost_call(value)
             if ctor is not None:
-                calls.append((assign.targets[0].target.value, stmt, ctor))
+                calls.append((name, stmt, ctor))
         out = [(name, stmt, cls) for name, stmt, ctor in calls for cls in [self._class_of(ctor)] if cls]
         factories = self._factories(out)
         for name, stmt, ctor in calls:

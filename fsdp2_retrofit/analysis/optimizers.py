@@ -28,14 +28,8 @@ class OptimizerAnalysis(SiteAnalysis):
     def _optimizers(self, stmts, bindings) -> List[OptimizerSite]:
         module_names = {b[0] for b in bindings}
         out = []
-        for stmt in stmts:
-            if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
-                continue
-            assign = stmt.body[0]
-            if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
-                continue
-            call = assign.value
-            if not isinstance(call, cst.Call) or self.r.enclosing_class(stmt) is not None:
+        for target, stmt, call in self._named_assignments(stmts):
+            if not isinstance(call, cst.Call):
                 continue
             is_torch_optim = (
                 self.r.calls_prefix(call, OPTIMIZER_PREFIX)
@@ -53,7 +47,7 @@ class OptimizerAnalysis(SiteAnalysis):
                 continue
             block = self.r.block_of(stmt)
             out.append(
-                OptimizerSite(assign.targets[0].target.value, stmt, block, models, feeders)
+                OptimizerSite(target, stmt, block, models, feeders)
             )
         return out
 

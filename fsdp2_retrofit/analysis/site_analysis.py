@@ -28,6 +28,17 @@ class SiteAnalysis:
         self.path = path
         self.calls: List[cst.Call] = resolver.nodes(cst.Call)
 
+    def _named_assignments(self, stmts):
+        """(name, stmt, value) for each `name = value` line outside class bodies."""
+        for stmt in stmts:
+            if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
+                continue
+            assign = stmt.body[0]
+            if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
+                continue
+            if self.r.enclosing_class(stmt) is None:
+                yield assign.targets[0].target.value, stmt, assign.value
+
     def _local_calls(self):
         """(call, function) for every call of a top-level function of the script."""
         functions = {s.name.value: s for s in self.module.body if isinstance(s, cst.FunctionDef)}

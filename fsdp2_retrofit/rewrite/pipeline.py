@@ -53,8 +53,9 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
             new_module = command.transform_module(module)
     except RefusedError as refused:
         return RewriteResult(path, source, source, [], [], [refused.refusal], sorted(looked_at))
-    new_code = new_module.bytes
-    _must_compile(new_module, path)
+    new_text = new_module.code  # rendered once: the bytes and the compile check share it
+    _must_compile(new_text, path)
+    new_code = new_text.encode(new_module.encoding)
     return RewriteResult(
         path,
         source,
@@ -66,6 +67,6 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
     )
 
 
-def _must_compile(module: cst.Module, path: str) -> None:
+def _must_compile(text: str, path: str) -> None:
     """A rewrite produces code that parses and compiles, or the pipeline is wrong."""
-    compile(module.code, path, "exec")
+    compile(text, path, "exec", dont_inherit=True)

@@ -11,33 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
 from fsdp2_retrofit.report import unified_diff
-
-try:
-    import tomllib
-except ImportError:  # Python < 3.11
-    tomllib = None
-
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "rewrite"
-CASES = sorted(p for p in FIXTURES.iterdir() if (p / "input.py").is_file())
-
-
-def case_config(case: Path) -> dict:
-    if tomllib is None:
-        pytest.skip("reading case.toml needs Python 3.11 (tomllib)")
-    return tomllib.loads((case / "case.toml").read_text())
-
-
-def case_options(case: Path) -> RetrofitOptions:
-    raw = case_config(case).get("options", {})
-    return RetrofitOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
-
-
-def rewrite_case(case: Path, name: str = "input.py"):
-    path = case / name
-    return rewrite_source(path.read_bytes(), str(path), case_options(case))
+from rewrite_cases import CASES, FIXTURES, case_config, rewrite_case
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda p: p.name)

@@ -82,6 +82,7 @@ def test_pre_commit_fix_hook_fixes_the_file(user_repo, pre_commit_home, tmp_path
     assert again.returncode == 0, again.stdout + again.stderr
 
 
+@pytest.mark.integration
 def test_flake8_plugin_reports_fsd_codes(tmp_path):
     (tmp_path / "bad.py").write_text(PITFALL)
     (tmp_path / "good.py").write_text(CLEAN)

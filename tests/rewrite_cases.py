@@ -28,6 +28,12 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "rewrite"
 CASES = sorted(p for p in FIXTURES.iterdir() if (p / "input.py").is_file())
 
 
+def case_params() -> list:
+    """CASES as parameters named by the case, each case its own xdist group, so that
+    ``--dist loadgroup`` runs every test of one case on the worker that rewrote it."""
+    return [pytest.param(case, id=case.name, marks=pytest.mark.xdist_group(case.name)) for case in CASES]
+
+
 def case_config(case: Path) -> dict:
     if tomllib is None:
         pytest.skip("reading case.toml needs Python 3.11 (tomllib)")

@@ -1,5 +1,6 @@
 """Golden outputs: every fixture rewrites to exactly its expected.py, and a second
-rewrite of expected.py changes nothing (idempotence).
+rewrite of expected.py changes nothing (idempotence). Each file is rewritten once
+a session (tests/rewrite_cases.py); every test below makes its own assertions on it.
 
 When a golden file must change, regenerate it with `python tests/test_golden.py
 CASE` and read the diff it prints before committing it.
@@ -12,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from fsdp2_retrofit.report import unified_diff
-from rewrite_cases import CASES, FIXTURES, case_config, rewrite_case
+from rewrite_cases import FIXTURES, case_config, case_params, rewrite_case
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda p: p.name)
+@pytest.mark.parametrize("case", case_params())
 def test_fixture_rewrites_to_expected(case: Path):
     result = rewrite_case(case)
     assert not result.refusals, result.refusals
@@ -25,7 +26,7 @@ def test_fixture_rewrites_to_expected(case: Path):
         pytest.fail(f"{case.name}: the rewrite differs from expected.py:\n{diff}")
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda p: p.name)
+@pytest.mark.parametrize("case", case_params())
 def test_rewrite_of_expected_changes_nothing(case: Path):
     result = rewrite_case(case, "expected.py")
     assert not result.refusals, result.refusals
@@ -33,7 +34,7 @@ def test_rewrite_of_expected_changes_nothing(case: Path):
     assert result.changes == []
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda p: p.name)
+@pytest.mark.parametrize("case", case_params())
 def test_report_names_what_needs_attention(case: Path):
     expected = case_config(case).get("report", {}).get("attention", [])
     found = [a.what for a in rewrite_case(case).attention]
@@ -41,7 +42,7 @@ def test_report_names_what_needs_attention(case: Path):
         assert any(fragment in what for what in found), f"{fragment!r} not in {found}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda p: p.name)
+@pytest.mark.parametrize("case", case_params())
 def test_every_change_points_at_a_line_of_the_input(case: Path):
     result = rewrite_case(case)
     lines = (case / "input.py").read_text().splitlines()

@@ -9,9 +9,11 @@ used by hand (with ``tests/`` on ``sys.path``)::
     print(max_abs_diff(select(load_weights(Path("/tmp/a.pt")), []),
                        select(load_weights(Path("/tmp/b")), [])))
 
-The single run gets ``_reference_site/sitecustomize.py``, which makes a
-shuffled DataLoader visit samples in the order DistributedSampler would, so
-single and distributed runs see the same global batches.
+The single run gets the reference sampler of ``fsdp2-retrofit verify``
+(``fsdp2_retrofit/verify/_site/sitecustomize.py`` with only
+FSDP2_RETROFIT_VERIFY_SAMPLER set: no instrumentation), which makes a shuffled
+DataLoader visit samples in the order DistributedSampler would, so single and
+distributed runs see the same global batches.
 """
 from __future__ import annotations
 
@@ -25,8 +27,9 @@ import tempfile
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-REFERENCE_SITE = Path(__file__).resolve().parent / "_reference_site"
-SAMPLER_ENV = "FSDP2_RETROFIT_REFERENCE_SAMPLER"
+from fsdp2_retrofit.verify import SITE_DIR as REFERENCE_SITE, TEARDOWN_ABORT
+
+SAMPLER_ENV = "FSDP2_RETROFIT_VERIFY_SAMPLER"
 
 SINGLE_TIMEOUT_S = 120
 DISTRIBUTED_TIMEOUT_S = 180
@@ -159,7 +162,6 @@ def run_distributed(
     raise AssertionError("unreachable")
 
 
-TEARDOWN_ABORT = "terminate called without an active exception"
 TEARDOWN_RETRIES = 2
 
 

@@ -47,7 +47,9 @@ def _resume_cases():
         ranks = [2, 1, 4]
         if tomllib is not None:
             ranks = tomllib.loads(text)["resume"].get("ranks", ranks)
-        out.extend(pytest.param(case, n, id=f"{case.name}-2to{n}") for n in ranks)
+        # one xdist group a case: its first runs (module fixture) are made once, on one worker
+        out.extend(pytest.param(case, n, id=f"{case.name}-2to{n}", marks=pytest.mark.xdist_group(f"resume-{case.name}"))
+                   for n in ranks)
     return out
 
 

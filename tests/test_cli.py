@@ -478,6 +478,7 @@ def test_rewrite_never_imports_torch(tmp_path):
 
 
 @pytest.mark.pipeline
+@pytest.mark.integration
 def test_real_console_script_checks_the_example(tmp_path):
     path = example_script(tmp_path)
     proc = run_console("rewrite", "--check", "--quiet", str(path))
@@ -634,6 +635,7 @@ def test_diff_headers_prefix_relative_paths_like_git():
     assert text.startswith("--- a/train.py\n+++ b/train.py\n")
 
 
+@pytest.mark.integration
 def test_launch_commands_are_printed_and_emit_slurm_writes_a_script(tmp_path):
     script = tmp_path / "train.py"
     script.write_bytes(SCRIPT)

@@ -151,6 +151,7 @@ def shared_reference(tmp_path_factory) -> Path:
 
 
 @pytest.mark.e2e
+@pytest.mark.xdist_group("shared_reference")  # one reference run for both tests under --dist loadgroup
 def test_shared_example_pair_matches(shared_reference: Path, tmp_path: Path):
     run_distributed(SHARED_EXAMPLES / "train_fsdp2.py", ["--batch-size", "32"], tmp_path / "dist.pt")
     diff = _compare(shared_reference, tmp_path / "dist.pt", [])
@@ -159,6 +160,7 @@ def test_shared_example_pair_matches(shared_reference: Path, tmp_path: Path):
 
 
 @pytest.mark.e2e
+@pytest.mark.xdist_group("shared_reference")
 def test_wrong_global_batch_is_caught(shared_reference: Path, tmp_path: Path):
     """The harness can fail: 2 ranks x 16 is not the single run at 64."""
     run_distributed(SHARED_EXAMPLES / "train_fsdp2.py", ["--batch-size", "16"], tmp_path / "dist.pt")
@@ -186,7 +188,7 @@ def test_the_logged_loss_is_the_global_batch_loss(tmp_path: Path):
     assert max(abs(a - b) for a, b in zip(expected, got)) <= 2e-4
 
 
-# --- the harness itself (fast) ----------------------------------------------
+# --- the harness itself (fast, but for the three that start a torch process) ---
 
 _ORDER_SCRIPT = """\
 import argparse, json
@@ -207,6 +209,7 @@ with open(args.out, "w") as f:
 """
 
 
+@pytest.mark.e2e  # runs a script that imports torch in a fresh interpreter: seconds, like the runs it serves
 def test_reference_sampler_follows_distributed_sampler(tmp_path: Path):
     """Single run at batch 8 == union of the 2 ranks' DistributedSampler batches at 4, per epoch."""
     from torch.utils.data.distributed import DistributedSampler
@@ -229,6 +232,7 @@ def test_reference_sampler_follows_distributed_sampler(tmp_path: Path):
     assert single[0] != single[1], "each epoch must draw a new permutation"
 
 
+@pytest.mark.e2e
 def test_reference_sampler_is_off_outside_run_single(tmp_path: Path):
     """Without the harness's environment a shuffled loader keeps torch's own order."""
     import subprocess
@@ -237,7 +241,9 @@ def test_reference_sampler_is_off_outside_run_single(tmp_path: Path):
     script = tmp_path / "order.py"
     script.write_text(_ORDER_SCRIPT)
     run_single(script, ["--batch-size", "8"], tmp_path / "patched.json")
-    env = {k: v for k, v in os.environ.items() if k != "FSDP2_RETROFIT_REFERENCE_SAMPLER"}
+    from harness import SAMPLER_ENV
+
+    env = {k: v for k, v in os.environ.items() if k != SAMPLER_ENV}
     subprocess.run(
         [sys.executable, str(script), "--out", str(tmp_path / "plain.json"), "--batch-size", "8"],
         check=True, env=env, cwd=tmp_path,
@@ -305,6 +311,7 @@ def test_loss_must_fall(losses, error):
             assert_loss_falls(losses, 0.2)
 
 
+@pytest.mark.e2e
 def test_failed_run_names_the_exception(tmp_path: Path):
     script = tmp_path / "boom.py"
     script.write_text("raise ValueError('no such layer: fc3')\n")

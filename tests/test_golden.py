@@ -1,5 +1,6 @@
 """Golden outputs: every fixture rewrites to exactly its expected.py, and a second
-rewrite of expected.py changes nothing (idempotence).
+rewrite of expected.py changes nothing (idempotence). Each file is rewritten once
+a session (tests/rewrite_cases.py); every test below makes its own assertions on it.
 
 When a golden file must change, regenerate it with `python tests/test_golden.py
 CASE` and read the diff it prints before committing it.
@@ -11,36 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
 from fsdp2_retrofit.report import unified_diff
-
-try:
-    import tomllib
-except ImportError:  # Python < 3.11
-    tomllib = None
-
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "rewrite"
-CASES = sorted(p for p in FIXTURES.iterdir() if (p / "input.py").is_file())
+from rewrite_cases import FIXTURES, case_config, case_params, rewrite_case
 
 
-def case_config(case: Path) -> dict:
-    if tomllib is None:
-        pytest.skip("reading case.toml needs Python 3.11 (tomllib)")
-    return tomllib.loads((case / "case.toml").read_text())
-
-
-def case_options(case: Path) -> RetrofitOptions:
-    raw = case_config(case).get("options", {})
-    return RetrofitOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
-
-
-def rewrite_case(case: Path, name: str = "input.py"):
-    path = case / name
-    return rewrite_source(path.read_bytes(), str(path), case_options(case))
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda p: p.name)
+@pytest.mark.parametrize("case", case_params())
 def test_fixture_rewrites_to_expected(case: Path):
     result = rewrite_case(case)
     assert not result.refusals, result.refusals
@@ -50,7 +26,7 @@ def test_fixture_rewrites_to_expected(case: Path):
         pytest.fail(f"{case.name}: the rewrite differs from expected.py:\n{diff}")
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda p: p.name)
+@pytest.mark.parametrize("case", case_params())
 def test_rewrite_of_expected_changes_nothing(case: Path):
     result = rewrite_case(case, "expected.py")
     assert not result.refusals, result.refusals
@@ -58,7 +34,7 @@ def test_rewrite_of_expected_changes_nothing(case: Path):
     assert result.changes == []
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda p: p.name)
+@pytest.mark.parametrize("case", case_params())
 def test_report_names_what_needs_attention(case: Path):
     expected = case_config(case).get("report", {}).get("attention", [])
     found = [a.what for a in rewrite_case(case).attention]
@@ -66,7 +42,7 @@ def test_report_names_what_needs_attention(case: Path):
         assert any(fragment in what for what in found), f"{fragment!r} not in {found}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda p: p.name)
+@pytest.mark.parametrize("case", case_params())
 def test_every_change_points_at_a_line_of_the_input(case: Path):
     result = rewrite_case(case)
     lines = (case / "input.py").read_text().splitlines()

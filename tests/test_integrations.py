@@ -62,6 +62,7 @@ def _try_repo(repo: Path, home: Path, hook: str, *files: str):
 
 
 @pytest.mark.integration
+@pytest.mark.xdist_group("pre_commit")  # one hook environment (pre_commit_home) for both
 def test_pre_commit_hook_fails_on_a_pitfall_and_passes_clean_code(user_repo, pre_commit_home):
     bad = _try_repo(user_repo, pre_commit_home, "fsdp2-check", "bad.py")
     assert bad.returncode == 1, bad.stdout + bad.stderr
@@ -72,6 +73,7 @@ def test_pre_commit_hook_fails_on_a_pitfall_and_passes_clean_code(user_repo, pre
 
 
 @pytest.mark.integration
+@pytest.mark.xdist_group("pre_commit")  # one hook environment (pre_commit_home) for both
 def test_pre_commit_fix_hook_fixes_the_file(user_repo, pre_commit_home, tmp_path):
     work = tmp_path / "repo"
     shutil.copytree(user_repo, work)
@@ -82,6 +84,7 @@ def test_pre_commit_fix_hook_fixes_the_file(user_repo, pre_commit_home, tmp_path
     assert again.returncode == 0, again.stdout + again.stderr
 
 
+@pytest.mark.integration
 def test_flake8_plugin_reports_fsd_codes(tmp_path):
     (tmp_path / "bad.py").write_text(PITFALL)
     (tmp_path / "good.py").write_text(CLEAN)

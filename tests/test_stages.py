@@ -290,6 +290,7 @@ def test_refusals_name_the_line_and_leave_the_code(script, where, what):
     assert result.code == dedent(script).encode()
 
 
+@pytest.mark.integration
 def test_stages_run_from_libcst_tool(tmp_path):
     """.libcst.codemod.yaml makes the composite a libcst codemod command."""
     import shutil

@@ -192,6 +192,7 @@ def shared_pass(tmp_path_factory):
 
 
 @e2e
+@pytest.mark.xdist_group("verify_shared")  # shared_pass runs once for these under --dist loadgroup
 def test_the_shared_example_pair_is_equivalent(shared_pass):
     code, output, report, _ = shared_pass
     print(_figures("shared example", report))
@@ -227,6 +228,7 @@ def _verify_twin(shared_pass, twin: Path, tmp_path: Path):
 
 
 @e2e
+@pytest.mark.xdist_group("verify_shared")
 def test_a_twin_without_the_distributed_sampler_diverges(shared_pass, tmp_path: Path):
     twin = _twin(tmp_path, "batch_size=args.batch_size // world_size, sampler=sampler)",
                  "batch_size=args.batch_size // world_size, shuffle=False)", "no_sampler.py")
@@ -238,6 +240,7 @@ def test_a_twin_without_the_distributed_sampler_diverges(shared_pass, tmp_path: 
 
 
 @e2e
+@pytest.mark.xdist_group("verify_shared")
 def test_a_twin_with_the_optimizer_built_before_sharding_diverges(shared_pass, tmp_path: Path):
     optimizer = "    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)\n"
     build = "    model = Net().to(device)\n"

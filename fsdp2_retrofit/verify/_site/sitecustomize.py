@@ -2,8 +2,9 @@
 
 `verify` puts this directory first on the child's PYTHONPATH, so Python imports
 this module at start-up, before the user's script. Without
-FSDP2_RETROFIT_VERIFY_DIR in the environment it does nothing and imports
-nothing (then it only hands over to a sitecustomize it shadows). With it:
+FSDP2_RETROFIT_VERIFY_DIR or FSDP2_RETROFIT_VERIFY_SAMPLER in the environment
+it does nothing and imports nothing (then it only hands over to a sitecustomize it
+shadows). With it:
 
 * ``torch.Tensor.backward`` is wrapped: the value of each scalar tensor that
   ``backward()`` is called on (the loss of a micro-step) is added up until the
@@ -29,7 +30,9 @@ nothing (then it only hands over to a sitecustomize it shadows). With it:
   ``RandomSampler`` yields the permutation ``DistributedSampler(shuffle=True,
   seed=0)`` draws at epoch e before it splits it between ranks, so batch k of
   the single run holds exactly the samples of batch k on all ranks together
-  (the dataset length must divide by the number of ranks).
+  (the dataset length must divide by the number of ranks). The sampler is
+  installed on its own too, without FSDP2_RETROFIT_VERIFY_DIR: the execution
+  tests' single-process reference runs (tests/harness.py) use just that.
 
 Self-contained on purpose: the child may run another interpreter than the
 tool, so nothing here imports fsdp2_retrofit.
@@ -291,9 +294,9 @@ def _install_reference_sampler():
 if _active():
     try:
         _install()
-        if os.environ.get("FSDP2_RETROFIT_VERIFY_SAMPLER") == "1":
-            _install_reference_sampler()
     except Exception as _exc:  # never break the user's script; verify reports the missing record
         sys.stderr.write(f"fsdp2-retrofit verify: instrumentation failed: {type(_exc).__name__}: {_exc}\n")
+if os.environ.get("FSDP2_RETROFIT_VERIFY_SAMPLER") == "1":
+    _install_reference_sampler()
 
 _chain_shadowed_sitecustomize()

@@ -54,7 +54,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures"
-EXAMPLE = Path("/work/shared/examples/train_fsdp2.py")
+EXAMPLE = Path(__file__).resolve().parents[2] / "shared/examples/train_fsdp2.py"
 PY = sys.executable
 CLI = [PY, "-m", "fsdp2_retrofit.cli"]
 BASELINE_IMPORT = [PY, "-c", "import libcst, click, rich"]

@@ -149,16 +149,23 @@ def run_distributed(
         str(out),
         *args,
     ]
-    for attempt in range(TEARDOWN_RETRIES + 1):
-        try:
-            return _run(cmd, _base_env(), Path(cwd or Path(out).parent), timeout)
-        except RunError as err:
-            # gloo's worker threads can abort a rank while the interpreter shuts down,
-            # after the script has finished (std::terminate, exit -6). That flake is
-            # retried; any other failure, or the same one every time, fails the test.
-            if attempt == TEARDOWN_RETRIES or TEARDOWN_ABORT not in str(err):
-                raise
-            shutil.rmtree(out, ignore_errors=True)
+    workdir = Path(cwd or Path(out).parent)
+    # A retried run must find the files the first attempt found: a run that resumes
+    # from a checkpoint and was aborted after saving a later one would resume from that.
+    with tempfile.TemporaryDirectory() as before:
+        shutil.copytree(workdir, before, dirs_exist_ok=True)
+        for attempt in range(TEARDOWN_RETRIES + 1):
+            try:
+                return _run(cmd, _base_env(), workdir, timeout)
+            except RunError as err:
+                # gloo's worker threads can abort a rank while the interpreter shuts down,
+                # after the script has finished (std::terminate, exit -6). That flake is
+                # retried; any other failure, or the same one every time, fails the test.
+                if attempt == TEARDOWN_RETRIES or TEARDOWN_ABORT not in str(err):
+                    raise
+                shutil.rmtree(out, ignore_errors=True)
+                shutil.rmtree(workdir, ignore_errors=True)
+                shutil.copytree(before, workdir)
     raise AssertionError("unreachable")
 
 

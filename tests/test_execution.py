@@ -319,6 +319,27 @@ def test_failed_run_names_the_exception(tmp_path: Path):
         run_single(script, [], tmp_path / "out.pt")
 
 
+def test_a_retried_run_starts_from_the_files_the_first_attempt_found(monkeypatch, tmp_path):
+    """An attempt aborted at teardown may already have written a later checkpoint:
+    the retry must not resume from it."""
+    import harness
+
+    (tmp_path / "ckpt").write_text("step 6")
+    seen = []
+
+    def fake_run(cmd, env, cwd, timeout):
+        seen.append((cwd / "ckpt").read_text())
+        (cwd / "ckpt").write_text("step 12")
+        (cwd / "extra").write_text("left by the aborted attempt")
+        if len(seen) == 1:
+            raise harness.RunError(f"exit code 1: ...\n{harness.TEARDOWN_ABORT}\n")
+        return "ok"
+
+    monkeypatch.setattr(harness, "_run", fake_run)
+    assert run_distributed(tmp_path / "s.py", [], tmp_path / "d.pt") == "ok"
+    assert seen == ["step 6", "step 6"]
+
+
 def test_only_the_gloo_teardown_abort_is_retried(monkeypatch, tmp_path):
     import harness
 

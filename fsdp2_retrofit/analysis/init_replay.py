@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from .model_classes import ClassInfo, ClassRegistry
-from fsdp2_retrofit.syntax.names import CONTAINERS, Resolver, attr_path, code, import_bindings
+from fsdp2_retrofit.syntax.names import CONTAINERS, Resolver, attr_path, bind_args, code, import_bindings
 from fsdp2_retrofit.syntax.torch_api import NN_PARAMETER as PARAMETER, TORCH_MODULE_BASES
 
 # torch.nn classes whose reset_parameters() re-creates every parameter and buffer
@@ -225,7 +225,7 @@ class _Planner:
         if init is None:
             return {}
         env: Dict[str, Optional[cst.BaseExpression]] = _defaults(init)
-        for param, arg in _bind(init, call):
+        for param, arg in bind_args(init, call, skip=1):
             env[param] = arg if _plain(arg) else None
         return env
 
@@ -235,7 +235,7 @@ class _Planner:
         if init is None:
             return {}
         env = _defaults(init)
-        for param, arg in _bind(init, call):
+        for param, arg in bind_args(init, call, skip=1):
             if parent is None:
                 env[param] = arg if _plain(arg) else None
                 continue
@@ -765,18 +765,6 @@ def _defaults(init: cst.FunctionDef) -> Dict[str, Optional[cst.BaseExpression]]:
             continue
         out[p.name.value] = p.default if p.default is not None and _plain(p.default) and not attr_path(p.default) else None
     return out
-
-
-def _bind(init: cst.FunctionDef, call: cst.Call):
-    """(parameter, argument) of a constructor call; `self` is not in the call."""
-    params = [p.name.value for p in init.params.params][1:]
-    positional = [a for a in call.args if a.keyword is None and not a.star]
-    for param, arg in zip(params, positional):
-        yield param, arg.value
-    names = set(params) | {p.name.value for p in init.params.kwonly_params}
-    for a in call.args:
-        if a.keyword is not None and a.keyword.value in names:
-            yield a.keyword.value, a.value
 
 
 def _top_function(resolver: Resolver, name: str) -> Optional[cst.FunctionDef]:

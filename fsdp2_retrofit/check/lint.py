@@ -36,12 +36,12 @@ class LintContext:
     """What a rule sees: the tree, its resolved names and the sharding facts (computed once)."""
 
     def __init__(self, module, path: str):
-        from fsdp2_retrofit.syntax.names import ImportResolver
+        from fsdp2_retrofit.syntax.names import Resolver
         from fsdp2_retrofit.analysis.sharding import shard_facts
 
         self.module = module
         self.path = path
-        self.resolver = ImportResolver(module)
+        self.resolver = Resolver(module)
         self.shards = shard_facts(module, self.resolver)
         self._loaders = None
         self._classes = None

@@ -245,10 +245,11 @@ class StatementEditor(CarryLines, cst.CSTTransformer):
     """Inserts, replaces, removes and moves statements, and replaces expressions
     (any node), all keyed by the original nodes of the tree the stage analysed.
 
-    As every edit is keyed by an original node, given the
-    analysis's `resolver`, the editor descends only into the statements and
-    expressions that hold an edit: every other subtree is kept as it is (the same
-    nodes), and a rewrite costs what it changes, not the size of the file.
+    As every edit is keyed by an original node, given the analysis's `resolver` the
+    editor descends only into the nodes that hold an edit and their ancestors: every
+    other subtree is kept as it is (the same nodes), and a rewrite costs what it
+    changes, not the size of the file. A new kind of edit must be listed in
+    `_edit_paths`, or it is never reached.
     """
 
     resolver = None  # the Resolver of the tree this editor is applied to (None: visit everything)
@@ -277,14 +278,12 @@ class StatementEditor(CarryLines, cst.CSTTransformer):
     def _edit_paths(self) -> set:
         """The nodes edits are keyed on, with all their ancestors."""
         paths = {self.resolver.module}
-        for editor in [self, *getattr(self, "expression_editors", ())]:
-            for name, value in vars(editor).items():
-                if name.startswith("_") or not isinstance(value, (dict, set, frozenset)):
-                    continue
-                for node in value:
-                    while isinstance(node, cst.CSTNode) and node not in paths:
-                        paths.add(node)
-                        node = self.resolver.parent(node)
+        edits = (self.before, self.after, self.append, self.replacement, self.leading, self.relead, self.expressions)
+        for keyed in edits:
+            for node in keyed:
+                while isinstance(node, cst.CSTNode) and node not in paths:
+                    paths.add(node)
+                    node = self.resolver.parent(node)
         return paths
 
     def has_work(self) -> bool:

@@ -176,8 +176,7 @@ class Resolver:
         from it, not walked again."""
         self.module = module
         self.origins = origins
-        self._wrapper = None
-        self._positions = None  # computed on the first line() call: only stages that report need it
+        self._positions = None  # computed on the first position() call: only stages that report need it
         if previous is None:
             self._index(module)
         else:
@@ -333,8 +332,7 @@ class Resolver:
     def position(self, node: cst.CSTNode):
         """The node's CodeRange (1-based lines, 0-based columns), or None."""
         if self._positions is None:
-            self._wrapper = MetadataWrapper(self.module, unsafe_skip_copy=True)
-            self._positions = self._wrapper.resolve(PositionProvider)
+            self._positions = MetadataWrapper(self.module, unsafe_skip_copy=True).resolve(PositionProvider)
         return self._positions.get(node)
 
     def enclosing_function(self, node: cst.CSTNode) -> Optional[cst.FunctionDef]:
@@ -363,9 +361,6 @@ class Resolver:
         parent = self.parent(stmt)
         return parent if isinstance(parent, (cst.IndentedBlock, cst.Module)) else None
 
-
-# `check` asks the same questions of a file; the name is kept for it.
-ImportResolver = Resolver
 
 
 _LEAVE = object()
@@ -471,9 +466,10 @@ def attr_path(expr: cst.BaseExpression) -> Optional[tuple]:
     return None
 
 
-def bind_args(fn: cst.FunctionDef, call: cst.Call):
-    """(parameter, argument) pairs a call of `fn` binds, for plain positional and keyword arguments."""
-    params = [p.name.value for p in fn.params.params]
+def bind_args(fn: cst.FunctionDef, call: cst.Call, skip: int = 0):
+    """(parameter, argument) pairs a call of `fn` binds, for plain positional and keyword
+    arguments; `skip` leading parameters are not in the call (1: `self` of a constructor)."""
+    params = [p.name.value for p in fn.params.params][skip:]
     positional = [a for a in call.args if a.keyword is None and not a.star]
     for param, arg in zip(params, positional):
         yield param, arg.value

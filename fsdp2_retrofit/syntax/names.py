@@ -4,6 +4,7 @@ from __future__ import annotations
 import builtins
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
+from dataclasses import fields
 from typing import Dict, Iterator, List, Optional, Set, Type
 
 import libcst as cst
@@ -109,7 +110,8 @@ class Origins:
         self._source: Dict[cst.CSTNode, cst.CSTNode] = {}
         self.first_resolver: Optional["Resolver"] = None  # set by the first tree's Resolver
         self._at: Optional[Dict[cst.CSTNode, int]] = None  # top-level statement -> its index
-        self._positions: Dict[cst.CSTNode, object] = {}  # top-level statement -> its nodes' positions
+        self._positions: Dict[cst.CSTNode, object] = {}  # statement -> its nodes' positions, alone
+        self._breaks: Dict[cst.CSTNode, List[int]] = {}  # top-level statement -> breaks before each of its nodes
 
     def _lines_before(self, top: cst.CSTNode) -> int:
         """How many lines of the file come before a top-level statement (its leading
@@ -140,23 +142,53 @@ class Origins:
     def line(self, node: cst.CSTNode) -> int:
         """The line of the user's file `node` stands for; 0 for a node the rewrite wrote.
 
-        Positions are computed per top-level statement of the first tree, for the
-        statements asked about only (a report names a few lines of a long file)."""
+        A node inside a simple statement line (most nodes asked about) is placed by
+        libcst's PositionProvider over that statement alone, the statement by the line
+        breaks of the code before it; any other node by PositionProvider over its
+        top-level statement alone. Only what is asked about is rendered (a report names
+        a few lines of a long file)."""
         node = self._source.get(node, node)
         top = node
         if self.first_resolver is None:
             Resolver(self.first, self)
         parents = self.first_resolver._parents
+        stmt = None  # the simple statement line holding `node`
         while top in parents and parents[top] is not self.first:
+            if stmt is None and isinstance(top, cst.SimpleStatementLine):
+                stmt = top
             top = parents[top]
         if parents.get(top) is not self.first:
             return 0
-        if top not in self._positions:
-            alone = self.first.with_changes(body=[top], header=[], footer=[])
-            self._positions[top] = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
-        pos = self._positions[top].get(node)
-        return self._lines_before(top) + pos.start.line if pos is not None else 0
+        if stmt is None and isinstance(top, cst.SimpleStatementLine):
+            stmt = top
+        unit = top if stmt is None else stmt
+        if unit not in self._positions:
+            alone = self.first.with_changes(body=[unit], header=[], footer=[])
+            self._positions[unit] = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
+        pos = self._positions[unit].get(node)
+        if pos is None:
+            return 0
+        return self._lines_before(top) + self._breaks_before(top, unit) + pos.start.line
 
+    def _breaks_before(self, top: cst.CSTNode, stmt: cst.CSTNode) -> int:
+        """The line breaks (as PositionProvider counts them) in the code of the top-level
+        statement `top` before the code of `stmt`, a statement inside it: those in the
+        text of the nodes before `stmt` in source order (not its ancestors), read from
+        the nodes, not rendered; the running counts kept for the next statement asked."""
+        if stmt is top:
+            return 0
+        resolver = self.first_resolver
+        seq, first = resolver._seq, resolver._order[top]
+        end = resolver._order[stmt] - first
+        counts = self._breaks.setdefault(top, [0])
+        while len(counts) <= end:
+            counts.append(counts[-1] + _breaks_in(seq[first + len(counts) - 1], self.first.default_newline))
+        count = counts[end]
+        for ancestor in resolver.ancestors(stmt):
+            if ancestor is self.first:
+                break
+            count -= _breaks_in(ancestor, self.first.default_newline)
+        return count
 
 class Resolver:
     """Metadata for one module, computed in one walk; nodes are the module's own (no copy).
@@ -177,10 +209,7 @@ class Resolver:
         self.module = module
         self.origins = origins
         self._positions = None  # computed on the first position() call: only stages that report need it
-        if previous is None:
-            self._index(module)
-        else:
-            self._reindex(module, previous)
+        self._index(module, previous)
         self._table = self._name_table(module)
         if origins is not None and module is origins.first:
             origins.first_resolver = self
@@ -195,52 +224,53 @@ class Resolver:
                 table.update(import_bindings(imp))
         return table
 
-    def _index(self, module: cst.Module) -> None:
-        # One walk records every node's parent and source-order rank and indexes the nodes by type.
-        self._parents: Dict[cst.CSTNode, cst.CSTNode] = {}
-        self._by_type: Dict[Type[cst.CSTNode], List[cst.CSTNode]] = defaultdict(list)
-        self._order: Dict[cst.CSTNode, int] = {}
-        self._last: Dict[cst.CSTNode, int] = {}  # the rank of a node's last descendant
-        self._ranks: Dict[Type[cst.CSTNode], List[int]] = {}  # per type, the ranks of nodes(type)
-        self._seq: List[cst.CSTNode] = []  # every node, in pre-order
-        module.visit(_Indexer(self._parents, self._by_type, self._order, self._last, self._seq))
-
-    def _reindex(self, module: cst.Module, previous: "Resolver") -> None:
-        """The index of `module`, copying each subtree it shares with `previous`'s tree."""
-        old_order, old_last, old_seq, old_parents = previous._order, previous._last, previous._seq, previous._parents
+    def _index(self, module: cst.Module, previous: Optional["Resolver"] = None) -> None:
+        """One walk records every node's parent and source-order rank and indexes the nodes
+        by type; with `previous`, each subtree `module` shares with `previous`'s tree is
+        copied from its index instead of walked."""
+        if previous is not None:
+            old_order, old_last, old_seq, old_parents = previous._order, previous._last, previous._seq, previous._parents
+        else:
+            old_order = {}
         seq: List[cst.CSTNode] = []
         parents: Dict[cst.CSTNode, cst.CSTNode] = {}
         last: Dict[cst.CSTNode, int] = {}
         stack: List[tuple] = [(module, None)]
+        pop, push, extend, add = stack.pop, stack.append, stack.extend, seq.append
         while stack:
-            node, parent = stack.pop()
+            node, parent = pop()
             if parent is _LEAVE:
                 last[node] = len(seq) - 1
                 continue
             if parent is not None:
                 parents[node] = parent
-            start = old_order.get(node)
-            if start is not None and old_seq[start] is node:
-                end = old_last[node]
-                shift = len(seq) - start
-                block = old_seq[start : end + 1]
-                seq.extend(block)
-                for n in block[1:]:
-                    parents[n] = old_parents[n]
-                for n in block:
-                    last[n] = old_last[n] + shift
-                continue
-            seq.append(node)
-            stack.append((node, _LEAVE))
-            stack.extend((child, node) for child in reversed(node.children))
+            if old_order:
+                start = old_order.get(node)
+                if start is not None and old_seq[start] is node:
+                    end = old_last[node]
+                    shift = len(seq) - start
+                    block = old_seq[start : end + 1]
+                    seq.extend(block)
+                    for n in block[1:]:
+                        parents[n] = old_parents[n]
+                    for n in block:
+                        last[n] = old_last[n] + shift
+                    continue
+            add(node)
+            children = child_nodes(node)
+            if children:
+                push((node, _LEAVE))
+                extend((child, node) for child in reversed(children))
+            else:
+                last[node] = len(seq) - 1
         self._seq = seq
         self._parents = parents
         self._last = last
         self._order = {n: i for i, n in enumerate(seq)}
-        self._by_type = defaultdict(list)
+        self._by_type: Dict[Type[cst.CSTNode], List[cst.CSTNode]] = defaultdict(list)
         for n in seq:
             self._by_type[type(n)].append(n)
-        self._ranks = {}
+        self._ranks: Dict[Type[cst.CSTNode], List[int]] = {}  # per type, the ranks of nodes(type)
 
     def order(self, node: cst.CSTNode) -> int:
         """The node's rank in a pre-order walk: source order, a node before its children."""
@@ -366,28 +396,80 @@ class Resolver:
 _LEAVE = object()
 
 
-class _Indexer(cst.CSTVisitor):
-    def __init__(self, parents, by_type, order, last, seq):
+class _FieldOrder(cst.CSTVisitor):
+    """Records the attributes libcst visits on a node, in its order, without descending."""
+
+    def __init__(self) -> None:
         super().__init__()
-        self.parents = parents
-        self.by_type = by_type
-        self.order = order
-        self.last = last
-        self.seq = seq
-        self.stack: List[cst.CSTNode] = []
+        self.names: List[str] = []
 
     def on_visit(self, node: cst.CSTNode) -> bool:
-        self.order[node] = len(self.seq)
-        self.seq.append(node)
-        if self.stack:
-            self.parents[node] = self.stack[-1]
-        self.by_type[type(node)].append(node)
-        self.stack.append(node)
-        return True
+        return False
 
-    def on_leave(self, original_node: cst.CSTNode) -> None:
-        self.last[original_node] = len(self.seq) - 1
-        self.stack.pop()
+    def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
+        self.names.append(attribute)
+
+    def on_leave_attribute(self, original_node: cst.CSTNode, attribute: str) -> None:
+        pass
+
+
+_CHILD_FIELDS: Dict[type, tuple] = {}  # node type -> (visited attributes in order, attributes to check)
+
+
+def _learn_fields(node: cst.CSTNode) -> tuple:
+    recorder = _FieldOrder()
+    node._visit_and_replace_children(recorder)
+    visited = tuple(dict.fromkeys(recorder.names))
+    # An attribute libcst did not visit on this node but could on another (it visits
+    # FormattedStringExpression.format_spec only when it is set): empty here.
+    maybe = tuple(
+        f.name for f in fields(node)
+        if f.name not in visited and (getattr(node, f.name) is None or isinstance(getattr(node, f.name), (tuple, list)))
+    )
+    found = _CHILD_FIELDS[type(node)] = (visited, maybe)
+    return found
+
+
+def child_nodes(node: cst.CSTNode) -> list:
+    """`node.children` (the same nodes, in the same order) without rebuilding the node:
+    libcst's `children` runs `_visit_and_replace_children`, which constructs a copy of
+    the node. The attributes it visits, in its order, are learnt once per node type
+    (by running it once with a visitor that records them) and read directly after;
+    a node that holds nodes in an attribute not seen visited is asked libcst's way."""
+    visited, maybe = _CHILD_FIELDS.get(type(node)) or _learn_fields(node)
+    for name in maybe:
+        value = getattr(node, name)
+        if isinstance(value, cst.CSTNode) or (isinstance(value, (tuple, list)) and value):
+            return list(node.children)
+    out: list = []
+    for name in visited:
+        value = getattr(node, name)
+        if isinstance(value, cst.CSTNode):
+            out.append(value)
+        elif isinstance(value, (tuple, list)):
+            out.extend(value)
+    return out
+
+
+_TEXT_FIELDS: Dict[type, tuple] = {}  # node type -> the attributes that are not its children
+
+
+def _breaks_in(node: cst.CSTNode, default_newline: str) -> int:
+    """The line breaks (\\n, \\r\\n or \\r, as libcst's PositionProvider counts them) in the
+    text a node writes itself: its string attributes (a string's or a whitespace's value),
+    a Newline's default newline, the `pass` line of an empty indented block."""
+    names = _TEXT_FIELDS.get(type(node))
+    if names is None:
+        visited, _ = _CHILD_FIELDS.get(type(node)) or _learn_fields(node)
+        names = _TEXT_FIELDS[type(node)] = tuple(f.name for f in fields(node) if f.name not in visited)
+    count = 0
+    for name in names:
+        value = getattr(node, name)
+        if isinstance(value, str) and ("\n" in value or "\r" in value):
+            count += value.count("\n") + value.count("\r") - value.count("\r\n")
+    if (isinstance(node, cst.Newline) and node.value is None) or (isinstance(node, cst.IndentedBlock) and not node.body):
+        count += default_newline.count("\n") + default_newline.count("\r") - default_newline.count("\r\n")
+    return count
 
 
 def calls_in(node: cst.CSTNode) -> List[cst.Call]:

@@ -19,7 +19,7 @@ shadows). With it:
   collectives line up, and HSDP meshes are reduced the right way).
 * A global optimizer step post-hook counts steps of the first optimizer that
   steps ("the" optimizer; others are gathered at the end too). After K steps
-  (FSDP2_RETROFIT_VERIFY_STEPS) every rank gathers the final parameters in
+  (FSDP2_RETROFIT_VERIFY_STEPS; 0: never, the script runs to its end) every rank gathers the final parameters in
   ``param_groups`` order (DTensor -> ``.full_tensor()``), rank 0 writes them
   with ``torch.save``, every rank writes its JSON record, and after a barrier
   all ranks leave with ``os._exit(0)`` (files flushed first).
@@ -31,8 +31,8 @@ shadows). With it:
   seed=0)`` draws at epoch e before it splits it between ranks, so batch k of
   the single run holds exactly the samples of batch k on all ranks together
   (the dataset length must divide by the number of ranks). The sampler is
-  installed on its own too, without FSDP2_RETROFIT_VERIFY_DIR: the execution
-  tests' single-process reference runs (tests/harness.py) use just that.
+  installed on its own too, without FSDP2_RETROFIT_VERIFY_DIR (a reference run
+  that should not be instrumented).
 
 Self-contained on purpose: the child may run another interpreter than the
 tool, so nothing here imports fsdp2_retrofit.
@@ -167,7 +167,7 @@ def _install():
         state["losses"].append(state["pending_loss"])
         state["micro_steps"].append(state["pending_micro"])
         state["pending_loss"], state["pending_micro"] = None, 0
-        if state["step"] >= max_steps:
+        if max_steps and state["step"] >= max_steps:
             finish("steps", gather=True)
             dist = _dist()
             if dist is not None:

@@ -387,3 +387,32 @@ def test_a_script_that_crashes_exits_2_with_its_error(tmp_path: Path):
     assert code == EXIT_ERROR
     assert "single-process run" in output and "FileNotFoundError: no data at /nonexistent/train.bin" in output
     assert report["exit_code"] == EXIT_ERROR
+
+
+INIT_STATE_SCRIPT = """\
+import torch
+from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+_init_optim_state(optimizer)  # what get/set_optimizer_state_dict do on resume, before the first step
+for _ in range(3):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+"""
+
+
+@e2e
+def test_the_optimizer_state_init_step_of_dcp_is_not_a_training_step(tmp_path: Path):
+    """DCP's get/set_optimizer_state_dict create an empty optimizer's state with a
+    step() at lr 0: counting it would shift every later step by one."""
+    from fsdp2_retrofit.verify import launch_single
+
+    script = tmp_path / "init_state.py"
+    script.write_text(INIT_STATE_SCRIPT)
+    run = launch_single(script, [], tmp_path / "run")
+    record = run.ranks[0]
+    assert record["steps"] == 3 and None not in record["losses"] and len(record["grad_norms"]) == 3

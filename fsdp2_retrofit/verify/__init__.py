@@ -13,6 +13,15 @@ Equivalence: every step's loss (single vs the mean over ranks) and gradient
 norm agree within ``rel 1e-4 / abs 1e-5`` (fp32 reductions in another order
 differ by ~1e-7 relative), and the final weights within ``--tolerance``
 (max abs diff, default 1e-4, the execution tests' bound).
+
+The same engine runs the execution tests (tests/test_execution.py,
+test_checkpoint.py) through its Python API: ``launch_single`` /
+``launch_distributed`` with ``steps=0`` let a script run to its end (it saves
+what it saves), ``compare_saved`` compares those files by key, ``compare_runs``
+gives the verdict (per-step checks, final parameters, saved files), and
+``trains`` judges a run with nothing to compare against (its loss falls). A run
+that gloo aborts at teardown is retried from its folder as it was before
+(``run_script``).
 """
 from __future__ import annotations
 

@@ -6,7 +6,10 @@ trains K steps on 2 ranks and saves; the checkpoint is then resumed for K more
 steps on each of ``ranks`` (the global batch kept: the per-rank batch is
 ``global_batch // ranks``), and the final weights must equal those of
 ``input.py`` run uninterrupted for 2K steps in one process (max abs diff <= the
-case's tolerance). ``pytest -s`` shows the measured differences.
+case's tolerance). Every step of the first run and of the resumed one passes
+verify's per-step check against the matching step of the reference (loss and
+gradient norm). The runs go through the engine of ``fsdp2-retrofit verify`` to
+the end of the script. ``pytest -s`` shows the measured differences.
 """
 from __future__ import annotations
 
@@ -16,7 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from harness import load_weights, max_abs_diff, run_distributed, run_single, select
+from fsdp2_retrofit.verify import (
+    LOSS_ATOL,
+    LOSS_RTOL,
+    VerifyError,
+    compare_saved,
+    compare_steps,
+    launch_distributed,
+    launch_single,
+)
 
 if os.environ.get("CI"):
     import torch  # CI installs the test extra: a missing torch must fail there, not skip
@@ -61,20 +72,26 @@ def first_runs(tmp_path_factory):
 
     def get(case: Path):
         if case.name not in done:
-            config = _config(case)
-            resume, weights = config["resume"], config["run"]["weights"]
+            resume = _config(case)["resume"]
             root = tmp_path_factory.mktemp(case.name)
-            (root / "ref").mkdir()
-            (root / "first").mkdir()
-            run_single(case / "input.py", resume["reference_args"], root / "ref" / "out.pt")
+            reference = launch_single(case / "input.py", ["--out", str(root / "ref" / "out.pt"),
+                                                          *resume["reference_args"]], root / "ref")
             batch = [resume["batch_flag"], str(resume["global_batch"] // 2)]
-            run_distributed(case / "expected.py", batch + resume["first_args"], root / "first" / "out.pt", nproc=2)
-            reference = select(load_weights(root / "ref" / "out.pt"), weights)
-            halfway = select(load_weights(root / "first" / "out.pt"), weights)
-            done[case.name] = (root, reference, halfway)
+            first = launch_distributed(case / "expected.py", ["--out", str(root / "first" / "out.pt"), *batch,
+                                                              *resume["first_args"]], root / "first", nproc=2)
+            done[case.name] = (root, reference, first)
         return done[case.name]
 
     return get
+
+
+def _steps_agree(reference, run, start: int) -> list:
+    """verify's per-step check on a part of the reference: `run`'s steps are the
+    reference's steps start+1, start+2, ..."""
+    part = {"losses": reference.ranks[0]["losses"][start:start + run.ranks[0]["steps"]],
+            "grad_norms": reference.ranks[0]["grad_norms"][start:start + run.ranks[0]["steps"]]}
+    return [f"step {start + r.step}: {r.problem}" for r in compare_steps(part, run.ranks, LOSS_RTOL, LOSS_ATOL)
+            if r.problem]
 
 
 @pytest.mark.e2e
@@ -83,27 +100,30 @@ def test_resumed_run_equals_the_uninterrupted_run(case: Path, nproc: int, first_
     config = _config(case)
     resume, weights = config["resume"], config["run"]["weights"]
     tolerance = config["run"].get("tolerance", DEFAULT_TOLERANCE)
-    root, reference, halfway = first_runs(case)
+    root, reference, first = first_runs(case)
     # the comparison can fail: K steps are not 2K steps
-    assert max_abs_diff(reference, halfway) > tolerance
+    halfway = compare_saved(root / "ref" / "out.pt", root / "first" / "out.pt", weights, tolerance)
+    assert not halfway.ok and halfway.max_abs_diff > tolerance, halfway.problem
+    assert _steps_agree(reference, first, 0) == [], "the first K steps differ from the reference's"
 
     saved = root / "first" / resume["checkpoint"]
     assert saved.is_dir() and (saved / ".metadata").is_file(), "the checkpoint must be a DCP directory"
     shutil.copytree(saved, tmp_path / resume["checkpoint"])
     batch = [resume["batch_flag"], str(resume["global_batch"] // nproc)]
-    stdout = run_distributed(case / "expected.py", batch + resume["resume_args"], tmp_path / "out.pt", nproc=nproc)
-    assert resume["resumed_marker"] in stdout, "the run did not resume from the checkpoint"
-    diff = max_abs_diff(reference, select(load_weights(tmp_path / "out.pt"), weights))
-    print(f"\n{case.name}: saved on 2 ranks, resumed on {nproc}: max |uninterrupted - resumed| = {diff:.3e}")
-    assert diff <= tolerance, f"{case.name} 2->{nproc}: weights differ by {diff:.3e} > {tolerance:g}"
+    resumed = launch_distributed(case / "expected.py", ["--out", str(tmp_path / "out.pt"), *batch,
+                                                        *resume["resume_args"]], tmp_path, nproc=nproc)
+    assert resume["resumed_marker"] in resumed.stdout, "the run did not resume from the checkpoint"
+    result = compare_saved(root / "ref" / "out.pt", tmp_path / "out.pt", weights, tolerance)
+    print(f"\n{case.name}: saved on 2 ranks, resumed on {nproc}: max |uninterrupted - resumed| = "
+          f"{result.max_abs_diff} ({resumed.ranks[0]['steps']} steps after the resume)")
+    assert result.ok, f"{case.name} 2->{nproc}: {result.problem}"
+    assert _steps_agree(reference, resumed, first.ranks[0]["steps"]) == []
 
 
 @pytest.mark.e2e
 def test_a_save_left_under_the_rank_gate_fails_the_run(tmp_path: Path):
     """The rank-gated fixture is a real test: with its save put back under
     `if master_process:` the run deadlocks (or gloo aborts it), and the timeout fails it."""
-    from harness import RunError
-
     case = FIXTURES / "rank_gated_save"
     save = '                dcp.save(checkpoint, checkpoint_id=os.path.join(args.out_dir, "best.pt"))\n'
     text = (case / "expected.py").read_text(encoding="utf-8")
@@ -111,8 +131,9 @@ def test_a_save_left_under_the_rank_gate_fails_the_run(tmp_path: Path):
     gated = text.replace(save, "                if master_process:\n    " + save)
     script = tmp_path / "gated.py"
     script.write_text(gated, encoding="utf-8")
-    with pytest.raises(RunError):
-        run_distributed(script, ["--batch-size", "16"], tmp_path / "out.pt", nproc=2, timeout=40)
+    with pytest.raises(VerifyError):
+        launch_distributed(script, ["--out", str(tmp_path / "out.pt"), "--batch-size", "16"], tmp_path, nproc=2,
+                           timeout=40)
 
 
 @pytest.mark.e2e
@@ -122,10 +143,10 @@ def test_full_export_loads_into_the_unsharded_model(tmp_path: Path):
     import importlib.util
 
     case = FIXTURES / "export_full"
-    (tmp_path / "single").mkdir()
-    (tmp_path / "dist").mkdir()
-    run_single(case / "input.py", ["--batch-size", "32"], tmp_path / "single" / "model.pt")
-    run_distributed(case / "expected.py", ["--batch-size", "16"], tmp_path / "dist" / "model.pt", nproc=2)
+    launch_single(case / "input.py", ["--out", str(tmp_path / "single" / "model.pt"), "--batch-size", "32"],
+                  tmp_path / "single")
+    launch_distributed(case / "expected.py", ["--out", str(tmp_path / "dist" / "model.pt"), "--batch-size", "16"],
+                       tmp_path / "dist", nproc=2)
     for name in ("model.pt", "best.pt"):
         assert (tmp_path / "dist" / name).is_file(), f"{name} must stay one file"
 
@@ -137,7 +158,8 @@ def test_full_export_loads_into_the_unsharded_model(tmp_path: Path):
     best = torch.load(tmp_path / "dist" / "best.pt", weights_only=True)
     model.load_state_dict(best["model"])  # the best checkpoint loads too
     model.load_state_dict(torch.load(tmp_path / "dist" / "model.pt", weights_only=True))
-    reference = torch.load(tmp_path / "single" / "model.pt", weights_only=True)
-    diff = max_abs_diff(reference, model.state_dict())
-    print(f"\nexport_full: torch.load of the exported file into Classifier() vs single process: {diff:.3e}")
-    assert diff <= DEFAULT_TOLERANCE
+    torch.save(model.state_dict(), tmp_path / "loaded.pt")
+    result = compare_saved(tmp_path / "single" / "model.pt", tmp_path / "loaded.pt", [], DEFAULT_TOLERANCE)
+    print(f"\nexport_full: torch.load of the exported file into Classifier() vs single process: "
+          f"{result.max_abs_diff}")
+    assert result.ok, result.problem

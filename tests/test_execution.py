@@ -1,33 +1,42 @@
 """Execution tests: a retrofitted script trains exactly like the original.
 
 Each ``fixtures/rewrite/<case>`` runs ``input.py`` in one process and
-``expected.py`` under torchrun (CPU, gloo), at the same global batch, and the
-final weights must agree within the case's tolerance. Cases whose ``[run]`` says
+``expected.py`` under torchrun (CPU, gloo), at the same global batch, both to the
+end of the script, through the engine of ``fsdp2-retrofit verify``
+(``fsdp2_retrofit.verify``: launch_single, launch_distributed, compare_saved,
+compare_runs). Equivalent means: the weights each script saves agree within the
+case's tolerance (by key, EMA/SWA copies included), and so do verify's per-step
+checks: every optimizer step's loss (single vs mean over ranks) and gradient
+norm, and the final parameters of the optimizers. Cases whose ``[run]`` says
 ``mode = "trains"`` (``--meta-init``: new random initial weights, nothing to
-compare with) run only ``expected.py`` and must print losses that fall by
-``min_drop`` (default 20 %) from the first to the last. The e2e tests take a few
-seconds each; deselect them with ``-m "not e2e"``. ``pytest -s`` shows the
+compare with) run only ``expected.py``, whose per-step loss must fall by
+``min_drop`` (default 20 %) from the first step to the last. The e2e tests take
+a few seconds each; deselect them with ``-m "not e2e"``. ``pytest -s`` shows the
 measured differences.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from harness import (
-    RunError,
-    assert_loss_falls,
-    load_weights,
-    losses_in,
-    max_abs_diff,
-    run_distributed,
-    run_plain,
-    run_single,
-    select,
+from fsdp2_retrofit.verify import (
+    COMPARE_SCRIPT,
+    Run,
+    VerifyError,
+    Verdict,
+    compare_runs,
+    compare_saved,
+    compare_weights,
+    launch_distributed,
+    launch_single,
+    trains,
 )
 
 if os.environ.get("CI"):
@@ -45,6 +54,7 @@ FIXTURES = REPO / "fixtures" / "rewrite"
 SHARED_EXAMPLES = REPO.parent / "shared" / "examples"
 DEFAULT_TOLERANCE = 1e-4
 DEFAULT_MIN_DROP = 0.2
+DEFAULT_TIMEOUT_S = 180  # a deadlock fails, it does not hang
 
 
 def _cases() -> list[Path]:
@@ -63,14 +73,28 @@ def _mode(case: Path) -> str:
     return tomllib.loads((case / "case.toml").read_text(encoding="utf-8"))["run"].get("mode", "parity")
 
 
-def _compare(single_out: Path, dist_out: Path, keys: list[str], single_prefix: str = "") -> float:
-    """Max |difference| of the weights; `single_prefix` is dropped from the single run's
-    names (torch.compile's `_orig_mod.`, which get_model_state_dict does not write)."""
-    single = select(load_weights(single_out), keys)
-    if single_prefix:
-        assert all(k.startswith(single_prefix) for k in single), f"not every key starts with {single_prefix}"
-        single = {k[len(single_prefix):]: v for k, v in single.items()}
-    return max_abs_diff(single, select(load_weights(dist_out), keys))
+def _figures(name: str, verdict: Verdict) -> str:
+    """One line of what was measured, for ``pytest -s``."""
+    diffs = [r.loss_diff for r in verdict.rows if r.loss_diff is not None]
+    norms = [abs(r.grad_norm_single - r.grad_norm_dist) for r in verdict.rows
+             if r.grad_norm_single is not None and r.grad_norm_dist is not None]
+    saved = verdict.saved.max_abs_diff if verdict.saved else None
+    final = verdict.weights.max_abs_diff if verdict.weights else None
+    steps = f"{len(verdict.rows)} steps" if verdict.judge_steps else "steps not judged"
+    return (f"\n{name}: {steps}, max loss diff {max(diffs, default=None)}, max grad-norm diff "
+            f"{max(norms, default=None)}, saved weights {saved}, final parameters {final}: {verdict.summary()}")
+
+
+def _reference(case: Path, run: dict, directory: Path, timeout: float) -> Run:
+    """The original, the way its case says it runs, to its end; it saves to directory/out.pt."""
+    args = ["--out", str(directory / "out.pt"), *run["single_args"]]
+    reference = run.get("reference", "single")
+    if reference == "torchrun":  # a DDP original: itself under torchrun, same ranks and data
+        return launch_distributed(case / "input.py", args, directory, nproc=run.get("nproc", 2), timeout=timeout)
+    if reference == "plain":  # an original that spawns its own workers: not instrumented, no reference sampler
+        return launch_single(case / "input.py", args, directory, instrument=False, sampler=False, timeout=timeout)
+    # reference_script: a hand-written single-process twin, for inputs that cannot run in one process (FSDP1)
+    return launch_single(case / run.get("reference_script", "input.py"), args, directory, timeout=timeout)
 
 
 # --- the fixtures -----------------------------------------------------------
@@ -83,42 +107,31 @@ def test_retrofit_trains_like_the_original(case: Path, tmp_path: Path):
         pytest.skip(f"{case.name}: no expected.py yet (the rewriter generates it)")
     run = _run_config(case)
     tolerance = run.get("tolerance", DEFAULT_TOLERANCE)
+    timeout = run.get("timeout", DEFAULT_TIMEOUT_S)
 
     # each run in its own folder: scripts that save periodically to relative paths
     # write plain files in one and DCP directories in the other
-    (tmp_path / "single").mkdir()
-    (tmp_path / "dist").mkdir()
-    timeout = {"timeout": run["timeout"]} if "timeout" in run else {}  # a deadlock fails, it does not hang
-    reference = run.get("reference", "single")
-    if reference == "torchrun":  # a DDP original: itself under torchrun, same ranks and data
-        run_distributed(case / "input.py", run["single_args"], tmp_path / "single.pt", nproc=run.get("nproc", 2),
-                        cwd=tmp_path / "single", **timeout)
-    elif reference == "plain":  # an original that spawns its own workers
-        run_plain(case / "input.py", run["single_args"], tmp_path / "single.pt", cwd=tmp_path / "single", **timeout)
-    else:  # reference_script: a hand-written single-process twin, for inputs that cannot run in one process (FSDP1)
-        run_single(case / run.get("reference_script", "input.py"), run["single_args"], tmp_path / "single.pt",
-                   cwd=tmp_path / "single")
-    run_distributed(
-        case / "expected.py", run["dist_args"], tmp_path / "dist.pt", nproc=run.get("nproc", 2), cwd=tmp_path / "dist",
-        **timeout,
-    )
-    diff = _compare(tmp_path / "single.pt", tmp_path / "dist.pt", run["weights"], run.get("single_prefix", ""))
-    print(f"\n{case.name}: max |single - distributed| = {diff:.3e} (tolerance {tolerance:g})")
-    assert diff <= tolerance, f"{case.name}: weights differ by {diff:.3e} > {tolerance:g}"
+    single = _reference(case, run, tmp_path / "single", timeout)
+    dist = launch_distributed(case / "expected.py", ["--out", str(tmp_path / "dist" / "out.pt"), *run["dist_args"]],
+                              tmp_path / "dist", nproc=run.get("nproc", 2), timeout=timeout)
+    saved = compare_saved(tmp_path / "single" / "out.pt", tmp_path / "dist" / "out.pt", run["weights"], tolerance,
+                          single_prefix=run.get("single_prefix", ""))
+    verdict = compare_runs(single, dist, tolerance=tolerance, saved=saved)
+    print(_figures(case.name, verdict))
+    assert saved.ok, f"{case.name}: {saved.problem}"
+    assert verdict.equivalent, f"{case.name}: {verdict.summary()}"
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("case", [c for c in _cases() if _mode(c) == "trains"], ids=lambda p: p.name)
 def test_retrofit_trains(case: Path, tmp_path: Path):
-    """--meta-init outputs: the distributed run learns (its loss falls)."""
+    """--meta-init and bf16 outputs: the distributed run learns (its loss falls)."""
     run = _run_config(case)
-    stdout = run_distributed(
-        case / "expected.py", run["dist_args"], tmp_path / "dist.pt", nproc=run.get("nproc", 2), cwd=tmp_path
-    )
-    losses = losses_in(stdout)
-    print(f"\n{case.name}: {len(losses)} losses, first {losses[0] if losses else None}, "
-          f"last {losses[-1] if losses else None}")
-    assert_loss_falls(losses, run.get("min_drop", DEFAULT_MIN_DROP))
+    dist = launch_distributed(case / "expected.py", ["--out", str(tmp_path / "out.pt"), *run["dist_args"]], tmp_path,
+                              nproc=run.get("nproc", 2), timeout=run.get("timeout", DEFAULT_TIMEOUT_S))
+    result = trains(dist, run.get("min_drop", DEFAULT_MIN_DROP))
+    print(f"\n{case.name}: {len(result.losses)} steps, losses {[round(v, 4) for v in result.losses if v is not None]}")
+    assert result.ok, f"{case.name}: {result.problem}"
 
 
 @pytest.mark.e2e
@@ -126,11 +139,11 @@ def test_trains_check_fails_when_nothing_is_learned(tmp_path: Path):
     """The check can fail: the same run at learning rate 0 keeps its loss."""
     case = FIXTURES / "meta_init_plain"
     run = _run_config(case)
-    stdout = run_distributed(case / "expected.py", [*run["dist_args"], "--lr", "0"], tmp_path / "dist.pt", cwd=tmp_path)
-    losses = losses_in(stdout)
-    print(f"\nlr 0: first {losses[0]}, last {losses[-1]}")
-    with pytest.raises(AssertionError, match="did not fall"):
-        assert_loss_falls(losses, DEFAULT_MIN_DROP)
+    dist = launch_distributed(case / "expected.py", ["--out", str(tmp_path / "out.pt"), *run["dist_args"], "--lr", "0"],
+                              tmp_path)
+    result = trains(dist, DEFAULT_MIN_DROP)
+    print(f"\nlr 0: first {result.losses[0]}, last {result.losses[-1]}")
+    assert not result.ok and "did not fall" in result.problem
 
 
 # --- the hand-written example pair in shared/ --------------------------------
@@ -142,31 +155,38 @@ def _require_shared_examples():
 
 
 @pytest.fixture(scope="module")
-def shared_reference(tmp_path_factory) -> Path:
+def shared_reference(tmp_path_factory) -> Run:
     """train_single.py at batch 64 in one process: the reference for both tests below."""
     _require_shared_examples()
-    out = tmp_path_factory.mktemp("shared_single") / "single.pt"
-    run_single(SHARED_EXAMPLES / "train_single.py", ["--batch-size", "64"], out)
-    return out
+    root = tmp_path_factory.mktemp("shared_single")
+    return launch_single(SHARED_EXAMPLES / "train_single.py", ["--out", str(root / "out.pt"), "--batch-size", "64"],
+                         root)
+
+
+def _shared_pair(shared_reference: Run, per_rank_batch: int, directory: Path) -> Verdict:
+    dist = launch_distributed(SHARED_EXAMPLES / "train_fsdp2.py",
+                              ["--out", str(directory / "out.pt"), "--batch-size", str(per_rank_batch)], directory)
+    saved = compare_saved(shared_reference.directory / "out.pt", directory / "out.pt", [])
+    return compare_runs(shared_reference, dist, saved=saved)
 
 
 @pytest.mark.e2e
 @pytest.mark.xdist_group("shared_reference")  # one reference run for both tests under --dist loadgroup
-def test_shared_example_pair_matches(shared_reference: Path, tmp_path: Path):
-    run_distributed(SHARED_EXAMPLES / "train_fsdp2.py", ["--batch-size", "32"], tmp_path / "dist.pt")
-    diff = _compare(shared_reference, tmp_path / "dist.pt", [])
-    print(f"\nshared example, 2 x 32 vs 1 x 64: max diff {diff:.3e}")
-    assert diff <= DEFAULT_TOLERANCE
+def test_shared_example_pair_matches(shared_reference: Run, tmp_path: Path):
+    verdict = _shared_pair(shared_reference, 32, tmp_path)
+    print(_figures("shared example, 2 x 32 vs 1 x 64", verdict))
+    assert verdict.saved.max_abs_diff <= DEFAULT_TOLERANCE
+    assert verdict.equivalent, verdict.summary()
 
 
 @pytest.mark.e2e
 @pytest.mark.xdist_group("shared_reference")
-def test_wrong_global_batch_is_caught(shared_reference: Path, tmp_path: Path):
-    """The harness can fail: 2 ranks x 16 is not the single run at 64."""
-    run_distributed(SHARED_EXAMPLES / "train_fsdp2.py", ["--batch-size", "16"], tmp_path / "dist.pt")
-    diff = _compare(shared_reference, tmp_path / "dist.pt", [])
-    print(f"\nshared example, 2 x 16 vs 1 x 64: max diff {diff:.3e}")
-    assert diff > DEFAULT_TOLERANCE
+def test_wrong_global_batch_is_caught(shared_reference: Run, tmp_path: Path):
+    """The comparison can fail: 2 ranks x 16 is not the single run at 64."""
+    verdict = _shared_pair(shared_reference, 16, tmp_path)
+    print(_figures("shared example, 2 x 16 vs 1 x 64", verdict))
+    assert verdict.saved.max_abs_diff > DEFAULT_TOLERANCE
+    assert not verdict.equivalent and verdict.first_divergence.step == 1
 
 
 @pytest.mark.e2e
@@ -174,21 +194,21 @@ def test_the_logged_loss_is_the_global_batch_loss(tmp_path: Path):
     """Rank 0 prints the mean over ranks (the all_reduce the rewrite adds), so the
     distributed log reads like the single-process log at the same global batch."""
     case = FIXTURES / "main_modulelist"
-    (tmp_path / "single").mkdir()
-    (tmp_path / "dist").mkdir()
-    single = run_single(case / "input.py", ["--batch-size", "64"], tmp_path / "s.pt", cwd=tmp_path / "single")
-    dist = run_distributed(case / "expected.py", ["--batch-size", "32"], tmp_path / "d.pt", cwd=tmp_path / "dist")
+    single = launch_single(case / "input.py", ["--out", str(tmp_path / "single" / "s.pt"), "--batch-size", "64"],
+                           tmp_path / "single")
+    dist = launch_distributed(case / "expected.py", ["--out", str(tmp_path / "dist" / "d.pt"), "--batch-size", "32"],
+                              tmp_path / "dist")
 
     def losses(text: str) -> list:
         return [float(m.group(1)) for m in re.finditer(r"loss (\d+\.\d+)", text)]
 
-    expected, got = losses(single), losses(dist)
+    expected, got = losses(single.stdout), losses(dist.stdout)
     print(f"\nsingle {expected}\ndistributed {got}")
     assert len(expected) == len(got) == 6
     assert max(abs(a - b) for a, b in zip(expected, got)) <= 2e-4
 
 
-# --- the harness itself (fast, but for the three that start a torch process) ---
+# --- the engine's reference sampler and failures (these start a torch process) ---
 
 _ORDER_SCRIPT = """\
 import argparse, json
@@ -209,16 +229,21 @@ with open(args.out, "w") as f:
 """
 
 
+def _order(tmp_path: Path, name: str, sampler: bool) -> list:
+    script = tmp_path / "order.py"
+    script.write_text(_ORDER_SCRIPT)
+    out = tmp_path / name / "order.json"
+    # no optimizer step: a run without records
+    launch_single(script, ["--out", str(out), "--batch-size", "8"], tmp_path / name, instrument=False, sampler=sampler)
+    return json.loads(out.read_text())["epochs"]
+
+
 @pytest.mark.e2e  # runs a script that imports torch in a fresh interpreter: seconds, like the runs it serves
 def test_reference_sampler_follows_distributed_sampler(tmp_path: Path):
     """Single run at batch 8 == union of the 2 ranks' DistributedSampler batches at 4, per epoch."""
     from torch.utils.data.distributed import DistributedSampler
 
-    script = tmp_path / "order.py"
-    script.write_text(_ORDER_SCRIPT)
-    run_single(script, ["--batch-size", "8"], tmp_path / "order.json")
-    single = json.loads((tmp_path / "order.json").read_text())["epochs"]
-
+    single = _order(tmp_path, "single", sampler=True)
     dataset = list(range(32))
     for epoch, batches in enumerate(single):
         per_rank = []
@@ -233,27 +258,40 @@ def test_reference_sampler_follows_distributed_sampler(tmp_path: Path):
 
 
 @pytest.mark.e2e
-def test_reference_sampler_is_off_outside_run_single(tmp_path: Path):
-    """Without the harness's environment a shuffled loader keeps torch's own order."""
-    import subprocess
-    import sys
-
+def test_reference_sampler_is_off_without_the_flag(tmp_path: Path):
+    """sampler=False (and a plain interpreter) keeps torch's own order."""
+    patched = _order(tmp_path, "patched", sampler=True)
+    off = _order(tmp_path, "off", sampler=False)
     script = tmp_path / "order.py"
-    script.write_text(_ORDER_SCRIPT)
-    run_single(script, ["--batch-size", "8"], tmp_path / "patched.json")
-    from harness import SAMPLER_ENV
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP2_RETROFIT_VERIFY_")}
+    subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "plain.json"), "--batch-size", "8"],
+                   check=True, env=env, cwd=tmp_path)
+    plain = json.loads((tmp_path / "plain.json").read_text())["epochs"]
+    assert patched != plain and off == plain
 
-    env = {k: v for k, v in os.environ.items() if k != SAMPLER_ENV}
-    subprocess.run(
-        [sys.executable, str(script), "--out", str(tmp_path / "plain.json"), "--batch-size", "8"],
-        check=True, env=env, cwd=tmp_path,
-    )
-    patched = json.loads((tmp_path / "patched.json").read_text())
-    plain = json.loads((tmp_path / "plain.json").read_text())
-    assert patched != plain
+
+@pytest.mark.e2e
+def test_failed_run_names_the_exception(tmp_path: Path):
+    script = tmp_path / "boom.py"
+    script.write_text("raise ValueError('no such layer: fc3')\n")
+    with pytest.raises(VerifyError) as failure:
+        launch_single(script, [], tmp_path / "run")
+    assert "exit code 1" in failure.value.message
+    assert "ValueError: no such layer: fc3" in failure.value.detail
+
+
+# --- comparing saved files (the compare child's functions, here in-process) ---
+
+
+def _compare_module():
+    spec = importlib.util.spec_from_file_location("_fsdp2_verify_compare", COMPARE_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_select_flattens_and_prefixes():
+    select = _compare_module().select
     g, d = {"w": torch.zeros(2)}, {"w": torch.ones(2)}
     assert select(g, []) == g
     assert select({"model": g, "step": 3}, ["model"]) == g
@@ -264,100 +302,70 @@ def test_select_flattens_and_prefixes():
         select({"model": g, "step": 3}, [])
 
 
-def test_max_abs_diff_reports_keys_and_shapes():
-    a = {"x": torch.zeros(3), "y": torch.zeros(2)}
-    assert max_abs_diff(a, {"x": torch.tensor([0.0, -0.5, 0.25]), "y": torch.zeros(2)}) == 0.5
-    with pytest.raises(AssertionError, match=r"only in first \['y'\], only in second \['z'\]"):
-        max_abs_diff(a, {"x": torch.zeros(3), "z": torch.zeros(2)})
-    with pytest.raises(AssertionError, match="shape"):
-        max_abs_diff(a, {"x": torch.zeros(4), "y": torch.zeros(2)})
+def _saved(tmp_path: Path, name: str, obj) -> str:
+    path = tmp_path / name
+    torch.save(obj, path)
+    return str(path)
 
 
-def test_load_weights_reads_torch_save_and_dcp(tmp_path: Path):
+def test_saved_files_are_compared_by_key_and_shape(tmp_path: Path):
+    compare = _compare_module().compare_saved
+    a = _saved(tmp_path, "a.pt", {"x": torch.zeros(3), "y": torch.zeros(2)})
+    b = _saved(tmp_path, "b.pt", {"x": torch.tensor([0.0, -0.5, 0.25]), "y": torch.zeros(2)})
+    result = compare_weights(compare({"single": a, "dist": b, "keys": []}), 1e-4)
+    assert not result.ok and result.max_abs_diff == 0.5 and result.worst_name == "x"
+    assert "'x'" in result.problem and "5.000e-01" in result.problem
+    assert compare_weights(compare({"single": a, "dist": a, "keys": []}), 1e-4).ok
+
+    c = _saved(tmp_path, "c.pt", {"x": torch.zeros(3), "z": torch.zeros(2)})
+    keys = compare_weights(compare({"single": a, "dist": c, "keys": []}), 1e-4)
+    assert not keys.ok and "only in the single run ['y']" in keys.problem and "['z']" in keys.problem
+    d = _saved(tmp_path, "d.pt", {"x": torch.zeros(4), "y": torch.zeros(2)})
+    shape = compare_weights(compare({"single": a, "dist": d, "keys": []}), 1e-4)
+    assert not shape.ok and "shape (3,)" in shape.problem
+    missing = compare_weights(compare({"single": a, "dist": a, "keys": ["ema"]}), 1e-4)
+    assert not missing.ok and "no key" in missing.problem
+
+
+def test_the_ema_copy_is_compared_too(tmp_path: Path):
+    compare = _compare_module().compare_saved
+    w = {"w": torch.ones(2)}
+    a = _saved(tmp_path, "a.pt", {"model": w, "ema": w, "step": 3})
+    b = _saved(tmp_path, "b.pt", {"model": w, "ema": {"w": torch.tensor([1.0, 1.5])}, "step": 3})
+    assert compare_weights(compare({"single": a, "dist": b, "keys": ["model"]}), 1e-4).ok
+    both = compare_weights(compare({"single": a, "dist": b, "keys": ["model", "ema"]}), 1e-4)
+    assert not both.ok and both.worst_name == "ema.w"
+
+
+def test_the_single_prefix_is_dropped(tmp_path: Path):
+    compare = _compare_module().compare_saved
+    a = _saved(tmp_path, "a.pt", {"_orig_mod.w": torch.ones(2)})
+    b = _saved(tmp_path, "b.pt", {"w": torch.ones(2)})
+    assert not compare_weights(compare({"single": a, "dist": b, "keys": []}), 1e-4).ok
+    assert compare_weights(compare({"single": a, "dist": b, "keys": [], "single_prefix": "_orig_mod."}), 1e-4).ok
+    bad = compare_weights(compare({"single": b, "dist": b, "keys": [], "single_prefix": "_orig_mod."}), 1e-4)
+    assert not bad.ok and "does not start with" in bad.problem
+
+
+def test_load_saved_reads_torch_save_and_dcp(tmp_path: Path):
     import torch.distributed.checkpoint as dcp
 
+    load_saved = _compare_module().load_saved
     state = {"model": {"w": torch.arange(4.0)}, "step": 7}
     torch.save(state, tmp_path / "plain.pt")
     with pytest.warns(UserWarning):  # DCP in one process without a process group
         dcp.save(state, checkpoint_id=tmp_path / "dcp")
     for path in (tmp_path / "plain.pt", tmp_path / "dcp"):
-        loaded = load_weights(path)
+        loaded = load_saved(str(path))
         assert loaded["step"] == 7 and torch.equal(loaded["model"]["w"], state["model"]["w"])
 
 
-def test_losses_are_read_from_what_the_loop_prints():
-    out = "step 0 loss 2.3012\niter 1: loss 1.9\nloss=nan\nlr 0.001\nval_loss 7\nEpoch 3 | loss: 1e-3\n"
-    assert losses_in(out)[:2] == [2.3012, 1.9]
-    assert str(losses_in(out)[2]) == "nan"
-    assert losses_in(out)[3:] == [0.001]
-
-
-@pytest.mark.parametrize(
-    "losses, error",
-    [
-        ([2.3, 1.9, 1.2], None),
-        ([2.3, 2.2, 2.25], "did not fall by 20%"),  # flat
-        ([1.0, 1.5, 3.0], "did not fall"),  # diverging
-        ([2.3, float("nan"), 0.1], "non-finite"),  # garbage memory left by to_empty
-        ([2.3], "at least two"),
-        ([], "at least two"),
-    ],
-)
-def test_loss_must_fall(losses, error):
-    if error is None:
-        assert_loss_falls(losses, 0.2)
-    else:
-        with pytest.raises(AssertionError, match=error):
-            assert_loss_falls(losses, 0.2)
-
-
-@pytest.mark.e2e
-def test_failed_run_names_the_exception(tmp_path: Path):
-    script = tmp_path / "boom.py"
-    script.write_text("raise ValueError('no such layer: fc3')\n")
-    with pytest.raises(RunError, match="ValueError: no such layer: fc3"):
-        run_single(script, [], tmp_path / "out.pt")
-
-
-def test_a_retried_run_starts_from_the_files_the_first_attempt_found(monkeypatch, tmp_path):
-    """An attempt aborted at teardown may already have written a later checkpoint:
-    the retry must not resume from it."""
-    import harness
-
-    (tmp_path / "ckpt").write_text("step 6")
-    seen = []
-
-    def fake_run(cmd, env, cwd, timeout):
-        seen.append((cwd / "ckpt").read_text())
-        (cwd / "ckpt").write_text("step 12")
-        (cwd / "extra").write_text("left by the aborted attempt")
-        if len(seen) == 1:
-            raise harness.RunError(f"exit code 1: ...\n{harness.TEARDOWN_ABORT}\n")
-        return "ok"
-
-    monkeypatch.setattr(harness, "_run", fake_run)
-    assert run_distributed(tmp_path / "s.py", [], tmp_path / "d.pt") == "ok"
-    assert seen == ["step 6", "step 6"]
-
-
-def test_only_the_gloo_teardown_abort_is_retried(monkeypatch, tmp_path):
-    import harness
-
-    outcomes = [harness.RunError(f"exit code 1: ...\n{harness.TEARDOWN_ABORT}\n"), "ok"]
-
-    def fake_run(cmd, env, cwd, timeout):
-        outcome = outcomes.pop(0)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
-    monkeypatch.setattr(harness, "_run", fake_run)
-    assert run_distributed(tmp_path / "s.py", [], tmp_path / "d.pt") == "ok"
-
-    outcomes[:] = [harness.RunError("exit code 1: ValueError: boom")]
-    with pytest.raises(RunError, match="boom"):
-        run_distributed(tmp_path / "s.py", [], tmp_path / "d.pt")
-
-    outcomes[:] = [harness.RunError(harness.TEARDOWN_ABORT)] * (harness.TEARDOWN_RETRIES + 1)
-    with pytest.raises(RunError):
-        run_distributed(tmp_path / "s.py", [], tmp_path / "d.pt")
+@pytest.mark.e2e  # the engine's compare child: a fresh interpreter that imports torch
+def test_compare_saved_runs_the_child(tmp_path: Path):
+    a = _saved(tmp_path, "a.pt", {"w": torch.zeros(2)})
+    b = _saved(tmp_path, "b.pt", {"w": torch.tensor([0.0, 2e-4])})
+    assert compare_saved(Path(a), Path(b), [], 1e-4).max_abs_diff == pytest.approx(2e-4)
+    assert not compare_saved(Path(a), Path(b), [], 1e-4).ok
+    assert compare_saved(Path(a), Path(b), [], 1e-3).ok
+    missing = compare_saved(Path(a), tmp_path / "none.pt", [], 1e-4)
+    assert not missing.ok and "does not exist" in missing.problem

@@ -300,19 +300,18 @@ def test_save_pretrained_writes_the_full_weights_once(tmp_path):
     full state dict on every rank and writes it on rank 0; the folder holds the
     single-process run's weights (a save of the sharded model would hold DTensors)."""
     pytest.importorskip("torch")
-    from harness import load_weights, max_abs_diff, run_distributed, run_single
+    from fsdp2_retrofit.verify import compare_saved, launch_distributed, launch_single
 
     case = FIXTURES / "hf_pretrained_no_split"
-    (tmp_path / "single").mkdir()
-    (tmp_path / "dist").mkdir()
-    run_single(case / "input.py", ["--batch-size", "32"], tmp_path / "single.pt", cwd=tmp_path / "single")
-    run_distributed(case / "expected.py", ["--batch-size", "16"], tmp_path / "dist.pt", cwd=tmp_path / "dist")
-    single = load_weights(tmp_path / "single.pt.hf" / "pytorch_model.bin")
-    dist = load_weights(tmp_path / "dist.pt.hf" / "pytorch_model.bin")
-    assert all(type(t).__name__ == "Tensor" for t in dist.values())
-    diff = max_abs_diff(single, dist)
-    print(f"\nsave_pretrained: max |single - distributed| = {diff:.3e}")
-    assert diff <= 1e-4
+    launch_single(case / "input.py", ["--out", str(tmp_path / "single" / "out.pt"), "--batch-size", "32"],
+                  tmp_path / "single")
+    launch_distributed(case / "expected.py", ["--out", str(tmp_path / "dist" / "out.pt"), "--batch-size", "16"],
+                       tmp_path / "dist")
+    # compare_saved refuses a DTensor (a save of the sharded model) as "not a full tensor"
+    result = compare_saved(tmp_path / "single" / "out.pt.hf" / "pytorch_model.bin",
+                           tmp_path / "dist" / "out.pt.hf" / "pytorch_model.bin", [], 1e-4)
+    print(f"\nsave_pretrained: max |single - distributed| = {result.max_abs_diff}")
+    assert result.ok, result.problem
 
 
 def test_save_pretrained_gathers_on_every_rank_and_writes_on_rank_zero():

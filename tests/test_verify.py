@@ -23,13 +23,19 @@ from fsdp2_retrofit.verify import (
     EXIT_DIVERGED,
     EXIT_EQUIVALENT,
     EXIT_ERROR,
+    TEARDOWN_ABORT,
+    TEARDOWN_RETRIES,
+    Run,
     Verdict,
     VerifyError,
     close,
     compare_steps,
     compare_weights,
     loss_chart,
+    loss_falls,
+    reference_record,
     report_json,
+    run_script,
     single_run_args,
     VerifySettings,
 )
@@ -122,6 +128,94 @@ def test_verdict_exit_codes_and_json():
     assert data["max_loss_diff"] == pytest.approx(0.2)
     assert data["steps"][1]["ok"] is False and data["memory"]["ranks"][0]["peak_bytes"] == 100
     json.dumps(data)
+
+
+def test_saved_weights_join_the_verdict():
+    single = _rec([2.0, 1.5], [1.0, 0.9])
+    same = [_rec([2.0, 1.5], [1.0, 0.9])]
+    good = compare_weights(_summary([1e-7]), 1e-4)
+    bad_saved = compare_weights({"count": [1, 1], "tensors": [
+        {"index": 0, "name": "ema.w", "shape_single": [2], "shape_dist": [2], "max_abs_diff": 3e-3}]}, 1e-4)
+    assert "'ema.w'" in bad_saved.problem and bad_saved.worst_name == "ema.w"
+    verdict = Verdict(compare_steps(single, same), good, single, same, saved=bad_saved)
+    assert verdict.exit_code == EXIT_DIVERGED and "ema.w" in verdict.summary()
+    saved_only = Verdict(compare_steps(single, same), None, single, same, saved=good)
+    assert saved_only.equivalent and "saved weights within" in saved_only.summary()
+    # steps shown but not judged (a reference without records): only the weights decide
+    unjudged = Verdict(compare_steps(single, [_rec([9.0, 9.0], [1.0, 0.9])]), None, single, same, saved=good,
+                       judge_steps=False)
+    assert unjudged.equivalent and "steps not compared" in unjudged.summary()
+    error = compare_weights({"error": "saved object has no key(s) ['ema']"}, 1e-4)
+    assert not error.ok and "no key" in error.problem
+
+
+def test_a_torchrun_reference_is_the_mean_over_its_ranks():
+    ranks = [_rec([2.0, 1.0], [0.5, 0.4]), _rec([4.0, 3.0], [0.5, 0.4])]
+    record = reference_record(Run(Path("."), ranks, None))
+    assert record["losses"] == [3.0, 2.0] and record["grad_norms"] == [0.5, 0.4]
+
+
+@pytest.mark.parametrize(
+    "losses, error",
+    [
+        ([2.3, 1.9, 1.2], None),
+        ([2.3, 2.2, 2.25], "did not fall by 20%"),  # flat
+        ([1.0, 1.5, 3.0], "did not fall"),  # diverging
+        ([2.3, float("nan"), 0.1], "non-finite"),  # garbage memory left by to_empty
+        ([2.3, None, 0.1], "non-finite"),  # a step without a backward() on a scalar
+        ([2.3], "at least two"),
+        ([], "at least two"),
+    ],
+)
+def test_loss_must_fall(losses, error):
+    result = loss_falls(losses, 0.2)
+    assert result.ok is (error is None)
+    if error:
+        assert error in result.problem
+
+
+def _fake_launches(outcomes, seen=None):
+    """A launch that plays `outcomes` (exit code, stderr) in turn; each attempt
+    overwrites the checkpoint it finds (what a resumed run does)."""
+
+    def launch(cmd, env, cwd, timeout, what):
+        if seen is not None:
+            seen.append((cwd / "ckpt").read_text() if (cwd / "ckpt").is_file() else None)
+            (cwd / "ckpt").write_text("step 12")
+            (cwd / "extra").write_text("left by this attempt")
+        return outcomes.pop(0)
+
+    return launch
+
+
+def test_a_retried_run_starts_from_the_files_the_first_attempt_found(tmp_path: Path):
+    """An attempt aborted at teardown may already have written a later checkpoint:
+    the retry must not resume from it."""
+    (tmp_path / "ckpt").write_text("step 6")
+    seen = []
+    launch = _fake_launches([(-6, f"...\n{TEARDOWN_ABORT}\n"), (0, "")], seen)
+    run = run_script(["x"], tmp_path, {}, 2, 10, "run", steps=0, instrument=False, launch=launch)
+    assert seen == ["step 6", "step 6"] and run.attempts == 2
+
+
+def test_only_the_gloo_teardown_abort_is_retried(tmp_path: Path):
+    run = run_script(["x"], tmp_path, {}, 2, 10, "run", steps=0, instrument=False,
+                     launch=_fake_launches([(1, TEARDOWN_ABORT), (0, "")]))
+    assert run.attempts == 2
+    with pytest.raises(VerifyError, match="exit code 1"):
+        run_script(["x"], tmp_path, {}, 2, 10, "run", steps=0, instrument=False,
+                   launch=_fake_launches([(1, "ValueError: boom"), (0, "")]))
+    with pytest.raises(VerifyError, match="exit code -6"):
+        run_script(["x"], tmp_path, {}, 2, 10, "run", steps=0, instrument=False,
+                   launch=_fake_launches([(-6, TEARDOWN_ABORT)] * (TEARDOWN_RETRIES + 1)))
+
+
+def test_a_stopped_run_with_every_record_is_not_retried(tmp_path: Path):
+    """verify's K-step runs: the records were written before the abort; they are the result."""
+    for r in range(2):
+        (tmp_path / f"rank{r}.json").write_text(json.dumps({**_rec([2.0], [1.0]), "rank": r, "world_size": 2, "steps": 1}))
+    run = run_script(["x"], tmp_path, {}, 2, 10, "run", steps=5, launch=_fake_launches([(-6, TEARDOWN_ABORT)]))
+    assert run.attempts == 1 and len(run.ranks) == 2
 
 
 def test_loss_chart_marks_both_curves():
@@ -293,3 +387,32 @@ def test_a_script_that_crashes_exits_2_with_its_error(tmp_path: Path):
     assert code == EXIT_ERROR
     assert "single-process run" in output and "FileNotFoundError: no data at /nonexistent/train.bin" in output
     assert report["exit_code"] == EXIT_ERROR
+
+
+INIT_STATE_SCRIPT = """\
+import torch
+from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+_init_optim_state(optimizer)  # what get/set_optimizer_state_dict do on resume, before the first step
+for _ in range(3):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+"""
+
+
+@e2e
+def test_the_optimizer_state_init_step_of_dcp_is_not_a_training_step(tmp_path: Path):
+    """DCP's get/set_optimizer_state_dict create an empty optimizer's state with a
+    step() at lr 0: counting it would shift every later step by one."""
+    from fsdp2_retrofit.verify import launch_single
+
+    script = tmp_path / "init_state.py"
+    script.write_text(INIT_STATE_SCRIPT)
+    run = launch_single(script, [], tmp_path / "run")
+    record = run.ranks[0]
+    assert record["steps"] == 3 and None not in record["losses"] and len(record["grad_norms"]) == 3

@@ -13,6 +13,15 @@ Equivalence: every step's loss (single vs the mean over ranks) and gradient
 norm agree within ``rel 1e-4 / abs 1e-5`` (fp32 reductions in another order
 differ by ~1e-7 relative), and the final weights within ``--tolerance``
 (max abs diff, default 1e-4, the execution tests' bound).
+
+The same engine runs the execution tests (tests/test_execution.py,
+test_checkpoint.py) through its Python API: ``launch_single`` /
+``launch_distributed`` with ``steps=0`` let a script run to its end (it saves
+what it saves), ``compare_saved`` compares those files by key, ``compare_runs``
+gives the verdict (per-step checks, final parameters, saved files), and
+``trains`` judges a run with nothing to compare against (its loss falls). A run
+that gloo aborts at teardown is retried from its folder as it was before
+(``run_script``).
 """
 from __future__ import annotations
 
@@ -200,12 +209,14 @@ class WeightsResult:
     count_single: int
     count_dist: int
     problem: str = ""
+    worst_name: Optional[str] = None  # the saved files' key of the worst tensor
 
     def as_json(self, tolerance: float) -> dict:
         return {
             "ok": self.ok,
             "max_abs_diff": self.max_abs_diff,
             "worst_index": self.worst_index,
+            "worst_name": self.worst_name,
             "tensors": [self.count_single, self.count_dist],
             "tolerance": tolerance,
             "problem": self.problem or None,
@@ -213,48 +224,71 @@ class WeightsResult:
 
 
 def compare_weights(summary: dict, tolerance: float) -> WeightsResult:
-    """Judge the compare script's output: same tensors, same shapes, max abs diff within tolerance."""
+    """Judge the compare script's output: same tensors, same shapes, max abs diff within tolerance.
+
+    Rows with a ``name`` (the saved files, compared by key) are named by it, the
+    instrumentation's weight lists by their index."""
+    if "error" in summary:
+        return WeightsResult(False, None, None, 0, 0, f"the saved weights: {summary['error']}")
     n_single, n_dist = summary["count"]
     rows = summary["tensors"]
+    only_single, only_dist = summary.get("only_single", []), summary.get("only_dist", [])
+    if only_single or only_dist:
+        return WeightsResult(False, None, None, n_single, n_dist,
+                             f"the saved state dicts differ in keys: only in the single run {only_single[:5]}, "
+                             f"only in the distributed run {only_dist[:5]}")
     if n_single != n_dist:
         return WeightsResult(False, None, None, n_single, n_dist,
                              f"the optimizers hold {n_single} tensors in the single run, {n_dist} in the distributed run")
+
+    def what(row: dict) -> str:
+        return repr(row["name"]) if "name" in row else f"parameter {row['index']}"
+
     for row in rows:
         if row["max_abs_diff"] is None:
             return WeightsResult(False, None, row["index"], n_single, n_dist,
-                                 f"parameter {row['index']}: shape {tuple(row['shape_single'])} (single) vs "
-                                 f"{tuple(row['shape_dist'])} (distributed)")
+                                 f"{what(row)}: shape {tuple(row['shape_single'])} (single) vs "
+                                 f"{tuple(row['shape_dist'])} (distributed)", row.get("name"))
     if not rows:
         return WeightsResult(True, 0.0, None, n_single, n_dist)
     worst = max(rows, key=lambda r: r["max_abs_diff"])
     diff = worst["max_abs_diff"]
     ok = diff <= tolerance and not math.isnan(diff)
-    problem = "" if ok else (f"final weights differ by {diff:.3e} > {tolerance:g} (parameter {worst['index']}, "
+    problem = "" if ok else (f"final weights differ by {diff:.3e} > {tolerance:g} ({what(worst)}, "
                              f"shape {tuple(worst['shape_single'])})")
-    return WeightsResult(ok, diff, worst["index"], n_single, n_dist, problem)
+    return WeightsResult(ok, diff, worst["index"], n_single, n_dist, problem, worst.get("name"))
 
 
 @dataclass
 class Verdict:
     rows: List[StepRow]
-    weights: Optional[WeightsResult]
+    weights: Optional[WeightsResult]  # the instrumentation's final parameters
     single: dict
     ranks: List[dict]
     notes: List[str] = field(default_factory=list)
+    saved: Optional[WeightsResult] = None  # the files the scripts saved themselves, by key
+    judge_steps: bool = True  # False: the rows are shown, not judged (a reference without records)
 
     @property
     def first_divergence(self) -> Optional[StepRow]:
+        if not self.judge_steps:
+            return None
         return next((r for r in self.rows if r.problem), None)
 
     @property
+    def weight_results(self) -> List[WeightsResult]:
+        return [w for w in (self.weights, self.saved) if w is not None]
+
+    @property
     def equivalent(self) -> bool:
-        return self.first_divergence is None and self.weights is not None and self.weights.ok
+        results = self.weight_results
+        return self.first_divergence is None and bool(results) and all(w.ok for w in results)
 
     @property
     def exit_code(self) -> int:
         if self.equivalent:
             return EXIT_EQUIVALENT
-        if self.first_divergence is None and self.weights is None:
+        if self.first_divergence is None and not self.weight_results:
             return EXIT_ERROR  # nothing diverged, but the weights could not be compared
         return EXIT_DIVERGED
 
@@ -262,12 +296,15 @@ class Verdict:
         first = self.first_divergence
         if first is not None:
             return f"diverged at step {first.step}: {first.problem}"
-        if self.weights is None:
+        if not self.weight_results:
             return "error: the final weights were not recorded by both runs; cannot judge"
-        if not self.weights.ok:
-            return f"diverged: {self.weights.problem}"
-        return (f"equivalent: {len(self.rows)} steps agree, final weights within "
-                f"{self.weights.max_abs_diff:.3e}")
+        failed = next((w for w in self.weight_results if not w.ok), None)
+        if failed is not None:
+            return f"diverged: {failed.problem}"
+        steps = f"{len(self.rows)} steps agree" if self.judge_steps else "steps not compared"
+        within = ", ".join(f"{label} within {w.max_abs_diff:.3e}" for label, w in
+                           (("final weights", self.weights), ("saved weights", self.saved)) if w is not None)
+        return f"equivalent: {steps}, {within}"
 
 
 # -- the terminal chart ----------------------------------------------------------
@@ -319,23 +356,44 @@ def _bytes(n: Optional[int]) -> str:
 
 @dataclass
 class Run:
+    """One finished run: its folder (the script's working directory, with its
+    records and logs), one record a rank (none when it ran uninstrumented),
+    and the instrumentation's final weights."""
+
     directory: Path
     ranks: List[dict]
     weights: Optional[Path]
+    attempts: int = 1  # > 1: retried after gloo's teardown abort
+
+    @property
+    def stdout(self) -> str:
+        """What the script printed (torchrun: every rank's lines)."""
+        return (self.directory / "stdout.log").read_text(errors="replace")
 
 
-def _child_env(record_dir: Path, steps: int, mode: str, extra_path: Sequence[str] = ()) -> dict:
+TEARDOWN_RETRIES = 2
+
+
+def _child_env(record_dir: Path, steps: int, mode: str, extra_path: Sequence[str] = (),
+               instrument: bool = True, sampler: Optional[bool] = None) -> dict:
+    """The child's environment. ``mode``: "single" (one process) or "dist" (torchrun:
+    only the workers record). ``sampler`` defaults to on for "single"; a run with
+    neither instrumentation nor sampler gets no verify variable at all."""
     env = dict(os.environ)
     for key in list(env):
         if key.startswith("FSDP2_RETROFIT_VERIFY_"):
             del env[key]
-    env["FSDP2_RETROFIT_VERIFY_DIR"] = str(record_dir)
-    env["FSDP2_RETROFIT_VERIFY_STEPS"] = str(steps)
-    env["FSDP2_RETROFIT_VERIFY_MODE"] = mode
-    if mode == "single":
+    if sampler is None:
+        sampler = mode == "single"
+    if instrument:
+        env["FSDP2_RETROFIT_VERIFY_DIR"] = str(record_dir)
+        env["FSDP2_RETROFIT_VERIFY_STEPS"] = str(steps)
+        env["FSDP2_RETROFIT_VERIFY_MODE"] = mode
+    if sampler:
         env["FSDP2_RETROFIT_VERIFY_SAMPLER"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = os.pathsep.join([str(SITE_DIR), *extra_path, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    site = [str(SITE_DIR)] if instrument or sampler else []
+    env["PYTHONPATH"] = os.pathsep.join([*site, *extra_path, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     return env
 
 
@@ -374,21 +432,49 @@ def _read_ranks(directory: Path, nproc: int, what: str, stderr: str) -> List[dic
     return ranks
 
 
-def run_script(cmd: List[str], directory: Path, env: dict, nproc: int, timeout: float, what: str) -> Run:
+def _restore(directory: Path, snapshot: Path) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+    shutil.copytree(snapshot, directory)
+
+
+def run_script(cmd: List[str], directory: Path, env: dict, nproc: int, timeout: float, what: str,
+               steps: int = DEFAULT_STEPS, instrument: bool = True, retries: int = TEARDOWN_RETRIES,
+               launch=_launch) -> Run:
+    """Run ``cmd`` in ``directory`` and read its records.
+
+    gloo's worker threads can abort a rank while the interpreter shuts down,
+    after the script finished (std::terminate, exit -6: TEARDOWN_ABORT in
+    stderr). A run stopped after ``steps`` steps whose every rank wrote its
+    record is judged on those records. Any other run that dies that way is
+    retried (``retries`` times) from a copy of ``directory`` as it was before
+    the first attempt: an attempt that resumed from a checkpoint and saved a
+    later one must not hand that to the retry. Any other failure, or the same
+    abort every time, is a VerifyError.
+    """
     directory.mkdir(parents=True, exist_ok=True)
-    rc, stderr = _launch(cmd, env, directory, timeout, what)
-    if rc != 0:
-        # the gloo teardown abort after every rank has written its record is not the script's failure
-        complete = all((directory / f"rank{r}.json").is_file() for r in range(nproc))
-        if not (complete and TEARDOWN_ABORT in stderr):
-            raise VerifyError(f"the {what} failed (exit code {rc})", _tail(stderr))
+    with tempfile.TemporaryDirectory(prefix="fsdp2-verify-before-") as tmp:
+        snapshot = Path(tmp) / "before"
+        shutil.copytree(directory, snapshot)
+        for attempt in range(1, retries + 2):
+            rc, stderr = launch(cmd, env, directory, timeout, what)
+            if rc == 0:
+                break
+            aborted = TEARDOWN_ABORT in stderr
+            complete = instrument and all((directory / f"rank{r}.json").is_file() for r in range(nproc))
+            if aborted and steps and complete:
+                break  # the records were written before the abort: they are the result
+            if not aborted or attempt > retries:
+                raise VerifyError(f"the {what} failed (exit code {rc})", _tail(stderr))
+            _restore(directory, snapshot)
+    if not instrument:
+        return Run(directory, [], None, attempt)
     ranks = _read_ranks(directory, nproc, what, stderr)
     if any(r.get("world_size", 1) != nproc for r in ranks):
         raise VerifyError(f"the {what} ran with world size {ranks[0].get('world_size')}, expected {nproc}")
     if not ranks[0]["steps"]:
         raise VerifyError(f"the {what} made no optimizer step (nothing to compare)", _tail(stderr))
     weights = directory / "weights.pt"
-    return Run(directory, ranks, weights if weights.is_file() else None)
+    return Run(directory, ranks, weights if weights.is_file() else None, attempt)
 
 
 def _sha256(path: Path) -> str:
@@ -401,9 +487,8 @@ def _single_meta(settings: VerifySettings, args: List[str]) -> dict:
 
 
 def run_single(settings: VerifySettings, args: List[str], directory: Path) -> Run:
-    env = _child_env(directory, settings.steps, "single")
-    cmd = [settings.python, str(settings.script.resolve()), *args]
-    run = run_script(cmd, directory, env, 1, settings.timeout, f"single-process run of {settings.script}")
+    run = launch_single(settings.script, args, directory, steps=settings.steps, python=settings.python,
+                        timeout=settings.timeout)
     (directory / "meta.json").write_text(json.dumps(_single_meta(settings, args)), encoding="utf-8")
     return run
 
@@ -426,11 +511,124 @@ def reuse_single(settings: VerifySettings, args: List[str]) -> Run:
 
 
 def run_distributed(settings: VerifySettings, script: Path, directory: Path) -> Run:
-    env = _child_env(directory, settings.steps, "dist", [str(settings.script.resolve().parent)])
-    cmd = [settings.python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={settings.nproc}",
-           str(script), *settings.script_args]
-    return run_script(cmd, directory, env, settings.nproc, settings.timeout,
-                      f"distributed run of {settings.retrofitted or 'the retrofit'} (torchrun, {settings.nproc} ranks)")
+    return launch_distributed(
+        script, settings.script_args, directory, nproc=settings.nproc, steps=settings.steps, python=settings.python,
+        timeout=settings.timeout, extra_path=[str(settings.script.resolve().parent)],
+        what=f"distributed run of {settings.retrofitted or 'the retrofit'} (torchrun, {settings.nproc} ranks)")
+
+
+# -- the engine's API: one run of each kind, then compare --------------------
+#
+# `verify` uses these with steps=K; the execution tests (tests/test_execution.py,
+# test_checkpoint.py) use them with steps=0: the script runs to its end, saves
+# what it saves, and the saved files are compared by key (compare_saved).
+
+
+def launch_single(script: Path, args: Sequence[str], directory: Path, *, steps: int = 0, python: str = sys.executable,
+                  timeout: float = DEFAULT_TIMEOUT_S, instrument: bool = True, sampler: bool = True,
+                  what: str = "") -> Run:
+    """Run ``script`` with ``python`` in one process, in ``directory``.
+
+    ``steps`` 0: to the end of the script, else stop after that many optimizer
+    steps. ``sampler``: shuffled DataLoaders visit samples in DistributedSampler's
+    order. ``instrument`` False: no records (a script that starts its own worker
+    processes, e.g. with mp.spawn; then ``sampler`` should be False too).
+    """
+    env = _child_env(directory, steps, "single", instrument=instrument, sampler=sampler)
+    cmd = [python, str(Path(script).resolve()), *args]
+    return run_script(cmd, directory, env, 1, timeout, what or f"single-process run of {script}", steps=steps,
+                      instrument=instrument)
+
+
+def launch_distributed(script: Path, args: Sequence[str], directory: Path, *, nproc: int = DEFAULT_NPROC,
+                       steps: int = 0, python: str = sys.executable, timeout: float = DEFAULT_TIMEOUT_S,
+                       extra_path: Sequence[str] = (), what: str = "") -> Run:
+    """Run ``script`` under ``torchrun --standalone --nproc_per_node nproc`` (the
+    entry point of ``python``, so the workers use its torch), in ``directory``;
+    ``steps`` as for launch_single."""
+    env = _child_env(directory, steps, "dist", extra_path)
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(Path(script).resolve()), *args]
+    return run_script(cmd, directory, env, nproc, timeout, what or f"distributed run of {script} ({nproc} ranks)",
+                      steps=steps)
+
+
+def reference_record(run: Run) -> dict:
+    """The reference's record as compare_steps wants it: a single run's own, or for a
+    reference that ran under torchrun (a DDP original) the mean loss over its ranks
+    and rank 0's gradient norm (DDP's gradients are the same on every rank)."""
+    if len(run.ranks) == 1:
+        return run.ranks[0]
+    first = run.ranks[0]
+    n = min(len(r["losses"]) for r in run.ranks)
+    return {**first, "losses": [mean_over_ranks([r["losses"][i] for r in run.ranks]) for i in range(n)],
+            "grad_norms": first.get("grad_norms", [])[:n], "steps": n}
+
+
+def compare_saved(single: Path, dist: Path, keys: Sequence[str] = (), tolerance: float = DEFAULT_WEIGHT_TOLERANCE,
+                  single_prefix: str = "", python: str = sys.executable) -> WeightsResult:
+    """Compare the files the two runs saved (``torch.save`` files or DCP directories),
+    tensor by tensor under the same names. ``keys``: empty when the file is a state
+    dict; else the entries holding state dicts (several: each compared, names
+    prefixed ``key.``). ``single_prefix`` is dropped from the single run's names
+    (torch.compile's ``_orig_mod.``)."""
+    for path in (single, dist):
+        if not Path(path).exists():
+            return WeightsResult(False, None, None, 0, 0, f"the saved weights: {path} does not exist")
+    spec = {"single": str(single), "dist": str(dist), "keys": list(keys), "single_prefix": single_prefix}
+    proc = subprocess.run([python, str(COMPARE_SCRIPT), "--saved", json.dumps(spec)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise VerifyError(f"comparing the saved weights {single} and {dist} failed", _tail(proc.stderr))
+    return compare_weights(json.loads(proc.stdout), tolerance)
+
+
+def compare_runs(single: Run, dist: Run, *, tolerance: float = DEFAULT_WEIGHT_TOLERANCE,
+                 loss_rtol: float = LOSS_RTOL, loss_atol: float = LOSS_ATOL, saved: Optional[WeightsResult] = None,
+                 judge_steps: bool = True, python: str = sys.executable) -> Verdict:
+    """The verdict on two finished runs: every step's loss and gradient norm (when
+    both were instrumented and ``judge_steps``), the instrumentation's final weights
+    (when both recorded them) and ``saved`` (compare_saved's result) if given."""
+    notes = []
+    record = reference_record(single) if single.ranks else {"losses": [], "grad_norms": []}
+    if not single.ranks:
+        judge_steps = False
+        notes.append("the reference ran without instrumentation: its steps are not compared")
+    rows = compare_steps(record, dist.ranks, loss_rtol, loss_atol)
+    weights = None
+    if single.weights is not None and dist.weights is not None:
+        weights = compare_weight_files(python, single.weights, dist.weights, tolerance)
+    elif saved is None:
+        missing = "single" if single.weights is None else "distributed"
+        notes.append(f"the {missing} run recorded no final weights (it ended without the ranks together)")
+    return Verdict(rows, weights, record, dist.ranks, notes, saved=saved, judge_steps=judge_steps)
+
+
+@dataclass
+class TrainsResult:
+    ok: bool
+    losses: List[Optional[float]]
+    problem: str = ""
+
+
+def loss_falls(losses: Sequence[Optional[float]], min_drop: float) -> TrainsResult:
+    """The verdict for a run with nothing to compare against (new random initial
+    weights, bf16 parameters): it learns. Every step's loss is finite and the
+    last is below the first by ``min_drop`` of it."""
+    losses = list(losses)
+    if len(losses) < 2:
+        return TrainsResult(False, losses, f"need at least two steps' losses, found {losses}")
+    if not all(v is not None and math.isfinite(v) for v in losses):
+        return TrainsResult(False, losses, f"non-finite loss: {losses}")
+    first, last = losses[0], losses[-1]
+    if not last < first * (1 - min_drop):  # type: ignore[operator]
+        return TrainsResult(False, losses, f"loss did not fall by {min_drop:.0%}: first {first:.4f}, "
+                            f"last {last:.4f} (all: {[round(v, 4) for v in losses]})")  # type: ignore[arg-type]
+    return TrainsResult(True, losses)
+
+
+def trains(run: Run, min_drop: float) -> TrainsResult:
+    """loss_falls on a run's per-step losses, the mean over its ranks."""
+    return loss_falls(reference_record(run)["losses"], min_drop)
 
 
 def compare_weight_files(python: str, single: Path, dist: Path, tolerance: float) -> WeightsResult:
@@ -527,15 +725,8 @@ def _run_and_compare(settings: VerifySettings, root: Path) -> Verdict:
     _progress(f"running {dist_script.name} under torchrun --nproc_per_node {settings.nproc}...")
     dist = run_distributed(settings, dist_script, root / "dist")
 
-    rows = compare_steps(single.ranks[0], dist.ranks, settings.loss_rtol, settings.loss_atol)
-    notes = []
-    weights = None
-    if single.weights is not None and dist.weights is not None:
-        weights = compare_weight_files(settings.python, single.weights, dist.weights, settings.tolerance)
-    else:
-        missing = "single" if single.weights is None else "distributed"
-        notes.append(f"the {missing} run recorded no final weights (it ended without the ranks together)")
-    return Verdict(rows, weights, single.ranks[0], dist.ranks, notes)
+    return compare_runs(single, dist, tolerance=settings.tolerance, loss_rtol=settings.loss_rtol,
+                        loss_atol=settings.loss_atol, python=settings.python)
 
 
 def _progress(message: str) -> None:
@@ -561,6 +752,7 @@ def report_json(verdict: Verdict, settings: VerifySettings) -> dict:
         "first_divergence": first.problem if first else None,
         "steps": [r.as_json() for r in verdict.rows],
         "weights": verdict.weights.as_json(settings.tolerance) if verdict.weights else None,
+        "saved_weights": verdict.saved.as_json(settings.tolerance) if verdict.saved else None,
         "memory": {
             "single": {"kind": verdict.single.get("memory_kind"), "peak_bytes": verdict.single.get("peak_memory_bytes")},
             "ranks": [{"rank": r["rank"], "kind": r.get("memory_kind"), "peak_bytes": r.get("peak_memory_bytes")}
@@ -614,6 +806,9 @@ def render(verdict: Verdict, settings: VerifySettings, console) -> None:
         value = "-" if w.max_abs_diff is None else f"{w.max_abs_diff:.3e}"
         console.print(f"final weights: {w.count_single} tensors, max |single - distributed| = {value} "
                       f"(tolerance {settings.tolerance:g})", markup=False)
+    if verdict.saved is not None and verdict.saved.max_abs_diff is not None:
+        console.print(f"saved weights: {verdict.saved.count_single} tensors, max |single - distributed| = "
+                      f"{verdict.saved.max_abs_diff:.3e} (tolerance {settings.tolerance:g})", markup=False)
     for note in verdict.notes:
         console.print(f"note: {note}", markup=False)
     style = "bold green" if verdict.equivalent else "bold red"

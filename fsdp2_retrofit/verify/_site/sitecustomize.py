@@ -19,10 +19,12 @@ shadows). With it:
   collectives line up, and HSDP meshes are reduced the right way).
 * A global optimizer step post-hook counts steps of the first optimizer that
   steps ("the" optimizer; others are gathered at the end too). After K steps
-  (FSDP2_RETROFIT_VERIFY_STEPS) every rank gathers the final parameters in
+  (FSDP2_RETROFIT_VERIFY_STEPS; 0: never, the script runs to its end) every rank gathers the final parameters in
   ``param_groups`` order (DTensor -> ``.full_tensor()``), rank 0 writes them
   with ``torch.save``, every rank writes its JSON record, and after a barrier
   all ranks leave with ``os._exit(0)`` (files flushed first).
+* The step torch.distributed.checkpoint takes to create an empty optimizer's
+  state (``_init_optim_state``: lr 0, zero gradients) is not counted.
 * A script that ends before K steps is recorded when it calls
   ``destroy_process_group`` (all ranks still together: weights gathered) or
   at exit (weights gathered only while a process group is still up).
@@ -31,8 +33,8 @@ shadows). With it:
   seed=0)`` draws at epoch e before it splits it between ranks, so batch k of
   the single run holds exactly the samples of batch k on all ranks together
   (the dataset length must divide by the number of ranks). The sampler is
-  installed on its own too, without FSDP2_RETROFIT_VERIFY_DIR: the execution
-  tests' single-process reference runs (tests/harness.py) use just that.
+  installed on its own too, without FSDP2_RETROFIT_VERIFY_DIR (a reference run
+  that should not be instrumented).
 
 Self-contained on purpose: the child may run another interpreter than the
 tool, so nothing here imports fsdp2_retrofit.
@@ -150,8 +152,22 @@ def _install():
                 total += float(n.item()) ** 2
         return total ** 0.5
 
+    def _state_init_step():
+        """True inside torch.distributed.checkpoint's ``_init_optim_state``: the
+        ``step()`` it takes at lr 0 on zero gradients to create the optimizer state
+        (get/set_optimizer_state_dict before the first step, e.g. on resume) is
+        not a training step."""
+        frame = sys._getframe(2)
+        for _ in range(12):
+            if frame is None:
+                return False
+            if frame.f_code.co_name == "_init_optim_state" and "checkpoint" in frame.f_code.co_filename:
+                return True
+            frame = frame.f_back
+        return False
+
     def pre_hook(optimizer, args, kwargs):
-        if state["done"]:
+        if state["done"] or _state_init_step():
             return
         if state["primary"] is None:
             state["primary"] = optimizer
@@ -161,13 +177,13 @@ def _install():
             state["grad_norms"].append(_grad_norm(optimizer))
 
     def post_hook(optimizer, args, kwargs):
-        if state["done"] or optimizer is not state["primary"]:
+        if state["done"] or optimizer is not state["primary"] or _state_init_step():
             return
         state["step"] += 1
         state["losses"].append(state["pending_loss"])
         state["micro_steps"].append(state["pending_micro"])
         state["pending_loss"], state["pending_micro"] = None, 0
-        if state["step"] >= max_steps:
+        if max_steps and state["step"] >= max_steps:
             finish("steps", gather=True)
             dist = _dist()
             if dist is not None:

@@ -119,6 +119,15 @@ def llmc_tokens(path, spec):
         f.write(tokens.tobytes())
 
 
+@kind("python")
+def python_code(path, spec):
+    """Run the manifest's ``code`` with ``path`` (the target) and ``src`` (the extracted repository) defined,
+    the extracted script's directory (``script_dir``, relative to src) first on sys.path."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    sys.path.insert(0, os.path.join(spec["src"], spec.get("script_dir", "")))
+    exec(compile(spec["code"], "<manifest data code>", "exec"), {"path": path, "src": spec["src"], "__name__": "data"})
+
+
 def main(spec_path):
     with open(spec_path, encoding="utf-8") as f:
         entries = json.load(f)

@@ -31,7 +31,7 @@ VERDICTS = ("parity", "trains", "refused", "crash", "silently-wrong")
 DEFAULTS = {
     "extra_files": [], "data": [], "args": [], "per_rank_args": [], "steps": 5, "compare": "parity",
     "tolerance": 1e-4, "noise_rtol": 0.1, "seed": 0, "timeout": 300, "env": {}, "patches": [], "notes": "",
-    "split_data": None,
+    "split_data": None, "stubs": {},
 }
 KEYS = set(DEFAULTS) | {"id", "path"}
 
@@ -206,7 +206,7 @@ def place_data(script: Script, gdir: Path, work: Path, python: str) -> Optional[
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(git(gdir, "show", f"{script.commit}:{entry['from']}"))
             continue
-        specs.append(dict(entry, path=str(target)))
+        specs.append(dict(entry, path=str(target), src=str(work / "src")))
     if specs:
         spec_file = work / "data.json"
         spec_file.write_text(json.dumps(specs), encoding="utf-8")
@@ -282,20 +282,27 @@ def run_one(script: Script, mirrors: Path, work_root: Path, python: str) -> dict
         subprocess.run(["rm", "-rf", str(work)], check=True)
     src_root = work / "src"
     row = {"id": script.id, "repo": script.repo, "commit": script.commit, "path": script.path,
-           "compare": script.compare, "steps": script.steps, "patches": [p.get("why", "") for p in script.patches],
+           "compare": script.compare, "steps": script.steps, "patches": [p.get("why", "") for p in script.patches] + [f"stub module {m}" for m in script.stubs],
            "notes": script.notes, "rewrite": None, "verify": None}
     try:
         gdir = git_dir(mirrors, script.repo)
         for path in [script.path, *script.extra_files]:
             extract(gdir, script.commit, path, src_root)
         src = src_root / script.path
-        if script.patches:
-            text = src.read_text(encoding="utf-8")
-            for patch in script.patches:
-                if text.count(patch["find"]) != 1:
-                    raise RecipeError(f"patch {patch['find'][:40]!r}: found {text.count(patch['find'])} times")
-                text = text.replace(patch["find"], patch["replace"])
-            src.write_text(text, encoding="utf-8")
+        for patch in script.patches:
+            target = src_root / patch.get("file", script.path)
+            text = target.read_text(encoding="utf-8")
+            if text.count(patch["find"]) != 1:
+                raise RecipeError(f"patch {patch['find'][:40]!r}: found {text.count(patch['find'])} times")
+            target.write_text(text.replace(patch["find"], patch["replace"]), encoding="utf-8")
+        for module, code in script.stubs.items():  # a dotted name becomes packages with empty __init__.py
+            parts = module.split(".")
+            folder = src.parent
+            for part in parts[:-1]:
+                folder = folder / part
+                folder.mkdir(exist_ok=True)
+                (folder / "__init__.py").touch()
+            (folder / f"{parts[-1]}.py").write_text(code, encoding="utf-8")
         rw = rewrite_step(src, work / "rewritten" / src.name)
         row["rewrite"] = rw
         vf = None

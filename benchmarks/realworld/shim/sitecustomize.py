@@ -2,8 +2,12 @@
 
 It does two things, each switched by the environment, and nothing else:
 
-* REALWORLD_SEED=N: ``torch.manual_seed(N)`` at start-up, so an unseeded script
-  builds the same initial weights in the single run and on every rank.
+* REALWORLD_SEED=N: ``torch.manual_seed(N + RANK)`` at start-up (RANK is 0 in
+  the single run). An unseeded script then builds the single run's initial
+  weights on rank 0 and other weights on the other ranks, as it would for a
+  user (each process draws its own seed): a retrofit that does not make every
+  rank start from rank 0's weights shows up as a divergence instead of being
+  hidden by the harness.
 * REALWORLD_SKIP_INTEGRITY=1: torchvision's CIFAR datasets skip their md5
   integrity check (synthetic batch files cannot match the real checksums), so
   ``download=True`` finds the files present and downloads nothing. The
@@ -19,7 +23,7 @@ def _seed():
     if value:
         import torch
 
-        torch.manual_seed(int(value))
+        torch.manual_seed(int(value) + int(os.environ.get("RANK", "0")))
 
 
 def _patch_cifar(module):

@@ -396,6 +396,14 @@ def main(argv=None) -> int:
         rows = list(pool.map(one, scripts))
 
     opts.out.mkdir(parents=True, exist_ok=True)
+    previous = opts.out / "results.json"
+    if opts.only and previous.is_file():
+        # a partial run updates its rows of the last full run; the rest stay as they were
+        ran = {r["id"]: r for r in rows}
+        order = [s.id for s in load_manifests(opts.manifest)]
+        old = {r["id"]: r for r in json.loads(previous.read_text(encoding="utf-8"))["scripts"]}
+        merged = dict(old, **ran)
+        rows = [merged[i] for i in order if i in merged]
     (opts.out / "results.json").write_text(json.dumps({"summary": summary_line(rows), "python": opts.python,
                                                        "scripts": rows}, indent=1) + "\n", encoding="utf-8")
     (opts.out / "RESULTS.md").write_text(markdown(rows), encoding="utf-8")

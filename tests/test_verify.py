@@ -255,6 +255,9 @@ def test_the_shared_example_pair_is_equivalent(shared_pass):
     assert report["equivalent"] and len(report["steps"]) == STEPS
     assert report["weights"]["max_abs_diff"] <= 1e-4
     assert "equivalent" in output and "peak memory" in output
+    assert report["rank_weights"] == {"ok": True, "max_abs_diff": 0.0, "problem": None}
+    assert report["same_data_on_every_rank"] is False and report["within_noise"]["ok"]
+    assert "every rank ended with the same weights" in output
 
 
 @e2e
@@ -292,6 +295,7 @@ def test_a_twin_without_the_distributed_sampler_diverges(shared_pass, tmp_path: 
     assert code == EXIT_DIVERGED, output
     assert report["first_diverging_step"] == 1  # every rank trains on the first half of the batch
     assert "diverged at step 1: loss" in output
+    assert report["same_data_on_every_rank"] is True and "the ranks read the same data" in " ".join(output.split())
 
 
 @e2e

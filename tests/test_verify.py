@@ -29,15 +29,19 @@ from fsdp2_retrofit.verify import (
     Verdict,
     VerifyError,
     close,
+    compare_rank_weights,
     compare_steps,
     compare_weights,
+    link_run_files,
     loss_chart,
     loss_falls,
     reference_record,
+    ranks_read_the_same_data,
     report_json,
     run_script,
     single_run_args,
     VerifySettings,
+    within_noise,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -218,6 +222,57 @@ def test_a_stopped_run_with_every_record_is_not_retried(tmp_path: Path):
     assert run.attempts == 1 and len(run.ranks) == 2
 
 
+def test_ranks_must_end_with_exactly_the_same_weights():
+    same = compare_rank_weights([(1, _summary([0.0, 0.0]))])
+    assert same.ok and same.max_abs_diff == 0.0
+    apart = compare_rank_weights([(1, _summary([0.0, 3e-9]))])
+    assert not apart.ok and "rank 1's final weights differ from rank 0's" in apart.problem
+    count = compare_rank_weights([(1, _summary([0.0], count=[2, 1]))])
+    assert not count.ok and "2 tensors in rank 0, 1 in rank 1" in count.problem
+    single = _rec([2.0, 1.5], [1.0, 0.9])
+    same_ranks = [_rec([2.0, 1.5], [1.0, 0.9])]
+    verdict = Verdict(compare_steps(single, same_ranks), compare_weights(_summary([1e-7]), 1e-4), single, same_ranks,
+                      rank_weights=apart)
+    assert not verdict.equivalent and verdict.exit_code == EXIT_DIVERGED
+    assert verdict.summary().startswith("diverged: rank 1's final weights")
+    data = report_json(verdict, VerifySettings(script=Path("train.py")))
+    assert data["rank_weights"]["ok"] is False
+
+
+def test_identical_per_rank_losses_mean_the_ranks_read_the_same_data():
+    assert ranks_read_the_same_data([_rec([2.0, 1.5, 1.2], [1, 1, 1], 0), _rec([2.0, 1.5, 1.2], [1, 1, 1], 1)])
+    assert not ranks_read_the_same_data([_rec([2.0, 1.5], [1, 1], 0), _rec([2.0, 1.6], [1, 1], 1)])
+    assert not ranks_read_the_same_data([_rec([2.0], [1], 0), _rec([2.0], [1], 1)])  # one step proves nothing
+    assert not ranks_read_the_same_data([_rec([2.0, 1.5], [1, 1], 0)])  # one rank
+
+
+def test_within_noise_accepts_random_draw_differences_and_rejects_divergence():
+    single = _rec([1.40, 1.10, 1.30, 0.95, 1.20], [1.0] * 5)
+    noisy = compare_steps(single, [_rec([1.35, 1.22, 1.18, 1.05, 1.12], [1.0] * 5)])
+    ok, why = within_noise(noisy)
+    assert ok, why
+    blown = compare_steps(single, [_rec([1.4, 3.0, 9.0, 20.0, 40.0], [1.0] * 5)])
+    assert within_noise(blown) == (False, within_noise(blown)[1]) and "exceeds the noise bound" in within_noise(blown)[1]
+    nan = compare_steps(single, [_rec([1.4, float("nan"), 1.3, 1.0, 1.2], [1.0] * 5)])
+    assert within_noise(nan) == (False, "a loss is not finite")
+    short = compare_steps(_rec([1.0, 0.9], [1, 1]), [_rec([1.0, 0.9], [1, 1])])
+    assert not within_noise(short)[0]
+
+
+def test_run_files_are_linked_into_each_run_directory(tmp_path: Path):
+    files = tmp_path / "files"
+    (files / "data").mkdir(parents=True)
+    (files / "data" / "train.txt").write_text("a b c")
+    (files / "vocab.pkl").write_bytes(b"x")
+    run = tmp_path / "runs" / "single"
+    link_run_files(files, run)
+    assert (run / "data" / "train.txt").read_text() == "a b c" and (run / "vocab.pkl").is_symlink()
+    link_run_files(None, tmp_path / "none")
+    assert not (tmp_path / "none").exists()
+    with pytest.raises(VerifyError, match="not a directory"):
+        link_run_files(tmp_path / "missing", run)
+
+
 def test_loss_chart_marks_both_curves():
     lines = loss_chart([2.0, 1.5, 1.0], [2.0, 1.6, 1.0], height=5)
     body = "\n".join(lines)
@@ -294,6 +349,9 @@ def test_the_shared_example_pair_is_equivalent(shared_pass):
     assert report["equivalent"] and len(report["steps"]) == STEPS
     assert report["weights"]["max_abs_diff"] <= 1e-4
     assert "equivalent" in output and "peak memory" in output
+    assert report["rank_weights"] == {"ok": True, "max_abs_diff": 0.0, "problem": None}
+    assert report["same_data_on_every_rank"] is False and report["within_noise"]["ok"]
+    assert "every rank ended with the same weights" in output
 
 
 @e2e
@@ -331,6 +389,7 @@ def test_a_twin_without_the_distributed_sampler_diverges(shared_pass, tmp_path: 
     assert code == EXIT_DIVERGED, output
     assert report["first_diverging_step"] == 1  # every rank trains on the first half of the batch
     assert "diverged at step 1: loss" in output
+    assert report["same_data_on_every_rank"] is True and "the ranks read the same data" in " ".join(output.split())
 
 
 @e2e

@@ -518,15 +518,18 @@ Examples:
               help="The Python (with torch) that runs both scripts.")
 @click.option("--timeout", type=click.FloatRange(min=1), default=600, show_default=True,
               help="Seconds each run may take (then it is killed: a deadlock).")
+@click.option("--run-files", type=click.Path(file_okay=False, exists=True, path_type=Path), metavar="DIR",
+              help="Link each entry of DIR into both runs' working directories (input files the script opens "
+              "by a relative path).")
 @click.pass_context
 def verify_command(ctx: click.Context, script, script_args, retrofitted, nproc, steps, tolerance, per_rank_args,
-                   json_path, keep_runs, reuse_single, python, timeout) -> None:
+                   json_path, keep_runs, reuse_single, python, timeout, run_files) -> None:
     from fsdp2_retrofit.verify import VerifySettings, verify
 
     settings = VerifySettings(
         script=script, script_args=tuple(script_args), retrofitted=retrofitted, nproc=nproc, steps=steps,
         tolerance=tolerance, per_rank_args=tuple(per_rank_args), json_path=json_path, keep_runs=keep_runs,
-        reuse_single=reuse_single, python=python, timeout=timeout,
+        reuse_single=reuse_single, python=python, timeout=timeout, run_files=run_files,
     )
     ctx.exit(verify(settings))
 

@@ -22,6 +22,14 @@ gives the verdict (per-step checks, final parameters, saved files), and
 ``trains`` judges a run with nothing to compare against (its loss falls). A run
 that gloo aborts at teardown is retried from its folder as it was before
 (``run_script``).
+
+Beyond equivalence, the report says whether every rank of the distributed run
+ended with the same weights (each rank writes what it gathered; they must agree
+exactly), whether every rank recorded the same loss at every step (the ranks
+read the same data: nothing was split), and whether the distributed losses
+stay within the single run's noise (``within_noise``: for scripts whose random
+draws cannot be made equal, e.g. a GAN's noise, where step-wise equality is not
+expected).
 """
 from __future__ import annotations
 
@@ -52,6 +60,7 @@ DEFAULT_WEIGHT_TOLERANCE = 1e-4
 LOSS_RTOL = 1e-4
 LOSS_ATOL = 1e-5
 DEFAULT_TIMEOUT_S = 600
+DEFAULT_NOISE_RTOL = 0.1
 
 # gloo's threads can abort a rank during interpreter shutdown, after the script finished
 TEARDOWN_ABORT = "terminate called without an active exception"
@@ -83,6 +92,8 @@ class VerifySettings:
     reuse_single: Optional[Path] = None
     python: str = sys.executable
     timeout: float = DEFAULT_TIMEOUT_S
+    run_files: Optional[Path] = None  # entries linked into each run's working directory
+    noise_rtol: float = DEFAULT_NOISE_RTOL
 
 
 # -- arguments ----------------------------------------------------------------
@@ -259,6 +270,71 @@ def compare_weights(summary: dict, tolerance: float) -> WeightsResult:
     return WeightsResult(ok, diff, worst["index"], n_single, n_dist, problem, worst.get("name"))
 
 
+def compare_rank_weights(summaries: Sequence[Tuple[int, dict]]) -> WeightsResult:
+    """Rank r's gathered weights against rank 0's (``(r, compare summary)`` pairs): they must agree exactly.
+
+    Every rank gathers the full parameters at the end; sharded parameters are
+    all-gathered (the same bytes everywhere) and replicated ones are kept equal
+    by the gradient reduction, so any difference means the ranks train
+    different models.
+    """
+    worst: Optional[WeightsResult] = None
+    for rank, summary in summaries:
+        result = compare_weights(summary, 0.0)
+        if not result.ok:
+            problem = result.problem.replace("the single run", "rank 0").replace("the distributed run", f"rank {rank}")
+            problem = problem.replace("(single)", "(rank 0)").replace("(distributed)", f"(rank {rank})")
+            problem = problem.replace("final weights differ", f"rank {rank}'s final weights differ from rank 0's")
+            return WeightsResult(False, result.max_abs_diff, result.worst_index, result.count_single,
+                                 result.count_dist, problem)
+        if worst is None or (result.max_abs_diff or 0.0) > (worst.max_abs_diff or 0.0):
+            worst = result
+    return worst or WeightsResult(True, 0.0, None, 0, 0)
+
+
+def ranks_read_the_same_data(ranks: Sequence[dict]) -> bool:
+    """True when there are 2+ ranks, 2+ steps, and every rank recorded exactly the same loss at every step.
+
+    Ranks that hold the same model and read different samples record different
+    losses; identical ones mean every rank trained on the same batches (no
+    sampler, or one that does not split), so the global batch is not what the
+    single run used.
+    """
+    if len(ranks) < 2:
+        return False
+    losses = [r.get("losses") or [] for r in ranks]
+    n = min(len(x) for x in losses)
+    if n < 2 or any(len(x) != len(losses[0]) for x in losses):
+        return False
+    return all(x == losses[0] and all(v is not None for v in x) for x in losses)
+
+
+def within_noise(rows: Sequence[StepRow], rtol: float = DEFAULT_NOISE_RTOL, min_steps: int = 3) -> Tuple[bool, str]:
+    """Whether the distributed losses stay within the single run's noise; (ok, why not).
+
+    For scripts whose random draws differ between the runs (a GAN's noise,
+    dropout masks, random crops), step-wise equality is not expected. Then:
+    at least ``min_steps`` steps in both runs, every loss finite, and the mean
+    |single - distributed| loss at most ``max(rtol * mean |single|, 2 * the
+    standard deviation of the single run's step-to-step changes)``.
+    """
+    pairs = [(r.loss_single, r.loss_dist) for r in rows]
+    if len(pairs) < min_steps or any(s is None or d is None for s, d in pairs):
+        return False, f"fewer than {min_steps} steps recorded by both runs"
+    if not all(math.isfinite(s) and math.isfinite(d) for s, d in pairs):
+        return False, "a loss is not finite"
+    single = [s for s, _ in pairs]
+    mean_diff = sum(abs(s - d) for s, d in pairs) / len(pairs)
+    scale = sum(abs(s) for s in single) / len(single)
+    changes = [b - a for a, b in zip(single, single[1:])]
+    mean_change = sum(changes) / len(changes)
+    spread = (sum((c - mean_change) ** 2 for c in changes) / len(changes)) ** 0.5
+    bound = max(rtol * scale, 2 * spread)
+    if mean_diff > bound:
+        return False, f"mean |loss difference| {mean_diff:.4g} exceeds the noise bound {bound:.4g}"
+    return True, f"mean |loss difference| {mean_diff:.4g} within the noise bound {bound:.4g}"
+
+
 @dataclass
 class Verdict:
     rows: List[StepRow]
@@ -268,6 +344,15 @@ class Verdict:
     notes: List[str] = field(default_factory=list)
     saved: Optional[WeightsResult] = None  # the files the scripts saved themselves, by key
     judge_steps: bool = True  # False: the rows are shown, not judged (a reference without records)
+    rank_weights: Optional[WeightsResult] = None  # rank r vs rank 0 of the distributed run
+
+    @property
+    def same_data_on_every_rank(self) -> bool:
+        return ranks_read_the_same_data(self.ranks)
+
+    @property
+    def ranks_disagree(self) -> bool:
+        return self.rank_weights is not None and not self.rank_weights.ok
 
     @property
     def first_divergence(self) -> Optional[StepRow]:
@@ -282,7 +367,8 @@ class Verdict:
     @property
     def equivalent(self) -> bool:
         results = self.weight_results
-        return self.first_divergence is None and bool(results) and all(w.ok for w in results)
+        return (self.first_divergence is None and bool(results) and all(w.ok for w in results)
+                and not self.ranks_disagree)
 
     @property
     def exit_code(self) -> int:
@@ -301,6 +387,8 @@ class Verdict:
         failed = next((w for w in self.weight_results if not w.ok), None)
         if failed is not None:
             return f"diverged: {failed.problem}"
+        if self.ranks_disagree:
+            return f"diverged: {self.rank_weights.problem}"  # type: ignore[union-attr]
         steps = f"{len(self.rows)} steps agree" if self.judge_steps else "steps not compared"
         within = ", ".join(f"{label} within {w.max_abs_diff:.3e}" for label, w in
                            (("final weights", self.weights), ("saved weights", self.saved)) if w is not None)
@@ -432,6 +520,19 @@ def _read_ranks(directory: Path, nproc: int, what: str, stderr: str) -> List[dic
     return ranks
 
 
+def link_run_files(run_files: Optional[Path], directory: Path) -> None:
+    """Link each entry of ``run_files`` into a run's working directory (relative input paths resolve there)."""
+    if run_files is None:
+        return
+    if not run_files.is_dir():
+        raise VerifyError(f"--run-files {run_files}: not a directory")
+    directory.mkdir(parents=True, exist_ok=True)
+    for entry in sorted(run_files.iterdir()):
+        link = directory / entry.name
+        if not link.exists():
+            link.symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+
+
 def _restore(directory: Path, snapshot: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
     shutil.copytree(snapshot, directory)
@@ -487,6 +588,7 @@ def _single_meta(settings: VerifySettings, args: List[str]) -> dict:
 
 
 def run_single(settings: VerifySettings, args: List[str], directory: Path) -> Run:
+    link_run_files(settings.run_files, directory)
     run = launch_single(settings.script, args, directory, steps=settings.steps, python=settings.python,
                         timeout=settings.timeout)
     (directory / "meta.json").write_text(json.dumps(_single_meta(settings, args)), encoding="utf-8")
@@ -511,6 +613,7 @@ def reuse_single(settings: VerifySettings, args: List[str]) -> Run:
 
 
 def run_distributed(settings: VerifySettings, script: Path, directory: Path) -> Run:
+    link_run_files(settings.run_files, directory)
     return launch_distributed(
         script, settings.script_args, directory, nproc=settings.nproc, steps=settings.steps, python=settings.python,
         timeout=settings.timeout, extra_path=[str(settings.script.resolve().parent)],
@@ -631,11 +734,25 @@ def trains(run: Run, min_drop: float) -> TrainsResult:
     return loss_falls(reference_record(run)["losses"], min_drop)
 
 
-def compare_weight_files(python: str, single: Path, dist: Path, tolerance: float) -> WeightsResult:
+def _weight_summary(python: str, single: Path, dist: Path) -> dict:
     proc = subprocess.run([python, str(COMPARE_SCRIPT), str(single), str(dist)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise VerifyError("comparing the final weights failed", _tail(proc.stderr))
-    return compare_weights(json.loads(proc.stdout), tolerance)
+    return json.loads(proc.stdout)
+
+
+def compare_weight_files(python: str, single: Path, dist: Path, tolerance: float) -> WeightsResult:
+    return compare_weights(_weight_summary(python, single, dist), tolerance)
+
+
+def compare_rank_weight_files(python: str, dist: Run, nproc: int) -> Optional[WeightsResult]:
+    """Each rank's own gathered weights (``weights_rank{r}.pt``, r > 0) against rank 0's; None when not written."""
+    if dist.weights is None:
+        return None
+    files = [(r, dist.directory / f"weights_rank{r}.pt") for r in range(1, nproc)]
+    if not files or not all(path.is_file() for _, path in files):
+        return None
+    return compare_rank_weights([(r, _weight_summary(python, dist.weights, path)) for r, path in files])
 
 
 # -- the retrofit -------------------------------------------------------------
@@ -725,8 +842,12 @@ def _run_and_compare(settings: VerifySettings, root: Path) -> Verdict:
     _progress(f"running {dist_script.name} under torchrun --nproc_per_node {settings.nproc}...")
     dist = run_distributed(settings, dist_script, root / "dist")
 
-    return compare_runs(single, dist, tolerance=settings.tolerance, loss_rtol=settings.loss_rtol,
-                        loss_atol=settings.loss_atol, python=settings.python)
+    verdict = compare_runs(single, dist, tolerance=settings.tolerance, loss_rtol=settings.loss_rtol,
+                           loss_atol=settings.loss_atol, python=settings.python)
+    verdict.rank_weights = compare_rank_weight_files(settings.python, dist, settings.nproc)
+    if verdict.same_data_on_every_rank:
+        verdict.notes.append("every rank recorded the same loss at every step: the ranks read the same data")
+    return verdict
 
 
 def _progress(message: str) -> None:
@@ -758,8 +879,17 @@ def report_json(verdict: Verdict, settings: VerifySettings) -> dict:
             "ranks": [{"rank": r["rank"], "kind": r.get("memory_kind"), "peak_bytes": r.get("peak_memory_bytes")}
                       for r in verdict.ranks],
         },
+        "rank_weights": ({"ok": verdict.rank_weights.ok, "max_abs_diff": verdict.rank_weights.max_abs_diff,
+                          "problem": verdict.rank_weights.problem or None} if verdict.rank_weights else None),
+        "same_data_on_every_rank": verdict.same_data_on_every_rank,
+        "within_noise": _noise_json(verdict, settings),
         "notes": verdict.notes,
     }
+
+
+def _noise_json(verdict: Verdict, settings: VerifySettings) -> dict:
+    ok, why = within_noise(verdict.rows, settings.noise_rtol)
+    return {"ok": ok, "why": why, "rtol": settings.noise_rtol}
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -809,6 +939,9 @@ def render(verdict: Verdict, settings: VerifySettings, console) -> None:
     if verdict.saved is not None and verdict.saved.max_abs_diff is not None:
         console.print(f"saved weights: {verdict.saved.count_single} tensors, max |single - distributed| = "
                       f"{verdict.saved.max_abs_diff:.3e} (tolerance {settings.tolerance:g})", markup=False)
+    if verdict.rank_weights is not None:
+        r = verdict.rank_weights
+        console.print("ranks: every rank ended with the same weights" if r.ok else f"ranks: {r.problem}", markup=False)
     for note in verdict.notes:
         console.print(f"note: {note}", markup=False)
     style = "bold green" if verdict.equivalent else "bold red"

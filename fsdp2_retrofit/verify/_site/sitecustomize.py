@@ -21,7 +21,8 @@ shadows). With it:
   steps ("the" optimizer; others are gathered at the end too). After K steps
   (FSDP2_RETROFIT_VERIFY_STEPS; 0: never, the script runs to its end) every rank gathers the final parameters in
   ``param_groups`` order (DTensor -> ``.full_tensor()``), rank 0 writes them
-  with ``torch.save``, every rank writes its JSON record, and after a barrier
+  with ``torch.save`` (under torchrun every other rank writes its own copy,
+  ``weights_rank{r}.pt``, to check that the ranks agree), every rank writes its JSON record, and after a barrier
   all ranks leave with ``os._exit(0)`` (files flushed first).
 * The step torch.distributed.checkpoint takes to create an empty optimizer's
   state (``_init_optim_state``: lr 0, zero gradients) is not counted.
@@ -228,10 +229,13 @@ def _install():
                 weights = _gather()
             except Exception as exc:  # e.g. the process group is gone
                 state["failed"] = state["failed"] or f"could not gather the weights: {exc}"
-        if weights is not None and rank == 0:
-            tmp = os.path.join(out_dir, "weights.pt.tmp")
+        if weights is not None and (rank == 0 or os.environ.get("FSDP2_RETROFIT_VERIFY_MODE") == "dist"):
+            # rank 0 writes the run's weights; under torchrun every other rank writes what it
+            # gathered too, so verify can check that the ranks ended with the same model
+            name = "weights.pt" if rank == 0 else f"weights_rank{rank}.pt"
+            tmp = os.path.join(out_dir, name + ".tmp")
             torch.save(weights, tmp)
-            os.replace(tmp, os.path.join(out_dir, "weights.pt"))
+            os.replace(tmp, os.path.join(out_dir, name))
         kind, peak = _peak_memory()
         record = {
             "rank": rank,

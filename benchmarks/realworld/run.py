@@ -1,0 +1,415 @@
+"""Run the real-world corpus: rewrite, check and verify public training scripts read from git mirrors.
+
+    python benchmarks/realworld/run.py --mirrors DIR [--only ID] [--jobs N] [--python PY]
+
+See README.md beside this file (manifest schema, data kinds, verdicts). This
+process never imports torch: the rewrite, check and verify steps run as
+``python -m fsdp2_retrofit`` children with this repository first on their
+path; the scripts themselves run with ``--python``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import tomllib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+SHIM = HERE / "shim"
+DATA_SCRIPT = HERE / "data.py"
+VERDICTS = ("parity", "trains", "refused", "crash", "silently-wrong")
+
+DEFAULTS = {
+    "extra_files": [], "data": [], "args": [], "per_rank_args": [], "steps": 5, "compare": "parity",
+    "tolerance": 1e-4, "noise_rtol": 0.1, "seed": 0, "timeout": 300, "env": {}, "patches": [], "notes": "",
+    "split_data": None, "stubs": {},
+}
+KEYS = set(DEFAULTS) | {"id", "path"}
+
+
+class RecipeError(Exception):
+    """The manifest or the mirrors cannot give what a script needs (the harness's problem, not the tool's)."""
+
+
+@dataclass
+class Script:
+    repo: str
+    commit: str
+    id: str
+    path: str
+    spec: dict
+    manifest: str
+
+    def __getattr__(self, name):
+        try:
+            return self.__dict__["spec"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def load_manifests(directory: Path) -> List[Script]:
+    scripts: List[Script] = []
+    seen: Dict[str, str] = {}
+    for path in sorted(directory.glob("*.toml")):
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        repo = data.get("repo") or {}
+        name, commit = repo.get("name"), repo.get("commit")
+        if not name or not re.fullmatch(r"[0-9a-f]{40}", commit or ""):
+            raise SystemExit(f"{path}: [repo] needs name and a 40-hex commit")
+        defaults = dict(DEFAULTS, **data.get("defaults", {}))
+        for entry in data.get("script", []):
+            unknown = set(entry) - KEYS
+            if unknown:
+                raise SystemExit(f"{path}: script {entry.get('id')}: unknown keys {sorted(unknown)}")
+            if "id" not in entry or "path" not in entry:
+                raise SystemExit(f"{path}: every [[script]] needs id and path")
+            if entry["id"] in seen:
+                raise SystemExit(f"{path}: id {entry['id']} also in {seen[entry['id']]}")
+            seen[entry["id"]] = path.name
+            spec = dict(defaults, **entry)
+            if spec["split_data"] is None:
+                spec["split_data"] = bool(spec["data"])
+            if spec["compare"] not in ("parity", "trains"):
+                raise SystemExit(f"{path}: {entry['id']}: compare must be parity or trains")
+            scripts.append(Script(name, commit, entry["id"], entry["path"], spec, path.name))
+    return scripts
+
+
+# -- mirrors ----------------------------------------------------------------------
+
+
+def git_dir(mirrors: Path, repo: str) -> Path:
+    base = mirrors / repo.replace("/", "+")
+    for candidate in (base / "repo", base / "repo" / ".git", base, base / ".git"):
+        if (candidate / "objects").is_dir() and (candidate / "HEAD").is_file():
+            return candidate
+    raise RecipeError(f"no mirror of {repo} under {mirrors} (expected {base}/repo, a bare git repository)")
+
+
+def git(gdir: Path, *args: str) -> bytes:
+    proc = subprocess.run(["git", f"--git-dir={gdir}", *args], capture_output=True)
+    if proc.returncode != 0:
+        raise RecipeError(f"git {' '.join(args)}: {proc.stderr.decode(errors='replace').strip()}")
+    return proc.stdout
+
+
+def extract(gdir: Path, commit: str, path: str, into: Path) -> None:
+    if path.endswith("/"):
+        names = git(gdir, "ls-tree", "-r", "--name-only", commit, "--", path).decode().splitlines()
+        if not names:
+            raise RecipeError(f"{path}: no files at {commit[:12]}")
+        for name in names:
+            extract(gdir, commit, name, into)
+        return
+    target = into / path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(git(gdir, "show", f"{commit}:{path}"))
+
+
+# -- the steps ----------------------------------------------------------------------
+
+
+def tool(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m fsdp2_retrofit ...` with this repository's code (cwd = the repository root)."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    return subprocess.run([sys.executable, "-m", "fsdp2_retrofit", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+_EXC = re.compile(r"^(?:\[rank\d+\]:\s*)?([\w.]*(?:Error|Exception|Interrupt|Exit)\b.*)$")
+
+
+def first_error_line(text: str) -> str:
+    """The first exception line of a traceback (not torchrun's banner), else the last non-empty line."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    for ln in lines:
+        if ln.startswith("exceptions:"):
+            continue
+        m = _EXC.match(ln)
+        if m and not m.group(1).startswith(("torch.distributed.elastic", "ChildFailedError")):
+            return m.group(1)[:300]
+    rest = [ln for ln in lines if ln]
+    return rest[-1][:300] if rest else ""
+
+
+def rewrite_step(src: Path, out: Path) -> dict:
+    res: dict = {"exit_code": None, "refusal": None, "compiles": None, "idempotent": None, "check": None,
+                 "error": None}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = tool("rewrite", str(src), "-o", str(out), "--report", "json", "--no-cache")
+    res["exit_code"] = proc.returncode
+    report = _json_or_none(proc.stdout)
+    refusals = (report or [{}])[0].get("refusals") if report else None
+    if refusals:
+        r = refusals[0]
+        res["refusal"] = {"code": r.get("code"), "line": r.get("line"), "what": r.get("what"), "why": r.get("why")}
+        return res
+    if proc.returncode != 0:
+        res["error"] = first_error_line(proc.stderr) or f"exit code {proc.returncode}"
+        return res
+    if not out.is_file():  # nothing to change: the output is the input
+        out.write_bytes(src.read_bytes())
+    try:
+        compile(out.read_bytes(), str(out), "exec")
+        res["compiles"] = True
+    except SyntaxError as exc:
+        res["compiles"] = False
+        res["error"] = f"output does not compile: {exc.msg} (line {exc.lineno})"
+        return res
+    again = tool("rewrite", str(out), "--check", "--report", "json", "--no-cache")
+    res["idempotent"] = again.returncode == 0
+    if again.returncode == 2:
+        rep = _json_or_none(again.stdout)
+        ref = (rep or [{}])[0].get("refusals") if rep else None
+        res["idempotent_note"] = (f"rewriting the output is refused: {ref[0].get('code')} {ref[0].get('what')}"
+                                  if ref else first_error_line(again.stderr))
+    chk = tool("check", str(out), "--output-format", "json", "--exit-zero")
+    findings = _json_or_none(chk.stdout)
+    if isinstance(findings, list):
+        res["check"] = sorted({f.get("code") or f.get("rule") or "?" for f in findings})
+    else:
+        res["check"] = [f"check failed: {first_error_line(chk.stderr)}"]
+    return res
+
+
+def _json_or_none(text: str):
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, TypeError):
+        return None
+
+
+def place_data(script: Script, gdir: Path, work: Path, python: str) -> Optional[Path]:
+    """Write the synthetic inputs; returns the run-files directory when some go inside the run directories."""
+    run_cwd = work / "r" / "runs" / "single"
+    files = work / "files"
+    specs = []
+    for entry in script.data:
+        at = entry["at"]
+        if at.startswith(".."):
+            target = (run_cwd / at).resolve()
+            if work.resolve() not in target.parents and target != work.resolve():
+                raise RecipeError(f"data at {at!r} resolves outside {work}")
+        else:
+            target = (files / at).resolve()
+        if entry["kind"] == "copy":
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(git(gdir, "show", f"{script.commit}:{entry['from']}"))
+            continue
+        specs.append(dict(entry, path=str(target), src=str(work / "src")))
+    if specs:
+        spec_file = work / "data.json"
+        spec_file.write_text(json.dumps(specs), encoding="utf-8")
+        proc = subprocess.run([python, str(DATA_SCRIPT), str(spec_file)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RecipeError(f"writing the synthetic data failed: {first_error_line(proc.stderr)}")
+    return files if files.is_dir() else None
+
+
+def verify_step(script: Script, src: Path, work: Path, run_files: Optional[Path], python: str) -> dict:
+    report = work / "verify.json"
+    keep = work / "r" / "runs"
+    args = ["verify", str(src), "--json", str(report), "--steps", str(script.steps), "--python", python,
+            "--keep-runs", str(keep), "--timeout", str(script.timeout), "--tolerance", str(script.tolerance)]
+    if run_files is not None:
+        args += ["--run-files", str(run_files)]
+    for name in script.per_rank_args:
+        args += ["--per-rank-arg", name]
+    args += ["--", *script.args]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(SHIM)
+    env["REALWORLD_SKIP_INTEGRITY"] = "1"
+    if script.seed is not False:
+        env["REALWORLD_SEED"] = str(int(script.seed))
+    env.update({k: str(v) for k, v in script.env.items()})
+    proc = subprocess.run([sys.executable, "-m", "fsdp2_retrofit", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=3 * script.timeout + 120)
+    data = _json_or_none(report.read_text(encoding="utf-8")) if report.is_file() else None
+    if data is None:
+        data = {"exit_code": proc.returncode, "error": first_error_line(proc.stderr) or "verify wrote no report",
+                "detail": proc.stderr[-4000:]}
+    return data
+
+
+def judge(script: Script, rw: dict, vf: Optional[dict]) -> tuple:
+    """(verdict, detail, first error line)."""
+    if rw.get("refusal"):
+        r = rw["refusal"]
+        return "refused", f"{r['code']} line {r['line']}: {r['what']}: {r['why']}", ""
+    if rw.get("error"):
+        return "crash", f"rewrite: {rw['error']}", rw["error"]
+    if vf is None:
+        return "crash", "verify did not run", ""
+    if vf.get("exit_code") == 2 and "error" in vf:
+        message, detail = vf["error"], vf.get("detail") or ""
+        if "cannot retrofit" in message:
+            return "refused", message, ""
+        err = first_error_line(detail) or message
+        if "single-process run" in message:
+            return "crash", f"RECIPE: the original itself failed in one process: {message}", err
+        return "crash", message, err
+    notes = "; ".join(vf.get("notes") or [])
+    rank_w = vf.get("rank_weights") or {}
+    if rank_w and not rank_w.get("ok"):
+        return "silently-wrong", f"ranks hold different weights: {rank_w.get('problem')}", ""
+    if script.split_data and vf.get("same_data_on_every_rank"):
+        return "silently-wrong", "data not split: every rank recorded the same loss at every step", ""
+    if vf.get("equivalent"):
+        return "parity", vf.get("summary", ""), ""
+    noise = vf.get("within_noise") or {}
+    weights = vf.get("weights") or {}
+    if script.compare == "trains":
+        if noise.get("ok") and (not weights or weights.get("max_abs_diff") is not None):
+            return "trains", f"not step-equal (random draws differ); {noise.get('why')}", ""
+        return "silently-wrong", f"beyond noise: {noise.get('why')}; {vf.get('summary')}", ""
+    return "silently-wrong", f"{vf.get('summary')}" + (f" ({notes})" if notes else ""), ""
+
+
+def run_one(script: Script, mirrors: Path, work_root: Path, python: str) -> dict:
+    started = time.time()
+    work = work_root / script.id
+    if work.exists():
+        subprocess.run(["rm", "-rf", str(work)], check=True)
+    src_root = work / "src"
+    row = {"id": script.id, "repo": script.repo, "commit": script.commit, "path": script.path,
+           "compare": script.compare, "steps": script.steps, "patches": [p.get("why", "") for p in script.patches] + [f"stub module {m}" for m in script.stubs],
+           "notes": script.notes, "rewrite": None, "verify": None}
+    try:
+        gdir = git_dir(mirrors, script.repo)
+        for path in [script.path, *script.extra_files]:
+            extract(gdir, script.commit, path, src_root)
+        src = src_root / script.path
+        for patch in script.patches:
+            target = src_root / patch.get("file", script.path)
+            text = target.read_text(encoding="utf-8")
+            if text.count(patch["find"]) != 1:
+                raise RecipeError(f"patch {patch['find'][:40]!r}: found {text.count(patch['find'])} times")
+            target.write_text(text.replace(patch["find"], patch["replace"]), encoding="utf-8")
+        for module, code in script.stubs.items():  # a dotted name becomes packages with empty __init__.py
+            parts = module.split(".")
+            folder = src.parent
+            for part in parts[:-1]:
+                folder = folder / part
+                folder.mkdir(exist_ok=True)
+                (folder / "__init__.py").touch()
+            (folder / f"{parts[-1]}.py").write_text(code, encoding="utf-8")
+        rw = rewrite_step(src, work / "rewritten" / src.name)
+        row["rewrite"] = rw
+        vf = None
+        if not rw.get("refusal") and not rw.get("error"):
+            run_files = place_data(script, gdir, work, python)
+            vf = verify_step(script, src, work, run_files, python)
+            row["verify"] = {k: vf.get(k) for k in ("exit_code", "equivalent", "summary", "error", "max_loss_diff",
+                                                      "first_diverging_step", "weights", "rank_weights",
+                                                      "same_data_on_every_rank", "within_noise", "notes")}
+            row["verify"]["steps_recorded"] = len(vf.get("steps") or [])
+            row["verify"]["losses"] = [[s.get("loss_single"), s.get("loss_dist")] for s in vf.get("steps") or []]
+            if vf.get("detail"):
+                row["verify"]["detail"] = vf["detail"][-2000:]
+        verdict, detail, error = judge(script, rw, vf)
+    except RecipeError as exc:
+        verdict, detail, error = "crash", f"RECIPE: {exc}", str(exc)
+    except subprocess.TimeoutExpired as exc:
+        verdict, detail, error = "crash", f"the harness timed out ({exc.timeout:.0f} s)", "timeout"
+    row.update(verdict=verdict, detail=detail, first_error=error, seconds=round(time.time() - started, 1))
+    return row
+
+
+# -- output ------------------------------------------------------------------------
+
+
+def summary_line(rows: List[dict]) -> str:
+    count = {v: sum(1 for r in rows if r["verdict"] == v) for v in VERDICTS}
+    return (f"{len(rows)} scripts: {count['parity']} parity, {count['trains']} trains, {count['refused']} refused, "
+            f"{count['crash']} crash, {count['silently-wrong']} silently-wrong")
+
+
+def _cell(text) -> str:
+    return str(text if text is not None else "").replace("|", "\\|").replace("\n", " ")[:220]
+
+
+def markdown(rows: List[dict]) -> str:
+    out = ["# Real-world corpus results", "",
+           "Generated by `benchmarks/realworld/run.py`; see README.md for the verdicts.", "",
+           summary_line(rows), "",
+           "| id | repo:path | verdict | detail | rewrite ok / idempotent / check | steps | max weight diff | first error | patches |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rw = r.get("rewrite") or {}
+        if rw.get("refusal"):
+            rw_cell = f"refused ({rw['refusal']['code']})"
+        elif rw.get("error"):
+            rw_cell = "error"
+        elif rw:
+            check = ",".join(rw.get("check") or []) or "none"
+            rw_cell = (f"{'ok' if rw.get('compiles') else 'no'} / {'yes' if rw.get('idempotent') else 'NO'} / "
+                       f"{check}")
+        else:
+            rw_cell = "-"
+        vf = r.get("verify") or {}
+        weights = vf.get("weights") or {}
+        diff = weights.get("max_abs_diff")
+        steps = f"{vf.get('steps_recorded', 0)}/{r['steps']}" if vf else f"-/{r['steps']}"
+        out.append(f"| {r['id']} | {_cell(r['repo'].split('/')[1] + ':' + r['path'])} | **{r['verdict']}** | "
+                   f"{_cell(r['detail'])} | {_cell(rw_cell)} | {steps} | "
+                   f"{'-' if diff is None else f'{diff:.2e}'} | {_cell(r['first_error'])} | "
+                   f"{_cell('; '.join(r['patches']))} |")
+    out += ["", summary_line(rows), ""]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mirrors", type=Path, required=True, help="directory of mirrors: OWNER+NAME/repo")
+    parser.add_argument("--only", action="append", default=[], help="an id, or an id prefix (repeatable)")
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--python", default=sys.executable, help="the interpreter that runs the scripts")
+    parser.add_argument("--manifest", type=Path, default=HERE / "manifest")
+    parser.add_argument("--work", type=Path, default=HERE / "work")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    opts = parser.parse_args(argv)
+
+    scripts = load_manifests(opts.manifest)
+    if opts.only:
+        scripts = [s for s in scripts if any(s.id == o or s.id.startswith(o) for o in opts.only)]
+        if not scripts:
+            parser.error(f"--only {opts.only}: no such script id")
+    mirrors, work = opts.mirrors.resolve(), opts.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+
+    def one(script: Script) -> dict:
+        row = run_one(script, mirrors, work, opts.python)
+        print(f"{row['id']}: {row['verdict']} ({row['seconds']} s) {row['detail'][:160]}", flush=True)
+        return row
+
+    with ThreadPoolExecutor(max_workers=max(1, opts.jobs)) as pool:
+        rows = list(pool.map(one, scripts))
+
+    opts.out.mkdir(parents=True, exist_ok=True)
+    previous = opts.out / "results.json"
+    if opts.only and previous.is_file():
+        # a partial run updates its rows of the last full run; the rest stay as they were
+        ran = {r["id"]: r for r in rows}
+        order = [s.id for s in load_manifests(opts.manifest)]
+        old = {r["id"]: r for r in json.loads(previous.read_text(encoding="utf-8"))["scripts"]}
+        merged = dict(old, **ran)
+        rows = [merged[i] for i in order if i in merged]
+    (opts.out / "results.json").write_text(json.dumps({"summary": summary_line(rows), "python": opts.python,
+                                                       "scripts": rows}, indent=1) + "\n", encoding="utf-8")
+    (opts.out / "RESULTS.md").write_text(markdown(rows), encoding="utf-8")
+    print(summary_line(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -407,6 +407,36 @@ def test_a_twin_with_the_optimizer_built_before_sharding_diverges(shared_pass, t
     assert report["first_diverging_step"] == 1 and "gradient norm" in report["first_divergence"]
 
 
+@e2e
+@pytest.mark.xdist_group("verify_shared")
+def test_a_twin_whose_ranks_build_their_own_weights_starts_apart(shared_pass, tmp_path: Path):
+    """Each rank builds the model under its own seed and shards the mix: caught before
+    the first step, from the weights each optimizer starts from (also where the steps
+    themselves could not be compared)."""
+    build = "    model = Net().to(device)\n"
+    twin = _twin(tmp_path, build, "    torch.manual_seed(dist.get_rank())\n" + build, "own_weights.py")
+    code, output, report = _verify_twin(shared_pass, twin, tmp_path)
+    print(_figures("twin whose ranks build their own weights", report))
+    assert code == EXIT_DIVERGED, output
+    assert report["initial_weights"]["ok"] is False and report["initial_weights"]["max_abs_diff"] > 1e-2
+    assert "diverged before the first step: the weights before the first step differ" in " ".join(output.split())
+
+
+def test_runs_that_start_apart_are_not_equivalent():
+    single = _rec([2.0, 1.5], [1.0, 0.9])
+    same = [_rec([2.0, 1.5], [1.0, 0.9])]
+    apart = compare_weights(_summary([0.3]), 1e-4)
+    apart.problem = apart.problem.replace("final weights differ", "the weights before the first step differ")
+    verdict = Verdict(compare_steps(single, same), compare_weights(_summary([1e-7]), 1e-4), single, same,
+                      initial=apart)
+    assert not verdict.equivalent and verdict.exit_code == EXIT_DIVERGED
+    assert verdict.summary().startswith("diverged before the first step: the weights before the first step differ")
+    data = report_json(verdict, VerifySettings(script=Path("train.py")))
+    assert data["initial_weights"]["ok"] is False
+    verdict.initial = compare_weights(_summary([0.0]), 1e-4)
+    assert verdict.equivalent and report_json(verdict, VerifySettings(script=Path("train.py")))["initial_weights"]["ok"]
+
+
 LOCAL_CLIP = """\
         # clip on this rank's shard only: no all-reduce of the norm
         local_norm = sum(float(p.grad.to_local().pow(2).sum()) for p in model.parameters()) ** 0.5

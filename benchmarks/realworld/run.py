@@ -262,6 +262,10 @@ def judge(script: Script, rw: dict, vf: Optional[dict]) -> tuple:
     rank_w = vf.get("rank_weights") or {}
     if rank_w and not rank_w.get("ok"):
         return "silently-wrong", f"ranks hold different weights: {rank_w.get('problem')}", ""
+    initial = vf.get("initial_weights") or {}
+    if initial and not initial.get("ok"):
+        return ("silently-wrong", f"the ranks did not start from the single run's weights: {initial.get('problem')}",
+                "")
     if script.split_data and vf.get("same_data_on_every_rank"):
         return "silently-wrong", "data not split: every rank recorded the same loss at every step", ""
     if vf.get("equivalent"):
@@ -310,7 +314,7 @@ def run_one(script: Script, mirrors: Path, work_root: Path, python: str) -> dict
             run_files = place_data(script, gdir, work, python)
             vf = verify_step(script, src, work, run_files, python)
             row["verify"] = {k: vf.get(k) for k in ("exit_code", "equivalent", "summary", "error", "max_loss_diff",
-                                                      "first_diverging_step", "weights", "rank_weights",
+                                                      "first_diverging_step", "weights", "rank_weights", "initial_weights",
                                                       "same_data_on_every_rank", "within_noise", "notes")}
             row["verify"]["steps_recorded"] = len(vf.get("steps") or [])
             row["verify"]["losses"] = [[s.get("loss_single"), s.get("loss_dist")] for s in vf.get("steps") or []]

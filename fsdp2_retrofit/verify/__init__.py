@@ -345,6 +345,11 @@ class Verdict:
     saved: Optional[WeightsResult] = None  # the files the scripts saved themselves, by key
     judge_steps: bool = True  # False: the rows are shown, not judged (a reference without records)
     rank_weights: Optional[WeightsResult] = None  # rank r vs rank 0 of the distributed run
+    initial: Optional[WeightsResult] = None  # the weights each optimizer started from, single vs distributed
+
+    @property
+    def start_apart(self) -> bool:
+        return self.initial is not None and not self.initial.ok
 
     @property
     def same_data_on_every_rank(self) -> bool:
@@ -368,7 +373,7 @@ class Verdict:
     def equivalent(self) -> bool:
         results = self.weight_results
         return (self.first_divergence is None and bool(results) and all(w.ok for w in results)
-                and not self.ranks_disagree)
+                and not self.ranks_disagree and not self.start_apart)
 
     @property
     def exit_code(self) -> int:
@@ -379,6 +384,8 @@ class Verdict:
         return EXIT_DIVERGED
 
     def summary(self) -> str:
+        if self.start_apart:
+            return f"diverged before the first step: {self.initial.problem}"  # type: ignore[union-attr]
         first = self.first_divergence
         if first is not None:
             return f"diverged at step {first.step}: {first.problem}"
@@ -745,6 +752,21 @@ def compare_weight_files(python: str, single: Path, dist: Path, tolerance: float
     return compare_weights(_weight_summary(python, single, dist), tolerance)
 
 
+def compare_initial_weights(python: str, single: Run, dist: Run, tolerance: float) -> Optional[WeightsResult]:
+    """The parameters each optimizer held before its first update (``initial.pt``),
+    single run against the distributed run's gathered ones; None when either run
+    did not write them. Runs whose steps cannot be compared (random draws differ)
+    must still start from the same model: ranks that each built their own weights
+    and sharded a mix of them show here."""
+    files = [run.directory / "initial.pt" for run in (single, dist)]
+    if not all(path.is_file() for path in files):
+        return None
+    result = compare_weights(_weight_summary(python, *files), tolerance)
+    if not result.ok:
+        result.problem = result.problem.replace("final weights differ", "the weights before the first step differ")
+    return result
+
+
 def compare_rank_weight_files(python: str, dist: Run, nproc: int) -> Optional[WeightsResult]:
     """Each rank's own gathered weights (``weights_rank{r}.pt``, r > 0) against rank 0's; None when not written."""
     if dist.weights is None:
@@ -845,6 +867,7 @@ def _run_and_compare(settings: VerifySettings, root: Path) -> Verdict:
     verdict = compare_runs(single, dist, tolerance=settings.tolerance, loss_rtol=settings.loss_rtol,
                            loss_atol=settings.loss_atol, python=settings.python)
     verdict.rank_weights = compare_rank_weight_files(settings.python, dist, settings.nproc)
+    verdict.initial = compare_initial_weights(settings.python, single, dist, settings.tolerance)
     if verdict.same_data_on_every_rank:
         verdict.notes.append("every rank recorded the same loss at every step: the ranks read the same data")
     return verdict
@@ -881,6 +904,7 @@ def report_json(verdict: Verdict, settings: VerifySettings) -> dict:
         },
         "rank_weights": ({"ok": verdict.rank_weights.ok, "max_abs_diff": verdict.rank_weights.max_abs_diff,
                           "problem": verdict.rank_weights.problem or None} if verdict.rank_weights else None),
+        "initial_weights": verdict.initial.as_json(settings.tolerance) if verdict.initial else None,
         "same_data_on_every_rank": verdict.same_data_on_every_rank,
         "within_noise": _noise_json(verdict, settings),
         "notes": verdict.notes,
@@ -939,6 +963,10 @@ def render(verdict: Verdict, settings: VerifySettings, console) -> None:
     if verdict.saved is not None and verdict.saved.max_abs_diff is not None:
         console.print(f"saved weights: {verdict.saved.count_single} tensors, max |single - distributed| = "
                       f"{verdict.saved.max_abs_diff:.3e} (tolerance {settings.tolerance:g})", markup=False)
+    if verdict.initial is not None:
+        i = verdict.initial
+        console.print("start: the distributed run started from the single run's weights" if i.ok
+                      else f"start: {i.problem}", markup=False)
     if verdict.rank_weights is not None:
         r = verdict.rank_weights
         console.print("ranks: every rank ended with the same weights" if r.ok else f"ranks: {r.problem}", markup=False)

@@ -90,6 +90,7 @@ def _install():
         "grad_norms": [],
         "micro_steps": [],
         "optimizers": [],  # every optimizer that stepped, first to step first
+        "initial": [],  # their parameters before their first step (gathered)
         "primary": None,
         "done": False,
         "failed": None,
@@ -174,6 +175,10 @@ def _install():
             state["primary"] = optimizer
         if all(o is not optimizer for o in state["optimizers"]):
             state["optimizers"].append(optimizer)
+            # the weights this optimizer starts from, before its first update: a run whose
+            # ranks did not start from the single run's weights is caught even where the
+            # steps cannot be compared (random draws differ)
+            state["initial"].extend(_gather([optimizer]))
         if optimizer is state["primary"]:
             state["grad_norms"].append(_grad_norm(optimizer))
 
@@ -207,9 +212,9 @@ def _install():
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return "rss", int(rss if sys.platform == "darwin" else rss * 1024)
 
-    def _gather():
+    def _gather(optimizers=None):
         tensors = []
-        for optimizer in state["optimizers"]:
+        for optimizer in state["optimizers"] if optimizers is None else optimizers:
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     t = p.detach()
@@ -236,6 +241,10 @@ def _install():
             tmp = os.path.join(out_dir, name + ".tmp")
             torch.save(weights, tmp)
             os.replace(tmp, os.path.join(out_dir, name))
+        if rank == 0 and state["initial"]:
+            tmp = os.path.join(out_dir, "initial.pt.tmp")
+            torch.save(state["initial"], tmp)
+            os.replace(tmp, os.path.join(out_dir, "initial.pt"))
         kind, peak = _peak_memory()
         record = {
             "rank": rank,

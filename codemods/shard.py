@@ -5,6 +5,7 @@ import libcst as cst
 
 from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.copies import unsafe_state_copies
+from fsdp2_retrofit.analysis.no_model import no_model_blocker
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 
@@ -258,18 +259,20 @@ class ShardModelCommand(RetrofitStage):
                     "the rewrite must shard the model before that optimizer is built",
                     f"build the model and optimizer in a function and pass them to {cls}",
                 )
+            blocker = no_model_blocker(facts)
+            where, detail = (blocker.at, f": {blocker.detail}") if blocker else (1, "")
             if not facts.module_ctor_names:
                 self.refuse(
                     "FSR611",
-                    1,
-                    "no nn.Module is built in this script",
+                    where,
+                    f"no nn.Module is built in this script{detail}",
                     "there is no model to shard",
                     "run rewrite on the script that builds the model and its optimizer",
                 )
             self.refuse(
                 "FSR612",
-                1,
-                "no optimizer trains a model built in this script",
+                where,
+                f"no optimizer trains a model built in this script{detail}",
                 "fully_shard must come before the optimizer is built from the model's parameters",
                 "build the optimizer from model.parameters() in the same script",
             )

@@ -5,6 +5,7 @@ import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.syntax.names import assigned_names, is_main_guard, names_in
+from fsdp2_retrofit.analysis.frameworks import training_framework
 from fsdp2_retrofit.analysis.process_group import process_group
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
@@ -33,6 +34,17 @@ class LaunchDistributedCommand(RetrofitStage):
     LATER_STAGES_READ_IMPORTS = True  # they find the mesh, rank and fully_shard by name
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
+        framework = training_framework(facts.resolver)
+        if framework is not None:
+            call, name, how = framework
+            self.refuse(
+                "FSR403",
+                call,
+                f"the script trains through {name} (`{code(call.func)}`)",
+                f"{name} starts the process group and wraps the model itself; a torchrun process group and "
+                "fully_shard on top fail at start-up (the default process group is initialised twice)",
+                f"shard with {name}'s own sharding: {how}",
+            )
         if facts.entry_block is None:
             return
         if facts.distributed_init is not None:

@@ -79,3 +79,56 @@ def test_an_annotated_model_and_optimizer_are_found():
     result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
     assert not result.refusals, result.refusals
     assert "model: nn.Module = nn.Linear(4, 1)\nfully_shard(model, mesh=mesh)\n" in result.code.decode()
+
+
+FRAMEWORKS = {
+    "accelerate": (
+        "import torch\nfrom torch import nn\nfrom accelerate import Accelerator\n\naccelerator = Accelerator()\n"
+        "model = nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "model, opt = accelerator.prepare(model, opt)\n" + LOOP,
+        5, "Accelerate",
+    ),
+    "lightning-trainer": (
+        "import torch\nimport lightning as L\nfrom torch import nn\n\n\nclass Lit(L.LightningModule):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.net = nn.Linear(4, 1)\n\n"
+        "    def configure_optimizers(self):\n        return torch.optim.SGD(self.parameters(), lr=0.1)\n\n\n"
+        "trainer = L.Trainer(max_steps=3)\ntrainer.fit(Lit(), None)\n",
+        15, "Lightning",
+    ),
+    "pytorch-lightning": (
+        "import torch\nimport pytorch_lightning as pl\nfrom torch import nn\n\nmodel = nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\npl.Trainer(max_epochs=1).fit(model)\n",
+        7, "Lightning",
+    ),
+    "fabric": (
+        "import torch\nfrom lightning.fabric import Fabric\nfrom torch import nn\n\nfabric = Fabric(devices=2)\n"
+        "fabric.launch()\nmodel = nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "model, opt = fabric.setup(model, opt)\n" + LOOP,
+        5, "Lightning Fabric",
+    ),
+    "deepspeed": (
+        "import deepspeed\nimport torch\nfrom torch import nn\n\nmodel = nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config='ds.json')\n",
+        7, "DeepSpeed",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FRAMEWORKS))
+def test_scripts_training_through_a_framework_are_refused(tmp_path, monkeypatch, name):
+    """Rewritten, they failed at start-up: 'trying to initialize the default process group twice'."""
+    source, line, framework = FRAMEWORKS[name]
+    got = refused(tmp_path, monkeypatch, source)
+    assert got[:2] == (line, "FSR403"), got
+    assert got[2].startswith(f"the script trains through {framework} ")
+
+
+def test_an_accelerate_helper_alone_is_not_a_framework(tmp_path):
+    """Importing from accelerate for something else does not refuse the script."""
+    from fsdp2_retrofit.options import RetrofitOptions
+    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+
+    source = "import torch\nfrom torch import nn\nfrom accelerate.utils import set_seed\n\nset_seed(0)\n" \
+        "model = nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + LOOP
+    assert not rewrite_source(source.encode(), "train.py", RetrofitOptions()).refusals

@@ -151,6 +151,12 @@ _RULES = [
                 "The model is built before the script starts its process group.",
                 "fully_shard needs the device mesh, which needs the process group; sharding must follow the build.",
                 "Start the process group (init_process_group) before building the model."),
+    RefusalRule("FSR403", "launch-training-framework",
+                "The script trains through Accelerate, Lightning (Trainer or Fabric) or DeepSpeed.",
+                "The framework starts the process group and wraps the model itself; a torchrun process group and "
+                "fully_shard added on top fail at start-up (the default process group initialised twice).",
+                "Use the framework's own FSDP2 support (Accelerate's FSDP plugin, Lightning's "
+                "ModelParallelStrategy, a DeepSpeed ZeRO config), or drop the framework first."),
     # -- 5xx meta_init -------------------------------------------------------------------
     RefusalRule("FSR501", "meta-init-library-model", "--meta-init with a model built by a library (transformers, timm, ...).",
                 "Its initialisation or pretrained weights live in the library, which the rewrite never reads.",

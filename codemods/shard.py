@@ -6,6 +6,7 @@ import libcst as cst
 from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.copies import unsafe_state_copies
 from fsdp2_retrofit.analysis.no_model import no_model_blocker
+from fsdp2_retrofit.analysis.same_start import broadcast_reason
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 
@@ -27,7 +28,7 @@ class ShardModelCommand(RetrofitStage):
                 statements = list(policies[1])
             else:
                 statements = []
-            statements = statements + self._shard_statements(model, facts, policies[0])
+            statements = statements + self._same_start(model, facts) + self._shard_statements(model, facts, policies[0])
             editor.insert_after(model.shard_anchor, statements + self._split_compile(model, facts, editor))
             self.add_import(self.options.fsdp_module, "fully_shard")
 
@@ -62,6 +63,30 @@ class ShardModelCommand(RetrofitStage):
                 sites.append(frozen)
         body = list(facts.models[0].block.body) if facts.models else []
         return sorted(sites, key=lambda m: body.index(m.shard_anchor) if m.shard_anchor in body else -1)
+
+    def _same_start(self, model: ModelSite, facts: ScriptFacts) -> list:
+        """Rank 0's parameters and buffers broadcast to every rank before fully_shard, unless
+        a literal seed makes every rank build the same weights (analysis/same_start.py)."""
+        reason = None if self.options.meta_init else broadcast_reason(facts, model)
+        if reason is None:
+            return []
+        tensor = self.fresh_name("tensor", model.scope)
+        on_device = self.fresh_name("on_device", model.scope)
+        self.add_import("torch")
+        self.add_import("torch.distributed", asname="dist")
+        self.change(
+            model.shard_anchor,
+            f"broadcast rank 0's parameters and buffers of `{model.name}` to every rank before fully_shard",
+            f"{reason}; fully_shard keeps each rank's own slice of what it built (DDP used to copy rank 0's): "
+            "the sharded model would mix initialisations (seed the build with a literal to drop the broadcast)",
+        )
+        return [self.stmt(
+            f"with torch.no_grad():  # every rank starts from rank 0's weights\n"
+            f"    for {tensor} in [*{model.name}.parameters(), *{model.name}.buffers()]:\n"
+            f"        {on_device} = {tensor}.to(\"cuda\" if torch.cuda.is_available() else \"cpu\")\n"
+            f"        dist.broadcast({on_device}, src=0)\n"
+            f"        {tensor}.copy_({on_device})\n"
+        )]
 
     def _compiled_model(self, call: cst.Call, facts: ScriptFacts):
         """The model whose whole build statement is `name = torch.compile(<build>, ...)`."""

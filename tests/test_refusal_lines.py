@@ -73,6 +73,7 @@ def test_an_annotated_model_and_optimizer_are_found():
         import torch
         from torch import nn
 
+        torch.manual_seed(0)
         model: nn.Module = nn.Linear(4, 1)
         opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         """) + LOOP

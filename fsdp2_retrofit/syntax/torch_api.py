@@ -21,6 +21,10 @@ NN_PARAMETER = frozenset({"torch.nn.Parameter", "torch.nn.parameter.Parameter"})
 TORCH_COMPILE = frozenset({"torch.compile"})
 TORCH_DEVICE = frozenset({"torch.device"})
 MANUAL_SEED = frozenset({"torch.manual_seed", "torch.random.manual_seed", "torch.cuda.manual_seed_all"})
+# seed every device's generator (what a model build draws from)
+SEEDS_EVERY_DEVICE = frozenset({"torch.manual_seed", "torch.random.manual_seed"})
+# any call that (re)seeds torch's generators
+ALL_SEEDS = MANUAL_SEED | {"torch.cuda.manual_seed", "torch.seed", "torch.random.seed"}
 
 # -- optimizers --------------------------------------------------------------
 

@@ -35,6 +35,7 @@ from .optimizer import MoveOptimizerCommand
 from .rank_zero import GateRankZeroCommand
 from .resume import ConvertLoadsCommand
 from .shard import ShardModelCommand
+from .zero_grad import ClearThroughOptimizerCommand
 
 # Stages in one group plan their edits on the same analysis and are applied in one
 # pass: none of them reads what another in its group writes. launch binds the
@@ -59,6 +60,7 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
         ReadGlobalGradNormCommand,
         SyncGradientsOncePerStepCommand,
         GateRankZeroCommand,
+        ClearThroughOptimizerCommand,
     ],
 ]
 

@@ -3,7 +3,7 @@
 A refusal leaves the whole file unchanged (exit 2). Codes are `FSR` + three digits,
 the first digit the stage that refuses, in pipeline order: 1 migrate_spawn,
 2 migrate_ddp, 3 migrate_fsdp1, 4 launch, 5 meta_init (--meta-init), 6 shard,
-7 checkpoint and library_saves, 8 resume. A code names one kind of refusal; the
+7 checkpoint and library_saves, 8 resume, 9 zero_grad. A code names one kind of refusal; the
 message names the construct in the script (`fsdp2-retrofit rules FSR101`).
 Codes are never reused for something else.
 """
@@ -21,6 +21,7 @@ STAGES = {
     "6": "shard",
     "7": "checkpoint",
     "8": "resume",
+    "9": "zero_grad",
 }
 
 
@@ -251,6 +252,14 @@ _RULES = [
     RefusalRule("FSR802", "resume-optimizer-of-several-models", "A loaded optimizer trains several models.",
                 "get_/set_optimizer_state_dict take the one model the optimizer trains.",
                 "Give each model its own optimizer."),
+    # -- 9xx zero_grad ------------------------------------------------------------------
+    RefusalRule("FSR901", "zero-grad-between-forward-and-backward",
+                "`model.zero_grad()` between the model's forward and backward() with no one optimizer to clear "
+                "through (none, several, or one built over part of the model).",
+                "After the forward FSDP2 keeps the root's and the last block's parameters gathered: the call clears "
+                "the gathered tensors, not the sharded parameters holding the gradients, which add up every step; "
+                "the rewrite clears through the one optimizer that trains the whole model, and here there is none.",
+                "Call `model.zero_grad()` before the forward, or clear through the optimizer (`optimizer.zero_grad()`)."),
 ]
 
 CATALOGUE: Dict[str, RefusalRule] = {r.code: r for r in _RULES}

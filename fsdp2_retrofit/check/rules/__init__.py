@@ -133,6 +133,7 @@ def all_rules() -> List[Type[Rule]]:
         shard_container,
         shard_order,
         torch_save_dtensor,
+        zero_grad_after_forward,
     )
 
     rules = [
@@ -148,6 +149,7 @@ def all_rules() -> List[Type[Rule]]:
         rank_gated_collective.RankGatedCollective,
         fsdp1_api.Fsdp1Api,
         load_into_sharded.LoadIntoSharded,
+        zero_grad_after_forward.ZeroGradAfterForward,
     ]
     return sorted(rules, key=lambda r: r.CODE)
 

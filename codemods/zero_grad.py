@@ -43,11 +43,11 @@ class ClearThroughOptimizerCommand(RetrofitStage):
                 why = ("no optimizer of the script trains it here" if not mine and not shared
                        else f"{len(mine) + len(shared)} optimizers may train it here "
                             f"({', '.join(mine + shared)}): which one clears its gradients is not known")
-                self._refuse(found, where, why)
+                self._refuse_without_optimizer(found, where, why)
             opt = mine[0]
             part = _partial(facts, opt, _scope(facts, found.model, found.call))
             if part is not None:
-                self._refuse(found, where, f"`{opt}` is built over part of the model ({part}): "
+                self._refuse_without_optimizer(found, where, f"`{opt}` is built over part of the model ({part}): "
                                           "its zero_grad() would not clear every gradient the model's clears")
             editor.replace_expression(found.call.func.value, cst.Name(opt))
             self.change(
@@ -57,7 +57,7 @@ class ClearThroughOptimizerCommand(RetrofitStage):
                 "the sharded gradients are never cleared: every step adds to the last (wrong weights, no error)",
             )
 
-    def _refuse(self, found, where: str, why: str) -> None:
+    def _refuse_without_optimizer(self, found, where: str, why: str) -> None:
         self.refuse(
             "FSR901",
             found.call,

@@ -286,6 +286,17 @@ class ShardModelCommand(RetrofitStage):
             if model.library is not None and model.library.refusal is not None and not model.sharded:
                 kind, what, why, hint = model.library.refusal
                 self.refuse(kind, model.library.refusal_at or model.stmt, what, why, hint)
+            if model.rebound_by is not None and not model.sharded:
+                self.refuse(
+                    "FSR620",
+                    model.rebound_by,
+                    f"`{code(model.rebound_by).strip()}` rebinds the model to an object that wraps it",
+                    f"fully_shard must see the finished module right before the optimizer, and calls meant for the "
+                    f"sharded module (set_requires_gradient_sync, get_model_state_dict) would reach the wrapper "
+                    f"under the name `{model.name}`",
+                    f"give the wrapper its own name (`wrapped = Wrapper({model.name})`), or build the wrapper "
+                    f"around the model in one expression and shard that",
+                )
             if _declared_global(model, facts):
                 self.refuse(
                     "FSR617",

@@ -226,6 +226,11 @@ _RULES = [
     RefusalRule("FSR619", "shard-optimizer-in-init", "An optimizer is built inside the model's __init__.",
                 "It would hold the unsharded parameters; fully_shard replaces them with DTensors.",
                 "Build the optimizer in the training script, after the model."),
+    RefusalRule("FSR620", "shard-model-rebound-to-wrapper",
+                "The model's name is rebound to an object wrapping it (`model = Wrapper(model)`) after the build.",
+                "fully_shard must come after the last change to the module, right before the optimizer; calls meant "
+                "for the sharded module (set_requires_gradient_sync, state dicts) would reach the wrapper instead.",
+                "Give the wrapper its own name, or build the wrapped model in one expression (`model = Wrapper(Net())`)."),
     # -- 7xx checkpoint and library saves ------------------------------------------------
     RefusalRule("FSR701", "checkpoint-unsplittable-rank-branch",
                 "A checkpoint save inside a rank-0 branch that cannot be split (an else branch, an `or`).",

@@ -118,3 +118,114 @@ def test_a_wrapper_with_its_own_name_is_converted():
     ''' + LOOP)
     found, _ = _refusals(source)
     assert found == []
+
+
+# --- item 4: data not split across ranks ----------------------------------------
+
+TRAIN = '''\
+    for x, y in {loader}:
+        loss = ((model(x) - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    torch.save(model.state_dict(), "out.pt")
+'''
+BUILD = '''\
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
+'''
+
+
+def _main(lines: str, loader: str = "loader", before: str = "") -> str:
+    return _script(before + "def main():\n" + BUILD + textwrap.indent(textwrap.dedent(lines), "    ")
+                   + TRAIN.format(loader=loader))
+
+
+def test_a_subset_sampler_on_a_training_loader_is_refused():
+    source = _main('''\
+    from torch.utils.data import SubsetRandomSampler
+    loader = DataLoader(data, batch_size=4, sampler=SubsetRandomSampler(range(4)))
+    ''')
+    assert _refusals(source)[0][:1] == [("FSR901", _line_of(source, "SubsetRandomSampler(range"))]
+
+
+def test_a_batch_sampler_on_a_training_loader_is_refused():
+    source = _main('''\
+    loader = DataLoader(data, batch_sampler=my_batches)
+    ''')
+    assert _refusals(source)[0][:1] == [("FSR901", _line_of(source, "batch_sampler="))]
+
+
+def test_a_sampler_bound_to_a_name_becomes_a_distributed_sampler():
+    source = _main('''\
+    from torch.utils.data import SequentialSampler
+    order = SequentialSampler(data)
+    loader = DataLoader(data, batch_size=4, sampler=order)
+    ''')
+    found, result = _refusals(source)
+    assert found == []
+    code = result.code.decode()
+    assert "order = DistributedSampler(data, shuffle=False)" in code
+    assert "loader = DataLoader(data, batch_size=4, sampler=order)" in code
+
+
+def test_a_loader_already_distributed_is_left_alone():
+    source = _main('''\
+    from torch.utils.data.distributed import DistributedSampler
+    order = DistributedSampler(data)
+    loader = DataLoader(data, batch_size=4, sampler=order)
+    ''')
+    found, result = _refusals(source)
+    assert found == []
+    assert result.code.decode().count("DistributedSampler(") == 1
+
+
+def test_a_loader_built_inline_in_the_training_for_is_refused():
+    source = _main("", loader="DataLoader(data, batch_size=4)")
+    assert _refusals(source)[0][:1] == [("FSR902", _line_of(source, "in DataLoader(data"))]
+
+
+def test_a_loader_returned_by_a_helper_is_refused():
+    helper = '''\
+def make_loader(data):
+    dl = DataLoader(data, batch_size=4, shuffle=True)
+    return dl
+
+
+'''
+    source = _main("loader = make_loader(data)\n", before=helper)
+    found, _ = _refusals(source)
+    assert found[:1] == [("FSR902", _line_of(source, "dl = DataLoader"))]
+
+
+def test_a_loader_returned_directly_by_a_helper_is_refused():
+    helper = '''\
+def make_loader(data):
+    return DataLoader(data, batch_size=4, shuffle=True)
+
+
+'''
+    source = _main("loader = make_loader(data)\n", before=helper)
+    assert _refusals(source)[0][:1] == [("FSR902", _line_of(source, "return DataLoader"))]
+
+
+def test_a_loader_stored_on_an_attribute_is_refused():
+    source = _main('''\
+    import types
+    holder = types.SimpleNamespace()
+    holder.loader = DataLoader(data, batch_size=4, shuffle=True)
+    ''', loader="holder.loader")
+    assert _refusals(source)[0][:1] == [("FSR902", _line_of(source, "holder.loader = DataLoader"))]
+
+
+def test_an_unfollowed_loader_beside_a_training_loader_is_reported_not_called_evaluation():
+    source = _main('''\
+    loader = DataLoader(data, batch_size=4, shuffle=True)
+    checks = [b for b in DataLoader(data, batch_size=8)]
+    ''')
+    found, result = _refusals(source)
+    assert found == []
+    notes = [a.what for a in result.attention]
+    assert any("not followed" in n for n in notes), notes
+    assert not any("evaluation" in n for n in notes)

@@ -3,7 +3,7 @@
 A refusal leaves the whole file unchanged (exit 2). Codes are `FSR` + three digits,
 the first digit the stage that refuses, in pipeline order: 1 migrate_spawn,
 2 migrate_ddp, 3 migrate_fsdp1, 4 launch, 5 meta_init (--meta-init), 6 shard,
-7 checkpoint and library_saves, 8 resume. A code names one kind of refusal; the
+7 checkpoint and library_saves, 8 resume, 9 data. A code names one kind of refusal; the
 message names the construct in the script (`fsdp2-retrofit rules FSR101`).
 Codes are never reused for something else.
 """
@@ -21,6 +21,7 @@ STAGES = {
     "6": "shard",
     "7": "checkpoint",
     "8": "resume",
+    "9": "data",
 }
 
 
@@ -250,6 +251,18 @@ _RULES = [
     RefusalRule("FSR802", "resume-optimizer-of-several-models", "A loaded optimizer trains several models.",
                 "get_/set_optimizer_state_dict take the one model the optimizer trains.",
                 "Give each model its own optimizer."),
+    # -- 9xx data -----------------------------------------------------------------------
+    RefusalRule("FSR901", "data-sampler-not-distributable",
+                "A training DataLoader is given a batch_sampler, or a sampler other than RandomSampler/SequentialSampler.",
+                "Such a sampler draws indices of the whole dataset on every rank: each rank would train on the same "
+                "batches, and no DistributedSampler reproduces a subset, weighted or custom order.",
+                "Split the indices by rank yourself (indices[rank::world_size]), or use shuffle=True / RandomSampler."),
+    RefusalRule("FSR902", "data-loader-not-followed",
+                "No training loop reads a named DataLoader, and one is built where it cannot be followed (inline in a "
+                "`for`, on an attribute, returned by a helper).",
+                "The rewrite gives the training DataLoader a DistributedSampler; left as is, every rank would train "
+                "on the same batches.",
+                "Bind the training DataLoader to a name in the function that trains, then loop over that name."),
 ]
 
 CATALOGUE: Dict[str, RefusalRule] = {r.code: r for r in _RULES}

@@ -31,6 +31,12 @@ AVERAGED_MODEL = frozenset({"torch.optim.swa_utils.AveragedModel"})
 # -- data --------------------------------------------------------------------
 
 DATALOADERS = frozenset({"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"})
+# samplers a DistributedSampler replaces one for one: (qualified names) -> its shuffle
+PLAIN_SAMPLERS = {
+    "torch.utils.data.RandomSampler": "True", "torch.utils.data.sampler.RandomSampler": "True",
+    "torch.utils.data.SequentialSampler": "False", "torch.utils.data.sampler.SequentialSampler": "False",
+}
+DISTRIBUTED_SAMPLERS = frozenset({"torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler"})
 ITERABLE_DATASETS = frozenset({"torch.utils.data.IterableDataset", "torch.utils.data.dataset.IterableDataset"})
 
 # -- precision and gradients -------------------------------------------------

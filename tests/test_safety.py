@@ -229,3 +229,56 @@ def test_an_unfollowed_loader_beside_a_training_loader_is_reported_not_called_ev
     notes = [a.what for a in result.attention]
     assert any("not followed" in n for n in notes), notes
     assert not any("evaluation" in n for n in notes)
+
+
+# --- item 8: names bound only on rank 0 ---------------------------------------------
+
+RANK_ZERO = '''\
+import os
+
+import torch
+import torch.nn as nn
+
+
+def main():
+    rank = int(os.environ.get("RANK", 0))
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+{gate}
+    for step in range(3):
+        loss = model(torch.randn(2, 4)).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    if rank == 0:
+        torch.save(model.state_dict(), os.path.join(run_dir, "model.pt"))
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_a_name_bound_only_under_a_rank_gate_with_an_else_is_refused():
+    source = RANK_ZERO.format(gate='''\
+    if rank == 0:
+        run_dir = "runs/a"
+    else:
+        print("waiting")''')
+    assert _refusals(source)[0][:1] == [("FSR704", _line_of(source, "if rank == 0:"))]
+
+
+def test_a_name_bound_only_on_rank_zero_is_broadcast_outside_the_gate():
+    source = RANK_ZERO.format(gate='''\
+    if rank == 0:
+        run_dir = "runs/a"''')
+    found, result = _refusals(source)
+    assert found == []
+    code = result.code.decode()
+    lines = code.splitlines()
+    broadcast = next(i for i, line in enumerate(lines) if "broadcast_object_list(run_dir_shared" in line)
+    assert lines[broadcast].startswith("    dist.")  # the function's own block: every rank runs it
+    assert lines[broadcast - 1] == "    run_dir_shared = [run_dir] if rank == 0 else [None]"
+    assert lines[broadcast + 1] == "    run_dir = run_dir_shared[0]"
+    assert code.index("init_process_group") < code.index("broadcast_object_list")
+    assert rewrite_source(result.code, "train.py").changes == []  # a second rewrite adds nothing

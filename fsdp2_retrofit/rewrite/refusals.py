@@ -244,6 +244,11 @@ _RULES = [
     RefusalRule("FSR703", "library-save-rank-gated", "save_pretrained of a sharded model under a rank test.",
                 "Gathering the full state dict is a collective every rank must join (deadlock).",
                 "Call save_pretrained outside the rank test; the rewrite gates the write itself.", "library_saves"),
+    RefusalRule("FSR704", "checkpoint-name-bound-on-rank-zero",
+                "A save that now runs on every rank reads a name bound only under a rank-0 `if` the rewrite cannot "
+                "broadcast from (an else branch, another condition, a nested block, after the save).",
+                "The other ranks would stop with a NameError at the first checkpoint.",
+                "Bind the name on every rank (compute the path everywhere; create directories under the rank-0 `if`)."),
     # -- 8xx resume ---------------------------------------------------------------------
     RefusalRule("FSR801", "resume-load-before-build", "A checkpoint is read before the model or optimizer it fills is built.",
                 "dcp.load fills the state dicts of the sharded model, its optimizer and scheduler: they must exist.",

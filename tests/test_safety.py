@@ -282,3 +282,95 @@ def test_a_name_bound_only_on_rank_zero_is_broadcast_outside_the_gate():
     assert lines[broadcast + 1] == "    run_dir = run_dir_shared[0]"
     assert code.index("init_process_group") < code.index("broadcast_object_list")
     assert rewrite_source(result.code, "train.py").changes == []  # a second rewrite adds nothing
+
+
+# --- item 6: optimizers that cannot work on DTensor shards ------------------------------
+
+
+def test_lbfgs_is_refused():
+    source = _main("loader = DataLoader(data, batch_size=4)\n").replace(
+        "torch.optim.SGD(model.parameters(), lr=0.1)", "torch.optim.LBFGS(model.parameters())")
+    assert _refusals(source)[0][:1] == [("FSR621", _line_of(source, "torch.optim.LBFGS("))]
+
+
+MUON = '''\
+class Orthogonal(torch.optim.Optimizer):
+    def __init__(self, params, lr=0.02):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                x = p.grad / (p.grad.norm() + 1e-7)
+                for _ in range(5):
+                    x = 1.5 * x - 0.5 * x @ x.mT @ x
+                p.add_(x, alpha=-group["lr"])
+
+
+'''
+
+
+def test_an_optimizer_class_that_multiplies_whole_matrices_is_refused_on_its_line():
+    source = _main("loader = DataLoader(data, batch_size=4)\n", before=MUON).replace(
+        "torch.optim.SGD(model.parameters(), lr=0.1)", "Orthogonal(model.parameters())")
+    assert _refusals(source)[0][:1] == [("FSR622", _line_of(source, "x = 1.5 * x - 0.5 * x @ x.mT @ x"))]
+
+
+def test_an_element_wise_optimizer_class_is_followed():
+    source = _main("loader = DataLoader(data, batch_size=4)\n", before=MUON.replace(
+        "                for _ in range(5):\n                    x = 1.5 * x - 0.5 * x @ x.mT @ x\n", "")).replace(
+        "torch.optim.SGD(model.parameters(), lr=0.1)", "Orthogonal(model.parameters())")
+    found, result = _refusals(source)
+    assert found == []
+    code = result.code.decode()
+    assert code.index("fully_shard(model") < code.index("optimizer = Orthogonal(")
+
+
+# --- item 5: tensors built from parameters outside forward ------------------------------
+
+RNN = '''\
+import torch
+import torch.nn as nn
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cells = nn.ModuleList([nn.GRUCell(4, 4) for _ in range(2)])
+        self.head = nn.Linear(4, 2)
+
+    def init_hidden(self, batch):
+        return [next(self.parameters()).new_zeros(batch, 4) for _ in self.cells]
+
+    def forward(self, x, hidden):
+        for i, cell in enumerate(self.cells):
+            hidden[i] = x = cell(x, hidden[i])
+        return self.head(x)
+
+
+def main():
+    model = Stack()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(2, 4)
+        loss = model(x, model.init_hidden(2)).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_a_method_reading_a_block_unit_parameter_outside_forward_is_refused():
+    assert _refusals(RNN)[0][:1] == [("FSR623", _line_of(RNN, "next(self.parameters()).new_zeros"))]
+
+
+def test_a_method_reading_a_root_parameter_outside_forward_is_registered():
+    source = RNN.replace("next(self.parameters())", "self.head.weight")
+    found, result = _refusals(source)
+    assert found == []
+    assert 'register_fsdp_forward_method(model, "init_hidden")' in result.code.decode()

@@ -232,6 +232,20 @@ _RULES = [
                 "fully_shard must come after the last change to the module, right before the optimizer; calls meant "
                 "for the sharded module (set_requires_gradient_sync, state dicts) would reach the wrapper instead.",
                 "Give the wrapper its own name, or build the wrapped model in one expression (`model = Wrapper(Net())`)."),
+    RefusalRule("FSR621", "shard-flattening-optimizer", "The model is trained by LBFGS, which flattens every gradient into one vector.",
+                "After fully_shard gradients are DTensor shards: the flat vector, its line search and curvature "
+                "pairs would be built from pieces, or gather everything on every rank.",
+                "Train without sharding, or use an optimizer that works parameter by parameter."),
+    RefusalRule("FSR622", "shard-optimizer-whole-matrices",
+                "An optimizer class of the script reshapes, transposes or multiplies whole matrices (Newton-Schulz, Muon, Shampoo).",
+                "After fully_shard each parameter is a DTensor shard: such an operation gathers the whole matrix "
+                "on every rank or computes on one piece of it.",
+                "Gather explicitly (full_tensor), compute, keep this rank's part; or keep the script single-GPU."),
+    RefusalRule("FSR623", "shard-block-parameter-outside-forward",
+                "A method of the model called outside forward reads a parameter of a block that becomes its own FSDP unit.",
+                "Outside forward that parameter is a DTensor shard; registering the method (register_fsdp_forward_method) "
+                "gathers only the root unit's, so a tensor built from it leaks a DTensor into forward.",
+                "Take dtype and device from a root parameter (embedding, head), or pass them in."),
     # -- 7xx checkpoint and library saves ------------------------------------------------
     RefusalRule("FSR701", "checkpoint-unsplittable-rank-branch",
                 "A checkpoint save inside a rank-0 branch that cannot be split (an else branch, an `or`).",

@@ -25,6 +25,9 @@ MANUAL_SEED = frozenset({"torch.manual_seed", "torch.random.manual_seed", "torch
 # -- optimizers --------------------------------------------------------------
 
 OPTIMIZER_PREFIX = "torch.optim."  # a call under it builds an optimizer...
+OPTIMIZER_BASES = frozenset({"torch.optim.Optimizer", "torch.optim.optimizer.Optimizer"})
+# torch optimizers that flatten every gradient into one vector (a DTensor shard is not one)
+FLATTENING_OPTIMIZERS = frozenset({"torch.optim.LBFGS", "torch.optim.lbfgs.LBFGS"})
 NOT_OPTIMIZERS = ("torch.optim.lr_scheduler.", "torch.optim.swa_utils.")  # ...unless under one of these
 AVERAGED_MODEL = frozenset({"torch.optim.swa_utils.AveragedModel"})
 

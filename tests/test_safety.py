@@ -100,6 +100,22 @@ def test_torch_compile_after_the_build_is_not_a_wrapper():
     assert code.index("fully_shard(model") < code.index("model = torch.compile(model)")
 
 
+def test_a_new_head_goes_before_fully_shard_but_a_checkpoint_load_after_it():
+    source = _script('''\
+    def main():
+        model = Net()
+        model.fc = nn.Linear(4, 4)
+        model.load_state_dict(torch.load("init.pt"))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ''' + LOOP)
+    found, result = _refusals(source)
+    assert found == []
+    code = result.code.decode()
+    # the resume stage loads the file into the sharded model (broadcast from rank 0)
+    assert code.index("model.fc = nn.Linear(4, 4)") < code.index("fully_shard(model") < code.index(
+        "set_model_state_dict(model")
+
+
 def test_a_wrapper_with_its_own_name_is_converted():
     source = _script('''\
     class Scaled(nn.Module):

@@ -361,29 +361,39 @@ PARAMETER_ITERATORS = {"parameters", "named_parameters"}
 
 
 def parameter_reads(method: cst.FunctionDef, info: ClassInfo) -> List[Tuple[cst.CSTNode, Optional[str]]]:
-    """(node, submodule) for each place `method` reads the module's own parameters:
-    `self.parameters()` / `self.named_parameters()` (submodule None: the first one
-    registered), `self.head.weight` (submodule "head"). Outside forward such a parameter
-    is a DTensor shard after fully_shard."""
+    """(node, submodule) for each place `method` takes the value of one of the module's
+    parameters: `next(self.parameters())` (submodule None: the first one registered),
+    `self.head.weight.new_zeros(...)` / `.data` / `.clone()` (submodule "head"). Outside
+    forward such a parameter is a DTensor shard after fully_shard, and so is what is
+    built from it. Handing `self.parameters()` to an optimizer does not count."""
     containers = {c.path[0] for c in info.containers}
     found: List[Tuple[cst.CSTNode, Optional[str]]] = []
 
+    def own_parameters(node) -> bool:
+        f = node.func if isinstance(node, cst.Call) else None
+        return (isinstance(f, cst.Attribute) and f.attr.value in PARAMETER_ITERATORS
+                and isinstance(f.value, cst.Name) and f.value.value == "self")
+
     class _P(cst.CSTVisitor):
         def visit_Call(self, node: cst.Call) -> None:
-            f = node.func
-            if (isinstance(f, cst.Attribute) and f.attr.value in PARAMETER_ITERATORS
-                    and isinstance(f.value, cst.Name) and f.value.value == "self"):
+            if (isinstance(node.func, cst.Name) and node.func.value == "next" and node.args
+                    and own_parameters(node.args[0].value)):
                 found.append((node, None))
 
         def visit_Attribute(self, node: cst.Attribute) -> None:
-            inner = node.value
-            if (node.attr.value in ("weight", "bias") and isinstance(inner, cst.Attribute)
-                    and isinstance(inner.value, cst.Name) and inner.value.value == "self"
-                    and (inner.attr.value in info.submodules or inner.attr.value in containers)):
+            param, inner = node.value, getattr(node.value, "value", None)
+            if (node.attr.value.startswith("new_") or node.attr.value in VALUE_READS) \
+                    and isinstance(param, cst.Attribute) and param.attr.value in ("weight", "bias") \
+                    and isinstance(inner, cst.Attribute) and isinstance(inner.value, cst.Name) \
+                    and inner.value.value == "self" \
+                    and (inner.attr.value in info.submodules or inner.attr.value in containers):
                 found.append((node, inner.attr.value))
 
     method.body.visit(_P())
     return found
+
+
+VALUE_READS = {"data", "clone", "detach", "expand", "expand_as", "view", "reshape", "t", "T"}
 
 
 def first_submodule(info: ClassInfo) -> Optional[str]:

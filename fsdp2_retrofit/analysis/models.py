@@ -24,7 +24,7 @@ from fsdp2_retrofit.syntax.names import (
     names_in,
     root_name,
 )
-from fsdp2_retrofit.syntax.torch_api import AVERAGED_MODEL, FULLY_SHARD, TORCH_COMPILE
+from fsdp2_retrofit.syntax.torch_api import AVERAGED_MODEL, FULLY_SHARD, TORCH_COMPILE, TORCH_LOAD
 
 
 STDLIB = set(getattr(sys, "stdlib_module_names", ())) | {"argparse", "logging", "collections", "dataclasses"}
@@ -342,7 +342,7 @@ class ModelAnalysis(SiteAnalysis):
                 continue
             if frozen and name in names_in(later):
                 break  # a load_state_dict, a forward: after sharding, as for a trained model
-            if not frozen and not used and restructures(later, name):
+            if not frozen and not used and restructures(later, name) and not self._loads_checkpoint(later):
                 anchor = later  # a new head, a frozen part, loaded weights: fully_shard sees the final module
                 continue
             used = used or _consumes(later, name)
@@ -353,6 +353,22 @@ class ModelAnalysis(SiteAnalysis):
             elif name in assigned_names(later):
                 break  # rebound by something else (torch.compile, a wrapper): shard before it
         return anchor
+
+    def _loads_checkpoint(self, stmt) -> bool:
+        """`model.load_state_dict(torch.load(p))` (or of a name bound to torch.load's
+        value): the resume stage loads it into the sharded model, after fully_shard."""
+        loaded = set()
+        function = self.r.enclosing_function(stmt)
+        for call in calls_in(stmt):
+            if isinstance(call.func, cst.Attribute) and call.func.attr.value == "load_state_dict":
+                if any(self.r.is_call_to(c, TORCH_LOAD) for a in call.args for c in calls_in(a.value)):
+                    return True
+                loaded |= {n for a in call.args for n in names_in(a.value)}
+        for node in self.r.nodes(cst.SimpleStatementLine):
+            if (assigned_names(node) & loaded and self.r.enclosing_function(node) is function
+                    and any(self.r.is_call_to(c, TORCH_LOAD) for c in calls_in(node))):
+                return True
+        return False
 
     def _rebound_by(self, name: str, stmt, block) -> Optional[cst.CSTNode]:
         """The statement `name = Wrapper(name, ...)` that rebinds the model to an object

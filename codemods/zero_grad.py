@@ -59,7 +59,7 @@ class ClearThroughOptimizerCommand(RetrofitStage):
 
     def _refuse_without_optimizer(self, found, where: str, why: str) -> None:
         self.refuse(
-            "FSR901",
+            "FSR950",
             found.call,
             f"{where} and no one optimizer to clear its gradients through",
             why,

@@ -1,5 +1,5 @@
 """The zero_grad stage: `model.zero_grad()` between the forward and backward() clears
-through the one optimizer that trains the whole model, or the file is refused (FSR901).
+through the one optimizer that trains the whole model, or the file is refused (FSR950).
 The execution proof is fixtures/rewrite/zero_grad_after_forward."""
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ if __name__ == "__main__":
 def test_no_one_optimizer_over_the_whole_model_is_refused(opts, why):
     code = HEAD + opts + LOOP.format(clear="model.zero_grad()")
     result = rewrite(code)
-    assert result.refusals and result.refusals[0].code == "FSR901", result.refusals
+    assert result.refusals and result.refusals[0].code == "FSR950", result.refusals
     refusal = result.refusals[0]
     line = dedent(code).splitlines().index("        model.zero_grad()") + 1
     assert refusal.line == line

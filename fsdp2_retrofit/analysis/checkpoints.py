@@ -317,6 +317,72 @@ def rank_gate(node: cst.CSTNode, facts: ScriptFacts) -> Optional[cst.If]:
     return None
 
 
+def rank_zero_names(stmt: cst.CSTNode, facts: ScriptFacts, split=()) -> List[Tuple[str, cst.If]]:
+    """(name, the rank-0 `if` that binds it) for each name `stmt` reads that its function
+    binds only under rank-0 `if`s (`if rank == 0: run_dir = ...`): on the other ranks it
+    does not exist, so a save that now runs on every rank would fail there. Assignments
+    under the `if`s in `split` (split around a save) run on every rank already."""
+    function = facts.resolver.enclosing_function(stmt)
+    if function is None:
+        return []
+    params = {p.name.value for p in function.params.params + function.params.kwonly_params
+              + function.params.posonly_params}
+    out = []
+    for name in sorted(names_read(stmt) - params):
+        bindings = [s for s in facts.resolver.descendants(function.body, cst.SimpleStatementLine)
+                    if name in assigned_names(s)]
+        others = [n for n in facts.resolver.descendants(function.body, cst.CSTNode)
+                  if isinstance(n, (cst.For, cst.With, cst.FunctionDef, cst.ClassDef, cst.Import, cst.ImportFrom,
+                                    cst.NamedExpr, cst.Global, cst.Nonlocal, cst.AugAssign))
+                  and name in _bound_otherwise(n)]
+        gates = [rank_gate(b, facts) for b in bindings]
+        if bindings and not others and all(g is not None and not any(g is x for x in split) for g in gates):
+            out.append((name, gates[0]))
+    return out
+
+
+def names_read(node: cst.CSTNode) -> set:
+    """Names loaded in `node` (not attribute names or keywords)."""
+    found = set()
+
+    class _N(cst.CSTVisitor):
+        def visit_Attribute(self, n: cst.Attribute) -> bool:
+            n.value.visit(self)
+            return False
+
+        def visit_Arg(self, n: cst.Arg) -> bool:
+            n.value.visit(self)
+            return False
+
+        def visit_Name(self, n: cst.Name) -> None:
+            found.add(n.value)
+
+    node.visit(_N())
+    return found
+
+
+def _bound_otherwise(node) -> set:
+    """Names bound by a statement other than a plain assignment (for/with targets, defs, imports, ...)."""
+    from fsdp2_retrofit.syntax.names import names_in
+
+    if isinstance(node, cst.For):
+        return names_in(node.target)
+    if isinstance(node, cst.With):
+        return set().union(*(names_in(i.asname.name) for i in node.items if i.asname is not None))
+    if isinstance(node, (cst.FunctionDef, cst.ClassDef)):
+        return {node.name.value}
+    if isinstance(node, cst.NamedExpr):
+        return names_in(node.target)
+    if isinstance(node, cst.AugAssign):
+        return set()  # `x += 1` needs an earlier binding: that one decides
+    if isinstance(node, (cst.Global, cst.Nonlocal)):
+        return {n.name.value for n in node.names}
+    if isinstance(node, (cst.Import, cst.ImportFrom)) and not isinstance(node.names, cst.ImportStar):
+        return {(a.asname.name.value if a.asname is not None and isinstance(a.asname.name, cst.Name)
+                 else code(a.name).split(".")[0]) for a in node.names}
+    return set()
+
+
 def _in_body(node, if_node: cst.If, facts: ScriptFacts) -> bool:
     for anc in facts.resolver.ancestors(node):
         if anc is if_node.body:

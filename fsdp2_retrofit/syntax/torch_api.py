@@ -29,12 +29,21 @@ ALL_SEEDS = MANUAL_SEED | {"torch.cuda.manual_seed", "torch.seed", "torch.random
 # -- optimizers --------------------------------------------------------------
 
 OPTIMIZER_PREFIX = "torch.optim."  # a call under it builds an optimizer...
+OPTIMIZER_BASES = frozenset({"torch.optim.Optimizer", "torch.optim.optimizer.Optimizer"})
+# torch optimizers that flatten every gradient into one vector (a DTensor shard is not one)
+FLATTENING_OPTIMIZERS = frozenset({"torch.optim.LBFGS", "torch.optim.lbfgs.LBFGS"})
 NOT_OPTIMIZERS = ("torch.optim.lr_scheduler.", "torch.optim.swa_utils.")  # ...unless under one of these
 AVERAGED_MODEL = frozenset({"torch.optim.swa_utils.AveragedModel"})
 
 # -- data --------------------------------------------------------------------
 
 DATALOADERS = frozenset({"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"})
+# samplers a DistributedSampler replaces one for one: (qualified names) -> its shuffle
+PLAIN_SAMPLERS = {
+    "torch.utils.data.RandomSampler": "True", "torch.utils.data.sampler.RandomSampler": "True",
+    "torch.utils.data.SequentialSampler": "False", "torch.utils.data.sampler.SequentialSampler": "False",
+}
+DISTRIBUTED_SAMPLERS = frozenset({"torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler"})
 ITERABLE_DATASETS = frozenset({"torch.utils.data.IterableDataset", "torch.utils.data.dataset.IterableDataset"})
 
 # -- precision and gradients -------------------------------------------------

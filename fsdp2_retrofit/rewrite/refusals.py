@@ -238,6 +238,11 @@ _RULES = [
     RefusalRule("FSR703", "library-save-rank-gated", "save_pretrained of a sharded model under a rank test.",
                 "Gathering the full state dict is a collective every rank must join (deadlock).",
                 "Call save_pretrained outside the rank test; the rewrite gates the write itself.", "library_saves"),
+    RefusalRule("FSR704", "checkpoint-file-object",
+                "Model or optimizer state saved to a file object the tool cannot replace by its path.",
+                "The save becomes dcp.save of a checkpoint directory, which takes a path: a file object fails.",
+                "Save by path: torch.save(state, path) (or `with open(path, \"wb\") as f: torch.save(state, f)` alone).",
+                "checkpoint_files"),
     # -- 8xx resume ---------------------------------------------------------------------
     RefusalRule("FSR801", "resume-load-before-build", "A checkpoint is read before the model or optimizer it fills is built.",
                 "dcp.load fills the state dicts of the sharded model, its optimizer and scheduler: they must exist.",
@@ -245,6 +250,11 @@ _RULES = [
     RefusalRule("FSR802", "resume-optimizer-of-several-models", "A loaded optimizer trains several models.",
                 "get_/set_optimizer_state_dict take the one model the optimizer trains.",
                 "Give each model its own optimizer."),
+    RefusalRule("FSR803", "resume-file-object",
+                "Model or optimizer state loaded from a file object the tool cannot replace by its path.",
+                "A checkpoint of this script is now a DCP directory read with dcp.load, which takes a path.",
+                "Load by path: torch.load(path) (or `with open(path, \"rb\") as f: torch.load(f)` alone).",
+                "checkpoint_files"),
 ]
 
 CATALOGUE: Dict[str, RefusalRule] = {r.code: r for r in _RULES}

@@ -42,6 +42,7 @@ class ConvertLoadsCommand(RetrofitStage):
         self.dcp_paths: Dict[str, List] = {}
         self.full_paths: Set[str] = set()
         self.dcp_keys: Set[str] = set()
+        self.dcp_whole_kinds: Set[str] = set()  # what a DCP save of a bare state dict writes
         self.async_saves: List[cst.CSTNode] = []
         self.saved_values: Dict[str, cst.BaseExpression] = {}  # dict key -> the value a DCP save writes
         for site in saves(facts):
@@ -54,6 +55,9 @@ class ConvertLoadsCommand(RetrofitStage):
                         if isinstance(e, cst.DictElement) and isinstance(e.key, cst.SimpleString):
                             self.saved_values.setdefault(e.key.evaluated_value, e.value)
                 self.async_saves.append(site.stmt)
+                if not isinstance(site.state, cst.Dict):  # torch.save(model.state_dict(), path)
+                    self.dcp_whole_kinds |= {c.kind for c in site.state_calls} | (
+                        {"model"} if site.whole_model else set())
             elif form == "full":
                 self.full_paths.add(site.path_key)
         for site in loads(facts):
@@ -62,19 +66,47 @@ class ConvertLoadsCommand(RetrofitStage):
 
     # -- torch.load ---------------------------------------------------------------
 
+    def _origin(self, site: LoadSite) -> str:
+        """Where the file a load reads comes from, decided statically: "dcp" (a path this
+        script saves with DCP), "full" (a single torch.save file: an --export full save
+        of this script, or a file no DCP save of this script can have written: pretrained
+        weights), "either" (a path the script does not save to, read in a shape one of
+        its DCP saves writes: a --resume / --init-from flag may name this script's
+        checkpoint directory or a single-GPU run's file)."""
+        if site.path_key in self.full_paths:
+            return "full"
+        if site.path_key in self.dcp_paths:
+            return "dcp"
+        if not self.dcp_paths:
+            return "full"
+        keys = {u.key for u in site.uses if u.key is not None}
+        if keys & self.dcp_keys:
+            return "either"
+        whole = [u for u in site.uses if u.key is None and u.kind in ("model", "optimizer")]
+        if whole and {u.kind for u in whole} <= self.dcp_whole_kinds:
+            return "either"
+        return "full"
+
     def _convert_load(self, site: LoadSite, facts: ScriptFacts, editor: StatementEditor) -> None:
         state_uses = [u for u in site.uses if u.kind in ("model", "optimizer")]
-        resumes = any(u.kind == "optimizer" for u in state_uses) or bool(
-            site.var and {u.key for u in site.uses if u.key} & self.dcp_keys
-        )
-        if site.path_key in self.full_paths or (
-            site.path_key not in self.dcp_paths and state_uses and not resumes
-        ):
+        origin = self._origin(site)
+        if origin == "full":
             if state_uses:
                 self._load_full(site, state_uses, facts, editor)
             return
-        if site.path_key not in self.dcp_paths and not resumes:
+        if origin == "either" and site.var is None and [u.kind for u in site.uses] == ["model"]:
+            self._require_built(site, state_uses, facts)
+            self._load_either(site, facts, editor)
             return
+        if origin == "either" and state_uses:
+            self.attention(
+                site.call,
+                f"`{code(site.path)}` is loaded as a DCP checkpoint directory of this script (dcp.load): "
+                "check that it names one; a single torch.save file there (a single-GPU run's) fails to load",
+                "the path is not one this script saves to, but what is read from it is what its DCP saves write; "
+                "a single-GPU checkpoint converts with torch.distributed.checkpoint.format_utils.torch_save_to_dcp "
+                "only for the model (its optimizer state is keyed by parameter number, not name)",
+            )
         if site.unknown_use is not None or not state_uses or (
             site.var and any(u.key is None for u in site.uses) and len(site.uses) > 1
         ):
@@ -177,6 +209,50 @@ class ConvertLoadsCommand(RetrofitStage):
             "the checkpoint is a DCP directory of shards: each rank reads its own, for any number of ranks "
             "(os.path.exists still finds it)",
             "torch.load of a DCP directory fails; plain tensors loaded into DTensor parameters are wrong",
+        )
+
+    def _load_either(self, site: LoadSite, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """`model.load_state_dict(torch.load(path))` where `path` may name this script's
+        DCP directory or a single file: told apart at run time by os.path.isdir."""
+        use = site.uses[0]
+        scope = facts.resolver.enclosing_function(site.stmt)
+        path = code(site.path)
+        var = self.fresh_name("state_dict", scope)
+        self.__dict__["_visible"][id(scope)].add(var)
+        test = self.rank_zero_test(use.stmt, facts) or "dist.get_rank() == 0"
+        if test.startswith("dist."):
+            self.add_import("torch.distributed", asname="dist")
+        strict = _strict_option(use.call)
+        options = BROADCAST if not strict else BROADCAST[:-1] + ", " + strict[len(", options=StateDictOptions("):]
+        load = "".join(
+            "".join(f"    {line}\n" for line in code(s).rstrip("\n").splitlines())
+            for s in self._dcp_load(var, path, site, facts)
+        )
+        text = (
+            f"if os.path.isdir({path}):  # a DCP checkpoint directory: this script's own save\n"
+            f"    {var} = get_model_state_dict({use.owner})\n"
+            + load
+            + f"    set_model_state_dict({use.owner}, {var}{strict})\n"
+            "else:  # one torch.save file: the single-GPU script's, or weights from elsewhere\n"
+            f"    set_model_state_dict({use.owner}, {code(use.call.args[0].value)} if {test} else {{}}, "
+            f"options={options})\n"
+        )
+        new = [*self._reshard(use, facts), self.stmt(text)]
+        new[0] = new[0].with_changes(leading_lines=site.stmt.leading_lines)
+        editor.replace(site.stmt, new[0])
+        editor.insert_after(site.stmt, new[1:])
+        self.add_import("os")
+        self.add_import("torch.distributed.checkpoint", asname="dcp")
+        for name in ("StateDictOptions", "get_model_state_dict", "set_model_state_dict"):
+            self.add_import(STATE_DICT_MODULE, name)
+        self.change(
+            site.stmt,
+            f"load `{path}` into the sharded `{use.owner}`, by what it is at run time: a directory (this "
+            "script's DCP save) with dcp.load + set_model_state_dict; a single file (a single-GPU run's, "
+            "pretrained weights) with set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)",
+            "the path is not one this script saves to, and this script writes model state dicts as DCP "
+            "directories: the flag may name either",
+            "torch.load of a DCP directory fails (IsADirectoryError); dcp.load of a single file fails",
         )
 
     def _replace_load(self, use: LoadUse, new: cst.CSTNode, facts: ScriptFacts, editor: StatementEditor) -> None:

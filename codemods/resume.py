@@ -118,8 +118,100 @@ class ConvertLoadsCommand(RetrofitStage):
                 "and set_model_state_dict / set_optimizer_state_dict",
             )
             return
+        late = self._config_first(site, facts)
+        if late is not None:
+            self._load_config_first(site, late, facts, editor)
+            return
         self._require_built(site, state_uses + [u for u in site.uses if u.kind == "stateful"], facts)
         self._load_dcp(site, facts, editor)
+
+    # -- the config first: read it, build the model from it, then load the state ------
+
+    def _config_first(self, site: LoadSite, facts: ScriptFacts) -> Optional[cst.If]:
+        """nanoGPT's resume order: `if C: ckpt = torch.load(p); args = ckpt["model_args"];
+        model = Net(**args); model.load_state_dict(ckpt["model"])`, then, once the
+        optimizer is built, `if C: optimizer.load_state_dict(ckpt["optimizer"])`. The
+        later `if C:` (the same test, in the same block) is returned when every state
+        read before it is a model's load in the first `if`, whose model is built there
+        after the load; None for any other shape."""
+        r = facts.resolver
+        block = r.block_of(site.stmt)
+        first = r.parent(block) if isinstance(block, cst.IndentedBlock) else None
+        if site.var is None or site.unknown_use is not None or not isinstance(first, cst.If):
+            return None
+        top = first  # `if A: ... elif C: <load>`: the chain's first `if` is in the block
+        while isinstance(r.parent(top), cst.If) and r.parent(top).orelse is top:
+            top = r.parent(top)
+        outer = r.block_of(top)
+        if outer is None or any(u.key is None for u in site.uses):
+            return None
+        body = list(outer.body)
+        later = [
+            s for s in body[body.index(top) + 1:]
+            if isinstance(s, cst.If) and s.orelse is None and code(s.test) == code(first.test)
+            and any(u.kind == "optimizer" and _inside(u.stmt, s, facts) for u in site.uses)
+        ]
+        if len(later) != 1:
+            return None
+        late = later[0]
+        order = {id(st): i for i, st in enumerate(r.nodes(cst.SimpleStatementLine))}
+        early = [u for u in site.uses if u.kind != "value" and not _inside(u.stmt, late, facts)]
+        if not early or any(u.kind != "model" or r.block_of(u.stmt) is not block for u in early):
+            return None
+        for use in early:  # the model is built in the first `if`, after the load
+            built = [st for st in block.body if use.owner in assigned_names(st)]
+            if not built or order.get(id(built[0]), 0) < order.get(id(site.stmt), 0):
+                return None
+        # the path names the same file in both: nothing in between rebinds what it reads
+        reads = {n.value for n in _read_names(site.path)}
+        for stmt in body[body.index(top) + 1: body.index(late)]:
+            if reads & _target_names(stmt):
+                return None
+        return late
+
+    def _load_config_first(self, site: LoadSite, late: cst.If, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """The plain values are read with dcp.load before the model is built; the model's,
+        optimizer's and other states with a second dcp.load in the later `if`, after sharding."""
+        path, var = code(site.path), site.var
+        values: Dict[str, str] = {}
+        states: Dict[str, str] = {}
+        for use in site.uses:
+            (values if use.kind == "value" else states).setdefault(use.key, _template(use))
+        new = []
+        if values:
+            new.append(self.stmt(f"{var} = {self._dict_text(values, site.stmt)}  # the values read before the model exists\n"))
+            new.extend(self._dcp_load(var, path, site, facts))
+        else:
+            new.append(self.stmt(f"{var} = {{}}\n"))
+        new[0] = new[0].with_changes(leading_lines=site.stmt.leading_lines)
+        editor.replace(site.stmt, new[0])
+        editor.insert_after(site.stmt, new[1:])
+        moved = []
+        for use in site.uses:
+            if use.kind == "model" and not _inside(use.stmt, late, facts):
+                editor.replace(use.stmt, None)
+                moved.append(self.stmt(_setter(use, code(use.node))))
+            elif use.kind in ("model", "optimizer"):
+                self._replace_load(use, self.stmt(_setter(use, code(use.node))), facts, editor)
+        update = self.stmt(f"{var}.update({self._dict_text(states, late.body.body[0])})\n")
+        editor.insert_before(late.body.body[0], [update, *self._dcp_load(var, path, site, facts), *moved])
+        self.add_import("torch.distributed.checkpoint", asname="dcp")
+        kinds = {u.kind for u in site.uses}
+        for kind in ("model", "optimizer"):
+            if kind in kinds:
+                self.add_import(STATE_DICT_MODULE, f"get_{kind}_state_dict")
+                self.add_import(STATE_DICT_MODULE, f"set_{kind}_state_dict")
+        if any(_strict_option(u.call) for u in site.uses if u.kind in ("model", "optimizer")):
+            self.add_import(STATE_DICT_MODULE, "StateDictOptions")
+        self.change(
+            site.stmt,
+            f"read {', '.join(repr(k) for k in values) or 'nothing'} from `{path}` with dcp.load before the "
+            f"model is built; the states ({', '.join(repr(k) for k in states)}) with a second dcp.load in the "
+            f"later `if {code(late.test)}:`, after sharding and building the optimizer",
+            "the config is read first to build the model from it; DCP loads the sharded state into the state "
+            "dicts of the sharded model and its optimizer, which exist only later",
+            "torch.load of a DCP directory fails; a state loaded before fully_shard is not what the shards hold",
+        )
 
     def _require_built(self, site: LoadSite, uses: List[LoadUse], facts: ScriptFacts) -> None:
         """DCP loads into the model's own (sharded) state dict: it must exist first."""
@@ -384,6 +476,44 @@ class ConvertLoadsCommand(RetrofitStage):
                     "load it with dcp.load into get_model_state_dict(model) and set_model_state_dict, "
                     "or copy it with shutil.copytree (on one rank)",
                 )
+
+
+def _inside(node, container, facts: ScriptFacts) -> bool:
+    return any(a is container for a in facts.resolver.ancestors(node))
+
+
+def _target_names(stmt) -> Set[str]:
+    """Every name in an assignment target inside `stmt` (`args` of `args.out_dir = ...`)."""
+    found: Set[str] = set()
+
+    class _T(cst.CSTVisitor):
+        def visit_AssignTarget(self, n: cst.AssignTarget) -> None:
+            found.update(x.value for x in _read_names(n.target))
+
+        def visit_AugAssign(self, n: cst.AugAssign) -> None:
+            found.update(x.value for x in _read_names(n.target))
+
+        def visit_AnnAssign(self, n: cst.AnnAssign) -> None:
+            found.update(x.value for x in _read_names(n.target))
+
+    stmt.visit(_T())
+    return found | assigned_names(stmt)
+
+
+def _read_names(expr) -> List[cst.Name]:
+    """The variables an expression reads (`args` of `args.ckpt`)."""
+    attrs = []
+    names = []
+
+    class _V(cst.CSTVisitor):
+        def visit_Attribute(self, n: cst.Attribute) -> None:
+            attrs.append(n.attr)
+
+        def visit_Name(self, n: cst.Name) -> None:
+            names.append(n)
+
+    expr.visit(_V())
+    return [n for n in names if not any(n is a for a in attrs)]
 
 
 def _first_line(node, order) -> int:

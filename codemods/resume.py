@@ -98,6 +98,16 @@ class ConvertLoadsCommand(RetrofitStage):
             self._require_built(site, state_uses, facts)
             self._load_either(site, facts, editor)
             return
+        if origin == "either" and state_uses and all(u.key is None and u.kind == "model" for u in state_uses):
+            self.attention(
+                site.call,
+                f"`{code(site.path)}` is loaded as a single torch.save file (full state, broadcast from rank 0): "
+                "check that it never names this script's own model save, now a DCP directory",
+                "the path is not one this script saves to; in this shape (the loaded object kept in a "
+                "variable) the tool cannot tell the two apart at run time",
+            )
+            self._load_full(site, state_uses, facts, editor)
+            return
         if origin == "either" and state_uses:
             self.attention(
                 site.call,

@@ -20,7 +20,9 @@ from fsdp2_retrofit.analysis.checkpoints import (
     loads,
     may_be_tensor,
     path_key,
+    read_names,
     save_format,
+    target_names,
     saves,
 )
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
@@ -173,9 +175,9 @@ class ConvertLoadsCommand(RetrofitStage):
             if not built or order.get(id(built[0]), 0) < order.get(id(site.stmt), 0):
                 return None
         # the path names the same file in both: nothing in between rebinds what it reads
-        reads = {n.value for n in _read_names(site.path)}
+        reads = read_names(site.path)
         for stmt in body[body.index(top) + 1: body.index(late)]:
-            if reads & _target_names(stmt):
+            if reads & target_names(stmt):
                 return None
         return late
 
@@ -490,40 +492,6 @@ class ConvertLoadsCommand(RetrofitStage):
 
 def _inside(node, container, facts: ScriptFacts) -> bool:
     return any(a is container for a in facts.resolver.ancestors(node))
-
-
-def _target_names(stmt) -> Set[str]:
-    """Every name in an assignment target inside `stmt` (`args` of `args.out_dir = ...`)."""
-    found: Set[str] = set()
-
-    class _T(cst.CSTVisitor):
-        def visit_AssignTarget(self, n: cst.AssignTarget) -> None:
-            found.update(x.value for x in _read_names(n.target))
-
-        def visit_AugAssign(self, n: cst.AugAssign) -> None:
-            found.update(x.value for x in _read_names(n.target))
-
-        def visit_AnnAssign(self, n: cst.AnnAssign) -> None:
-            found.update(x.value for x in _read_names(n.target))
-
-    stmt.visit(_T())
-    return found | assigned_names(stmt)
-
-
-def _read_names(expr) -> List[cst.Name]:
-    """The variables an expression reads (`args` of `args.ckpt`)."""
-    attrs = []
-    names = []
-
-    class _V(cst.CSTVisitor):
-        def visit_Attribute(self, n: cst.Attribute) -> None:
-            attrs.append(n.attr)
-
-        def visit_Name(self, n: cst.Name) -> None:
-            names.append(n)
-
-    expr.visit(_V())
-    return [n for n in names if not any(n is a for a in attrs)]
 
 
 def _first_line(node, order) -> int:

@@ -7,7 +7,7 @@ The checkpoint stages ask these questions; the answers are computed on demand
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Optional, Set, Tuple
 
 import libcst as cst
 
@@ -394,17 +394,24 @@ def _with_file(stmt: cst.With, item: cst.WithItem, arg: cst.Name, call: cst.Call
     if len(reads) != 1 or reads[0] is not arg:
         found.problem = f"`{arg.value}` is used for more than the {'save' if writing else 'load'}"
         return found
-    if _read_names(path) & set().union(*(assigned_names(s) for s in stmt.body.body)):
+    if read_names(path) & set().union(*(assigned_names(s) for s in stmt.body.body)):
         found.problem = "the path is changed inside the `with`"
         return found
     found.path = path
     return found
 
 
-def _read_names(expr) -> set:
+def read_names(expr) -> Set[str]:
     """The variables an expression reads (`args` of `args.ckpt`, not `ckpt`)."""
     attrs = {id(n.attr) for n in _nodes_of(expr, cst.Attribute)}
     return {n.value for n in _names(expr) if id(n) not in attrs}
+
+
+def target_names(stmt) -> Set[str]:
+    """Every variable an assignment inside `stmt` binds or changes (`args` of `args.out = ...`)."""
+    targets = [t.target for t in _nodes_of(stmt, cst.AssignTarget)]
+    targets += [n.target for n in _nodes_of(stmt, (cst.AugAssign, cst.AnnAssign))]
+    return set().union(assigned_names(stmt), *(read_names(t) for t in targets))
 
 
 def _nodes_of(node, kind) -> list:

@@ -22,6 +22,7 @@ from fsdp2_retrofit.analysis.checkpoints import (
     path_key,
     read_names,
     save_format,
+    saved_dict_keys,
     target_names,
     saves,
 )
@@ -188,7 +189,8 @@ class ConvertLoadsCommand(RetrofitStage):
         values: Dict[str, str] = {}
         states: Dict[str, str] = {}
         for use in site.uses:
-            (values if use.kind == "value" else states).setdefault(use.key, _template(use))
+            template = self._value_template(use.key, facts) if use.kind == "value" else _template(use)
+            (values if use.kind == "value" else states).setdefault(use.key, template)
         new = []
         if values:
             new.append(self.stmt(f"{var} = {self._dict_text(values, site.stmt)}  # the values read before the model exists\n"))
@@ -275,7 +277,7 @@ class ConvertLoadsCommand(RetrofitStage):
             else:
                 entries: Dict[str, str] = {}
                 for use in site.uses:
-                    entries.setdefault(use.key, _template(use))
+                    entries.setdefault(use.key, self._value_template(use.key, facts) if use.kind == "value" else _template(use))
                 template = self._dict_text(entries, site.stmt)
             editor.replace(
                 site.stmt, self.stmt(f"{var} = {template}\n").with_changes(leading_lines=site.stmt.leading_lines)
@@ -403,6 +405,14 @@ class ConvertLoadsCommand(RetrofitStage):
             return [load]
         future = self.fresh_name(FUTURE, function)
         return [self.stmt(f"if {future} is not None:\n    {future}.result()\n"), load]
+
+    def _value_template(self, key: str, facts: ScriptFacts) -> str:
+        """The dcp.load placeholder of a plain value: None, or for a dict the save writes
+        with keys fixed in the source, a dict of those keys (DCP flattens saved dicts)."""
+        keys = saved_dict_keys(self.saved_values.get(key), facts)
+        if not keys:
+            return "None"
+        return "{" + ", ".join(f'"{k}": None' for k in keys) + "}"
 
     def _dict_text(self, entries: Dict[str, str], stmt) -> str:
         items = [f'"{k}": {v}' for k, v in entries.items()]

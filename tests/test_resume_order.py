@@ -25,7 +25,7 @@ def test_the_config_first_order_is_converted():
     result = _rewrite((CASE / "input.py").read_text())
     assert not result.refusals
     code = result.code.decode()
-    values = code.index('ckpt = {"model_args": None, "step": None}')
+    values = code.index('ckpt = {"model_args": {"dim": None, "depth": None}, "step": None}')
     shard = code.index("fully_shard(model, mesh=mesh)")
     state = code.index('"model": get_model_state_dict(model)')
     assert values < shard < state  # values before the build, states after sharding

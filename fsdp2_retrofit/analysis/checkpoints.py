@@ -436,3 +436,45 @@ def _names(node) -> List[cst.Name]:
 
     node.visit(_N())
     return found
+
+
+def saved_dict_keys(expr: Optional[cst.BaseExpression], facts: ScriptFacts) -> Optional[Tuple[str, ...]]:
+    """The keys of a dict a checkpoint saves as a value (`"model_args": model_args`), where
+    they are fixed in the source: a dict literal with string keys, `dict(k=...)`, or a name
+    every binding of which in its function is one of those with the same keys (or a read
+    from a checkpoint: `model_args = ckpt["model_args"]`). None: not known to be such a dict.
+    DCP flattens a saved dict into one entry a key, so its load needs the same keys."""
+    keys = _literal_keys(expr)
+    if keys is not None or not isinstance(expr, cst.Name):
+        return keys
+    r = facts.resolver
+    function = r.enclosing_function(expr)
+    found = set()
+    for target in r.nodes(cst.AssignTarget):
+        if r.enclosing_function(target) is not function or expr.value not in read_names(target.target):
+            continue
+        assign = r.parent(target)
+        if not (isinstance(target.target, cst.Name) and isinstance(assign, cst.Assign)):
+            return None  # `model_args["x"] = ...`, a tuple target: the keys may change
+        if isinstance(assign.value, cst.Subscript):
+            continue
+        keys = _literal_keys(assign.value)
+        if keys is None:
+            return None
+        found.add(keys)
+    return found.pop() if len(found) == 1 else None
+
+
+def _literal_keys(expr) -> Optional[Tuple[str, ...]]:
+    if isinstance(expr, cst.Dict) and all(
+        isinstance(e, cst.DictElement) and isinstance(e.key, cst.SimpleString) for e in expr.elements
+    ):
+        return tuple(e.key.evaluated_value for e in expr.elements)
+    if (
+        isinstance(expr, cst.Call)
+        and isinstance(expr.func, cst.Name)
+        and expr.func.value == "dict"
+        and all(a.keyword is not None and not a.star for a in expr.args)
+    ):
+        return tuple(a.keyword.value for a in expr.args)
+    return None

@@ -22,6 +22,7 @@ from fsdp2_retrofit.syntax.names import Origins
 
 from .accumulation import SyncGradientsOncePerStepCommand
 from .checkpoint import ConvertSavesCommand
+from .checkpoint_files import UseCheckpointPathsCommand
 from .clipping import ReadGlobalGradNormCommand
 from .data import DistributeDataCommand
 from .forward_calls import ReplaceForwardCallsCommand
@@ -50,6 +51,7 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
     [LaunchDistributedCommand],
     [InitOnMetaDeviceCommand],
     [ShardModelCommand],
+    [UseCheckpointPathsCommand],  # a checkpoint saved or loaded through a file object takes the path
     [
         MoveOptimizerCommand,
         ReplaceForwardCallsCommand,

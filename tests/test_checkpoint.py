@@ -141,3 +141,75 @@ def test_full_export_loads_into_the_unsharded_model(tmp_path: Path):
     diff = max_abs_diff(reference, model.state_dict())
     print(f"\nexport_full: torch.load of the exported file into Classifier() vs single process: {diff:.3e}")
     assert diff <= DEFAULT_TOLERANCE
+
+
+# --- a checkpoint named by a flag: this script's DCP directory, or a single file ----------
+
+WARM = FIXTURES / "warm_start_flag"
+WARM_STEPS = ["--steps", "6"]
+
+
+@pytest.fixture(scope="module")
+def warm_start(tmp_path_factory):
+    """The single-GPU script's own file after 6 steps, and the reference: the single-GPU
+    script warm-started from it (--init-from) for 6 more."""
+    root = tmp_path_factory.mktemp("warm_start")
+    for sub in ("single", "ref"):
+        (root / sub).mkdir()
+    run_single(WARM / "input.py", ["--batch-size", "32", *WARM_STEPS], root / "single" / "model.pt")
+    init = ["--init-from", str(root / "single" / "model.pt")]
+    run_single(WARM / "input.py", ["--batch-size", "32", *WARM_STEPS, *init], root / "ref" / "out.pt")
+    reference = select(load_weights(root / "ref" / "out.pt"), [])
+    # the comparison can fail: the warm start trained on from the file, not from scratch
+    assert max_abs_diff(reference, select(load_weights(root / "single" / "model.pt"), [])) > DEFAULT_TOLERANCE
+    return root, reference
+
+
+def _warm_started_run(script: Path, init_from: Path, out: Path) -> dict:
+    """`script` on 2 ranks, warm-started from `init_from`: its final weights."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stdout = run_distributed(script, ["--batch-size", "16", *WARM_STEPS, "--init-from", str(init_from)], out, nproc=2)
+    assert f"initialised from {init_from}" in stdout
+    return select(load_weights(out), [])
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("warm_start")
+def test_a_single_gpu_file_and_this_scripts_directory_both_warm_start_the_fsdp2_run(warm_start, tmp_path: Path):
+    """--init-from names a path the script never saves to: a single-GPU run's file (full
+    state, broadcast from rank 0) and the FSDP2 run's own --out (a DCP directory) both
+    load, told apart at run time, and train on like the single-GPU warm start."""
+    root, reference = warm_start
+    from_file = _warm_started_run(WARM / "expected.py", root / "single" / "model.pt", tmp_path / "file" / "out.pt")
+    (tmp_path / "own").mkdir()
+    run_distributed(WARM / "expected.py", ["--batch-size", "16", *WARM_STEPS], tmp_path / "own" / "model.pt", nproc=2)
+    assert (tmp_path / "own" / "model.pt").is_dir(), "the FSDP2 run's --out must be a DCP directory"
+    from_dir = _warm_started_run(WARM / "expected.py", tmp_path / "own" / "model.pt", tmp_path / "dir" / "out.pt")
+    for what, weights in (("single-GPU file", from_file), ("DCP directory", from_dir)):
+        diff = max_abs_diff(reference, weights)
+        print(f"\nwarm_start_flag: --init-from a {what} on 2 ranks vs single process: {diff:.3e}")
+        assert diff <= DEFAULT_TOLERANCE, f"--init-from a {what}: weights differ by {diff:.3e}"
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("warm_start")
+def test_export_full_output_warm_starts_the_original_single_gpu_script(warm_start, tmp_path: Path):
+    """--export full: the FSDP2 run's --out is one torch.save file the original script
+    loads with its own torch.load + load_state_dict."""
+    from fsdp2_retrofit.options import RetrofitOptions
+    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+
+    root, reference = warm_start
+    result = rewrite_source((WARM / "input.py").read_bytes(), str(WARM / "input.py"), RetrofitOptions(export="full"))
+    assert not result.refusals
+    script = tmp_path / "export_full.py"
+    script.write_bytes(result.code)
+    (tmp_path / "dist").mkdir()
+    run_distributed(script, ["--batch-size", "16", *WARM_STEPS], tmp_path / "dist" / "model.pt", nproc=2)
+    assert (tmp_path / "dist" / "model.pt").is_file(), "--export full must write one file"
+    (tmp_path / "single").mkdir()
+    init = ["--init-from", str(tmp_path / "dist" / "model.pt")]
+    run_single(WARM / "input.py", ["--batch-size", "32", *WARM_STEPS, *init], tmp_path / "single" / "out.pt")
+    diff = max_abs_diff(reference, select(load_weights(tmp_path / "single" / "out.pt"), []))
+    print(f"\nwarm_start_flag: single-GPU script warm-started from the --export full file vs from its own: {diff:.3e}")
+    assert diff <= DEFAULT_TOLERANCE

@@ -269,6 +269,11 @@ _RULES = [
                 "broadcast from (an else branch, another condition, a nested block, after the save).",
                 "The other ranks would stop with a NameError at the first checkpoint.",
                 "Bind the name on every rank (compute the path everywhere; create directories under the rank-0 `if`)."),
+    RefusalRule("FSR705", "checkpoint-file-object",
+                "Model or optimizer state saved to a file object the tool cannot replace by its path.",
+                "The save becomes dcp.save of a checkpoint directory, which takes a path: a file object fails.",
+                "Save by path: torch.save(state, path) (or `with open(path, \"wb\") as f: torch.save(state, f)` alone).",
+                "checkpoint_files"),
     # -- 8xx resume ---------------------------------------------------------------------
     RefusalRule("FSR801", "resume-load-before-build", "A checkpoint is read before the model or optimizer it fills is built.",
                 "dcp.load fills the state dicts of the sharded model, its optimizer and scheduler: they must exist.",
@@ -297,6 +302,11 @@ _RULES = [
                 "the rewrite clears through the one optimizer that trains the whole model, and here there is none.",
                 "Call `model.zero_grad()` before the forward, or clear through the optimizer (`optimizer.zero_grad()`).",
                 stage_name="zero_grad"),
+    RefusalRule("FSR803", "resume-file-object",
+                "Model or optimizer state loaded from a file object the tool cannot replace by its path.",
+                "A checkpoint of this script is now a DCP directory read with dcp.load, which takes a path.",
+                "Load by path: torch.load(path) (or `with open(path, \"rb\") as f: torch.load(f)` alone).",
+                "checkpoint_files"),
 ]
 
 CATALOGUE: Dict[str, RefusalRule] = {r.code: r for r in _RULES}

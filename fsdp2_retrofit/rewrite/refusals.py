@@ -281,6 +281,11 @@ _RULES = [
     RefusalRule("FSR802", "resume-optimizer-of-several-models", "A loaded optimizer trains several models.",
                 "get_/set_optimizer_state_dict take the one model the optimizer trains.",
                 "Give each model its own optimizer."),
+    RefusalRule("FSR803", "resume-file-object",
+                "Model or optimizer state loaded from a file object the tool cannot replace by its path.",
+                "A checkpoint of this script is now a DCP directory read with dcp.load, which takes a path.",
+                "Load by path: torch.load(path) (or `with open(path, \"rb\") as f: torch.load(f)` alone).",
+                "checkpoint_files"),
     # -- 9xx data -----------------------------------------------------------------------
     RefusalRule("FSR901", "data-sampler-not-distributable",
                 "A training DataLoader is given a batch_sampler, or a sampler other than RandomSampler/SequentialSampler.",
@@ -302,11 +307,6 @@ _RULES = [
                 "the rewrite clears through the one optimizer that trains the whole model, and here there is none.",
                 "Call `model.zero_grad()` before the forward, or clear through the optimizer (`optimizer.zero_grad()`).",
                 stage_name="zero_grad"),
-    RefusalRule("FSR803", "resume-file-object",
-                "Model or optimizer state loaded from a file object the tool cannot replace by its path.",
-                "A checkpoint of this script is now a DCP directory read with dcp.load, which takes a path.",
-                "Load by path: torch.load(path) (or `with open(path, \"rb\") as f: torch.load(f)` alone).",
-                "checkpoint_files"),
 ]
 
 CATALOGUE: Dict[str, RefusalRule] = {r.code: r for r in _RULES}

@@ -27,6 +27,18 @@ def test_catalogue_is_complete():
         assert rule.NAME and rule.MESSAGE and rule.VALID and rule.INVALID
 
 
+@pytest.mark.parametrize("rule", RULES, ids=[r.CODE for r in RULES])
+def test_declared_fix_safety_is_what_the_cases_show(rule):
+    """`rules` marks unsafe fixes from FIX_SAFETY: it must be what the fixes are."""
+    seen = set()
+    for case in rule.INVALID:
+        for f in lint_source(case.code.encode(), "case.py", [rule]).findings:
+            if f.fix is not None:
+                seen.add("safe" if f.fix.safe else "unsafe")
+    if seen:
+        assert {"safe": {"safe"}, "unsafe": {"unsafe"}, "mixed": {"safe", "unsafe"}}[rule.FIX_SAFETY] == seen
+
+
 @pytest.mark.parametrize("item", VALID, ids=[_id(v) for v in VALID])
 def test_valid_cases_yield_nothing(item):
     rule, _, case = item

@@ -86,6 +86,9 @@ class Rule:
     TRIGGERS: Tuple[str, ...] = SHARDING_TRIGGERS  # one of these must occur in the text...
     NEEDS_SHARDING: bool = True  # ...and, unless False, one of SHARDING_TRIGGERS too
     DEFAULT: bool = True  # on unless --select asks for it (4xx rules are off by default)
+    # the applicability of its fixes: "safe", "unsafe" (only with --unsafe-fixes) or
+    # "mixed" (some cases each); the INVALID cases show exactly these (a test checks)
+    FIX_SAFETY: str = "safe"
     VALID: Sequence[Valid] = ()
     INVALID: Sequence[Invalid] = ()
 
@@ -117,6 +120,16 @@ class Rule:
         """"always", "sometimes" or "never": from the INVALID cases that show a fix."""
         fixed = [case.fixed is not None for case in cls.INVALID]
         return "always" if fixed and all(fixed) else "sometimes" if any(fixed) else "never"
+
+
+    @classmethod
+    def fix_label(cls) -> str:
+        """The `rules` listing's fix column: safe / unsafe / safe|unsafe, `*` when only some cases have a fix."""
+        availability = cls.fix_availability()
+        if availability == "never":
+            return ""
+        label = {"safe": "safe", "unsafe": "unsafe", "mixed": "safe|unsafe"}[cls.FIX_SAFETY]
+        return label + ("*" if availability == "sometimes" else "")
 
 
 def all_rules() -> List[Type[Rule]]:

@@ -134,6 +134,7 @@ class Rule:
 
 def all_rules() -> List[Type[Rule]]:
     from . import (
+        change_after_shard,
         fsdp1_api,
         forward_call,
         load_into_sharded,
@@ -163,6 +164,7 @@ def all_rules() -> List[Type[Rule]]:
         fsdp1_api.Fsdp1Api,
         load_into_sharded.LoadIntoSharded,
         zero_grad_after_forward.ZeroGradAfterForward,
+        change_after_shard.ChangeAfterShard,
     ]
     return sorted(rules, key=lambda r: r.CODE)
 

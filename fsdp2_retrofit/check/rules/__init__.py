@@ -135,6 +135,7 @@ class Rule:
 def all_rules() -> List[Type[Rule]]:
     from . import (
         change_after_shard,
+        flattening_optimizer,
         fsdp1_api,
         forward_call,
         load_into_sharded,
@@ -165,6 +166,7 @@ def all_rules() -> List[Type[Rule]]:
         load_into_sharded.LoadIntoSharded,
         zero_grad_after_forward.ZeroGradAfterForward,
         change_after_shard.ChangeAfterShard,
+        flattening_optimizer.FlatteningOptimizer,
     ]
     return sorted(rules, key=lambda r: r.CODE)
 

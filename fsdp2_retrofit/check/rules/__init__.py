@@ -145,6 +145,7 @@ def all_rules() -> List[Type[Rule]]:
         no_sync,
         optimizer_before_shard,
         rank_gated_collective,
+        rank_zero_name,
         shard_container,
         shard_order,
         torch_save_dtensor,
@@ -167,6 +168,7 @@ def all_rules() -> List[Type[Rule]]:
         zero_grad_after_forward.ZeroGradAfterForward,
         change_after_shard.ChangeAfterShard,
         flattening_optimizer.FlatteningOptimizer,
+        rank_zero_name.RankZeroName,
     ]
     return sorted(rules, key=lambda r: r.CODE)
 

@@ -144,6 +144,7 @@ def all_rules() -> List[Type[Rule]]:
         missing_set_device,
         no_sync,
         optimizer_before_shard,
+        param_tensor,
         rank_gated_collective,
         rank_zero_name,
         shard_container,
@@ -169,6 +170,7 @@ def all_rules() -> List[Type[Rule]]:
         change_after_shard.ChangeAfterShard,
         flattening_optimizer.FlatteningOptimizer,
         rank_zero_name.RankZeroName,
+        param_tensor.ShardedParamTensor,
     ]
     return sorted(rules, key=lambda r: r.CODE)
 

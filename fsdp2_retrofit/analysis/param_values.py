@@ -15,18 +15,13 @@ from typing import Optional
 
 import libcst as cst
 
+from fsdp2_retrofit.syntax.torch_api import TENSOR_FACTORIES as _FACTORIES
 from .closures import sharded_here
 
 _PARAM_ATTRS = {"weight", "bias"}
 _PARAM_ITERS = {"parameters", "named_parameters"}
 _PLAIN_OUT = {"full_tensor", "to_local", "item", "size", "numel", "dim", "tolist", "numpy"}
 _PLAIN_ATTRS = {"shape", "dtype", "device", "ndim", "requires_grad"}
-_FACTORIES = {
-    "torch." + n for n in (
-        "tensor", "as_tensor", "zeros", "ones", "randn", "rand", "randint", "arange", "full", "empty", "linspace",
-        "from_numpy", "eye",
-    )
-}
 _WRAPPERS = {"enumerate", "list", "tuple", "zip", "reversed", "sorted", "iter"}
 
 

@@ -6,19 +6,15 @@ from typing import Optional
 import libcst as cst
 
 from fsdp2_retrofit.analysis.closures import sharded_here
+from fsdp2_retrofit.syntax.torch_api import LBFGS, ZERO_REDUNDANCY_OPTIMIZER
 from . import Invalid, Rule, Valid
 
 _HEAD = "import torch\nfrom torch.distributed.fsdp import fully_shard\nmodel = Net()\n"
 # optimizers that view all parameters (or gradients) as one flat vector, or flatten and
 # partition them themselves
-_FLATTENING = {
-    "torch.optim.LBFGS": "it flattens every gradient into one vector and line-searches on its dot products",
-    "torch.optim.lbfgs.LBFGS": "it flattens every gradient into one vector and line-searches on its dot products",
-    "torch.distributed.optim.ZeroRedundancyOptimizer": "it flattens and partitions the parameters itself "
-    "(FSDP2 already shards them and the optimizer state)",
-    "torch.distributed.optim.zero_redundancy_optimizer.ZeroRedundancyOptimizer": "it flattens and partitions the "
-    "parameters itself (FSDP2 already shards them and the optimizer state)",
-}
+_WHY_LBFGS = "it flattens every gradient into one vector and line-searches on its dot products"
+_WHY_ZERO = "it flattens and partitions the parameters itself (FSDP2 already shards them and the optimizer state)"
+_FLATTENING = {**dict.fromkeys(LBFGS, _WHY_LBFGS), **dict.fromkeys(ZERO_REDUNDANCY_OPTIMIZER, _WHY_ZERO)}
 
 
 class FlatteningOptimizer(Rule):

@@ -25,7 +25,7 @@ class ChangeAfterShard(Rule):
     """Checks for a structural change to a module after `fully_shard` of it.
 
     ## What it does
-    After `fully_shard(model)` (in the same function, a function it is passed to, or
+    After `fully_shard(model)` of the root (in the same function, a function it is passed to, or
     a nested function closing over it), flags:
     - a new submodule or parameter: `model.head = nn.Linear(...)`, `model.add_module(...)`,
       `register_parameter`, `model.layers.append(Block())`;
@@ -34,7 +34,9 @@ class ChangeAfterShard(Rule):
       back to the module);
     - `model.load_state_dict(d)` of a plain dict: a dict built in the script, the
       `state_dict()` of a module that is not sharded, a `safetensors` file
-      (`torch.load` is FSD112's).
+      (`torch.load` is FSD112's); this one after the sharding of any of its blocks too.
+    A part added or a cast between the blocks' `fully_shard` and the root's is not
+    flagged: the root's `fully_shard` takes the parameters as they are then.
 
     ## Why is this bad?
     `fully_shard` turns the parameters it finds into DTensor shards and builds its
@@ -80,6 +82,8 @@ class ChangeAfterShard(Rule):
         Valid(_HEAD + "fully_shard(model)\nstate = get_model_state_dict(model)\ndcp.load(state, checkpoint_id=p)\n"
               "model.load_state_dict(state)\n"),  # DCP-loaded sharded state
         Valid("import torch\nimport torch.nn as nn\nmodel = Net()\nmodel.head = nn.Linear(4, 2)\nmodel.half()\n"),
+        Valid(_HEAD + "for block in model.blocks:\n    fully_shard(block)\nmodel.head = nn.Linear(4, 2)\n"
+              "fully_shard(model)\n"),  # the root's fully_shard comes after: it shards the head
     )
     INVALID = (
         Invalid(_HEAD + "fully_shard(model)\nmodel.head = nn.Linear(4, 2)\n", line=6),
@@ -104,7 +108,7 @@ class ChangeAfterShard(Rule):
             for t in assign.targets:
                 target = t.target
                 if isinstance(target, cst.Attribute) and _builds_module(ctx, assign.value, classes):
-                    found = sharded_here(shards, target.value, assign)
+                    found = sharded_here(shards, target.value, assign, root_sharded=True)
                     if found is not None:
                         yield assign, self._new_part(ctx, found, f"`{_code(target)} = {_code(assign.value.func)}(...)`"), None
                         break
@@ -114,13 +118,13 @@ class ChangeAfterShard(Rule):
                 continue
             method = func.attr.value
             if method in _REGISTER or (method in _GROW and any(_builds_module(ctx, a.value, classes) for a in call.args)):
-                found = sharded_here(shards, func.value, call)
+                found = sharded_here(shards, func.value, call, root_sharded=True)
                 if found is not None:
                     yield call, self._new_part(ctx, found, f"`{_code(func)}(...)`"), None
             elif (method in _CASTS and not call.args) or (method == "to" and _dtype_arg(call)):
                 if not _module_cast(ctx, call):
                     continue
-                found = sharded_here(shards, func.value, call)
+                found = sharded_here(shards, func.value, call, root_sharded=True)
                 if found is not None:
                     yield call, self._fields(ctx, found, f"dtype cast `{_code(call)}`",
                                              "FSDP2 keeps gathering in the dtype it recorded (cast before `fully_shard`, "

@@ -135,3 +135,20 @@ STATE_DICT_SETTERS = frozenset({
     "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict",
     "torch.distributed.checkpoint.state_dict.set_state_dict",
 })
+
+# -- check rules of issue 17 -------------------------------------------------
+
+# optimizers that flatten the parameters or gradients into one vector (LBFGS) or into
+# buckets they partition themselves (ZeRO): not written for DTensor shards
+LBFGS = frozenset({"torch.optim.LBFGS", "torch.optim.lbfgs.LBFGS"})
+ZERO_REDUNDANCY_OPTIMIZER = frozenset({
+    "torch.distributed.optim.ZeroRedundancyOptimizer",
+    "torch.distributed.optim.zero_redundancy_optimizer.ZeroRedundancyOptimizer",
+})
+# calls that build a new plain tensor (not the *_like ones: those follow their argument)
+TENSOR_FACTORIES = frozenset(
+    "torch." + name for name in (
+        "tensor", "as_tensor", "zeros", "ones", "randn", "rand", "randint", "arange", "full", "empty", "linspace",
+        "from_numpy", "eye",
+    )
+)

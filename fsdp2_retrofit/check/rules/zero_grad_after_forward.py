@@ -66,6 +66,7 @@ class ZeroGradAfterForward(Rule):
         "clears its gathered parameters, not the sharded gradients; {instead}"
     )
     TRIGGERS = ("zero_grad",)
+    FIX_SAFETY = "mixed"
     VALID = (
         Valid(_HEAD + _loop("opt.zero_grad()")),
         Valid(_HEAD + "for x in loader:\n    model.zero_grad()\n    loss = model(x).sum()\n    loss.backward()\n"),
@@ -84,6 +85,10 @@ class ZeroGradAfterForward(Rule):
         Invalid(
             _HEAD + _loop("model.zero_grad(set_to_none=True)"), line=8,
             fixed=_HEAD + _loop("opt.zero_grad(set_to_none=True)"),
+        ),
+        Invalid(  # the optimizer trains part of the model: the fix may leave other gradients (unsafe)
+            _HEAD.replace("model.parameters()", "model.head.parameters()") + _loop("model.zero_grad()"), line=8,
+            fixed=_HEAD.replace("model.parameters()", "model.head.parameters()") + _loop("opt.zero_grad()"),
         ),
         Invalid(  # a nested function closing over the model and its optimizer
             "import torch\nfrom torch.distributed.fsdp import fully_shard\ndef main():\n    model = Net()\n"

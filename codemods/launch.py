@@ -8,11 +8,20 @@ from fsdp2_retrofit.syntax.names import assigned_names, is_main_guard, names_in
 from fsdp2_retrofit.analysis.process_group import process_group
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
+# Under torchrun (RANK, LOCAL_RANK, WORLD_SIZE and the rendezvous address in the
+# environment) the group spans every rank; run as plain `python train.py` it is a
+# group of that one process (an in-memory store: no address, no port), so the
+# script can still be debugged like the original and trains exactly like it.
 PREAMBLE = """\
-{local_rank} = int(os.environ["LOCAL_RANK"])
+{local_rank} = int(os.environ.get("LOCAL_RANK", 0))
 if torch.cuda.is_available():
     torch.cuda.set_device({local_rank})
-dist.init_process_group({backend} if torch.cuda.is_available() else "gloo")
+if "RANK" in os.environ:  # launched by torchrun
+    dist.init_process_group({backend} if torch.cuda.is_available() else "gloo")
+else:  # plain `python train.py`: a process group of this one process
+    dist.init_process_group(
+        {backend} if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0, world_size=1
+    )
 {rank}, {world_size} = dist.get_rank(), dist.get_world_size()
 """
 MESH = """{mesh} = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", ({world_size},))\n"""

@@ -137,8 +137,11 @@ def test_trains_check_fails_when_nothing_is_learned(tmp_path: Path):
 
 # A representative set: the README's shape, a shuffled two-epoch loader (DistributedSampler
 # of one rank against the reference order), accumulation with clipping, periodic DCP
-# checkpoints with a resume guard, and the torch 2.4 import spelling.
-PLAIN_CASES = ["main_modulelist", "kwargs_shuffle", "accumulation_modulo", "resume_periodic", "torch_2_4_generate"]
+# checkpoints with a resume guard, the torch 2.4 import spelling, and an optional-DDP
+# script whose plain branch now starts a group of its one process.
+PLAIN_CASES = [
+    "main_modulelist", "kwargs_shuffle", "accumulation_modulo", "resume_periodic", "torch_2_4_generate", "optional_ddp",
+]
 
 
 @pytest.mark.e2e

@@ -147,7 +147,8 @@ _RULES = [
     # -- 4xx launch --------------------------------------------------------------------
     RefusalRule("FSR401", "launch-conditional-process-group", "The process group is started under a condition.",
                 "fully_shard needs the process group and a device mesh on every run.",
-                "Start the process group unconditionally (the output runs under torchrun only)."),
+                "Start it directly under one `if` (`if ddp: init_process_group(backend)`, no init_method or "
+                "rank arguments; the other branch then gets a process group of one process), or unconditionally."),
     RefusalRule("FSR402", "launch-model-before-process-group",
                 "The model is built before the script starts its process group.",
                 "fully_shard needs the device mesh, which needs the process group; sharding must follow the build.",

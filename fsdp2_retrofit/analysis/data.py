@@ -124,7 +124,11 @@ class LoaderAnalysis(SiteAnalysis):
         call = expr if isinstance(expr, cst.Call) else None
         if isinstance(expr, cst.Name):
             bound = self._value_bound_before(expr.value, stmt)
+            if self._distributed_or_none(bound):
+                return SamplerSite("distributed", expr, bound.body if isinstance(bound, cst.IfExp) else bound)
             call = bound if isinstance(bound, cst.Call) else None
+        if self._distributed_or_none(expr) and isinstance(expr, cst.IfExp):
+            return SamplerSite("distributed", expr, expr.body)
         if call is None:
             return SamplerSite("other", expr)
         if self.r.is_call_to(call, DISTRIBUTED_SAMPLERS):
@@ -133,6 +137,16 @@ class LoaderAnalysis(SiteAnalysis):
         if shuffle is not None and len(call.args) == 1 and call.args[0].keyword in (None,) and not call.args[0].star:
             return SamplerSite("plain", expr, call, call.args[0].value, shuffle)
         return SamplerSite("other", expr, call)
+
+    def _distributed_or_none(self, value) -> bool:
+        """`DistributedSampler(...) if ddp else None` (either order): the script's own optional
+        distributed mode, which already splits the data whenever it runs on several ranks."""
+        if not isinstance(value, cst.IfExp):
+            return False
+        branches = [value.body, value.orelse]
+        samplers = [b for b in branches if isinstance(b, cst.Call) and self.r.is_call_to(b, DISTRIBUTED_SAMPLERS)]
+        nones = [b for b in branches if isinstance(b, cst.Name) and b.value == "None"]
+        return len(samplers) == 1 and len(nones) == 1
 
     def _returned(self, name: str, stmt) -> bool:
         function = self.r.enclosing_function(stmt)

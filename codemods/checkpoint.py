@@ -10,6 +10,7 @@ from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.analysis.checkpoints import (
     SaveSite,
     rank_gate,
+    rank_zero_names,
     save_format,
     saves,
     split_rank_test,
@@ -71,6 +72,7 @@ class ConvertSavesCommand(RetrofitStage):
         for site in sites:
             self._convert(site, facts, editor, async_ok)
         self._move_out_of_rank_gates(sites, facts, editor)
+        self._share_rank_zero_names(sites, facts, editor)
         if async_ok and self.future:
             self._wait_at_the_end(sites, facts, editor)
 
@@ -180,8 +182,70 @@ class ConvertSavesCommand(RetrofitStage):
             gate = rank_gate(call, facts)
             if gate is not None:
                 gates.setdefault(gate, []).append(call)
+        self.split_gates = list(gates)
         for gate, gated in gates.items():
             self._split(gate, gated, facts, editor)
+
+    def _share_rank_zero_names(self, sites, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """A save that now runs on every rank and reads a name bound only under a rank-0
+        `if` (`if rank == 0: run_dir = ...`): rank 0 computes it, broadcast_object_list
+        hands it to the others right after that `if` (or after init_process_group), on
+        every rank."""
+        shared = set()
+        for site in sites:
+            if not self.collective.get(site.stmt):
+                continue
+            for name, gate in rank_zero_names(site.stmt, facts, self.split_gates):
+                if name in shared:
+                    continue
+                shared.add(name)
+                anchor = self._broadcast_anchor(gate, site.stmt, facts)
+                if anchor is None:
+                    self.refuse(
+                        "FSR704",
+                        gate,
+                        f"`{name}` is bound only under `if {code(gate.test)}:` and the save on line "
+                        f"{self.line(site.stmt)} that reads it now runs on every rank",
+                        "the other ranks would stop with a NameError at the first checkpoint; the rewrite hands "
+                        "such a name to the other ranks only from a plain rank-0 `if` (no else, no other "
+                        "condition) in the body of the function that saves",
+                        f"bind `{name}` on every rank (compute the path everywhere; create directories under "
+                        "the rank-0 `if`)",
+                    )
+                test = code(gate.test)
+                box = self.fresh_name(f"{name}_shared", facts.resolver.enclosing_function(gate))
+                editor.insert_after(anchor, [
+                    self.stmt(f"{box} = [{name}] if {test} else [None]\n"),
+                    self.stmt(f"dist.broadcast_object_list({box}, src=0)  # every rank: the save reads it\n"),
+                    self.stmt(f"{name} = {box}[0]\n"),
+                ])
+                self.add_import("torch.distributed", asname="dist")
+                self.change(
+                    gate,
+                    f"`{name}`, bound only under `if {test}:`, is broadcast from rank 0 to every rank",
+                    f"the save on line {self.line(site.stmt)} runs on every rank now and reads it",
+                    "without it the other ranks stop with a NameError at the first checkpoint",
+                )
+
+    def _broadcast_anchor(self, gate: cst.If, save: cst.CSTNode, facts: ScriptFacts) -> Optional[cst.CSTNode]:
+        """Where the broadcast of a name `gate` binds goes: after the gate, or after
+        init_process_group when that comes later; None where it cannot go safely."""
+        function = facts.resolver.enclosing_function(gate)
+        rank, other = split_rank_test(gate.test)
+        if function is None or gate.orelse is not None or not rank or other:
+            return None
+        body = list(function.body.body)
+        top = next((a for a in [save, *facts.resolver.ancestors(save)] if a in body), None)
+        if gate not in body or top is None or body.index(top) <= body.index(gate):
+            return None
+        anchor = gate
+        if facts.distributed_init is not None:
+            init = facts.resolver.statement_of(facts.distributed_init)
+            if init in body and body.index(init) > body.index(gate):
+                if body.index(init) > body.index(top):
+                    return None
+                anchor = init
+        return anchor
 
     def _calls_of_saving_functions(self, facts: ScriptFacts) -> List[cst.Call]:
         """Calls of the script's functions that (directly or through another) save state."""

@@ -6,6 +6,7 @@ from typing import Optional
 import libcst as cst
 
 from fsdp2_retrofit.analysis import LoaderSite, ScriptFacts, code
+from fsdp2_retrofit.analysis.data import unfollowed_loaders
 from fsdp2_retrofit.syntax.names import iterated_name, names_in
 from fsdp2_retrofit.rewrite.edit import with_keyword, without_entry, without_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
@@ -18,7 +19,7 @@ def _sampled(call: cst.Call, sampler: str, dataset: Optional[cst.BaseExpression]
              batch: Optional[cst.BaseExpression]) -> cst.Call:
     """A DataLoader call reading through `sampler` (its shuffle dropped; its dataset
     and per-rank batch size replaced where given)."""
-    call = without_keyword(call, "shuffle")
+    call = without_keyword(without_keyword(call, "shuffle"), "sampler")
     if dataset is not None:
         call = _replace_dataset(call, dataset)
     if batch is not None:
@@ -39,23 +40,67 @@ class DistributeDataCommand(RetrofitStage):
                 "after the retrofit every rank trains on the same data; split the batches by "
                 "dist.get_rank() / dist.get_world_size() or use a DataLoader with DistributedSampler",
             )
+        self._unfollowed(tree, facts, training)
         for loader in facts.loaders:
-            if not loader.trains:
+            if not loader.trains and not loader.returned:
                 self.attention(
                     loader.stmt,
-                    f"`{loader.name}` is not used by a training loop: left as is (every rank reads all of it)",
-                    "evaluation on every rank is correct but repeats the work; shard it and all-reduce the metric to save time",
+                    f"`{loader.name}` is not read by a loop the rewrite recognises as training: left as is "
+                    "(every rank reads all of it)",
+                    "right for evaluation (shard it and all-reduce the metric to save time); if it feeds "
+                    "training, every rank trains on the same batches: give it a DistributedSampler",
                 )
         for loader in training:
-            if loader.has_sampler:
+            if loader.sampler is not None and loader.sampler.kind == "other":
+                self.refuse(
+                    "FSR901",
+                    loader.sampler.expr,
+                    f"`{loader.name}` trains through `{code(loader.sampler.expr)}`, which has no distributed "
+                    "counterpart the rewrite knows",
+                    "a batch sampler, a subset, weighted or custom sampler draws indices of the whole dataset: "
+                    "every rank would train on the same batches",
+                    "split its indices by rank yourself (e.g. indices[rank::world_size]), or use shuffle=True / "
+                    "RandomSampler so the rewrite can put a DistributedSampler in its place",
+                )
+            if loader.sampler is not None and loader.sampler.kind == "distributed":
                 continue
             self._distribute(loader, facts, editor, several=len(training) > 1)
 
+    def _unfollowed(self, tree: cst.Module, facts: ScriptFacts, training: list) -> None:
+        """DataLoaders no loop can be traced to: refused where no training loader was
+        found (one of them is likely it), reported otherwise."""
+        for unfollowed in unfollowed_loaders(tree, facts.resolver, facts.loaders):
+            if not training and facts.loops:
+                self.refuse(
+                    "FSR902",
+                    unfollowed.node,
+                    f"a DataLoader {unfollowed.how}: the rewrite cannot follow it to the training loop",
+                    "no training loop reads a DataLoader the rewrite can give a DistributedSampler; left as is, "
+                    "every rank would train on the same batches",
+                    "bind the training DataLoader to a name in the function that trains "
+                    "(`loader = DataLoader(...)`, then `for batch in loader:`)",
+                )
+            self.attention(
+                unfollowed.node,
+                f"a DataLoader {unfollowed.how}: not followed, left as is (every rank reads all of it)",
+                "right for evaluation; if it feeds training, every rank trains on the same batches: give it a "
+                "DistributedSampler",
+            )
+
     def _distribute(self, loader: LoaderSite, facts: ScriptFacts, editor: StatementEditor, several: bool) -> None:
+        if loader.sampler is not None and isinstance(loader.sampler.expr, cst.Name):
+            self._replace_bound_sampler(loader, facts, editor)
+            return
         scope = facts.resolver.enclosing_function(loader.stmt)
         sampler = self.fresh_name(f"{loader.name}_sampler" if several else "sampler", scope)
         dataset, hoisted = self._dataset(loader, scope)
         shuffle = code(loader.shuffle) if loader.shuffle is not None else "False"
+        if loader.sampler is not None:  # sampler=RandomSampler(data) written in the call
+            shuffle = loader.sampler.shuffle
+            dataset, hoisted = code(loader.sampler.dataset), None
+        elif loader.shuffle_set_later is not None:
+            # the dict's shuffle, whatever the statements before the loader made it, goes to the sampler
+            shuffle = f'{loader.shuffle_set_later}.pop("shuffle", False)'
         extra = f", drop_last={code(loader.drop_last)}" if loader.drop_last is not None else ""
         new = []
         if hoisted is not None:
@@ -70,7 +115,8 @@ class DistributeDataCommand(RetrofitStage):
         editor.set_leading_lines(loader.stmt, [note])
         new_dataset = cst.Name(dataset) if hoisted is not None else None
         editor.replace_expression(loader.call, lambda call: _sampled(call, sampler, new_dataset, batch))
-        if loader.kwargs_dict is not None and loader.shuffle is not None and _has_key(loader.kwargs_dict, "shuffle"):
+        if (loader.kwargs_dict is not None and loader.shuffle is not None and loader.shuffle_set_later is None
+                and _has_key(loader.kwargs_dict, "shuffle")):
             editor.replace_expression(loader.kwargs_dict, lambda kwargs: without_entry(kwargs, "shuffle"))
         self.add_import("torch.utils.data.distributed", "DistributedSampler")
         self.change(
@@ -83,6 +129,22 @@ class DistributeDataCommand(RetrofitStage):
             "without a sampler every rank trains on the same batches",
         )
         self._set_epoch(loader, sampler, facts, editor)
+
+    def _replace_bound_sampler(self, loader: LoaderSite, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """`sampler = RandomSampler(data)` bound before the loader: the call becomes
+        `DistributedSampler(data, shuffle=True)` where it stands, the name stays."""
+        site = loader.sampler
+        extra = f", drop_last={code(loader.drop_last)}" if loader.drop_last is not None else ""
+        new = f"DistributedSampler({code(site.dataset)}, shuffle={site.shuffle}{extra})"
+        editor.replace_expression(site.call, lambda _call: self.expr(new))
+        self.add_import("torch.utils.data.distributed", "DistributedSampler")
+        self.change(
+            site.call,
+            f"`{code(site.call)}` -> `{new}`: `{loader.name}` reads its own part of the data on each rank",
+            "a RandomSampler/SequentialSampler draws indices of the whole dataset on every rank",
+            "left alone, every rank trains on the same batches",
+        )
+        self._set_epoch(loader, code(site.expr), facts, editor)
 
     def _keep_global_batch(self, loader: LoaderSite, facts: ScriptFacts, new: list) -> Optional[cst.BaseExpression]:
         """--keep-global-batch: each rank reads batch_size // world_size, checked at run time

@@ -4,18 +4,8 @@ from __future__ import annotations
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts
+from fsdp2_retrofit.analysis.model_classes import called_methods, parameter_reads
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
-
-# nn.Module's own API: calling these on a sharded model needs no forward hooks.
-MODULE_API = {
-    "parameters", "named_parameters", "buffers", "named_buffers", "children", "named_children",
-    "modules", "named_modules", "state_dict", "load_state_dict", "train", "eval", "to", "cuda", "cpu",
-    "zero_grad", "apply", "requires_grad_", "half", "float", "double", "bfloat16", "forward",
-    "register_buffer", "register_parameter", "register_forward_hook", "register_forward_pre_hook",
-    "register_full_backward_hook", "add_module", "get_submodule", "get_parameter", "extra_repr",
-    "set_requires_gradient_sync", "reshard", "unshard", "set_reshard_after_backward",
-}
-
 
 class ReplaceForwardCallsCommand(RetrofitStage):
     DESCRIPTION = "Replace model.forward(x) with model(x); register other entry points of sharded models."
@@ -48,24 +38,14 @@ class ReplaceForwardCallsCommand(RetrofitStage):
                 )
 
     def _entry_points(self, model, facts: ScriptFacts):
-        """Methods of the model's own class, called on it, that run its submodules."""
+        """Methods of the model's own class, called on it, that run its submodules or read
+        its parameters (`next(self.parameters()).new_zeros(...)` in an init_hidden: outside
+        a registered method that parameter is a DTensor shard, and so is what is built from it)."""
         info = facts.classes.get(model.class_name)
         if info is None:
             return []
-        called = []
-        for node in facts.resolver.nodes(cst.Call):
-            func = node.func
-            if (
-                isinstance(func, cst.Attribute)
-                and isinstance(func.value, cst.Name)
-                and func.value.value == model.name
-                and func.attr.value in info.methods
-                and func.attr.value not in MODULE_API
-                and not func.attr.value.startswith("_")
-                and func.attr.value not in called
-            ):
-                called.append(func.attr.value)
-        return [m for m in called if _runs_self(info.methods[m], info)]
+        return [m for m in called_methods(model.name, info, facts.resolver)
+                if _runs_self(info.methods[m], info) or parameter_reads(info.methods[m], info)]
 
 
 def _runs_self(method: cst.FunctionDef, info) -> bool:

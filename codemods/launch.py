@@ -5,14 +5,24 @@ import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.syntax.names import assigned_names, is_main_guard, names_in
+from fsdp2_retrofit.analysis.frameworks import training_framework
 from fsdp2_retrofit.analysis.process_group import process_group
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
+# Under torchrun (RANK, LOCAL_RANK, WORLD_SIZE and the rendezvous address in the
+# environment) the group spans every rank; run as plain `python train.py` it is a
+# group of that one process (an in-memory store: no address, no port), so the
+# script can still be debugged like the original and trains exactly like it.
 PREAMBLE = """\
-{local_rank} = int(os.environ["LOCAL_RANK"])
+{local_rank} = int(os.environ.get("LOCAL_RANK", 0))
 if torch.cuda.is_available():
     torch.cuda.set_device({local_rank})
-dist.init_process_group({backend} if torch.cuda.is_available() else "gloo")
+if "RANK" in os.environ:  # launched by torchrun
+    dist.init_process_group({backend} if torch.cuda.is_available() else "gloo")
+else:  # plain `python train.py`: a process group of this one process
+    dist.init_process_group(
+        {backend} if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0, world_size=1
+    )
 {rank}, {world_size} = dist.get_rank(), dist.get_world_size()
 """
 MESH = """{mesh} = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", ({world_size},))\n"""
@@ -33,6 +43,17 @@ class LaunchDistributedCommand(RetrofitStage):
     LATER_STAGES_READ_IMPORTS = True  # they find the mesh, rank and fully_shard by name
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
+        framework = training_framework(facts.resolver)
+        if framework is not None:
+            call, name, how = framework
+            self.refuse(
+                "FSR403",
+                call,
+                f"the script trains through {name} (`{code(call.func)}`)",
+                f"{name} starts the process group and wraps the model itself; a torchrun process group and "
+                "fully_shard on top fail at start-up (the default process group is initialised twice)",
+                f"shard with {name}'s own sharding: {how}",
+            )
         if facts.entry_block is None:
             return
         if facts.distributed_init is not None:
@@ -73,14 +94,15 @@ class LaunchDistributedCommand(RetrofitStage):
         group = process_group(facts)
         if facts.mesh_name is not None or _shards_already(facts):
             return
-        if group.conditional is not None:
+        if group.conditional is not None and not self._one_process_otherwise(group, facts, editor):
             self.refuse(
                 "FSR401",
                 group.init,
                 "the process group is started under a condition",
                 "fully_shard needs the process group and a device mesh on every run; the script also runs "
                 "without one, where the sharded model would have no group",
-                "start the process group unconditionally (the output runs under torchrun only)",
+                "start it directly under one `if` (`if ddp: init_process_group(backend)`, no init_method or rank "
+                "arguments; the other branch then gets a process group of one process), or unconditionally",
             )
         block = facts.entry_block
         body = list(block.body)
@@ -96,7 +118,8 @@ class LaunchDistributedCommand(RetrofitStage):
         self._set_device_first(group, facts, editor)
         self._gloo_without_cuda(group, editor)
         dist = self._dist(group)
-        world = group.world_size_name or f"{dist}.get_world_size()"
+        # under `if ddp:` the script's world-size name may be bound in one branch only
+        world = (group.conditional is None and group.world_size_name) or f"{dist}.get_world_size()"
         mesh_name = self.fresh_name("mesh", facts.entry_scope)
         mesh = HSDP_MESH if self.options.hsdp else MESH
         text = mesh.format(mesh=mesh_name, world_size=world, replicas=self.options.hsdp)
@@ -121,6 +144,62 @@ class LaunchDistributedCommand(RetrofitStage):
         if not group.destroys:
             editor.append_to(block, [self.stmt(f"{self._dist(group)}.destroy_process_group()\n")])
             self.change(block.body[-1], "destroy the process group at the end", "a clean exit under torchrun")
+
+    def _one_process_otherwise(self, group, facts: ScriptFacts, editor: StatementEditor) -> bool:
+        """`if ddp: init_process_group(...)` (the optional-DDP switch): the other branch starts
+        a process group of its one process, so that fully_shard has a group and a mesh either
+        way: under torchrun the group of all ranks, run as plain `python train.py` a group of
+        one, which trains like the original single process. False for other shapes."""
+        cond = group.conditional
+        if not isinstance(cond, cst.If) or group.init_stmt not in cond.body.body or isinstance(cond.orelse, cst.If):
+            return False
+        if any(k.keyword is not None and k.keyword.value not in ("backend", "timeout") for k in group.init.args):
+            return False  # init_method=, store=, rank=, world_size=: the script sets up its own rendezvous
+        backend = _backend(group.init)
+        bound_in_branch = set().union(*(assigned_names(s) for s in cond.body.body))
+        if backend is not None and names_in(backend) & bound_in_branch:
+            return False
+        if isinstance(backend, cst.SimpleString) and backend.evaluated_value == "nccl":
+            backend_text = f'{backend.value} if torch.cuda.is_available() else "gloo"'
+        else:
+            backend_text = code(backend) if backend is not None else None
+        dist = self._dist(group)
+        args = ([backend_text] if backend_text else []) + [f"store={dist}.HashStore()", "rank=0", "world_size=1"]
+        start = self.stmt(f"{code(group.init.func)}(\n    {', '.join(args)}\n)\n").with_changes(
+            leading_lines=[cst.EmptyLine(comment=cst.Comment("# plain `python train.py`: a process group of this one process"))]
+        )
+        if cond.orelse is not None:
+            editor.insert_before(cond.orelse.body.body[0], [start])
+        else:
+            editor.replace_expression(
+                cond, lambda updated: updated.with_changes(orelse=cst.Else(body=cst.IndentedBlock(body=[start])))
+            )
+        self.add_import("torch")
+        self.change(
+            group.init,
+            "the branch without torchrun starts a process group of its one process (an in-memory store)",
+            "fully_shard needs a process group and a mesh on every run: under torchrun they span all ranks, "
+            "run as plain python they hold this one process, which trains like the original",
+        )
+        self._destroy_either_way(cond, group, facts, editor)
+        return True
+
+    def _destroy_either_way(self, cond, group, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """`if ddp: destroy_process_group()` under the same test as the init: the group now
+        exists either way, so the call loses its `if`."""
+        body = list(facts.entry_block.body)
+        for call in group.destroys:
+            stmt = facts.resolver.statement_of(call)
+            gate = facts.resolver.parent(facts.resolver.parent(stmt))
+            if (
+                isinstance(gate, cst.If)
+                and gate in body
+                and gate.orelse is None
+                and list(gate.body.body) == [stmt]
+                and code(gate.test) == code(cond.test)
+            ):
+                editor.replace(gate, stmt.with_changes(leading_lines=gate.leading_lines))
+                self.change(gate, "destroy the process group on every run", "the group now exists either way")
 
     def _gloo_without_cuda(self, group, editor: StatementEditor) -> None:
         """A backend written as the literal "nccl" falls back to gloo without CUDA (CPU runs)."""
@@ -286,3 +365,13 @@ def _is_docstring(stmt) -> bool:
         and isinstance(stmt.body[0], cst.Expr)
         and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
     )
+
+
+def _backend(init: cst.Call):
+    """The backend argument of an init_process_group call (positional or keyword), or None."""
+    for arg in init.args:
+        if arg.keyword is not None and arg.keyword.value == "backend":
+            return arg.value
+    if init.args and init.args[0].keyword is None:
+        return init.args[0].value
+    return None

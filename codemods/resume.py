@@ -20,7 +20,10 @@ from fsdp2_retrofit.analysis.checkpoints import (
     loads,
     may_be_tensor,
     path_key,
+    read_names,
     save_format,
+    saved_dict_keys,
+    target_names,
     saves,
 )
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
@@ -42,6 +45,7 @@ class ConvertLoadsCommand(RetrofitStage):
         self.dcp_paths: Dict[str, List] = {}
         self.full_paths: Set[str] = set()
         self.dcp_keys: Set[str] = set()
+        self.dcp_whole_kinds: Set[str] = set()  # what a DCP save of a bare state dict writes
         self.async_saves: List[cst.CSTNode] = []
         self.saved_values: Dict[str, cst.BaseExpression] = {}  # dict key -> the value a DCP save writes
         for site in saves(facts):
@@ -54,6 +58,9 @@ class ConvertLoadsCommand(RetrofitStage):
                         if isinstance(e, cst.DictElement) and isinstance(e.key, cst.SimpleString):
                             self.saved_values.setdefault(e.key.evaluated_value, e.value)
                 self.async_saves.append(site.stmt)
+                if not isinstance(site.state, cst.Dict):  # torch.save(model.state_dict(), path)
+                    self.dcp_whole_kinds |= {c.kind for c in site.state_calls} | (
+                        {"model"} if site.whole_model else set())
             elif form == "full":
                 self.full_paths.add(site.path_key)
         for site in loads(facts):
@@ -62,19 +69,57 @@ class ConvertLoadsCommand(RetrofitStage):
 
     # -- torch.load ---------------------------------------------------------------
 
+    def _origin(self, site: LoadSite) -> str:
+        """Where the file a load reads comes from, decided statically: "dcp" (a path this
+        script saves with DCP), "full" (a single torch.save file: an --export full save
+        of this script, or a file no DCP save of this script can have written: pretrained
+        weights), "either" (a path the script does not save to, read in a shape one of
+        its DCP saves writes: a --resume / --init-from flag may name this script's
+        checkpoint directory or a single-GPU run's file)."""
+        if site.path_key in self.full_paths:
+            return "full"
+        if site.path_key in self.dcp_paths:
+            return "dcp"
+        if not self.dcp_paths:
+            return "full"
+        keys = {u.key for u in site.uses if u.key is not None}
+        if keys & self.dcp_keys:
+            return "either"
+        whole = [u for u in site.uses if u.key is None and u.kind in ("model", "optimizer")]
+        if whole and {u.kind for u in whole} <= self.dcp_whole_kinds:
+            return "either"
+        return "full"
+
     def _convert_load(self, site: LoadSite, facts: ScriptFacts, editor: StatementEditor) -> None:
         state_uses = [u for u in site.uses if u.kind in ("model", "optimizer")]
-        resumes = any(u.kind == "optimizer" for u in state_uses) or bool(
-            site.var and {u.key for u in site.uses if u.key} & self.dcp_keys
-        )
-        if site.path_key in self.full_paths or (
-            site.path_key not in self.dcp_paths and state_uses and not resumes
-        ):
+        origin = self._origin(site)
+        if origin == "full":
             if state_uses:
                 self._load_full(site, state_uses, facts, editor)
             return
-        if site.path_key not in self.dcp_paths and not resumes:
+        if origin == "either" and site.var is None and [u.kind for u in site.uses] == ["model"]:
+            self._require_built(site, state_uses, facts)
+            self._load_either(site, facts, editor)
             return
+        if origin == "either" and state_uses and all(u.key is None and u.kind == "model" for u in state_uses):
+            self.attention(
+                site.call,
+                f"`{code(site.path)}` is loaded as a single torch.save file (full state, broadcast from rank 0): "
+                "check that it never names this script's own model save, now a DCP directory",
+                "the path is not one this script saves to; in this shape (the loaded object kept in a "
+                "variable) the tool cannot tell the two apart at run time",
+            )
+            self._load_full(site, state_uses, facts, editor)
+            return
+        if origin == "either" and state_uses:
+            self.attention(
+                site.call,
+                f"`{code(site.path)}` is loaded as a DCP checkpoint directory of this script (dcp.load): "
+                "check that it names one; a single torch.save file there (a single-GPU run's) fails to load",
+                "the path is not one this script saves to, but what is read from it is what its DCP saves write; "
+                "a single-GPU checkpoint converts with torch.distributed.checkpoint.format_utils.torch_save_to_dcp "
+                "only for the model (its optimizer state is keyed by parameter number, not name)",
+            )
         if site.unknown_use is not None or not state_uses or (
             site.var and any(u.key is None for u in site.uses) and len(site.uses) > 1
         ):
@@ -86,8 +131,101 @@ class ConvertLoadsCommand(RetrofitStage):
                 "and set_model_state_dict / set_optimizer_state_dict",
             )
             return
+        late = self._config_first(site, facts)
+        if late is not None:
+            self._load_config_first(site, late, facts, editor)
+            return
         self._require_built(site, state_uses + [u for u in site.uses if u.kind == "stateful"], facts)
         self._load_dcp(site, facts, editor)
+
+    # -- the config first: read it, build the model from it, then load the state ------
+
+    def _config_first(self, site: LoadSite, facts: ScriptFacts) -> Optional[cst.If]:
+        """nanoGPT's resume order: `if C: ckpt = torch.load(p); args = ckpt["model_args"];
+        model = Net(**args); model.load_state_dict(ckpt["model"])`, then, once the
+        optimizer is built, `if C: optimizer.load_state_dict(ckpt["optimizer"])`. The
+        later `if C:` (the same test, in the same block) is returned when every state
+        read before it is a model's load in the first `if`, whose model is built there
+        after the load; None for any other shape."""
+        r = facts.resolver
+        block = r.block_of(site.stmt)
+        first = r.parent(block) if isinstance(block, cst.IndentedBlock) else None
+        if site.var is None or site.unknown_use is not None or not isinstance(first, cst.If):
+            return None
+        top = first  # `if A: ... elif C: <load>`: the chain's first `if` is in the block
+        while isinstance(r.parent(top), cst.If) and r.parent(top).orelse is top:
+            top = r.parent(top)
+        outer = r.block_of(top)
+        if outer is None or any(u.key is None for u in site.uses):
+            return None
+        body = list(outer.body)
+        later = [
+            s for s in body[body.index(top) + 1:]
+            if isinstance(s, cst.If) and s.orelse is None and code(s.test) == code(first.test)
+            and any(u.kind == "optimizer" and _inside(u.stmt, s, facts) for u in site.uses)
+        ]
+        if len(later) != 1:
+            return None
+        late = later[0]
+        order = {id(st): i for i, st in enumerate(r.nodes(cst.SimpleStatementLine))}
+        early = [u for u in site.uses if u.kind != "value" and not _inside(u.stmt, late, facts)]
+        if not early or any(u.kind != "model" or r.block_of(u.stmt) is not block for u in early):
+            return None
+        for use in early:  # the model is built in the first `if`, after the load
+            built = [st for st in block.body if use.owner in assigned_names(st)]
+            if not built or order.get(id(built[0]), 0) < order.get(id(site.stmt), 0):
+                return None
+        # the path names the same file in both: nothing in between rebinds what it reads
+        reads = read_names(site.path)
+        for stmt in body[body.index(top) + 1: body.index(late)]:
+            if reads & target_names(stmt):
+                return None
+        return late
+
+    def _load_config_first(self, site: LoadSite, late: cst.If, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """The plain values are read with dcp.load before the model is built; the model's,
+        optimizer's and other states with a second dcp.load in the later `if`, after sharding."""
+        path, var = code(site.path), site.var
+        values: Dict[str, str] = {}
+        states: Dict[str, str] = {}
+        for use in site.uses:
+            template = self._value_template(use.key, facts) if use.kind == "value" else _template(use)
+            (values if use.kind == "value" else states).setdefault(use.key, template)
+        new = []
+        if values:
+            new.append(self.stmt(f"{var} = {self._dict_text(values, site.stmt)}  # the values read before the model exists\n"))
+            new.extend(self._dcp_load(var, path, site, facts))
+        else:
+            new.append(self.stmt(f"{var} = {{}}\n"))
+        new[0] = new[0].with_changes(leading_lines=site.stmt.leading_lines)
+        editor.replace(site.stmt, new[0])
+        editor.insert_after(site.stmt, new[1:])
+        moved = []
+        for use in site.uses:
+            if use.kind == "model" and not _inside(use.stmt, late, facts):
+                editor.replace(use.stmt, None)
+                moved.append(self.stmt(_setter(use, code(use.node))))
+            elif use.kind in ("model", "optimizer"):
+                self._replace_load(use, self.stmt(_setter(use, code(use.node))), facts, editor)
+        update = self.stmt(f"{var}.update({self._dict_text(states, late.body.body[0])})\n")
+        editor.insert_before(late.body.body[0], [update, *self._dcp_load(var, path, site, facts), *moved])
+        self.add_import("torch.distributed.checkpoint", asname="dcp")
+        kinds = {u.kind for u in site.uses}
+        for kind in ("model", "optimizer"):
+            if kind in kinds:
+                self.add_import(STATE_DICT_MODULE, f"get_{kind}_state_dict")
+                self.add_import(STATE_DICT_MODULE, f"set_{kind}_state_dict")
+        if any(_strict_option(u.call) for u in site.uses if u.kind in ("model", "optimizer")):
+            self.add_import(STATE_DICT_MODULE, "StateDictOptions")
+        self.change(
+            site.stmt,
+            f"read {', '.join(repr(k) for k in values) or 'nothing'} from `{path}` with dcp.load before the "
+            f"model is built; the states ({', '.join(repr(k) for k in states)}) with a second dcp.load in the "
+            f"later `if {code(late.test)}:`, after sharding and building the optimizer",
+            "the config is read first to build the model from it; DCP loads the sharded state into the state "
+            "dicts of the sharded model and its optimizer, which exist only later",
+            "torch.load of a DCP directory fails; a state loaded before fully_shard is not what the shards hold",
+        )
 
     def _require_built(self, site: LoadSite, uses: List[LoadUse], facts: ScriptFacts) -> None:
         """DCP loads into the model's own (sharded) state dict: it must exist first."""
@@ -139,7 +277,7 @@ class ConvertLoadsCommand(RetrofitStage):
             else:
                 entries: Dict[str, str] = {}
                 for use in site.uses:
-                    entries.setdefault(use.key, _template(use))
+                    entries.setdefault(use.key, self._value_template(use.key, facts) if use.kind == "value" else _template(use))
                 template = self._dict_text(entries, site.stmt)
             editor.replace(
                 site.stmt, self.stmt(f"{var} = {template}\n").with_changes(leading_lines=site.stmt.leading_lines)
@@ -177,6 +315,50 @@ class ConvertLoadsCommand(RetrofitStage):
             "the checkpoint is a DCP directory of shards: each rank reads its own, for any number of ranks "
             "(os.path.exists still finds it)",
             "torch.load of a DCP directory fails; plain tensors loaded into DTensor parameters are wrong",
+        )
+
+    def _load_either(self, site: LoadSite, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """`model.load_state_dict(torch.load(path))` where `path` may name this script's
+        DCP directory or a single file: told apart at run time by os.path.isdir."""
+        use = site.uses[0]
+        scope = facts.resolver.enclosing_function(site.stmt)
+        path = code(site.path)
+        var = self.fresh_name("state_dict", scope)
+        self.__dict__["_visible"][id(scope)].add(var)
+        test = self.rank_zero_test(use.stmt, facts) or "dist.get_rank() == 0"
+        if test.startswith("dist."):
+            self.add_import("torch.distributed", asname="dist")
+        strict = _strict_option(use.call)
+        options = BROADCAST if not strict else BROADCAST[:-1] + ", " + strict[len(", options=StateDictOptions("):]
+        load = "".join(
+            "".join(f"    {line}\n" for line in code(s).rstrip("\n").splitlines())
+            for s in self._dcp_load(var, path, site, facts)
+        )
+        text = (
+            f"if os.path.isdir({path}):  # a DCP checkpoint directory: this script's own save\n"
+            f"    {var} = get_model_state_dict({use.owner})\n"
+            + load
+            + f"    set_model_state_dict({use.owner}, {var}{strict})\n"
+            "else:  # one torch.save file: the single-GPU script's, or weights from elsewhere\n"
+            f"    set_model_state_dict({use.owner}, {code(use.call.args[0].value)} if {test} else {{}}, "
+            f"options={options})\n"
+        )
+        new = [*self._reshard(use, facts), self.stmt(text)]
+        new[0] = new[0].with_changes(leading_lines=site.stmt.leading_lines)
+        editor.replace(site.stmt, new[0])
+        editor.insert_after(site.stmt, new[1:])
+        self.add_import("os")
+        self.add_import("torch.distributed.checkpoint", asname="dcp")
+        for name in ("StateDictOptions", "get_model_state_dict", "set_model_state_dict"):
+            self.add_import(STATE_DICT_MODULE, name)
+        self.change(
+            site.stmt,
+            f"load `{path}` into the sharded `{use.owner}`, by what it is at run time: a directory (this "
+            "script's DCP save) with dcp.load + set_model_state_dict; a single file (a single-GPU run's, "
+            "pretrained weights) with set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)",
+            "the path is not one this script saves to, and this script writes model state dicts as DCP "
+            "directories: the flag may name either",
+            "torch.load of a DCP directory fails (IsADirectoryError); dcp.load of a single file fails",
         )
 
     def _replace_load(self, use: LoadUse, new: cst.CSTNode, facts: ScriptFacts, editor: StatementEditor) -> None:
@@ -223,6 +405,14 @@ class ConvertLoadsCommand(RetrofitStage):
             return [load]
         future = self.fresh_name(FUTURE, function)
         return [self.stmt(f"if {future} is not None:\n    {future}.result()\n"), load]
+
+    def _value_template(self, key: str, facts: ScriptFacts) -> str:
+        """The dcp.load placeholder of a plain value: None, or for a dict the save writes
+        with keys fixed in the source, a dict of those keys (DCP flattens saved dicts)."""
+        keys = saved_dict_keys(self.saved_values.get(key), facts)
+        if not keys:
+            return "None"
+        return "{" + ", ".join(f'"{k}": None' for k in keys) + "}"
 
     def _dict_text(self, entries: Dict[str, str], stmt) -> str:
         items = [f'"{k}": {v}' for k, v in entries.items()]
@@ -308,6 +498,10 @@ class ConvertLoadsCommand(RetrofitStage):
                     "load it with dcp.load into get_model_state_dict(model) and set_model_state_dict, "
                     "or copy it with shutil.copytree (on one rank)",
                 )
+
+
+def _inside(node, container, facts: ScriptFacts) -> bool:
+    return any(a is container for a in facts.resolver.ancestors(node))
 
 
 def _first_line(node, order) -> int:

@@ -22,6 +22,7 @@ from fsdp2_retrofit.syntax.names import Origins
 
 from .accumulation import SyncGradientsOncePerStepCommand
 from .checkpoint import ConvertSavesCommand
+from .checkpoint_files import UseCheckpointPathsCommand
 from .clipping import ReadGlobalGradNormCommand
 from .data import DistributeDataCommand
 from .forward_calls import ReplaceForwardCallsCommand
@@ -35,6 +36,7 @@ from .optimizer import MoveOptimizerCommand
 from .rank_zero import GateRankZeroCommand
 from .resume import ConvertLoadsCommand
 from .shard import ShardModelCommand
+from .zero_grad import ClearThroughOptimizerCommand
 
 # Stages in one group plan their edits on the same analysis and are applied in one
 # pass: none of them reads what another in its group writes. launch binds the
@@ -49,6 +51,7 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
     [LaunchDistributedCommand],
     [InitOnMetaDeviceCommand],
     [ShardModelCommand],
+    [UseCheckpointPathsCommand],  # a checkpoint saved or loaded through a file object takes the path
     [
         MoveOptimizerCommand,
         ReplaceForwardCallsCommand,
@@ -59,6 +62,7 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
         ReadGlobalGradNormCommand,
         SyncGradientsOncePerStepCommand,
         GateRankZeroCommand,
+        ClearThroughOptimizerCommand,
     ],
 ]
 

@@ -5,6 +5,10 @@ import libcst as cst
 
 from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.copies import unsafe_state_copies
+from fsdp2_retrofit.analysis.model_classes import called_methods, first_submodule, parameter_reads
+from fsdp2_retrofit.analysis.no_model import no_model_blocker
+from fsdp2_retrofit.analysis.optimizers import FLATTENING_OPTIMIZERS, whole_tensor_operation
+from fsdp2_retrofit.analysis.same_start import broadcast_reason
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 
@@ -26,7 +30,7 @@ class ShardModelCommand(RetrofitStage):
                 statements = list(policies[1])
             else:
                 statements = []
-            statements = statements + self._shard_statements(model, facts, policies[0])
+            statements = statements + self._same_start(model, facts) + self._shard_statements(model, facts, policies[0])
             editor.insert_after(model.shard_anchor, statements + self._split_compile(model, facts, editor))
             self.add_import(self.options.fsdp_module, "fully_shard")
 
@@ -61,6 +65,30 @@ class ShardModelCommand(RetrofitStage):
                 sites.append(frozen)
         body = list(facts.models[0].block.body) if facts.models else []
         return sorted(sites, key=lambda m: body.index(m.shard_anchor) if m.shard_anchor in body else -1)
+
+    def _same_start(self, model: ModelSite, facts: ScriptFacts) -> list:
+        """Rank 0's parameters and buffers broadcast to every rank before fully_shard, unless
+        a literal seed makes every rank build the same weights (analysis/same_start.py)."""
+        reason = None if self.options.meta_init else broadcast_reason(facts, model)
+        if reason is None:
+            return []
+        tensor = self.fresh_name("tensor", model.scope)
+        on_device = self.fresh_name("on_device", model.scope)
+        self.add_import("torch")
+        self.add_import("torch.distributed", asname="dist")
+        self.change(
+            model.shard_anchor,
+            f"broadcast rank 0's parameters and buffers of `{model.name}` to every rank before fully_shard",
+            f"{reason}; fully_shard keeps each rank's own slice of what it built (DDP used to copy rank 0's): "
+            "the sharded model would mix initialisations (seed the build with a literal to drop the broadcast)",
+        )
+        return [self.stmt(
+            f"with torch.no_grad():  # every rank starts from rank 0's weights\n"
+            f"    for {tensor} in [*{model.name}.parameters(), *{model.name}.buffers()]:\n"
+            f"        {on_device} = {tensor}.to(\"cuda\" if torch.cuda.is_available() else \"cpu\")\n"
+            f"        dist.broadcast({on_device}, src=0)\n"
+            f"        {tensor}.copy_({on_device})\n"
+        )]
 
     def _compiled_model(self, call: cst.Call, facts: ScriptFacts):
         """The model whose whole build statement is `name = torch.compile(<build>, ...)`."""
@@ -258,21 +286,24 @@ class ShardModelCommand(RetrofitStage):
                     "the rewrite must shard the model before that optimizer is built",
                     f"build the model and optimizer in a function and pass them to {cls}",
                 )
+            blocker = no_model_blocker(facts)
+            where, detail = (blocker.at, f": {blocker.detail}") if blocker else (1, "")
             if not facts.module_ctor_names:
                 self.refuse(
                     "FSR611",
-                    1,
-                    "no nn.Module is built in this script",
+                    where,
+                    f"no nn.Module is built in this script{detail}",
                     "there is no model to shard",
                     "run rewrite on the script that builds the model and its optimizer",
                 )
             self.refuse(
                 "FSR612",
-                1,
-                "no optimizer trains a model built in this script",
+                where,
+                f"no optimizer trains a model built in this script{detail}",
                 "fully_shard must come before the optimizer is built from the model's parameters",
                 "build the optimizer from model.parameters() in the same script",
             )
+        self._refuse_optimizers(facts)
         scopes = {id(m.block) for m in facts.models}
         if len(scopes) > 1:
             self.refuse(
@@ -286,6 +317,17 @@ class ShardModelCommand(RetrofitStage):
             if model.library is not None and model.library.refusal is not None and not model.sharded:
                 kind, what, why, hint = model.library.refusal
                 self.refuse(kind, model.library.refusal_at or model.stmt, what, why, hint)
+            if model.rebound_by is not None and not model.sharded:
+                self.refuse(
+                    "FSR620",
+                    model.rebound_by,
+                    f"`{code(model.rebound_by).strip()}` rebinds the model to an object that wraps it",
+                    f"fully_shard must see the finished module right before the optimizer, and calls meant for the "
+                    f"sharded module (set_requires_gradient_sync, get_model_state_dict) would reach the wrapper "
+                    f"under the name `{model.name}`",
+                    f"give the wrapper its own name (`wrapped = Wrapper({model.name})`), or build the wrapper "
+                    f"around the model in one expression and shard that",
+                )
             if _declared_global(model, facts):
                 self.refuse(
                     "FSR617",
@@ -306,6 +348,7 @@ class ShardModelCommand(RetrofitStage):
                     "its parameters are not registered: they are neither trained nor sharded",
                     f"use nn.ModuleList for self.{attr}",
                 )
+            self._refuse_block_parameter_reads(model, info, facts)
             if info.optimizer_in_init:
                 self.refuse(
                     "FSR619",
@@ -314,6 +357,54 @@ class ShardModelCommand(RetrofitStage):
                     "it would hold the unsharded parameters; fully_shard replaces them with DTensors",
                     "build the optimizer in the training script, after the model",
                 )
+
+    def _refuse_block_parameter_reads(self, model: ModelSite, info, facts: ScriptFacts) -> None:
+        """A method called outside forward that reads a parameter of a block that gets its
+        own unit: register_fsdp_forward_method gathers only the root unit's parameters."""
+        if self.options.shard:
+            return  # --shard CLASS: the units are found at run time
+        blocks = {c.path[0] for c in model.containers}
+        for method in called_methods(model.name, info, facts.resolver):
+            for node, sub in parameter_reads(info.methods[method], info):
+                owner = sub if sub is not None else first_submodule(info)
+                if owner in blocks:
+                    self.refuse(
+                        "FSR623",
+                        self._class_line(node, model),
+                        f"{info.name.rsplit('.', 1)[-1]}.{method}() reads a parameter of `self.{owner}` outside forward",
+                        f"`self.{owner}` holds blocks that each become an FSDP unit: outside their forward their "
+                        "parameters are DTensor shards, and registering the method gathers only the root's; a tensor "
+                        "built from one leaks a DTensor into forward",
+                        "take dtype and device from a parameter of the root (an embedding, the head), or pass them in",
+                    )
+
+    def _refuse_optimizers(self, facts: ScriptFacts) -> None:
+        """Optimizers whose step cannot work on DTensor shards."""
+        for opt in facts.optimizers:
+            if opt.call is None:
+                continue
+            if facts.resolver.qnames(opt.call.func) & FLATTENING_OPTIMIZERS:
+                self.refuse(
+                    "FSR621",
+                    opt.stmt,
+                    f"`{opt.name}` is {code(opt.call.func)}, which flattens every gradient into one vector",
+                    "after fully_shard each parameter and gradient is a DTensor shard: its line search and "
+                    "curvature pairs would be computed on pieces of the vector (or gather all of it on every rank)",
+                    "train this model without sharding, or use an optimizer that works parameter by parameter",
+                )
+            if opt.own_class is not None:
+                op = whole_tensor_operation(opt.own_class)
+                if op is not None:
+                    self.refuse(
+                        "FSR622",
+                        op,
+                        f"optimizer class {opt.own_class.name.value} works on whole matrices (`{code(op)}`)",
+                        "after fully_shard each parameter and gradient is a DTensor shard (rows split over the "
+                        "ranks): a reshape, transpose or matrix product of it gathers the whole matrix on every "
+                        "rank or computes on one piece of it",
+                        "gather the gradient explicitly (`g.full_tensor()`), compute, and keep this rank's "
+                        "part (distribute_tensor), or keep the script single-GPU",
+                    )
 
     def _class_line(self, node, model: ModelSite) -> int:
         """The line of a node of a model class: in this script, or (for a class of a

@@ -107,14 +107,26 @@ def test_text_output_and_exit_code(tmp_path):
     ]
 
 
-def test_clean_files_directories_and_empty_lists_exit_0(tmp_path):
+def test_clean_files_exit_0_and_a_run_that_checks_no_file_says_so_and_exits_2(tmp_path):
     (tmp_path / "good.py").write_text(BAD.replace("model.forward(x)", "model(x)").replace(
         'torch.save(model.state_dict(), "model.pt")', ""))
-    assert _invoke([str(tmp_path / "good.py")]).exit_code == 0
+    result = _invoke([str(tmp_path / "good.py")])
+    assert (result.exit_code, result.output) == (0, "All checks passed!\n")
     empty = tmp_path / "empty"
     empty.mkdir()
     result = _invoke([str(empty)])
-    assert (result.exit_code, result.output) == (0, "All checks passed!\n")
+    assert result.exit_code == 2
+    assert result.output == f"error: no Python file to check under {empty} (none there, or all git-ignored or excluded)\n"
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "train.py").write_text(BAD)
+    (repo / ".gitignore").write_text("*.py\n")
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    result = _invoke([str(repo)])
+    assert result.exit_code == 2 and "no Python file to check" in result.output
+    assert _invoke([str(tmp_path / "good.py"), "--exclude", "good.py"]).exit_code == 0  # named: still checked
+    excluded = _invoke([str(tmp_path), "--exclude", "*.py"])
+    assert excluded.exit_code == 2 and "no Python file to check" in excluded.output
 
 
 def test_directories_are_walked_skipping_gitignored_and_excluded(tmp_path):
@@ -130,7 +142,9 @@ def test_directories_are_walked_skipping_gitignored_and_excluded(tmp_path):
     assert result.output.splitlines() == [str(repo / "pkg" / "train.py")]
     # named explicitly, an excluded file is checked, unless --force-exclude (pre-commit)
     assert _invoke([str(repo / "build" / "y.py")]).exit_code == 1
-    assert _invoke([str(repo / "build" / "y.py"), "--force-exclude"]).exit_code == 0
+    # pre-commit names an excluded file: nothing to check is then a warning, not a failed hook
+    forced = _invoke([str(repo / "build" / "y.py"), "--force-exclude"])
+    assert forced.exit_code == 0 and "warning: every file given is excluded" in forced.output
 
 
 def test_noqa_on_the_line_and_for_the_file(tmp_path):
@@ -182,6 +196,71 @@ def test_fix_writes_safe_fixes_and_diff_writes_nothing(tmp_path):
     assert 'dcp.save(model.state_dict(), checkpoint_id="model.pt")' in text
     assert "import torch.distributed.checkpoint as dcp\n" in text
     compile(text, str(path), "exec")
+
+
+SHIFTED = """\
+import torch
+from torch.distributed.fsdp import fully_shard
+
+model = Net()
+opt = torch.optim.AdamW(model.parameters())
+fully_shard(model)
+out = model.forward(x)
+torch.save(model.state_dict(), "model.pt")
+"""
+
+
+def _runner():
+    return CliRunner(mix_stderr=False) if "mix_stderr" in CliRunner.__init__.__code__.co_varnames else CliRunner()
+
+
+def test_diff_reports_what_remains_at_the_lines_on_disk(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(SHIFTED)
+    # the unsafe fix of line 8 adds an import line: the optimizer (FSD103, no fix) moves to line 6 of the fixed text
+    result = _invoke([str(path), "--diff", "--unsafe-fixes"])
+    assert result.exit_code == 1
+    assert "+import torch.distributed.checkpoint as dcp\n" in result.output
+    remaining = [l for l in result.output.splitlines() if l.startswith(str(path))]
+    assert remaining == [
+        f"{path}:5:7: FSD103 optimizer `opt` is built from `model`'s parameters before `fully_shard` (line 6): "
+        "it keeps the unsharded tensors"
+    ]
+    assert path.read_text() == SHIFTED
+
+
+def test_on_original_lines_moves_a_finding_that_has_no_twin():
+    from fsdp2_retrofit.check import formats
+    from fsdp2_retrofit.check.rules import Finding
+
+    original, fixed = "a\nb\nc\n", "a\nnew\nb\nc2\n"
+    moved = formats.on_original_lines(
+        [Finding("FSD101", "n", "m", "p", 3, 5, 3, 9), Finding("FSD101", "n", "m", "p", 4, 2, 4, 3)], original, fixed
+    )
+    assert [(f.line, f.col, f.end_line, f.end_col) for f in moved] == [(2, 5, 2, 9), (3, 1, 3, 1)]
+
+
+def test_diff_with_json_keeps_the_diff_off_stdout(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(SHIFTED)
+    result = _runner().invoke(cli.main, ["check", str(path), "--diff", "--unsafe-fixes", "--output-format", "json"])
+    assert result.exit_code == 1
+    data = json.loads(result.stdout)
+    assert [(d["code"], d["location"]) for d in data] == [("FSD103", {"row": 5, "column": 7})]
+    if hasattr(result, "stderr_bytes") and result.stderr_bytes is not None:
+        assert "+import torch.distributed.checkpoint as dcp" in result.stderr
+
+
+def test_fix_of_a_read_only_file_names_only_options_check_has(tmp_path, monkeypatch):
+    from fsdp2_retrofit import files
+
+    path = tmp_path / "bad.py"
+    path.write_text(BAD)
+    monkeypatch.setattr(files, "_write_bit", lambda st: 0)  # read-only even for root
+    result = _invoke([str(path), "--fix"])
+    assert path.read_text() == BAD
+    assert result.exit_code == 2
+    assert "read-only file: not fixing it" in result.output and "-o OUT" not in result.output
 
 
 def test_stdin_reads_and_fix_prints_the_fixed_source():
@@ -253,12 +332,15 @@ def test_exit_zero_keeps_findings_but_exits_0(tmp_path):
 
 def test_rules_command_lists_and_explains():
     listing = CliRunner().invoke(cli.main, ["rules"]).output
-    assert [l.split()[0] for l in listing.splitlines()[:12]] == [r.CODE for r in all_rules()]
+    assert [l.split()[0] for l in listing.splitlines()[:len(all_rules())]] == [r.CODE for r in all_rules()]
     doc = CliRunner().invoke(cli.main, ["rules", "FSD101"])
     assert doc.exit_code == 0
     for part in ("# FSD101 forward-call", "## Why is this bad?", "## Flagged", "## Not flagged", "model.forward(x)"):
         assert part in doc.output
     assert CliRunner().invoke(cli.main, ["rules", "FSD000"]).exit_code == 2
+    columns = {l.split()[0]: l.split()[2] for l in listing.splitlines()[:len(all_rules())] if len(l.split()) > 3}
+    assert columns["FSD101"] == "safe" and columns["FSD106"] == "unsafe" and columns["FSD102"] == "unsafe*"
+    assert "--unsafe-fixes" in listing
 
 
 def test_check_never_imports_torch(tmp_path):

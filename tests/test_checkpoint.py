@@ -163,3 +163,77 @@ def test_full_export_loads_into_the_unsharded_model(tmp_path: Path):
     print(f"\nexport_full: torch.load of the exported file into Classifier() vs single process: "
           f"{result.max_abs_diff}")
     assert result.ok, result.problem
+
+
+# --- a checkpoint named by a flag: this script's DCP directory, or a single file ----------
+
+WARM = FIXTURES / "warm_start_flag"
+WARM_STEPS = ["--steps", "6"]
+
+
+@pytest.fixture(scope="module")
+def warm_start(tmp_path_factory):
+    """The single-GPU script's own file after 6 steps, and the reference: the single-GPU
+    script warm-started from it (--init-from) for 6 more (saved to ref/out.pt)."""
+    root = tmp_path_factory.mktemp("warm_start")
+    launch_single(WARM / "input.py", ["--out", str(root / "single" / "model.pt"), "--batch-size", "32", *WARM_STEPS],
+                  root / "single")
+    init = ["--init-from", str(root / "single" / "model.pt")]
+    launch_single(WARM / "input.py", ["--out", str(root / "ref" / "out.pt"), "--batch-size", "32", *WARM_STEPS, *init],
+                  root / "ref")
+    # the comparison can fail: the warm start trained on from the file, not from scratch
+    assert not compare_saved(root / "ref" / "out.pt", root / "single" / "model.pt", []).ok
+    return root
+
+
+def _warm_started_run(script: Path, init_from: Path, directory: Path) -> Path:
+    """`script` on 2 ranks, warm-started from `init_from`: the file it saved."""
+    out = directory / "out.pt"
+    run = launch_distributed(script, ["--out", str(out), "--batch-size", "16", *WARM_STEPS, "--init-from",
+                                      str(init_from)], directory, nproc=2)
+    assert f"initialised from {init_from}" in run.stdout
+    return out
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("warm_start")
+def test_a_single_gpu_file_and_this_scripts_directory_both_warm_start_the_fsdp2_run(warm_start, tmp_path: Path):
+    """--init-from names a path the script never saves to: a single-GPU run's file (full
+    state, broadcast from rank 0) and the FSDP2 run's own --out (a DCP directory) both
+    load, told apart at run time, and train on like the single-GPU warm start."""
+    root = warm_start
+    from_file = _warm_started_run(WARM / "expected.py", root / "single" / "model.pt", tmp_path / "file")
+    own = tmp_path / "own" / "model.pt"
+    launch_distributed(WARM / "expected.py", ["--out", str(own), "--batch-size", "16", *WARM_STEPS], own.parent,
+                       nproc=2)
+    assert own.is_dir(), "the FSDP2 run's --out must be a DCP directory"
+    from_dir = _warm_started_run(WARM / "expected.py", own, tmp_path / "dir")
+    for what, saved in (("single-GPU file", from_file), ("DCP directory", from_dir)):
+        result = compare_saved(root / "ref" / "out.pt", saved, [], DEFAULT_TOLERANCE)
+        print(f"\nwarm_start_flag: --init-from a {what} on 2 ranks vs single process: {result.max_abs_diff}")
+        assert result.ok, f"--init-from a {what}: {result.problem}"
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("warm_start")
+def test_export_full_output_warm_starts_the_original_single_gpu_script(warm_start, tmp_path: Path):
+    """--export full: the FSDP2 run's --out is one torch.save file the original script
+    loads with its own torch.load + load_state_dict."""
+    from fsdp2_retrofit.options import RetrofitOptions
+    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+
+    root = warm_start
+    result = rewrite_source((WARM / "input.py").read_bytes(), str(WARM / "input.py"), RetrofitOptions(export="full"))
+    assert not result.refusals
+    script = tmp_path / "export_full.py"
+    script.write_bytes(result.code)
+    exported = tmp_path / "dist" / "model.pt"
+    launch_distributed(script, ["--out", str(exported), "--batch-size", "16", *WARM_STEPS], exported.parent, nproc=2)
+    assert exported.is_file(), "--export full must write one file"
+    out = tmp_path / "single" / "out.pt"
+    launch_single(WARM / "input.py", ["--out", str(out), "--batch-size", "32", *WARM_STEPS, "--init-from",
+                                      str(exported)], out.parent)
+    result = compare_saved(root / "ref" / "out.pt", out, [], DEFAULT_TOLERANCE)
+    print(f"\nwarm_start_flag: single-GPU script warm-started from the --export full file vs from its own: "
+          f"{result.max_abs_diff}")
+    assert result.ok, result.problem

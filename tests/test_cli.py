@@ -560,6 +560,40 @@ def test_cache_answers_a_second_run_and_misses_when_a_sibling_changes(tmp_path, 
     assert any(cache.cache_dir().iterdir())
 
 
+def test_cache_key_changes_with_the_tools_own_source(tmp_path, monkeypatch):
+    """A changed checkout of the same version must miss: the key holds a stamp of the
+    size and mtime of every .py file of fsdp2_retrofit/ and codemods/."""
+    import os
+
+    from fsdp2_retrofit.options import RetrofitOptions
+    from fsdp2_retrofit.rewrite import cache
+
+    for name in ("fsdp2_retrofit/rewrite/stage.py", "codemods/shard.py", "fsdp2_retrofit/__init__.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("X = 1\n")
+    (tmp_path / "fsdp2_retrofit/notes.txt").write_text("not code\n")
+    first = cache.source_stamp(tmp_path)
+    assert cache.source_stamp(tmp_path) == first
+    (tmp_path / "fsdp2_retrofit/notes.txt").write_text("still not code\n")
+    assert cache.source_stamp(tmp_path) == first
+    stage = tmp_path / "codemods/shard.py"
+    os.utime(stage, ns=(stage.stat().st_atime_ns, stage.stat().st_mtime_ns + 10**9))  # touched
+    touched = cache.source_stamp(tmp_path)
+    assert touched != first
+    (tmp_path / "fsdp2_retrofit/rewrite/stage.py").write_text("X = 22\n")  # same mtime second, new size
+    assert cache.source_stamp(tmp_path) not in (first, touched)
+    (tmp_path / "fsdp2_retrofit/rewrite/new.py").write_text("")
+    assert cache.source_stamp(tmp_path) != touched
+
+    # the default root is this checkout, computed once a process, and it is in the key
+    assert cache.source_stamp() == cache.source_stamp(Path(cache.__file__).resolve().parents[2])
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    key = cache._key(str(script), script.read_bytes(), RetrofitOptions())
+    monkeypatch.setattr(cache, "_source_stamp", "another checkout")
+    assert cache._key(str(script), script.read_bytes(), RetrofitOptions()) != key
+
+
 PKG_MODELS = """from torch import nn
 
 

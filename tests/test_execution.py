@@ -146,6 +146,56 @@ def test_trains_check_fails_when_nothing_is_learned(tmp_path: Path):
     assert not result.ok and "did not fall" in result.problem
 
 
+# --- plain `python train.py`: one process, no torchrun ----------------------
+
+# A representative set: the README's shape, a shuffled two-epoch loader (DistributedSampler
+# of one rank against the reference order), accumulation with clipping, periodic DCP
+# checkpoints with a resume guard, the torch 2.4 import spelling, and an optional-DDP
+# script whose plain branch now starts a group of its one process.
+PLAIN_CASES = [
+    "main_modulelist", "kwargs_shuffle", "accumulation_modulo", "resume_periodic", "torch_2_4_generate", "optional_ddp",
+]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", PLAIN_CASES)
+def test_retrofit_runs_as_plain_python(name: str, tmp_path: Path):
+    """The output runs without torchrun (a process group of one process, fully_shard on a
+    1-rank mesh) and trains exactly like the original at the same batch."""
+    case = FIXTURES / name
+    run = _run_config(case)
+    tolerance = run.get("tolerance", DEFAULT_TOLERANCE)
+    timeout = run.get("timeout", DEFAULT_TIMEOUT_S)
+    single = _reference(case, run, tmp_path / "single", timeout)
+    plain = launch_single(case / "expected.py", ["--out", str(tmp_path / "plain" / "out.pt"), *run["single_args"]],
+                          tmp_path / "plain", timeout=timeout)
+    saved = compare_saved(tmp_path / "single" / "out.pt", tmp_path / "plain" / "out.pt", run["weights"], tolerance,
+                          single_prefix=run.get("single_prefix", ""))
+    verdict = compare_runs(single, plain, tolerance=tolerance, saved=saved)
+    print(_figures(f"{name}, plain python", verdict))
+    assert saved.ok, f"{name}: {saved.problem}"
+    assert verdict.equivalent, f"{name}: {verdict.summary()}"
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("shared_reference")
+def test_shared_example_rewrite_runs_as_plain_python(shared_reference: Path, tmp_path: Path):
+    """The rewrite of the shared single-GPU example, run as `python train.py` at batch 64,
+    equals the original at batch 64."""
+    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+
+    source = SHARED_EXAMPLES / "train_single.py"
+    result = rewrite_source(source.read_bytes(), str(source))
+    assert not result.refusals, result.refusals
+    script = tmp_path / "train.py"
+    script.write_bytes(result.code)
+    plain = launch_single(script, ["--out", str(tmp_path / "out.pt"), "--batch-size", "64"], tmp_path)
+    saved = compare_saved(shared_reference.directory / "out.pt", tmp_path / "out.pt", [])
+    verdict = compare_runs(shared_reference, plain, saved=saved)
+    print(_figures("shared example rewritten, plain python at 64 vs the original at 64", verdict))
+    assert verdict.equivalent, verdict.summary()
+
+
 # --- the hand-written example pair in shared/ --------------------------------
 
 

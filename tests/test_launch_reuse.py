@@ -128,14 +128,50 @@ def setup():
     assert "if rank == 0:" in out
 
 
-def test_a_conditional_group_is_refused():
-    setup = '''    ddp = "RANK" in os.environ
+OPTIONAL = '''    ddp = "RANK" in os.environ
     if ddp:
         dist.init_process_group("gloo")
     rank = int(os.environ.get("RANK", 0))'''
-    result = rewrite(setup)
-    assert result.refusals and "under a condition" in result.refusals[0].what
-    assert result.code == result.original
+
+
+def test_an_optional_group_gets_a_one_process_group_in_the_other_branch():
+    """`if ddp: init_process_group(...)`: the run without torchrun starts a group of its one
+    process, so fully_shard has a mesh either way; `if ddp: destroy` loses its `if`."""
+    out = lines(rewrite(OPTIONAL, teardown="    if ddp:\n        dist.destroy_process_group()\n"))
+    start = out.index("if ddp:")
+    assert out[start : start + 11] == [
+        "if ddp:",
+        'local_rank = int(os.environ["LOCAL_RANK"])',  # set_device before the init, under torchrun only
+        "if torch.cuda.is_available():",
+        "torch.cuda.set_device(local_rank)",
+        'dist.init_process_group("gloo")',
+        "else:",
+        "# plain `python train.py`: a process group of this one process",
+        "dist.init_process_group(",
+        '"gloo", store=dist.HashStore(), rank=0, world_size=1',
+        ")",
+        'mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(),))',
+    ]
+    end = [l for l in out if l]
+    assert end[end.index('if __name__ == "__main__":') - 1] == "dist.destroy_process_group()"
+    assert "if ddp:" not in out[start + 1 :]
+    # an existing else branch gets the group first
+    out = lines(rewrite(OPTIONAL.replace("    rank =", "    else:\n        print('one process')\n    rank =")))
+    assert out[out.index("else:") + 1 : out.index("else:") + 3] == [
+        "# plain `python train.py`: a process group of this one process", "dist.init_process_group("
+    ]
+
+
+def test_a_conditional_group_of_another_shape_is_refused():
+    # the script sets up its own rendezvous (init_method=...): no second group of ours
+    for setup in (
+        OPTIONAL.replace('("gloo")', '("gloo", init_method="tcp://10.0.0.1:23456", rank=0, world_size=2)'),
+        OPTIONAL.replace("    if ddp:\n", "    if ddp:\n        if True:\n    ").replace("        dist.init", "            dist.init"),
+        OPTIONAL.replace("    if ddp:\n", "    if not ddp:\n        pass\n    elif ddp:\n"),
+    ):
+        result = rewrite(setup)
+        assert result.refusals and "under a condition" in result.refusals[0].what, setup
+        assert result.code == result.original
 
 
 def test_a_model_built_before_the_group_is_refused():

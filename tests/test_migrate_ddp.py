@@ -85,6 +85,7 @@ def assert_no_ddp_api(code: str) -> None:
 
 def test_nested_ddp_with_an_optimizer_built_before_it_and_dropped_arguments_reported():
     body = '''    opt = torch.optim.SGD(Net().parameters(), lr=0.1)
+    torch.manual_seed(0)
     model = DDP(Net().to("cpu"), device_ids=None, find_unused_parameters=True, gradient_as_bucket_view=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 {loop}

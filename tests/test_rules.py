@@ -19,12 +19,24 @@ def _id(item):
 
 def test_catalogue_is_complete():
     codes = [r.CODE for r in RULES]
-    assert codes == [f"FSD1{n:02d}" for n in range(1, 13)]
+    assert codes == [f"FSD1{n:02d}" for n in range(1, 18)]
     for rule in RULES:
         doc = rule.__doc__ or ""
         for heading in ("## What it does", "## Why is this bad?", "## Example", "## Use instead", "## Fix safety"):
             assert heading in doc, (rule.CODE, heading)
         assert rule.NAME and rule.MESSAGE and rule.VALID and rule.INVALID
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.CODE for r in RULES])
+def test_declared_fix_safety_is_what_the_cases_show(rule):
+    """`rules` marks unsafe fixes from FIX_SAFETY: it must be what the fixes are."""
+    seen = set()
+    for case in rule.INVALID:
+        for f in lint_source(case.code.encode(), "case.py", [rule]).findings:
+            if f.fix is not None:
+                seen.add("safe" if f.fix.safe else "unsafe")
+    if seen:
+        assert {"safe": {"safe"}, "unsafe": {"unsafe"}, "mixed": {"safe", "unsafe"}}[rule.FIX_SAFETY] == seen
 
 
 @pytest.mark.parametrize("item", VALID, ids=[_id(v) for v in VALID])

@@ -58,12 +58,14 @@ class TestShard(CodemodTest):
 
     def test_sequential_blocks_then_root_with_import_aliases(self) -> None:
         before = MODEL + '''
+torch.manual_seed(0)
 model = Net()
 opt = optim.SGD(model.parameters(), lr=0.1)
 '''
         after = MODEL.replace(
             "from torch import nn, optim\n", "from torch import nn, optim\nfrom torch.distributed.fsdp import fully_shard\n"
         ) + '''
+torch.manual_seed(0)
 model = Net()
 for index, block in enumerate(model.blocks):
     fully_shard(block, reshard_after_forward=index < len(model.blocks) - 1)
@@ -355,6 +357,7 @@ main()
 def test_model_built_by_a_conditional_expression():
     code = out(MODEL + '''
 use_cuda = torch.cuda.is_available()
+torch.manual_seed(0)
 model = Net().cuda() if use_cuda else Net()
 opt = optim.SGD(model.parameters(), lr=0.1)
 ''')
@@ -402,6 +405,7 @@ def test_init_applied_after_building_runs_before_sharding_and_getattr_optimizers
 def init(m):
     pass
 
+torch.manual_seed(0)
 model = Net()
 model.apply(init)
 opt = getattr(torch.optim, "SGD")(model.parameters(), lr=0.1)
@@ -633,6 +637,7 @@ def test_cpu_offload_and_hsdp_shape_the_launch_and_the_shards():
 
 def test_a_model_compiled_where_it_is_built_is_compiled_after_sharding():
     text = out(MODEL + """
+torch.manual_seed(0)
 model = torch.compile(Net().to("cpu"), mode="max-autotune")
 opt = optim.SGD(model.parameters(), lr=0.1)
 """, reshard_after_forward="always")

@@ -7,7 +7,7 @@ The checkpoint stages ask these questions; the answers are computed on demand
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Optional, Set, Tuple
 
 import libcst as cst
 
@@ -128,7 +128,7 @@ def path_key(expr, facts: ScriptFacts) -> str:
     return code(expr)
 
 
-def _arg(call: cst.Call, index: int, keyword: str) -> Optional[cst.BaseExpression]:
+def call_arg(call: cst.Call, index: int, keyword: str) -> Optional[cst.BaseExpression]:
     for a in call.args:
         if a.keyword is not None and a.keyword.value == keyword:
             return a.value
@@ -140,7 +140,7 @@ def saves(facts: ScriptFacts) -> List[SaveSite]:
     """Every torch.save of the script, with the model/optimizer state it writes."""
     out = []
     for call in calls_to(facts, SAVE):
-        obj, path = _arg(call, 0, "obj"), _arg(call, 1, "f")
+        obj, path = call_arg(call, 0, "obj"), call_arg(call, 1, "f")
         if obj is None or path is None:
             continue
         function = facts.resolver.enclosing_function(call)
@@ -176,7 +176,7 @@ def loads(facts: ScriptFacts) -> List[LoadSite]:
     """Every torch.load of the script and what reads its result."""
     out = []
     for call in calls_to(facts, LOAD):
-        path = _arg(call, 0, "f")
+        path = call_arg(call, 0, "f")
         if path is None:
             continue
         stmt = facts.resolver.statement_of(call)
@@ -317,6 +317,72 @@ def rank_gate(node: cst.CSTNode, facts: ScriptFacts) -> Optional[cst.If]:
     return None
 
 
+def rank_zero_names(stmt: cst.CSTNode, facts: ScriptFacts, split=()) -> List[Tuple[str, cst.If]]:
+    """(name, the rank-0 `if` that binds it) for each name `stmt` reads that its function
+    binds only under rank-0 `if`s (`if rank == 0: run_dir = ...`): on the other ranks it
+    does not exist, so a save that now runs on every rank would fail there. Assignments
+    under the `if`s in `split` (split around a save) run on every rank already."""
+    function = facts.resolver.enclosing_function(stmt)
+    if function is None:
+        return []
+    params = {p.name.value for p in function.params.params + function.params.kwonly_params
+              + function.params.posonly_params}
+    out = []
+    for name in sorted(names_read(stmt) - params):
+        bindings = [s for s in facts.resolver.descendants(function.body, cst.SimpleStatementLine)
+                    if name in assigned_names(s)]
+        others = [n for n in facts.resolver.descendants(function.body, cst.CSTNode)
+                  if isinstance(n, (cst.For, cst.With, cst.FunctionDef, cst.ClassDef, cst.Import, cst.ImportFrom,
+                                    cst.NamedExpr, cst.Global, cst.Nonlocal, cst.AugAssign))
+                  and name in _bound_otherwise(n)]
+        gates = [rank_gate(b, facts) for b in bindings]
+        if bindings and not others and all(g is not None and not any(g is x for x in split) for g in gates):
+            out.append((name, gates[0]))
+    return out
+
+
+def names_read(node: cst.CSTNode) -> set:
+    """Names loaded in `node` (not attribute names or keywords)."""
+    found = set()
+
+    class _N(cst.CSTVisitor):
+        def visit_Attribute(self, n: cst.Attribute) -> bool:
+            n.value.visit(self)
+            return False
+
+        def visit_Arg(self, n: cst.Arg) -> bool:
+            n.value.visit(self)
+            return False
+
+        def visit_Name(self, n: cst.Name) -> None:
+            found.add(n.value)
+
+    node.visit(_N())
+    return found
+
+
+def _bound_otherwise(node) -> set:
+    """Names bound by a statement other than a plain assignment (for/with targets, defs, imports, ...)."""
+    from fsdp2_retrofit.syntax.names import names_in
+
+    if isinstance(node, cst.For):
+        return names_in(node.target)
+    if isinstance(node, cst.With):
+        return set().union(*(names_in(i.asname.name) for i in node.items if i.asname is not None))
+    if isinstance(node, (cst.FunctionDef, cst.ClassDef)):
+        return {node.name.value}
+    if isinstance(node, cst.NamedExpr):
+        return names_in(node.target)
+    if isinstance(node, cst.AugAssign):
+        return set()  # `x += 1` needs an earlier binding: that one decides
+    if isinstance(node, (cst.Global, cst.Nonlocal)):
+        return {n.name.value for n in node.names}
+    if isinstance(node, (cst.Import, cst.ImportFrom)) and not isinstance(node.names, cst.ImportStar):
+        return {(a.asname.name.value if a.asname is not None and isinstance(a.asname.name, cst.Name)
+                 else code(a.name).split(".")[0]) for a in node.names}
+    return set()
+
+
 def _in_body(node, if_node: cst.If, facts: ScriptFacts) -> bool:
     for anc in facts.resolver.ancestors(node):
         if anc is if_node.body:
@@ -324,3 +390,157 @@ def _in_body(node, if_node: cst.If, facts: ScriptFacts) -> bool:
         if anc is if_node:
             return False
     return False
+
+
+# -- checkpoints written or read through a file object -------------------------------
+
+OPENERS = {"builtins.open", "io.open", "io.BytesIO", "gzip.open", "bz2.open", "lzma.open", "tempfile.TemporaryFile",
+           "tempfile.NamedTemporaryFile", "tempfile.SpooledTemporaryFile"}
+
+
+@dataclass
+class FileObject:
+    """The file object a torch.save / torch.load is given instead of a path."""
+
+    name: str  # `f`
+    with_stmt: Optional[cst.With]  # `with open(path, "wb") as f:`; None: bound otherwise
+    path: Optional[cst.BaseExpression]  # the opened path, where the file can take its place
+    problem: str = ""  # why the path cannot take the file's place ("" when it can)
+
+
+def file_object(call: cst.Call, arg: cst.BaseExpression, writing: bool, facts: ScriptFacts) -> Optional[FileObject]:
+    """`arg` (the file argument of `call`) seen as a file object: the target of an
+    enclosing `with open(...) as f`, or a name bound to open(...) / io.BytesIO() /
+    gzip.open(...) in the same function. None where it is a path (or unknown: a
+    function's parameter is taken to be a path, as before)."""
+    r = facts.resolver
+    if isinstance(arg, cst.Call) and r.is_call_to(arg, OPENERS):
+        return FileObject(code(arg), None, None, "the file is opened inside the call")
+    if not isinstance(arg, cst.Name):
+        return None
+    for anc in r.ancestors(call):
+        if isinstance(anc, cst.FunctionDef):
+            break
+        if not isinstance(anc, cst.With):
+            continue
+        for item in anc.items:
+            if item.asname is not None and isinstance(item.asname.name, cst.Name) and item.asname.name.value == arg.value:
+                return _with_file(anc, item, arg, call, writing, facts)
+    function = r.enclosing_function(call)
+    for stmt in r.nodes(cst.SimpleStatementLine):
+        if r.enclosing_function(stmt) is not function or arg.value not in assigned_names(stmt):
+            continue
+        small = stmt.body[0]
+        if isinstance(small, cst.Assign) and r.is_call_to(small.value, OPENERS):
+            return FileObject(arg.value, None, None, f"`{arg.value}` is bound to `{code(small.value)}`")
+    return None
+
+
+def _with_file(stmt: cst.With, item: cst.WithItem, arg: cst.Name, call: cst.Call, writing: bool,
+               facts: ScriptFacts) -> FileObject:
+    r = facts.resolver
+    opened = item.item
+    found = FileObject(arg.value, stmt, None)
+    if not (isinstance(opened, cst.Call) and r.is_call_to(opened, {"builtins.open", "io.open"})):
+        found.problem = f"`{arg.value}` is `{code(opened)}`, not a file opened by path"
+        return found
+    path, mode = call_arg(opened, 0, "file"), call_arg(opened, 1, "mode")
+    wanted = "w" if writing else "r"
+    if path is None or not isinstance(mode, cst.SimpleString) or len(opened.args) > 2:
+        found.problem = "the file is opened with a mode or options the tool does not read"
+        return found
+    letters = set(mode.evaluated_value)
+    if not ("b" in letters and wanted in letters and letters <= {wanted, "b"}):
+        found.problem = f"the file is opened with mode {mode.value}, not {'wb' if writing else 'rb'}"
+        return found
+    if len(stmt.items) != 1 or stmt.asynchronous is not None or not isinstance(stmt.body, cst.IndentedBlock):
+        found.problem = "the `with` opens more than the one file"
+        return found
+    reads = [n for n in _names(stmt.body) if n.value == arg.value]
+    if len(reads) != 1 or reads[0] is not arg:
+        found.problem = f"`{arg.value}` is used for more than the {'save' if writing else 'load'}"
+        return found
+    if read_names(path) & set().union(*(assigned_names(s) for s in stmt.body.body)):
+        found.problem = "the path is changed inside the `with`"
+        return found
+    found.path = path
+    return found
+
+
+def read_names(expr) -> Set[str]:
+    """The variables an expression reads (`args` of `args.ckpt`, not `ckpt`)."""
+    attrs = {id(n.attr) for n in _nodes_of(expr, cst.Attribute)}
+    return {n.value for n in _names(expr) if id(n) not in attrs}
+
+
+def target_names(stmt) -> Set[str]:
+    """Every variable an assignment inside `stmt` binds or changes (`args` of `args.out = ...`)."""
+    targets = [t.target for t in _nodes_of(stmt, cst.AssignTarget)]
+    targets += [n.target for n in _nodes_of(stmt, (cst.AugAssign, cst.AnnAssign))]
+    return set().union(assigned_names(stmt), *(read_names(t) for t in targets))
+
+
+def _nodes_of(node, kind) -> list:
+    found = []
+
+    class _K(cst.CSTVisitor):
+        def on_visit(self, n) -> bool:
+            if isinstance(n, kind):
+                found.append(n)
+            return True
+
+    node.visit(_K())
+    return found
+
+
+def _names(node) -> List[cst.Name]:
+    found = []
+
+    class _N(cst.CSTVisitor):
+        def visit_Name(self, n: cst.Name) -> None:
+            found.append(n)
+
+    node.visit(_N())
+    return found
+
+
+def saved_dict_keys(expr: Optional[cst.BaseExpression], facts: ScriptFacts) -> Optional[Tuple[str, ...]]:
+    """The keys of a dict a checkpoint saves as a value (`"model_args": model_args`), where
+    they are fixed in the source: a dict literal with string keys, `dict(k=...)`, or a name
+    every binding of which in its function is one of those with the same keys (or a read
+    from a checkpoint: `model_args = ckpt["model_args"]`). None: not known to be such a dict.
+    DCP flattens a saved dict into one entry a key, so its load needs the same keys."""
+    keys = _literal_keys(expr)
+    if keys is not None or not isinstance(expr, cst.Name):
+        return keys
+    r = facts.resolver
+    function = r.enclosing_function(expr)
+    found = set()
+    for target in r.nodes(cst.AssignTarget):
+        if r.enclosing_function(target) is not function or expr.value not in read_names(target.target):
+            continue
+        assign = r.parent(target)
+        if not (isinstance(target.target, cst.Name) and isinstance(assign, cst.Assign)):
+            return None  # `model_args["x"] = ...`, a tuple target: the keys may change
+        if isinstance(assign.value, cst.Subscript):
+            continue
+        keys = _literal_keys(assign.value)
+        if keys is None:
+            return None
+        found.add(keys)
+    return found.pop() if len(found) == 1 else None
+
+
+def _literal_keys(expr) -> Optional[Tuple[str, ...]]:
+    if isinstance(expr, cst.Dict) and all(
+        isinstance(e, cst.DictElement) and isinstance(e.key, cst.SimpleString) for e in expr.elements
+    ):
+        return tuple(e.key.evaluated_value for e in expr.elements)
+    if (
+        isinstance(expr, cst.Call)
+        and isinstance(expr.func, cst.Name)
+        and expr.func.value == "dict"
+        and all(a.keyword is not None and not a.star for a in expr.args)
+    ):
+        return tuple(a.keyword.value for a in expr.args)
+    return None

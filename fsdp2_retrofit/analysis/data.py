@@ -9,8 +9,8 @@ import libcst as cst
 
 from .loops import LoopSite, train_loops
 from .site_analysis import Block, SiteAnalysis
-from fsdp2_retrofit.syntax.names import Resolver, assigned_names, bind_args, names_in
-from fsdp2_retrofit.syntax.torch_api import DATALOADERS
+from fsdp2_retrofit.syntax.names import Resolver, assigned_names, bind_args, calls_in, code, names_in
+from fsdp2_retrofit.syntax.torch_api import DATALOADERS, DISTRIBUTED_SAMPLERS, PLAIN_SAMPLERS
 
 
 @dataclass
@@ -25,6 +25,34 @@ class LoaderSite:
     kwargs_dict: Optional[cst.CSTNode]  # the dict(...) / {...} node the loader unpacks
     has_sampler: bool
     trains: bool = False
+    # `kw.update(shuffle=...)` (or kw["shuffle"] = ...) between the dict and the loader:
+    # the name of the dict whose final "shuffle" the sampler must take
+    shuffle_set_later: Optional[str] = None
+    sampler: Optional["SamplerSite"] = None  # the sampler= it is given, where it has one
+    returned: bool = False  # `return loader` from the function that builds it (a helper)
+
+
+@dataclass
+class SamplerSite:
+    """The sampler a DataLoader is given: `kind` "distributed" (nothing to do), "plain"
+    (a RandomSampler/SequentialSampler of one dataset, replaced by a DistributedSampler
+    with `shuffle`), or "other" (a batch_sampler, a subset, weighted or custom sampler:
+    no safe conversion)."""
+
+    kind: str
+    expr: cst.BaseExpression  # the sampler= value
+    call: Optional[cst.Call] = None  # the sampler's construction (inline, or the one its name is bound to)
+    dataset: Optional[cst.BaseExpression] = None
+    shuffle: str = "False"
+
+
+@dataclass
+class UnfollowedLoader:
+    """A DataLoader the analysis cannot follow to a loop: built inline in a `for`,
+    stored on an attribute, or returned by a helper function."""
+
+    node: cst.CSTNode
+    how: str
 
 
 class LoaderAnalysis(SiteAnalysis):
@@ -57,13 +85,15 @@ class LoaderAnalysis(SiteAnalysis):
                 continue
             name = assign.targets[0].target.value
             args = {a.keyword.value: a.value for a in call.args if a.keyword is not None}
-            kwargs_dict = None
+            kwargs_dict, shuffle_set_later = None, None
             for a in call.args:
                 if a.star == "**" and isinstance(a.value, cst.Name):
                     kwargs_dict = self._dict_bound_before(a.value.value, stmt)
                     if kwargs_dict is not None:
                         for key, value in _dict_entries(kwargs_dict):
                             args.setdefault(key, value)
+                        if self._shuffle_set_after(a.value.value, kwargs_dict, stmt):
+                            shuffle_set_later = a.value.value
             positional = [a.value for a in call.args if a.keyword is None and not a.star]
             dataset = args.get("dataset", positional[0] if positional else None)
             out.append(
@@ -78,8 +108,124 @@ class LoaderAnalysis(SiteAnalysis):
                     kwargs_dict=kwargs_dict,
                     has_sampler="sampler" in args or "batch_sampler" in args,
                     trains=name in iterated or name in passed,
+                    shuffle_set_later=shuffle_set_later,
+                    sampler=self._sampler(args, stmt),
+                    returned=self._returned(name, stmt),
                 )
             )
+        return out
+
+    def _sampler(self, args, stmt) -> Optional[SamplerSite]:
+        if "batch_sampler" in args:
+            return SamplerSite("other", args["batch_sampler"])
+        expr = args.get("sampler")
+        if expr is None:
+            return None
+        call = expr if isinstance(expr, cst.Call) else None
+        if isinstance(expr, cst.Name):
+            bound = self._value_bound_before(expr.value, stmt)
+            if self._distributed_or_none(bound):
+                return SamplerSite("distributed", expr, bound.body if isinstance(bound, cst.IfExp) else bound)
+            call = bound if isinstance(bound, cst.Call) else None
+        if self._distributed_or_none(expr) and isinstance(expr, cst.IfExp):
+            return SamplerSite("distributed", expr, expr.body)
+        if call is None:
+            return SamplerSite("other", expr)
+        if self.r.is_call_to(call, DISTRIBUTED_SAMPLERS):
+            return SamplerSite("distributed", expr, call)
+        shuffle = next((PLAIN_SAMPLERS[q] for q in self.r.qnames(call.func) if q in PLAIN_SAMPLERS), None)
+        if shuffle is not None and len(call.args) == 1 and call.args[0].keyword in (None,) and not call.args[0].star:
+            return SamplerSite("plain", expr, call, call.args[0].value, shuffle)
+        return SamplerSite("other", expr, call)
+
+    def _distributed_or_none(self, value) -> bool:
+        """`DistributedSampler(...) if ddp else None` (either order): the script's own optional
+        distributed mode, which already splits the data whenever it runs on several ranks."""
+        if not isinstance(value, cst.IfExp):
+            return False
+        branches = [value.body, value.orelse]
+        samplers = [b for b in branches if isinstance(b, cst.Call) and self.r.is_call_to(b, DISTRIBUTED_SAMPLERS)]
+        nones = [b for b in branches if isinstance(b, cst.Name) and b.value == "None"]
+        return len(samplers) == 1 and len(nones) == 1
+
+    def _returned(self, name: str, stmt) -> bool:
+        function = self.r.enclosing_function(stmt)
+        return function is not None and any(
+            r.value is not None and name in names_in(r.value) and self.r.enclosing_function(r) is function
+            for r in self.r.descendants(function, cst.Return)
+        )
+
+    def _value_bound_before(self, name: str, stmt) -> Optional[cst.BaseExpression]:
+        """The value `name` was last bound to by a plain assignment in the block before `stmt`."""
+        block = self.r.block_of(stmt)
+        if block is None:
+            return None
+        body = list(block.body)
+        for earlier in reversed(body[: body.index(stmt)]):
+            if name in assigned_names(earlier):
+                small = earlier.body[0]
+                if isinstance(small, cst.Assign) and len(small.targets) == 1 \
+                        and isinstance(small.targets[0].target, cst.Name):
+                    return small.value
+                return None
+        return None
+
+    def _shuffle_set_after(self, name: str, dict_node, stmt) -> bool:
+        """Whether a statement between the dict's binding and `stmt` may set its "shuffle"
+        (`name.update(shuffle=...)`, `name["shuffle"] = ...`, `name.setdefault("shuffle", ...)`,
+        or an update whose keys cannot be read)."""
+        body = list(self.r.block_of(stmt).body)
+        start = next(i for i, s in enumerate(body) if any(n is dict_node for n in _walk_values(s)))
+        for between in body[start + 1 : body.index(stmt)]:
+            for call in calls_in(between):
+                func = call.func
+                if not (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name)
+                        and func.value.value == name and func.attr.value in ("update", "setdefault")):
+                    continue
+                keys = [a.keyword.value if a.keyword is not None else
+                        (a.value.evaluated_value if isinstance(a.value, cst.SimpleString) else None)
+                        for a in call.args]
+                if func.attr.value == "setdefault":
+                    keys = keys[:1]
+                elif any(a.keyword is None for a in call.args):
+                    keys = [None]  # update({...}) or update(other): read what a literal says, else assume it may
+                    if len(call.args) == 1 and isinstance(call.args[0].value, (cst.Dict, cst.Call)):
+                        keys = [k for k, _ in _dict_entries(call.args[0].value)] or [None]
+                if "shuffle" in keys or None in keys:
+                    return True
+            for target in _subscript_targets(between):
+                if isinstance(target.value, cst.Name) and target.value.value == name:
+                    index = target.slice[0].slice if len(target.slice) == 1 else None
+                    key = index.value if isinstance(index, cst.Index) else None
+                    if not isinstance(key, cst.SimpleString) or key.evaluated_value == "shuffle":
+                        return True
+        return False
+
+    def _unfollowed(self, loaders: List[LoaderSite]) -> List[UnfollowedLoader]:
+        followed = {id(l.call) for l in loaders}
+        out = []
+        for call in self.r.nodes(cst.Call):
+            if id(call) in followed or not self.r.is_call_to(call, DATALOADERS):
+                continue
+            how = "built and used in one expression"
+            for anc in self.r.ancestors(call):
+                if isinstance(anc, cst.For) and any(n is call for n in _walk_values(anc.iter)):
+                    how = "built inline in the `for` that reads it"
+                    break
+                if isinstance(anc, cst.Return):
+                    how = f"returned by {self.r.enclosing_function(anc).name.value}()"
+                    break
+                if isinstance(anc, cst.Assign):
+                    if any(isinstance(t.target, cst.Attribute) for t in anc.targets):
+                        how = f"stored on `{code(anc.targets[0].target)}`"
+                    break
+                if isinstance(anc, cst.BaseStatement):
+                    break
+            out.append(UnfollowedLoader(call, how))
+        for loader in loaders:
+            if loader.returned and not loader.trains:
+                function = self.r.enclosing_function(loader.stmt)
+                out.append(UnfollowedLoader(loader.stmt, f"`{loader.name}`, returned by {function.name.value}()"))
         return out
 
     def _names_passed_to_loop_functions(self, train_loops) -> Set[str]:
@@ -116,6 +262,35 @@ def training_loaders(module: cst.Module, resolver: Resolver) -> List[LoaderSite]
     needs no model facts (the lint asks this of scripts that are already sharded)."""
     loops = train_loops(module, resolver)
     return LoaderAnalysis(module, resolver)._loaders(resolver.nodes(cst.SimpleStatementLine), loops)
+
+
+def unfollowed_loaders(module: cst.Module, resolver: Resolver, loaders: List[LoaderSite]) -> List[UnfollowedLoader]:
+    """The DataLoaders no loop can be traced to (see UnfollowedLoader)."""
+    return LoaderAnalysis(module, resolver)._unfollowed(loaders)
+
+
+def _walk_values(node):
+    """`node` and every node under it."""
+    found = []
+
+    class _All(cst.CSTVisitor):
+        def on_visit(self, n) -> bool:
+            found.append(n)
+            return True
+
+    node.visit(_All())
+    return found
+
+
+def _subscript_targets(stmt):
+    if isinstance(stmt, cst.SimpleStatementLine):
+        for small in stmt.body:
+            if isinstance(small, cst.Assign):
+                yield from (t.target for t in small.targets if isinstance(t.target, cst.Subscript))
+    elif isinstance(stmt, cst.BaseCompoundStatement):
+        for inner in _walk_values(stmt):
+            if isinstance(inner, cst.SimpleStatementLine):
+                yield from _subscript_targets(inner)
 
 
 def _next_call_names(loop, resolver: Resolver) -> Set[str]:

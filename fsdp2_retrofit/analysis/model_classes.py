@@ -355,3 +355,100 @@ def _dict_items(call: cst.Call, namer: _Namer):
         for el in arg.elements:
             if isinstance(el, cst.DictElement) and isinstance(el.key, cst.SimpleString):
                 yield el.key.evaluated_value, el.value
+
+
+PARAMETER_ITERATORS = {"parameters", "named_parameters"}
+
+
+def parameter_reads(method: cst.FunctionDef, info: ClassInfo) -> List[Tuple[cst.CSTNode, Optional[str]]]:
+    """(node, submodule) for each place `method` takes the value of one of the module's
+    parameters: `next(self.parameters())` (submodule None: the first one registered),
+    `self.head.weight.new_zeros(...)` / `.data` / `.clone()` (submodule "head"). Outside
+    forward such a parameter is a DTensor shard after fully_shard, and so is what is
+    built from it. Handing `self.parameters()` to an optimizer does not count."""
+    containers = {c.path[0] for c in info.containers}
+    found: List[Tuple[cst.CSTNode, Optional[str]]] = []
+
+    def own_parameters(node) -> bool:
+        f = node.func if isinstance(node, cst.Call) else None
+        return (isinstance(f, cst.Attribute) and f.attr.value in PARAMETER_ITERATORS
+                and isinstance(f.value, cst.Name) and f.value.value == "self")
+
+    class _P(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            if (isinstance(node.func, cst.Name) and node.func.value == "next" and node.args
+                    and own_parameters(node.args[0].value)):
+                found.append((node, None))
+
+        def visit_Attribute(self, node: cst.Attribute) -> None:
+            param, inner = node.value, getattr(node.value, "value", None)
+            if (node.attr.value.startswith("new_") or node.attr.value in VALUE_READS) \
+                    and isinstance(param, cst.Attribute) and param.attr.value in ("weight", "bias") \
+                    and isinstance(inner, cst.Attribute) and isinstance(inner.value, cst.Name) \
+                    and inner.value.value == "self" \
+                    and (inner.attr.value in info.submodules or inner.attr.value in containers):
+                found.append((node, inner.attr.value))
+
+    method.body.visit(_P())
+    return found
+
+
+VALUE_READS = {"data", "clone", "detach", "expand", "expand_as", "view", "reshape", "t", "T"}
+
+
+def first_submodule(info: ClassInfo) -> Optional[str]:
+    """The attribute of the first submodule `__init__` registers (whose parameters
+    `next(self.parameters())` returns first)."""
+    init = info.methods.get("__init__")
+    if init is None:
+        return None
+    known = set(info.submodules) | {c.path[0] for c in info.containers}
+    for node in _walk(init.body):
+        if isinstance(node, cst.Assign):
+            for t in node.targets:
+                target = t.target
+                if (isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name)
+                        and target.value.value == "self" and target.attr.value in known):
+                    return target.attr.value
+    return None
+
+
+def _walk(node):
+    found = []
+
+    class _All(cst.CSTVisitor):
+        def on_visit(self, n) -> bool:
+            found.append(n)
+            return True
+
+    node.visit(_All())
+    return found
+
+
+# nn.Module's own API: calling these on a sharded model needs no forward hooks.
+MODULE_API = {
+    "parameters", "named_parameters", "buffers", "named_buffers", "children", "named_children",
+    "modules", "named_modules", "state_dict", "load_state_dict", "train", "eval", "to", "cuda", "cpu",
+    "zero_grad", "apply", "requires_grad_", "half", "float", "double", "bfloat16", "forward",
+    "register_buffer", "register_parameter", "register_forward_hook", "register_forward_pre_hook",
+    "register_full_backward_hook", "add_module", "get_submodule", "get_parameter", "extra_repr",
+    "set_requires_gradient_sync", "reshard", "unshard", "set_reshard_after_backward",
+}
+
+
+def called_methods(model_name: str, info: ClassInfo, resolver: Resolver) -> List[str]:
+    """Public methods of the model's own class (not nn.Module's API) the script calls on it."""
+    called: List[str] = []
+    for node in resolver.nodes(cst.Call):
+        func = node.func
+        if (
+            isinstance(func, cst.Attribute)
+            and isinstance(func.value, cst.Name)
+            and func.value.value == model_name
+            and func.attr.value in info.methods
+            and func.attr.value not in MODULE_API
+            and not func.attr.value.startswith("_")
+            and func.attr.value not in called
+        ):
+            called.append(func.attr.value)
+    return called

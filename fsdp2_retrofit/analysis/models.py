@@ -24,7 +24,7 @@ from fsdp2_retrofit.syntax.names import (
     names_in,
     root_name,
 )
-from fsdp2_retrofit.syntax.torch_api import AVERAGED_MODEL, FULLY_SHARD, TORCH_COMPILE
+from fsdp2_retrofit.syntax.torch_api import AVERAGED_MODEL, FULLY_SHARD, TORCH_COMPILE, TORCH_LOAD
 
 
 STDLIB = set(getattr(sys, "stdlib_module_names", ())) | {"argparse", "logging", "collections", "dataclasses"}
@@ -47,6 +47,8 @@ class ModelSite:
     library: Optional[LibraryModel] = None  # built by transformers/torchvision/timm (see library_models)
     copy_of: Optional[str] = None  # `ema = copy.deepcopy(model)`: the model it copies
     copy_call: Optional[cst.Call] = None  # and that copy.deepcopy call
+    # `model = Wrapper(model)` before the model is used: fully_shard cannot follow the name
+    rebound_by: Optional[cst.CSTNode] = None
 
 
 class ModelAnalysis(SiteAnalysis):
@@ -162,6 +164,7 @@ class ModelAnalysis(SiteAnalysis):
             class_name=cls,
             top=top,
             shard_anchor=self._shard_anchor(name, top, block, frozen),
+            rebound_by=None if frozen else self._rebound_by(name, top, block),
             containers=[c for c in containers if c not in tied],
             tied_containers=tied,
             library=library,
@@ -332,12 +335,17 @@ class ModelAnalysis(SiteAnalysis):
         loop over its parameters), up to the first other statement that uses it."""
         body = list(block.body)
         anchor = stmt
+        used = False  # by an optimizer or a forward: later restructuring stays after fully_shard
         for later in body[body.index(stmt) + 1 :]:
             if frozen and _prepares(later, name):
                 anchor = later
                 continue
             if frozen and name in names_in(later):
                 break  # a load_state_dict, a forward: after sharding, as for a trained model
+            if not frozen and not used and restructures(later, name) and not self._loads_checkpoint(later):
+                anchor = later  # a new head, a frozen part, loaded weights: fully_shard sees the final module
+                continue
+            used = used or _consumes(later, name)
             if isinstance(later, (cst.For, cst.While, cst.FunctionDef, cst.With, cst.Try)):
                 break
             if _is_placement(later, name) or _initialises(later, name):
@@ -345,6 +353,40 @@ class ModelAnalysis(SiteAnalysis):
             elif name in assigned_names(later):
                 break  # rebound by something else (torch.compile, a wrapper): shard before it
         return anchor
+
+    def _loads_checkpoint(self, stmt) -> bool:
+        """`model.load_state_dict(torch.load(p))` (or of a name bound to torch.load's
+        value): the resume stage loads it into the sharded model, after fully_shard."""
+        loaded = set()
+        function = self.r.enclosing_function(stmt)
+        for call in calls_in(stmt):
+            if isinstance(call.func, cst.Attribute) and call.func.attr.value == "load_state_dict":
+                if any(self.r.is_call_to(c, TORCH_LOAD) for a in call.args for c in calls_in(a.value)):
+                    return True
+                loaded |= {n for a in call.args for n in names_in(a.value)}
+        for node in self.r.nodes(cst.SimpleStatementLine):
+            if (assigned_names(node) & loaded and self.r.enclosing_function(node) is function
+                    and any(self.r.is_call_to(c, TORCH_LOAD) for c in calls_in(node))):
+                return True
+        return False
+
+    def _rebound_by(self, name: str, stmt, block) -> Optional[cst.CSTNode]:
+        """The statement `name = Wrapper(name, ...)` that rebinds the model to an object
+        wrapping it, where _shard_anchor stops (torch.compile, placement and PEFT, which has
+        its own refusal, excepted)."""
+        body = list(block.body)
+        for later in body[body.index(stmt) + 1 :]:
+            if isinstance(later, (cst.For, cst.While, cst.FunctionDef, cst.With, cst.Try)) and not restructures(later, name):
+                return None
+            if name not in assigned_names(later) or _is_placement(later, name):
+                continue
+            small = later.body[0]
+            call = _innermost_call(small.value) if isinstance(small, cst.Assign) else None
+            if (call is None or self.r.is_call_to(call, TORCH_COMPILE) or self.r.calls_prefix(small.value, PEFT_WRAPPERS)
+                    or not any(isinstance(a.value, cst.Name) and a.value.value == name for a in call.args)):
+                return None
+            return later
+        return None
 
     def _model_names(self, models: List[ModelSite]) -> Dict[Optional[cst.FunctionDef], Set[str]]:
         """Model names per function, following calls that pass a model as an argument."""
@@ -516,14 +558,16 @@ def _freeze_call(call, name: Optional[str]) -> bool:
     return len(call.args) == 1 and isinstance(call.args[0].value, cst.Name) and call.args[0].value.value == "False"
 
 
-def _freezing_loop(loop, name: str) -> bool:
-    """`for p in name.parameters(): p.requires_grad = False` (or `p.requires_grad_(False)`)."""
+def _freezing_loop(loop, name: str, part: bool = False) -> bool:
+    """`for p in name.parameters(): p.requires_grad = False` (or `p.requires_grad_(False)`);
+    part: also over a submodule's, `name.stem.parameters()`."""
     if not isinstance(loop, cst.For):
         return False
     it = loop.iter
     if not (isinstance(it, cst.Call) and isinstance(it.func, cst.Attribute)
             and it.func.attr.value in ("parameters", "named_parameters")
-            and isinstance(it.func.value, cst.Name) and it.func.value.value == name):
+            and (_rooted_at(it.func.value, name) if part
+                 else isinstance(it.func.value, cst.Name) and it.func.value.value == name)):
         return False
     found = []
 
@@ -554,6 +598,59 @@ def _prepares(stmt, name: str) -> bool:
         return True
     return all(isinstance(s, cst.Expr) and isinstance(s.value, cst.Call) and _freeze_call(s.value, name)
                for s in stmt.body)
+
+
+# methods of a module (or one of its submodules) that change what fully_shard would see
+RESTRUCTURING_METHODS = PLACEMENT_METHODS | {"load_state_dict", "requires_grad_", "apply"}
+
+
+def _consumes(stmt, name: str) -> bool:
+    """`stmt` takes `name`'s parameters (an optimizer), runs its forward or hands it to a
+    function: a change to the module after it is not part of the build."""
+    for call in calls_in(stmt):
+        func = call.func
+        if isinstance(func, cst.Name) and func.value == name:
+            return True
+        if isinstance(func, cst.Attribute) and func.attr.value in ("parameters", "named_parameters", "forward") \
+                and _rooted_at(func.value, name):
+            return True
+        if any(isinstance(a.value, cst.Name) and a.value.value == name for a in call.args):
+            return True
+    return False
+
+
+def _rooted_at(expr, name: str) -> bool:
+    """`name`, `name.a.b`, `name.blocks[0].c`."""
+    while isinstance(expr, (cst.Attribute, cst.Subscript)):
+        expr = expr.value
+    return isinstance(expr, cst.Name) and expr.value == name
+
+
+def restructures(stmt, name: str) -> bool:
+    """A statement after the build that changes the module fully_shard must see:
+    `name.head = nn.Linear(...)`, `name.stem.requires_grad_(False)`,
+    `name.load_state_dict(...)`, a loop freezing (part of) its parameters, or an `if`
+    of such statements."""
+    if isinstance(stmt, cst.If):
+        inner = list(stmt.body.body) if isinstance(stmt.body, cst.IndentedBlock) else [stmt.body]
+        return bool(inner) and stmt.orelse is None and all(restructures(s, name) for s in inner)
+    if isinstance(stmt, cst.For):
+        return _freezing_loop(stmt, name, part=True)
+    if not isinstance(stmt, cst.SimpleStatementLine):
+        return False
+    for small in stmt.body:
+        if isinstance(small, cst.Assign):
+            if not all(isinstance(t.target, (cst.Attribute, cst.Subscript)) and _rooted_at(t.target, name)
+                       for t in small.targets):
+                return False
+        elif isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
+            func = small.value.func
+            if not (isinstance(func, cst.Attribute) and func.attr.value in RESTRUCTURING_METHODS
+                    and _rooted_at(func.value, name)):
+                return False
+        else:
+            return False
+    return True
 
 
 def _is_placement_chain(expr, name: str) -> bool:

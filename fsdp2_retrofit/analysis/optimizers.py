@@ -9,7 +9,12 @@ import libcst as cst
 
 from .site_analysis import Block, SiteAnalysis
 from fsdp2_retrofit.syntax.names import Resolver, assigned_names, bind_args, root_name
-from fsdp2_retrofit.syntax.torch_api import NOT_OPTIMIZERS, OPTIMIZER_PREFIX
+from fsdp2_retrofit.syntax.torch_api import (  # noqa: F401  (FLATTENING_OPTIMIZERS: the shard stage imports it from here)
+    FLATTENING_OPTIMIZERS,
+    NOT_OPTIMIZERS,
+    OPTIMIZER_BASES,
+    OPTIMIZER_PREFIX,
+)
 
 
 @dataclass
@@ -20,6 +25,8 @@ class OptimizerSite:
     models: List[str]
     # statements before it that turn the models' parameters into its argument (param groups)
     feeders: List[cst.SimpleStatementLine] = field(default_factory=list)
+    call: Optional[cst.Call] = None
+    own_class: Optional[cst.ClassDef] = None  # an optimizer class written in the script
 
 
 class OptimizerAnalysis(SiteAnalysis):
@@ -27,14 +34,16 @@ class OptimizerAnalysis(SiteAnalysis):
 
     def _optimizers(self, stmts, bindings) -> List[OptimizerSite]:
         module_names = {b[0] for b in bindings}
+        own = self._own_optimizer_classes()
         out = []
         for target, stmt, call in self._named_assignments(stmts):
             if not isinstance(call, cst.Call):
                 continue
+            own_class = own.get(call.func.value) if isinstance(call.func, cst.Name) else None
             is_torch_optim = (
                 self.r.calls_prefix(call, OPTIMIZER_PREFIX)
                 and not any(self.r.calls_prefix(call, p) for p in NOT_OPTIMIZERS)
-            ) or self._is_getattr_optimizer(call)
+            ) or self._is_getattr_optimizer(call) or own_class is not None
             receiver = root_name(call.func) if isinstance(call.func, cst.Attribute) else None
             feeders: List[cst.SimpleStatementLine] = []
             if is_torch_optim:
@@ -47,9 +56,16 @@ class OptimizerAnalysis(SiteAnalysis):
                 continue
             block = self.r.block_of(stmt)
             out.append(
-                OptimizerSite(target, stmt, block, models, feeders)
+                OptimizerSite(target, stmt, block, models, feeders, call, own_class)
             )
         return out
+
+    def _own_optimizer_classes(self) -> Dict[str, cst.ClassDef]:
+        """Top-level classes of the script that subclass torch.optim.Optimizer."""
+        return {
+            node.name.value: node for node in self.module.body
+            if isinstance(node, cst.ClassDef) and any(self.r.qnames(b.value) & OPTIMIZER_BASES for b in node.bases)
+        }
 
     def _is_getattr_optimizer(self, call: cst.Call) -> bool:
         """`getattr(torch.optim, args.optim)(model.parameters(), ...)`"""
@@ -127,6 +143,40 @@ def optimizer_sites(module: cst.Module, resolver: Resolver, bindings) -> List[Op
     """The optimizers that train a model of `bindings` (models.module_bindings)."""
     optimizers = OptimizerAnalysis(module, resolver)._optimizers(resolver.nodes(cst.SimpleStatementLine), bindings)
     return [o for o in optimizers if o.models]
+
+
+# tensor methods and functions that need a whole matrix (or all of a tensor's elements in order)
+WHOLE_TENSOR_CALLS = frozenset({
+    "reshape", "view", "view_as", "flatten", "t", "transpose", "permute", "mm", "matmul", "bmm", "svd", "qr",
+    "inverse", "pinv", "eigh", "cat", "stack", "outer", "einsum",
+})
+
+
+def whole_tensor_operation(cls: cst.ClassDef) -> Optional[cst.CSTNode]:
+    """The first operation of an optimizer class's methods that works on whole matrices
+    or flattens tensors (`@`, `.T`, `.reshape(...)`, `torch.linalg...`, ...): on a
+    DTensor shard it either gathers the whole tensor or computes on a piece of it."""
+    found: List[cst.CSTNode] = []
+
+    class _W(cst.CSTVisitor):
+        def visit_BinaryOperation(self, node: cst.BinaryOperation) -> None:
+            if isinstance(node.operator, cst.MatrixMultiply):
+                found.append(node)
+
+        def visit_Attribute(self, node: cst.Attribute) -> None:
+            if node.attr.value in ("T", "mT", "H", "mH", "linalg"):
+                found.append(node)
+
+        def visit_Call(self, node: cst.Call) -> None:
+            func = node.func
+            name = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else ""
+            if name in WHOLE_TENSOR_CALLS:
+                found.append(node)
+
+    for stmt in cls.body.body:
+        if isinstance(stmt, cst.FunctionDef) and stmt.name.value != "__init__":
+            stmt.visit(_W())
+    return found[0] if found else None
 
 
 def _ordered_names(args) -> List[str]:

@@ -13,7 +13,7 @@ from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import Resolver, bind_args, code, names_in
+from fsdp2_retrofit.syntax.names import Resolver, bind_args, code, names_in, parameter_names
 from fsdp2_retrofit.syntax.rank import rank_zero_side
 from fsdp2_retrofit.syntax.torch_api import (
     FSDP1_CLASSES,
@@ -137,6 +137,23 @@ class ShardFacts:
         if unit and whole and not any(s.whole for s in sites):
             return None
         return root
+
+    def fsdp2_root(self, expr: cst.BaseExpression, at: cst.CSTNode) -> Optional[Tuple[str, cst.CSTNode]]:
+        """(root, where its sharding is in effect) when `expr` is a whole module sharded
+        with fully_shard at `at`. A closure variable of a nested function counts when
+        the function around it sharded the module before defining the nested one; the
+        place returned is then that nested def (ask optimizer() there)."""
+        found = self.part(expr, at)
+        if found is None or not found[1]:
+            return None
+        root, anchor = found[0], at
+        while True:
+            if self.is_fsdp2(root, anchor):
+                return root, anchor
+            fn = self.scope_of(anchor)
+            if fn is None or self._binds(fn, root) or root.startswith("self.") or root in parameter_names(fn):
+                return None
+            anchor = fn
 
     def is_fsdp2(self, root: str, at: cst.CSTNode) -> bool:
         return any(not s.legacy for s in self.sites_for(root, at))

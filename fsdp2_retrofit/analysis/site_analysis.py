@@ -29,15 +29,20 @@ class SiteAnalysis:
         self.calls: List[cst.Call] = resolver.nodes(cst.Call)
 
     def _named_assignments(self, stmts):
-        """(name, stmt, value) for each `name = value` line outside class bodies."""
+        """(name, stmt, value) for each `name = value` or `name: T = value` line outside
+        class bodies."""
         for stmt in stmts:
-            if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
+            if len(stmt.body) != 1:
                 continue
-            assign = stmt.body[0]
-            if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
+            small = stmt.body[0]
+            if isinstance(small, cst.Assign) and len(small.targets) == 1:
+                target = small.targets[0].target
+            elif isinstance(small, cst.AnnAssign) and small.value is not None:
+                target = small.target  # `model: nn.Module = Net()`
+            else:
                 continue
-            if self.r.enclosing_class(stmt) is None:
-                yield assign.targets[0].target.value, stmt, assign.value
+            if isinstance(target, cst.Name) and self.r.enclosing_class(stmt) is None:
+                yield target.value, stmt, small.value
 
     def _local_calls(self):
         """(call, function) for every call of a top-level function of the script."""

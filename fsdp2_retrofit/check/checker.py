@@ -23,6 +23,7 @@ class FileResult:
     applied: int = 0
     bare_noqa: int = 0
     error: Optional[InputError] = None
+    initial: list = field(default_factory=list)  # with `fixed`: the findings of `original`
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ def lint_one(job: CheckJob, path: str, data: bytes) -> FileResult:
         applied=result.applied,
         bare_noqa=result.bare_noqa,
         error=result.error,
+        initial=[f.detached() for f in result.initial],
     )
 
 

@@ -38,6 +38,47 @@ def summary(findings: Sequence, fixed: int, unsafe_fixes: bool, fixing: bool) ->
     return out
 
 
+def on_original_lines(findings: Sequence, original: str, fixed: str, initial: Sequence = ()) -> list:
+    """Findings located in `fixed` moved to the lines of `original` (the file on
+    disk, for --diff): the finding of `original` (`initial`) with the same code at
+    the line it maps to, when there is one (its message names lines on disk too);
+    else the finding moved: a line the fixes did not touch keeps its column, one
+    inside a changed block goes to that block's first line in the original."""
+    import dataclasses
+    import difflib
+
+    mapping = {}
+    last = len(original.splitlines()) or 1
+    matcher = difflib.SequenceMatcher(None, original.splitlines(), fixed.splitlines(), autojunk=False)
+    for tag, i1, _, j1, j2 in matcher.get_opcodes():
+        for j in range(j1, j2):
+            mapping[j + 1] = (i1 + (j - j1) + 1, True) if tag == "equal" else (min(i1 + 1, last), False)
+
+    def move(row: int):
+        return mapping.get(row, (min(row, last), False))
+
+    out = []
+    for f in findings:
+        line, same = move(f.line)
+        twin = next((g for g in initial if g.code == f.code and g.line == line and (not same or g.col == f.col)), None)
+        if twin is not None:
+            out.append(twin)
+            continue
+        end_line, end_same = move(f.end_line)
+        record = f.fix_record
+        if record is not None:
+            record = {**record, "edits": [
+                {**e, "location": {**e["location"], "row": move(e["location"]["row"])[0]},
+                 "end_location": {**e["end_location"], "row": move(e["end_location"]["row"])[0]}}
+                for e in record["edits"]
+            ]}
+        out.append(dataclasses.replace(
+            f, line=line, col=f.col if same else 1, end_line=max(end_line, line),
+            end_col=f.end_col if end_same else 1, fix_record=record,
+        ))
+    return out
+
+
 def statistics(findings: Sequence, bare_noqa: int, unsafe_fixes: bool) -> List[str]:
     counts = Counter(f.code for f in findings)
     names = {f.code: f.name for f in findings}

@@ -7,7 +7,7 @@ that pass. Nothing here imports torch or runs the user's code.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type
 
 from fsdp2_retrofit.report import InputError
@@ -30,6 +30,8 @@ class LintResult:
     bare_noqa: int = 0  # lines suppressed by a bare `# noqa`
     error: Optional[InputError] = None
     original: bytes = b""
+    # when fixes were applied: the findings of the source as given (its lines, its messages)
+    initial: List[Finding] = field(default_factory=list)
 
 
 class LintContext:
@@ -93,6 +95,7 @@ def lint_source(
         result.error = exc
         return result
     if fix:
+        initial = _suppress(findings, data)[0]
         current = data
         for _ in range(_MAX_FIX_ROUNDS):
             chosen = [f for f in findings if f.fix is not None and (f.fix.safe or unsafe_fixes)]
@@ -112,6 +115,7 @@ def lint_source(
             result.applied += count
         if current != data:
             result.fixed = current
+            result.initial = initial
     findings, result.bare_noqa = _suppress(findings, result.fixed or data)
     result.findings = findings
     return result

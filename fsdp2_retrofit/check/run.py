@@ -58,12 +58,30 @@ class CheckRun:
                 self._error(path, InputError(error))
             else:
                 targets.append(path)
+        if not targets and not self.errors:
+            return self._nothing_checked(paths)
         if show_files:
             for t in targets:
                 click.echo(t)
             return EXIT_ERROR if self.errors else EXIT_OK
         results = self._run(job, targets)
         return self._finish(results)
+
+    def _nothing_checked(self, paths: Sequence[str]) -> int:
+        """No file to check: say so. Directories with no Python file left (all
+        git-ignored, excluded, or none at all) are an error, like a typo in a path;
+        files named on the command line and dropped by --force-exclude are what a
+        pre-commit hook sends for an excluded file: a warning, exit 0."""
+        import os
+
+        if paths and all(os.path.isfile(p) for p in paths):
+            click.echo("warning: every file given is excluded (--force-exclude): nothing checked", err=True)
+            return EXIT_OK
+        where = ", ".join(paths)
+        click.echo(
+            f"error: no Python file to check under {where} (none there, or all git-ignored or excluded)", err=True
+        )
+        return EXIT_ERROR
 
     def _run(self, job: CheckJob, targets: List[str]) -> List[FileResult]:
         if len(targets) >= PROGRESS_MIN_FILES and sys.stderr.isatty():
@@ -99,11 +117,14 @@ class CheckRun:
                 continue
             if self.s.diff:
                 would_change = True
-                text = unified_diff(r.path, r.original.decode("utf-8", "replace"), r.fixed.decode("utf-8", "replace"))
-                click.echo(text, nl=False)
+                original, fixed_text = r.original.decode("utf-8", "replace"), r.fixed.decode("utf-8", "replace")
+                # what remains was found in the fixed text: report it at the lines of the file on disk
+                findings[len(findings) - len(r.findings):] = formats.on_original_lines(r.findings, original, fixed_text, r.initial)
+                # a machine-read format keeps stdout to itself: the diff goes to stderr
+                click.echo(unified_diff(r.path, original, fixed_text), nl=False, err=out_err or self.s.output_format != "text")
             elif self.s.write and r.path != (self.s.stdin_filename or "-"):
                 try:
-                    files.check_writable(r.path)
+                    _check_writable(r.path)
                     files.atomic_write(r.path, r.fixed)
                 except InputError as exc:
                     self._error(r.path, exc)
@@ -142,6 +163,16 @@ class CheckRun:
         self.errors += 1
         where = f"{path}:{exc.line}" if exc.line else path
         click.echo(f"{where}: error: {exc.message}", err=True)
+
+
+def _check_writable(path: str) -> None:
+    """files.check_writable, with the remedy `check` offers (it has no -o)."""
+    try:
+        files.check_writable(path)
+    except InputError as exc:
+        if exc.message.startswith("read-only file"):
+            raise InputError("read-only file: not fixing it (make it writable; --diff shows the fixes)") from None
+        raise
 
 
 def _stderr_console():

@@ -382,7 +382,8 @@ command line wins.
 Exit codes:
   0  no findings (or --exit-zero)
   1  findings remain
-  2  error: unreadable file, syntax error, bad options
+  2  error: unreadable file, syntax error, bad options, no Python file
+     to check (all git-ignored or excluded, an empty directory)
 
 \b
 Examples:
@@ -557,10 +558,13 @@ def rules_command(ctx: click.Context, code: Optional[str]) -> None:
     if code is None:
         rules = all_rules()
         width = max(len(r.NAME) for r in rules)
-        fixes = {"always": "fix", "sometimes": "fix*", "never": ""}
+        fix_width = max(len(r.fix_label()) for r in rules)
         for r in rules:
-            click.echo(f"{r.CODE}  {r.NAME:<{width}}  {fixes[r.fix_availability()]:<4}  {r.summary()}")
-        click.echo("\nfix*: some cases. `fsdp2-retrofit rules CODE` explains one.")
+            click.echo(f"{r.CODE}  {r.NAME:<{width}}  {r.fix_label():<{fix_width}}  {r.summary()}")
+        click.echo(
+            "\nFixes: safe ones are applied by --fix; unsafe ones only with --unsafe-fixes too (they may change "
+            "behaviour); *: some cases only. `fsdp2-retrofit rules CODE` explains one."
+        )
         refusals = all_refusals()
         width = max(len(r.name) for r in refusals)
         stage_width = max(len(r.stage) for r in refusals)

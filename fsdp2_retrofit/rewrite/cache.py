@@ -3,7 +3,9 @@
 Like black's cache: a pre-commit or CI run of `rewrite --check` over unchanged
 files answers from here without loading libcst. The key is the tool's version,
 the options, the script's bytes and path, and the size and mtime of every Python
-file beside it. The entry also lists every file the analysis looked for (modules
+file beside it; the tool's own source counts too (the size and mtime of each .py
+file of fsdp2_retrofit/ and codemods/: a changed checkout of the same version
+misses). The entry also lists every file the analysis looked for (modules
 the script imports, in its folder or in packages below it: RewriteResult.inputs)
 with a hash of its bytes, or null where it was absent; a lookup re-hashes them, and
 any difference is a miss. Entries are JSON files under $FSDP2_RETROFIT_CACHE_DIR,
@@ -35,10 +37,46 @@ def cache_dir() -> Path:
 
 FORMAT = 2  # of the entries: 2 added inputs and refusal codes
 
+_PACKAGES = ("fsdp2_retrofit", "codemods")  # the tool's own code, beside each other
+_source_stamp: Optional[str] = None
+
+
+def source_stamp(root: Optional[Path] = None) -> str:
+    """A hash of the relative path, size and mtime of every .py file of the tool's
+    packages under `root` (default: where this package lives): it changes when the
+    tool's code does, at the cost of one stat per file (no reads). Computed once a
+    process for the default root."""
+    global _source_stamp
+    if root is None and _source_stamp is not None:
+        return _source_stamp
+    base = root if root is not None else Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256()
+    stack = list(_PACKAGES)  # folders relative to base
+    entries = []
+    while stack:
+        folder = stack.pop()
+        try:
+            with os.scandir(os.path.join(base, folder)) as found:
+                for entry in found:
+                    name = entry.name
+                    if name.endswith(".py"):
+                        st = entry.stat()
+                        entries.append(f"{folder}/{name}\0{st.st_size}\0{st.st_mtime_ns}")
+                    elif name != "__pycache__" and "." not in name and entry.is_dir(follow_symlinks=False):
+                        stack.append(f"{folder}/{name}")
+        except OSError:
+            continue
+    for line in sorted(entries):
+        digest.update(line.encode() + b"\0")
+    stamp = digest.hexdigest()
+    if root is None:
+        _source_stamp = stamp
+    return stamp
+
 
 def _key(path: str, source: bytes, options: RetrofitOptions) -> str:
     digest = hashlib.sha256()
-    digest.update(f"{__version__}\0{FORMAT}\0{os.path.abspath(path)}\0{options!r}\0".encode())
+    digest.update(f"{__version__}\0{source_stamp()}\0{FORMAT}\0{os.path.abspath(path)}\0{options!r}\0".encode())
     digest.update(source)
     folder = Path(path).resolve().parent
     try:

@@ -3,7 +3,7 @@
 A refusal leaves the whole file unchanged (exit 2). Codes are `FSR` + three digits,
 the first digit the stage that refuses, in pipeline order: 1 migrate_spawn,
 2 migrate_ddp, 3 migrate_fsdp1, 4 launch, 5 meta_init (--meta-init), 6 shard,
-7 checkpoint and library_saves, 8 resume. A code names one kind of refusal; the
+7 checkpoint and library_saves, 8 resume, 9 data and zero_grad (FSR95x). A code names one kind of refusal; the
 message names the construct in the script (`fsdp2-retrofit rules FSR101`).
 Codes are never reused for something else.
 """
@@ -21,6 +21,7 @@ STAGES = {
     "6": "shard",
     "7": "checkpoint",
     "8": "resume",
+    "9": "data",
 }
 
 
@@ -146,11 +147,18 @@ _RULES = [
     # -- 4xx launch --------------------------------------------------------------------
     RefusalRule("FSR401", "launch-conditional-process-group", "The process group is started under a condition.",
                 "fully_shard needs the process group and a device mesh on every run.",
-                "Start the process group unconditionally (the output runs under torchrun only)."),
+                "Start it directly under one `if` (`if ddp: init_process_group(backend)`, no init_method or "
+                "rank arguments; the other branch then gets a process group of one process), or unconditionally."),
     RefusalRule("FSR402", "launch-model-before-process-group",
                 "The model is built before the script starts its process group.",
                 "fully_shard needs the device mesh, which needs the process group; sharding must follow the build.",
                 "Start the process group (init_process_group) before building the model."),
+    RefusalRule("FSR403", "launch-training-framework",
+                "The script trains through Accelerate, Lightning (Trainer or Fabric) or DeepSpeed.",
+                "The framework starts the process group and wraps the model itself; a torchrun process group and "
+                "fully_shard added on top fail at start-up (the default process group initialised twice).",
+                "Use the framework's own FSDP2 support (Accelerate's FSDP plugin, Lightning's "
+                "ModelParallelStrategy, a DeepSpeed ZeRO config), or drop the framework first."),
     # -- 5xx meta_init -------------------------------------------------------------------
     RefusalRule("FSR501", "meta-init-library-model", "--meta-init with a model built by a library (transformers, timm, ...).",
                 "Its initialisation or pretrained weights live in the library, which the rewrite never reads.",
@@ -226,6 +234,25 @@ _RULES = [
     RefusalRule("FSR619", "shard-optimizer-in-init", "An optimizer is built inside the model's __init__.",
                 "It would hold the unsharded parameters; fully_shard replaces them with DTensors.",
                 "Build the optimizer in the training script, after the model."),
+    RefusalRule("FSR620", "shard-model-rebound-to-wrapper",
+                "The model's name is rebound to an object wrapping it (`model = Wrapper(model)`) after the build.",
+                "fully_shard must come after the last change to the module, right before the optimizer; calls meant "
+                "for the sharded module (set_requires_gradient_sync, state dicts) would reach the wrapper instead.",
+                "Give the wrapper its own name, or build the wrapped model in one expression (`model = Wrapper(Net())`)."),
+    RefusalRule("FSR621", "shard-flattening-optimizer", "The model is trained by LBFGS, which flattens every gradient into one vector.",
+                "After fully_shard gradients are DTensor shards: the flat vector, its line search and curvature "
+                "pairs would be built from pieces, or gather everything on every rank.",
+                "Train without sharding, or use an optimizer that works parameter by parameter."),
+    RefusalRule("FSR622", "shard-optimizer-whole-matrices",
+                "An optimizer class of the script reshapes, transposes or multiplies whole matrices (Newton-Schulz, Muon, Shampoo).",
+                "After fully_shard each parameter is a DTensor shard: such an operation gathers the whole matrix "
+                "on every rank or computes on one piece of it.",
+                "Gather explicitly (full_tensor), compute, keep this rank's part; or keep the script single-GPU."),
+    RefusalRule("FSR623", "shard-block-parameter-outside-forward",
+                "A method of the model called outside forward reads a parameter of a block that becomes its own FSDP unit.",
+                "Outside forward that parameter is a DTensor shard; registering the method (register_fsdp_forward_method) "
+                "gathers only the root unit's, so a tensor built from it leaks a DTensor into forward.",
+                "Take dtype and device from a root parameter (embedding, head), or pass them in."),
     # -- 7xx checkpoint and library saves ------------------------------------------------
     RefusalRule("FSR701", "checkpoint-unsplittable-rank-branch",
                 "A checkpoint save inside a rank-0 branch that cannot be split (an else branch, an `or`).",
@@ -238,6 +265,16 @@ _RULES = [
     RefusalRule("FSR703", "library-save-rank-gated", "save_pretrained of a sharded model under a rank test.",
                 "Gathering the full state dict is a collective every rank must join (deadlock).",
                 "Call save_pretrained outside the rank test; the rewrite gates the write itself.", "library_saves"),
+    RefusalRule("FSR704", "checkpoint-name-bound-on-rank-zero",
+                "A save that now runs on every rank reads a name bound only under a rank-0 `if` the rewrite cannot "
+                "broadcast from (an else branch, another condition, a nested block, after the save).",
+                "The other ranks would stop with a NameError at the first checkpoint.",
+                "Bind the name on every rank (compute the path everywhere; create directories under the rank-0 `if`)."),
+    RefusalRule("FSR705", "checkpoint-file-object",
+                "Model or optimizer state saved to a file object the tool cannot replace by its path.",
+                "The save becomes dcp.save of a checkpoint directory, which takes a path: a file object fails.",
+                "Save by path: torch.save(state, path) (or `with open(path, \"wb\") as f: torch.save(state, f)` alone).",
+                "checkpoint_files"),
     # -- 8xx resume ---------------------------------------------------------------------
     RefusalRule("FSR801", "resume-load-before-build", "A checkpoint is read before the model or optimizer it fills is built.",
                 "dcp.load fills the state dicts of the sharded model, its optimizer and scheduler: they must exist.",
@@ -245,6 +282,32 @@ _RULES = [
     RefusalRule("FSR802", "resume-optimizer-of-several-models", "A loaded optimizer trains several models.",
                 "get_/set_optimizer_state_dict take the one model the optimizer trains.",
                 "Give each model its own optimizer."),
+    RefusalRule("FSR803", "resume-file-object",
+                "Model or optimizer state loaded from a file object the tool cannot replace by its path.",
+                "A checkpoint of this script is now a DCP directory read with dcp.load, which takes a path.",
+                "Load by path: torch.load(path) (or `with open(path, \"rb\") as f: torch.load(f)` alone).",
+                "checkpoint_files"),
+    # -- 9xx data -----------------------------------------------------------------------
+    RefusalRule("FSR901", "data-sampler-not-distributable",
+                "A training DataLoader is given a batch_sampler, or a sampler other than RandomSampler/SequentialSampler.",
+                "Such a sampler draws indices of the whole dataset on every rank: each rank would train on the same "
+                "batches, and no DistributedSampler reproduces a subset, weighted or custom order.",
+                "Split the indices by rank yourself (indices[rank::world_size]), or use shuffle=True / RandomSampler."),
+    RefusalRule("FSR902", "data-loader-not-followed",
+                "No training loop reads a named DataLoader, and one is built where it cannot be followed (inline in a "
+                "`for`, on an attribute, returned by a helper).",
+                "The rewrite gives the training DataLoader a DistributedSampler; left as is, every rank would train "
+                "on the same batches.",
+                "Bind the training DataLoader to a name in the function that trains, then loop over that name."),
+    # -- 95x zero_grad (a stage of its own, numbered among the 9xx) ---------------------
+    RefusalRule("FSR950", "zero-grad-between-forward-and-backward",
+                "`model.zero_grad()` between the model's forward and backward() with no one optimizer to clear "
+                "through (none, several, or one built over part of the model).",
+                "After the forward FSDP2 keeps the root's and the last block's parameters gathered: the call clears "
+                "the gathered tensors, not the sharded parameters holding the gradients, which add up every step; "
+                "the rewrite clears through the one optimizer that trains the whole model, and here there is none.",
+                "Call `model.zero_grad()` before the forward, or clear through the optimizer (`optimizer.zero_grad()`).",
+                stage_name="zero_grad"),
 ]
 
 CATALOGUE: Dict[str, RefusalRule] = {r.code: r for r in _RULES}

@@ -163,12 +163,11 @@ class RetrofitStage(CodemodCommand):
         if function is entry_fn:
             if facts.distributed_init is None:
                 return None
-            init_stmt = facts.resolver.statement_of(facts.distributed_init)
-            if facts.resolver.enclosing_function(init_stmt) is not entry_fn:
-                # started by a set-up function the entry block calls (or before it runs)
-                from fsdp2_retrofit.analysis.process_group import process_group
+            from fsdp2_retrofit.analysis.process_group import process_group
 
-                init_stmt = process_group(facts).start
+            # the entry-block statement after which the group exists: the init itself, the
+            # `if`/`else` that starts it either way, or the call of a set-up function that does
+            init_stmt = process_group(facts).start
             if init_stmt is not None:
                 block = facts.resolver.block_of(init_stmt)
                 ancestor = _ancestor_in(stmt, block, facts)

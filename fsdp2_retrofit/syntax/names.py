@@ -571,3 +571,11 @@ def iterated_name(expr) -> Optional[str]:
     while isinstance(expr, cst.Call) and expr.args:
         expr = expr.args[0].value
     return expr.value if isinstance(expr, cst.Name) else None
+
+
+def parameter_names(fn: cst.FunctionDef) -> Set[str]:
+    """The names a function's parameters bind (*args and **kwargs included)."""
+    params = fn.params
+    every = [*params.posonly_params, *params.params, *params.kwonly_params]
+    every += [p for p in (params.star_arg, params.star_kwarg) if isinstance(p, cst.Param)]
+    return {p.name.value for p in every}

@@ -21,16 +21,29 @@ NN_PARAMETER = frozenset({"torch.nn.Parameter", "torch.nn.parameter.Parameter"})
 TORCH_COMPILE = frozenset({"torch.compile"})
 TORCH_DEVICE = frozenset({"torch.device"})
 MANUAL_SEED = frozenset({"torch.manual_seed", "torch.random.manual_seed", "torch.cuda.manual_seed_all"})
+# seed every device's generator (what a model build draws from)
+SEEDS_EVERY_DEVICE = frozenset({"torch.manual_seed", "torch.random.manual_seed"})
+# any call that (re)seeds torch's generators
+ALL_SEEDS = MANUAL_SEED | {"torch.cuda.manual_seed", "torch.seed", "torch.random.seed"}
 
 # -- optimizers --------------------------------------------------------------
 
 OPTIMIZER_PREFIX = "torch.optim."  # a call under it builds an optimizer...
+OPTIMIZER_BASES = frozenset({"torch.optim.Optimizer", "torch.optim.optimizer.Optimizer"})
+# torch optimizers that flatten every gradient into one vector (a DTensor shard is not one)
+FLATTENING_OPTIMIZERS = frozenset({"torch.optim.LBFGS", "torch.optim.lbfgs.LBFGS"})
 NOT_OPTIMIZERS = ("torch.optim.lr_scheduler.", "torch.optim.swa_utils.")  # ...unless under one of these
 AVERAGED_MODEL = frozenset({"torch.optim.swa_utils.AveragedModel"})
 
 # -- data --------------------------------------------------------------------
 
 DATALOADERS = frozenset({"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"})
+# samplers a DistributedSampler replaces one for one: (qualified names) -> its shuffle
+PLAIN_SAMPLERS = {
+    "torch.utils.data.RandomSampler": "True", "torch.utils.data.sampler.RandomSampler": "True",
+    "torch.utils.data.SequentialSampler": "False", "torch.utils.data.sampler.SequentialSampler": "False",
+}
+DISTRIBUTED_SAMPLERS = frozenset({"torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler"})
 ITERABLE_DATASETS = frozenset({"torch.utils.data.IterableDataset", "torch.utils.data.dataset.IterableDataset"})
 
 # -- precision and gradients -------------------------------------------------
@@ -122,3 +135,20 @@ STATE_DICT_SETTERS = frozenset({
     "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict",
     "torch.distributed.checkpoint.state_dict.set_state_dict",
 })
+
+# -- check rules of issue 17 -------------------------------------------------
+
+# optimizers that flatten the parameters or gradients into one vector (LBFGS) or into
+# buckets they partition themselves (ZeRO): not written for DTensor shards
+LBFGS = frozenset({"torch.optim.LBFGS", "torch.optim.lbfgs.LBFGS"})
+ZERO_REDUNDANCY_OPTIMIZER = frozenset({
+    "torch.distributed.optim.ZeroRedundancyOptimizer",
+    "torch.distributed.optim.zero_redundancy_optimizer.ZeroRedundancyOptimizer",
+})
+# calls that build a new plain tensor (not the *_like ones: those follow their argument)
+TENSOR_FACTORIES = frozenset(
+    "torch." + name for name in (
+        "tensor", "as_tensor", "zeros", "ones", "randn", "rand", "randint", "arange", "full", "empty", "linspace",
+        "from_numpy", "eye",
+    )
+)

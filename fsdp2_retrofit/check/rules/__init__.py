@@ -86,6 +86,9 @@ class Rule:
     TRIGGERS: Tuple[str, ...] = SHARDING_TRIGGERS  # one of these must occur in the text...
     NEEDS_SHARDING: bool = True  # ...and, unless False, one of SHARDING_TRIGGERS too
     DEFAULT: bool = True  # on unless --select asks for it (4xx rules are off by default)
+    # the applicability of its fixes: "safe", "unsafe" (only with --unsafe-fixes) or
+    # "mixed" (some cases each); the INVALID cases show exactly these (a test checks)
+    FIX_SAFETY: str = "safe"
     VALID: Sequence[Valid] = ()
     INVALID: Sequence[Invalid] = ()
 
@@ -119,8 +122,20 @@ class Rule:
         return "always" if fixed and all(fixed) else "sometimes" if any(fixed) else "never"
 
 
+    @classmethod
+    def fix_label(cls) -> str:
+        """The `rules` listing's fix column: safe / unsafe / safe|unsafe, `*` when only some cases have a fix."""
+        availability = cls.fix_availability()
+        if availability == "never":
+            return ""
+        label = {"safe": "safe", "unsafe": "unsafe", "mixed": "safe|unsafe"}[cls.FIX_SAFETY]
+        return label + ("*" if availability == "sometimes" else "")
+
+
 def all_rules() -> List[Type[Rule]]:
     from . import (
+        change_after_shard,
+        flattening_optimizer,
         fsdp1_api,
         forward_call,
         load_into_sharded,
@@ -129,10 +144,13 @@ def all_rules() -> List[Type[Rule]]:
         missing_set_device,
         no_sync,
         optimizer_before_shard,
+        param_tensor,
         rank_gated_collective,
+        rank_zero_name,
         shard_container,
         shard_order,
         torch_save_dtensor,
+        zero_grad_after_forward,
     )
 
     rules = [
@@ -148,6 +166,11 @@ def all_rules() -> List[Type[Rule]]:
         rank_gated_collective.RankGatedCollective,
         fsdp1_api.Fsdp1Api,
         load_into_sharded.LoadIntoSharded,
+        zero_grad_after_forward.ZeroGradAfterForward,
+        change_after_shard.ChangeAfterShard,
+        flattening_optimizer.FlatteningOptimizer,
+        rank_zero_name.RankZeroName,
+        param_tensor.ShardedParamTensor,
     ]
     return sorted(rules, key=lambda r: r.CODE)
 

@@ -16,7 +16,11 @@ class MissingSampler(Rule):
 
     ## What it does
     In a script that shards a model, flags a `DataLoader` that a training loop (one
-    that calls `backward()`) reads and that gets no `sampler=` or `batch_sampler=`.
+    that calls `backward()`) reads and that gets no `sampler=` or `batch_sampler=`:
+    bound to a name the loop iterates (or passes to the function whose loop trains),
+    or built in a helper (`return DataLoader(...)` read as `for b in make_loader(ds):`
+    or through a name bound to it), a method (`data.train_loader()`) or a constructor
+    (`self.loader = DataLoader(...)` read as `data.loader`).
 
     ## Why is this bad?
     Every rank then iterates the whole dataset in the same order: all ranks train on
@@ -45,7 +49,7 @@ class MissingSampler(Rule):
 
     CODE = "FSD108"
     NAME = "missing-sampler"
-    MESSAGE = "DataLoader `{name}` has no DistributedSampler: every rank trains on the same batches"
+    MESSAGE = "DataLoader {name} has no DistributedSampler: every rank trains on the same batches"
     TRIGGERS = ("DataLoader",)
     VALID = (
         Valid(_HEAD + "loader = DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds))\n" + _LOOP),
@@ -54,9 +58,22 @@ class MissingSampler(Rule):
         Valid(_HEAD + "val_loader = DataLoader(ds, batch_size=8)\nfor x, y in val_loader:\n    model(x)\n"),
         Valid(_HEAD + "class Stream(torch.utils.data.IterableDataset):\n    pass\n"
               "loader = DataLoader(Stream(), batch_size=8)\n" + _LOOP),
+        Valid(_HEAD + "def make_loader(ds):\n    return DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds))\n"
+              "for x, y in make_loader(ds):\n    model(x).sum().backward()\n"),
+        Valid(_HEAD + "def make_loader(ds):\n    return DataLoader(ds, batch_size=8)\n"
+              "for x, y in make_loader(ds):\n    model(x)\n"),  # evaluation: no backward
     )
     INVALID = (
         Invalid(_HEAD + "loader = DataLoader(ds, batch_size=8, shuffle=True)\n" + _LOOP, line=6),
+        Invalid(  # built in a helper, read through a name
+            _HEAD + "def make_loader(ds):\n    return DataLoader(ds, batch_size=8, shuffle=True)\n"
+            "loader = make_loader(ds)\n" + _LOOP, line=7,
+        ),
+        Invalid(  # an attribute of a data class, read by a training function
+            _HEAD + "class Data:\n    def __init__(self, ds):\n        self.train = DataLoader(ds, batch_size=8)\n"
+            "def fit(model, batches):\n    for x, y in enumerate(batches):\n        model(x).sum().backward()\n"
+            "fit(model, Data(ds).train)\n", line=8,
+        ),
     )
 
     def check(self, ctx):
@@ -64,7 +81,13 @@ class MissingSampler(Rule):
             return
         for loader in ctx.training_loaders():
             if loader.trains and not loader.has_sampler and not _iterable_dataset(ctx, loader):
-                yield loader.call, {"name": loader.name}, None
+                yield loader.call, {"name": f"`{loader.name}`"}, None
+        from fsdp2_retrofit.analysis.loader_helpers import helper_loaders
+
+        for found in helper_loaders(ctx.module, ctx.resolver, ctx.shards.bound_values):
+            if not found.has_sampler and not _iterable_dataset(ctx, found):
+                where = f"built in `{found.where}`, read by the training loop at line {ctx.resolver.line(found.loop)},"
+                yield found.call, {"name": where}, None
 
 
 

@@ -40,6 +40,7 @@ class MissingSetDevice(Rule):
     """
 
     CODE = "FSD106"
+    FIX_SAFETY = "unsafe"
     NAME = "missing-set-device"
     MESSAGE = "`init_process_group` without `torch.cuda.set_device(LOCAL_RANK)` before it: every rank uses GPU 0"
     TRIGGERS = ("init_process_group",)

@@ -24,6 +24,11 @@ class RankGatedCollective(Rule):
     `clip_grad_norm_` of sharded parameters, `torch.distributed` collectives, and calls
     (forwards) of a sharded module.
 
+    A branch is not flagged when the other side of its `if` (the `else` of a rank-0
+    `if`, or the body of `if rank != 0:`) runs the same collective: a broadcast sent
+    from rank 0 and received by the others (`broadcast(t, src=0)` on both sides,
+    `scatter` with and without its list) is every rank joining.
+
     ## Why is this bad?
     Each of these is a collective: every rank must join. Inside a rank-0 branch the
     other ranks never arrive, and rank 0 waits forever (a hang, or a timeout after
@@ -57,6 +62,11 @@ class RankGatedCollective(Rule):
         Valid(_HEAD + "opts = StateDictOptions(full_state_dict=True, cpu_offload=True)\n"
               "state = get_model_state_dict(model, options=opts)\nif rank == 0:\n    torch.save(state, 'model.pt')\n"),
         Valid("import torch.distributed as dist\nif dist.get_rank() == 0:\n    dist.barrier()\n"),  # not sharded
+        Valid(  # rank 0 sends, the others receive: every rank joins the broadcast
+            _HEAD + "if rank == 0:\n    objs = [load_config()]\n    dist.broadcast_object_list(objs, src=0)\n"
+            "else:\n    objs = [None]\n    dist.broadcast_object_list(objs, src=0)\n"
+        ),
+        Valid(_HEAD + "if rank != 0:\n    dist.scatter(t, src=0)\nelse:\n    dist.scatter(t, chunks, src=0)\n"),
     )
     INVALID = (
         Invalid(_HEAD + "if rank == 0:\n    dcp.save(get_model_state_dict(model), checkpoint_id='ckpt')\n", line=10),
@@ -65,6 +75,9 @@ class RankGatedCollective(Rule):
         Invalid(_HEAD + "if master_process and step % 100 == 0:\n    val_loss = model(x_val).mean()\n", line=10),
         Invalid(_HEAD + "if rank != 0:\n    pass\nelse:\n    dist.all_reduce(t)\n", line=12),
         Invalid(_HEAD + "if not dist.get_rank():\n    y = model(x)\n", line=10),
+        Invalid(  # the else side runs a different collective: the broadcast still hangs
+            _HEAD + "if rank == 0:\n    dist.broadcast(t, src=0)\nelse:\n    dist.barrier()\n", line=10,
+        ),
     )
 
     def check(self, ctx):
@@ -76,8 +89,33 @@ class RankGatedCollective(Rule):
             if branch is None:
                 continue
             what = self._collective(ctx, call)
-            if what:
+            if what and not self._matched(ctx, call, branch):
                 yield call, {"what": what, "line": str(ctx.resolver.line(branch))}, None
+
+    def _matched(self, ctx, call: cst.Call, branch: cst.If) -> bool:
+        """The other side of `branch` runs the same collective (outside nested functions)."""
+        key = self._key(ctx, call)
+        inside_body = any(a is branch.body for a in ctx.resolver.ancestors(call))
+        other = branch.orelse if inside_body else branch.body
+        if key is None or other is None:
+            return False
+        for candidate in ctx.resolver.descendants(other, cst.Call):
+            fn = ctx.resolver.enclosing_function(candidate)
+            if fn is not ctx.resolver.enclosing_function(call):
+                continue
+            if self._collective(ctx, candidate) and self._key(ctx, candidate) == key:
+                return True
+        return False
+
+    def _key(self, ctx, call: cst.Call):
+        """What makes two collective calls the same collective."""
+        names = ctx.resolver.qnames(call) & (DCP_CALLS | COLLECTIVES | STATE_DICT_SETTERS | STATE_DICT_GETTERS)
+        if names:
+            return tuple(sorted(names))
+        func = call.func
+        if isinstance(func, cst.Attribute) and func.attr.value == "full_tensor":
+            return ("full_tensor", _code(func.value))
+        return ("call", _code(func))
 
     def _collective(self, ctx, call: cst.Call):
         names = ctx.resolver.qnames(call)

@@ -63,6 +63,7 @@ class TorchSaveDTensor(Rule):
     """
 
     CODE = "FSD102"
+    FIX_SAFETY = "unsafe"
     NAME = "torch-save-dtensor"
     MESSAGE = "`torch.save` of {what}: each rank writes only its shards; save with `torch.distributed.checkpoint`"
     VALID = (

@@ -1,0 +1,96 @@
+"""zero_grad: clear gradients through the optimizer where `model.zero_grad()` sits
+between the model's forward and its backward()."""
+from __future__ import annotations
+
+from typing import Optional
+
+import libcst as cst
+
+from fsdp2_retrofit.analysis import ScriptFacts, code
+from fsdp2_retrofit.analysis.zero_grad import zero_grads_between
+from fsdp2_retrofit.syntax.names import parameter_names
+from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
+
+WHY = (
+    "after the forward FSDP2 keeps the root's (and the last block's) parameters gathered until backward: "
+    "`{model}.zero_grad()` there clears the gathered tensors, not the sharded parameters that hold the "
+    "gradients, which then add up step after step; `{opt}` holds the sharded parameters"
+)
+
+
+class ClearThroughOptimizerCommand(RetrofitStage):
+    DESCRIPTION = "Replace `model.zero_grad()` between forward and backward() by the optimizer's zero_grad()."
+    CODE = "zero_grad"
+
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
+        if not facts.models:
+            return
+        r = facts.resolver
+        helpers = {f.name.value for f in facts.module.body if isinstance(f, cst.FunctionDef)}
+
+        def model_of(expr, at) -> Optional[str]:
+            if not isinstance(expr, cst.Name):
+                return None
+            return expr.value if expr.value in facts.trained_names.get(_scope(facts, expr.value, at), ()) else None
+
+        for found in zero_grads_between(r, model_of, helpers):
+            names = facts.optimizer_names.get(_scope(facts, found.model, found.call), {})
+            mine = sorted(o for o, m in names.items() if m == found.model)
+            shared = sorted(o for o, m in names.items() if m is None)
+            where = f"`{code(found.call)}` between the forward (line {r.line(found.forward)}) and backward() " \
+                    f"(line {r.line(found.backward)})"
+            if len(mine) != 1 or shared:
+                why = ("no optimizer of the script trains it here" if not mine and not shared
+                       else f"{len(mine) + len(shared)} optimizers may train it here "
+                            f"({', '.join(mine + shared)}): which one clears its gradients is not known")
+                self._refuse_without_optimizer(found, where, why)
+            opt = mine[0]
+            part = _partial(facts, opt, _scope(facts, found.model, found.call))
+            if part is not None:
+                self._refuse_without_optimizer(found, where, f"`{opt}` is built over part of the model ({part}): "
+                                          "its zero_grad() would not clear every gradient the model's clears")
+            editor.replace_expression(found.call.func.value, cst.Name(opt))
+            self.change(
+                found.call,
+                f"`{found.model}.zero_grad()` -> `{opt}.zero_grad()` (it sits between the forward and backward())",
+                WHY.format(model=found.model, opt=opt),
+                "the sharded gradients are never cleared: every step adds to the last (wrong weights, no error)",
+            )
+
+    def _refuse_without_optimizer(self, found, where: str, why: str) -> None:
+        self.refuse(
+            "FSR950",
+            found.call,
+            f"{where} and no one optimizer to clear its gradients through",
+            why,
+            f"call `{found.model}.zero_grad()` before the forward, or clear through the optimizer that "
+            "trains the model (`optimizer.zero_grad()`)",
+        )
+
+
+def _scope(facts: ScriptFacts, name: str, at: cst.CSTNode):
+    """The function whose model `name` is at `at`: the function of `at`, or the one
+    around it when `name` is a closure variable there."""
+    r = facts.resolver
+    fn = r.enclosing_function(at)
+    while fn is not None and name not in facts.trained_names.get(fn, ()) and name not in parameter_names(fn):
+        fn = r.enclosing_function(fn)
+    return fn
+
+
+def _partial(facts: ScriptFacts, opt: str, fn) -> Optional[str]:
+    """How an optimizer named `opt` reads its model's parameters when it reads a part
+    (`model.head.parameters()`); None when each reads the whole model. The optimizers
+    of `fn` with that name, else (received as an argument) every single-model one."""
+    r = facts.resolver
+    sites = [o for o in facts.optimizers if o.name == opt and r.enclosing_function(o.stmt) is fn]
+    sites = sites or [o for o in facts.optimizers if len(o.models) == 1]
+    for site in sites:
+        for stmt in [*site.feeders, site.stmt]:
+            for call in r.descendants(stmt, cst.Call):
+                f = call.func
+                if not (isinstance(f, cst.Attribute) and f.attr.value in ("parameters", "named_parameters")):
+                    continue
+                if isinstance(f.value, cst.Attribute) and code(f.value).split(".")[0] in site.models:
+                    return code(call)
+    return None

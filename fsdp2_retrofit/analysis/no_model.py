@@ -1,0 +1,110 @@
+"""Why no trained model was found: the construct the analysis did not understand, and where.
+
+When no optimizer trains a model built in the script, the shard stage refuses the file.
+A refusal at line 1 that says only that tells the user nothing; this analysis looks
+for what the script most likely meant and names it at its own line:
+
+- an optimizer of torch.optim whose parameters come from a name bound by something the
+  analysis does not recognise as building an nn.Module (`model = get_model(cfg)`
+  with get_model imported, `model = registry[name]()`), or from a name never bound
+  in the script (a function parameter, an import);
+- a call handed `something.parameters()` that is not a torch.optim optimizer
+  (`bnb.optim.AdamW8bit(model.parameters())`, `MyOptimizer(model.parameters())`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import libcst as cst
+
+from fsdp2_retrofit.syntax.names import code, root_name
+from fsdp2_retrofit.syntax.torch_api import NOT_OPTIMIZERS, OPTIMIZER_PREFIX
+
+
+@dataclass(frozen=True)
+class NoModelBlocker:
+    at: Union[cst.CSTNode, int]  # the node (or line) the refusal points at
+    detail: str  # what was not understood there
+
+
+def _short(node: cst.CSTNode, limit: int = 60) -> str:
+    text = " ".join(code(node).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _binding(r, name: str, before: cst.CSTNode) -> Optional[cst.SimpleStatementLine]:
+    """The last `name = value` (or `name: T = value`) of the scope of `before`, ahead of it."""
+    scope = r.enclosing_function(before)
+    found = None
+    for stmt in r.nodes(cst.SimpleStatementLine):
+        if r.order(stmt) >= r.order(before) or r.enclosing_function(stmt) is not scope:
+            continue
+        small = stmt.body[0] if len(stmt.body) == 1 else None
+        targets = (
+            [t.target for t in small.targets] if isinstance(small, cst.Assign)
+            else [small.target] if isinstance(small, cst.AnnAssign) and small.value is not None else []
+        )
+        if any(isinstance(t, cst.Name) and t.value == name for t in targets):
+            found = stmt
+    return found
+
+
+def _parameters_owner(arg: cst.BaseExpression) -> Optional[str]:
+    """`model.parameters()` / `model.named_parameters()` / `model.head.parameters()`: model."""
+    for call in _calls(arg):
+        func = call.func
+        if isinstance(func, cst.Attribute) and func.attr.value in ("parameters", "named_parameters"):
+            return root_name(func.value)
+    return None
+
+
+def _calls(node: cst.CSTNode):
+    out = []
+
+    class _Collect(cst.CSTVisitor):
+        def visit_Call(self, call: cst.Call) -> None:
+            out.append(call)
+
+    node.visit(_Collect())
+    return out
+
+
+def no_model_blocker(facts) -> Optional[NoModelBlocker]:
+    """The first construct that explains why no trained model was found, or None."""
+    r = facts.resolver
+    assigned = [
+        (stmt, stmt.body[0].value) for stmt in r.nodes(cst.SimpleStatementLine)
+        if len(stmt.body) == 1 and isinstance(stmt.body[0], (cst.Assign, cst.AnnAssign))
+        and isinstance(stmt.body[0].value, cst.Call) and stmt.body[0].value.args
+    ]
+    for stmt, call in assigned:  # an optimizer of torch.optim: what does it train?
+        if not r.calls_prefix(call, OPTIMIZER_PREFIX) or any(r.calls_prefix(call, p) for p in NOT_OPTIMIZERS):
+            continue
+        first = call.args[0].value
+        name = _parameters_owner(first) or (first.value if isinstance(first, cst.Name) else None)
+        if name is None:
+            return NoModelBlocker(call, f"the optimizer's parameters `{_short(first)}` do not name a model")
+        bound = _binding(r, name, stmt)
+        if bound is None:
+            return NoModelBlocker(
+                call,
+                f"the optimizer trains `{name}`, which is not built in this function "
+                "(a parameter, a global or an import)",
+            )
+        return NoModelBlocker(
+            bound,
+            f"`{name}` (trained by the optimizer at line {r.line(stmt)}) is bound by "
+            f"`{_short(bound.body[0].value)}`, not recognised as building an nn.Module",
+        )
+    for stmt, call in assigned:  # `opt = SomeOptimizer(model.parameters())` outside torch.optim
+        owner = _parameters_owner(call.args[0].value)
+        if owner is not None and not any(q.startswith("torch.") or q.startswith("builtins.") for q in r.qnames(call)):
+            return NoModelBlocker(
+                call,
+                f"`{_short(call.func)}(...)` is given `{owner}`'s parameters but is not a torch.optim optimizer",
+            )
+    return None
+
+
+__all__ = ["NoModelBlocker", "no_model_blocker"]

@@ -1,0 +1,215 @@
+"""FSD114 change-after-shard."""
+from __future__ import annotations
+
+from typing import Optional
+
+import libcst as cst
+
+from fsdp2_retrofit.analysis.closures import sharded_here
+from fsdp2_retrofit.analysis.sharding import part_root
+from fsdp2_retrofit.syntax.torch_api import TORCH_LOAD
+from . import Invalid, Rule, Valid
+
+_HEAD = "import torch\nimport torch.nn as nn\nfrom torch.distributed.fsdp import fully_shard\nmodel = Net()\n"
+_CASTS = {"half", "bfloat16", "float", "double"}
+_DTYPES = {
+    "float16", "half", "bfloat16", "float32", "float", "float64", "double",
+    "float8_e4m3fn", "float8_e5m2", "complex64", "complex128",
+}
+_REGISTER = {"add_module", "register_module", "register_parameter"}
+_GROW = {"append", "extend", "insert", "update"}
+_PLAIN_LOADERS = {"safetensors.torch.load_file", "safetensors.torch.load"}
+
+
+class ChangeAfterShard(Rule):
+    """Checks for a structural change to a module after `fully_shard` of it.
+
+    ## What it does
+    After `fully_shard(model)` of the root (in the same function, a function it is passed to, or
+    a nested function closing over it), flags:
+    - a new submodule or parameter: `model.head = nn.Linear(...)`, `model.add_module(...)`,
+      `register_parameter`, `model.layers.append(Block())`;
+    - a dtype cast of the module: `model.half()`, `model.bfloat16()`, `model.float()`,
+      `model.to(torch.bfloat16)`, `model.to(dtype=...)` (as a statement, or assigned
+      back to the module);
+    - `model.load_state_dict(d)` of a plain dict: a dict built in the script, the
+      `state_dict()` of a module that is not sharded, a `safetensors` file
+      (`torch.load` is FSD112's); this one after the sharding of any of its blocks too.
+    A part added or a cast between the blocks' `fully_shard` and the root's is not
+    flagged: the root's `fully_shard` takes the parameters as they are then.
+
+    ## Why is this bad?
+    `fully_shard` turns the parameters it finds into DTensor shards and builds its
+    all-gather and reduce-scatter over exactly those. A parameter added later is a
+    plain tensor no collective touches: each rank trains its own copy and the ranks
+    drift apart, silently. A dtype cast after the first forward leaves FSDP2
+    gathering in the old dtype (a dtype error in the next forward, or worse with
+    mixed precision). A plain dict holds full tensors, not shards: loading it
+    copies the wrong slices or fails on shapes.
+
+    ## Example
+    ```python
+    fully_shard(model)
+    model.head = nn.Linear(512, 10)
+    model.to(torch.bfloat16)
+    ```
+
+    ## Use instead
+    ```python
+    model.head = nn.Linear(512, 10)
+    model.to(torch.bfloat16)  # or MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    fully_shard(model)
+    ```
+    Load full state dicts before sharding, or with `set_model_state_dict(model, sd,
+    options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))`.
+
+    ## Fix safety
+    No automatic fix: moving the change before `fully_shard` can change what the
+    optimizer, the loaded checkpoint or later code sees.
+    """
+
+    CODE = "FSD114"
+    NAME = "change-after-shard"
+    MESSAGE = "{what} after `fully_shard` of `{root}`: {why}"
+    TRIGGERS = (
+        "add_module", "register_module", "register_parameter", "append", "extend", "insert", "update",
+        "half", "bfloat16", "float", "double", ".to(", "load_state_dict", " = ",
+    )
+    VALID = (
+        Valid(_HEAD + "model.head = nn.Linear(4, 2)\nmodel.to(torch.bfloat16)\nfully_shard(model)\n"),
+        Valid(_HEAD + "fully_shard(model)\nmodel.to('cuda')\nout = model(x).float()\n"),  # device moves are fine
+        Valid(_HEAD + "fully_shard(model)\nw = model.head.weight.float()\nmodel.history = []\n"),  # tensors, plain data
+        Valid(_HEAD + "fully_shard(model)\nstate = get_model_state_dict(model)\ndcp.load(state, checkpoint_id=p)\n"
+              "model.load_state_dict(state)\n"),  # DCP-loaded sharded state
+        Valid("import torch\nimport torch.nn as nn\nmodel = Net()\nmodel.head = nn.Linear(4, 2)\nmodel.half()\n"),
+        Valid(_HEAD + "for block in model.blocks:\n    fully_shard(block)\nmodel.head = nn.Linear(4, 2)\n"
+              "fully_shard(model)\n"),  # the root's fully_shard comes after: it shards the head
+    )
+    INVALID = (
+        Invalid(_HEAD + "fully_shard(model)\nmodel.head = nn.Linear(4, 2)\n", line=6),
+        Invalid(_HEAD + "fully_shard(model)\nmodel.to(torch.bfloat16)\n", line=6),
+        Invalid(_HEAD + "fully_shard(model)\nmodel = model.half()\n", line=6),
+        Invalid(_HEAD + "fully_shard(model)\nmodel.layers.append(Block())\nclass Block(nn.Module):\n    pass\n", line=6),
+        Invalid(_HEAD + "fully_shard(model)\nmodel.load_state_dict({k: v for k, v in base.items()})\n", line=6),
+        Invalid(_HEAD + "base = Net()\nfully_shard(model)\nmodel.load_state_dict(base.state_dict())\n", line=7),
+        Invalid(  # a nested function closing over the sharded model
+            "import torch\nfrom torch.distributed.fsdp import fully_shard\ndef main():\n    model = Net()\n"
+            "    fully_shard(model)\n    def to_bf16():\n        model.to(dtype=torch.bfloat16)\n    to_bf16()\n",
+            line=7,
+        ),
+    )
+
+    def check(self, ctx):
+        shards = ctx.shards
+        if not any(not s.legacy for s in shards.sites):
+            return
+        classes = {c.name.value for c in ctx.nodes(cst.ClassDef)}
+        for assign in ctx.nodes(cst.Assign):
+            for t in assign.targets:
+                target = t.target
+                if isinstance(target, cst.Attribute) and _builds_module(ctx, assign.value, classes):
+                    found = sharded_here(shards, target.value, assign, root_sharded=True)
+                    if found is not None:
+                        yield assign, self._new_part(ctx, found, f"`{_code(target)} = {_code(assign.value.func)}(...)`"), None
+                        break
+        for call in ctx.nodes(cst.Call):
+            func = call.func
+            if not isinstance(func, cst.Attribute):
+                continue
+            method = func.attr.value
+            if method in _REGISTER or (method in _GROW and any(_builds_module(ctx, a.value, classes) for a in call.args)):
+                found = sharded_here(shards, func.value, call, root_sharded=True)
+                if found is not None:
+                    yield call, self._new_part(ctx, found, f"`{_code(func)}(...)`"), None
+            elif (method in _CASTS and not call.args) or (method == "to" and _dtype_arg(call)):
+                if not _module_cast(ctx, call):
+                    continue
+                found = sharded_here(shards, func.value, call, root_sharded=True)
+                if found is not None:
+                    yield call, self._fields(ctx, found, f"dtype cast `{_code(call)}`",
+                                             "FSDP2 keeps gathering in the dtype it recorded (cast before `fully_shard`, "
+                                             "or use MixedPrecisionPolicy)"), None
+            elif method == "load_state_dict" and call.args:
+                found = sharded_here(shards, func.value, call)
+                plain = found is not None and self._plain(ctx, call.args[0].value, call, depth=3)
+                if plain:
+                    yield call, self._fields(ctx, found, f"`{_code(func)}` of {plain}",
+                                             "full tensors into DTensor shards (load before sharding, or "
+                                             "set_model_state_dict with full_state_dict=True)"), None
+
+    def _new_part(self, ctx, found, what):
+        return self._fields(ctx, found, f"new submodule or parameter {what}",
+                            "its parameters stay plain tensors no collective syncs; the ranks drift apart")
+
+    def _fields(self, ctx, found, what, why):
+        root, anchor = found
+        return {"what": what, "root": root, "why": why}
+
+    def _plain(self, ctx, expr, at, depth) -> Optional[str]:
+        """What plain (unsharded) state `expr` is, or None when it is not known to be plain."""
+        if depth == 0:
+            return None
+        if isinstance(expr, (cst.Dict, cst.DictComp)):
+            return "a dict built here"
+        if isinstance(expr, cst.Call):
+            names = ctx.resolver.qnames(expr)
+            if names & TORCH_LOAD:
+                return None  # FSD112
+            if names & _PLAIN_LOADERS:
+                return "a safetensors file"
+            func = expr.func
+            if isinstance(func, cst.Name) and func.value == "dict":
+                return "a dict built here"
+            if isinstance(func, cst.Attribute) and func.attr.value == "state_dict" and not expr.args:
+                owner = part_root(func.value)
+                if owner is not None and owner[0] != "self" and sharded_here(ctx.shards, func.value, at, fsdp2=False) is None:
+                    if isinstance(func.value, cst.Name) and ctx.shards.bound_values(func.value.value, at):
+                        return f"the state dict of unsharded `{_code(func.value)}`"
+            return None
+        if isinstance(expr, cst.Name):
+            values = ctx.shards.bound_values(expr.value, at)
+            if len(values) == 1:
+                return self._plain(ctx, values[0], at, depth - 1)
+        return None
+
+
+def _builds_module(ctx, value, classes) -> bool:
+    """`nn.Linear(...)`, `nn.Parameter(...)`, `Block(...)` (a class of this file)."""
+    if not isinstance(value, cst.Call):
+        return False
+    if isinstance(value.func, cst.Name) and value.func.value in classes:
+        return True
+    return any(
+        n.startswith("torch.nn.") and not n.startswith("torch.nn.functional.") and n.rsplit(".", 1)[-1][:1].isupper()
+        for n in ctx.resolver.qnames(value)
+    )
+
+
+def _dtype_arg(call: cst.Call) -> bool:
+    for arg in call.args:
+        if arg.keyword is not None:
+            if arg.keyword.value == "dtype":
+                return True
+            continue
+        value = arg.value
+        if isinstance(value, cst.Attribute) and value.attr.value in _DTYPES and _code(value.value) == "torch":
+            return True
+    return False
+
+
+def _module_cast(ctx, call: cst.Call) -> bool:
+    """The cast's result is dropped (the module is cast in place) or bound back to the
+    module itself: a cast of a module, not of a tensor read from it."""
+    parent = ctx.resolver.parent(call)
+    if isinstance(parent, cst.Expr):
+        return True
+    receiver = part_root(call.func.value)
+    if isinstance(parent, cst.Assign) and receiver is not None:
+        return any(part_root(t.target) == receiver for t in parent.targets)
+    return False
+
+
+def _code(node) -> str:
+    from fsdp2_retrofit.syntax.names import code
+
+    return code(node)

@@ -1,0 +1,135 @@
+"""Refusals name the real blocker at its own line (issue 14): exit code 2, one line
+`file:line: CODE message`, and the user's file left as it was."""
+from __future__ import annotations
+
+from textwrap import dedent
+
+import pytest
+from click.testing import CliRunner
+
+from fsdp2_retrofit import cli
+
+LOOP = """
+for step in range(3):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def refused(tmp_path, monkeypatch, source: str):
+    """(line, code, message) of the first stderr line of `rewrite` on `source`."""
+    monkeypatch.setenv("FSDP2_RETROFIT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "train.py"
+    path.write_text(source)
+    result = CliRunner().invoke(cli.main, ["rewrite", str(path)])
+    assert result.exit_code == 2, result.output
+    assert path.read_text() == source
+    first = result.stderr.splitlines()[0]
+    assert first.startswith(f"{path}:"), first
+    line, code, message = first[len(str(path)) + 1:].split(" ", 2)
+    return int(line.rstrip(":")), code, message
+
+
+@pytest.mark.parametrize(
+    "source, line, code, fragment",
+    [
+        (  # the model comes from a function the analysis cannot see into
+            "import torch\nfrom mylib import get_model\n\nmodel = get_model('small')\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + LOOP,
+            4, "FSR611", "`model` (trained by the optimizer at line 5) is bound by `get_model('small')`",
+        ),
+        (  # an optimizer from outside torch.optim
+            "import torch\nimport bitsandbytes as bnb\nfrom torch import nn\n\nmodel = nn.Linear(4, 1)\n"
+            "opt = bnb.optim.AdamW8bit(model.parameters(), lr=0.1)\n" + LOOP,
+            6, "FSR612", "`bnb.optim.AdamW8bit(...)` is given `model`'s parameters but is not a torch.optim",
+        ),
+        (  # the model is handed in
+            "import torch\n\n\ndef train(model):\n    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "    model(torch.ones(2)).sum().backward()\n    opt.step()\n",
+            5, "FSR611", "the optimizer trains `model`, which is not built in this function",
+        ),
+    ],
+    ids=["unknown-builder", "foreign-optimizer", "model-parameter"],
+)
+def test_no_model_refusal_points_at_the_blocker(tmp_path, monkeypatch, source, line, code, fragment):
+    got_line, got_code, message = refused(tmp_path, monkeypatch, source)
+    assert (got_line, got_code) == (line, code), message
+    assert fragment in message
+
+
+def test_no_optimizer_at_all_still_refuses_at_line_one(tmp_path, monkeypatch):
+    source = "import torch\nimport torch.nn as nn\n\nmodel = nn.Linear(2, 2)\nmodel(torch.ones(2)).sum().backward()\n"
+    assert refused(tmp_path, monkeypatch, source)[:2] == (1, "FSR612")
+
+
+def test_an_annotated_model_and_optimizer_are_found():
+    """`model: nn.Module = Net()` is a model (it was refused at line 1 as 'no nn.Module')."""
+    from fsdp2_retrofit.options import RetrofitOptions
+    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+
+    source = dedent("""\
+        import torch
+        from torch import nn
+
+        torch.manual_seed(0)
+        model: nn.Module = nn.Linear(4, 1)
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        """) + LOOP
+    result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
+    assert not result.refusals, result.refusals
+    assert "model: nn.Module = nn.Linear(4, 1)\nfully_shard(model, mesh=mesh)\n" in result.code.decode()
+
+
+FRAMEWORKS = {
+    "accelerate": (
+        "import torch\nfrom torch import nn\nfrom accelerate import Accelerator\n\naccelerator = Accelerator()\n"
+        "model = nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "model, opt = accelerator.prepare(model, opt)\n" + LOOP,
+        5, "Accelerate",
+    ),
+    "lightning-trainer": (
+        "import torch\nimport lightning as L\nfrom torch import nn\n\n\nclass Lit(L.LightningModule):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.net = nn.Linear(4, 1)\n\n"
+        "    def configure_optimizers(self):\n        return torch.optim.SGD(self.parameters(), lr=0.1)\n\n\n"
+        "trainer = L.Trainer(max_steps=3)\ntrainer.fit(Lit(), None)\n",
+        15, "Lightning",
+    ),
+    "pytorch-lightning": (
+        "import torch\nimport pytorch_lightning as pl\nfrom torch import nn\n\nmodel = nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\npl.Trainer(max_epochs=1).fit(model)\n",
+        7, "Lightning",
+    ),
+    "fabric": (
+        "import torch\nfrom lightning.fabric import Fabric\nfrom torch import nn\n\nfabric = Fabric(devices=2)\n"
+        "fabric.launch()\nmodel = nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "model, opt = fabric.setup(model, opt)\n" + LOOP,
+        5, "Lightning Fabric",
+    ),
+    "deepspeed": (
+        "import deepspeed\nimport torch\nfrom torch import nn\n\nmodel = nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config='ds.json')\n",
+        7, "DeepSpeed",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FRAMEWORKS))
+def test_scripts_training_through_a_framework_are_refused(tmp_path, monkeypatch, name):
+    """Rewritten, they failed at start-up: 'trying to initialize the default process group twice'."""
+    source, line, framework = FRAMEWORKS[name]
+    got = refused(tmp_path, monkeypatch, source)
+    assert got[:2] == (line, "FSR403"), got
+    assert got[2].startswith(f"the script trains through {framework} ")
+
+
+def test_an_accelerate_helper_alone_is_not_a_framework(tmp_path):
+    """Importing from accelerate for something else does not refuse the script."""
+    from fsdp2_retrofit.options import RetrofitOptions
+    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+
+    source = "import torch\nfrom torch import nn\nfrom accelerate.utils import set_seed\n\nset_seed(0)\n" \
+        "model = nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + LOOP
+    assert not rewrite_source(source.encode(), "train.py", RetrofitOptions()).refusals

@@ -1,0 +1,392 @@
+"""Constructs that would train silently wrong after the rewrite (issue 14): each is
+either converted (a fixture with an execution test covers it) or refused with its
+code, on the line that causes it, the file untouched."""
+from __future__ import annotations
+
+import json
+import textwrap
+
+from click.testing import CliRunner
+
+from fsdp2_retrofit import cli
+from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+
+HEAD = '''\
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+'''
+
+
+def _script(body: str) -> str:
+    return HEAD + textwrap.dedent(body)
+
+
+def _refusals(source: str):
+    result = rewrite_source(source.encode(), "train.py")
+    return [(r.code, r.line) for r in result.refusals], result
+
+
+def _line_of(source: str, fragment: str) -> int:
+    return next(n for n, line in enumerate(source.splitlines(), 1) if fragment in line)
+
+
+LOOP = '''\
+    loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 4)), batch_size=4)
+    for x, y in loader:
+        loss = ((model(x) - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    torch.save(model.state_dict(), "out.pt")
+'''
+
+
+# --- item 2: structural changes after the build --------------------------------
+
+
+
+
+def test_a_model_rebound_to_a_wrapper_is_refused(tmp_path, monkeypatch):
+    source = _script('''\
+    class Scaled(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            self.scale = nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return self.inner(x) * self.scale
+
+
+    def main():
+        model = Net()
+        model = Scaled(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ''' + LOOP)
+    found, _ = _refusals(source)
+    assert found[:1] == [("FSR620", _line_of(source, "model = Scaled(model)"))]
+    monkeypatch.setenv("FSDP2_RETROFIT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "train.py"
+    path.write_text(source)
+    result = CliRunner().invoke(cli.main, ["rewrite", str(path)])
+    assert result.exit_code == 2
+    line = _line_of(source, "model = Scaled(model)")
+    assert result.stderr.splitlines()[0].startswith(f"{path}:{line}: FSR620 ")
+    assert path.read_text() == source
+
+
+def test_torch_compile_after_the_build_is_not_a_wrapper():
+    source = _script('''\
+    def main():
+        model = Net()
+        model = torch.compile(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ''' + LOOP)
+    found, result = _refusals(source)
+    assert found == []
+    code = result.code.decode()
+    assert code.index("fully_shard(model") < code.index("model = torch.compile(model)")
+
+
+def test_a_new_head_goes_before_fully_shard_but_a_checkpoint_load_after_it():
+    source = _script('''\
+    def main():
+        model = Net()
+        model.fc = nn.Linear(4, 4)
+        model.load_state_dict(torch.load("init.pt"))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ''' + LOOP)
+    found, result = _refusals(source)
+    assert found == []
+    code = result.code.decode()
+    # the resume stage loads the file into the sharded model (broadcast from rank 0)
+    assert code.index("model.fc = nn.Linear(4, 4)") < code.index("fully_shard(model") < code.index(
+        "set_model_state_dict(model")
+
+
+def test_a_wrapper_with_its_own_name_is_converted():
+    source = _script('''\
+    class Scaled(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) * 2
+
+
+    def main():
+        model = Net()
+        wrapped = Scaled(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ''' + LOOP)
+    found, _ = _refusals(source)
+    assert found == []
+
+
+# --- item 4: data not split across ranks ----------------------------------------
+
+TRAIN = '''\
+    for x, y in {loader}:
+        loss = ((model(x) - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    torch.save(model.state_dict(), "out.pt")
+'''
+BUILD = '''\
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
+'''
+
+
+def _main(lines: str, loader: str = "loader", before: str = "") -> str:
+    return _script(before + "def main():\n" + BUILD + textwrap.indent(textwrap.dedent(lines), "    ")
+                   + TRAIN.format(loader=loader))
+
+
+def test_a_subset_sampler_on_a_training_loader_is_refused():
+    source = _main('''\
+    from torch.utils.data import SubsetRandomSampler
+    loader = DataLoader(data, batch_size=4, sampler=SubsetRandomSampler(range(4)))
+    ''')
+    assert _refusals(source)[0][:1] == [("FSR901", _line_of(source, "SubsetRandomSampler(range"))]
+
+
+def test_a_batch_sampler_on_a_training_loader_is_refused():
+    source = _main('''\
+    loader = DataLoader(data, batch_sampler=my_batches)
+    ''')
+    assert _refusals(source)[0][:1] == [("FSR901", _line_of(source, "batch_sampler="))]
+
+
+def test_a_sampler_bound_to_a_name_becomes_a_distributed_sampler():
+    source = _main('''\
+    from torch.utils.data import SequentialSampler
+    order = SequentialSampler(data)
+    loader = DataLoader(data, batch_size=4, sampler=order)
+    ''')
+    found, result = _refusals(source)
+    assert found == []
+    code = result.code.decode()
+    assert "order = DistributedSampler(data, shuffle=False)" in code
+    assert "loader = DataLoader(data, batch_size=4, sampler=order)" in code
+
+
+def test_a_loader_already_distributed_is_left_alone():
+    source = _main('''\
+    from torch.utils.data.distributed import DistributedSampler
+    order = DistributedSampler(data)
+    loader = DataLoader(data, batch_size=4, sampler=order)
+    ''')
+    found, result = _refusals(source)
+    assert found == []
+    assert result.code.decode().count("DistributedSampler(") == 1
+
+
+def test_a_loader_built_inline_in_the_training_for_is_refused():
+    source = _main("", loader="DataLoader(data, batch_size=4)")
+    assert _refusals(source)[0][:1] == [("FSR902", _line_of(source, "in DataLoader(data"))]
+
+
+def test_a_loader_returned_by_a_helper_is_refused():
+    helper = '''\
+def make_loader(data):
+    dl = DataLoader(data, batch_size=4, shuffle=True)
+    return dl
+
+
+'''
+    source = _main("loader = make_loader(data)\n", before=helper)
+    found, _ = _refusals(source)
+    assert found[:1] == [("FSR902", _line_of(source, "dl = DataLoader"))]
+
+
+def test_a_loader_returned_directly_by_a_helper_is_refused():
+    helper = '''\
+def make_loader(data):
+    return DataLoader(data, batch_size=4, shuffle=True)
+
+
+'''
+    source = _main("loader = make_loader(data)\n", before=helper)
+    assert _refusals(source)[0][:1] == [("FSR902", _line_of(source, "return DataLoader"))]
+
+
+def test_a_loader_stored_on_an_attribute_is_refused():
+    source = _main('''\
+    import types
+    holder = types.SimpleNamespace()
+    holder.loader = DataLoader(data, batch_size=4, shuffle=True)
+    ''', loader="holder.loader")
+    assert _refusals(source)[0][:1] == [("FSR902", _line_of(source, "holder.loader = DataLoader"))]
+
+
+def test_an_unfollowed_loader_beside_a_training_loader_is_reported_not_called_evaluation():
+    source = _main('''\
+    loader = DataLoader(data, batch_size=4, shuffle=True)
+    checks = [b for b in DataLoader(data, batch_size=8)]
+    ''')
+    found, result = _refusals(source)
+    assert found == []
+    notes = [a.what for a in result.attention]
+    assert any("not followed" in n for n in notes), notes
+    assert not any("evaluation" in n for n in notes)
+
+
+# --- item 8: names bound only on rank 0 ---------------------------------------------
+
+RANK_ZERO = '''\
+import os
+
+import torch
+import torch.nn as nn
+
+
+def main():
+    rank = int(os.environ.get("RANK", 0))
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+{gate}
+    for step in range(3):
+        loss = model(torch.randn(2, 4)).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    if rank == 0:
+        torch.save(model.state_dict(), os.path.join(run_dir, "model.pt"))
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_a_name_bound_only_under_a_rank_gate_with_an_else_is_refused():
+    source = RANK_ZERO.format(gate='''\
+    if rank == 0:
+        run_dir = "runs/a"
+    else:
+        print("waiting")''')
+    assert _refusals(source)[0][:1] == [("FSR704", _line_of(source, "if rank == 0:"))]
+
+
+def test_a_name_bound_only_on_rank_zero_is_broadcast_outside_the_gate():
+    source = RANK_ZERO.format(gate='''\
+    if rank == 0:
+        run_dir = "runs/a"''')
+    found, result = _refusals(source)
+    assert found == []
+    code = result.code.decode()
+    lines = code.splitlines()
+    broadcast = next(i for i, line in enumerate(lines) if "broadcast_object_list(run_dir_shared" in line)
+    assert lines[broadcast].startswith("    dist.")  # the function's own block: every rank runs it
+    assert lines[broadcast - 1] == "    run_dir_shared = [run_dir] if rank == 0 else [None]"
+    assert lines[broadcast + 1] == "    run_dir = run_dir_shared[0]"
+    assert code.index("init_process_group") < code.index("broadcast_object_list")
+    assert rewrite_source(result.code, "train.py").changes == []  # a second rewrite adds nothing
+
+
+# --- item 6: optimizers that cannot work on DTensor shards ------------------------------
+
+
+def test_lbfgs_is_refused():
+    source = _main("loader = DataLoader(data, batch_size=4)\n").replace(
+        "torch.optim.SGD(model.parameters(), lr=0.1)", "torch.optim.LBFGS(model.parameters())")
+    assert _refusals(source)[0][:1] == [("FSR621", _line_of(source, "torch.optim.LBFGS("))]
+
+
+MUON = '''\
+class Orthogonal(torch.optim.Optimizer):
+    def __init__(self, params, lr=0.02):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                x = p.grad / (p.grad.norm() + 1e-7)
+                for _ in range(5):
+                    x = 1.5 * x - 0.5 * x @ x.mT @ x
+                p.add_(x, alpha=-group["lr"])
+
+
+'''
+
+
+def test_an_optimizer_class_that_multiplies_whole_matrices_is_refused_on_its_line():
+    source = _main("loader = DataLoader(data, batch_size=4)\n", before=MUON).replace(
+        "torch.optim.SGD(model.parameters(), lr=0.1)", "Orthogonal(model.parameters())")
+    assert _refusals(source)[0][:1] == [("FSR622", _line_of(source, "x = 1.5 * x - 0.5 * x @ x.mT @ x"))]
+
+
+def test_an_element_wise_optimizer_class_is_followed():
+    source = _main("loader = DataLoader(data, batch_size=4)\n", before=MUON.replace(
+        "                for _ in range(5):\n                    x = 1.5 * x - 0.5 * x @ x.mT @ x\n", "")).replace(
+        "torch.optim.SGD(model.parameters(), lr=0.1)", "Orthogonal(model.parameters())")
+    found, result = _refusals(source)
+    assert found == []
+    code = result.code.decode()
+    assert code.index("fully_shard(model") < code.index("optimizer = Orthogonal(")
+
+
+# --- item 5: tensors built from parameters outside forward ------------------------------
+
+RNN = '''\
+import torch
+import torch.nn as nn
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cells = nn.ModuleList([nn.GRUCell(4, 4) for _ in range(2)])
+        self.head = nn.Linear(4, 2)
+
+    def init_hidden(self, batch):
+        return [next(self.parameters()).new_zeros(batch, 4) for _ in self.cells]
+
+    def forward(self, x, hidden):
+        for i, cell in enumerate(self.cells):
+            hidden[i] = x = cell(x, hidden[i])
+        return self.head(x)
+
+
+def main():
+    model = Stack()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(2, 4)
+        loss = model(x, model.init_hidden(2)).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_a_method_reading_a_block_unit_parameter_outside_forward_is_refused():
+    assert _refusals(RNN)[0][:1] == [("FSR623", _line_of(RNN, "next(self.parameters()).new_zeros"))]
+
+
+def test_a_method_reading_a_root_parameter_outside_forward_is_registered():
+    source = RNN.replace("next(self.parameters())", "self.head.weight")
+    found, result = _refusals(source)
+    assert found == []
+    assert 'register_fsdp_forward_method(model, "init_hidden")' in result.code.decode()

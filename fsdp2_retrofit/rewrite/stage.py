@@ -40,7 +40,7 @@ class RetrofitStage:
     """
 
     CODE = "stage"
-    DESCRIPTION = ""
+    DESCRIPTION = "No description."  # as libcst's CodemodCommand (libcst.tool list)
     # Whether later stages' analysis must see this stage's imports resolved (the
     # names it binds, e.g. `dist`, `fully_shard`). If not, the composite adds them
     # once at the end instead of after this stage.
@@ -64,6 +64,19 @@ class RetrofitStage:
         elif needed:
             tree = add_imports(tree, needed, self.carry)
         return tree
+
+    # What libcst.tool's `codemod` command asks of a command class besides
+    # transform_module (.libcst.codemod.yaml lets it run any stage, as the README
+    # says): stages subclass no libcst codemod class, as importing libcst.codemod
+    # would load libcst.matchers, most of the tool's start-up time.
+    @classmethod
+    def add_args(cls, parser) -> None:
+        """No command-line options of its own."""
+
+    @classmethod
+    def get_inherited_dependencies(cls) -> frozenset:
+        """No libcst metadata providers: the analysis resolves its own."""
+        return frozenset()
 
     @property
     def origins(self) -> Optional[Origins]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import List
 
 import libcst as cst
-from libcst.codemod.visitors import RemoveImportsVisitor
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.analysis.wrappers import DATA_PARALLEL, DDP, WrapSite, context_withs, reads_of, wrappers
@@ -265,6 +264,8 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
         )
 
     def _remove_imports(self, facts: ScriptFacts) -> None:
+        from libcst.codemod.visitors import RemoveImportsVisitor  # here: it loads libcst.matchers
+
         for node in facts.resolver.nodes(cst.ImportFrom):
             if isinstance(node.names, cst.ImportStar) or node.module is None:
                 continue

@@ -4,7 +4,6 @@ from the environment, and its process group joins over env://."""
 from __future__ import annotations
 
 import libcst as cst
-from libcst.codemod.visitors import RemoveImportsVisitor
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.analysis.spawn import SpawnSite, spawns
@@ -78,6 +77,8 @@ class MigrateSpawnCommand(RetrofitStage):
         for node in facts.resolver.nodes(cst.Import):
             for alias in node.names:
                 if code(alias.name) == "torch.multiprocessing":
+                    from libcst.codemod.visitors import RemoveImportsVisitor  # here: it loads libcst.matchers
+
                     asname = code(alias.asname.name) if alias.asname else None
                     RemoveImportsVisitor.remove_unused_import(self.context, "torch.multiprocessing", asname=asname)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import List, Type
 
 import libcst as cst
-from libcst.codemod import CodemodContext
 
+from fsdp2_retrofit.rewrite.context import RewriteContext
 from fsdp2_retrofit.rewrite.imports import add_imports
 from fsdp2_retrofit.rewrite.stage import (
     ATTENTION_KEY,
@@ -82,9 +82,9 @@ class RetrofitCommand(RetrofitStage):
             tree = self.run_group(group, tree)
         return add_imports(tree, self.deferred_imports, self.carry)
 
-    def stage_context(self) -> CodemodContext:
+    def stage_context(self) -> RewriteContext:
         """Each stage gets its own context (its imports, its report), sharing the analysis."""
-        context = CodemodContext(filename=self.context.filename, full_module_name=self.context.full_module_name)
+        context = RewriteContext(filename=self.context.filename, full_module_name=self.context.full_module_name)
         context.scratch[OPTIONS_KEY] = self.options
         context.scratch[DEFERRED_IMPORTS_KEY] = self.deferred_imports
         context.scratch[ORIGINS_KEY] = self.origins
@@ -120,6 +120,6 @@ class RetrofitCommand(RetrofitStage):
             self.after_stage(stage_class, new_tree if i == len(planned) - 1 else tree, context)
         return new_tree
 
-    def after_stage(self, stage, tree: cst.Module, context: CodemodContext) -> None:
+    def after_stage(self, stage, tree: cst.Module, context: RewriteContext) -> None:
         for key in (CHANGES_KEY, ATTENTION_KEY):
             self.context.scratch.setdefault(key, []).extend(context.scratch.get(key, []))

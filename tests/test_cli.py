@@ -474,6 +474,21 @@ def test_rewrite_never_imports_torch(tmp_path):
     assert proc.stdout.strip() == "False"
 
 
+def test_rewrite_of_a_plain_script_loads_no_libcst_matchers(tmp_path):
+    """libcst.matchers (loaded by libcst.codemod) costs more to import than libcst,
+    click and rich together: a rewrite that removes no import never loads it."""
+    path = script(tmp_path)
+    code = (
+        "import sys\n"
+        "from fsdp2_retrofit import cli\n"
+        f"cli.main(['rewrite', '--check', '--quiet', '--no-cache', {str(path)!r}], standalone_mode=False)\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('libcst.matchers', 'libcst.codemod'))))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
 # --- the real pipeline -------------------------------------------------------------------
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 from typing import Optional
 
 import libcst as cst
-from libcst.codemod import CodemodContext
 
 from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.report import InputError, RefusedError, RewriteResult
 from fsdp2_retrofit.syntax.names import Origins
+from .context import RewriteContext
 from .stage import ATTENTION_KEY, CHANGES_KEY, OPTIONS_KEY, ORIGINS_KEY
 
 
@@ -43,7 +43,7 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
     if not source.strip():
         raise InputError("empty file: nothing to retrofit")
     module = parse(source, path)
-    context = CodemodContext(filename=path)
+    context = RewriteContext(filename=path)
     context.scratch[OPTIONS_KEY] = options
     # every record names a line of `source`
     context.scratch[ORIGINS_KEY] = Origins(module, source.decode(module.encoding, errors="replace"))

@@ -8,7 +8,6 @@ from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import libcst as cst
-from libcst.codemod import CodemodCommand, CodemodContext
 
 from fsdp2_retrofit.analysis import ScriptFacts, analyse
 from fsdp2_retrofit.options import RetrofitOptions
@@ -16,6 +15,7 @@ from fsdp2_retrofit.report import Attention, Change, Refusal, RefusedError
 from fsdp2_retrofit.rewrite.refusals import CATALOGUE
 from fsdp2_retrofit.syntax.names import Origins
 
+from .context import RewriteContext
 from .imports import add_imports
 
 CHANGES_KEY = "fsdp2_retrofit.changes"
@@ -24,6 +24,7 @@ OPTIONS_KEY = "fsdp2_retrofit.options"
 FACTS_KEY = "fsdp2_retrofit.facts"  # the last analysis, reused while the tree is unchanged
 DEFERRED_IMPORTS_KEY = "fsdp2_retrofit.deferred_imports"  # set by the composite: add these at the end
 IMPORTS_KEY = "fsdp2_retrofit.imports"  # the imports a stage needs: (module, object, alias)
+REMOVE_IMPORTS_KEY = "RemoveImportsVisitor"  # libcst's RemoveImportsVisitor.CONTEXT_KEY: removals scheduled
 ORIGINS_KEY = "fsdp2_retrofit.origins"  # syntax.names.Origins: set by the composite, lines of the user's file
 
 Stmt = Union[cst.SimpleStatementLine, cst.BaseCompoundStatement]
@@ -31,7 +32,7 @@ Stmt = Union[cst.SimpleStatementLine, cst.BaseCompoundStatement]
 Replacement = Union[cst.CSTNode, Callable[[cst.CSTNode], cst.CSTNode]]
 
 
-class RetrofitStage(CodemodCommand):
+class RetrofitStage:
     """A rewrite stage: analyse the tree, then edit it through `StatementEditor`.
 
     Subclasses implement `edit(tree, facts, editor)`; they record every change with
@@ -39,19 +40,22 @@ class RetrofitStage(CodemodCommand):
     """
 
     CODE = "stage"
+    DESCRIPTION = "No description."  # as libcst's CodemodCommand (libcst.tool list)
     # Whether later stages' analysis must see this stage's imports resolved (the
     # names it binds, e.g. `dist`, `fully_shard`). If not, the composite adds them
     # once at the end instead of after this stage.
     LATER_STAGES_READ_IMPORTS = False
 
-    def __init__(self, context: CodemodContext, options: Optional[RetrofitOptions] = None) -> None:
-        super().__init__(context)
+    def __init__(self, context: RewriteContext, options: Optional[RetrofitOptions] = None) -> None:
+        # a RewriteContext, or libcst's CodemodContext (the same fields: CodemodTest passes one)
+        self.context = context
         self.options = options or context.scratch.get(OPTIONS_KEY) or RetrofitOptions()
         self.facts: Optional[ScriptFacts] = None
 
     def transform_module(self, tree: cst.Module) -> cst.Module:
-        """As CodemodCommand's, without the defensive deep copy of the tree: stages
-        never mutate nodes and resolve their own metadata (analysis)."""
+        """Run the stage on `tree` (as libcst's CodemodCommand would, without its
+        defensive deep copy of the tree: stages never mutate nodes and resolve their
+        own metadata in the analysis), then add the imports it needs."""
         tree = self.transform_module_impl(tree)
         needed = self.context.scratch.get(IMPORTS_KEY)
         deferred = self.context.scratch.get(DEFERRED_IMPORTS_KEY)
@@ -60,6 +64,19 @@ class RetrofitStage(CodemodCommand):
         elif needed:
             tree = add_imports(tree, needed, self.carry)
         return tree
+
+    # What libcst.tool's `codemod` command asks of a command class besides
+    # transform_module (.libcst.codemod.yaml lets it run any stage, as the README
+    # says): stages subclass no libcst codemod class, as importing libcst.codemod
+    # would load libcst.matchers, most of the tool's start-up time.
+    @classmethod
+    def add_args(cls, parser) -> None:
+        """No command-line options of its own."""
+
+    @classmethod
+    def get_inherited_dependencies(cls) -> frozenset:
+        """No libcst metadata providers: the analysis resolves its own."""
+        return frozenset()
 
     @property
     def origins(self) -> Optional[Origins]:
@@ -72,11 +89,13 @@ class RetrofitStage(CodemodCommand):
 
     def remove_unused_imports(self, tree: cst.Module) -> cst.Module:
         """Drop the imports the stage scheduled with RemoveImportsVisitor.remove_unused_import."""
+        # libcst.codemod loads libcst.matchers (slow to import): only for a stage that scheduled removals
+        if not self.context.scratch.get(REMOVE_IMPORTS_KEY):
+            return tree
         from libcst.codemod.visitors import RemoveImportsVisitor
         from libcst.metadata import MetadataWrapper
 
-        if not self.context.scratch.get(RemoveImportsVisitor.CONTEXT_KEY):
-            return tree
+        assert RemoveImportsVisitor.CONTEXT_KEY == REMOVE_IMPORTS_KEY
 
         class _Remove(CarryLines, RemoveImportsVisitor):
             @contextmanager

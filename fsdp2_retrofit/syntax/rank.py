@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 import libcst as cst
-import libcst.matchers as m
 
 from .names import code
 from .torch_api import GET_RANK, GET_WORLD_SIZE
@@ -29,10 +28,46 @@ MAIN_WORDS = ("master", "is_main", "main_process", "rank_zero", "rank0", "is_pri
 # text a file must hold to contain a rank test (a lint prefilter; the text test is case-sensitive)
 TEXT_TRIGGERS = tuple(dict.fromkeys(w for word in (RANK_WORD, *MAIN_WORDS) for w in (word, word.upper())))
 
-_ZERO = m.Integer(value="0")
-_INT_OF = m.Call(func=m.Name("int"), args=[m.AtLeastN(n=1)])
-_GET_KEY = m.Call(func=m.Attribute(attr=m.Name("get")), args=[m.Arg(value=m.SimpleString()), m.ZeroOrMore()])
-_STRING_KEY = m.Subscript(slice=[m.SubscriptElement(slice=m.Index(value=m.SimpleString()))])
+# Shapes of a few expressions, tested by hand: libcst.matchers costs most of the
+# tool's start-up to import.
+
+
+def _is_zero(expr) -> bool:
+    """The literal `0`."""
+    return isinstance(expr, cst.Integer) and expr.value == "0"
+
+
+def _is_int_of(expr, exactly_one: bool = False) -> bool:
+    """`int(...)` with at least one argument (exactly one with `exactly_one`)."""
+    return (
+        isinstance(expr, cst.Call)
+        and isinstance(expr.func, cst.Name)
+        and expr.func.value == "int"
+        and (len(expr.args) == 1 if exactly_one else len(expr.args) >= 1)
+    )
+
+
+def _is_get_key(expr) -> bool:
+    """`<anything>.get("KEY", ...)`."""
+    return (
+        isinstance(expr, cst.Call)
+        and isinstance(expr.func, cst.Attribute)
+        and expr.func.attr.value == "get"
+        and len(expr.args) >= 1
+        and isinstance(expr.args[0].value, cst.SimpleString)
+    )
+
+
+def _is_string_key(expr) -> bool:
+    """`<anything>["KEY"]`."""
+    return (
+        isinstance(expr, cst.Subscript)
+        and len(expr.slice) == 1
+        and isinstance(expr.slice[0].slice, cst.Index)
+        and isinstance(expr.slice[0].slice.value, cst.SimpleString)
+    )
+
+
 _FLAG_SHAPES = (cst.Name, cst.Attribute, cst.Call, cst.Subscript)
 
 
@@ -41,13 +76,13 @@ def name_of(expr: cst.BaseExpression) -> str:
     `get_rank` for `dist.get_rank()`, `rank` for `int(os.environ["RANK"])` and
     `os.environ.get("RANK", 0)`; "" for anything else."""
     while isinstance(expr, cst.Call):
-        if m.matches(expr, _INT_OF):
+        if _is_int_of(expr):
             expr = expr.args[0].value
-        elif m.matches(expr, _GET_KEY):
+        elif _is_get_key(expr):
             return expr.args[0].value.evaluated_value.lower()
         else:
             expr = expr.func
-    if m.matches(expr, _STRING_KEY):
+    if _is_string_key(expr):
         return expr.slice[0].slice.value.evaluated_value.lower()
     if isinstance(expr, cst.Attribute):
         return expr.attr.value.lower()
@@ -86,7 +121,7 @@ def rank_zero_side(test: cst.BaseExpression) -> Optional[str]:
 
 
 def _compared_side(left, op, right) -> Optional[str]:
-    zero_left, zero_right = m.matches(left, _ZERO), m.matches(right, _ZERO)
+    zero_left, zero_right = _is_zero(left), _is_zero(right)
     if zero_left and is_rank_name(right):
         left, right, zero_left, zero_right = right, left, False, True
         op = {cst.LessThan: cst.GreaterThan(), cst.GreaterThan: cst.LessThan()}.get(type(op), op)
@@ -97,7 +132,7 @@ def _compared_side(left, op, right) -> Optional[str]:
     if zero_right and isinstance(op, (cst.NotEqual, cst.IsNot, cst.GreaterThan)):
         return "else"
     if isinstance(op, cst.In) and isinstance(right, (cst.List, cst.Tuple, cst.Set)):
-        return "body" if any(m.matches(e.value, _ZERO) for e in right.elements) else None
+        return "body" if any(_is_zero(e.value) for e in right.elements) else None
     return None
 
 
@@ -159,7 +194,7 @@ def is_world_size_value(value, resolver) -> bool:
 
 def _env_int(value, key: str) -> bool:
     """`int(<something reading the environment variable key>)`."""
-    if not m.matches(value, m.Call(func=m.Name("int"), args=[m.Arg()])):
+    if not _is_int_of(value, exactly_one=True):
         return False
     text = code(value.args[0].value)
     quoted = f'"{key}"' in text or f"'{key}'" in text

@@ -240,8 +240,11 @@ class ConvertSavesCommand(RetrofitStage):
             return None
         anchor = gate
         if facts.distributed_init is not None:
-            init = facts.resolver.statement_of(facts.distributed_init)
-            if init in body and body.index(init) > body.index(gate):
+            # the statement of the body that starts the group (an `if "RANK" in os.environ:
+            # ... else: ...` holding both inits, as the launch stage writes it)
+            init = next((a for a in [facts.distributed_init, *facts.resolver.ancestors(facts.distributed_init)]
+                         if a in body), None)
+            if init is not None and body.index(init) > body.index(gate):
                 if body.index(init) > body.index(top):
                     return None
                 anchor = init

@@ -222,3 +222,28 @@ def test_no_module_keeps_its_own_copy_of_torch_names():
         for line in _torch_name_sets(path)
     ]
     assert copies == []
+
+
+def test_walk_visits_every_node_in_libcst_order():
+    from fsdp2_retrofit.syntax.names import walk
+
+    module = cst.parse_module("def f(a, *, b=1):\n    x = [i for i in a if i]\n    return f'{x!r:>{b}}'\n")
+    seen = []
+
+    class _All(cst.CSTVisitor):
+        def on_visit(self, node) -> bool:
+            seen.append(node)
+            return True
+
+    module.visit(_All())
+    assert [id(n) for n in walk(module)] == [id(n) for n in seen]
+
+
+def test_last_assignment_is_the_latest_binding_before_the_statement():
+    from fsdp2_retrofit.syntax.names import last_assignment
+
+    module = cst.parse_module("a = 1\nb = 2\na = 3\nprint(a)\na = 4\n")
+    stmt = module.body[3]
+    assert last_assignment("a", stmt, module) is module.body[2]
+    assert last_assignment("b", stmt, module) is module.body[1]
+    assert last_assignment("c", stmt, module) is None

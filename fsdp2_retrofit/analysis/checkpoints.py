@@ -12,7 +12,7 @@ from typing import List, Optional, Set, Tuple
 import libcst as cst
 
 from .facts import ScriptFacts
-from fsdp2_retrofit.syntax.names import assigned_names, code
+from fsdp2_retrofit.syntax.names import assigned_names, code, last_assignment
 from fsdp2_retrofit.syntax.rank import is_rank_test, mentions_rank_test, split_rank_test  # noqa: F401  (stages import them from here)
 from fsdp2_retrofit.syntax.torch_api import TORCH_LOAD as LOAD, TORCH_SAVE as SAVE
 
@@ -89,26 +89,17 @@ def bound_value(name: str, node: cst.CSTNode, facts: ScriptFacts) -> Optional[cs
     """The value `name` was last given in the same block before `node`'s statement."""
     stmt = facts.resolver.statement_of(node)
     block = facts.resolver.block_of(stmt)
-    if block is None:
+    earlier = last_assignment(name, stmt, block) if block is not None else None
+    if earlier is None or len(earlier.body) != 1 or not isinstance(earlier.body[0], cst.Assign):
         return None
-    body = list(block.body)
-    for earlier in reversed(body[: body.index(stmt)]):
-        if name in assigned_names(earlier):
-            small = earlier.body[0]
-            return small.value if isinstance(small, cst.Assign) and len(earlier.body) == 1 else None
-    return None
+    return earlier.body[0].value
 
 
 def binding_statement(name: str, node: cst.CSTNode, facts: ScriptFacts) -> Optional[cst.CSTNode]:
+    """The statement of `node`'s block that last binds `name` before it."""
     stmt = facts.resolver.statement_of(node)
     block = facts.resolver.block_of(stmt)
-    if block is None:
-        return None
-    body = list(block.body)
-    for earlier in reversed(body[: body.index(stmt)]):
-        if name in assigned_names(earlier):
-            return earlier
-    return None
+    return last_assignment(name, stmt, block) if block is not None else None
 
 
 def path_key(expr, facts: ScriptFacts) -> str:

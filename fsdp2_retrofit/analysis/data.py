@@ -9,7 +9,9 @@ import libcst as cst
 
 from .loops import LoopSite, train_loops
 from .site_analysis import Block, SiteAnalysis
-from fsdp2_retrofit.syntax.names import Resolver, assigned_names, bind_args, calls_in, code, names_in
+from fsdp2_retrofit.syntax.names import (
+    Resolver, assigned_names, bind_args, calls_in, code, last_assignment, names_in, walk,
+)
 from fsdp2_retrofit.syntax.torch_api import DATALOADERS, DISTRIBUTED_SAMPLERS, PLAIN_SAMPLERS
 
 
@@ -158,16 +160,10 @@ class LoaderAnalysis(SiteAnalysis):
     def _value_bound_before(self, name: str, stmt) -> Optional[cst.BaseExpression]:
         """The value `name` was last bound to by a plain assignment in the block before `stmt`."""
         block = self.r.block_of(stmt)
-        if block is None:
-            return None
-        body = list(block.body)
-        for earlier in reversed(body[: body.index(stmt)]):
-            if name in assigned_names(earlier):
-                small = earlier.body[0]
-                if isinstance(small, cst.Assign) and len(small.targets) == 1 \
-                        and isinstance(small.targets[0].target, cst.Name):
-                    return small.value
-                return None
+        earlier = last_assignment(name, stmt, block) if block is not None else None
+        small = earlier.body[0] if earlier is not None else None
+        if isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.targets[0].target, cst.Name):
+            return small.value
         return None
 
     def _shuffle_set_after(self, name: str, dict_node, stmt) -> bool:
@@ -175,7 +171,7 @@ class LoaderAnalysis(SiteAnalysis):
         (`name.update(shuffle=...)`, `name["shuffle"] = ...`, `name.setdefault("shuffle", ...)`,
         or an update whose keys cannot be read)."""
         body = list(self.r.block_of(stmt).body)
-        start = next(i for i, s in enumerate(body) if any(n is dict_node for n in _walk_values(s)))
+        start = next(i for i, s in enumerate(body) if any(n is dict_node for n in walk(s)))
         for between in body[start + 1 : body.index(stmt)]:
             for call in calls_in(between):
                 func = call.func
@@ -209,7 +205,7 @@ class LoaderAnalysis(SiteAnalysis):
                 continue
             how = "built and used in one expression"
             for anc in self.r.ancestors(call):
-                if isinstance(anc, cst.For) and any(n is call for n in _walk_values(anc.iter)):
+                if isinstance(anc, cst.For) and any(n is call for n in walk(anc.iter)):
                     how = "built inline in the `for` that reads it"
                     break
                 if isinstance(anc, cst.Return):
@@ -242,18 +238,12 @@ class LoaderAnalysis(SiteAnalysis):
         return out
 
     def _dict_bound_before(self, name: str, stmt) -> Optional[cst.CSTNode]:
-        block = self.r.block_of(stmt)
-        if block is None:
-            return None
-        body = list(block.body)
-        for earlier in reversed(body[: body.index(stmt)]):
-            if name in assigned_names(earlier):
-                value = earlier.body[0].value if isinstance(earlier.body[0], cst.Assign) else None
-                if isinstance(value, cst.Dict) or (
-                    isinstance(value, cst.Call) and isinstance(value.func, cst.Name) and value.func.value == "dict"
-                ):
-                    return value
-                return None
+        """The dict literal or `dict(...)` call `name` was last bound to in the block before `stmt`."""
+        value = self._value_bound_before(name, stmt)
+        if isinstance(value, cst.Dict) or (
+            isinstance(value, cst.Call) and isinstance(value.func, cst.Name) and value.func.value == "dict"
+        ):
+            return value
         return None
 
 
@@ -269,17 +259,6 @@ def unfollowed_loaders(module: cst.Module, resolver: Resolver, loaders: List[Loa
     return LoaderAnalysis(module, resolver)._unfollowed(loaders)
 
 
-def _walk_values(node):
-    """`node` and every node under it."""
-    found = []
-
-    class _All(cst.CSTVisitor):
-        def on_visit(self, n) -> bool:
-            found.append(n)
-            return True
-
-    node.visit(_All())
-    return found
 
 
 def _subscript_targets(stmt):
@@ -288,7 +267,7 @@ def _subscript_targets(stmt):
             if isinstance(small, cst.Assign):
                 yield from (t.target for t in small.targets if isinstance(t.target, cst.Subscript))
     elif isinstance(stmt, cst.BaseCompoundStatement):
-        for inner in _walk_values(stmt):
+        for inner in walk(stmt):
             if isinstance(inner, cst.SimpleStatementLine):
                 yield from _subscript_targets(inner)
 

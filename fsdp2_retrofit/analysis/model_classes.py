@@ -14,7 +14,9 @@ from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import CONTAINERS, OPTIMIZER_PREFIX, NOT_OPTIMIZERS, TORCH_MODULE_BASES, Resolver, attr_path
+from fsdp2_retrofit.syntax.names import (
+    CONTAINERS, OPTIMIZER_PREFIX, NOT_OPTIMIZERS, TORCH_MODULE_BASES, Resolver, attr_path, walk,
+)
 
 Path_ = Tuple[str, ...]
 
@@ -403,7 +405,7 @@ def first_submodule(info: ClassInfo) -> Optional[str]:
     if init is None:
         return None
     known = set(info.submodules) | {c.path[0] for c in info.containers}
-    for node in _walk(init.body):
+    for node in walk(init.body):
         if isinstance(node, cst.Assign):
             for t in node.targets:
                 target = t.target
@@ -413,16 +415,6 @@ def first_submodule(info: ClassInfo) -> Optional[str]:
     return None
 
 
-def _walk(node):
-    found = []
-
-    class _All(cst.CSTVisitor):
-        def on_visit(self, n) -> bool:
-            found.append(n)
-            return True
-
-    node.visit(_All())
-    return found
 
 
 # nn.Module's own API: calling these on a sharded model needs no forward hooks.

@@ -472,6 +472,27 @@ def _breaks_in(node: cst.CSTNode, default_newline: str) -> int:
     return count
 
 
+def walk(node: cst.CSTNode) -> List[cst.CSTNode]:
+    """`node` and every node under it, in source order (child_nodes: no node is rebuilt)."""
+    out: List[cst.CSTNode] = []
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        out.append(current)
+        stack.extend(reversed(child_nodes(current)))
+    return out
+
+
+def last_assignment(name: str, stmt: cst.CSTNode, block) -> Optional[cst.SimpleStatementLine]:
+    """The statement of `block` before `stmt` that last binds `name` (see
+    assigned_names), or None; the caller decides which shapes of it it reads."""
+    body = list(block.body)
+    for earlier in reversed(body[: body.index(stmt)]):
+        if name in assigned_names(earlier):
+            return earlier
+    return None
+
+
 def calls_in(node: cst.CSTNode) -> List[cst.Call]:
     """Every call inside `node` (itself included), in source order."""
     found: List[cst.Call] = []

@@ -8,6 +8,7 @@ from fsdp2_retrofit.analysis.copies import unsafe_state_copies
 from fsdp2_retrofit.analysis.model_classes import called_methods, first_submodule, parameter_reads
 from fsdp2_retrofit.analysis.no_model import no_model_blocker
 from fsdp2_retrofit.analysis.optimizers import FLATTENING_OPTIMIZERS, whole_tensor_operation
+from fsdp2_retrofit.syntax.torch_api import AUTOGRAD_GRAD
 from fsdp2_retrofit.analysis.same_start import broadcast_reason
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
@@ -213,6 +214,7 @@ class ShardModelCommand(RetrofitStage):
                 "the FSDP1 wrap must go before fully_shard",
                 "run the migrate_fsdp1 stage first (the composite `rewrite` does)",
             )
+        self._refuse_double_backward(facts)
         for call in facts.compiled_builds:
             if self._compiled_model(call, facts) is not None:
                 continue  # `model = torch.compile(Net())`: split, see _split_compile
@@ -377,6 +379,27 @@ class ShardModelCommand(RetrofitStage):
                         "built from one leaks a DTensor into forward",
                         "take dtype and device from a parameter of the root (an embedding, the head), or pass them in",
                     )
+
+    def _refuse_double_backward(self, facts: ScriptFacts) -> None:
+        """A gradient penalty (autograd.grad with create_graph) needs a second backward
+        through parameters FSDP2 has resharded after the first."""
+        if not facts.models:
+            return
+        for call in facts.resolver.nodes(cst.Call):
+            if not facts.resolver.is_call_to(call, AUTOGRAD_GRAD):
+                continue
+            graph = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == "create_graph"),
+                         None)
+            if graph is None or (isinstance(graph, cst.Name) and graph.value == "False"):
+                continue
+            self.refuse(
+                "FSR624",
+                call,
+                f"`{code(call.func)}(..., create_graph={code(graph)})` takes a second backward through the model",
+                "FSDP2 frees each unit's gathered parameters after its backward; the graph kept for the second "
+                "backward still reads them (the run fails in that backward)",
+                "keep this model unsharded (DDP), or compute the penalty without a second backward through it",
+            )
 
     def _refuse_optimizers(self, facts: ScriptFacts) -> None:
         """Optimizers whose step cannot work on DTensor shards."""

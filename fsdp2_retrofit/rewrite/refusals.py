@@ -253,6 +253,14 @@ _RULES = [
                 "Outside forward that parameter is a DTensor shard; registering the method (register_fsdp_forward_method) "
                 "gathers only the root unit's, so a tensor built from it leaks a DTensor into forward.",
                 "Take dtype and device from a root parameter (embedding, head), or pass them in."),
+    RefusalRule("FSR624", "shard-double-backward",
+                "`torch.autograd.grad(..., create_graph=True)` (a gradient penalty: WGAN-GP, DRAGAN, R1) in a script "
+                "whose model is sharded.",
+                "FSDP2 reshards a unit's parameters after its backward: the graph that create_graph=True keeps for "
+                "the second backward still reads the gathered parameters, which are freed by then (the run fails "
+                "in that backward, or reads freed memory).",
+                "Keep this model unsharded (DDP), or compute the penalty without a second backward through the "
+                "sharded model."),
     # -- 7xx checkpoint and library saves ------------------------------------------------
     RefusalRule("FSR701", "checkpoint-unsplittable-rank-branch",
                 "A checkpoint save inside a rank-0 branch that cannot be split (an else branch, an `or`).",

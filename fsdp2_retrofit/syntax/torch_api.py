@@ -152,3 +152,6 @@ TENSOR_FACTORIES = frozenset(
         "from_numpy", "eye",
     )
 )
+
+# gradients with a graph of their own (create_graph=True): a double backward
+AUTOGRAD_GRAD = frozenset({"torch.autograd.grad"})

@@ -91,6 +91,7 @@ def _install():
         "micro_steps": [],
         "optimizers": [],  # every optimizer that stepped, first to step first
         "initial": [],  # their parameters before their first step (gathered)
+        "seen": set(),  # ids of the parameters already in "initial"
         "primary": None,
         "done": False,
         "failed": None,
@@ -175,10 +176,13 @@ def _install():
             state["primary"] = optimizer
         if all(o is not optimizer for o in state["optimizers"]):
             state["optimizers"].append(optimizer)
-            # the weights this optimizer starts from, before its first update: a run whose
-            # ranks did not start from the single run's weights is caught even where the
-            # steps cannot be compared (random draws differ)
-            state["initial"].extend(_gather([optimizer]))
+            # the weights this optimizer starts from, before its first update, of the
+            # parameters no earlier optimizer held (those may have been updated already):
+            # a run whose ranks did not start from the single run's weights is caught
+            # even where the steps cannot be compared (random draws differ)
+            fresh = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in state["seen"]]
+            state["seen"].update(id(p) for p in fresh)
+            state["initial"].extend(_gather_params(fresh))
         if optimizer is state["primary"]:
             state["grad_norms"].append(_grad_norm(optimizer))
 
@@ -212,16 +216,18 @@ def _install():
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return "rss", int(rss if sys.platform == "darwin" else rss * 1024)
 
-    def _gather(optimizers=None):
+    def _gather_params(params):
         tensors = []
-        for optimizer in state["optimizers"] if optimizers is None else optimizers:
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    t = p.detach()
-                    if _is_dtensor(t):
-                        t = t.full_tensor()
-                    tensors.append(t.cpu().clone())
+        for p in params:
+            t = p.detach()
+            if _is_dtensor(t):
+                t = t.full_tensor()
+            tensors.append(t.cpu().clone())
         return tensors
+
+    def _gather():
+        return _gather_params([p for optimizer in state["optimizers"] for group in optimizer.param_groups
+                               for p in group["params"]])
 
     def finish(reason, gather):
         if state["done"]:

@@ -40,9 +40,15 @@ class ClearThroughOptimizerCommand(RetrofitStage):
             where = f"`{code(found.call)}` between the forward (line {r.line(found.forward)}) and backward() " \
                     f"(line {r.line(found.backward)})"
             if len(mine) != 1 or shared:
-                why = ("no optimizer of the script trains it here" if not mine and not shared
-                       else f"{len(mine) + len(shared)} optimizers may train it here "
-                            f"({', '.join(mine + shared)}): which one clears its gradients is not known")
+                candidates = mine + shared
+                if not candidates:
+                    why = "no optimizer of the script trains it here"
+                elif len(candidates) == 1:
+                    why = (f"`{candidates[0]}` trains it together with other parameters: its zero_grad() would "
+                           "clear more than the model's")
+                else:
+                    why = (f"{len(candidates)} optimizers may train it here ({', '.join(candidates)}): which one "
+                           "clears its gradients is not known")
                 self._refuse_without_optimizer(found, where, why)
             opt = mine[0]
             part = _partial(facts, opt, _scope(facts, found.model, found.call))

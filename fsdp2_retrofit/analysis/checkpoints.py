@@ -12,7 +12,7 @@ from typing import List, Optional, Set, Tuple
 import libcst as cst
 
 from .facts import ScriptFacts
-from fsdp2_retrofit.syntax.names import assigned_names, code, last_assignment
+from fsdp2_retrofit.syntax.names import assigned_names, code, last_assignment, walk
 from fsdp2_retrofit.syntax.rank import is_rank_test, mentions_rank_test, split_rank_test  # noqa: F401  (stages import them from here)
 from fsdp2_retrofit.syntax.torch_api import TORCH_LOAD as LOAD, TORCH_SAVE as SAVE
 
@@ -447,7 +447,7 @@ def _with_file(stmt: cst.With, item: cst.WithItem, arg: cst.Name, call: cst.Call
     if len(stmt.items) != 1 or stmt.asynchronous is not None or not isinstance(stmt.body, cst.IndentedBlock):
         found.problem = "the `with` opens more than the one file"
         return found
-    reads = [n for n in _names(stmt.body) if n.value == arg.value]
+    reads = [n for n in _nodes_of(stmt.body, cst.Name) if n.value == arg.value]
     if len(reads) != 1 or reads[0] is not arg:
         found.problem = f"`{arg.value}` is used for more than the {'save' if writing else 'load'}"
         return found
@@ -461,7 +461,7 @@ def _with_file(stmt: cst.With, item: cst.WithItem, arg: cst.Name, call: cst.Call
 def read_names(expr) -> Set[str]:
     """The variables an expression reads (`args` of `args.ckpt`, not `ckpt`)."""
     attrs = {id(n.attr) for n in _nodes_of(expr, cst.Attribute)}
-    return {n.value for n in _names(expr) if id(n) not in attrs}
+    return {n.value for n in _nodes_of(expr, cst.Name) if id(n) not in attrs}
 
 
 def target_names(stmt) -> Set[str]:
@@ -472,27 +472,7 @@ def target_names(stmt) -> Set[str]:
 
 
 def _nodes_of(node, kind) -> list:
-    found = []
-
-    class _K(cst.CSTVisitor):
-        def on_visit(self, n) -> bool:
-            if isinstance(n, kind):
-                found.append(n)
-            return True
-
-    node.visit(_K())
-    return found
-
-
-def _names(node) -> List[cst.Name]:
-    found = []
-
-    class _N(cst.CSTVisitor):
-        def visit_Name(self, n: cst.Name) -> None:
-            found.append(n)
-
-    node.visit(_N())
-    return found
+    return [n for n in walk(node) if isinstance(n, kind)]
 
 
 def saved_dict_keys(expr: Optional[cst.BaseExpression], facts: ScriptFacts) -> Optional[Tuple[str, ...]]:

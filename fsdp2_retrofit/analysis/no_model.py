@@ -18,7 +18,7 @@ from typing import Optional, Union
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import code, root_name
+from fsdp2_retrofit.syntax.names import calls_in, code, root_name
 from fsdp2_retrofit.syntax.torch_api import NOT_OPTIMIZERS, OPTIMIZER_PREFIX
 
 
@@ -52,22 +52,12 @@ def _binding(r, name: str, before: cst.CSTNode) -> Optional[cst.SimpleStatementL
 
 def _parameters_owner(arg: cst.BaseExpression) -> Optional[str]:
     """`model.parameters()` / `model.named_parameters()` / `model.head.parameters()`: model."""
-    for call in _calls(arg):
+    for call in calls_in(arg):
         func = call.func
         if isinstance(func, cst.Attribute) and func.attr.value in ("parameters", "named_parameters"):
             return root_name(func.value)
     return None
 
-
-def _calls(node: cst.CSTNode):
-    out = []
-
-    class _Collect(cst.CSTVisitor):
-        def visit_Call(self, call: cst.Call) -> None:
-            out.append(call)
-
-    node.visit(_Collect())
-    return out
 
 
 def no_model_blocker(facts) -> Optional[NoModelBlocker]:

@@ -138,6 +138,11 @@ class ShardFacts:
             return None
         return root
 
+    @property
+    def uses_fully_shard(self) -> bool:
+        """Whether the script shards anything with FSDP2's fully_shard (FSDP1 wraps aside)."""
+        return any(not s.legacy for s in self.sites)
+
     def fsdp2_root(self, expr: cst.BaseExpression, at: cst.CSTNode) -> Optional[Tuple[str, cst.CSTNode]]:
         """(root, where its sharding is in effect) when `expr` is a whole module sharded
         with fully_shard at `at`. A closure variable of a nested function counts when

@@ -101,7 +101,7 @@ class ChangeAfterShard(Rule):
 
     def check(self, ctx):
         shards = ctx.shards
-        if not any(not s.legacy for s in shards.sites):
+        if not shards.uses_fully_shard:
             return
         classes = {c.name.value for c in ctx.nodes(cst.ClassDef)}
         for assign in ctx.nodes(cst.Assign):

@@ -74,7 +74,7 @@ class FlatteningOptimizer(Rule):
     )
 
     def check(self, ctx):
-        if not any(not s.legacy for s in ctx.shards.sites):
+        if not ctx.shards.uses_fully_shard:
             return
         for call in ctx.nodes(cst.Call):
             names = ctx.resolver.qnames(call) & set(_FLATTENING)

@@ -77,7 +77,7 @@ class MissingSampler(Rule):
     )
 
     def check(self, ctx):
-        if not any(not s.legacy for s in ctx.shards.sites):
+        if not ctx.shards.uses_fully_shard:
             return
         for loader in ctx.training_loaders():
             if loader.trains and not loader.has_sampler and not _iterable_dataset(ctx, loader):

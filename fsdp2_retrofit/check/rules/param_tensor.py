@@ -90,7 +90,7 @@ class ShardedParamTensor(Rule):
     )
 
     def check(self, ctx):
-        if not any(not s.legacy for s in ctx.shards.sites):
+        if not ctx.shards.uses_fully_shard:
             return
         values = ParamValues(ctx)
         for call in ctx.nodes(cst.Call):

@@ -78,7 +78,7 @@ class RankZeroName(Rule):
 
     def check(self, ctx):
         shards = ctx.shards
-        if not any(not s.legacy for s in shards.sites):
+        if not shards.uses_fully_shard:
             return
         gated = rank_zero_only_bindings(ctx.resolver, shards.rank_zero_branch)
         if not gated:

@@ -259,8 +259,6 @@ def unfollowed_loaders(module: cst.Module, resolver: Resolver, loaders: List[Loa
     return LoaderAnalysis(module, resolver)._unfollowed(loaders)
 
 
-
-
 def _subscript_targets(stmt):
     if isinstance(stmt, cst.SimpleStatementLine):
         for small in stmt.body:

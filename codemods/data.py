@@ -39,6 +39,7 @@ class DistributeDataCommand(RetrofitStage):
                 "no DataLoader: the batches do not come from a sampler this tool can shard",
                 "after the retrofit every rank trains on the same data; split the batches by "
                 "dist.get_rank() / dist.get_world_size() or use a DataLoader with DistributedSampler",
+                differs=True,
             )
         self._unfollowed(tree, facts, training)
         for loader in facts.loaders:

@@ -20,12 +20,17 @@ class Change:
 
 @dataclass(frozen=True)
 class Attention:
-    """Something the rewrite could not fix but the user must look at."""
+    """Something the rewrite could not fix but the user must look at.
+
+    `differs` marks the items that say the output will not train exactly like the
+    original (every rank on the same data, per-rank BatchNorm statistics on CPU, ...):
+    what to check is named, the run may still be what the user wants."""
 
     line: int
     code: str
     what: str
     why: str
+    differs: bool = False
 
 
 @dataclass(frozen=True)
@@ -178,7 +183,8 @@ def render_text(result: RewriteResult, console, *, target: Optional[str] = None,
         table.add_column("what")
         table.add_column("why")
         for a in result.attention:
-            table.add_row(str(a.line), a.code, Text(a.what), Text(a.why))
+            what = Text("training differs: ", style="bold red") + Text(a.what) if a.differs else Text(a.what)
+            table.add_row(str(a.line), a.code, what, Text(a.why))
         console.print(table)
 
     if result.changed:

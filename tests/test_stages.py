@@ -1020,3 +1020,21 @@ def test_meta_init_with_cpu_offload_allocates_the_shards_on_the_cpu():
     text = out(PLAIN, meta_init=True, cpu_offload=True)
     assert 'model.to_empty(device="cpu")' in text
     assert "offload_policy=offload_policy" in text
+
+
+def test_tensor_batches_without_a_dataloader_are_flagged_as_training_differently():
+    result = rewrite_source((MODEL + '''
+torch.manual_seed(0)
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+data = torch.randn(64, 8)
+for i in range(0, 64, 16):
+    x = data[i:i + 16]
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+''').encode(), "train.py", RetrofitOptions())
+    flagged = [a for a in result.attention if a.differs]
+    loop_line = MODEL.count("\n") + 6  # the `for` over slices of `data`
+    assert [(a.code, a.line) for a in flagged] == [("data", loop_line)]
+    assert all(not a.differs for a in result.attention if a not in flagged)

@@ -160,9 +160,10 @@ class RetrofitStage:
         line = node_or_line if isinstance(node_or_line, int) else self.line(node_or_line)
         self.context.scratch.setdefault(CHANGES_KEY, []).append(Change(line, self.CODE, what, why, pitfall))
 
-    def attention(self, node_or_line, what: str, why: str) -> None:
+    def attention(self, node_or_line, what: str, why: str, differs: bool = False) -> None:
+        """Tell the user to look at something; `differs`: the output will not train exactly like the input."""
         line = node_or_line if isinstance(node_or_line, int) else self.line(node_or_line)
-        self.context.scratch.setdefault(ATTENTION_KEY, []).append(Attention(line, self.CODE, what, why))
+        self.context.scratch.setdefault(ATTENTION_KEY, []).append(Attention(line, self.CODE, what, why, differs))
 
     def refuse(self, code: str, node_or_line, what: str, why: str, hint: str = "") -> None:
         """Refuse the whole file: `code` is the kind of refusal (fsdp2_retrofit.rewrite.refusals)."""

@@ -8,7 +8,7 @@ from fsdp2_retrofit.analysis.copies import unsafe_state_copies
 from fsdp2_retrofit.analysis.model_classes import called_methods, first_submodule, parameter_reads
 from fsdp2_retrofit.analysis.no_model import no_model_blocker
 from fsdp2_retrofit.analysis.optimizers import FLATTENING_OPTIMIZERS, whole_tensor_operation
-from fsdp2_retrofit.syntax.torch_api import AUTOGRAD_GRAD
+from fsdp2_retrofit.syntax.torch_api import AUTOGRAD_GRAD, ZERO_REDUNDANCY_OPTIMIZER
 from fsdp2_retrofit.analysis.same_start import broadcast_reason
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
@@ -414,6 +414,23 @@ class ShardModelCommand(RetrofitStage):
                     "after fully_shard each parameter and gradient is a DTensor shard: its line search and "
                     "curvature pairs would be computed on pieces of the vector (or gather all of it on every rank)",
                     "train this model without sharding, or use an optimizer that works parameter by parameter",
+                )
+            if opt.method is not None and opt.method_builds & FLATTENING_OPTIMIZERS:
+                self.refuse(
+                    "FSR621",
+                    opt.stmt,
+                    f"`{opt.name}` is built by {opt.method.name.value}(), which builds "
+                    f"{sorted(opt.method_builds & FLATTENING_OPTIMIZERS)[0]}, flattening every gradient into one vector",
+                    "after fully_shard each parameter and gradient is a DTensor shard: its line search and "
+                    "curvature pairs would be computed on pieces of the vector (or gather all of it on every rank)",
+                    "train this model without sharding, or use an optimizer that works parameter by parameter",
+                )
+            if opt.method is not None and opt.method_builds & ZERO_REDUNDANCY_OPTIMIZER:
+                self.attention(
+                    opt.stmt,
+                    f"{opt.method.name.value}() can build a ZeroRedundancyOptimizer (left as it is)",
+                    "after fully_shard the optimizer state is sharded already; ZeroRedundancyOptimizer over "
+                    "DTensor shards is not supported: keep the branch that builds a torch.optim optimizer",
                 )
             if opt.own_class is not None:
                 op = whole_tensor_operation(opt.own_class)

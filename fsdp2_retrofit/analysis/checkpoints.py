@@ -12,7 +12,7 @@ from typing import List, Optional, Set, Tuple
 import libcst as cst
 
 from .facts import ScriptFacts
-from fsdp2_retrofit.syntax.names import assigned_names, code, last_assignment, walk
+from fsdp2_retrofit.syntax.names import assigned_names, code, dotted, last_assignment, walk
 from fsdp2_retrofit.syntax.rank import is_rank_test, mentions_rank_test, split_rank_test  # noqa: F401  (stages import them from here)
 from fsdp2_retrofit.syntax.torch_api import TORCH_LOAD as LOAD, TORCH_SAVE as SAVE
 
@@ -147,6 +147,10 @@ def saves(facts: ScriptFacts) -> List[SaveSite]:
             site.whole_model = state.value
         for sd in _state_dict_calls(state):
             owner = sd.func.value
+            if isinstance(owner, cst.Attribute) and dotted(owner) in optimizers and optimizers[dotted(owner)]:
+                # `optimizer._optimizer.state_dict()`: the torch optimizer a wrapper holds
+                site.state_calls.append(StateCall(sd, "optimizer", dotted(owner), optimizers[dotted(owner)]))
+                continue
             if not isinstance(owner, cst.Name):
                 continue
             if owner.value in models:
@@ -240,7 +244,7 @@ def _load_state_dict_use(node, key, stmt, facts: ScriptFacts) -> Optional[LoadUs
         isinstance(call, cst.Call)
         and isinstance(call.func, cst.Attribute)
         and call.func.attr.value == "load_state_dict"
-        and isinstance(call.func.value, cst.Name)
+        and isinstance(call.func.value, (cst.Name, cst.Attribute))
         and call.args[0] is arg
         and isinstance(stmt, cst.SimpleStatementLine)
         and len(stmt.body) == 1
@@ -248,9 +252,11 @@ def _load_state_dict_use(node, key, stmt, facts: ScriptFacts) -> Optional[LoadUs
         and stmt.body[0].value is call
     ):
         return None
-    owner = call.func.value.value
+    owner = dotted(call.func.value)
     function = r.enclosing_function(call)
     optimizers = facts.optimizer_names.get(function, {})
+    if isinstance(call.func.value, cst.Attribute) and owner not in optimizers:
+        return None  # only `optimizer._optimizer` (the torch optimizer a wrapper holds) is read through
     if owner in facts.model_names.get(function, set()):
         return LoadUse(node, stmt, key, "model", owner, owner, call)
     if owner in optimizers:

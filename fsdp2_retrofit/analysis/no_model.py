@@ -9,7 +9,8 @@ for what the script most likely meant and names it at its own line:
   with get_model imported, `model = registry[name]()`), or from a name never bound
   in the script (a function parameter, an import);
 - a call handed `something.parameters()` that is not a torch.optim optimizer
-  (`bnb.optim.AdamW8bit(model.parameters())`, `MyOptimizer(model.parameters())`).
+  (`bnb.optim.AdamW8bit(model.parameters())`, `MyOptimizer(model.parameters())`), or a
+  wrapper around a torch optimizer built inline whose class cannot be read.
 """
 from __future__ import annotations
 
@@ -87,6 +88,16 @@ def no_model_blocker(facts) -> Optional[NoModelBlocker]:
             f"`{name}` (trained by the optimizer at line {r.line(stmt)}) is bound by "
             f"`{_short(bound.body[0].value)}`, not recognised as building an nn.Module",
         )
+    for stmt, call in assigned:  # `opt = Wrapper(optim.Adam(model.parameters()), ...)`, the class not readable
+        inner = next((a.value for a in call.args if isinstance(a.value, cst.Call) and r.calls_prefix(a.value, OPTIMIZER_PREFIX)
+                      and not any(r.calls_prefix(a.value, p) for p in NOT_OPTIMIZERS)), None)
+        if inner is not None and not any(q.startswith("torch.") for q in r.qnames(call)):
+            return NoModelBlocker(
+                call,
+                f"`{_short(call.func)}(...)` holds the optimizer `{_short(inner.func)}(...)`, but its class is not "
+                "in this script or a sibling module (or its __init__ does not keep that argument as `self.<name>`): "
+                "what it does with the optimizer is unknown",
+            )
     for stmt, call in assigned:  # `opt = SomeOptimizer(model.parameters())` outside torch.optim
         owner = _parameters_owner(call.args[0].value)
         if owner is not None and not any(q.startswith("torch.") or q.startswith("builtins.") for q in r.qnames(call)):

@@ -61,6 +61,96 @@ def _parameters_owner(arg: cst.BaseExpression) -> Optional[str]:
 
 
 
+def _model_method(r, stmt) -> Optional[cst.FunctionDef]:
+    """The method of a class holding `stmt` when it reads its own `self.parameters()` /
+    `self.named_parameters()` (a model's `configure_optimizers`)."""
+    cls = r.enclosing_class(stmt)
+    method = r.enclosing_function(stmt)
+    if cls is None or method is None:
+        return None
+    own = any(
+        isinstance(c.func, cst.Attribute) and c.func.attr.value in ("parameters", "named_parameters")
+        and root_name(c.func.value) == "self"
+        for c in calls_in(method)
+    )
+    return method if own else None
+
+
+def _method_caller_blocker(r, method: cst.FunctionDef, stmt) -> Optional[NoModelBlocker]:
+    """`optimizer = model.configure_optimizers(...)` outside the class, where `model` (or
+    the model an alias `raw_model = model.module if ddp else model` names) is bound by
+    something not recognised as building an nn.Module: that binding."""
+    cls = r.enclosing_class(method)
+    for call in r.nodes(cst.Call):
+        func = call.func
+        if not (isinstance(func, cst.Attribute) and func.attr.value == method.name.value
+                and isinstance(func.value, cst.Name) and r.enclosing_class(call) is not cls):
+            continue
+        name, seen = func.value.value, set()
+        while name not in seen:
+            seen.add(name)
+            bound = _first_binding(r, name, call)
+            if bound is None:
+                return NoModelBlocker(
+                    call,
+                    f"`{_short(call)}` builds the optimizer from `{name}`'s parameters "
+                    f"({cls.name.value}.{method.name.value}, line {r.line(stmt)}), but `{name}` is not built in "
+                    "this function (a parameter, a global or an import)",
+                )
+            value = bound.body[0].value
+            alias = _alias_of(value)
+            if alias is None:
+                return NoModelBlocker(
+                    bound,
+                    f"`{name}` (whose {method.name.value}() at line {r.line(call)} builds the optimizer at line "
+                    f"{r.line(stmt)}) is bound by `{_short(value)}`, not recognised as building an nn.Module",
+                )
+            name = alias
+    return None
+
+
+def _first_binding(r, name: str, before: cst.CSTNode) -> Optional[cst.SimpleStatementLine]:
+    """The first `name = value` of the scope of `before`, ahead of it, that does not read
+    `name` itself (`model = DDP(model)`, `model = torch.compile(model)` rebind it)."""
+    scope = r.enclosing_function(before)
+    for stmt in r.nodes(cst.SimpleStatementLine):
+        if r.order(stmt) >= r.order(before) or r.enclosing_function(stmt) is not scope:
+            continue
+        small = stmt.body[0] if len(stmt.body) == 1 else None
+        if not (isinstance(small, cst.Assign) and len(small.targets) == 1
+                and isinstance(small.targets[0].target, cst.Name) and small.targets[0].target.value == name):
+            continue
+        if _alias_of(small.value) is None and _reads(small.value, name):
+            continue
+        return stmt
+    return None
+
+
+def _reads(expr, name: str) -> bool:
+    """Whether `expr` reads the variable `name` (not an attribute of that name: `args.model`)."""
+    found = []
+
+    class _R(cst.CSTVisitor):
+        def visit_Attribute(self, node: cst.Attribute) -> bool:
+            node.value.visit(self)
+            return False
+
+        def visit_Name(self, node: cst.Name) -> None:
+            found.append(node.value == name)
+
+    expr.visit(_R())
+    return any(found)
+
+
+def _alias_of(expr) -> Optional[str]:
+    """`model` for `model`, `model.module`, `model._orig_mod`, `model.module if ddp else model`."""
+    if isinstance(expr, cst.IfExp):
+        return _alias_of(expr.orelse) or _alias_of(expr.body)
+    if isinstance(expr, cst.Attribute) and expr.attr.value in ("module", "_orig_mod"):
+        expr = expr.value
+    return expr.value if isinstance(expr, cst.Name) else None
+
+
 def no_model_blocker(facts) -> Optional[NoModelBlocker]:
     """The first construct that explains why no trained model was found, or None."""
     r = facts.resolver
@@ -72,6 +162,11 @@ def no_model_blocker(facts) -> Optional[NoModelBlocker]:
     for stmt, call in assigned:  # an optimizer of torch.optim: what does it train?
         if not r.calls_prefix(call, OPTIMIZER_PREFIX) or any(r.calls_prefix(call, p) for p in NOT_OPTIMIZERS):
             continue
+        method = _model_method(r, stmt)
+        if method is not None:  # `def configure_optimizers(self, ...)` of a model class: who calls it?
+            blocker = _method_caller_blocker(r, method, stmt)
+            if blocker is not None:
+                return blocker
         first = call.args[0].value
         name = _parameters_owner(first) or (first.value if isinstance(first, cst.Name) else None)
         if name is None:

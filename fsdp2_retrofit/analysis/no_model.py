@@ -61,11 +61,11 @@ def _parameters_owner(arg: cst.BaseExpression) -> Optional[str]:
 
 
 
-def _model_method(r, stmt) -> Optional[cst.FunctionDef]:
-    """The method of a class holding `stmt` when it reads its own `self.parameters()` /
+def _model_method(r, node) -> Optional[cst.FunctionDef]:
+    """The method of a class holding `node` when it reads its own `self.parameters()` /
     `self.named_parameters()` (a model's `configure_optimizers`)."""
-    cls = r.enclosing_class(stmt)
-    method = r.enclosing_function(stmt)
+    cls = r.enclosing_class(node)
+    method = r.enclosing_function(node)
     if cls is None or method is None:
         return None
     own = any(
@@ -159,14 +159,16 @@ def no_model_blocker(facts) -> Optional[NoModelBlocker]:
         if len(stmt.body) == 1 and isinstance(stmt.body[0], (cst.Assign, cst.AnnAssign))
         and isinstance(stmt.body[0].value, cst.Call) and stmt.body[0].value.args
     ]
+    for call in r.nodes(cst.Call):  # `def configure_optimizers(self, ...)` of a model class: who calls it?
+        if not r.calls_prefix(call, OPTIMIZER_PREFIX) or any(r.calls_prefix(call, p) for p in NOT_OPTIMIZERS):
+            continue
+        method = _model_method(r, call)
+        blocker = _method_caller_blocker(r, method, r.statement_of(call)) if method is not None else None
+        if blocker is not None:
+            return blocker
     for stmt, call in assigned:  # an optimizer of torch.optim: what does it train?
         if not r.calls_prefix(call, OPTIMIZER_PREFIX) or any(r.calls_prefix(call, p) for p in NOT_OPTIMIZERS):
             continue
-        method = _model_method(r, stmt)
-        if method is not None:  # `def configure_optimizers(self, ...)` of a model class: who calls it?
-            blocker = _method_caller_blocker(r, method, stmt)
-            if blocker is not None:
-                return blocker
         first = call.args[0].value
         name = _parameters_owner(first) or (first.value if isinstance(first, cst.Name) else None)
         if name is None:

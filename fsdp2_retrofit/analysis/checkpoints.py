@@ -86,10 +86,24 @@ def calls_to(facts: ScriptFacts, names) -> List[cst.Call]:
 
 
 def bound_value(name: str, node: cst.CSTNode, facts: ScriptFacts) -> Optional[cst.BaseExpression]:
-    """The value `name` was last given in the same block before `node`'s statement."""
-    stmt = facts.resolver.statement_of(node)
-    block = facts.resolver.block_of(stmt)
-    earlier = last_assignment(name, stmt, block) if block is not None else None
+    """The value `name` was last given in the same block before `node`'s statement, or
+    in an enclosing block of the same function before the `if`/`with`/... holding it
+    (`checkpoint = {...}` then `if best: torch.save(checkpoint, path)`)."""
+    r = facts.resolver
+    stmt = r.statement_of(node)
+    function = r.enclosing_function(stmt)
+    earlier = None
+    while stmt is not None and earlier is None:
+        block = r.block_of(stmt)
+        earlier = last_assignment(name, stmt, block) if block is not None else None
+        if earlier is not None or block is None or any(name in assigned_names(s) for s in block.body):
+            break  # bound in this block only after the save (a loop): not followed upwards
+        holder = r.parent(block)
+        if not isinstance(holder, (cst.If, cst.Else, cst.With, cst.Try)) or r.enclosing_function(holder) is not function:
+            break
+        while isinstance(holder, (cst.Else, cst.If)) and isinstance(r.parent(holder), cst.If):
+            holder = r.parent(holder)  # `elif` / `else` branches: the outermost `if`
+        stmt = holder
     if earlier is None or len(earlier.body) != 1 or not isinstance(earlier.body[0], cst.Assign):
         return None
     return earlier.body[0].value

@@ -186,3 +186,14 @@ def test_a_model_from_a_class_method_factory_is_named_as_the_blocker():
     assert (refusal.code, refusal.line) == ("FSR611", line), refusal
     assert "`model` (whose configure_optimizers() at line" in refusal.what
     assert "is bound by `Net.build()`, not recognised as building an nn.Module" in refusal.what
+
+
+def test_an_alias_whose_branches_name_different_models_is_not_followed():
+    source = HEAD + dedent("""\
+        ddp = False
+        model = Net()
+        other = Net()
+        raw_model = other if ddp else model
+        opt = raw_model.configure_optimizers(lr=0.1)
+        """)
+    assert facts_of(source).optimizers == []

@@ -19,7 +19,7 @@ from typing import Optional, Union
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import calls_in, code, root_name
+from fsdp2_retrofit.syntax.names import alias_target, calls_in, code, root_name
 from fsdp2_retrofit.syntax.torch_api import NOT_OPTIMIZERS, OPTIMIZER_PREFIX
 
 
@@ -98,7 +98,7 @@ def _method_caller_blocker(r, method: cst.FunctionDef, stmt) -> Optional[NoModel
                     "this function (a parameter, a global or an import)",
                 )
             value = bound.body[0].value
-            alias = _alias_of(value)
+            alias = alias_target(value)
             if alias is None:
                 return NoModelBlocker(
                     bound,
@@ -120,7 +120,7 @@ def _first_binding(r, name: str, before: cst.CSTNode) -> Optional[cst.SimpleStat
         if not (isinstance(small, cst.Assign) and len(small.targets) == 1
                 and isinstance(small.targets[0].target, cst.Name) and small.targets[0].target.value == name):
             continue
-        if _alias_of(small.value) is None and _reads(small.value, name):
+        if alias_target(small.value) is None and _reads(small.value, name):
             continue
         return stmt
     return None
@@ -140,15 +140,6 @@ def _reads(expr, name: str) -> bool:
 
     expr.visit(_R())
     return any(found)
-
-
-def _alias_of(expr) -> Optional[str]:
-    """`model` for `model`, `model.module`, `model._orig_mod`, `model.module if ddp else model`."""
-    if isinstance(expr, cst.IfExp):
-        return _alias_of(expr.orelse) or _alias_of(expr.body)
-    if isinstance(expr, cst.Attribute) and expr.attr.value in ("module", "_orig_mod"):
-        expr = expr.value
-    return expr.value if isinstance(expr, cst.Name) else None
 
 
 def no_model_blocker(facts) -> Optional[NoModelBlocker]:

@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 import libcst as cst
 
 from .site_analysis import Block, SiteAnalysis
-from fsdp2_retrofit.syntax.names import Resolver, assigned_names, bind_args, calls_in, root_name
+from fsdp2_retrofit.syntax.names import Resolver, alias_target, assigned_names, bind_args, calls_in, root_name
 from fsdp2_retrofit.syntax.torch_api import (  # noqa: F401  (FLATTENING_OPTIMIZERS: the shard stage imports it from here)
     FLATTENING_OPTIMIZERS,
     NOT_OPTIMIZERS,
@@ -130,8 +130,8 @@ class OptimizerAnalysis(SiteAnalysis):
         body = list(block.body) if block is not None else []
         earlier = body[: body.index(stmt)] if stmt in body else []
         for source, value in _sources_of(receiver, earlier):
-            model = _aliased_model(value, module_names)
-            if model is not None:
+            model = alias_target(value)
+            if model in module_names:
                 return model
         return None
 
@@ -282,15 +282,6 @@ def whole_tensor_operation(cls: cst.ClassDef) -> Optional[cst.CSTNode]:
         if isinstance(stmt, cst.FunctionDef) and stmt.name.value != "__init__":
             stmt.visit(_W())
     return found[0] if found else None
-
-
-def _aliased_model(expr, module_names) -> Optional[str]:
-    """`model`, `model.module`, `model._orig_mod`, or a conditional choosing one of them: model."""
-    if isinstance(expr, cst.IfExp):
-        return _aliased_model(expr.body, module_names) or _aliased_model(expr.orelse, module_names)
-    if isinstance(expr, cst.Attribute) and expr.attr.value in ("module", "_orig_mod"):
-        expr = expr.value
-    return expr.value if isinstance(expr, cst.Name) and expr.value in module_names else None
 
 
 def _ordered_names(args) -> List[str]:

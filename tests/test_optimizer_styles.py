@@ -125,7 +125,33 @@ def test_a_wrapper_that_does_not_keep_the_optimizer_is_refused_at_its_line():
     assert facts_of(source).optimizers == []
     (refusal,) = rewrite(source).refusals
     assert (refusal.code, refusal.line) == ("FSR612", HEAD.count("\n") + 2)
-    assert "`Scheduled(...)` holds the optimizer `optim.Adam(...)`" in refusal.what
+    assert "`Scheduled(...)` holds the optimizer `optim.Adam(...)`, but its __init__ does not keep" in refusal.what
+
+
+def test_an_unread_wrapper_is_followed_and_said():
+    """Its class comes from an installed package: fully_shard before it, reported."""
+    source = "from schedules import Scheduled\n" + HEAD[:HEAD.index("class Scheduled")] + (
+        "model = Net()\nopt = Scheduled(optim.Adam(model.parameters()), 4000)\n" + LOOP)
+    result = rewrite(source)
+    assert not result.refusals, result.refusals
+    assert "fully_shard(model, mesh=mesh)\nopt = Scheduled(" in result.code.decode()
+    assert any("`opt` is `Scheduled(...)` around the optimizer" in a.what for a in result.attention)
+
+
+def test_a_state_dict_through_an_unread_wrapper_is_refused_at_its_line():
+    source = "from schedules import Scheduled\n" + HEAD[:HEAD.index("class Scheduled")] + (
+        "model = Net()\nopt = Scheduled(optim.Adam(model.parameters()), 4000)\n" + LOOP
+        + "torch.save(opt.inner.state_dict(), 'opt.pt')\n")
+    (refusal,) = rewrite(source).refusals
+    assert (refusal.code, refusal.line) == ("FSR612", source.count("\n"))
+    assert refusal.what.startswith("`opt.inner.state_dict()`: the optimizer is held by `Scheduled(...)`")
+
+
+def test_a_wrapper_of_an_unknown_model_names_the_model_binding():
+    source = HEAD + "from mylib import get_model\nmodel = get_model()\nopt = Scheduled(optim.Adam(model.parameters()), 4000)\n"
+    (refusal,) = rewrite(source).refusals
+    assert refusal.line == HEAD.count("\n") + 2
+    assert "`model` (trained by the optimizer at line" in refusal.what
 
 
 def test_a_model_method_builds_the_optimizer_through_the_ddp_alias():

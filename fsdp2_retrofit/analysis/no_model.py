@@ -10,7 +10,7 @@ for what the script most likely meant and names it at its own line:
   in the script (a function parameter, an import);
 - a call handed `something.parameters()` that is not a torch.optim optimizer
   (`bnb.optim.AdamW8bit(model.parameters())`, `MyOptimizer(model.parameters())`), or a
-  wrapper around a torch optimizer built inline whose class cannot be read.
+  wrapper around a torch optimizer built inline whose __init__ does not keep it.
 """
 from __future__ import annotations
 
@@ -59,6 +59,10 @@ def _parameters_owner(arg: cst.BaseExpression) -> Optional[str]:
             return root_name(func.value)
     return None
 
+
+
+def _is_torch_optimizer(r, call: cst.Call) -> bool:
+    return r.calls_prefix(call, OPTIMIZER_PREFIX) and not any(r.calls_prefix(call, p) for p in NOT_OPTIMIZERS)
 
 
 def _model_method(r, node) -> Optional[cst.FunctionDef]:
@@ -157,11 +161,23 @@ def no_model_blocker(facts) -> Optional[NoModelBlocker]:
         blocker = _method_caller_blocker(r, method, r.statement_of(call)) if method is not None else None
         if blocker is not None:
             return blocker
-    for stmt, call in assigned:  # an optimizer of torch.optim: what does it train?
-        if not r.calls_prefix(call, OPTIMIZER_PREFIX) or any(r.calls_prefix(call, p) for p in NOT_OPTIMIZERS):
-            continue
+    optimizers = []  # (statement, torch optimizer call): assigned, or built inline in a wrapper's arguments
+    for stmt, call in assigned:
+        inner = next((a.value for a in call.args if isinstance(a.value, cst.Call) and _is_torch_optimizer(r, a.value)),
+                     None)
+        if _is_torch_optimizer(r, call):
+            optimizers.append((stmt, call, None))
+        elif inner is not None and inner.args and not any(q.startswith("torch.") for q in r.qnames(call)):
+            optimizers.append((stmt, inner, call))
+    for stmt, call, wrapper in optimizers:  # an optimizer of torch.optim: what does it train?
         first = call.args[0].value
         name = _parameters_owner(first) or (first.value if isinstance(first, cst.Name) else None)
+        if wrapper is not None and name in facts.module_ctor_names:
+            return NoModelBlocker(
+                wrapper,
+                f"`{_short(wrapper.func)}(...)` holds the optimizer `{_short(call.func)}(...)`, but its __init__ does "
+                "not keep that argument as `self.<name>`: what it does with the optimizer is unknown",
+            )
         if name is None:
             return NoModelBlocker(call, f"the optimizer's parameters `{_short(first)}` do not name a model")
         bound = _binding(r, name, stmt)
@@ -176,16 +192,6 @@ def no_model_blocker(facts) -> Optional[NoModelBlocker]:
             f"`{name}` (trained by the optimizer at line {r.line(stmt)}) is bound by "
             f"`{_short(bound.body[0].value)}`, not recognised as building an nn.Module",
         )
-    for stmt, call in assigned:  # `opt = Wrapper(optim.Adam(model.parameters()), ...)`, the class not readable
-        inner = next((a.value for a in call.args if isinstance(a.value, cst.Call) and r.calls_prefix(a.value, OPTIMIZER_PREFIX)
-                      and not any(r.calls_prefix(a.value, p) for p in NOT_OPTIMIZERS)), None)
-        if inner is not None and not any(q.startswith("torch.") for q in r.qnames(call)):
-            return NoModelBlocker(
-                call,
-                f"`{_short(call.func)}(...)` holds the optimizer `{_short(inner.func)}(...)`, but its class is not "
-                "in this script or a sibling module (or its __init__ does not keep that argument as `self.<name>`): "
-                "what it does with the optimizer is unknown",
-            )
     for stmt, call in assigned:  # `opt = SomeOptimizer(model.parameters())` outside torch.optim
         owner = _parameters_owner(call.args[0].value)
         if owner is not None and not any(q.startswith("torch.") or q.startswith("builtins.") for q in r.qnames(call)):

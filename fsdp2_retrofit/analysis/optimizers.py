@@ -85,21 +85,26 @@ class OptimizerAnalysis(SiteAnalysis):
         ) or self._is_getattr_optimizer(call)
 
     def _wrapped_optimizer(self, call: cst.Call):
-        """(the torch optimizer, the attribute that keeps it) for `Wrapper(optim.Adam(...), ...)`:
-        a class of the script or of a sibling module (not torch's: an lr scheduler is not a
-        wrapper) whose __init__ stores that argument as `self.<attr> = <param>`."""
+        """(the torch optimizer, the attribute that keeps it) for `Wrapper(optim.Adam(...), ...)`,
+        not a call of torch's (an lr scheduler is not a wrapper): a class of the script or of a
+        sibling module whose __init__ stores that argument as `self.<attr> = <param>`, or a
+        class that cannot be read (attribute None: the shard stage says so, and refuses a
+        state dict saved through an attribute of it). None for a class read that keeps it
+        some other way."""
         if any(q.startswith("torch.") for q in self.r.qnames(call)):
             return None
         for arg in call.args:
             if arg.star or not isinstance(arg.value, cst.Call) or not self._is_torch_optimizer(arg.value):
                 continue
-            attr = self._wrapper_attribute(call, arg)
+            info = next((self.classes.get(q) for q in sorted(self.r.qnames(call)) if self.classes.get(q)), None)
+            if info is None:
+                return arg.value, None
+            attr = self._wrapper_attribute(info, call, arg)
             return (arg.value, attr) if attr is not None else None
         return None
 
-    def _wrapper_attribute(self, call: cst.Call, arg: cst.Arg) -> Optional[str]:
-        info = next((self.classes.get(q) for q in sorted(self.r.qnames(call)) if self.classes.get(q)), None)
-        init = info.methods.get("__init__") if info is not None else None
+    def _wrapper_attribute(self, info, call: cst.Call, arg: cst.Arg) -> Optional[str]:
+        init = info.methods.get("__init__")
         if init is None:
             return None
         params = [p.name.value for p in init.params.params][1:]  # after self

@@ -223,3 +223,20 @@ def test_an_alias_whose_branches_name_different_models_is_not_followed():
         opt = raw_model.configure_optimizers(lr=0.1)
         """)
     assert facts_of(source).optimizers == []
+
+
+def test_a_resume_through_the_wrapper_loads_the_torch_optimizer():
+    source = "import os\n" + HEAD + dedent("""\
+        model = Net()
+        opt = Scheduled(optim.Adam(model.parameters()), 4000)
+        if os.path.exists("ckpt.pt"):
+            ckpt = torch.load("ckpt.pt")
+            model.load_state_dict(ckpt["model"])
+            opt._optimizer.load_state_dict(ckpt["optimizer"])
+        """) + LOOP + 'torch.save({"model": model.state_dict(), "optimizer": opt._optimizer.state_dict()}, "ckpt.pt")\n'
+    result = rewrite(source)
+    assert not result.refusals, result.refusals
+    out = result.code.decode()
+    assert '"optimizer": get_optimizer_state_dict(model, opt._optimizer),\n    }\n    dcp.load(ckpt' in out
+    assert 'set_optimizer_state_dict(model, opt._optimizer, ckpt["optimizer"])' in out
+    assert '"optimizer": get_optimizer_state_dict(model, opt._optimizer)}, checkpoint_id="ckpt.pt")' in out

@@ -169,12 +169,18 @@ def _backward_statement(loop: cst.CSTNode, r) -> Optional[cst.CSTNode]:
 
 
 def _optimizer_steps(facts: ScriptFacts, function) -> list:
-    """`opt.step()` / `scaler.step(opt)` calls of the optimizers known in `function`."""
+    """`opt.step()` / `scaler.step(opt)` calls of the optimizers known in `function`, and a
+    wrapper's own step method (`optimizer.step_and_update_lr()`: a name whose
+    `optimizer._optimizer` is known holds the torch optimizer)."""
     names = set(facts.optimizer_names.get(function, {}))
+    wrappers = {n.split(".", 1)[0] for n in names if "." in n}
     out = []
     for call in facts.resolver.nodes(cst.Call):
         f = call.func
-        if not (isinstance(f, cst.Attribute) and f.attr.value == "step"):
+        if not isinstance(f, cst.Attribute):
+            continue
+        wrapper_step = "step" in f.attr.value and isinstance(f.value, cst.Name) and f.value.value in wrappers
+        if f.attr.value != "step" and not wrapper_step:
             continue
         if facts.resolver.enclosing_function(call) is not function:
             continue

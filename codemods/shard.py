@@ -8,7 +8,8 @@ from fsdp2_retrofit.analysis.copies import unsafe_state_copies
 from fsdp2_retrofit.analysis.model_classes import called_methods, first_submodule, parameter_reads
 from fsdp2_retrofit.analysis.no_model import no_model_blocker
 from fsdp2_retrofit.analysis.optimizers import FLATTENING_OPTIMIZERS, whole_tensor_operation
-from fsdp2_retrofit.syntax.torch_api import AUTOGRAD_GRAD
+from fsdp2_retrofit.syntax.names import root_name
+from fsdp2_retrofit.syntax.torch_api import AUTOGRAD_GRAD, ZERO_REDUNDANCY_OPTIMIZER
 from fsdp2_retrofit.analysis.same_start import broadcast_reason
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
@@ -415,6 +416,25 @@ class ShardModelCommand(RetrofitStage):
                     "curvature pairs would be computed on pieces of the vector (or gather all of it on every rank)",
                     "train this model without sharding, or use an optimizer that works parameter by parameter",
                 )
+            if opt.wrapper is not None and opt.inner is None:
+                self._unread_wrapper(opt, facts)
+            if opt.method is not None and opt.method_builds & FLATTENING_OPTIMIZERS:
+                self.refuse(
+                    "FSR621",
+                    opt.stmt,
+                    f"`{opt.name}` is built by {opt.method.name.value}(), which builds "
+                    f"{sorted(opt.method_builds & FLATTENING_OPTIMIZERS)[0]}, flattening every gradient into one vector",
+                    "after fully_shard each parameter and gradient is a DTensor shard: its line search and "
+                    "curvature pairs would be computed on pieces of the vector (or gather all of it on every rank)",
+                    "train this model without sharding, or use an optimizer that works parameter by parameter",
+                )
+            if opt.method is not None and opt.method_builds & ZERO_REDUNDANCY_OPTIMIZER:
+                self.attention(
+                    opt.stmt,
+                    f"{opt.method.name.value}() can build a ZeroRedundancyOptimizer (left as it is)",
+                    "after fully_shard the optimizer state is sharded already; ZeroRedundancyOptimizer over "
+                    "DTensor shards is not supported: keep the branch that builds a torch.optim optimizer",
+                )
             if opt.own_class is not None:
                 op = whole_tensor_operation(opt.own_class)
                 if op is not None:
@@ -428,6 +448,32 @@ class ShardModelCommand(RetrofitStage):
                         "gather the gradient explicitly (`g.full_tensor()`), compute, and keep this rank's "
                         "part (distribute_tensor), or keep the script single-GPU",
                     )
+
+    def _unread_wrapper(self, opt, facts: ScriptFacts) -> None:
+        """`opt = Wrapper(optim.Adam(...))` whose class is not in the script or a sibling module."""
+        wrapper = code(opt.wrapper.func)
+        for call in facts.resolver.nodes(cst.Call):
+            func = call.func
+            if not (isinstance(func, cst.Attribute) and func.attr.value in ("state_dict", "load_state_dict")
+                    and isinstance(func.value, cst.Attribute)):
+                continue
+            names = facts.optimizer_names.get(facts.resolver.enclosing_function(call), {})
+            if root_name(func.value) in names:
+                self.refuse(
+                    "FSR612",
+                    call,
+                    f"`{code(func.value)}.{func.attr.value}()`: the optimizer is held by `{wrapper}(...)`, whose class "
+                    "is not in this script or a sibling module",
+                    "the rewrite cannot tell whether that attribute is the torch optimizer, whose state must be "
+                    "read and written through get_optimizer_state_dict / set_optimizer_state_dict after fully_shard",
+                    f"rewrite the script beside the module that defines {wrapper}",
+                )
+        self.attention(
+            opt.stmt,
+            f"`{opt.name}` is `{wrapper}(...)` around the optimizer built in its arguments; its class was not read",
+            f"fully_shard comes before the whole statement; {wrapper}'s methods are taken to step and clear that "
+            "optimizer (not checked)",
+        )
 
     def _class_line(self, node, model: ModelSite) -> int:
         """The line of a node of a model class: in this script, or (for a class of a

@@ -12,7 +12,7 @@ from typing import List, Optional, Set, Tuple
 import libcst as cst
 
 from .facts import ScriptFacts
-from fsdp2_retrofit.syntax.names import assigned_names, code, last_assignment, walk
+from fsdp2_retrofit.syntax.names import assigned_names, code, dotted, last_assignment, walk
 from fsdp2_retrofit.syntax.rank import is_rank_test, mentions_rank_test, split_rank_test  # noqa: F401  (stages import them from here)
 from fsdp2_retrofit.syntax.torch_api import TORCH_LOAD as LOAD, TORCH_SAVE as SAVE
 
@@ -86,10 +86,24 @@ def calls_to(facts: ScriptFacts, names) -> List[cst.Call]:
 
 
 def bound_value(name: str, node: cst.CSTNode, facts: ScriptFacts) -> Optional[cst.BaseExpression]:
-    """The value `name` was last given in the same block before `node`'s statement."""
-    stmt = facts.resolver.statement_of(node)
-    block = facts.resolver.block_of(stmt)
-    earlier = last_assignment(name, stmt, block) if block is not None else None
+    """The value `name` was last given in the same block before `node`'s statement, or
+    in an enclosing block of the same function before the `if`/`with`/... holding it
+    (`checkpoint = {...}` then `if best: torch.save(checkpoint, path)`)."""
+    r = facts.resolver
+    stmt = r.statement_of(node)
+    function = r.enclosing_function(stmt)
+    earlier = None
+    while stmt is not None and earlier is None:
+        block = r.block_of(stmt)
+        earlier = last_assignment(name, stmt, block) if block is not None else None
+        if earlier is not None or block is None or any(name in assigned_names(s) for s in block.body):
+            break  # bound in this block only after the save (a loop): not followed upwards
+        holder = r.parent(block)
+        if not isinstance(holder, (cst.If, cst.Else, cst.With, cst.Try)) or r.enclosing_function(holder) is not function:
+            break
+        while isinstance(holder, (cst.Else, cst.If)) and isinstance(r.parent(holder), cst.If):
+            holder = r.parent(holder)  # `elif` / `else` branches: the outermost `if`
+        stmt = holder
     if earlier is None or len(earlier.body) != 1 or not isinstance(earlier.body[0], cst.Assign):
         return None
     return earlier.body[0].value
@@ -147,6 +161,10 @@ def saves(facts: ScriptFacts) -> List[SaveSite]:
             site.whole_model = state.value
         for sd in _state_dict_calls(state):
             owner = sd.func.value
+            if isinstance(owner, cst.Attribute) and dotted(owner) in optimizers and optimizers[dotted(owner)]:
+                # `optimizer._optimizer.state_dict()`: the torch optimizer a wrapper holds
+                site.state_calls.append(StateCall(sd, "optimizer", dotted(owner), optimizers[dotted(owner)]))
+                continue
             if not isinstance(owner, cst.Name):
                 continue
             if owner.value in models:
@@ -240,7 +258,7 @@ def _load_state_dict_use(node, key, stmt, facts: ScriptFacts) -> Optional[LoadUs
         isinstance(call, cst.Call)
         and isinstance(call.func, cst.Attribute)
         and call.func.attr.value == "load_state_dict"
-        and isinstance(call.func.value, cst.Name)
+        and isinstance(call.func.value, (cst.Name, cst.Attribute))
         and call.args[0] is arg
         and isinstance(stmt, cst.SimpleStatementLine)
         and len(stmt.body) == 1
@@ -248,9 +266,11 @@ def _load_state_dict_use(node, key, stmt, facts: ScriptFacts) -> Optional[LoadUs
         and stmt.body[0].value is call
     ):
         return None
-    owner = call.func.value.value
+    owner = dotted(call.func.value)
     function = r.enclosing_function(call)
     optimizers = facts.optimizer_names.get(function, {})
+    if isinstance(call.func.value, cst.Attribute) and owner not in optimizers:
+        return None  # only `optimizer._optimizer` (the torch optimizer a wrapper holds) is read through
     if owner in facts.model_names.get(function, set()):
         return LoadUse(node, stmt, key, "model", owner, owner, call)
     if owner in optimizers:

@@ -9,7 +9,8 @@ for what the script most likely meant and names it at its own line:
   with get_model imported, `model = registry[name]()`), or from a name never bound
   in the script (a function parameter, an import);
 - a call handed `something.parameters()` that is not a torch.optim optimizer
-  (`bnb.optim.AdamW8bit(model.parameters())`, `MyOptimizer(model.parameters())`).
+  (`bnb.optim.AdamW8bit(model.parameters())`, `MyOptimizer(model.parameters())`), or a
+  wrapper around a torch optimizer built inline whose __init__ does not keep it.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Optional, Union
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import calls_in, code, root_name
+from fsdp2_retrofit.syntax.names import alias_target, calls_in, code, root_name
 from fsdp2_retrofit.syntax.torch_api import NOT_OPTIMIZERS, OPTIMIZER_PREFIX
 
 
@@ -60,6 +61,91 @@ def _parameters_owner(arg: cst.BaseExpression) -> Optional[str]:
 
 
 
+def _is_torch_optimizer(r, call: cst.Call) -> bool:
+    return r.calls_prefix(call, OPTIMIZER_PREFIX) and not any(r.calls_prefix(call, p) for p in NOT_OPTIMIZERS)
+
+
+def _model_method(r, node) -> Optional[cst.FunctionDef]:
+    """The method of a class holding `node` when it reads its own `self.parameters()` /
+    `self.named_parameters()` (a model's `configure_optimizers`)."""
+    cls = r.enclosing_class(node)
+    method = r.enclosing_function(node)
+    if cls is None or method is None:
+        return None
+    own = any(
+        isinstance(c.func, cst.Attribute) and c.func.attr.value in ("parameters", "named_parameters")
+        and root_name(c.func.value) == "self"
+        for c in calls_in(method)
+    )
+    return method if own else None
+
+
+def _method_caller_blocker(r, method: cst.FunctionDef, stmt) -> Optional[NoModelBlocker]:
+    """`optimizer = model.configure_optimizers(...)` outside the class, where `model` (or
+    the model an alias `raw_model = model.module if ddp else model` names) is bound by
+    something not recognised as building an nn.Module: that binding."""
+    cls = r.enclosing_class(method)
+    for call in r.nodes(cst.Call):
+        func = call.func
+        if not (isinstance(func, cst.Attribute) and func.attr.value == method.name.value
+                and isinstance(func.value, cst.Name) and r.enclosing_class(call) is not cls):
+            continue
+        name, seen = func.value.value, set()
+        while name not in seen:
+            seen.add(name)
+            bound = _first_binding(r, name, call)
+            if bound is None:
+                return NoModelBlocker(
+                    call,
+                    f"`{_short(call)}` builds the optimizer from `{name}`'s parameters "
+                    f"({cls.name.value}.{method.name.value}, line {r.line(stmt)}), but `{name}` is not built in "
+                    "this function (a parameter, a global or an import)",
+                )
+            value = bound.body[0].value
+            alias = alias_target(value)
+            if alias is None:
+                return NoModelBlocker(
+                    bound,
+                    f"`{name}` (whose {method.name.value}() at line {r.line(call)} builds the optimizer at line "
+                    f"{r.line(stmt)}) is bound by `{_short(value)}`, not recognised as building an nn.Module",
+                )
+            name = alias
+    return None
+
+
+def _first_binding(r, name: str, before: cst.CSTNode) -> Optional[cst.SimpleStatementLine]:
+    """The first `name = value` of the scope of `before`, ahead of it, that does not read
+    `name` itself (`model = DDP(model)`, `model = torch.compile(model)` rebind it)."""
+    scope = r.enclosing_function(before)
+    for stmt in r.nodes(cst.SimpleStatementLine):
+        if r.order(stmt) >= r.order(before) or r.enclosing_function(stmt) is not scope:
+            continue
+        small = stmt.body[0] if len(stmt.body) == 1 else None
+        if not (isinstance(small, cst.Assign) and len(small.targets) == 1
+                and isinstance(small.targets[0].target, cst.Name) and small.targets[0].target.value == name):
+            continue
+        if alias_target(small.value) is None and _reads(small.value, name):
+            continue
+        return stmt
+    return None
+
+
+def _reads(expr, name: str) -> bool:
+    """Whether `expr` reads the variable `name` (not an attribute of that name: `args.model`)."""
+    found = []
+
+    class _R(cst.CSTVisitor):
+        def visit_Attribute(self, node: cst.Attribute) -> bool:
+            node.value.visit(self)
+            return False
+
+        def visit_Name(self, node: cst.Name) -> None:
+            found.append(node.value == name)
+
+    expr.visit(_R())
+    return any(found)
+
+
 def no_model_blocker(facts) -> Optional[NoModelBlocker]:
     """The first construct that explains why no trained model was found, or None."""
     r = facts.resolver
@@ -68,11 +154,30 @@ def no_model_blocker(facts) -> Optional[NoModelBlocker]:
         if len(stmt.body) == 1 and isinstance(stmt.body[0], (cst.Assign, cst.AnnAssign))
         and isinstance(stmt.body[0].value, cst.Call) and stmt.body[0].value.args
     ]
-    for stmt, call in assigned:  # an optimizer of torch.optim: what does it train?
+    for call in r.nodes(cst.Call):  # `def configure_optimizers(self, ...)` of a model class: who calls it?
         if not r.calls_prefix(call, OPTIMIZER_PREFIX) or any(r.calls_prefix(call, p) for p in NOT_OPTIMIZERS):
             continue
+        method = _model_method(r, call)
+        blocker = _method_caller_blocker(r, method, r.statement_of(call)) if method is not None else None
+        if blocker is not None:
+            return blocker
+    optimizers = []  # (statement, torch optimizer call): assigned, or built inline in a wrapper's arguments
+    for stmt, call in assigned:
+        inner = next((a.value for a in call.args if isinstance(a.value, cst.Call) and _is_torch_optimizer(r, a.value)),
+                     None)
+        if _is_torch_optimizer(r, call):
+            optimizers.append((stmt, call, None))
+        elif inner is not None and inner.args and not any(q.startswith("torch.") for q in r.qnames(call)):
+            optimizers.append((stmt, inner, call))
+    for stmt, call, wrapper in optimizers:  # an optimizer of torch.optim: what does it train?
         first = call.args[0].value
         name = _parameters_owner(first) or (first.value if isinstance(first, cst.Name) else None)
+        if wrapper is not None and name in facts.module_ctor_names:
+            return NoModelBlocker(
+                wrapper,
+                f"`{_short(wrapper.func)}(...)` holds the optimizer `{_short(call.func)}(...)`, but its __init__ does "
+                "not keep that argument as `self.<name>`: what it does with the optimizer is unknown",
+            )
         if name is None:
             return NoModelBlocker(call, f"the optimizer's parameters `{_short(first)}` do not name a model")
         bound = _binding(r, name, stmt)

@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 import libcst as cst
 
 from .site_analysis import Block, SiteAnalysis
-from fsdp2_retrofit.syntax.names import Resolver, assigned_names, bind_args, root_name
+from fsdp2_retrofit.syntax.names import Resolver, alias_target, assigned_names, bind_args, calls_in, root_name
 from fsdp2_retrofit.syntax.torch_api import (  # noqa: F401  (FLATTENING_OPTIMIZERS: the shard stage imports it from here)
     FLATTENING_OPTIMIZERS,
     NOT_OPTIMIZERS,
@@ -27,6 +27,14 @@ class OptimizerSite:
     feeders: List[cst.SimpleStatementLine] = field(default_factory=list)
     call: Optional[cst.Call] = None
     own_class: Optional[cst.ClassDef] = None  # an optimizer class written in the script
+    # `ScheduledOptim(optim.Adam(model.parameters()), ...)`: the call of a user class that
+    # holds the torch optimizer built inline as its argument (`name` is the wrapper), and
+    # the wrapper's attribute that keeps it (`_optimizer`, from its __init__)
+    wrapper: Optional[cst.Call] = None
+    inner: Optional[str] = None
+    # `model.configure_optimizers(...)`: the model's method that builds it from its own parameters
+    method: Optional[cst.FunctionDef] = None
+    method_builds: frozenset = frozenset()  # qualified names of the calls it makes (the optimizers it may build)
 
 
 class OptimizerAnalysis(SiteAnalysis):
@@ -40,25 +48,123 @@ class OptimizerAnalysis(SiteAnalysis):
             if not isinstance(call, cst.Call):
                 continue
             own_class = own.get(call.func.value) if isinstance(call.func, cst.Name) else None
-            is_torch_optim = (
-                self.r.calls_prefix(call, OPTIMIZER_PREFIX)
-                and not any(self.r.calls_prefix(call, p) for p in NOT_OPTIMIZERS)
-            ) or self._is_getattr_optimizer(call) or own_class is not None
+            is_torch_optim = self._is_torch_optimizer(call) or own_class is not None
             receiver = root_name(call.func) if isinstance(call.func, cst.Attribute) else None
             feeders: List[cst.SimpleStatementLine] = []
+            wrapper, inner, method, builds = None, None, None, frozenset()
+            if not is_torch_optim and not isinstance(call.func, cst.Attribute):
+                found = self._wrapped_optimizer(call)
+                if found is not None:
+                    wrapper, call, inner = call, found[0], found[1]
+                    is_torch_optim = True
             if is_torch_optim:
                 params = [a for a in call.args if (a.keyword is None and not a.star) or (
                     a.keyword is not None and a.keyword.value == "params")][:1]
                 models = self._fed_models(_ordered_names(params), stmt, module_names, feeders)
-            elif receiver in module_names and "optim" in call.func.attr.value.lower():
-                models = [receiver]  # model.configure_optimizers(...)
             else:
-                continue
+                model = self._model_of_receiver(receiver, stmt, module_names)
+                if model is None or not isinstance(call.func, cst.Attribute):
+                    continue
+                method = self._optimizer_method(model, call.func.attr.value, stmt, bindings)
+                if method is None:
+                    continue
+                models = [model]  # model.configure_optimizers(...), raw_model.configure_optimizers(...)
+                method, builds = method or (None, frozenset())  # False: a class that is not readable
             block = self.r.block_of(stmt)
             out.append(
-                OptimizerSite(target, stmt, block, models, feeders, call, own_class)
+                OptimizerSite(target, stmt, block, models, feeders, call, own_class, wrapper, inner, method)
             )
+            if method is not None:
+                out[-1].method_builds = builds
         return out
+
+    def _is_torch_optimizer(self, call: cst.Call) -> bool:
+        return (
+            self.r.calls_prefix(call, OPTIMIZER_PREFIX)
+            and not any(self.r.calls_prefix(call, p) for p in NOT_OPTIMIZERS)
+        ) or self._is_getattr_optimizer(call)
+
+    def _wrapped_optimizer(self, call: cst.Call):
+        """(the torch optimizer, the attribute that keeps it) for `Wrapper(optim.Adam(...), ...)`,
+        not a call of torch's (an lr scheduler is not a wrapper): a class of the script or of a
+        sibling module whose __init__ stores that argument as `self.<attr> = <param>`, or a
+        class that cannot be read (attribute None: the shard stage says so, and refuses a
+        state dict saved through an attribute of it). None for a class read that keeps it
+        some other way."""
+        if any(q.startswith("torch.") for q in self.r.qnames(call)):
+            return None
+        for arg in call.args:
+            if arg.star or not isinstance(arg.value, cst.Call) or not self._is_torch_optimizer(arg.value):
+                continue
+            info = next((self.classes.get(q) for q in sorted(self.r.qnames(call)) if self.classes.get(q)), None)
+            if info is None:
+                return arg.value, None
+            attr = self._wrapper_attribute(info, call, arg)
+            return (arg.value, attr) if attr is not None else None
+        return None
+
+    def _wrapper_attribute(self, info, call: cst.Call, arg: cst.Arg) -> Optional[str]:
+        init = info.methods.get("__init__")
+        if init is None:
+            return None
+        params = [p.name.value for p in init.params.params][1:]  # after self
+        if arg.keyword is not None:
+            param = arg.keyword.value
+        else:
+            index = [a for a in call.args if a.keyword is None and not a.star].index(arg)
+            param = params[index] if index < len(params) else None
+        if param is None:
+            return None
+        for stmt in init.body.body:
+            small = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 else None
+            if not (isinstance(small, cst.Assign) and len(small.targets) == 1):
+                continue
+            target = small.targets[0].target
+            if (isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name)
+                    and target.value.value == "self" and isinstance(small.value, cst.Name)
+                    and small.value.value == param):
+                return target.attr.value
+        return None
+
+    def _model_of_receiver(self, receiver: Optional[str], stmt, module_names) -> Optional[str]:
+        """The model `receiver` names: itself, or the model it was bound to earlier in the
+        same block (`raw_model = model`, `raw_model = model.module if ddp else model`)."""
+        if receiver is None or receiver in module_names:
+            return receiver
+        block = self.r.block_of(stmt)
+        body = list(block.body) if block is not None else []
+        earlier = body[: body.index(stmt)] if stmt in body else []
+        for source, value in _sources_of(receiver, earlier):
+            model = alias_target(value)
+            if model in module_names:
+                return model
+        return None
+
+    def _optimizer_method(self, model: str, attr: str, stmt, bindings):
+        """(the model class's method `attr`, the qualified names of its calls) when it builds
+        a torch optimizer and reads the model's own parameters (`self.parameters()`,
+        `self.named_parameters()`: param groups built from them are this model's); False
+        when the class is not readable and the method's name says optimizer
+        (`configure_optimizers`); None otherwise."""
+        scope = self.r.enclosing_function(stmt)
+        cls = next((b[2] for b in bindings if b[0] == model and self.r.enclosing_function(b[1]) is scope), None)
+        info = self.classes.get(cls)
+        if info is None or attr not in info.methods:
+            return False if "optim" in attr.lower() else None
+        method = info.methods[attr]
+        resolver = info.namer.resolver if info.namer is not None else self.r
+        builds = [
+            c for c in calls_in(method)
+            if resolver.calls_prefix(c, OPTIMIZER_PREFIX) and not any(resolver.calls_prefix(c, p) for p in NOT_OPTIMIZERS)
+        ]
+        own = [
+            c for c in calls_in(method)
+            if isinstance(c.func, cst.Attribute) and c.func.attr.value in ("parameters", "named_parameters")
+            and root_name(c.func.value) == "self"
+        ]
+        if not (builds and own):
+            return None
+        return method, frozenset(q for c in calls_in(method) for q in resolver.qnames(c))
 
     def _own_optimizer_classes(self) -> Dict[str, cst.ClassDef]:
         """Top-level classes of the script that subclass torch.optim.Optimizer."""
@@ -108,6 +214,8 @@ class OptimizerAnalysis(SiteAnalysis):
             if opt.models:
                 fn = self.r.enclosing_function(opt.stmt)
                 names.setdefault(fn, {})[opt.name] = opt.models[0] if len(opt.models) == 1 else None
+                if opt.inner is not None:  # `optimizer._optimizer`: the torch optimizer a wrapper holds
+                    names[fn][f"{opt.name}.{opt.inner}"] = names[fn][opt.name]
         changed = True
         while changed:
             changed = False
@@ -123,6 +231,8 @@ class OptimizerAnalysis(SiteAnalysis):
                     names.setdefault(callee, {})[param] = (
                         there[0] if there else callee_models[0] if len(callee_models) == 1 else None
                     )
+                    for dotted in [k for k in known if k.startswith(arg.value + ".")]:
+                        names[callee][param + dotted[len(arg.value):]] = names[callee][param]
                     changed = True
         return names
 

@@ -542,6 +542,17 @@ def _flatten_target(target):
         yield target
 
 
+def alias_target(expr: cst.BaseExpression) -> Optional[str]:
+    """`model` for `model`, `model.module`, `model._orig_mod`, and a conditional whose two
+    branches both name it (`model.module if ddp else model`); None otherwise."""
+    if isinstance(expr, cst.IfExp):
+        body, orelse = alias_target(expr.body), alias_target(expr.orelse)
+        return body if body == orelse else None
+    if isinstance(expr, cst.Attribute) and expr.attr.value in ("module", "_orig_mod"):
+        expr = expr.value
+    return expr.value if isinstance(expr, cst.Name) else None
+
+
 def root_name(expr: cst.BaseExpression) -> Optional[str]:
     """`model` for `model`, `model.blocks`, `model.to(d)`, `model.x.y()`."""
     while True:

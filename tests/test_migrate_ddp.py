@@ -56,7 +56,7 @@ if __name__ == "__main__":
 LOOP = '''
     for i in range(8):
         x = torch.randn(4, 4)
-        loss = model(x).sum()
+        loss = model(x).mean()
 {accum}
         if (i + 1) % 2 == 0:
             opt.step()

@@ -178,3 +178,13 @@ SUMS = frozenset({"torch.sum"})
 MEANS = frozenset({"torch.mean"})
 # tensors built from a list (of losses already reduced, per head or per scale)
 STACKS = frozenset({"torch.stack", "torch.cat", "torch.tensor", "torch.as_tensor"})
+
+# -- batch norm (analysis/batchnorm.py) ------------------------------------------------
+
+_BN_CLASSES = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "LazyBatchNorm1d", "LazyBatchNorm2d", "LazyBatchNorm3d")
+# the layers SyncBatchNorm.convert_sync_batchnorm converts (subclasses of _BatchNorm)
+BATCHNORM = frozenset(f"torch.nn.{c}" for c in _BN_CLASSES) | frozenset(
+    f"torch.nn.modules.batchnorm.{c}" for c in _BN_CLASSES
+)
+SYNC_BATCHNORM = frozenset({"torch.nn.SyncBatchNorm", "torch.nn.modules.batchnorm.SyncBatchNorm"})
+CONVERT_SYNC_BATCHNORM = frozenset(f"{c}.convert_sync_batchnorm" for c in SYNC_BATCHNORM)

@@ -53,6 +53,7 @@ def test_a_loss_summed_over_the_batch_is_sum(loss):
     "torch.mean((out - y) ** 2)",
     "F.mse_loss(out, y, reduction='none').mean()",
     "F.cross_entropy(out, y).sum()",  # a sum of a scalar mean is that mean
+    "-torch.mean(discriminator(x))",  # a mean of a model's outputs, or of a loss: a mean either way
 ])
 def test_a_loss_averaged_over_the_batch_is_mean(loss):
     assert kinds(HEAD + f"loss = {loss}\nloss.backward()\n") == [MEAN]
@@ -68,6 +69,9 @@ def test_a_loss_averaged_over_the_batch_is_mean(loss):
     "F.mse_loss(out, y, reduction='none')",  # not a scalar
     "F.mse_loss(out, y, reduction='sum') * world_size",  # scaled already
     "F.mse_loss(out, y, reduction='sum') * dist.get_world_size()",
+    "criterion(out, y).sum()",  # what an unread criterion returns may be a mean already
+    "model(x).sum()",
+    "self.loss_fn(out, y).sum()",
 ])
 def test_what_cannot_be_read_is_unknown(loss):
     assert kinds(HEAD + f"loss = {loss}\nloss.backward()\n") == [UNKNOWN]

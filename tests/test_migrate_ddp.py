@@ -56,7 +56,7 @@ if __name__ == "__main__":
 LOOP = '''
     for i in range(8):
         x = torch.randn(4, 4)
-        loss = model(x).mean()
+        loss = model(x).sum()
 {accum}
         if (i + 1) % 2 == 0:
             opt.step()

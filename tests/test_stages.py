@@ -543,7 +543,7 @@ ACCUMULATION = MODEL + '''
 model = Net()
 opt = optim.SGD(model.parameters(), lr=0.1)
 for i, x in enumerate(batches):
-    loss = model(x).mean() / 4
+    loss = model(x).sum() / 4
     loss.backward()
     if (i + 1) % 4 == 0:
         opt.step()

@@ -14,7 +14,8 @@ criterion objects they call (`nn.MSELoss(reduction="sum")`), and the script's ow
 functions that return a loss (`def loss_function(...): return bce + kld`). A term is
 
 * ``sum``: a loss function or criterion with `reduction="sum"` / `size_average=False`,
-  or `torch.sum(x)` / `x.sum()` over the whole of a tensor that is not already a loss;
+  or `torch.sum(x)` / `x.sum()` over the whole of a tensor computed with torch (not the
+  value of a model, a criterion or a function the analysis cannot read: a loss already?);
 * ``mean``: a loss function or criterion with the default or `reduction="mean"`
   (`"batchmean"`), or `torch.mean(x)` / `x.mean()`;
 * ``constant``: a number (also a name bound to one); it adds nothing to the gradient;
@@ -249,11 +250,24 @@ class _Reader:
         inner = self.terms(operand, depth + 1)
         if inner and all(t.kind in (SUM, MEAN, CONSTANT) for t in inner) and any(t.kind != CONSTANT for t in inner):
             return inner
+        if kind == SUM and len(inner) == 1 and inner[0].kind == UNKNOWN and self._opaque_call(inner[0].node):
+            # `criterion(out, y).sum()`: what it returns may be a mean already (a mean of one stays a mean)
+            return [Term(UNKNOWN, call)]
         if self.r.qnames(operand) & STACKS or isinstance(operand, (cst.List, cst.Tuple)):
             return [Term(UNKNOWN, call)]  # a sum of losses held in a list: what each is, is not read
         if any(read in code(operand) for read in _WEIGHT_READS):
             return [Term(UNKNOWN, call)]  # over the model's weights (a regularizer), not over the batch
         return [Term(kind, call)]
+
+    def _opaque_call(self, node: cst.CSTNode) -> bool:
+        """A call of something that is not torch's nor a tensor's method: a model, a criterion
+        object or function the analysis cannot read, a method of `self`."""
+        if not isinstance(node, cst.Call) or any(q.startswith("torch.") for q in self.r.qnames(node)):
+            return False
+        func = node.func
+        if isinstance(func, cst.Name):
+            return True
+        return isinstance(func, cst.Attribute) and code(func).split(".")[0] == "self"
 
     def _criterion(self, func: cst.Name, depth: int) -> Optional[str]:
         """The reduction of a criterion object: `criterion = nn.MSELoss(reduction="sum")`."""

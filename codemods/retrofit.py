@@ -27,6 +27,7 @@ from .clipping import ReadGlobalGradNormCommand
 from .data import DistributeDataCommand
 from .forward_calls import ReplaceForwardCallsCommand
 from .launch import LaunchDistributedCommand
+from .loss_scale import ScaleSummedLossCommand
 from .library_saves import GatherLibrarySavesCommand
 from .meta_init import InitOnMetaDeviceCommand
 from .migrate_ddp import MigrateDistributedWrappersCommand
@@ -63,6 +64,7 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
         SyncGradientsOncePerStepCommand,
         GateRankZeroCommand,
         ClearThroughOptimizerCommand,
+        ScaleSummedLossCommand,
     ],
 ]
 

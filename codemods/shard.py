@@ -4,6 +4,7 @@ from __future__ import annotations
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
+from fsdp2_retrofit.analysis.batchnorm import batchnorm_layer, converted_already
 from fsdp2_retrofit.analysis.copies import unsafe_state_copies
 from fsdp2_retrofit.analysis.model_classes import called_methods, first_submodule, parameter_reads
 from fsdp2_retrofit.analysis.no_model import no_model_blocker
@@ -32,7 +33,12 @@ class ShardModelCommand(RetrofitStage):
                 statements = list(policies[1])
             else:
                 statements = []
-            statements = statements + self._same_start(model, facts) + self._shard_statements(model, facts, policies[0])
+            statements = (
+                statements
+                + self._sync_batchnorm(model, facts)
+                + self._same_start(model, facts)
+                + self._shard_statements(model, facts, policies[0])
+            )
             editor.insert_after(model.shard_anchor, statements + self._split_compile(model, facts, editor))
             self.add_import(self.options.fsdp_module, "fully_shard")
 
@@ -67,6 +73,45 @@ class ShardModelCommand(RetrofitStage):
                 sites.append(frozen)
         body = list(facts.models[0].block.body) if facts.models else []
         return sorted(sites, key=lambda m: body.index(m.shard_anchor) if m.shard_anchor in body else -1)
+
+    def _sync_batchnorm(self, model: ModelSite, facts: ScriptFacts) -> list:
+        """A trained model with BatchNorm layers: `model = nn.SyncBatchNorm.convert_sync_batchnorm(model)`
+        where CUDA is present, before fully_shard and the optimizer; on CPU the statistics stay per rank."""
+        if model.copy_of is not None or any(model is f for f in facts.frozen_models):
+            return []  # a copy or a frozen model runs forward only (an EMA, a teacher in eval mode)
+        layer = batchnorm_layer(model, facts)
+        if layer is None or converted_already(facts, model.name):
+            return []
+        r = facts.resolver
+        if r.local_name("torch.nn.SyncBatchNorm"):
+            sync = r.local_name("torch.nn.SyncBatchNorm")
+        elif r.local_name("torch.nn"):
+            sync = f"{r.local_name('torch.nn')}.SyncBatchNorm"
+        else:
+            sync = "torch.nn.SyncBatchNorm"
+        self.add_import("torch")
+        where = layer.where()
+        self.change(
+            model.shard_anchor,
+            f"`{model.name} = {sync}.convert_sync_batchnorm({model.name})` when CUDA is present, before "
+            f"fully_shard: `{model.name}` has BatchNorm layers (`{layer.what}`, {where})",
+            "with the batch split over the ranks each BatchNorm would normalise with its own rank's part of it; "
+            "SyncBatchNorm shares the mean and variance between the ranks, so the loss and the running statistics "
+            "are those of the global batch, as in the single-process run",
+            "per-rank batch statistics: losses and running statistics that differ from the single-process run",
+        )
+        self.attention(
+            layer.line,
+            f"on CPU (gloo) each rank's BatchNorm normalises with its own part of the batch (`{layer.what}`, {where})",
+            "SyncBatchNorm runs on GPUs only (its forward raises on CPU tensors), so without CUDA the layers stay "
+            "per rank: the losses and running statistics differ from the single-process run; on GPUs the "
+            "converted layers match it",
+            differs=True,
+        )
+        return [self.stmt(
+            f"if torch.cuda.is_available():  # SyncBatchNorm (GPUs only): batch statistics of all ranks\n"
+            f"    {model.name} = {sync}.convert_sync_batchnorm({model.name})\n"
+        )]
 
     def _same_start(self, model: ModelSite, facts: ScriptFacts) -> list:
         """Rank 0's parameters and buffers broadcast to every rank before fully_shard, unless

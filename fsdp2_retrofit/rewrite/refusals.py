@@ -3,8 +3,9 @@
 A refusal leaves the whole file unchanged (exit 2). Codes are `FSR` + three digits,
 the first digit the stage that refuses, in pipeline order: 1 migrate_spawn,
 2 migrate_ddp, 3 migrate_fsdp1, 4 launch, 5 meta_init (--meta-init), 6 shard,
-7 checkpoint and library_saves, 8 resume, 9 data and zero_grad (FSR95x). A code names one kind of refusal; the
-message names the construct in the script (`fsdp2-retrofit rules FSR101`).
+7 checkpoint and library_saves, 8 resume, 9 data, zero_grad (FSR95x) and loss_scale
+(FSR96x). A code names one kind of refusal; the message names the construct in the
+script (`fsdp2-retrofit rules FSR101`).
 Codes are never reused for something else.
 """
 from __future__ import annotations
@@ -316,6 +317,16 @@ _RULES = [
                 "the rewrite clears through the one optimizer that trains the whole model, and here there is none.",
                 "Call `model.zero_grad()` before the forward, or clear through the optimizer (`optimizer.zero_grad()`).",
                 stage_name="zero_grad"),
+    # -- 96x loss_scale (a stage of its own, numbered among the 9xx) --------------------
+    RefusalRule("FSR960", "loss-mixed-reduction",
+                "A loss that reaches backward() adds a term summed over the batch (`reduction=\"sum\"`, "
+                "`size_average=False`, `torch.sum(...)`) to a term averaged over it.",
+                "FSDP2 averages gradients over the ranks: an averaged term then has the gradient of the "
+                "single-process run at the same global batch, a summed term 1/world_size of it (the rewrite scales "
+                "the backward of a loss whose every term is a sum by the world size); no one scale makes both right.",
+                "Reduce every term the same way (divide the summed term by the batch size, or sum the averaged "
+                "one), or scale the summed term by dist.get_world_size() yourself.",
+                stage_name="loss_scale"),
 ]
 
 CATALOGUE: Dict[str, RefusalRule] = {r.code: r for r in _RULES}

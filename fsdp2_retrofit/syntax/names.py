@@ -313,6 +313,10 @@ class Resolver:
             return f"{base}.{node.attr.value}" if base else None
         return None
 
+    def local_name(self, qname: str) -> Optional[str]:
+        """A name the module binds to `qname` by an import (`nn` for torch.nn), if any."""
+        return next((local for local, q in sorted(self._table.items()) if q == qname), None)
+
     def is_call_to(self, node: cst.CSTNode, names) -> bool:
         return isinstance(node, cst.Call) and bool(self.qnames(node) & set(names))
 

@@ -155,3 +155,36 @@ TENSOR_FACTORIES = frozenset(
 
 # gradients with a graph of their own (create_graph=True): a double backward
 AUTOGRAD_GRAD = frozenset({"torch.autograd.grad"})
+
+# -- losses (analysis/loss_reduction.py) ---------------------------------------------
+
+# torch.nn.functional's losses and their nn.Module classes: all reduce by "mean" by default
+_LOSSES = {
+    "cross_entropy": "CrossEntropyLoss", "nll_loss": "NLLLoss", "mse_loss": "MSELoss", "l1_loss": "L1Loss",
+    "smooth_l1_loss": "SmoothL1Loss", "huber_loss": "HuberLoss", "binary_cross_entropy": "BCELoss",
+    "binary_cross_entropy_with_logits": "BCEWithLogitsLoss", "kl_div": "KLDivLoss",
+    "poisson_nll_loss": "PoissonNLLLoss", "gaussian_nll_loss": "GaussianNLLLoss",
+    "hinge_embedding_loss": "HingeEmbeddingLoss", "margin_ranking_loss": "MarginRankingLoss",
+    "multilabel_margin_loss": "MultiLabelMarginLoss", "multilabel_soft_margin_loss": "MultiLabelSoftMarginLoss",
+    "multi_margin_loss": "MultiMarginLoss", "soft_margin_loss": "SoftMarginLoss",
+    "cosine_embedding_loss": "CosineEmbeddingLoss", "triplet_margin_loss": "TripletMarginLoss",
+    "triplet_margin_with_distance_loss": "TripletMarginWithDistanceLoss", "ctc_loss": "CTCLoss",
+}
+LOSS_FUNCTIONS = frozenset(f"torch.nn.functional.{f}" for f in _LOSSES)
+LOSS_CLASSES = frozenset(f"torch.nn.{c}" for c in _LOSSES.values()) | frozenset(
+    f"torch.nn.modules.loss.{c}" for c in _LOSSES.values()
+)
+SUMS = frozenset({"torch.sum"})
+MEANS = frozenset({"torch.mean"})
+# tensors built from a list (of losses already reduced, per head or per scale)
+STACKS = frozenset({"torch.stack", "torch.cat", "torch.tensor", "torch.as_tensor"})
+
+# -- batch norm (analysis/batchnorm.py) ------------------------------------------------
+
+_BN_CLASSES = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "LazyBatchNorm1d", "LazyBatchNorm2d", "LazyBatchNorm3d")
+# the layers SyncBatchNorm.convert_sync_batchnorm converts (subclasses of _BatchNorm)
+BATCHNORM = frozenset(f"torch.nn.{c}" for c in _BN_CLASSES) | frozenset(
+    f"torch.nn.modules.batchnorm.{c}" for c in _BN_CLASSES
+)
+SYNC_BATCHNORM = frozenset({"torch.nn.SyncBatchNorm", "torch.nn.modules.batchnorm.SyncBatchNorm"})
+CONVERT_SYNC_BATCHNORM = frozenset(f"{c}.convert_sync_batchnorm" for c in SYNC_BATCHNORM)

@@ -1,0 +1,85 @@
+"""loss_scale: scale the backward of a sum-reduced loss by the world size."""
+from __future__ import annotations
+
+import libcst as cst
+
+from fsdp2_retrofit.analysis import ScriptFacts, code
+from fsdp2_retrofit.analysis.loss_reduction import MEAN, MIXED, SUM, LossReduction, loss_reductions
+from fsdp2_retrofit.analysis.process_group import world_size_name
+from fsdp2_retrofit.syntax.names import assigned_names
+from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
+
+WHY = (
+    "FSDP2 averages gradients over the ranks: a loss summed over each rank's part of the batch then gives "
+    "1/world_size of the gradient of the sum over the global batch, which the single-process run computes; "
+    "`{loss}` itself (what the script logs) stays this rank's sum: its mean over the ranks is 1/world_size "
+    "of the single-process value"
+)
+
+
+class ScaleSummedLossCommand(RetrofitStage):
+    DESCRIPTION = "Scale the backward of a loss summed over the batch by the world size (FSDP2 averages gradients)."
+    CODE = "loss_scale"
+
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
+        if not facts.models:
+            return
+        r = facts.resolver
+        for found in loss_reductions(r):
+            kind = found.kind
+            if kind == MIXED:
+                self._refuse_mixed(found)
+            if kind != SUM:
+                continue
+            world = self._world_size(found, facts)
+            receiver = found.loss is found.backward.func.value
+            editor.replace_expression(found.loss, lambda updated, w=world, p=receiver: self._scaled(updated, w, p))
+            lines = ", ".join(f"line {r.line(t.node)}" for t in found.of_kind(SUM))
+            before = code(found.backward.func.value)
+            after = f"({code(found.loss)} * {world})" if receiver else before.replace(
+                code(found.loss), f"{code(found.loss)} * {world}", 1
+            )
+            self.change(
+                found.backward,
+                f"`{before}.backward()` -> `{after}.backward()`: every term of the loss is a sum over the batch "
+                f"({lines})",
+                WHY.format(loss=code(found.loss)),
+                "left as is, the gradients are world_size times too small: training as with the learning rate "
+                "divided by the number of ranks (no error)",
+            )
+
+    def _scaled(self, updated: cst.BaseExpression, world: str, receiver: bool) -> cst.BaseExpression:
+        text = code(updated)
+        atomic = isinstance(updated, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)) or updated.lpar
+        scaled = f"{text if atomic else f'({text})'} * {world}"
+        return self.expr(f"({scaled})" if receiver else scaled)
+
+    def _world_size(self, found: LossReduction, facts: ScriptFacts) -> str:
+        """The script's world-size name where the backward can read it, else dist.get_world_size()."""
+        r = facts.resolver
+        name = world_size_name(facts)
+        scope = facts.entry_scope if isinstance(facts.entry_scope, cst.FunctionDef) else None
+        if name is not None and r.enclosing_function(found.backward) is scope:
+            bound = [
+                s for s in r.nodes(cst.SimpleStatementLine)
+                if r.enclosing_function(s) is scope and name in assigned_names(s)
+            ]
+            if bound and r.order(bound[0]) < r.order(found.backward):
+                return name
+        self.add_import("torch.distributed", asname="dist")
+        return "dist.get_world_size()"
+
+    def _refuse_mixed(self, found: LossReduction) -> None:
+        summed = found.of_kind(SUM)[0]
+        averaged = found.of_kind(MEAN)[0]
+        self.refuse(
+            "FSR960",
+            summed.node,
+            f"`{code(summed.node)}` is summed over the batch, and the loss that reaches backward() (line "
+            f"{self.line(found.backward)}) also adds `{code(averaged.node)}` (line {self.line(averaged.node)}), "
+            "averaged over it",
+            "FSDP2 averages gradients over the ranks: the averaged term keeps the single-process gradient, the "
+            "summed one gets 1/world_size of it; no one scale of the backward makes both right",
+            "reduce every term the same way (divide the summed term by the batch size, or sum the averaged one), "
+            "or scale the summed term by dist.get_world_size() yourself",
+        )

@@ -1,0 +1,138 @@
+"""Whether a model being sharded has BatchNorm layers, and where the first one is.
+
+Once the batch is split over the ranks, each rank's BatchNorm normalises with the
+mean and variance of its own part of the batch, and updates its running statistics
+from them: the losses and the running statistics are no longer those of the
+single-process run. SyncBatchNorm shares the statistics between the ranks (an
+all-gather in forward, an all-reduce in backward), but runs on GPUs only.
+
+Read from the script's text and its sibling modules (never imported): the model's
+class and every class of the script its class refers to (submodules, blocks, a block
+class passed as an argument), the model's constructor arguments
+(`norm_layer=nn.BatchNorm2d`), a model that is itself a BatchNorm, and the library
+models whose table entry says they have BatchNorm (a torchvision ResNet, unless its
+`norm_layer=` is something else).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import libcst as cst
+
+from fsdp2_retrofit.syntax.names import code
+from fsdp2_retrofit.syntax.torch_api import BATCHNORM, CONVERT_SYNC_BATCHNORM
+
+_DEPTH = 5
+
+
+@dataclass(frozen=True)
+class BatchNormLayer:
+    """The first BatchNorm layer found in a model."""
+
+    what: str  # the source that builds or names it (`nn.BatchNorm2d(16)`), or the library model
+    line: int  # its line in the script; for one in a sibling module, the line that builds the model
+    file: Optional[str] = None  # the sibling module it is in, if not the script
+    file_line: int = 0  # its line in that module
+
+    def where(self) -> str:
+        if self.file is None:
+            return f"line {self.line}"
+        from pathlib import Path
+
+        return f"{Path(self.file).name}:{self.file_line}"
+
+
+def batchnorm_layer(model, facts) -> Optional[BatchNormLayer]:
+    """The first BatchNorm of `model` (a ModelSite), or None when none is found."""
+    from .models import _innermost_call
+
+    r = facts.resolver
+    small = model.stmt.body[0] if isinstance(model.stmt, cst.SimpleStatementLine) else None
+    value = getattr(small, "value", None)
+    ctor = _innermost_call(value) if value is not None else None
+    if model.class_name in BATCHNORM:
+        return BatchNormLayer(code(ctor if ctor is not None else model.stmt).strip(), r.line(model.stmt))
+    if ctor is not None:
+        for arg in ctor.args:  # `resnet18(norm_layer=nn.BatchNorm2d)`, `ResNet(Block, ...)`
+            found = _named(arg.value, r, lambda n: r.qnames(n))
+            if found is not None:
+                return BatchNormLayer(code(found), r.line(found))
+            for node in _references(arg.value):
+                for q in r.qnames(node):
+                    hit = _in_class(facts.classes, q, facts, set(), _DEPTH)
+                    if hit is not None:
+                        return hit
+    if model.library is not None:
+        norm = next((a.value for a in (ctor.args if ctor else ()) if a.keyword and a.keyword.value == "norm_layer"), None)
+        if model.library.batchnorm and norm is None:
+            return BatchNormLayer(
+                f"{model.library.library} `{model.library.architecture}` (its BatchNorm layers)", r.line(model.stmt)
+            )
+        return None
+    hit = _in_class(facts.classes, model.class_name, facts, set(), _DEPTH)
+    if hit is not None and hit.file is not None:
+        return BatchNormLayer(hit.what, r.line(model.stmt), hit.file, hit.file_line)
+    return hit
+
+
+def converted_already(facts, name: str) -> bool:
+    """The script calls SyncBatchNorm.convert_sync_batchnorm on `name` itself (a DDP script)."""
+    r = facts.resolver
+    return any(
+        r.is_call_to(call, CONVERT_SYNC_BATCHNORM)
+        and call.args
+        and isinstance(call.args[0].value, cst.Name)
+        and call.args[0].value.value == name
+        for call in r.nodes(cst.Call)
+    )
+
+
+def _in_class(classes, name: Optional[str], facts, seen: set, depth: int) -> Optional[BatchNormLayer]:
+    info = classes.get(name)
+    if info is None or depth == 0 or name in seen:
+        return None
+    seen.add(name)
+    namer = info.namer
+    resolver = namer.resolver
+    found = _named(info.node, resolver, lambda n: {namer.of(n)} - {None})
+    if found is not None:
+        if resolver is facts.resolver:
+            return BatchNormLayer(code(found), resolver.line(found))
+        return BatchNormLayer(code(found), 0, info.file, resolver.line(found))
+    for node in _references(info.node, resolver):
+        other = namer.of(node)
+        if other and other != name and classes.get(other) is not None:
+            hit = _in_class(classes, other, facts, seen, depth - 1)
+            if hit is not None:
+                return hit
+    return None
+
+
+def _named(root: cst.CSTNode, resolver, names_of) -> Optional[cst.CSTNode]:
+    """The first call of a BatchNorm class under `root` (else the first mention of one):
+    `nn.BatchNorm2d(16)`, `norm_layer=nn.BatchNorm2d`."""
+    mentions = [n for n in _references(root, resolver) if names_of(n) & BATCHNORM]
+    if not mentions:
+        return None
+    for node in mentions:
+        parent = resolver.parent(node) if resolver is not None else None
+        if isinstance(parent, cst.Call) and parent.func is node:
+            return parent
+    return mentions[0]
+
+
+def _references(root: cst.CSTNode, resolver=None) -> list:
+    """The names and dotted attributes under `root` (not the `.attr` part of one), in order."""
+    from fsdp2_retrofit.syntax.names import walk
+
+    out = []
+    inner = set()
+    for node in walk(root):
+        if isinstance(node, cst.Attribute):
+            inner.add(id(node.attr))
+            inner.add(id(node.value))
+            out.append(node)
+        elif isinstance(node, cst.Name) and id(node) not in inner:
+            out.append(node)
+    return out

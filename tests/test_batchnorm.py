@@ -1,0 +1,151 @@
+"""BatchNorm in a model being sharded (fsdp2_retrofit/analysis/batchnorm.py and the shard
+stage): `model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` under
+`if torch.cuda.is_available():` before fully_shard and the optimizer, in the file's own
+spelling, reported as a change and as an attention item with `differs` (on CPU the
+statistics stay per rank). The execution proof is fixtures/rewrite/batchnorm_per_rank
+(tests/test_execution.py::test_batchnorm_on_cpu_trains_within_noise_and_is_flagged)."""
+from __future__ import annotations
+
+from pathlib import Path
+from textwrap import dedent
+
+from fsdp2_retrofit.options import RetrofitOptions
+from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+
+SCRIPT = '''
+{imports}
+
+
+class Net({nn}.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = {nn}.Linear(4, 4)
+        self.norm = {norm}
+
+    def forward(self, x):
+        return self.norm(self.fc(x))
+
+
+def main():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        loss = model(torch.randn(8, 4)).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def rewrite(code: str, path: str = "train.py", **options):
+    return rewrite_source(dedent(code).encode(), path, RetrofitOptions(**options))
+
+
+def script(imports: str = "import torch\nimport torch.nn as nn", nn: str = "nn", norm: str = "nn.BatchNorm1d(4)"):
+    return SCRIPT.format(imports=imports, nn=nn, norm=norm)
+
+
+def lines_between(result, first: str, last: str) -> list:
+    lines = [line.strip() for line in result.code.decode().splitlines()]
+    return lines[next(i for i, l in enumerate(lines) if l.startswith(first)):
+                 next(i for i, l in enumerate(lines) if l.startswith(last)) + 1]
+
+
+def test_the_model_is_converted_before_fully_shard_and_the_optimizer():
+    result = rewrite(script())
+    assert not result.refusals, result.refusals
+    assert lines_between(result, "model = Net()", "opt = ") == [
+        "model = Net()",
+        "if torch.cuda.is_available():  # SyncBatchNorm (GPUs only): batch statistics of all ranks",
+        "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)",
+        "fully_shard(model, mesh=mesh)",
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)",
+    ]
+    change = next(c for c in result.changes if "convert_sync_batchnorm" in c.what)
+    assert change.code == "shard" and "`nn.BatchNorm1d(4)`, line 10" in change.what
+    flagged = [a for a in result.attention if a.differs and a.code == "shard"]
+    assert [(a.line, a.code) for a in flagged] == [(10, "shard")]
+    assert "its own part of the batch" in flagged[0].what and "GPUs only" in flagged[0].why
+
+
+def test_the_files_own_spelling_of_torch_nn():
+    cases = {
+        "import torch\nfrom torch import nn": ("nn", "nn.BatchNorm1d(4)", "nn.SyncBatchNorm"),
+        "import torch": ("torch.nn", "torch.nn.BatchNorm1d(4)", "torch.nn.SyncBatchNorm"),
+        "import torch\nfrom torch import nn\nfrom torch.nn import BatchNorm1d, SyncBatchNorm":
+            ("nn", "BatchNorm1d(4)", "SyncBatchNorm"),
+    }
+    for imports, (nn, norm, sync) in cases.items():
+        result = rewrite(script(imports, nn, norm))
+        assert f"    model = {sync}.convert_sync_batchnorm(model)\n" in result.code.decode(), imports
+
+
+def test_a_model_without_batchnorm_is_left_as_it_was():
+    result = rewrite(script(norm="nn.LayerNorm(4)"))
+    assert "SyncBatchNorm" not in result.code.decode()
+    assert not [a for a in result.attention if a.differs and a.code == "shard"]
+
+
+def test_a_batchnorm_in_a_block_class_or_passed_as_an_argument_is_found():
+    block = script().replace(
+        "class Net(nn.Module):",
+        "class Block(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.bn = nn.BatchNorm2d(4)\n\n\nclass Net(nn.Module):",
+    ).replace("self.norm = nn.BatchNorm1d(4)", "self.blocks = nn.ModuleList([Block() for _ in range(2)])\n"
+              "        self.norm = nn.Identity()")
+    result = rewrite(block)
+    change = next(c for c in result.changes if "convert_sync_batchnorm" in c.what)
+    assert "`nn.BatchNorm2d(4)`, line 9" in change.what
+    argument = script(norm="norm_layer(4)").replace("def __init__(self):", "def __init__(self, norm_layer):").replace(
+        "model = Net()", "model = Net(nn.BatchNorm1d)")
+    result = rewrite(argument)
+    assert "    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)\n" in result.code.decode()
+
+
+def test_a_model_that_is_a_batchnorm_is_rebound_to_the_converted_module():
+    code = script().replace("model = Net()", "model = nn.BatchNorm1d(4)")
+    result = rewrite(code)
+    assert "    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)\n" in result.code.decode()
+
+
+def test_a_sibling_modules_batchnorm_is_named_by_file_and_line(tmp_path: Path):
+    (tmp_path / "nets.py").write_text(
+        "import torch.nn as nn\n\n\nclass Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.bn = nn.BatchNorm1d(4)\n\n    def forward(self, x):\n        return self.bn(x)\n"
+    )
+    code = script().split("\n\nclass Net")[0] + "\nfrom nets import Net\n\n\ndef main():" + script().split("def main():")[1]
+    result = rewrite(code, str(tmp_path / "train.py"))
+    assert not result.refusals, result.refusals
+    flagged = [a for a in result.attention if a.differs and a.code == "shard"]
+    assert len(flagged) == 1 and "nets.py:7" in flagged[0].what
+    assert flagged[0].line == dedent(code).splitlines().index("    model = Net()") + 1
+
+
+def test_a_torchvision_resnet_is_converted_unless_its_norm_layer_is_another():
+    code = script().split("\n\nclass Net")[0] + "\nimport torchvision\n\n\ndef main():" + script().split(
+        "def main():")[1].replace("model = Net()", "model = torchvision.models.resnet18(num_classes=4)")
+    result = rewrite(code)
+    assert "    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)\n" in result.code.decode()
+    assert [a.what for a in result.attention if a.differs and a.code == "shard"] == [
+        "on CPU (gloo) each rank's BatchNorm normalises with its own part of the batch "
+        "(`torchvision `resnet18` (its BatchNorm layers)`, line 10)"
+    ]
+    group = rewrite(code.replace("num_classes=4)", "num_classes=4, norm_layer=lambda c: nn.GroupNorm(2, c))"))
+    assert "SyncBatchNorm" not in group.code.decode()
+
+
+def test_a_script_that_converts_already_is_not_converted_twice():
+    code = script().replace("    model = Net()\n", "    model = Net()\n    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)\n")
+    result = rewrite(code)
+    assert result.code.decode().count("convert_sync_batchnorm") == 1
+
+
+def test_the_rewrite_of_the_output_converts_nothing_again():
+    first = rewrite(script())
+    second = rewrite_source(first.code, "train.py", RetrofitOptions())
+    assert second.code == first.code and second.changes == []

@@ -1,0 +1,212 @@
+"""How the loss that reaches backward() is reduced (fsdp2_retrofit/analysis/loss_reduction.py)
+and the loss_scale stage that reads it: a loss summed over the batch gets its backward
+scaled by the world size, a sum mixed with a mean is refused (FSR960), the rest is left
+alone. The execution proof is fixtures/rewrite/sum_reduced_loss."""
+from __future__ import annotations
+
+from textwrap import dedent
+
+import libcst as cst
+import pytest
+
+from fsdp2_retrofit.analysis.loss_reduction import MEAN, MIXED, SUM, UNKNOWN, loss_reductions
+from fsdp2_retrofit.options import RetrofitOptions
+from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.syntax.names import Resolver
+
+
+def kinds(source: str) -> list:
+    resolver = Resolver(cst.parse_module(dedent(source)))
+    return [found.kind for found in loss_reductions(resolver)]
+
+
+def terms(source: str) -> list:
+    resolver = Resolver(cst.parse_module(dedent(source)))
+    return [[(t.kind, resolver.line(t.node)) for t in found.terms] for found in loss_reductions(resolver)]
+
+
+HEAD = """\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+"""
+
+
+@pytest.mark.parametrize("loss", [
+    "F.mse_loss(out, y, reduction='sum')",
+    "F.binary_cross_entropy(out, y, size_average=False)",
+    "torch.sum((out - y) ** 2)",
+    "(out - y).pow(2).sum()",
+    "F.mse_loss(out, y, reduction='none').sum()",
+    "-0.5 * torch.sum(1 + out - y.pow(2))",
+    "F.l1_loss(out, y, reduction='sum') / 2",
+])
+def test_a_loss_summed_over_the_batch_is_sum(loss):
+    assert kinds(HEAD + f"loss = {loss}\nloss.backward()\n") == [SUM]
+
+
+@pytest.mark.parametrize("loss", [
+    "F.cross_entropy(out, y)",
+    "F.mse_loss(out, y, reduction='mean')",
+    "F.kl_div(out, y, reduction='batchmean')",
+    "F.binary_cross_entropy(out, y, size_average=True)",
+    "torch.mean((out - y) ** 2)",
+    "F.mse_loss(out, y, reduction='none').mean()",
+    "F.cross_entropy(out, y).sum()",  # a sum of a scalar mean is that mean
+    "-torch.mean(discriminator(x))",  # a mean of a model's outputs, or of a loss: a mean either way
+])
+def test_a_loss_averaged_over_the_batch_is_mean(loss):
+    assert kinds(HEAD + f"loss = {loss}\nloss.backward()\n") == [MEAN]
+
+
+@pytest.mark.parametrize("loss", [
+    "model(x).loss",  # a library model's own loss
+    "compute(out, y)",  # a function that is not the script's
+    "F.mse_loss(out, y, reduction=mode)",  # the reduction is not known
+    "F.mse_loss(out, y, reduction='sum') / x.size(0)",  # normalised by the batch size
+    "torch.stack([F.mse_loss(a, y) for a in outs]).sum()",  # a sum of losses kept in a list
+    "F.cross_entropy(out, y) + 1e-4 * model.fc.weight.pow(2).sum()",  # a weight penalty, not over the batch
+    "F.mse_loss(out, y, reduction='none')",  # not a scalar
+    "F.mse_loss(out, y, reduction='sum') * world_size",  # scaled already
+    "F.mse_loss(out, y, reduction='sum') * dist.get_world_size()",
+    "criterion(out, y).sum()",  # what an unread criterion returns may be a mean already
+    "model(x).sum()",
+    "self.loss_fn(out, y).sum()",
+])
+def test_what_cannot_be_read_is_unknown(loss):
+    assert kinds(HEAD + f"loss = {loss}\nloss.backward()\n") == [UNKNOWN]
+
+
+def test_a_sum_added_to_a_mean_is_mixed_and_names_both_lines():
+    source = HEAD + """\
+recon = F.mse_loss(out, y)
+kl = -0.5 * torch.sum(1 + logv - mu.pow(2) - logv.exp())
+loss = recon + beta * kl
+loss.backward()
+"""
+    assert kinds(source) == [MIXED]
+    assert terms(source) == [[("mean", 4), ("sum", 5)]]
+
+
+def test_the_vae_shape_follows_names_criteria_and_the_scripts_function():
+    source = HEAD + """\
+criterion = nn.MSELoss(reduction="sum")
+
+
+def loss_function(recon_x, x, mu, logvar):
+    bce = F.binary_cross_entropy(recon_x, x, size_average=False)
+    kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
+    return bce + kld
+
+
+def train(model, loader, optimizer, scaler):
+    for x in loader:
+        recon, mu, logvar = model(x)
+        loss = loss_function(recon, x, mu, logvar)
+        loss += criterion(recon, x)
+        loss = loss / 4
+        scaler.scale(loss).backward()
+"""
+    assert kinds(source) == [SUM]
+    assert terms(source) == [[("sum", 8), ("sum", 9), ("sum", 17)]]
+
+
+def test_a_criterion_with_the_default_reduction_is_mean_and_a_parameter_is_unknown():
+    source = HEAD + """\
+criterion = nn.CrossEntropyLoss()
+
+
+def step(out, y, loss_fn):
+    criterion(out, y).backward()
+    loss_fn(out, y).backward()
+"""
+    assert kinds(source) == [MEAN, UNKNOWN]
+
+
+# -- the loss_scale stage -------------------------------------------------------
+
+SCRIPT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def main():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler()
+    for step in range(3):
+        x = torch.randn(8, 4)
+        out = model(x)
+        {body}
+        opt.step()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def rewrite(body: str):
+    return rewrite_source(dedent(SCRIPT.format(body=body)).encode(), "train.py", RetrofitOptions())
+
+
+def backward_lines(result) -> list:
+    return [line.strip() for line in result.code.decode().splitlines() if "backward" in line]
+
+
+def test_a_summed_loss_has_its_backward_scaled_and_the_loss_kept():
+    result = rewrite("loss = F.mse_loss(out, x, reduction='sum')\n        loss.backward()")
+    assert not result.refusals, result.refusals
+    assert backward_lines(result) == ["(loss * world_size).backward()"]
+    assert "loss = F.mse_loss(out, x, reduction='sum')" in result.code.decode()
+    change = next(c for c in result.changes if c.code == "loss_scale")
+    assert change.line == 25 and "averages gradients over the ranks" in change.why
+    assert "line 24" in change.what
+
+
+def test_through_a_grad_scaler_the_scaled_loss_is_the_product():
+    result = rewrite("loss = (out - x).pow(2).sum()\n        scaler.scale(loss).backward(retain_graph=True)")
+    assert backward_lines(result) == ["scaler.scale(loss * world_size).backward(retain_graph=True)"]
+
+
+def test_a_backward_in_a_helper_reads_the_world_size_of_the_process_group():
+    code = SCRIPT.replace("        {body}\n", "        step_once(out, x)\n").replace(
+        "def main():", "def step_once(out, x):\n    torch.sum((out - x) ** 2).backward()\n\n\ndef main():"
+    )
+    result = rewrite_source(dedent(code).encode(), "train.py", RetrofitOptions())
+    assert not result.refusals, result.refusals
+    assert backward_lines(result) == ["(torch.sum((out - x) ** 2) * dist.get_world_size()).backward()"]
+    assert "import torch.distributed as dist" in result.code.decode()
+
+
+def test_a_mean_loss_is_left_alone():
+    result = rewrite("loss = F.mse_loss(out, x)\n        loss.backward()")
+    assert backward_lines(result) == ["loss.backward()"]
+    assert not [c for c in result.changes if c.code == "loss_scale"]
+
+
+def test_a_sum_mixed_with_a_mean_is_refused_at_the_sum():
+    result = rewrite(
+        "recon = F.mse_loss(out, x)\n        kl = 0.5 * torch.sum(out.pow(2))\n"
+        "        loss = recon + kl\n        loss.backward()"
+    )
+    assert [r.code for r in result.refusals] == ["FSR960"]
+    refusal = result.refusals[0]
+    assert refusal.line == 25 and "summed over the batch" in refusal.what and "line 24" in refusal.what
+
+
+def test_the_rewrite_of_the_output_scales_nothing_again():
+    first = rewrite("loss = F.mse_loss(out, x, reduction='sum')\n        loss.backward()")
+    second = rewrite_source(first.code, "train.py", RetrofitOptions())
+    assert second.code == first.code and second.changes == []

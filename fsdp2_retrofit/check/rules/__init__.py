@@ -134,6 +134,7 @@ class Rule:
 
 def all_rules() -> List[Type[Rule]]:
     from . import (
+        batchnorm_per_rank,
         change_after_shard,
         flattening_optimizer,
         fsdp1_api,
@@ -149,6 +150,7 @@ def all_rules() -> List[Type[Rule]]:
         rank_zero_name,
         shard_container,
         shard_order,
+        sum_reduced_loss,
         torch_save_dtensor,
         zero_grad_after_forward,
     )
@@ -171,6 +173,8 @@ def all_rules() -> List[Type[Rule]]:
         flattening_optimizer.FlatteningOptimizer,
         rank_zero_name.RankZeroName,
         param_tensor.ShardedParamTensor,
+        batchnorm_per_rank.BatchNormPerRank,
+        sum_reduced_loss.SumReducedLoss,
     ]
     return sorted(rules, key=lambda r: r.CODE)
 

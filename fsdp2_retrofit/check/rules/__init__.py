@@ -134,6 +134,7 @@ class Rule:
 
 def all_rules() -> List[Type[Rule]]:
     from . import (
+        batch_size_shape,
         batchnorm_per_rank,
         change_after_shard,
         flattening_optimizer,
@@ -175,6 +176,7 @@ def all_rules() -> List[Type[Rule]]:
         param_tensor.ShardedParamTensor,
         batchnorm_per_rank.BatchNormPerRank,
         sum_reduced_loss.SumReducedLoss,
+        batch_size_shape.BatchSizeShape,
     ]
     return sorted(rules, key=lambda r: r.CODE)
 

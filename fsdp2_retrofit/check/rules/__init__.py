@@ -144,6 +144,7 @@ def all_rules() -> List[Type[Rule]]:
         local_grad_norm,
         missing_sampler,
         missing_set_device,
+        missing_set_epoch,
         no_sync,
         optimizer_before_shard,
         param_tensor,
@@ -177,6 +178,7 @@ def all_rules() -> List[Type[Rule]]:
         batchnorm_per_rank.BatchNormPerRank,
         sum_reduced_loss.SumReducedLoss,
         batch_size_shape.BatchSizeShape,
+        missing_set_epoch.MissingSetEpoch,
     ]
     return sorted(rules, key=lambda r: r.CODE)
 

@@ -118,7 +118,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
              "rank_gated_save", "        self.out = nn.Linear(dim, 5)\n",
              "        self.out = nn.Sequential(nn.BatchNorm1d(dim), nn.Linear(dim, 5))\n", "FSD118"),
     Mutation("destroy-gated", "`destroy_process_group()` only on rank 0", "rank_gated_save",
-             "    dist.destroy_process_group()\n", _gate("    dist.destroy_process_group()"), None),
+             "    dist.destroy_process_group()\n", _gate("    dist.destroy_process_group()"), "FSD110"),
     # --- accumulation_modulo: set_requires_gradient_sync, clip + full_tensor, AdamW
     Mutation("full-tensor-gated", "`.full_tensor()` (a collective) only on rank 0", "accumulation_modulo",
              "            norm = norm.full_tensor()\n", _gate("            norm = norm.full_tensor()"), "FSD110"),

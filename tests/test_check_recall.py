@@ -64,3 +64,9 @@ def test_goldens_have_no_unexplained_findings():
     # a documented defect of a golden that is no longer reported is stale: remove it from the table
     reported = {(name, f.code) for name, fs in found for f in fs}
     assert set(recall.GOLDEN_DEFECTS) <= reported
+
+
+def test_known_golden_defects_agree_with_test_check():
+    from test_check import KNOWN_GOLDEN_DEFECTS
+
+    assert set(recall.GOLDEN_DEFECTS) == KNOWN_GOLDEN_DEFECTS

@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 import libcst as cst
 
 from fsdp2_retrofit.syntax.names import names_in
+from fsdp2_retrofit.syntax.torch_api import TENSOR_FACTORIES
 from . import Invalid, Rule, Valid
 
 _HEAD = (
@@ -13,10 +14,9 @@ _HEAD = (
     "from torch.utils.data.distributed import DistributedSampler\nmodel = Net()\nfully_shard(model)\n"
     "sampler = DistributedSampler(ds)\n"
 )
+# the factories whose arguments are sizes (torch.tensor(batch_size) holds the number)
+_FACTORIES = {n for n in TENSOR_FACTORIES if n.rsplit(".", 1)[1] not in ("tensor", "as_tensor", "from_numpy")}
 _SHAPERS = {"reshape", "view", "expand", "new_zeros", "new_ones", "new_full", "new_empty"}
-_FACTORIES = {
-    "torch.ones", "torch.zeros", "torch.empty", "torch.full", "torch.rand", "torch.randn", "torch.randint",
-}
 
 
 class BatchSizeShape(Rule):

@@ -6,10 +6,8 @@ import libcst as cst
 from fsdp2_retrofit.syntax.rank import TEXT_TRIGGERS as RANK_TEXT
 from fsdp2_retrofit.syntax.torch_api import CLIP_GRAD_NORM, COLLECTIVES, DCP_CALLS, STATE_DICT_GETTERS, STATE_DICT_SETTERS
 from fsdp2_retrofit.syntax.names import bind_args
+from fsdp2_retrofit.syntax.torch_api import DESTROY_PROCESS_GROUP as DESTROY
 from . import Invalid, Rule, Valid
-
-# every rank must take part in tearing the group down (destroying an NCCL communicator is collective)
-DESTROY = frozenset({"torch.distributed.destroy_process_group"})
 
 _HEAD = (
     "import torch\nimport torch.distributed as dist\nimport torch.distributed.checkpoint as dcp\n"
@@ -143,7 +141,7 @@ class RankGatedCollective(Rule):
             return f"`{_code(func)}` of sharded parameters (its norm is all-reduced)"
         if isinstance(func, cst.Attribute) and func.attr.value == "full_tensor":
             return "`.full_tensor()`"
-        if names & DESTROY:
+        if names & DESTROY:  # destroying an NCCL communicator is collective: every rank takes part
             return f"`{_code(func)}`"
         root = ctx.shards.sharded_module(func, call, unit=True)
         if root is not None and not (isinstance(func, cst.Attribute) and func.attr.value not in ("forward",)):

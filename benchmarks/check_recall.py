@@ -188,7 +188,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
     # --- init_hidden_method, train_step_helper, gan_two_models
     Mutation("method-not-registered", "a method other than forward (`init_hidden`) called on the sharded model without "
              "`register_fsdp_forward_method`", "init_hidden_method",
-             "    register_fsdp_forward_method(model, \"init_hidden\")\n", "", None),
+             "    register_fsdp_forward_method(model, \"init_hidden\")\n", "", "FSD122"),
     Mutation("zero-grad-in-helper", "`model.zero_grad()` between forward and backward inside a train-step helper",
              "train_step_helper",
              "    optimizer.zero_grad(set_to_none=True)\n    loss = nn.functional.cross_entropy(model(x), y)\n",

@@ -154,6 +154,7 @@ def all_rules() -> List[Type[Rule]]:
         shard_order,
         sum_reduced_loss,
         torch_save_dtensor,
+        unregistered_method,
         zero_grad_after_forward,
     )
 
@@ -179,6 +180,7 @@ def all_rules() -> List[Type[Rule]]:
         sum_reduced_loss.SumReducedLoss,
         batch_size_shape.BatchSizeShape,
         missing_set_epoch.MissingSetEpoch,
+        unregistered_method.UnregisteredMethod,
     ]
     return sorted(rules, key=lambda r: r.CODE)
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 import re
 from typing import Optional, Set
 
-import libcst as cst
-
 from . import Invalid, Rule, Valid
 
 _HEAD = (
@@ -102,38 +100,10 @@ class BatchNormPerRank(Rule):
         for site in shards.sites:
             if site.legacy or not site.whole or site.root in seen or site.root not in trained:
                 continue
-            cls = self._class(ctx, site)
-            if cls is not None and _has_batchnorm(ctx.classes(), cls, 4):
+            info = ctx.root_class(site)
+            if info is not None and _has_batchnorm(ctx.classes(), info.name, 4):
                 seen.add(site.root)
-                yield site.call, {"root": site.root, "cls": f"class `{cls}`"}, None
-
-    def _class(self, ctx, site) -> Optional[str]:
-        """The script class the root is built from (`Net(...)`, `Net(...).to(device)`)."""
-        values = ctx.shards.bound_values(site.root, site.call) if "." not in site.root else []
-        for value in reversed(values):
-            call = _innermost_call(value)
-            if call is None:
-                continue
-            registry = ctx.classes()
-            for name in sorted(ctx.resolver.qnames(call.func)) or [_code(call.func)]:
-                if registry.get(name) is not None:
-                    return name
-                found = registry.find_by_bare_name(name.rsplit(".", 1)[-1])
-                if len(found) == 1:
-                    return found[0].name
-            return None
-        return None
-
-
-def _innermost_call(expr) -> Optional[cst.Call]:
-    """`Net(...)` of `Net(...).to(device).cuda()`."""
-    while isinstance(expr, cst.Call):
-        func = expr.func
-        if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Call):
-            expr = func.value
-            continue
-        return expr
-    return None
+                yield site.call, {"root": site.root, "cls": f"class `{info.name}`"}, None
 
 
 def _has_batchnorm(registry, name: Optional[str], depth: int) -> bool:

@@ -1,7 +1,7 @@
 """FSD119 sum-reduced-loss."""
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Set
+from typing import Dict, Iterator, List, Set
 
 import libcst as cst
 

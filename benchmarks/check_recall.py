@@ -140,7 +140,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
              "        with model.no_sync():\n            loss.backward()\n", "FSD105"),
     Mutation("gradient-sync-off", "`set_requires_gradient_sync(False)` never turned back on (gradients never reduced)",
              "accumulation_modulo", "model.set_requires_gradient_sync((i + 1) % args.accum == 0)",
-             "model.set_requires_gradient_sync(False)", None),
+             "model.set_requires_gradient_sync(False)", "FSD123"),
     Mutation("sum-loss", "sum-reduced loss (FSDP2 averages gradients over ranks: the step is world_size x smaller "
              "than the single run's on the same global batch)", "accumulation_modulo",
              "loss = F.cross_entropy(model(x), y) / args.accum",

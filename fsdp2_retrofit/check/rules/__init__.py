@@ -139,6 +139,7 @@ def all_rules() -> List[Type[Rule]]:
         change_after_shard,
         flattening_optimizer,
         fsdp1_api,
+        gradient_sync_off,
         forward_call,
         load_into_sharded,
         local_grad_norm,
@@ -181,6 +182,7 @@ def all_rules() -> List[Type[Rule]]:
         batch_size_shape.BatchSizeShape,
         missing_set_epoch.MissingSetEpoch,
         unregistered_method.UnregisteredMethod,
+        gradient_sync_off.GradientSyncOff,
     ]
     return sorted(rules, key=lambda r: r.CODE)
 

@@ -200,10 +200,10 @@ MUTATIONS: Tuple[Mutation, ...] = (
     # --- added after the first rules were written, so the table is not only what they catch
     Mutation("sampler-and-shuffle", "DataLoader given both `sampler=` and `shuffle=True` (ValueError at construction)",
              "rank_zero_run_dir", "loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)",
-             "loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, shuffle=True)", None),
+             "loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, shuffle=True)", "FSD124"),
     Mutation("sampler-one-replica", "DistributedSampler with constant `num_replicas=1, rank=0` (every rank reads all "
              "the data)", "init_hidden_method", "sampler = DistributedSampler(data, shuffle=True)",
-             "sampler = DistributedSampler(data, shuffle=True, num_replicas=1, rank=0)", None),
+             "sampler = DistributedSampler(data, shuffle=True, num_replicas=1, rank=0)", "FSD124"),
     Mutation("step-gated", "`optimizer.step()` only on rank 0 (the other ranks' shards never update)",
              "rank_zero_run_dir", "            optimizer.step()\n", _gate("            optimizer.step()", "if master_process:"),
              "FSD110"),

@@ -151,6 +151,7 @@ def all_rules() -> List[Type[Rule]]:
         param_tensor,
         rank_gated_collective,
         rank_zero_name,
+        sampler_misuse,
         shard_container,
         shard_order,
         sum_reduced_loss,
@@ -183,6 +184,7 @@ def all_rules() -> List[Type[Rule]]:
         missing_set_epoch.MissingSetEpoch,
         unregistered_method.UnregisteredMethod,
         gradient_sync_off.GradientSyncOff,
+        sampler_misuse.SamplerMisuse,
     ]
     return sorted(rules, key=lambda r: r.CODE)
 

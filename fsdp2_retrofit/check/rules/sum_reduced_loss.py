@@ -20,7 +20,8 @@ class SumReducedLoss(Rule):
 
     ## What it does
     In a script that shards a model with `fully_shard`, flags a loss computed with
-    `reduction="sum"` (or the old `size_average=False`), called directly
+    `reduction="sum"` (or the old `size_average=False`) and not divided by the batch's
+    size (`/ x.size(0)`, `/ len(batch)`, `/ batch_size`), called directly
     (`F.binary_cross_entropy(out, x, reduction="sum")`) or through a criterion built
     with it (`criterion = nn.MSELoss(reduction="sum")`), whose value flows (through
     assignments in the same function) into a `.backward()`.
@@ -65,6 +66,7 @@ class SumReducedLoss(Rule):
               "reduction='sum').item()\n"),  # evaluation: no backward
         Valid("import torch.nn.functional as F\nfor x, y in loader:\n    loss = F.mse_loss(net(x), y, reduction='sum')\n"
               "    loss.backward()\n"),  # nothing sharded
+        Valid(_HEAD + _LOOP.format(loss="F.mse_loss(model(x), y, reduction='sum') / x.size(0)")),
         Valid(_HEAD + "import torch.distributed as dist\n"
               + _LOOP.format(loss="F.mse_loss(model(x), y, reduction='sum') * dist.get_world_size()")),
     )
@@ -97,6 +99,8 @@ class SumReducedLoss(Rule):
             feeding = list(self._feeding_calls(ctx, func.value, call, chain))
             if any("world_size" in _code(e) for e in chain):
                 continue  # scaled back to the sum over the global batch
+            if any(_per_sample(e) for e in chain):
+                continue  # divided by the batch's size: a mean per rank after all
             for loss in feeding:
                 if id(loss) in flagged:
                     continue
@@ -142,6 +146,18 @@ class SumReducedLoss(Rule):
                 if name not in seen:
                     seen.add(name)
                     todo.extend(assigned.get(name, []))
+
+
+_SIZES = ("size(", "len(", "shape", "numel", "batch")
+
+
+def _per_sample(expr) -> bool:
+    """`... / x.size(0)`, `/ len(batch)`, `/ batch_size`: a sum turned into a mean."""
+    for node in [expr, *expr.children] if isinstance(expr, cst.BinaryOperation) else [expr]:
+        if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, (cst.Divide, cst.FloorDivide)):
+            if any(word in _code(node.right) for word in _SIZES):
+                return True
+    return False
 
 
 def _target_names(target) -> List[str]:

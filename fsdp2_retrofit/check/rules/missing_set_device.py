@@ -16,6 +16,8 @@ class MissingSetDevice(Rule):
     In a script that shards with `fully_shard`, flags `dist.init_process_group(...)`
     when no `torch.cuda.set_device(...)` (or `torch.accelerator.set_device_index`)
     runs before it in the same function and the call passes no `device_id=`. A
+    `set_device` of a constant (`set_device(0)`, `set_device("cuda:0")`) does not
+    count: it picks the same GPU on every rank. A
     `"gloo"` backend (CPU only) is never flagged.
 
     ## Why is this bad?
@@ -66,13 +68,21 @@ class MissingSetDevice(Rule):
             fixed=_HEAD + "def main():\n    torch.cuda.set_device(int(os.environ[\"LOCAL_RANK\"]))\n"
             "    dist.init_process_group(backend='nccl')\n    torch.cuda.set_device(0)\n    fully_shard(model)\n",
         ),
+        Invalid(  # a constant device: every rank on GPU 0
+            _HEAD + "torch.cuda.set_device(0)\ndist.init_process_group('nccl')\nfully_shard(model)\n",
+            line=6,
+            fixed=_HEAD + "torch.cuda.set_device(0)\ntorch.cuda.set_device(int(os.environ[\"LOCAL_RANK\"]))\n"
+            "dist.init_process_group('nccl')\nfully_shard(model)\n",
+        ),
     )
 
     def check(self, ctx):
         shards = ctx.shards
         if not shards.sites:
             return
-        set_devices = [c for c in ctx.nodes(cst.Call) if ctx.resolver.qnames(c) & SET_DEVICE]
+        set_devices = [
+            c for c in ctx.nodes(cst.Call) if ctx.resolver.qnames(c) & SET_DEVICE and not _constant_device(c)
+        ]
         for call in ctx.nodes(cst.Call):
             if not ctx.resolver.qnames(call) & INIT:
                 continue
@@ -96,6 +106,14 @@ class MissingSetDevice(Rule):
                     imports=(("os", None, None), ("torch", None, None)),
                 )
             yield call, {}, fix
+
+
+def _constant_device(call: cst.Call) -> bool:
+    """`set_device(0)`, `set_device("cuda:0")`: the same device on every rank."""
+    if len(call.args) != 1:
+        return False
+    value = call.args[0].value
+    return isinstance(value, cst.Integer) or (isinstance(value, cst.SimpleString) and ":" in value.value)
 
 
 def _gloo_only(call: cst.Call) -> bool:

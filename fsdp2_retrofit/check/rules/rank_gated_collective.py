@@ -5,6 +5,8 @@ import libcst as cst
 
 from fsdp2_retrofit.syntax.rank import TEXT_TRIGGERS as RANK_TEXT
 from fsdp2_retrofit.syntax.torch_api import CLIP_GRAD_NORM, COLLECTIVES, DCP_CALLS, STATE_DICT_GETTERS, STATE_DICT_SETTERS
+from fsdp2_retrofit.syntax.names import bind_args
+from fsdp2_retrofit.syntax.torch_api import DESTROY_PROCESS_GROUP as DESTROY
 from . import Invalid, Rule, Valid
 
 _HEAD = (
@@ -21,8 +23,12 @@ class RankGatedCollective(Rule):
     Flags, inside `if rank == 0:` (or `if master_process:`, `if dist.get_rank() == 0:`,
     the `else` of `if rank != 0:`, ...): `dcp.save` / `dcp.load` / `dcp.async_save`,
     `get_*_state_dict` with `full_state_dict=True`, `set_*_state_dict`, `.full_tensor()`,
-    `clip_grad_norm_` of sharded parameters, `torch.distributed` collectives, and calls
-    (forwards) of a sharded module.
+    `clip_grad_norm_` of sharded parameters, `torch.distributed` collectives,
+    `destroy_process_group`, `loss.backward()` (its reduce-scatter is a collective),
+    calls (forwards) of a sharded module, calls of a function of the script that is
+    handed a sharded module and calls it (`evaluate(model, x)`), and the `step()` of an
+    optimizer over sharded parameters (not a collective, but each rank updates only
+    its own shards: the others keep theirs, and the ranks train different models).
 
     A branch is not flagged when the other side of its `if` (the `else` of a rank-0
     `if`, or the body of `if rank != 0:`) runs the same collective: a broadcast sent
@@ -54,7 +60,7 @@ class RankGatedCollective(Rule):
 
     CODE = "FSD110"
     NAME = "rank-gated-collective"
-    MESSAGE = "{what} inside a rank-0 branch (line {line}): the other ranks never join the collective"
+    MESSAGE = "{what} inside a rank-0 branch (line {line}): {why}"
     TRIGGERS = RANK_TEXT
     VALID = (
         Valid(_HEAD + "dcp.save(get_model_state_dict(model), checkpoint_id='ckpt')\nif rank == 0:\n"
@@ -75,6 +81,13 @@ class RankGatedCollective(Rule):
         Invalid(_HEAD + "if master_process and step % 100 == 0:\n    val_loss = model(x_val).mean()\n", line=10),
         Invalid(_HEAD + "if rank != 0:\n    pass\nelse:\n    dist.all_reduce(t)\n", line=12),
         Invalid(_HEAD + "if not dist.get_rank():\n    y = model(x)\n", line=10),
+        Invalid(  # a forward through a helper function of the script
+            _HEAD + "def evaluate(net, x):\n    return net(x).mean().item()\nif rank == 0:\n"
+            "    print(evaluate(model, x_val))\n", line=12,
+        ),
+        Invalid(_HEAD + "if rank == 0:\n    dist.destroy_process_group()\n", line=10),
+        Invalid(_HEAD + "loss = model(x).sum()\nif rank == 0:\n    loss.backward()\n", line=11),
+        Invalid(_HEAD + "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nif rank == 0:\n    opt.step()\n", line=11),
         Invalid(  # the else side runs a different collective: the broadcast still hangs
             _HEAD + "if rank == 0:\n    dist.broadcast(t, src=0)\nelse:\n    dist.barrier()\n", line=10,
         ),
@@ -90,7 +103,9 @@ class RankGatedCollective(Rule):
                 continue
             what = self._collective(ctx, call)
             if what and not self._matched(ctx, call, branch):
-                yield call, {"what": what, "line": str(ctx.resolver.line(branch))}, None
+                why = ("the other ranks never update their shards: the ranks train different models"
+                       if what.startswith("optimizer step") else "the other ranks never join the collective")
+                yield call, {"what": what, "line": str(ctx.resolver.line(branch)), "why": why}, None
 
     def _matched(self, ctx, call: cst.Call, branch: cst.If) -> bool:
         """The other side of `branch` runs the same collective (outside nested functions)."""
@@ -132,9 +147,38 @@ class RankGatedCollective(Rule):
             return f"`{_code(func)}` of sharded parameters (its norm is all-reduced)"
         if isinstance(func, cst.Attribute) and func.attr.value == "full_tensor":
             return "`.full_tensor()`"
+        if isinstance(func, cst.Attribute) and func.attr.value == "backward" and not call.args:
+            return f"`{_code(func)}()` (its gradient reduce-scatter is a collective)"
+        if isinstance(func, cst.Attribute) and func.attr.value == "step" and isinstance(func.value, cst.Name):
+            opt = ctx.shards.optimizer(func.value.value, call)
+            if opt is not None:
+                return f"optimizer step `{_code(func)}()` of sharded parameters"
+        if names & DESTROY:  # destroying an NCCL communicator is collective: every rank takes part
+            return f"`{_code(func)}`"
         root = ctx.shards.sharded_module(func, call, unit=True)
         if root is not None and not (isinstance(func, cst.Attribute) and func.attr.value not in ("forward",)):
             return f"a forward of sharded `{root}`"
+        return self._helper_forward(ctx, call)
+
+    def _helper_forward(self, ctx, call: cst.Call):
+        """`evaluate(model, ...)`: a function of this file handed a sharded module that it
+        calls (its forward) in its own body."""
+        if not isinstance(call.func, cst.Name):
+            return None
+        helpers = [f for f in ctx.module.body if isinstance(f, cst.FunctionDef) and f.name.value == call.func.value]
+        if len(helpers) != 1:
+            return None
+        fn = helpers[0]
+        for param, arg in bind_args(fn, call):
+            root = ctx.shards.sharded_module(arg, call, unit=True)
+            if root is None:
+                continue
+            for inner in ctx.resolver.descendants(fn.body, cst.Call):
+                target = inner.func
+                if isinstance(target, cst.Attribute) and target.attr.value == "forward":
+                    target = target.value
+                if isinstance(target, cst.Name) and target.value == param:
+                    return f"a forward of sharded `{root}` in `{fn.name.value}()` (line {ctx.resolver.line(inner)})"
         return None
 
 

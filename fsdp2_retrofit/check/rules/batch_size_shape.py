@@ -1,0 +1,153 @@
+"""FSD120 batch-size-shape."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import libcst as cst
+
+from fsdp2_retrofit.syntax.names import names_in
+from fsdp2_retrofit.syntax.torch_api import TENSOR_FACTORIES
+from . import Invalid, Rule, Valid
+
+_HEAD = (
+    "import torch\nfrom torch.distributed.fsdp import fully_shard\nfrom torch.utils.data import DataLoader\n"
+    "from torch.utils.data.distributed import DistributedSampler\nmodel = Net()\nfully_shard(model)\n"
+    "sampler = DistributedSampler(ds)\n"
+)
+# the factories whose arguments are sizes (torch.tensor(batch_size) holds the number)
+_FACTORIES = {n for n in TENSOR_FACTORIES if n.rsplit(".", 1)[1] not in ("tensor", "as_tensor", "from_numpy")}
+_SHAPERS = {"reshape", "view", "expand", "new_zeros", "new_ones", "new_full", "new_empty"}
+
+
+class BatchSizeShape(Rule):
+    """Checks for a tensor shaped by the DataLoader's batch size inside the training loop of a sharded script.
+
+    ## What it does
+    In a script that shards a model, flags inside a loop over a training DataLoader a
+    `reshape` / `view` / `expand` or a tensor factory (`torch.ones`, `torch.zeros`,
+    `torch.randn`, ...) given the loader's `batch_size` expression (the same name or
+    attribute, e.g. `batch_size` or `args.batch_size`) as a dimension, when that
+    loader's batches can be smaller: it reads `batch_size // world_size` per rank
+    (the global batch kept), or it has no `drop_last=True`.
+
+    ## Why is this bad?
+    After the split each rank reads a shard of the dataset: its last batch is
+    partial wherever the shard's length does not divide by the batch size (the
+    single-process run may have had only full batches), and with the global batch
+    kept every batch holds `batch_size // world_size` samples. A tensor shaped by the
+    nominal batch size then no longer matches the data: a shape error
+    (`mat1 and mat2 shapes cannot be multiplied`), or a reshape that silently mixes
+    samples.
+
+    ## Example
+    ```python
+    for images, labels in loader:
+        images = images.reshape(batch_size, -1)
+        real = torch.ones(batch_size, 1)
+    ```
+
+    ## Use instead
+    ```python
+    for images, labels in loader:
+        images = images.reshape(images.size(0), -1)
+        real = torch.ones(images.size(0), 1)
+    ```
+
+    ## Fix safety
+    No automatic fix: which tensor of the batch gives the right size needs a person.
+    """
+
+    CODE = "FSD120"
+    NAME = "batch-size-shape"
+    MESSAGE = "`{call}` is shaped by `{name}`, {why}: use the batch's own size (`x.size(0)`)"
+    TRIGGERS = ("batch_size",)
+    VALID = (
+        Valid(_HEAD + "loader = DataLoader(ds, batch_size=bs, sampler=sampler)\nfor x, y in loader:\n"
+              "    x = x.reshape(x.size(0), -1)\n    model(x).sum().backward()\n"),
+        Valid(_HEAD + "loader = DataLoader(ds, batch_size=bs, sampler=sampler, drop_last=True)\nfor x, y in loader:\n"
+              "    x = x.reshape(bs, -1)\n    model(x).sum().backward()\n"),  # full batches of bs on every rank
+        Valid("import torch\nfrom torch.utils.data import DataLoader\nloader = DataLoader(ds, batch_size=bs)\n"
+              "for x, y in loader:\n    x = x.reshape(bs, -1)\n    net(x).sum().backward()\n"),  # not sharded
+    )
+    INVALID = (
+        Invalid(_HEAD + "loader = DataLoader(ds, batch_size=batch_size, sampler=sampler)\nfor x, y in loader:\n"
+                "    x = x.reshape(batch_size, -1)\n    model(x).sum().backward()\n", line=10),
+        Invalid(  # the global batch kept: every batch is batch_size // world_size
+            _HEAD + "loader = DataLoader(ds, batch_size=args.batch_size // world_size, sampler=sampler, drop_last=True)\n"
+            "for epoch in range(3):\n    for x, y in loader:\n        target = torch.ones(args.batch_size, 1)\n"
+            "        (model(x) - target).sum().backward()\n",
+            line=11,
+        ),
+    )
+
+    def check(self, ctx):
+        if not ctx.shards.uses_fully_shard:
+            return
+        r = ctx.resolver
+        loops = [n for n in ctx.nodes(cst.For)]
+        for loader in ctx.training_loaders():
+            if not loader.trains:
+                continue
+            nominal = _nominal(loader.call)
+            if nominal is None:
+                continue
+            name, divided = nominal
+            full = _is_true(loader.drop_last)
+            if full and not divided:
+                continue
+            why = ("the per-rank loader reads `batch_size // world_size`" if divided else
+                   "but a rank's last batch is partial wherever its shard of the data does not divide by it "
+                   "(the loader has no drop_last=True)")
+            for loop in loops:
+                if loader.name not in names_in(loop.iter):
+                    continue
+                for call in r.descendants(loop.body, cst.Call):
+                    if r.enclosing_function(call) is not r.enclosing_function(loop):
+                        continue
+                    if self._shaped_by(ctx, call, name):
+                        yield call, {"call": _short(call), "name": name, "why": why}, None
+
+    def _shaped_by(self, ctx, call: cst.Call, name: str) -> bool:
+        func = call.func
+        shaper = isinstance(func, cst.Attribute) and func.attr.value in _SHAPERS
+        if not shaper and not (ctx.resolver.qnames(call) & _FACTORIES):
+            return False
+        for arg in call.args:
+            if arg.keyword is not None and arg.keyword.value not in ("size",):
+                continue
+            values = [e.value for e in arg.value.elements] if isinstance(arg.value, (cst.Tuple, cst.List)) else [arg.value]
+            if any(_code(v) == name for v in values):
+                return True
+        return False
+
+
+def _nominal(call: cst.Call) -> Optional[Tuple[str, bool]]:
+    """(the batch-size expression's code, whether it is divided) of a DataLoader(...) call."""
+    value = None
+    for i, arg in enumerate(call.args):
+        if (arg.keyword is not None and arg.keyword.value == "batch_size") or (arg.keyword is None and i == 1):
+            value = arg.value
+    if value is None:
+        return None
+    if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, (cst.FloorDivide, cst.Divide)):
+        value, divided = value.left, True
+    else:
+        divided = False
+    if not isinstance(value, (cst.Name, cst.Attribute)):
+        return None
+    return _code(value), divided
+
+
+def _is_true(expr) -> bool:
+    return isinstance(expr, cst.Name) and expr.value == "True"
+
+
+def _code(node) -> str:
+    from fsdp2_retrofit.syntax.names import code
+
+    return code(node)
+
+
+def _short(node) -> str:
+    text = _code(node)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,132 @@
+"""FSD121 missing-set-epoch."""
+from __future__ import annotations
+
+from typing import Optional
+
+import libcst as cst
+
+from fsdp2_retrofit.syntax.names import names_in
+from . import Invalid, Rule, Valid
+
+_HEAD = (
+    "import torch\nfrom torch.distributed.fsdp import fully_shard\nfrom torch.utils.data import DataLoader\n"
+    "from torch.utils.data.distributed import DistributedSampler\nmodel = Net()\nfully_shard(model)\n"
+)
+_EPOCHS = "for epoch in range(3):\n{set_epoch}    for x, y in loader:\n        model(x).sum().backward()\n"
+
+
+def _epochs(set_epoch: str = "") -> str:
+    return _EPOCHS.format(set_epoch=set_epoch)
+
+
+class MissingSetEpoch(Rule):
+    """Checks for a shuffling DistributedSampler read for several epochs without `set_epoch`.
+
+    ## What it does
+    In a script that shards a model, flags the `DistributedSampler` of a training
+    DataLoader when it shuffles (`shuffle` is not `False`), a loop over the loader
+    sits inside another loop (the epochs), and nothing calls `set_epoch` on the
+    sampler (`sampler.set_epoch(epoch)` or `loader.sampler.set_epoch(epoch)`).
+
+    ## Why is this bad?
+    A DistributedSampler shuffles with the seed `seed + epoch`, and its epoch only
+    changes through `set_epoch`. Without it every epoch reads the same permutation:
+    the same batches in the same order, epoch after epoch, unlike the fresh shuffle
+    of a single-process `shuffle=True` loader. Training runs, and generalises worse,
+    silently.
+
+    ## Example
+    ```python
+    sampler = DistributedSampler(dataset, shuffle=True)
+    loader = DataLoader(dataset, batch_size=32, sampler=sampler)
+    for epoch in range(epochs):
+        for x, y in loader:
+            ...
+    ```
+
+    ## Use instead
+    ```python
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            ...
+    ```
+
+    ## Fix safety
+    No automatic fix: which loop counts the epochs needs a person when there are
+    several.
+    """
+
+    CODE = "FSD121"
+    NAME = "missing-set-epoch"
+    MESSAGE = (
+        "DistributedSampler of `{loader}` shuffles but nothing calls `set_epoch` on it, and the loop at line {loop} "
+        "reads it every epoch: each epoch repeats the same order"
+    )
+    TRIGGERS = ("DistributedSampler",)
+    VALID = (
+        Valid(_HEAD + "sampler = DistributedSampler(ds, shuffle=True)\n"
+              "loader = DataLoader(ds, batch_size=8, sampler=sampler)\n" + _epochs("    sampler.set_epoch(epoch)\n")),
+        Valid(_HEAD + "sampler = DistributedSampler(ds, shuffle=True)\n"
+              "loader = DataLoader(ds, batch_size=8, sampler=sampler)\n"
+              + _epochs("    loader.sampler.set_epoch(epoch)\n")),
+        Valid(_HEAD + "sampler = DistributedSampler(ds, shuffle=False)\n"
+              "loader = DataLoader(ds, batch_size=8, sampler=sampler)\n" + _epochs()),
+        Valid(_HEAD + "sampler = DistributedSampler(ds)\nloader = DataLoader(ds, batch_size=8, sampler=sampler)\n"
+              "for x, y in loader:\n    model(x).sum().backward()\n"),  # one pass
+    )
+    INVALID = (
+        Invalid(_HEAD + "sampler = DistributedSampler(ds, shuffle=True)\n"
+                "loader = DataLoader(ds, batch_size=8, sampler=sampler)\n" + _epochs(), line=7),
+        Invalid(_HEAD + "loader = DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds))\n"
+                "step = 0\nwhile step < 100:\n    for x, y in loader:\n        model(x).sum().backward()\n"
+                "        step += 1\n", line=7),
+    )
+
+    def check(self, ctx):
+        if not ctx.shards.uses_fully_shard:
+            return
+        r = ctx.resolver
+        receivers = set()
+        for call in ctx.nodes(cst.Call):
+            func = call.func
+            if isinstance(func, cst.Attribute) and func.attr.value == "set_epoch":
+                receivers.add(_code(func.value))
+        fors = ctx.nodes(cst.For)
+        for loader in ctx.training_loaders():
+            sampler = loader.sampler
+            if not loader.trains or sampler is None or sampler.kind != "distributed" or sampler.call is None:
+                continue
+            if _shuffle_off(sampler.call):
+                continue
+            names = {_code(sampler.expr), f"{loader.name}.sampler"}
+            if names & receivers:
+                continue
+            loop = self._epoch_loop(r, fors, loader.name)
+            if loop is not None:
+                yield sampler.call, {"loader": loader.name, "loop": str(r.line(loop))}, None
+
+    def _epoch_loop(self, r, fors, name: str) -> Optional[cst.CSTNode]:
+        """A loop over the loader that sits inside another loop of the same function."""
+        for loop in fors:
+            if name not in names_in(loop.iter):
+                continue
+            for anc in r.ancestors(loop):
+                if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+                    break
+                if isinstance(anc, (cst.For, cst.While)):
+                    return loop
+        return None
+
+
+def _shuffle_off(call: cst.Call) -> bool:
+    for arg in call.args:
+        if arg.keyword is not None and arg.keyword.value == "shuffle":
+            return isinstance(arg.value, cst.Name) and arg.value.value == "False"
+    return False
+
+
+def _code(node) -> str:
+    from fsdp2_retrofit.syntax.names import code
+
+    return code(node)

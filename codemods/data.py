@@ -8,6 +8,7 @@ import libcst as cst
 from fsdp2_retrofit.analysis import LoaderSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.batch_size import batch_size_readers
 from fsdp2_retrofit.analysis.data import unfollowed_loaders
+from fsdp2_retrofit.analysis.loops import steps_outside_loops
 from fsdp2_retrofit.syntax.names import iterated_name, names_in
 from fsdp2_retrofit.rewrite.edit import with_keyword, without_entry, without_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
@@ -42,6 +43,7 @@ class DistributeDataCommand(RetrofitStage):
                 "dist.get_rank() / dist.get_world_size() or use a DataLoader with DistributedSampler",
                 differs=True,
             )
+        self._steps_without_loader(facts)
         self._unfollowed(tree, facts, training)
         for loader in facts.loaders:
             if not loader.trains and not loader.returned:
@@ -67,6 +69,24 @@ class DistributeDataCommand(RetrofitStage):
             if loader.sampler is not None and loader.sampler.kind == "distributed":
                 continue
             self._distribute(loader, facts, editor, several=len(training) > 1)
+
+    def _steps_without_loader(self, facts: ScriptFacts) -> None:
+        """An optimizer step no loop repeats (a one-off step at module level): its batch
+        comes from no DataLoader the rewrite shards, so the ranks step on whatever data each
+        holds. Flagged once, at the first such step (a step inside a loop is the loop's)."""
+        steps = steps_outside_loops(facts.resolver, facts.optimizer_names)
+        if not steps:
+            return
+        more = f" (and {len(steps) - 1} more)" if len(steps) > 1 else ""
+        self.attention(
+            steps[0],
+            f"`{code(steps[0])}` steps outside any loop over a DataLoader{more}: its batch is not split "
+            "between ranks",
+            "each rank computes this step on the tensors it holds: data drawn at random (torch.randn) differs "
+            "between ranks and the step averages their gradients, so it does not train like the single run; read "
+            "the batch from a DataLoader the rewrite gives a DistributedSampler, or draw the same data on every rank",
+            differs=True,
+        )
 
     def _unfollowed(self, tree: cst.Module, facts: ScriptFacts, training: list) -> None:
         """DataLoaders no loop can be traced to: refused where no training loader was

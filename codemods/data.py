@@ -186,7 +186,7 @@ class DistributeDataCommand(RetrofitStage):
         world = "world_size" if same_scope else "dist.get_world_size()"
         text = code(size)
         operand = text if isinstance(size, (cst.Name, cst.Attribute, cst.Integer)) else f"({text})"
-        readers = batch_size_readers(facts.resolver, loader.stmt, size)
+        readers = batch_size_readers(facts.resolver, loader.stmt, size, [loop.node for loop in facts.loops])
         if readers is not None and readers.problem is not None:
             node, why = readers.problem
             self.refuse(

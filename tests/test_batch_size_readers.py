@@ -8,6 +8,7 @@ from textwrap import dedent
 import libcst as cst
 
 from fsdp2_retrofit.analysis.batch_size import batch_size_readers
+from fsdp2_retrofit.analysis.loops import train_loops
 from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.rewrite.pipeline import rewrite_source
 from fsdp2_retrofit.syntax.names import Resolver
@@ -46,17 +47,21 @@ def _readers(source: str):
     stmt = next(s for s in resolver.nodes(cst.SimpleStatementLine) if "DataLoader(" in module.code_for_node(s))
     call = stmt.body[0].value
     size = next(a.value for a in call.args if a.keyword is not None and a.keyword.value == "batch_size")
-    return batch_size_readers(resolver, stmt, size)
+    return batch_size_readers(resolver, stmt, size, [loop.node for loop in train_loops(module, resolver)])
 
 
 def test_shape_reads_are_told_from_other_reads():
-    readers = _readers(MODULE_LEVEL + "print(batch_size)\nsteps = len(data) // batch_size\n"
-                       "idx = torch.randint(0, batch_size, (4,))\nfull = torch.full((batch_size, 2), 0.5)\n")
+    in_loop = "    full = torch.full((batch_size, 2), 0.5)\n    idx = torch.randint(0, batch_size, (4,))\n"
+    readers = _readers(MODULE_LEVEL.replace("    opt.step()\n", "    opt.step()\n" + in_loop)
+                       + "print(batch_size)\nsteps = len(data) // batch_size\nsample = torch.randn(batch_size, 4)\n")
     assert readers.key == "batch_size"
-    assert len(readers.shape) == 3  # reshape, torch.ones, torch.full's size tuple
+    assert len(readers.shape) == 3  # reshape, torch.ones, torch.full's size tuple: in the training loop
     assert len(readers.printed) == 1
     assert [what for _, what in readers.other] == [
-        "arithmetic: `len(data) // batch_size`", "an argument of `torch.randint(...)`"]  # randint's high bound
+        "an argument of `torch.randint(...)`",  # randint's high bound is no dimension
+        "arithmetic: `len(data) // batch_size`",
+        "a tensor sized outside the training loop",  # samples drawn for a picture, say
+    ]
 
 
 def test_a_name_read_by_batch_tensors_is_rebound_once_before_the_loader():
@@ -126,7 +131,7 @@ def main():
     assert "would make it a local name" in result.refusals[0].what
 
 
-def test_a_batch_tensor_sized_before_the_loader_is_refused():
+def test_a_tensor_sized_outside_the_training_loop_is_refused_beside_batch_tensors():
     source = MODULE_LEVEL.replace("model = nn.Linear(4, 1)\n", "model = nn.Linear(4, 1)\nfixed = torch.zeros(batch_size, 4)\n")
     result = _rewrite(source)
     assert [(r.code, r.line) for r in result.refusals] == [("FSR903", _line_of(source, "fixed = "))]
@@ -139,3 +144,11 @@ def test_a_loader_built_in_a_loop_is_refused():
     result = _rewrite(source)
     assert [r.code for r in result.refusals] == ["FSR903"]
     assert "inside a loop" in result.refusals[0].what
+
+
+def test_a_tensor_sized_outside_the_loop_alone_keeps_the_division_in_the_call():
+    source = MODULE_LEVEL.replace("x.reshape(batch_size, -1)", "x").replace("torch.ones(batch_size, 1)", "x")
+    source += "sample = torch.randn(batch_size, 4)\n"
+    text = _rewrite(source).code.decode()
+    assert "batch_size=batch_size // world_size, sampler=sampler" in text
+    assert "sample = torch.randn(batch_size, 4)" in text

@@ -9,7 +9,7 @@ size so that every later read sees it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import libcst as cst
 
@@ -21,8 +21,8 @@ from fsdp2_retrofit.syntax.torch_api import BATCH_SHAPE_FACTORIES, BATCH_SHAPE_M
 class BatchSizeReaders:
     """The reads of a loader's batch size other than the loader's own argument.
 
-    `shape`: reads that size a tensor of one batch (a factory's or reshape's dimension):
-    they want the per-rank size. `printed`: reads inside print(): either size is right.
+    `shape`: reads in a training loop that size a tensor of one batch (a factory's or
+    reshape's dimension): they want the per-rank size. `printed`: reads inside print(): either size is right.
     `other`: reads whose meaning the analysis cannot tell (a count of samples, an argument
     of some function), each with why. `problem`: why the name cannot be rebound once
     before the loader (node and why), or None.
@@ -35,9 +35,12 @@ class BatchSizeReaders:
     problem: Optional[Tuple[cst.CSTNode, str]] = None
 
 
-def batch_size_readers(resolver: Resolver, loader_stmt: cst.CSTNode, size: cst.BaseExpression) -> Optional[BatchSizeReaders]:
+def batch_size_readers(resolver: Resolver, loader_stmt: cst.CSTNode, size: cst.BaseExpression,
+                       loops: Sequence[cst.CSTNode]) -> Optional[BatchSizeReaders]:
     """The other reads of `size` (the loader's batch_size argument) when it is a plain
-    name or attribute path (`batch_size`, `args.batch_size`); None for anything else."""
+    name or attribute path (`batch_size`, `args.batch_size`); None for anything else.
+    `loops`: the training loops; a tensor sized outside them (samples drawn for a picture
+    at the end of an epoch) is not known to be part of a step, so it counts as `other`."""
     path = attr_path(size)
     if path is None:
         return None
@@ -54,7 +57,10 @@ def batch_size_readers(resolver: Resolver, loader_stmt: cst.CSTNode, size: cst.B
                  if a is not size and attr_path(a) == path and not _is_target(resolver, a)]
     for read in reads:
         if _sizes_a_batch_tensor(resolver, read):
-            out.shape.append(read)
+            if any(loop in set(resolver.ancestors(read)) for loop in loops):
+                out.shape.append(read)
+            else:
+                out.other.append((read, "a tensor sized outside the training loop"))
         elif _printed(resolver, read):
             out.printed.append(read)
         else:

@@ -6,7 +6,9 @@ from typing import Optional
 import libcst as cst
 
 from fsdp2_retrofit.analysis import LoaderSite, ScriptFacts, code
+from fsdp2_retrofit.analysis.batch_size import batch_size_readers
 from fsdp2_retrofit.analysis.data import unfollowed_loaders
+from fsdp2_retrofit.analysis.loops import steps_outside_loops
 from fsdp2_retrofit.syntax.names import iterated_name, names_in
 from fsdp2_retrofit.rewrite.edit import with_keyword, without_entry, without_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
@@ -41,6 +43,7 @@ class DistributeDataCommand(RetrofitStage):
                 "dist.get_rank() / dist.get_world_size() or use a DataLoader with DistributedSampler",
                 differs=True,
             )
+        self._steps_without_loader(facts)
         self._unfollowed(tree, facts, training)
         for loader in facts.loaders:
             if not loader.trains and not loader.returned:
@@ -66,6 +69,24 @@ class DistributeDataCommand(RetrofitStage):
             if loader.sampler is not None and loader.sampler.kind == "distributed":
                 continue
             self._distribute(loader, facts, editor, several=len(training) > 1)
+
+    def _steps_without_loader(self, facts: ScriptFacts) -> None:
+        """An optimizer step no loop repeats (a one-off step at module level): its batch
+        comes from no DataLoader the rewrite shards, so the ranks step on whatever data each
+        holds. Flagged once, at the first such step (a step inside a loop is the loop's)."""
+        steps = steps_outside_loops(facts.resolver, facts.optimizer_names)
+        if not steps:
+            return
+        more = f" (and {len(steps) - 1} more)" if len(steps) > 1 else ""
+        self.attention(
+            steps[0],
+            f"`{code(steps[0])}` steps outside any loop over a DataLoader{more}: its batch is not split "
+            "between ranks",
+            "each rank computes this step on the tensors it holds: data drawn at random (torch.randn) differs "
+            "between ranks and the step averages their gradients, so it does not train like the single run; read "
+            "the batch from a DataLoader the rewrite gives a DistributedSampler, or draw the same data on every rank",
+            differs=True,
+        )
 
     def _unfollowed(self, tree: cst.Module, facts: ScriptFacts, training: list) -> None:
         """DataLoaders no loop can be traced to: refused where no training loader was
@@ -107,8 +128,7 @@ class DistributeDataCommand(RetrofitStage):
         if hoisted is not None:
             new.append(self.stmt(f"{dataset} = {code(loader.dataset)}\n"))
         new.append(self.stmt(f"{sampler} = DistributedSampler({dataset}, shuffle={shuffle}{extra})\n"))
-        batch = self._keep_global_batch(loader, facts, new) if self.options.keep_global_batch else None
-        keep = batch is not None
+        batch, keep = self._keep_global_batch(loader, facts, new) if self.options.keep_global_batch else (None, False)
         leading = list(loader.stmt.leading_lines)
         new[0] = new[0].with_changes(leading_lines=leading)
         editor.insert_before(loader.stmt, new)
@@ -147,9 +167,11 @@ class DistributeDataCommand(RetrofitStage):
         )
         self._set_epoch(loader, code(site.expr), facts, editor)
 
-    def _keep_global_batch(self, loader: LoaderSite, facts: ScriptFacts, new: list) -> Optional[cst.BaseExpression]:
-        """--keep-global-batch: each rank reads batch_size // world_size, checked at run time
-        (the per-rank batch size; None where it cannot be divided)."""
+    def _keep_global_batch(self, loader: LoaderSite, facts: ScriptFacts, new: list) -> tuple:
+        """--keep-global-batch: each rank reads batch_size // world_size, checked at run time.
+        Returns (the loader's new batch_size= value or None where it stays, whether it is
+        divided). A name (or attribute) the script also reads to size batch tensors is
+        rebound once to the per-rank size before the loader, so those reads see it too."""
         size = _batch_size(loader.call)
         if size is None:
             self.attention(
@@ -157,15 +179,40 @@ class DistributeDataCommand(RetrofitStage):
                 f"--keep-global-batch: the batch size of `{loader.name}` is not an argument of the call: not divided",
                 "pass batch_size= to the DataLoader (not through a dict) so the rewrite can divide it",
             )
-            return None
+            return None, False
         same_scope = facts.resolver.enclosing_function(loader.stmt) is facts.resolver.enclosing_function(
             facts.models[0].stmt
         )
         world = "world_size" if same_scope else "dist.get_world_size()"
         text = code(size)
         operand = text if isinstance(size, (cst.Name, cst.Attribute, cst.Integer)) else f"({text})"
+        readers = batch_size_readers(facts.resolver, loader.stmt, size, [loop.node for loop in facts.loops])
+        if readers is not None and readers.problem is not None:
+            node, why = readers.problem
+            self.refuse(
+                "FSR903",
+                node,
+                f"--keep-global-batch: `{readers.key}`, the batch size of `{loader.name}`, also sizes batch tensors "
+                f"(line {', '.join(str(self.line(n)) for n in readers.shape)}); {why}",
+                "divided in the DataLoader only, the other reads would keep the global size and disagree with the "
+                "per-rank batch (a shape error, or a silent broadcast)",
+                f"bind the per-rank size to a name of its own (`{readers.key.split('.')[-1]}_per_rank = "
+                f"{readers.key} // world_size`) read by the DataLoader and the batch tensors, or run without "
+                "--keep-global-batch",
+            )
         new.append(self.stmt(f'assert {operand} % {world} == 0, "the batch size must divide by the number of ranks"\n'))
-        return self.expr(f"{operand} // {world}")
+        if readers is None or not readers.shape:
+            return self.expr(f"{operand} // {world}"), True
+        new.append(self.stmt(f"{text} = {text} // {world}  # per rank from here on\n"))
+        self.change(
+            loader.stmt,
+            f"`{text}` is rebound to the per-rank size before `{loader.name}`: its reads at line "
+            f"{', '.join(str(self.line(n)) for n in readers.shape)} size tensors of one batch",
+            "those tensors must match the per-rank batch the loader now yields",
+            "dividing only the loader's argument leaves them at the global size: a shape error or a silent "
+            "broadcast against the smaller batch",
+        )
+        return None, True
 
     def _dataset(self, loader: LoaderSite, scope):
         if isinstance(loader.dataset, (cst.Name, cst.Attribute)):

@@ -65,3 +65,46 @@ class LoopAnalysis(SiteAnalysis):
 def train_loops(module: cst.Module, resolver: Resolver) -> List[LoopSite]:
     """The loops of a script that call backward() (directly or through its functions)."""
     return LoopAnalysis(module, resolver)._train_loops(resolver.nodes(cst.For) + resolver.nodes(cst.While))
+
+
+def steps_outside_loops(resolver: Resolver, optimizer_names) -> List[cst.Call]:
+    """`optimizer.step()` calls of the given optimizers (names per function, as
+    ScriptFacts.optimizer_names) that no loop repeats: at module level or in a function
+    that runs once (called, and never from inside a loop, directly or through its callers).
+    A step in a function the script never calls is left out (its caller is unknown)."""
+    found = []
+    for call in resolver.nodes(cst.Call):
+        func = call.func
+        if not (isinstance(func, cst.Attribute) and func.attr.value == "step" and isinstance(func.value, cst.Name)):
+            continue
+        function = resolver.enclosing_function(call)
+        if func.value.value not in optimizer_names.get(function, {}):
+            continue
+        if not _in_loop(resolver, call) and _runs_once(resolver, function, set()):
+            found.append(call)
+    return found
+
+
+def _in_loop(resolver: Resolver, node) -> bool:
+    """Inside a for/while body (or a comprehension) of its own function."""
+    for anc in resolver.ancestors(node):
+        if isinstance(anc, cst.FunctionDef):
+            return False
+        if isinstance(anc, (cst.For, cst.While, cst.CompFor)):
+            return True
+    return False
+
+
+def _runs_once(resolver: Resolver, function, seen: set) -> bool:
+    if function is None:
+        return True
+    if function in seen:
+        return False  # recursion
+    seen = seen | {function}
+    name = function.name.value
+    callers = [c for c in resolver.nodes(cst.Call)
+               if (isinstance(c.func, cst.Name) and c.func.value == name)
+               or (isinstance(c.func, cst.Attribute) and c.func.attr.value == name)]
+    return bool(callers) and all(
+        not _in_loop(resolver, c) and _runs_once(resolver, resolver.enclosing_function(c), seen) for c in callers
+    )

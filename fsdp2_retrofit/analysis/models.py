@@ -331,14 +331,15 @@ class ModelAnalysis(SiteAnalysis):
 
     def _shard_anchor(self, name: str, stmt, block, frozen: bool = False) -> cst.CSTNode:
         """The last statement that builds or places the model before it is used; for a
-        frozen model or a copy, also what freezes it (eval(), requires_grad_(False), a
-        loop over its parameters), up to the first other statement that uses it."""
+        frozen model or a copy, also what freezes or restructures it (eval(),
+        requires_grad_(False), a loop over its parameters, a new submodule), up to the
+        first other statement that uses it."""
         body = list(block.body)
         anchor = stmt
         used = False  # by an optimizer or a forward: later restructuring stays after fully_shard
         for later in body[body.index(stmt) + 1 :]:
-            if frozen and _prepares(later, name):
-                anchor = later
+            if frozen and (_prepares(later, name) or (restructures(later, name) and not self._loads_checkpoint(later))):
+                anchor = later  # frozen, then given a new head (`name.fc = nn.Linear(...)`): shard the final module
                 continue
             if frozen and name in names_in(later):
                 break  # a load_state_dict, a forward: after sharding, as for a trained model

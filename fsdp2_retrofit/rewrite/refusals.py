@@ -308,6 +308,14 @@ _RULES = [
                 "The rewrite gives the training DataLoader a DistributedSampler; left as is, every rank would train "
                 "on the same batches.",
                 "Bind the training DataLoader to a name in the function that trains, then loop over that name."),
+    RefusalRule("FSR903", "data-batch-size-read-elsewhere",
+                "--keep-global-batch: the training DataLoader's batch size is a name (or attribute) the script also "
+                "reads to size batch tensors, and it cannot be rebound once to the per-rank size (bound several "
+                "times or in another scope, read for something else too, or the loader is built in a loop).",
+                "Divided in the DataLoader only, the other reads keep the global size and disagree with the per-rank "
+                "batch: a shape error, or a silent broadcast.",
+                "Bind the per-rank size to a name of its own, read by the DataLoader and the batch tensors, or run "
+                "without --keep-global-batch."),
     # -- 95x zero_grad (a stage of its own, numbered among the 9xx) ---------------------
     RefusalRule("FSR950", "zero-grad-between-forward-and-backward",
                 "`model.zero_grad()` between the model's forward and backward() with no one optimizer to clear "

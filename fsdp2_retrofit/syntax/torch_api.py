@@ -152,6 +152,11 @@ TENSOR_FACTORIES = frozenset(
         "from_numpy", "eye",
     )
 )
+# a dimension given to these sizes a new tensor (the factories) or a batch reshaped (the methods)
+BATCH_SHAPE_FACTORIES = frozenset(
+    "torch." + name for name in ("zeros", "ones", "randn", "rand", "randint", "full", "empty")
+)
+BATCH_SHAPE_METHODS = frozenset({"reshape", "view", "expand", "new_zeros", "new_ones", "new_empty", "new_full"})
 
 # gradients with a graph of their own (create_graph=True): a double backward
 AUTOGRAD_GRAD = frozenset({"torch.autograd.grad"})

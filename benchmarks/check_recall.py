@@ -288,12 +288,7 @@ CORPUS_CAUSES: Dict[str, CorpusCause] = {
 
 # Findings on goldens that are real defects of the golden (read, and explained), not false
 # positives of the rule: (fixture, code) -> why. Each is a gap of `rewrite` to fix there.
-GOLDEN_DEFECTS: Dict[Tuple[str, str], str] = {
-    (name, "FSD121"): "the passes over the loader are counted by `while step < args.steps:` and the rewrite adds no "
-    "`sampler.set_epoch`: every pass after the first repeats the first one's order (PyTorch's DistributedSampler "
-    "docs: without set_epoch 'the same ordering will be always used')"
-    for name in ("if_else_cuda_build", "meta_init_gpt", "meta_init_plain", "meta_init_sibling", "sibling_model")
-}
+GOLDEN_DEFECTS: Dict[Tuple[str, str], str] = {}  # (fixture, code) -> why the golden really has that defect
 
 
 def default_rules():

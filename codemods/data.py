@@ -222,6 +222,8 @@ class DistributeDataCommand(RetrofitStage):
 
     def _set_epoch(self, loader: LoaderSite, sampler: str, facts: ScriptFacts, editor) -> None:
         epoch_loop = _epoch_loop(loader, facts)
+        if epoch_loop is None and self._count_passes(loader, sampler, facts, editor):
+            return
         if epoch_loop is None:
             shuffled = loader.shuffle is not None and code(loader.shuffle) != "False"
             if shuffled and not _iterated_directly(loader):
@@ -243,6 +245,38 @@ class DistributeDataCommand(RetrofitStage):
             "DistributedSampler reshuffles from its epoch number",
             "without set_epoch every epoch repeats the same order",
         )
+
+    def _count_passes(self, loader: LoaderSite, sampler: str, facts: ScriptFacts, editor) -> bool:
+        """A pass (`for ... in loader:`) repeated by a `while` (`while step < max_steps:`) has no epoch
+        variable: count the passes in a new one and hand it to set_epoch before each."""
+        shuffled = loader.shuffle is not None and code(loader.shuffle) != "False"
+        site = _pass_in_while(loader, facts) if shuffled else None  # unshuffled: every epoch reads one order
+        if site is None:
+            return False
+        while_loop, one_pass = site
+        counter = self.fresh_name("epoch", facts.resolver.enclosing_function(while_loop))
+        call = f"{sampler}.set_epoch({counter})"
+        editor.insert_before(while_loop, [self.stmt(f"{counter} = 0  # passes over {loader.name}\n")])
+        editor.insert_before(one_pass, [self.stmt(call + "\n"), self.stmt(f"{counter} += 1\n")])
+        self.change(
+            one_pass,
+            f"`{call}` before each pass over `{loader.name}`, counting the passes in `{counter}`",
+            "DistributedSampler reshuffles from its epoch number; the `while` loop repeating the pass has none",
+            "without set_epoch every pass repeats the first one's order",
+        )
+        return True
+
+
+def _pass_in_while(loader: LoaderSite, facts: ScriptFacts):
+    """(the while, the for) when a `for` over the loader sits directly in a `while`'s body."""
+    for node in facts.resolver.descendants(loader.block, cst.For):
+        if iterated_name(node.iter) != loader.name:
+            continue
+        block = facts.resolver.parent(node)
+        owner = facts.resolver.parent(block) if block is not None else None
+        if isinstance(block, cst.IndentedBlock) and isinstance(owner, cst.While):
+            return owner, node
+    return None
 
 
 def _epoch_loop(loader: LoaderSite, facts: ScriptFacts) -> Optional[cst.For]:

@@ -25,7 +25,7 @@ FUTURE = "checkpoint_future"
 GROUP = "checkpoint_group"
 DIRECTORY_NOTE = (
     "each rank holds only its shards; DCP writes them in parallel and can reshard on load "
-    "(one file: torch.distributed.checkpoint.format_utils.dcp_to_torch_save(dir, file))"
+    "(one file for single-GPU code: `fsdp2-retrofit convert DIR FILE`)"
 )
 
 

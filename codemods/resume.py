@@ -117,8 +117,8 @@ class ConvertLoadsCommand(RetrofitStage):
                 f"`{code(site.path)}` is loaded as a DCP checkpoint directory of this script (dcp.load): "
                 "check that it names one; a single torch.save file there (a single-GPU run's) fails to load",
                 "the path is not one this script saves to, but what is read from it is what its DCP saves write; "
-                "a single-GPU checkpoint converts with torch.distributed.checkpoint.format_utils.torch_save_to_dcp "
-                "only for the model (its optimizer state is keyed by parameter number, not name)",
+                "a single-GPU checkpoint converts with `fsdp2-retrofit convert FILE DIR`, "
+                "but only for the model (its optimizer state is keyed by parameter number, not name)",
             )
         if site.unknown_use is not None or not state_uses or (
             site.var and any(u.key is None for u in site.uses) and len(site.uses) > 1

@@ -48,8 +48,11 @@ class ConvertLoadsCommand(RetrofitStage):
         self.dcp_whole_kinds: Set[str] = set()  # what a DCP save of a bare state dict writes
         self.async_saves: List[cst.CSTNode] = []
         self.saved_values: Dict[str, cst.BaseExpression] = {}  # dict key -> the value a DCP save writes
+        self.whole_saves: Dict[str, tuple] = {}  # path of a torch.save(model, path) -> (model, "dcp" | "full")
         for site in saves(facts):
             form = save_format(site, self.options.export)
+            if site.whole_model is not None and form is not None:
+                self.whole_saves.setdefault(site.path_key, (site.whole_model, form))
             if form == "dcp":
                 self.dcp_paths.setdefault(site.path_key, []).append(site)
                 self.dcp_keys |= set(site.dict_keys)
@@ -91,6 +94,9 @@ class ConvertLoadsCommand(RetrofitStage):
         return "full"
 
     def _convert_load(self, site: LoadSite, facts: ScriptFacts, editor: StatementEditor) -> None:
+        if site.path_key in self.whole_saves and site.var is not None:
+            self._whole_model_reload(site, facts, editor)
+            return
         state_uses = [u for u in site.uses if u.kind in ("model", "optimizer")]
         origin = self._origin(site)
         if origin == "full":
@@ -137,6 +143,101 @@ class ConvertLoadsCommand(RetrofitStage):
             return
         self._require_built(site, state_uses + [u for u in site.uses if u.kind == "stateful"], facts)
         self._load_dcp(site, facts, editor)
+
+    # -- a pickled module reloaded: `torch.save(model, p)` ... `model = torch.load(p)` ----
+
+    def _whole_model_reload(self, site: LoadSite, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """The save writes the model's state dict now; `model = torch.load(p)` becomes a load
+        of it into the sharded model itself, where nothing trains it afterwards (the original
+        rebinds the name to a new module that its optimizer does not hold)."""
+        model, form = self.whole_saves[site.path_key]
+        path = code(site.path)
+        if site.var != model:
+            self.attention(
+                site.call,
+                f"`{site.var} = torch.load({path})` unpickled a second copy of `{model}`; the save on that path now "
+                f"writes `{model}`'s state dict, so this load is left as it is and fails",
+                f"build `{site.var}` as `{model}` is built and shard it, then dcp.load into "
+                f"get_model_state_dict({site.var}) and set_model_state_dict({site.var}, ...)",
+                differs=True,
+            )
+            return
+        problem = self._trained_after(site, facts)
+        if problem:
+            self.attention(
+                site.call,
+                f"`{model} = torch.load({path})` (a pickled module) is left as it is and fails: {problem}",
+                "the save now writes the state dict of the sharded model; loading it into the live model would "
+                f"let training continue on it, where the original trains a module (`{model}` before this line) "
+                f"that is no longer `{model}`: build a new model, shard it and load into that",
+                differs=True,
+            )
+            return
+        use = LoadUse(site.call, site.stmt, None, "model", model, model, None)
+        scope = facts.resolver.enclosing_function(site.stmt)
+        if form == "dcp":
+            var = self.fresh_name(f"{model}_state", scope)
+            self.__dict__["_visible"][id(scope)].add(var)
+            new = [*self._reshard(use, facts), self.stmt(f"{var} = get_model_state_dict({model})\n"),
+                   *self._dcp_load(var, path, site, facts), self.stmt(f"set_model_state_dict({model}, {var})\n")]
+            self.add_import("torch.distributed.checkpoint", asname="dcp")
+            self.add_import(STATE_DICT_MODULE, "get_model_state_dict")
+            how = "dcp.load into get_model_state_dict, then set_model_state_dict"
+        else:
+            test = self.rank_zero_test(site.stmt, facts) or "dist.get_rank() == 0"
+            new = [self.stmt("dist.barrier()  # every rank reads the file rank 0 wrote\n"),
+                   *self._reshard(use, facts),
+                   self.stmt(f"set_model_state_dict({model}, {code(site.call)} if {test} else {{}}, "
+                             f"options={BROADCAST})\n")]
+            self.add_import("torch.distributed", asname="dist")
+            self.add_import(STATE_DICT_MODULE, "StateDictOptions")
+            how = "rank 0 reads the file, set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)"
+        self.add_import(STATE_DICT_MODULE, "set_model_state_dict")
+        new[0] = new[0].with_changes(leading_lines=site.stmt.leading_lines)
+        editor.replace(site.stmt, new[0])
+        editor.insert_after(site.stmt, new[1:])
+        self.change(
+            site.stmt,
+            f"`{model} = torch.load({path})` (a pickled module) loads the saved state into the sharded `{model}`: {how}",
+            f"the save writes `{model}`'s state dict now; nothing trains `{model}` after this line, so loading into "
+            "it is what rebinding it to the unpickled copy did",
+            "torch.load of a DCP directory fails (IsADirectoryError); a pickled sharded module holds one rank's shards",
+        )
+        if not self._mode_set_next(site, model, facts):
+            self.attention(
+                site.stmt,
+                f"the unpickled `{model}` came back in the train/eval mode it was saved in; the loaded state leaves "
+                f"`{model}` in the mode it has here",
+                f"call `{model}.eval()` (or `.train()`) after the load if dropout or batch norm must act as at the save",
+            )
+
+    def _trained_after(self, site: LoadSite, facts: ScriptFacts) -> str:
+        """Why loading into the live model could train it afterwards ("" when it cannot)."""
+        r = facts.resolver
+        function = r.enclosing_function(site.stmt)
+        for anc in r.ancestors(site.stmt):
+            if anc is function:
+                break
+            if isinstance(anc, (cst.For, cst.While)):
+                return "the reload is inside a loop"
+        order = {id(s): i for i, s in enumerate(r.nodes(cst.SimpleStatementLine))}
+        at = order.get(id(site.stmt), 0)
+        if any(l.function is function and _last_line(l.node, order) > at for l in facts.loops):
+            return "a training loop runs after it"
+        return ""
+
+    def _mode_set_next(self, site: LoadSite, model: str, facts: ScriptFacts) -> bool:
+        """The next statement of the block that reads `model` is `model.eval()` / `model.train(...)`."""
+        block = facts.resolver.block_of(site.stmt)
+        body = list(block.body) if block is not None else []
+        for stmt in body[body.index(site.stmt) + 1:] if site.stmt in body else []:
+            if model not in read_names(stmt) | assigned_names(stmt):
+                continue
+            small = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 else None
+            call = small.value if isinstance(small, cst.Expr) else None
+            return (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute)
+                    and code(call.func) in (f"{model}.eval", f"{model}.train"))
+        return False
 
     # -- the config first: read it, build the model from it, then load the state ------
 
@@ -502,6 +603,19 @@ class ConvertLoadsCommand(RetrofitStage):
 
 def _inside(node, container, facts: ScriptFacts) -> bool:
     return any(a is container for a in facts.resolver.ancestors(node))
+
+
+def _last_line(node, order) -> int:
+    """The position of the last simple statement inside `node`."""
+    found = []
+
+    class _L(cst.CSTVisitor):
+        def visit_SimpleStatementLine(self, n) -> bool:
+            found.append(order.get(id(n), 0))
+            return False
+
+    node.visit(_L())
+    return max(found) if found else 0
 
 
 def _first_line(node, order) -> int:

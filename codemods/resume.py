@@ -33,6 +33,7 @@ from .checkpoint import FUTURE, STATE_DICT_MODULE
 COPIES = {"shutil.copy", "shutil.copyfile", "shutil.copy2"}
 READERS = {"shutil.move", "builtins.open", "os.path.getsize"} | COPIES
 BROADCAST = "StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)"
+RNG_STATES = {"torch.get_rng_state", "torch.random.get_rng_state", "torch.cuda.get_rng_state"}
 
 
 class ConvertLoadsCommand(RetrofitStage):
@@ -290,7 +291,7 @@ class ConvertLoadsCommand(RetrofitStage):
         values: Dict[str, str] = {}
         states: Dict[str, str] = {}
         for use in site.uses:
-            template = self._value_template(use.key, facts) if use.kind == "value" else _template(use)
+            template = self._value_template(use.key, facts, site.stmt) if use.kind == "value" else _template(use)
             (values if use.kind == "value" else states).setdefault(use.key, template)
         new = []
         if values:
@@ -378,7 +379,8 @@ class ConvertLoadsCommand(RetrofitStage):
             else:
                 entries: Dict[str, str] = {}
                 for use in site.uses:
-                    entries.setdefault(use.key, self._value_template(use.key, facts) if use.kind == "value" else _template(use))
+                    entries.setdefault(use.key, self._value_template(use.key, facts, site.stmt) if use.kind == "value"
+                                       else _template(use))
                 template = self._dict_text(entries, site.stmt)
             editor.replace(
                 site.stmt, self.stmt(f"{var} = {template}\n").with_changes(leading_lines=site.stmt.leading_lines)
@@ -398,8 +400,11 @@ class ConvertLoadsCommand(RetrofitStage):
             self.add_import(STATE_DICT_MODULE, "get_optimizer_state_dict")
             self.add_import(STATE_DICT_MODULE, "set_optimizer_state_dict")
         tensors = sorted(
-            {u.key for u in site.uses if u.kind == "value" and may_be_tensor(self.saved_values.get(u.key), facts)}
+            {u.key for u in site.uses if u.kind == "value" and may_be_tensor(self.saved_values.get(u.key), facts)
+             and self._value_template(u.key, facts, site.stmt) == "None"}
         )
+        rng = sorted({u.key for u in site.uses if u.kind == "value" and self.saved_values.get(u.key) is not None
+                      and facts.resolver.is_call_to(self.saved_values[u.key], RNG_STATES)})
         if tensors:
             self.attention(
                 site.stmt,
@@ -414,7 +419,10 @@ class ConvertLoadsCommand(RetrofitStage):
             f"load `{path}` with dcp.load into the state dicts of the sharded {loaded}, then set_*_state_dict"
             + (f"; {', '.join(repr(k) for k in others)} restored from the checkpoint as saved" if others else ""),
             "the checkpoint is a DCP directory of shards: each rank reads its own, for any number of ranks "
-            "(os.path.exists still finds it)",
+            "(os.path.exists still finds it)"
+            + (f"; the RNG state ({', '.join(repr(k) for k in rng)}) is saved once (DCP keeps one copy of a value "
+               "every rank holds) and every rank restores that copy: ranks seeded alike hold the same state"
+               if rng else ""),
             "torch.load of a DCP directory fails; plain tensors loaded into DTensor parameters are wrong",
         )
 
@@ -507,13 +515,34 @@ class ConvertLoadsCommand(RetrofitStage):
         future = self.fresh_name(FUTURE, function)
         return [self.stmt(f"if {future} is not None:\n    {future}.result()\n"), load]
 
-    def _value_template(self, key: str, facts: ScriptFacts) -> str:
-        """The dcp.load placeholder of a plain value: None, or for a dict the save writes
-        with keys fixed in the source, a dict of those keys (DCP flattens saved dicts)."""
-        keys = saved_dict_keys(self.saved_values.get(key), facts)
-        if not keys:
-            return "None"
-        return "{" + ", ".join(f'"{k}": None' for k in keys) + "}"
+    def _value_template(self, key: str, facts: ScriptFacts, load=None) -> str:
+        """The dcp.load placeholder of a value that is not a model's or optimizer's state:
+        None (DCP restores a plain value as saved); for a dict the save writes with keys
+        fixed in the source, a dict of those keys (DCP flattens saved dicts); a tensor
+        where the value may be one (DCP loads a saved tensor only into a tensor of its
+        shape): for an RNG state the same call (`torch.get_rng_state()`), for a name bound
+        before the load a clone of its value when that is a tensor. A wrong placeholder
+        fails the load loudly (size or type mismatch); a saved plain value replaces a
+        tensor placeholder."""
+        value = self.saved_values.get(key)
+        if value is not None and facts.resolver.is_call_to(value, RNG_STATES) and not value.args:
+            return code(value)
+        keys = saved_dict_keys(value, facts)
+        if keys:
+            return "{" + ", ".join(f'"{k}": None' for k in keys) + "}"
+        if isinstance(value, cst.Name) and load is not None and may_be_tensor(value, facts) and (
+                self._bound_before(value.value, load, facts)):
+            return f"{value.value}.clone() if torch.is_tensor({value.value}) else None"
+        return "None"
+
+    def _bound_before(self, name: str, load, facts: ScriptFacts) -> bool:
+        """`name` is assigned in the load's function before the load (in the code's order)."""
+        r = facts.resolver
+        function = r.enclosing_function(load)
+        order = {id(s): i for i, s in enumerate(r.nodes(cst.SimpleStatementLine))}
+        at = order.get(id(load), 0)
+        return any(r.enclosing_function(s) is function and order.get(id(s), at) < at and name in assigned_names(s)
+                   and isinstance(s.body[0], cst.Assign) for s in r.nodes(cst.SimpleStatementLine))
 
     def _dict_text(self, entries: Dict[str, str], stmt) -> str:
         items = [f'"{k}": {v}' for k, v in entries.items()]

@@ -67,6 +67,11 @@ class ConvertLoadsCommand(RetrofitStage):
                         {"model"} if site.whole_model else set())
             elif form == "full":
                 self.full_paths.add(site.path_key)
+        # paths rank 0 copies a checkpoint directory to: every rank reads them only after a barrier
+        self.copy_dests: Set[str] = {
+            path_key(call.args[1].value, facts) for call in calls_to(facts, COPIES)
+            if len(call.args) == 2 and path_key(call.args[0].value, facts) in self.dcp_paths
+        }
         for site in loads(facts):
             self._convert_load(site, facts, editor)
         self._other_readers(facts, editor)
@@ -82,8 +87,8 @@ class ConvertLoadsCommand(RetrofitStage):
         checkpoint directory or a single-GPU run's file)."""
         if site.path_key in self.full_paths:
             return "full"
-        if site.path_key in self.dcp_paths:
-            return "dcp"
+        if site.path_key in self.dcp_paths or site.path_key in self.copy_dests:
+            return "dcp"  # a path this script saves with DCP, or copies such a save to
         if not self.dcp_paths:
             return "full"
         keys = {u.key for u in site.uses if u.key is not None}
@@ -441,7 +446,7 @@ class ConvertLoadsCommand(RetrofitStage):
         options = BROADCAST if not strict else BROADCAST[:-1] + ", " + strict[len(", options=StateDictOptions("):]
         load = "".join(
             "".join(f"    {line}\n" for line in code(s).rstrip("\n").splitlines())
-            for s in self._dcp_load(var, path, site, facts)
+            for s in self._dcp_load(var, path, site, facts, barrier=False)
         )
         text = (
             f"if os.path.isdir({path}):  # a DCP checkpoint directory: this script's own save\n"
@@ -452,7 +457,7 @@ class ConvertLoadsCommand(RetrofitStage):
             f"    set_model_state_dict({use.owner}, {code(use.call.args[0].value)} if {test} else {{}}, "
             f"options={options})\n"
         )
-        new = [*self._reshard(use, facts), self.stmt(text)]
+        new = [*self._copy_barrier(site), *self._reshard(use, facts), self.stmt(text)]
         new[0] = new[0].with_changes(leading_lines=site.stmt.leading_lines)
         editor.replace(site.stmt, new[0])
         editor.insert_after(site.stmt, new[1:])
@@ -501,7 +506,8 @@ class ConvertLoadsCommand(RetrofitStage):
             f"for {var} in {use.owner}.modules():\n    if isinstance({var}, FSDPModule):\n        {var}.reshard()\n"
         )]
 
-    def _dcp_load(self, var: str, path: str, site: LoadSite, facts: ScriptFacts) -> List[cst.CSTNode]:
+    def _dcp_load(self, var: str, path: str, site: LoadSite, facts: ScriptFacts,
+                  barrier: bool = True) -> List[cst.CSTNode]:
         """dcp.load, after a running async save (earlier in the same function) finishes."""
         function = facts.resolver.enclosing_function(site.stmt)
         order = {id(s): i for i, s in enumerate(facts.resolver.nodes(cst.SimpleStatementLine))}
@@ -510,10 +516,32 @@ class ConvertLoadsCommand(RetrofitStage):
             for s in self.async_saves
         )
         load = self.stmt(f"dcp.load({var}, checkpoint_id={path})\n")
-        if not (self.options.async_checkpoint and earlier_save):
-            return [load]
+        out = self._copy_barrier(site) if barrier else []
+        if self.options.async_checkpoint and earlier_save:
+            future = self.fresh_name(FUTURE, function)
+            out.append(self.stmt(f"if {future} is not None:\n    {future}.result()\n"))
+        return out + [load]
+
+    def _async_wait(self, stmt, facts: ScriptFacts) -> List[cst.CSTNode]:
+        """The wait for a running async save (earlier in the same function) before `stmt`
+        reads what it writes: a copy made meanwhile holds a half-written checkpoint."""
+        function = facts.resolver.enclosing_function(stmt)
+        order = {id(s): i for i, s in enumerate(facts.resolver.nodes(cst.SimpleStatementLine))}
+        earlier = any(facts.resolver.enclosing_function(s) is function and order.get(id(s), 0) < order.get(id(stmt), 0)
+                      for s in self.async_saves)
+        if not (self.options.async_checkpoint and earlier):
+            return []
         future = self.fresh_name(FUTURE, function)
-        return [self.stmt(f"if {future} is not None:\n    {future}.result()\n"), load]
+        return [self.stmt(f"if {future} is not None:  # the copy reads the finished checkpoint\n"
+                          f"    {future}.result()\n")]
+
+    def _copy_barrier(self, site: LoadSite) -> List[cst.CSTNode]:
+        """A load of a path rank 0 copies a checkpoint directory to waits until the copy is
+        complete: without it another rank can read the copy's .metadata mid-copy."""
+        if site.path_key not in self.copy_dests:
+            return []
+        self.add_import("torch.distributed", asname="dist")
+        return [self.stmt("dist.barrier()  # rank 0 copies this checkpoint: read it once the copy is complete\n")]
 
     def _value_template(self, key: str, facts: ScriptFacts, load=None) -> str:
         """The dcp.load placeholder of a value that is not a model's or optimizer's state:
@@ -608,12 +636,11 @@ class ConvertLoadsCommand(RetrofitStage):
             stmt = facts.resolver.statement_of(call)
             if _is_statement_call(stmt, call) and facts.resolver.is_call_to(call, COPIES) and len(call.args) == 2:
                 dst = code(call.args[1].value)
-                editor.replace(
-                    stmt,
-                    self.stmt(
-                        f"if dist.get_rank() == 0:\n    shutil.copytree({path}, {dst}, dirs_exist_ok=True)\n"
-                    ).with_changes(leading_lines=stmt.leading_lines),
-                )
+                copy = self.stmt(f"if dist.get_rank() == 0:\n    shutil.copytree({path}, {dst}, dirs_exist_ok=True)\n")
+                wait = self._async_wait(stmt, facts)
+                new = [*wait, copy]
+                editor.replace(stmt, new[0].with_changes(leading_lines=stmt.leading_lines))
+                editor.insert_after(stmt, new[1:])
                 self.add_import("torch.distributed", asname="dist")
                 self.change(
                     stmt,

@@ -13,6 +13,7 @@ import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.syntax.names import assigned_names
+from fsdp2_retrofit.syntax.torch_api import RNG_STATES
 from fsdp2_retrofit.analysis.checkpoints import (
     LoadSite,
     LoadUse,
@@ -33,7 +34,6 @@ from .checkpoint import FUTURE, STATE_DICT_MODULE
 COPIES = {"shutil.copy", "shutil.copyfile", "shutil.copy2"}
 READERS = {"shutil.move", "builtins.open", "os.path.getsize"} | COPIES
 BROADCAST = "StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)"
-RNG_STATES = {"torch.get_rng_state", "torch.random.get_rng_state", "torch.cuda.get_rng_state"}
 
 
 class ConvertLoadsCommand(RetrofitStage):

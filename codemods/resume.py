@@ -159,26 +159,26 @@ class ConvertLoadsCommand(RetrofitStage):
         model, form = self.whole_saves[site.path_key]
         path = code(site.path)
         if site.var != model:
-            self.attention(
+            self.refuse(
+                "FSR804",
                 site.call,
-                f"`{site.var} = torch.load({path})` unpickled a second copy of `{model}`; the save on that path now "
-                f"writes `{model}`'s state dict, so this load is left as it is and fails",
-                f"build `{site.var}` as `{model}` is built and shard it, then dcp.load into "
-                f"get_model_state_dict({site.var}) and set_model_state_dict({site.var}, ...)",
-                differs=True,
+                f"`{site.var} = torch.load({path})` unpickles a second copy of `{model}`",
+                f"the save on that path now writes `{model}`'s state dict as a DCP directory (torch.load of it "
+                f"fails), and `{site.var}` is not the sharded model it could be loaded into",
+                f"save `{model}.state_dict()` and build `{site.var}` as `{model}` is built, then "
+                f"`{site.var}.load_state_dict(torch.load({path}))`",
             )
-            return
         problem = self._trained_after(site, facts)
         if problem:
-            self.attention(
+            self.refuse(
+                "FSR804",
                 site.call,
-                f"`{model} = torch.load({path})` (a pickled module) is left as it is and fails: {problem}",
-                "the save now writes the state dict of the sharded model; loading it into the live model would "
-                f"let training continue on it, where the original trains a module (`{model}` before this line) "
-                f"that is no longer `{model}`: build a new model, shard it and load into that",
-                differs=True,
+                f"`{model} = torch.load({path})` reloads a pickled module and {problem}",
+                "the save now writes the sharded model's state dict (torch.load of it fails); loading it into the "
+                f"live model would let training go on with it, where the original's optimizer trains the module "
+                f"`{model}` named before this line",
+                f"save `{model}.state_dict()` and reload with `{model}.load_state_dict(torch.load({path}))`",
             )
-            return
         use = LoadUse(site.call, site.stmt, None, "model", model, model, None)
         scope = facts.resolver.enclosing_function(site.stmt)
         if form == "dcp":
@@ -225,7 +225,7 @@ class ConvertLoadsCommand(RetrofitStage):
             if anc is function:
                 break
             if isinstance(anc, (cst.For, cst.While)):
-                return "the reload is inside a loop"
+                return "is inside a loop"
         order = {id(s): i for i, s in enumerate(r.nodes(cst.SimpleStatementLine))}
         at = order.get(id(site.stmt), 0)
         if any(l.function is function and _last_line(l.node, order) > at for l in facts.loops):

@@ -25,7 +25,7 @@ FUTURE = "checkpoint_future"
 GROUP = "checkpoint_group"
 DIRECTORY_NOTE = (
     "each rank holds only its shards; DCP writes them in parallel and can reshard on load "
-    "(one file: torch.distributed.checkpoint.format_utils.dcp_to_torch_save(dir, file))"
+    "(one file for single-GPU code: `fsdp2-retrofit convert DIR FILE`)"
 )
 
 
@@ -94,7 +94,9 @@ class ConvertSavesCommand(RetrofitStage):
                 call,
                 f"`torch.save({model}, ...)` pickled the whole module; it now saves `{model}`'s state dict",
                 "a pickled sharded module holds one rank's shards and cannot be loaded; code that "
-                f"loads the file must build the model and load_state_dict (pass {model} to set_model_state_dict)",
+                f"loads the file must build the model and load_state_dict (pass {model} to set_model_state_dict; "
+                "for single-GPU code, `fsdp2-retrofit convert DIR FILE` gives the state dict as one file); "
+                f"this script's own `{model} = torch.load(...)` after training is converted",
             )
             calls = [(site.state, "model", model)]
         else:

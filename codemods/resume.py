@@ -13,6 +13,7 @@ import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.syntax.names import assigned_names
+from fsdp2_retrofit.syntax.torch_api import RNG_STATES
 from fsdp2_retrofit.analysis.checkpoints import (
     LoadSite,
     LoadUse,
@@ -48,8 +49,11 @@ class ConvertLoadsCommand(RetrofitStage):
         self.dcp_whole_kinds: Set[str] = set()  # what a DCP save of a bare state dict writes
         self.async_saves: List[cst.CSTNode] = []
         self.saved_values: Dict[str, cst.BaseExpression] = {}  # dict key -> the value a DCP save writes
+        self.whole_saves: Dict[str, tuple] = {}  # path of a torch.save(model, path) -> (model, "dcp" | "full")
         for site in saves(facts):
             form = save_format(site, self.options.export)
+            if site.whole_model is not None and form is not None:
+                self.whole_saves.setdefault(site.path_key, (site.whole_model, form))
             if form == "dcp":
                 self.dcp_paths.setdefault(site.path_key, []).append(site)
                 self.dcp_keys |= set(site.dict_keys)
@@ -63,6 +67,11 @@ class ConvertLoadsCommand(RetrofitStage):
                         {"model"} if site.whole_model else set())
             elif form == "full":
                 self.full_paths.add(site.path_key)
+        # paths rank 0 copies a checkpoint directory to: every rank reads them only after a barrier
+        self.copy_dests: Set[str] = {
+            path_key(call.args[1].value, facts) for call in calls_to(facts, COPIES)
+            if len(call.args) == 2 and path_key(call.args[0].value, facts) in self.dcp_paths
+        }
         for site in loads(facts):
             self._convert_load(site, facts, editor)
         self._other_readers(facts, editor)
@@ -78,8 +87,8 @@ class ConvertLoadsCommand(RetrofitStage):
         checkpoint directory or a single-GPU run's file)."""
         if site.path_key in self.full_paths:
             return "full"
-        if site.path_key in self.dcp_paths:
-            return "dcp"
+        if site.path_key in self.dcp_paths or site.path_key in self.copy_dests:
+            return "dcp"  # a path this script saves with DCP, or copies such a save to
         if not self.dcp_paths:
             return "full"
         keys = {u.key for u in site.uses if u.key is not None}
@@ -91,6 +100,9 @@ class ConvertLoadsCommand(RetrofitStage):
         return "full"
 
     def _convert_load(self, site: LoadSite, facts: ScriptFacts, editor: StatementEditor) -> None:
+        if site.path_key in self.whole_saves and site.var is not None:
+            self._whole_model_reload(site, facts, editor)
+            return
         state_uses = [u for u in site.uses if u.kind in ("model", "optimizer")]
         origin = self._origin(site)
         if origin == "full":
@@ -117,8 +129,8 @@ class ConvertLoadsCommand(RetrofitStage):
                 f"`{code(site.path)}` is loaded as a DCP checkpoint directory of this script (dcp.load): "
                 "check that it names one; a single torch.save file there (a single-GPU run's) fails to load",
                 "the path is not one this script saves to, but what is read from it is what its DCP saves write; "
-                "a single-GPU checkpoint converts with torch.distributed.checkpoint.format_utils.torch_save_to_dcp "
-                "only for the model (its optimizer state is keyed by parameter number, not name)",
+                "a single-GPU checkpoint converts with `fsdp2-retrofit convert FILE DIR`, "
+                "but only for the model (its optimizer state is keyed by parameter number, not name)",
             )
         if site.unknown_use is not None or not state_uses or (
             site.var and any(u.key is None for u in site.uses) and len(site.uses) > 1
@@ -137,6 +149,101 @@ class ConvertLoadsCommand(RetrofitStage):
             return
         self._require_built(site, state_uses + [u for u in site.uses if u.kind == "stateful"], facts)
         self._load_dcp(site, facts, editor)
+
+    # -- a pickled module reloaded: `torch.save(model, p)` ... `model = torch.load(p)` ----
+
+    def _whole_model_reload(self, site: LoadSite, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """The save writes the model's state dict now; `model = torch.load(p)` becomes a load
+        of it into the sharded model itself, where nothing trains it afterwards (the original
+        rebinds the name to a new module that its optimizer does not hold)."""
+        model, form = self.whole_saves[site.path_key]
+        path = code(site.path)
+        if site.var != model:
+            self.refuse(
+                "FSR804",
+                site.call,
+                f"`{site.var} = torch.load({path})` unpickles a second copy of `{model}`",
+                f"the save on that path now writes `{model}`'s state dict as a DCP directory (torch.load of it "
+                f"fails), and `{site.var}` is not the sharded model it could be loaded into",
+                f"save `{model}.state_dict()` and build `{site.var}` as `{model}` is built, then "
+                f"`{site.var}.load_state_dict(torch.load({path}))`",
+            )
+        problem = self._trained_after(site, facts)
+        if problem:
+            self.refuse(
+                "FSR804",
+                site.call,
+                f"`{model} = torch.load({path})` reloads a pickled module and {problem}",
+                "the save now writes the sharded model's state dict (torch.load of it fails); loading it into the "
+                f"live model would let training go on with it, where the original's optimizer trains the module "
+                f"`{model}` named before this line",
+                f"save `{model}.state_dict()` and reload with `{model}.load_state_dict(torch.load({path}))`",
+            )
+        use = LoadUse(site.call, site.stmt, None, "model", model, model, None)
+        scope = facts.resolver.enclosing_function(site.stmt)
+        if form == "dcp":
+            var = self.fresh_name(f"{model}_state", scope)
+            self.__dict__["_visible"][id(scope)].add(var)
+            new = [*self._reshard(use, facts), self.stmt(f"{var} = get_model_state_dict({model})\n"),
+                   *self._dcp_load(var, path, site, facts), self.stmt(f"set_model_state_dict({model}, {var})\n")]
+            self.add_import("torch.distributed.checkpoint", asname="dcp")
+            self.add_import(STATE_DICT_MODULE, "get_model_state_dict")
+            how = "dcp.load into get_model_state_dict, then set_model_state_dict"
+        else:
+            test = self.rank_zero_test(site.stmt, facts) or "dist.get_rank() == 0"
+            new = [self.stmt("dist.barrier()  # every rank reads the file rank 0 wrote\n"),
+                   *self._reshard(use, facts),
+                   self.stmt(f"set_model_state_dict({model}, {code(site.call)} if {test} else {{}}, "
+                             f"options={BROADCAST})\n")]
+            self.add_import("torch.distributed", asname="dist")
+            self.add_import(STATE_DICT_MODULE, "StateDictOptions")
+            how = "rank 0 reads the file, set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)"
+        self.add_import(STATE_DICT_MODULE, "set_model_state_dict")
+        new[0] = new[0].with_changes(leading_lines=site.stmt.leading_lines)
+        editor.replace(site.stmt, new[0])
+        editor.insert_after(site.stmt, new[1:])
+        self.change(
+            site.stmt,
+            f"`{model} = torch.load({path})` (a pickled module) loads the saved state into the sharded `{model}`: {how}",
+            f"the save writes `{model}`'s state dict now; nothing trains `{model}` after this line, so loading into "
+            "it is what rebinding it to the unpickled copy did",
+            "torch.load of a DCP directory fails (IsADirectoryError); a pickled sharded module holds one rank's shards",
+        )
+        if not self._mode_set_next(site, model, facts):
+            self.attention(
+                site.stmt,
+                f"the unpickled `{model}` came back in the train/eval mode it was saved in; the loaded state leaves "
+                f"`{model}` in the mode it has here",
+                f"call `{model}.eval()` (or `.train()`) after the load if dropout or batch norm must act as at the save",
+            )
+
+    def _trained_after(self, site: LoadSite, facts: ScriptFacts) -> str:
+        """Why loading into the live model could train it afterwards ("" when it cannot)."""
+        r = facts.resolver
+        function = r.enclosing_function(site.stmt)
+        for anc in r.ancestors(site.stmt):
+            if anc is function:
+                break
+            if isinstance(anc, (cst.For, cst.While)):
+                return "is inside a loop"
+        order = {id(s): i for i, s in enumerate(r.nodes(cst.SimpleStatementLine))}
+        at = order.get(id(site.stmt), 0)
+        if any(l.function is function and _last_line(l.node, order) > at for l in facts.loops):
+            return "a training loop runs after it"
+        return ""
+
+    def _mode_set_next(self, site: LoadSite, model: str, facts: ScriptFacts) -> bool:
+        """The next statement of the block that reads `model` is `model.eval()` / `model.train(...)`."""
+        block = facts.resolver.block_of(site.stmt)
+        body = list(block.body) if block is not None else []
+        for stmt in body[body.index(site.stmt) + 1:] if site.stmt in body else []:
+            if model not in read_names(stmt) | assigned_names(stmt):
+                continue
+            small = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 else None
+            call = small.value if isinstance(small, cst.Expr) else None
+            return (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute)
+                    and code(call.func) in (f"{model}.eval", f"{model}.train"))
+        return False
 
     # -- the config first: read it, build the model from it, then load the state ------
 
@@ -189,7 +296,7 @@ class ConvertLoadsCommand(RetrofitStage):
         values: Dict[str, str] = {}
         states: Dict[str, str] = {}
         for use in site.uses:
-            template = self._value_template(use.key, facts) if use.kind == "value" else _template(use)
+            template = self._value_template(use.key, facts, site.stmt) if use.kind == "value" else _template(use)
             (values if use.kind == "value" else states).setdefault(use.key, template)
         new = []
         if values:
@@ -277,7 +384,8 @@ class ConvertLoadsCommand(RetrofitStage):
             else:
                 entries: Dict[str, str] = {}
                 for use in site.uses:
-                    entries.setdefault(use.key, self._value_template(use.key, facts) if use.kind == "value" else _template(use))
+                    entries.setdefault(use.key, self._value_template(use.key, facts, site.stmt) if use.kind == "value"
+                                       else _template(use))
                 template = self._dict_text(entries, site.stmt)
             editor.replace(
                 site.stmt, self.stmt(f"{var} = {template}\n").with_changes(leading_lines=site.stmt.leading_lines)
@@ -297,8 +405,11 @@ class ConvertLoadsCommand(RetrofitStage):
             self.add_import(STATE_DICT_MODULE, "get_optimizer_state_dict")
             self.add_import(STATE_DICT_MODULE, "set_optimizer_state_dict")
         tensors = sorted(
-            {u.key for u in site.uses if u.kind == "value" and may_be_tensor(self.saved_values.get(u.key), facts)}
+            {u.key for u in site.uses if u.kind == "value" and may_be_tensor(self.saved_values.get(u.key), facts)
+             and self._value_template(u.key, facts, site.stmt) == "None"}
         )
+        rng = sorted({u.key for u in site.uses if u.kind == "value" and self.saved_values.get(u.key) is not None
+                      and facts.resolver.is_call_to(self.saved_values[u.key], RNG_STATES)})
         if tensors:
             self.attention(
                 site.stmt,
@@ -313,7 +424,10 @@ class ConvertLoadsCommand(RetrofitStage):
             f"load `{path}` with dcp.load into the state dicts of the sharded {loaded}, then set_*_state_dict"
             + (f"; {', '.join(repr(k) for k in others)} restored from the checkpoint as saved" if others else ""),
             "the checkpoint is a DCP directory of shards: each rank reads its own, for any number of ranks "
-            "(os.path.exists still finds it)",
+            "(os.path.exists still finds it)"
+            + (f"; the RNG state ({', '.join(repr(k) for k in rng)}) is saved once (DCP keeps one copy of a value "
+               "every rank holds) and every rank restores that copy: ranks seeded alike hold the same state"
+               if rng else ""),
             "torch.load of a DCP directory fails; plain tensors loaded into DTensor parameters are wrong",
         )
 
@@ -332,7 +446,7 @@ class ConvertLoadsCommand(RetrofitStage):
         options = BROADCAST if not strict else BROADCAST[:-1] + ", " + strict[len(", options=StateDictOptions("):]
         load = "".join(
             "".join(f"    {line}\n" for line in code(s).rstrip("\n").splitlines())
-            for s in self._dcp_load(var, path, site, facts)
+            for s in self._dcp_load(var, path, site, facts, barrier=False)
         )
         text = (
             f"if os.path.isdir({path}):  # a DCP checkpoint directory: this script's own save\n"
@@ -343,7 +457,7 @@ class ConvertLoadsCommand(RetrofitStage):
             f"    set_model_state_dict({use.owner}, {code(use.call.args[0].value)} if {test} else {{}}, "
             f"options={options})\n"
         )
-        new = [*self._reshard(use, facts), self.stmt(text)]
+        new = [*self._copy_barrier(site), *self._reshard(use, facts), self.stmt(text)]
         new[0] = new[0].with_changes(leading_lines=site.stmt.leading_lines)
         editor.replace(site.stmt, new[0])
         editor.insert_after(site.stmt, new[1:])
@@ -392,7 +506,8 @@ class ConvertLoadsCommand(RetrofitStage):
             f"for {var} in {use.owner}.modules():\n    if isinstance({var}, FSDPModule):\n        {var}.reshard()\n"
         )]
 
-    def _dcp_load(self, var: str, path: str, site: LoadSite, facts: ScriptFacts) -> List[cst.CSTNode]:
+    def _dcp_load(self, var: str, path: str, site: LoadSite, facts: ScriptFacts,
+                  barrier: bool = True) -> List[cst.CSTNode]:
         """dcp.load, after a running async save (earlier in the same function) finishes."""
         function = facts.resolver.enclosing_function(site.stmt)
         order = {id(s): i for i, s in enumerate(facts.resolver.nodes(cst.SimpleStatementLine))}
@@ -401,18 +516,61 @@ class ConvertLoadsCommand(RetrofitStage):
             for s in self.async_saves
         )
         load = self.stmt(f"dcp.load({var}, checkpoint_id={path})\n")
-        if not (self.options.async_checkpoint and earlier_save):
-            return [load]
-        future = self.fresh_name(FUTURE, function)
-        return [self.stmt(f"if {future} is not None:\n    {future}.result()\n"), load]
+        out = self._copy_barrier(site) if barrier else []
+        if self.options.async_checkpoint and earlier_save:
+            future = self.fresh_name(FUTURE, function)
+            out.append(self.stmt(f"if {future} is not None:\n    {future}.result()\n"))
+        return out + [load]
 
-    def _value_template(self, key: str, facts: ScriptFacts) -> str:
-        """The dcp.load placeholder of a plain value: None, or for a dict the save writes
-        with keys fixed in the source, a dict of those keys (DCP flattens saved dicts)."""
-        keys = saved_dict_keys(self.saved_values.get(key), facts)
-        if not keys:
-            return "None"
-        return "{" + ", ".join(f'"{k}": None' for k in keys) + "}"
+    def _async_wait(self, stmt, facts: ScriptFacts) -> List[cst.CSTNode]:
+        """The wait for a running async save (earlier in the same function) before `stmt`
+        reads what it writes: a copy made meanwhile holds a half-written checkpoint."""
+        function = facts.resolver.enclosing_function(stmt)
+        order = {id(s): i for i, s in enumerate(facts.resolver.nodes(cst.SimpleStatementLine))}
+        earlier = any(facts.resolver.enclosing_function(s) is function and order.get(id(s), 0) < order.get(id(stmt), 0)
+                      for s in self.async_saves)
+        if not (self.options.async_checkpoint and earlier):
+            return []
+        future = self.fresh_name(FUTURE, function)
+        return [self.stmt(f"if {future} is not None:  # the copy reads the finished checkpoint\n"
+                          f"    {future}.result()\n")]
+
+    def _copy_barrier(self, site: LoadSite) -> List[cst.CSTNode]:
+        """A load of a path rank 0 copies a checkpoint directory to waits until the copy is
+        complete: without it another rank can read the copy's .metadata mid-copy."""
+        if site.path_key not in self.copy_dests:
+            return []
+        self.add_import("torch.distributed", asname="dist")
+        return [self.stmt("dist.barrier()  # rank 0 copies this checkpoint: read it once the copy is complete\n")]
+
+    def _value_template(self, key: str, facts: ScriptFacts, load=None) -> str:
+        """The dcp.load placeholder of a value that is not a model's or optimizer's state:
+        None (DCP restores a plain value as saved); for a dict the save writes with keys
+        fixed in the source, a dict of those keys (DCP flattens saved dicts); a tensor
+        where the value may be one (DCP loads a saved tensor only into a tensor of its
+        shape): for an RNG state the same call (`torch.get_rng_state()`), for a name bound
+        before the load a clone of its value when that is a tensor. A wrong placeholder
+        fails the load loudly (size or type mismatch); a saved plain value replaces a
+        tensor placeholder."""
+        value = self.saved_values.get(key)
+        if value is not None and facts.resolver.is_call_to(value, RNG_STATES) and not value.args:
+            return code(value)
+        keys = saved_dict_keys(value, facts)
+        if keys:
+            return "{" + ", ".join(f'"{k}": None' for k in keys) + "}"
+        if isinstance(value, cst.Name) and load is not None and may_be_tensor(value, facts) and (
+                self._bound_before(value.value, load, facts)):
+            return f"{value.value}.clone() if torch.is_tensor({value.value}) else None"
+        return "None"
+
+    def _bound_before(self, name: str, load, facts: ScriptFacts) -> bool:
+        """`name` is assigned in the load's function before the load (in the code's order)."""
+        r = facts.resolver
+        function = r.enclosing_function(load)
+        order = {id(s): i for i, s in enumerate(r.nodes(cst.SimpleStatementLine))}
+        at = order.get(id(load), 0)
+        return any(r.enclosing_function(s) is function and order.get(id(s), at) < at and name in assigned_names(s)
+                   and isinstance(s.body[0], cst.Assign) for s in r.nodes(cst.SimpleStatementLine))
 
     def _dict_text(self, entries: Dict[str, str], stmt) -> str:
         items = [f'"{k}": {v}' for k, v in entries.items()]
@@ -478,12 +636,11 @@ class ConvertLoadsCommand(RetrofitStage):
             stmt = facts.resolver.statement_of(call)
             if _is_statement_call(stmt, call) and facts.resolver.is_call_to(call, COPIES) and len(call.args) == 2:
                 dst = code(call.args[1].value)
-                editor.replace(
-                    stmt,
-                    self.stmt(
-                        f"if dist.get_rank() == 0:\n    shutil.copytree({path}, {dst}, dirs_exist_ok=True)\n"
-                    ).with_changes(leading_lines=stmt.leading_lines),
-                )
+                copy = self.stmt(f"if dist.get_rank() == 0:\n    shutil.copytree({path}, {dst}, dirs_exist_ok=True)\n")
+                wait = self._async_wait(stmt, facts)
+                new = [*wait, copy]
+                editor.replace(stmt, new[0].with_changes(leading_lines=stmt.leading_lines))
+                editor.insert_after(stmt, new[1:])
                 self.add_import("torch.distributed", asname="dist")
                 self.change(
                     stmt,
@@ -502,6 +659,19 @@ class ConvertLoadsCommand(RetrofitStage):
 
 def _inside(node, container, facts: ScriptFacts) -> bool:
     return any(a is container for a in facts.resolver.ancestors(node))
+
+
+def _last_line(node, order) -> int:
+    """The position of the last simple statement inside `node`."""
+    found = []
+
+    class _L(cst.CSTVisitor):
+        def visit_SimpleStatementLine(self, n) -> bool:
+            found.append(order.get(id(n), 0))
+            return False
+
+    node.visit(_L())
+    return max(found) if found else 0
 
 
 def _first_line(node, order) -> int:

@@ -303,7 +303,8 @@ def may_be_tensor(expr: Optional[cst.BaseExpression], facts: ScriptFacts) -> boo
         return False
     if isinstance(expr, cst.Call):
         func = expr.func
-        if isinstance(func, cst.Attribute) and func.attr.value in ("item", "tolist", "state_dict"):
+        if isinstance(func, cst.Attribute) and func.attr.value in (
+                "item", "tolist", "state_dict", "parse_args", "get_state", "getstate"):  # Namespace, RNG tuples
             return False
         return not (isinstance(func, cst.Name) and func.value in PLAIN_CALLS)
     if isinstance(expr, cst.Name):

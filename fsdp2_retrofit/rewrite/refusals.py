@@ -296,6 +296,15 @@ _RULES = [
                 "A checkpoint of this script is now a DCP directory read with dcp.load, which takes a path.",
                 "Load by path: torch.load(path) (or `with open(path, \"rb\") as f: torch.load(f)` alone).",
                 "checkpoint_files"),
+    RefusalRule("FSR804", "resume-pickled-module-reload",
+                "A pickled module (torch.save(model, path)) is reloaded where the tool cannot load it into the "
+                "sharded model: into another name, inside a loop, or before training goes on.",
+                "The save now writes the model's state dict as a DCP directory, so torch.load of it fails. Loading "
+                "into the live sharded model does what the reload did only when nothing trains the model after it "
+                "(the original's optimizer keeps training the module it held); a second model needs its own build "
+                "and sharding.",
+                "Keep a state dict instead: torch.save(model.state_dict(), path), and to reload, build the model "
+                "(or reuse it) and load_state_dict(torch.load(path))."),
     # -- 9xx data -----------------------------------------------------------------------
     RefusalRule("FSR901", "data-sampler-not-distributable",
                 "A training DataLoader is given a batch_sampler, or a sampler other than RandomSampler/SequentialSampler.",

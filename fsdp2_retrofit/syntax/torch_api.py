@@ -115,6 +115,8 @@ DATA_PARALLEL = frozenset({
 
 TORCH_SAVE = frozenset({"torch.save", "torch.serialization.save"})
 TORCH_LOAD = frozenset({"torch.load", "torch.serialization.load"})
+# the RNG states a checkpoint keeps; each call also gives a tensor of the saved shape (a dcp.load placeholder)
+RNG_STATES = frozenset({"torch.get_rng_state", "torch.random.get_rng_state", "torch.cuda.get_rng_state"})
 DCP_CALLS = frozenset({
     "torch.distributed.checkpoint.save",
     "torch.distributed.checkpoint.load",

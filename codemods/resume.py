@@ -661,30 +661,27 @@ def _inside(node, container, facts: ScriptFacts) -> bool:
     return any(a is container for a in facts.resolver.ancestors(node))
 
 
-def _last_line(node, order) -> int:
-    """The position of the last simple statement inside `node`."""
+def _statement_positions(node, order) -> list:
+    """The positions of the simple statements inside `node` (0 for one `order` lacks)."""
     found = []
 
-    class _L(cst.CSTVisitor):
+    class _Positions(cst.CSTVisitor):
         def visit_SimpleStatementLine(self, n) -> bool:
             found.append(order.get(id(n), 0))
             return False
 
-    node.visit(_L())
-    return max(found) if found else 0
+    node.visit(_Positions())
+    return found
+
+
+def _last_line(node, order) -> int:
+    """The position of the last simple statement inside `node`."""
+    return max(_statement_positions(node, order), default=0)
 
 
 def _first_line(node, order) -> int:
     """The position of the first simple statement inside `node`."""
-    found = []
-
-    class _F(cst.CSTVisitor):
-        def visit_SimpleStatementLine(self, n) -> bool:
-            found.append(order.get(id(n), 0))
-            return False
-
-    node.visit(_F())
-    return min(found) if found else 0
+    return min(_statement_positions(node, order), default=0)
 
 
 def _template(use: LoadUse) -> str:

@@ -6,7 +6,7 @@ import libcst as cst
 from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.copies import unsafe_state_copies
 from fsdp2_retrofit.analysis.model_classes import called_methods, first_submodule, parameter_reads
-from fsdp2_retrofit.analysis.no_model import no_model_blocker
+from fsdp2_retrofit.analysis.no_model import no_model_blocker, unrecognised_trained_model
 from fsdp2_retrofit.analysis.optimizers import FLATTENING_OPTIMIZERS, whole_tensor_operation
 from fsdp2_retrofit.syntax.torch_api import AUTOGRAD_GRAD
 from fsdp2_retrofit.analysis.same_start import broadcast_reason
@@ -306,6 +306,17 @@ class ShardModelCommand(RetrofitStage):
                 "build the optimizer from model.parameters() in the same script",
             )
         self._refuse_optimizers(facts)
+        unknown = unrecognised_trained_model(facts)
+        if unknown is not None:
+            self.refuse(
+                "FSR625",
+                unknown.at,
+                f"an optimizer trains a module the rewrite does not recognise: {unknown.detail}",
+                "the rewrite shards the models it recognises; this one would stay a whole module on every rank "
+                "whose gradients no rank reduces, and the ranks would drift apart",
+                "import the class by name (`from models import Generator`), or build the module with a class "
+                "defined in the script or a sibling module",
+            )
         scopes = {id(m.block) for m in facts.models}
         if len(scopes) > 1:
             self.refuse(

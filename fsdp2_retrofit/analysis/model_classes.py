@@ -157,7 +157,7 @@ def build_registry(module: cst.Module, resolver: Resolver, path: Optional[str]) 
             _collect(sibling, sib_resolver, namespace=namespace, file=str(file), registry=registry)
 
     registry.star = star_names(module, resolver, path, _parse_sibling, collect, _is_file)
-    resolver.add_bindings(registry.star.names)
+    resolver.add_bindings(registry.star.names, registry.star.dropped)
     registry._resolve_modules()
     return registry
 

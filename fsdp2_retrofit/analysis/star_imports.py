@@ -54,6 +54,9 @@ class StarNames:
     names: Dict[str, str] = field(default_factory=dict)
     unsure: Dict[str, str] = field(default_factory=dict)
     open: List[str] = field(default_factory=list)
+    # names the script binds itself that a later star import may rebind: their own
+    # binding is no longer sure either (dropped from the Resolver's table)
+    dropped: set = field(default_factory=set)
 
     def why_unresolved(self, name: str) -> Optional[str]:
         """Why a name the script reads without binding it is not resolved, if a star
@@ -82,19 +85,30 @@ def star_names(module: cst.Module, resolver: Resolver, path: Optional[str], pars
     exports = reader.exports_of_body(module, resolver, package=None, where="", depth=MAX_DEPTH, stars_only=True)
     out.open = exports.open
     out.unsure.update(exports.unsure)
-    for name, qualified in exports.names.items():
+    out.names.update(exports.names)
+    for name in sorted(set(exports.names) | set(exports.unsure)):
         if not resolver.binds(name):
-            out.names[name] = qualified
             continue
-        if qualified in resolver.qnames(cst.Name(name)):
+        if name in exports.names and exports.names[name] in resolver.qnames(cst.Name(name)):
             continue  # `import torch` in both: the same thing
-        stmt = next((s for s in module.body if name in _names_bound_by(s)), None)
-        line = f" (line {resolver.line(stmt)})" if stmt is not None else ""
+        own = [i for i, stmt in enumerate(module.body) if name in _names_bound_by(stmt)]
+        out.names.pop(name, None)
+        first = module.body[own[0]] if own else None
+        if own and own[0] > reader.star_at.get(name, len(module.body)) and not _conditional(first):
+            out.unsure.pop(name, None)  # `from models import *`, then `class Generator`: the script's own wins
+            continue
+        line = f" (line {resolver.line(first)})" if first is not None else ""
         out.unsure[name] = (
             f"`{name}` is bound both by {_either(reader.star_sources.get(name, ['a star import']))} and by the "
-            f"script itself{line}: which one a call reaches depends on the order the statements run"
+            f"script itself{line}, before the star import or only in some cases: which one a call reaches "
+            "depends on the order the statements run"
         )
+        out.dropped.add(name)
     return out
+
+
+def _conditional(stmt) -> bool:
+    return not isinstance(stmt, (cst.SimpleStatementLine, cst.ClassDef, cst.FunctionDef))
 
 
 def _names_bound_by(stmt) -> set:
@@ -122,6 +136,7 @@ class _Reader:
         self.visiting: set = set()
         # name -> the star imports of the script that bind it (for messages)
         self.star_sources: Dict[str, List[str]] = {}
+        self.star_at: Dict[str, int] = {}  # name -> the last top-level statement of the script star-importing it
 
     # -- finding the module a `from X import ...` names -----------------------
 
@@ -204,7 +219,7 @@ class _Reader:
             out.unsure[name] = why
             bound[name] = source
 
-        for stmt in module.body:
+        for index, stmt in enumerate(module.body):
             conditional = not isinstance(stmt, cst.SimpleStatementLine)
             for imp in _star_imports_in(stmt):
                 line = resolver.line(imp)
@@ -218,9 +233,11 @@ class _Reader:
                                      "whose names are not known", source)
                     out.open.append(source)
                     continue
-                for name, qualified in inner.names.items():
-                    if not where:
+                if not where:
+                    for name in [*inner.names, *inner.unsure]:
                         self.star_sources.setdefault(name, []).append(source)
+                        self.star_at[name] = index
+                for name, qualified in inner.names.items():
                     if conditional:
                         unsure(name, f"`{name}` comes from {source}, which runs only in some cases", source)
                     elif name in out.names and out.names[name] != qualified:

@@ -5,7 +5,7 @@ import builtins
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from dataclasses import fields
-from typing import Dict, Iterator, List, Optional, Set, Type
+from typing import Dict, Iterable, Iterator, List, Optional, Set, Type
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
@@ -229,10 +229,13 @@ class Resolver:
         """Whether the module itself binds or imports `name` at its top level."""
         return name in self._table and name not in self._added
 
-    def add_bindings(self, names: Dict[str, str]) -> None:
+    def add_bindings(self, names: Dict[str, str], unsure: Iterable[str] = ()) -> None:
         """Names the module binds without spelling them (`from models import *`: read
         from the sibling files by analysis.star_imports); a name it binds itself keeps
-        its own meaning."""
+        its own meaning, unless listed in `unsure` (a star import may rebind it): that
+        one resolves to nothing."""
+        for name in unsure:
+            self._table.pop(name, None)
         for name, qualified in names.items():
             if name not in self._table:
                 self._table[name] = qualified

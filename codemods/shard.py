@@ -452,6 +452,16 @@ class ShardModelCommand(RetrofitStage):
         # gathered parameters after forward (no backward would gather them again)
         forward_only = model.copy_of is not None or any(model is f for f in facts.frozen_models)
         self._report_untrained(model, facts)
+        if model.late_init is not None:
+            self.attention(
+                model.late_init,
+                f"`{code(model.late_init)}` runs on the sharded `{model.name}`: each rank initialises its own "
+                "shards, not the weights the single-process run draws",
+                "it is in an if/else with other work (a checkpoint load that must follow fully_shard), so it "
+                "cannot move before fully_shard; the initialisation is as valid, but the run does not start "
+                f"from the same weights (move `{code(model.late_init)}` before the `if` for that)",
+                differs=True,
+            )
         if self.options.shard:
             var = self.fresh_name("module", model.scope)
             keep = ", reshard_after_forward=False" if self.options.reshard_after_forward == "never" else ""

@@ -13,7 +13,6 @@ import io
 import os
 import re
 import stat
-import tempfile
 import tokenize
 from contextlib import suppress
 from dataclasses import dataclass
@@ -161,6 +160,8 @@ def atomic_write(path: PathLike, data: bytes) -> None:
         st = None
     directory = os.path.dirname(target)
     try:
+        import tempfile  # only when writing: kept off start-up (it pulls in shutil, random, bz2, lzma)
+
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(target)}.", suffix=".tmp")
     except OSError as exc:
         raise InputError(f"cannot write: {_reason(exc)}") from None

@@ -1,7 +1,6 @@
 """Change / Refusal records, and how they are shown (rich table, JSON, unified diff)."""
 from __future__ import annotations
 
-import difflib
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, List, Optional, Sequence
@@ -89,6 +88,8 @@ def to_json(results: Sequence[RewriteResult]) -> str:
 
 def unified_diff(path: str, before: str, after: str, out_path: Optional[str] = None) -> str:
     """A plain unified diff of one file, git-style headers."""
+    import difflib  # only for --diff: kept off check's and rewrite's start-up
+
     lines = difflib.unified_diff(
         before.splitlines(keepends=True),
         after.splitlines(keepends=True),

@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 SHIM = HERE / "shim"
 DATA_SCRIPT = HERE / "data.py"
-VERDICTS = ("parity", "trains", "refused", "crash", "silently-wrong")
+VERDICTS = ("parity", "trains", "flagged", "refused", "crash", "silently-wrong")
 
 DEFAULTS = {
     "extra_files": [], "data": [], "args": [], "per_rank_args": [], "steps": 5, "compare": "parity",
@@ -150,6 +150,9 @@ def rewrite_step(src: Path, out: Path) -> dict:
     res["exit_code"] = proc.returncode
     report = _json_or_none(proc.stdout)
     refusals = (report or [{}])[0].get("refusals") if report else None
+    # what the report says will not train like the original (attention items marked `differs`)
+    res["differs"] = [{"line": a.get("line"), "what": a.get("what")}
+                      for a in ((report or [{}])[0].get("attention") or []) if a.get("differs")] if report else []
     if refusals:
         r = refusals[0]
         res["refusal"] = {"code": r.get("code"), "line": r.get("line"), "what": r.get("what"), "why": r.get("why")}
@@ -255,6 +258,15 @@ def verify_step(script: Script, src: Path, work: Path, run_files: Optional[Path]
 
 def judge(script: Script, rw: dict, vf: Optional[dict]) -> tuple:
     """(verdict, detail, first error line)."""
+    verdict, detail, error = _judge(script, rw, vf)
+    if verdict == "silently-wrong" and rw.get("differs"):
+        # not silent: the report named what differs, and where
+        said = "; ".join(f"line {d['line']}: {d['what']}" for d in rw["differs"])
+        return "flagged", f"the report says: {said} -- measured: {detail}", ""
+    return verdict, detail, error
+
+
+def _judge(script: Script, rw: dict, vf: Optional[dict]) -> tuple:
     if rw.get("refusal"):
         r = rw["refusal"]
         return "refused", f"{r['code']} line {r['line']}: {r['what']}: {r['why']}", ""
@@ -346,7 +358,8 @@ def run_one(script: Script, mirrors: Path, work_root: Path, python: str) -> dict
 
 def summary_line(rows: List[dict]) -> str:
     count = {v: sum(1 for r in rows if r["verdict"] == v) for v in VERDICTS}
-    return (f"{len(rows)} scripts: {count['parity']} parity, {count['trains']} trains, {count['refused']} refused, "
+    return (f"{len(rows)} scripts: {count['parity']} parity, {count['trains']} trains, {count['flagged']} flagged, "
+            f"{count['refused']} refused, "
             f"{count['crash']} crash, {count['silently-wrong']} silently-wrong")
 
 

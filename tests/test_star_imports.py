@@ -247,3 +247,55 @@ def test_check_sees_the_classes_of_a_star_import(tmp_path):
 
         found = list(ShardContainer().check(ctx))
         assert [f[1]["kind"] for f in found] == ["ModuleList"], imports
+
+
+# -- the pytorch-gan shape around the build --------------------------------------
+
+GAN_BUILD = '''\
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from models import *
+
+cuda = torch.cuda.is_available()
+generator = Generator()
+discriminator = Critic()
+loss_fn = torch.nn.MSELoss()
+if cuda:
+    generator = generator.cuda()
+    discriminator = discriminator.cuda()
+    loss_fn.cuda()
+{init}
+optimizer_G = torch.optim.Adam(generator.parameters(), lr=1e-3)
+optimizer_D = torch.optim.Adam(discriminator.parameters(), lr=1e-3)
+loader = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 4)), batch_size=4)
+for x, y in loader:
+    loss = loss_fn(generator(x), y) + discriminator(x).mean()
+    optimizer_G.zero_grad()
+    optimizer_D.zero_grad()
+    loss.backward()
+    optimizer_G.step()
+    optimizer_D.step()
+'''
+MODELS = NET.format(name="Generator") + NET.format(name="Critic").split("\n", 2)[2]
+
+
+def test_fully_shard_follows_an_if_that_moves_several_models(tmp_path):
+    _write(tmp_path, {"models.py": MODELS})
+    result = _rewrite(tmp_path, GAN_BUILD.format(init="generator.apply(init_fn)\ndiscriminator.apply(init_fn)"))
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert code.index("    loss_fn.cuda()") < code.index("fully_shard(generator, mesh=mesh)")
+    assert code.index("generator.apply(init_fn)") < code.index("fully_shard(generator, mesh=mesh)")
+    assert not [a for a in result.attention if a.differs]
+
+
+def test_an_init_in_the_else_of_a_resume_runs_on_the_sharded_model_and_is_flagged(tmp_path):
+    _write(tmp_path, {"models.py": MODELS})
+    init = ("if opt_epoch:\n    generator.load_state_dict(torch.load('g.pth'))\n"
+            "else:\n    generator.apply(init_fn)\n")
+    script = GAN_BUILD.format(init="opt_epoch = 0\n" + init)
+    result = _rewrite(tmp_path, script)
+    assert not result.refusals, result.refusals
+    flagged = [(a.line, a.what.split(":")[0]) for a in result.attention if a.differs]
+    line = script.splitlines().index("    generator.apply(init_fn)") + 1
+    assert flagged == [(line, "`generator.apply(init_fn)` runs on the sharded `generator`")]

@@ -299,3 +299,16 @@ def test_an_init_in_the_else_of_a_resume_runs_on_the_sharded_model_and_is_flagge
     flagged = [(a.line, a.what.split(":")[0]) for a in result.attention if a.differs]
     line = script.splitlines().index("    generator.apply(init_fn)") + 1
     assert flagged == [(line, "`generator.apply(init_fn)` runs on the sharded `generator`")]
+
+
+def test_dtype_casts_rebinding_the_name_stay_before_fully_shard(tmp_path):
+    _write(tmp_path, {"models.py": NET.format(name="Generator")})
+    for cast in ("generator = generator.half()", "generator = generator.to(torch.bfloat16)",
+                 "generator = generator.to(device).float()"):
+        script = SCRIPT.format(imports="from models import *\ndevice = 'cpu'", build="Generator()")
+        script = script.replace("optimizer = ", cast + "\noptimizer = ")
+        result = _rewrite(tmp_path, script)
+        assert not result.refusals, (cast, result.refusals)
+        code = result.code.decode()
+        assert code.index(cast) < code.index("fully_shard(generator, mesh=mesh)"), cast
+        assert code.count(cast) == 1

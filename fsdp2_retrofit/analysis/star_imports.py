@@ -121,7 +121,8 @@ def _names_bound_by(stmt) -> set:
     return names
 
 
-def _either(sources: List[str]) -> str:
+def _either(sources) -> str:
+    sources = [str(s) for s in sources]
     return " or ".join(sources) if len(sources) <= 3 else ", ".join(sources[:3]) + f" (and {len(sources) - 3} more)"
 
 
@@ -222,9 +223,8 @@ class _Reader:
         for index, stmt in enumerate(module.body):
             conditional = not isinstance(stmt, cst.SimpleStatementLine)
             for imp in _star_imports_in(stmt):
-                line = resolver.line(imp)
                 text = f"`from {'.' * len(imp.relative)}{dotted(imp.module) if imp.module else ''} import *`"
-                source = f"{text} ({where}:{line})" if where else f"{text} (line {line})"
+                source = _Source(resolver, imp, where, text)
                 target = self.locate(imp, package)
                 inner = self.exports_of_file(target[0], target[1], depth - 1) if target else None
                 if inner is None:  # any name may be replaced
@@ -251,8 +251,8 @@ class _Reader:
                 out.open.extend(inner.open)
             if stars_only:
                 continue
+            source = _Source(resolver, stmt, where)
             for name, qualified in _plain_bindings(stmt, namespace, package, self):
-                source = f"{where}:{resolver.line(stmt)}"
                 if not conditional:
                     sure(name, qualified, source)  # the last binding wins
                 elif name in out.unsure:
@@ -264,22 +264,32 @@ class _Reader:
         return out
 
 
+class _Source:
+    """Where a name is bound, for messages: `from x import *` (line 3), models.py:7.
+    The line is looked up only when a message is written (positions cost a walk)."""
+
+    __slots__ = ("resolver", "node", "where", "text", "_rendered")
+
+    def __init__(self, resolver: Resolver, node: cst.CSTNode, where: str, text: str = ""):
+        self.resolver, self.node, self.where, self.text, self._rendered = resolver, node, where, text, None
+
+    def __str__(self) -> str:
+        if self._rendered is None:
+            line = self.resolver.line(self.node)
+            if not self.text:
+                self._rendered = f"{self.where}:{line}"
+            else:
+                self._rendered = f"{self.text} ({self.where}:{line})" if self.where else f"{self.text} (line {line})"
+        return self._rendered
+
+
 def _star_imports_in(stmt) -> List[cst.ImportFrom]:
-    found: List[cst.ImportFrom] = []
-
-    class _S(cst.CSTVisitor):
-        def visit_FunctionDef(self, node) -> bool:
-            return False
-
-        def visit_ClassDef(self, node) -> bool:
-            return False
-
-        def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
-            if isinstance(node.names, cst.ImportStar):
-                found.append(node)
-
-    stmt.visit(_S())
-    return found
+    """The star imports of a top-level statement (outside the functions and classes it holds)."""
+    if isinstance(stmt, cst.SimpleStatementLine):
+        return [s for s in stmt.body if isinstance(s, cst.ImportFrom) and isinstance(s.names, cst.ImportStar)]
+    if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+        return []
+    return [n for n in _walk_top(stmt) if isinstance(n, cst.ImportFrom) and isinstance(n.names, cst.ImportStar)]
 
 
 def _plain_bindings(stmt, namespace: str, package: Optional[str], reader: _Reader):

@@ -22,7 +22,9 @@ from fsdp2_retrofit.syntax.names import (
     code,
     is_main_guard,
     names_in,
+    parameter_names,
     root_name,
+    walk,
 )
 from fsdp2_retrofit.syntax.torch_api import AVERAGED_MODEL, FULLY_SHARD, TORCH_COMPILE, TORCH_LOAD
 
@@ -408,8 +410,26 @@ class ModelAnalysis(SiteAnalysis):
                     if param not in names.setdefault(callee, set()):
                         names[callee].add(param)
                         changed = True
+        self._add_globals(names)
         self._add_aliases(names)
         return names
+
+    def _add_globals(self, names) -> None:
+        """A model built at the module's top level is the same model in the top-level
+        functions that read it as a global (`def test(epoch): ... net.state_dict()`)."""
+        top = names.get(None, set())
+        if not top:
+            return
+        for fn in self.module.body:
+            if not isinstance(fn, cst.FunctionDef):
+                continue
+            local = parameter_names(fn) | {n for node in walk(fn.body) if isinstance(node, cst.SimpleStatementLine)
+                                           for n in assigned_names(node)}
+            declared = {n.name.value for node in walk(fn.body) if isinstance(node, cst.Global) for n in node.names}
+            seen = names_in(fn.body)
+            found = {n for n in top if n in seen and (n not in local or n in declared)}
+            if found:
+                names.setdefault(fn, set()).update(found)
 
     def _add_aliases(self, names) -> None:
         """`raw_model = model`, `raw_model = model.module if ddp else model`: another name

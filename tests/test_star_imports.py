@@ -312,3 +312,18 @@ def test_dtype_casts_rebinding_the_name_stay_before_fully_shard(tmp_path):
         code = result.code.decode()
         assert code.index(cast) < code.index("fully_shard(generator, mesh=mesh)"), cast
         assert code.count(cast) == 1
+
+
+def test_a_function_reading_a_module_level_model_as_a_global_saves_it_with_dcp(tmp_path):
+    """kuangliu's test(epoch) saves `{'net': net.state_dict()}` of the global `net`: it
+    was left a torch.save of one rank's shards."""
+    _write(tmp_path, {"models.py": NET.format(name="Generator")})
+    script = SCRIPT.format(imports="from models import *", build="Generator()").replace(
+        'torch.save(generator.state_dict(), "out.pt")\n',
+        "def save(step):\n    state = {'net': generator.state_dict(), 'step': step}\n"
+        "    torch.save(state, 'ckpt.pth')\n\n\nsave(1)\n")
+    result = _rewrite(tmp_path, script)
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert "'net': get_model_state_dict(generator)" in code
+    assert "dcp.save(state, checkpoint_id='ckpt.pth')" in code

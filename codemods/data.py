@@ -9,7 +9,7 @@ from fsdp2_retrofit.analysis import LoaderSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.batch_size import batch_size_readers
 from fsdp2_retrofit.analysis.data import unfollowed_loaders
 from fsdp2_retrofit.analysis.loops import steps_outside_loops
-from fsdp2_retrofit.syntax.names import iterated_name, names_in
+from fsdp2_retrofit.syntax.names import assigned_names, iterated_name, names_in, parameter_names
 from fsdp2_retrofit.rewrite.edit import with_keyword, without_entry, without_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
@@ -283,17 +283,28 @@ def _epoch_loop(loader: LoaderSite, facts: ScriptFacts) -> Optional[cst.For]:
     """The innermost `for <name> in ...` around a whole pass over the loader: a loop
     over it, or a call that hands it to a function (`train_one_epoch(model, loader)`)."""
     best = None
+    # top-level functions that loop over the loader as a global (`def train(epoch): for x in trainloader`)
+    readers = set()
+    if isinstance(loader.block, cst.Module):
+        readers = {
+            fn.name.value for fn in facts.module.body
+            if isinstance(fn, cst.FunctionDef) and loader.name not in parameter_names(fn)
+            and loader.name not in {n for s in fn.body.body for n in assigned_names(s)}
+            and _passes_over(fn.body, loader.name, loops_only=True)
+        }
     for node in facts.resolver.descendants(loader.block, cst.For):  # outer loops first
         if not isinstance(node.target, cst.Name) or loader.name in names_in(node.iter):
             continue
         if isinstance(node.body, cst.SimpleStatementSuite):
             continue
-        if _passes_over(node.body, loader.name):
+        if _passes_over(node.body, loader.name, readers=readers):
             best = node  # the last kept is the innermost
     return best
 
 
-def _passes_over(body, name: str) -> bool:
+def _passes_over(body, name: str, readers=frozenset(), loops_only: bool = False) -> bool:
+    """`body` goes over the loader `name`: a loop over it, a call handing it to a
+    function, or a call of one of `readers` (functions looping over it as a global)."""
     found = []
 
     class _P(cst.CSTVisitor):
@@ -302,9 +313,13 @@ def _passes_over(body, name: str) -> bool:
                 found.append(node)
 
         def visit_Call(self, node: cst.Call) -> None:
+            if loops_only:
+                return
             if any(isinstance(a.value, cst.Name) and a.value.value == name for a in node.args) and not (
                 isinstance(node.func, cst.Name) and node.func.value in ("iter", "next", "len", "enumerate")
             ):
+                found.append(node)
+            elif isinstance(node.func, cst.Name) and node.func.value in readers:
                 found.append(node)
 
     body.visit(_P())

@@ -7,7 +7,7 @@ from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.batchnorm import batchnorm_layer, converted_already
 from fsdp2_retrofit.analysis.copies import unsafe_state_copies
 from fsdp2_retrofit.analysis.model_classes import called_methods, first_submodule, parameter_reads
-from fsdp2_retrofit.analysis.no_model import no_model_blocker
+from fsdp2_retrofit.analysis.no_model import no_model_blocker, unrecognised_trained_model
 from fsdp2_retrofit.analysis.optimizers import FLATTENING_OPTIMIZERS, whole_tensor_operation
 from fsdp2_retrofit.syntax.names import root_name
 from fsdp2_retrofit.syntax.torch_api import AUTOGRAD_GRAD, ZERO_REDUNDANCY_OPTIMIZER
@@ -352,6 +352,17 @@ class ShardModelCommand(RetrofitStage):
                 "build the optimizer from model.parameters() in the same script",
             )
         self._refuse_optimizers(facts)
+        unknown = unrecognised_trained_model(facts)
+        if unknown is not None:
+            self.refuse(
+                "FSR625",
+                unknown.at,
+                f"an optimizer trains a module the rewrite does not recognise: {unknown.detail}",
+                "the rewrite shards the models it recognises; this one would stay a whole module on every rank "
+                "whose gradients no rank reduces, and the ranks would drift apart",
+                "import the class by name (`from models import Generator`), or build the module with a class "
+                "defined in the script or a sibling module",
+            )
         scopes = {id(m.block) for m in facts.models}
         if len(scopes) > 1:
             self.refuse(
@@ -532,6 +543,16 @@ class ShardModelCommand(RetrofitStage):
         # gathered parameters after forward (no backward would gather them again)
         forward_only = model.copy_of is not None or any(model is f for f in facts.frozen_models)
         self._report_untrained(model, facts)
+        if model.late_init is not None:
+            self.attention(
+                model.late_init,
+                f"`{code(model.late_init)}` runs on the sharded `{model.name}`: each rank initialises its own "
+                "shards, not the weights the single-process run draws",
+                "it is in an if/else with other work (a checkpoint load that must follow fully_shard), so it "
+                "cannot move before fully_shard; the initialisation is as valid, but the run does not start "
+                f"from the same weights (move `{code(model.late_init)}` before the `if` for that)",
+                differs=True,
+            )
         if self.options.shard:
             var = self.fresh_name("module", model.scope)
             keep = ", reshard_after_forward=False" if self.options.reshard_after_forward == "never" else ""

@@ -10,13 +10,16 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import libcst as cst
 
 from fsdp2_retrofit.syntax.names import (
     CONTAINERS, OPTIMIZER_PREFIX, NOT_OPTIMIZERS, TORCH_MODULE_BASES, Resolver, attr_path, walk,
 )
+
+if TYPE_CHECKING:
+    from .star_imports import StarNames
 
 Path_ = Tuple[str, ...]
 
@@ -54,6 +57,9 @@ class ClassRegistry:
 
     def __init__(self) -> None:
         self.classes: Dict[str, ClassInfo] = {}
+        self.namespaces: Set[str] = set()  # the sibling modules read ("model", "models.resnet")
+        # the names the script's `from X import *` of its sibling modules bind (star_imports)
+        self.star: Optional["StarNames"] = None
 
     def get(self, name: Optional[str]) -> Optional[ClassInfo]:
         return self.classes.get(name) if name else None
@@ -137,10 +143,21 @@ def _is_file(path: Path) -> bool:
 
 
 def build_registry(module: cst.Module, resolver: Resolver, path: Optional[str]) -> ClassRegistry:
+    """The classes of the script and of the sibling modules it imports from. The names
+    the script's star imports bind are added to `resolver` (Resolver.add_bindings)."""
+    from .star_imports import star_names
+
     registry = ClassRegistry()
     _collect(module, resolver, namespace="", file=path, registry=registry)
     if path:
         _collect_siblings(module, resolver, Path(path).resolve().parent, registry, seen=set(), depth=2)
+
+    def collect(sibling, sib_resolver, namespace, file) -> None:
+        if namespace not in registry.namespaces:
+            _collect(sibling, sib_resolver, namespace=namespace, file=str(file), registry=registry)
+
+    registry.star = star_names(module, resolver, path, _parse_sibling, collect, _is_file)
+    resolver.add_bindings(registry.star.names, registry.star.dropped)
     registry._resolve_modules()
     return registry
 
@@ -211,6 +228,8 @@ class _Namer:
 
 
 def _collect(module, resolver: Resolver, namespace: str, file, registry: ClassRegistry) -> None:
+    if namespace:
+        registry.namespaces.add(namespace)
     top_classes = [s for s in module.body if isinstance(s, cst.ClassDef)]
     namer = _Namer(resolver, namespace, [c.name.value for c in top_classes])
     for cls in top_classes:

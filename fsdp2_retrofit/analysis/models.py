@@ -22,7 +22,9 @@ from fsdp2_retrofit.syntax.names import (
     code,
     is_main_guard,
     names_in,
+    parameter_names,
     root_name,
+    walk,
 )
 from fsdp2_retrofit.syntax.torch_api import AVERAGED_MODEL, FULLY_SHARD, TORCH_COMPILE, TORCH_LOAD
 
@@ -49,6 +51,9 @@ class ModelSite:
     copy_call: Optional[cst.Call] = None  # and that copy.deepcopy call
     # `model = Wrapper(model)` before the model is used: fully_shard cannot follow the name
     rebound_by: Optional[cst.CSTNode] = None
+    # `name.apply(init)` after the shard anchor, before the model is used, inside an
+    # if/else (`if resume: load else: init`): it runs on the sharded module
+    late_init: Optional[cst.Call] = None
 
 
 class ModelAnalysis(SiteAnalysis):
@@ -156,6 +161,7 @@ class ModelAnalysis(SiteAnalysis):
             containers = [c for c in self.classes.block_containers(cls) if c.block_class]
         ties = self.classes.ties(cls)
         tied = [c for c in containers if any(_under(a, c.path) or _under(b, c.path) for a, b in ties)]
+        anchor = self._shard_anchor(name, top, block, frozen)
         return ModelSite(
             name=name,
             stmt=stmt,
@@ -163,8 +169,9 @@ class ModelAnalysis(SiteAnalysis):
             scope=scope,
             class_name=cls,
             top=top,
-            shard_anchor=self._shard_anchor(name, top, block, frozen),
+            shard_anchor=anchor,
             rebound_by=None if frozen else self._rebound_by(name, top, block),
+            late_init=None if frozen else _late_init(name, anchor, block),
             containers=[c for c in containers if c not in tied],
             tied_containers=tied,
             library=library,
@@ -404,8 +411,26 @@ class ModelAnalysis(SiteAnalysis):
                     if param not in names.setdefault(callee, set()):
                         names[callee].add(param)
                         changed = True
+        self._add_globals(names)
         self._add_aliases(names)
         return names
+
+    def _add_globals(self, names) -> None:
+        """A model built at the module's top level is the same model in the top-level
+        functions that read it as a global (`def test(epoch): ... net.state_dict()`)."""
+        top = names.get(None, set())
+        if not top:
+            return
+        for fn in self.module.body:
+            if not isinstance(fn, cst.FunctionDef):
+                continue
+            local = parameter_names(fn) | {n for node in walk(fn.body) if isinstance(node, cst.SimpleStatementLine)
+                                           for n in assigned_names(node)}
+            declared = {n.name.value for node in walk(fn.body) if isinstance(node, cst.Global) for n in node.names}
+            seen = names_in(fn.body)
+            found = {n for n in top if n in seen and (n not in local or n in declared)}
+            if found:
+                names.setdefault(fn, set()).update(found)
 
     def _add_aliases(self, names) -> None:
         """`raw_model = model`, `raw_model = model.module if ddp else model`: another name
@@ -512,10 +537,12 @@ def _innermost_call(expr) -> Optional[cst.Call]:
 
 
 def _is_placement(stmt, name: str) -> bool:
-    """`m.to(d)`, `m = m.cuda()`, or an `if` whose body only does such things."""
+    """`m.to(d)`, `m = m.cuda()`, or an `if` whose body only does such things, to `m`
+    and to other names (`if cuda: G = G.cuda(); D = D.cuda(); loss_fn.cuda()`)."""
     if isinstance(stmt, cst.If):
         inner = list(stmt.body.body) if isinstance(stmt.body, cst.IndentedBlock) else [stmt.body]
-        return bool(inner) and all(_is_placement(s, name) for s in inner) and stmt.orelse is None
+        placed = [_placed_name(s) for s in inner]
+        return bool(inner) and stmt.orelse is None and None not in placed and name in placed
     if not isinstance(stmt, cst.SimpleStatementLine):
         return False
     for small in stmt.body:
@@ -527,6 +554,16 @@ def _is_placement(stmt, name: str) -> bool:
         if not _is_placement_chain(value, name):
             return False
     return True
+
+
+def _placed_name(stmt) -> Optional[str]:
+    """The name a statement only moves or casts (`x = x.cuda()`, `x.to(d)`), or None."""
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return None
+    small = stmt.body[0]
+    value = small.value if isinstance(small, (cst.Expr, cst.Assign)) else None
+    name = root_name(value) if isinstance(value, cst.Call) else None
+    return name if name is not None and _is_placement(stmt, name) else None
 
 
 def _initialises(stmt, name: str) -> bool:
@@ -545,6 +582,29 @@ def _initialises(stmt, name: str) -> bool:
 
 
 FREEZE_METHODS = {"eval", "train", "requires_grad_"}
+
+
+def _late_init(name: str, anchor, block) -> Optional[cst.Call]:
+    """`name.apply(...)` in a compound statement of `block` after the build (`if
+    resume: load ... else: name.apply(init)`), before a statement that uses the model:
+    the shard anchor stops before such a statement, so the call runs on the sharded
+    module. Each rank then initialises its own shards (a valid initialisation, not the
+    one the single-process run draws)."""
+    body = list(block.body)
+    for later in body[body.index(anchor) + 1:]:
+        if isinstance(later, cst.SimpleStatementLine):
+            if _consumes(later, name):
+                return None
+            continue
+        if isinstance(later, (cst.FunctionDef, cst.ClassDef)):
+            continue
+        for call in calls_in(later):
+            func = call.func
+            if isinstance(func, cst.Attribute) and func.attr.value == "apply" and _rooted_at(func.value, name):
+                return call
+        if _consumes(later, name) and not _is_placement(later, name):
+            return None
+    return None
 
 
 def _freeze_call(call, name: Optional[str]) -> bool:

@@ -19,7 +19,8 @@ from typing import Optional, Union
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import alias_target, calls_in, code, root_name
+from .models import _is_placement_chain
+from fsdp2_retrofit.syntax.names import SELF_RETURNING_METHODS, alias_target, calls_in, code, root_name
 from fsdp2_retrofit.syntax.torch_api import NOT_OPTIMIZERS, OPTIMIZER_PREFIX
 
 
@@ -49,6 +50,19 @@ def _binding(r, name: str, before: cst.CSTNode) -> Optional[cst.SimpleStatementL
         if any(isinstance(t, cst.Name) and t.value == name for t in targets):
             found = stmt
     return found
+
+
+def _construction(r, name: str, before: cst.CSTNode) -> Optional[cst.SimpleStatementLine]:
+    """The last binding of `name` ahead of `before` that is not a move or cast of the
+    module itself (`net = net.to(device)`, `G = G.cuda()`: nn.Module.to returns self):
+    the statement that builds what the name holds; else the last binding."""
+    last = _binding(r, name, before)
+    while last is not None and _is_placement_chain(last.body[0].value, name):
+        earlier = _binding(r, name, last)
+        if earlier is None:
+            break
+        last = earlier
+    return last
 
 
 def _parameters_owner(arg: cst.BaseExpression) -> Optional[str]:
@@ -180,7 +194,7 @@ def no_model_blocker(facts) -> Optional[NoModelBlocker]:
             )
         if name is None:
             return NoModelBlocker(call, f"the optimizer's parameters `{_short(first)}` do not name a model")
-        bound = _binding(r, name, stmt)
+        bound = _construction(r, name, stmt)
         if bound is None:
             return NoModelBlocker(
                 call,
@@ -190,7 +204,8 @@ def no_model_blocker(facts) -> Optional[NoModelBlocker]:
         return NoModelBlocker(
             bound,
             f"`{name}` (trained by the optimizer at line {r.line(stmt)}) is bound by "
-            f"`{_short(bound.body[0].value)}`, not recognised as building an nn.Module",
+            f"`{_short(bound.body[0].value)}`, not recognised as building an nn.Module"
+            + _star_note(facts, bound.body[0].value),
         )
     for stmt, call in assigned:  # `opt = SomeOptimizer(model.parameters())` outside torch.optim
         owner = _parameters_owner(call.args[0].value)
@@ -202,4 +217,64 @@ def no_model_blocker(facts) -> Optional[NoModelBlocker]:
     return None
 
 
-__all__ = ["NoModelBlocker", "no_model_blocker"]
+def unrecognised_trained_model(facts) -> Optional[NoModelBlocker]:
+    """A name whose parameters a torch.optim optimizer takes (`opt(G.parameters())`,
+    `opt(chain(G.parameters(), F.parameters()))`) while the analysis found other models
+    but not this one: it is bound in the optimizer's function by a call not recognised as
+    building an nn.Module (a class a star import may bind from two places, a factory of
+    a library). Left alone it would stay a plain module on every rank, its gradients
+    never reduced: the ranks would drift apart. None when every such name is a model."""
+    r = facts.resolver
+    if not facts.models:
+        return None  # no_model_blocker explains that case
+    for stmt in r.nodes(cst.SimpleStatementLine):
+        small = stmt.body[0] if len(stmt.body) == 1 else None
+        call = small.value if isinstance(small, (cst.Assign, cst.AnnAssign)) else None
+        if not isinstance(call, cst.Call) or not call.args or not r.calls_prefix(call, OPTIMIZER_PREFIX) \
+                or any(r.calls_prefix(call, p) for p in NOT_OPTIMIZERS):
+            continue
+        known = facts.model_names.get(r.enclosing_function(stmt), set())
+        for inner in calls_in(call.args[0].value):
+            func = inner.func
+            if not (isinstance(func, cst.Attribute) and func.attr.value in ("parameters", "named_parameters")):
+                continue
+            name = root_name(func.value)
+            if name is None or name in known:
+                continue
+            bound = _construction(r, name, stmt)
+            value = bound.body[0].value if bound is not None else None
+            built = _built_by(value)
+            if built is None:
+                continue  # not bound by a call here (a parameter, an attribute of a model): not judged
+            return NoModelBlocker(
+                bound,
+                f"`{name}` (trained by the optimizer at line {r.line(stmt)}) is bound by "
+                f"`{_short(value)}`, not recognised as building an nn.Module" + _star_note(facts, value),
+            )
+    return None
+
+
+def _built_by(value) -> Optional[cst.Call]:
+    """The constructor or factory call of `X(...)`, `X(...).to(d)`, `pkg.make(...)`;
+    None for anything else (`name.to(d)` of a name, an attribute, a subscript)."""
+    while isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) \
+            and value.func.attr.value in SELF_RETURNING_METHODS and isinstance(value.func.value, cst.Call):
+        value = value.func.value
+    if not isinstance(value, cst.Call) or not isinstance(value.func, (cst.Name, cst.Attribute)):
+        return None
+    if isinstance(value.func, cst.Attribute) and value.func.attr.value in SELF_RETURNING_METHODS:
+        return None
+    return value
+
+
+def _star_note(facts, value) -> str:
+    """Why the callee of `value` is unresolved, when a star import is the reason."""
+    star = getattr(facts.classes, "star", None)
+    call = _built_by(value)
+    if star is None or call is None or not isinstance(call.func, cst.Name):
+        return ""
+    why = star.why_unresolved(call.func.value)
+    return f" ({why})" if why else ""
+
+
+__all__ = ["NoModelBlocker", "no_model_blocker", "unrecognised_trained_model"]

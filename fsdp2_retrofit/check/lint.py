@@ -38,15 +38,19 @@ class LintContext:
     """What a rule sees: the tree, its resolved names and the sharding facts (computed once)."""
 
     def __init__(self, module, path: str):
+        import libcst as cst
+
         from fsdp2_retrofit.syntax.names import Resolver
         from fsdp2_retrofit.analysis.sharding import shard_facts
 
         self.module = module
         self.path = path
         self.resolver = Resolver(module)
-        self.shards = shard_facts(module, self.resolver)
         self._loaders = None
         self._classes = None
+        if any(isinstance(imp.names, cst.ImportStar) for imp in self.resolver.nodes(cst.ImportFrom)):
+            self.classes()  # `from models import *`: the names it binds join the resolver first
+        self.shards = shard_facts(module, self.resolver)
 
     def nodes(self, kind):
         return self.resolver.nodes(kind)

@@ -262,6 +262,12 @@ _RULES = [
                 "in that backward, or reads freed memory).",
                 "Keep this model unsharded (DDP), or compute the penalty without a second backward through the "
                 "sharded model."),
+    RefusalRule("FSR625", "shard-unrecognised-trained-model",
+                "An optimizer trains a module the rewrite does not recognise, beside models it does.",
+                "Only the recognised models are sharded: this one would stay whole on every rank, its gradients "
+                "never reduced, and the ranks would drift apart.",
+                "Import the class by name (`from models import Generator`, not only `from models import *` of two "
+                "modules that both define it), or build it with a class of the script or a sibling module."),
     # -- 7xx checkpoint and library saves ------------------------------------------------
     RefusalRule("FSR701", "checkpoint-unsplittable-rank-branch",
                 "A checkpoint save inside a rank-0 branch that cannot be split (an else branch, an `or`).",

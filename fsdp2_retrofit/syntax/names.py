@@ -5,7 +5,7 @@ import builtins
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from dataclasses import fields
-from typing import Dict, Iterator, List, Optional, Set, Type
+from typing import Dict, Iterable, Iterator, List, Optional, Set, Type
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
@@ -211,6 +211,7 @@ class Resolver:
         self._positions = None  # computed on the first position() call: only stages that report need it
         self._index(module, previous)
         self._table = self._name_table(module)
+        self._added: Set[str] = set()  # the names add_bindings added
         if origins is not None and module is origins.first:
             origins.first_resolver = self
 
@@ -223,6 +224,22 @@ class Resolver:
             for imp in self._by_type.get(kind, []):
                 table.update(import_bindings(imp))
         return table
+
+    def binds(self, name: str) -> bool:
+        """Whether the module itself binds or imports `name` at its top level."""
+        return name in self._table and name not in self._added
+
+    def add_bindings(self, names: Dict[str, str], unsure: Iterable[str] = ()) -> None:
+        """Names the module binds without spelling them (`from models import *`: read
+        from the sibling files by analysis.star_imports); a name it binds itself keeps
+        its own meaning, unless listed in `unsure` (a star import may rebind it): that
+        one resolves to nothing."""
+        for name in unsure:
+            self._table.pop(name, None)
+        for name, qualified in names.items():
+            if name not in self._table:
+                self._table[name] = qualified
+                self._added.add(name)
 
     def _index(self, module: cst.Module, previous: Optional["Resolver"] = None) -> None:
         """One walk records every node's parent and source-order rank and indexes the nodes

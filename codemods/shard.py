@@ -12,6 +12,7 @@ from fsdp2_retrofit.analysis.optimizers import FLATTENING_OPTIMIZERS, whole_tens
 from fsdp2_retrofit.syntax.names import root_name
 from fsdp2_retrofit.syntax.torch_api import AUTOGRAD_GRAD, ZERO_REDUNDANCY_OPTIMIZER
 from fsdp2_retrofit.analysis.same_start import broadcast_reason
+from fsdp2_retrofit.analysis.shared_modules import shared_module
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 
@@ -371,6 +372,19 @@ class ShardModelCommand(RetrofitStage):
                 "models are built in different blocks",
                 "one process group and mesh must cover every model; the rewrite needs them built in one place",
                 "build all models in the same function",
+            )
+        shared = shared_module(facts)
+        if shared is not None:
+            first, second = shared.owners[0], shared.owners[1]
+            self.refuse(
+                "FSR626",
+                second.stmt,
+                f"`{shared.name}` is a submodule of both `{first.name}` (line {facts.resolver.line(first.stmt)}) "
+                f"and `{second.name}`, which both get sharded",
+                "fully_shard of the first model makes the shared parameters its DTensor shards, and the second "
+                "model would meet them already sharded; FSDP2 lets a unit belong to one root only",
+                f"put `{first.name}` and `{second.name}` under one parent module and shard that, or keep the "
+                "script single-GPU",
             )
         for model in facts.models:
             if model.library is not None and model.library.refusal is not None and not model.sharded:

@@ -401,3 +401,62 @@ def test_a_method_reading_a_root_parameter_outside_forward_is_registered():
     found, result = _refusals(source)
     assert found == []
     assert 'register_fsdp_forward_method(model, "init_hidden")' in result.code.decode()
+
+
+# --- a module shared by two sharded models --------------------------------------------
+
+SHARED = '''\
+class Encoder(nn.Module):
+    def __init__(self, shared_block, width=4):
+        super().__init__()
+        self.inp = nn.Linear(4, width)
+        self.shared = shared_block
+
+    def forward(self, x):
+        return self.shared(self.inp(x))
+
+
+def main():
+    shared = nn.Linear(4, 4)
+    enc_a = Encoder(shared)
+    enc_b = Encoder(shared_block=shared)
+    optimizer = torch.optim.SGD([*enc_a.parameters(), *enc_b.parameters()], lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 4)), batch_size=4)
+    for x, y in loader:
+        loss = ((enc_a(x) - y) ** 2).mean() + ((enc_b(x) - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+'''
+
+
+def test_a_module_shared_by_two_sharded_models_is_refused(tmp_path, monkeypatch):
+    # fully_shard(enc_a) shards `shared`; enc_b's broadcast and fully_shard would then meet
+    # DTensors (the UNIT GAN's shared encoder layers crashed at that broadcast)
+    source = _script(SHARED)
+    found, _ = _refusals(source)
+    line = _line_of(source, "enc_b = Encoder(shared_block=shared)")
+    assert found[:1] == [("FSR626", line)]
+    monkeypatch.setenv("FSDP2_RETROFIT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "train.py"
+    path.write_text(source)
+    result = CliRunner().invoke(cli.main, ["rewrite", str(path)])
+    assert result.exit_code == 2 and path.read_text() == source
+    first = result.stderr.splitlines()[0]
+    assert first.startswith(f"{path}:{line}: FSR626 ") and "`shared`" in first and "`enc_a`" in first
+
+
+def test_a_model_handed_to_another_sharded_model_is_refused():
+    source = _script(SHARED.replace("enc_b = Encoder(shared_block=shared)", "enc_b = Encoder(shared_block=enc_a)"))
+    assert _refusals(source)[0][:1] == [("FSR626", _line_of(source, "enc_b = Encoder(shared_block=enc_a)"))]
+
+
+def test_separate_modules_and_shared_plain_values_are_not_refused():
+    # each model gets its own block; a plain value (a width) handed to both is not a module
+    source = _script(SHARED.replace("    shared = nn.Linear(4, 4)\n", "    width = 4\n")
+                     .replace("Encoder(shared)", "Encoder(nn.Linear(4, 4), width)")
+                     .replace("Encoder(shared_block=shared)", "Encoder(shared_block=nn.Linear(4, 4), width=width)"))
+    found, result = _refusals(source)
+    assert found == []
+    code = result.code.decode()
+    assert code.index("fully_shard(enc_a") < code.index("fully_shard(enc_b")

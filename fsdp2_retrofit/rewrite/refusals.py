@@ -268,6 +268,13 @@ _RULES = [
                 "never reduced, and the ranks would drift apart.",
                 "Import the class by name (`from models import Generator`, not only `from models import *` of two "
                 "modules that both define it), or build it with a class of the script or a sibling module."),
+    RefusalRule("FSR626", "shard-module-shared-by-models",
+                "One module is handed to the constructors of two models that get sharded (layers shared between "
+                "two encoders).",
+                "fully_shard of the first model turns the shared parameters into its DTensor shards; the second "
+                "model then meets parameters that are already sharded (the rank-0 broadcast before it fails), and "
+                "FSDP2 lets a unit belong to one root only, so the shared module cannot be its own unit either.",
+                "Put both models under one parent module and shard that (one root), or keep the script single-GPU."),
     # -- 7xx checkpoint and library saves ------------------------------------------------
     RefusalRule("FSR701", "checkpoint-unsplittable-rank-branch",
                 "A checkpoint save inside a rank-0 branch that cannot be split (an else branch, an `or`).",

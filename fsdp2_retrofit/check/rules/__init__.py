@@ -135,6 +135,7 @@ class Rule:
 def all_rules() -> List[Type[Rule]]:
     from . import (
         batch_size_shape,
+        broadcast_after_shard,
         batchnorm_per_rank,
         change_after_shard,
         flattening_optimizer,
@@ -185,6 +186,7 @@ def all_rules() -> List[Type[Rule]]:
         unregistered_method.UnregisteredMethod,
         gradient_sync_off.GradientSyncOff,
         sampler_misuse.SamplerMisuse,
+        broadcast_after_shard.BroadcastAfterShard,
     ]
     return sorted(rules, key=lambda r: r.CODE)
 

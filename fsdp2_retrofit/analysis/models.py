@@ -345,6 +345,8 @@ class ModelAnalysis(SiteAnalysis):
         anchor = stmt
         used = False  # by an optimizer or a forward: later restructuring stays after fully_shard
         for later in body[body.index(stmt) + 1 :]:
+            if isinstance(later, (cst.FunctionDef, cst.ClassDef)) and name not in names_in(later):
+                continue  # a definition that never mentions the model (an init function): it runs nothing here
             if frozen and (_prepares(later, name) or (restructures(later, name) and not self._loads_checkpoint(later))):
                 anchor = later  # frozen, then given a new head (`name.fc = nn.Linear(...)`): shard the final module
                 continue

@@ -74,6 +74,7 @@ DEVICE_SELECTORS = CUDA_SET_DEVICE | {
     "torch.set_default_device",
 }
 INIT_DEVICE_MESH = frozenset({"torch.distributed.device_mesh.init_device_mesh"})
+BROADCAST = frozenset({"torch.distributed.broadcast", "torch.distributed.distributed_c10d.broadcast"})
 COLLECTIVES = frozenset(
     "torch.distributed." + name
     for name in (

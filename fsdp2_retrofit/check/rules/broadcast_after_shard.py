@@ -6,9 +6,9 @@ from typing import Optional
 import libcst as cst
 
 from fsdp2_retrofit.syntax.names import code
+from fsdp2_retrofit.syntax.torch_api import BROADCAST
 from . import Invalid, Rule, Valid
 
-_BROADCAST = frozenset({"torch.distributed.broadcast"})
 _PARAMETER_METHODS = {"parameters", "named_parameters"}  # buffers stay plain tensors: they broadcast fine
 _PARAMETER_NAMES = {"weight", "bias"}
 _SAME_TENSOR = {"to", "detach", "cpu", "cuda", "contiguous", "clone"}  # a copy or view of the tensor
@@ -90,7 +90,7 @@ class BroadcastAfterShard(Rule):
         if not shards.uses_fully_shard:
             return
         for call in ctx.nodes(cst.Call):
-            if not call.args or not (ctx.resolver.qnames(call) & _BROADCAST):
+            if not call.args or not (ctx.resolver.qnames(call) & BROADCAST):
                 continue
             found = _module_of(ctx, call.args[0].value, call, depth=3)
             if found is None:

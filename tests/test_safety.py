@@ -460,3 +460,30 @@ def test_separate_modules_and_shared_plain_values_are_not_refused():
     assert found == []
     code = result.code.decode()
     assert code.index("fully_shard(enc_a") < code.index("fully_shard(enc_b")
+
+
+def test_an_image_optimised_through_a_transform_pipeline_has_no_model():
+    # neural style transfer: the optimizer trains an image tensor made by a torchvision
+    # transform; the transform is not a module to shard (it was taken for one, and the
+    # rank-0 broadcast called .parameters() on a Compose)
+    source = _script('''\
+    import torchvision.transforms as transforms
+
+
+    def load(path, transform):
+        return transform(torch.rand(3, 8, 8)).unsqueeze(0)
+
+
+    def main():
+        transform = transforms.Compose([transforms.Normalize(mean=(0.5, 0.5, 0.5), std=(0.2, 0.2, 0.2))])
+        content = load("content.png", transform)
+        target = content.clone().requires_grad_(True)
+        optimizer = torch.optim.Adam([target], lr=0.01)
+        features = Net().eval()  # a frozen feature extractor, as VGG there
+        for step in range(3):
+            loss = ((features(target.reshape(-1, 4)) - features(content.reshape(-1, 4))) ** 2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    ''')
+    assert _refusals(source)[0][:1] == [("FSR612", _line_of(source, "torch.optim.Adam([target]"))]

@@ -26,7 +26,7 @@ from fsdp2_retrofit.syntax.names import (
     root_name,
     walk,
 )
-from fsdp2_retrofit.syntax.torch_api import AVERAGED_MODEL, FULLY_SHARD, TORCH_COMPILE, TORCH_LOAD
+from fsdp2_retrofit.syntax.torch_api import AVERAGED_MODEL, FULLY_SHARD, NOT_MODULE_LIBRARIES, TORCH_COMPILE, TORCH_LOAD
 
 
 STDLIB = set(getattr(sys, "stdlib_module_names", ())) | {"argparse", "logging", "collections", "dataclasses"}
@@ -113,6 +113,7 @@ class ModelAnalysis(SiteAnalysis):
                 "." in name
                 and name.rsplit(".", 1)[-1][:1].isupper()
                 and not name.startswith("torch.")
+                and not name.startswith(NOT_MODULE_LIBRARIES)
                 and name.split(".")[0] not in STDLIB
             ):
                 return name

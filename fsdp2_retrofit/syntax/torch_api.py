@@ -74,6 +74,9 @@ DEVICE_SELECTORS = CUDA_SET_DEVICE | {
     "torch.set_default_device",
 }
 INIT_DEVICE_MESH = frozenset({"torch.distributed.device_mesh.init_device_mesh"})
+# library classes that are never trained modules (data pipelines): the models analysis
+# does not take a class from these for a model when an optimizer's tensors trace back to it
+NOT_MODULE_LIBRARIES = ("torchvision.transforms.", "torchvision.datasets.")
 BROADCAST = frozenset({"torch.distributed.broadcast", "torch.distributed.distributed_c10d.broadcast"})
 COLLECTIVES = frozenset(
     "torch.distributed." + name

@@ -36,6 +36,7 @@ from .migrate_spawn import MigrateSpawnCommand
 from .optimizer import MoveOptimizerCommand
 from .rank_zero import GateRankZeroCommand
 from .resume import ConvertLoadsCommand
+from .resume_init import SplitResumeInitCommand
 from .shard import ShardModelCommand
 from .zero_grad import ClearThroughOptimizerCommand
 
@@ -50,6 +51,7 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
     [MigrateDistributedWrappersCommand],  # DDP/DataParallel go first: the rest sees one plain model
     [MigrateFsdp1Command],  # an FSDP1 script becomes what the others read; its settings become their options
     [LaunchDistributedCommand],
+    [SplitResumeInitCommand],  # `if resume: load else: init` splits: the init before fully_shard, the load after
     [InitOnMetaDeviceCommand],
     [ShardModelCommand],
     [UseCheckpointPathsCommand],  # a checkpoint saved or loaded through a file object takes the path

@@ -562,8 +562,9 @@ class ShardModelCommand(RetrofitStage):
                 model.late_init,
                 f"`{code(model.late_init)}` runs on the sharded `{model.name}`: each rank initialises its own "
                 "shards, not the weights the single-process run draws",
-                "it is in an if/else with other work (a checkpoint load that must follow fully_shard), so it "
-                "cannot move before fully_shard; the initialisation is as valid, but the run does not start "
+                "it is in an if/else with other work (a checkpoint load that must follow fully_shard) that the "
+                "rewrite does not split (its test calls something, or the branch does more than initialise), so "
+                "it cannot move before fully_shard; the initialisation is as valid, but the run does not start "
                 f"from the same weights (move `{code(model.late_init)}` before the `if` for that)",
                 differs=True,
             )

@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Set
 
 import libcst as cst
 
+from .init_branches import branch_initialises, initialised_name, initialised_names
 from .library_models import PEFT_WRAPPERS, LibraryModel, is_library_builder, library_model
 from .model_classes import ClassRegistry, Container, build_registry
 from .site_analysis import Block, Scope, SiteAnalysis
@@ -570,7 +571,14 @@ def _placed_name(stmt) -> Optional[str]:
 
 
 def _initialises(stmt, name: str) -> bool:
-    """`model.apply(init_fn)`: an in-place (re)initialisation, done before sharding."""
+    """`model.apply(init_fn)`, `nn.init.normal_(model.fc.weight)`, or an `if` (no else)
+    of such calls on this and other models (the initialising half of a split resume-or-
+    initialise, analysis/init_branches.py): an in-place (re)initialisation, done before
+    sharding."""
+    if isinstance(stmt, cst.If) and stmt.orelse is None:
+        return name in (branch_initialises(stmt.body) or ())
+    if name in (initialised_names(stmt) or ()):
+        return True
     if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
         return False
     small = stmt.body[0]
@@ -603,7 +611,8 @@ def _late_init(name: str, anchor, block) -> Optional[cst.Call]:
             continue
         for call in calls_in(later):
             func = call.func
-            if isinstance(func, cst.Attribute) and func.attr.value == "apply" and _rooted_at(func.value, name):
+            if (isinstance(func, cst.Attribute) and func.attr.value == "apply" and _rooted_at(func.value, name)) \
+                    or initialised_name(call) == name:
                 return call
         if _consumes(later, name) and not _is_placement(later, name):
             return None

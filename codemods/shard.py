@@ -571,6 +571,8 @@ class ShardModelCommand(RetrofitStage):
             )
         elif model.library is not None and model.library.no_split_modules:
             out.extend(self._no_split_statements(model, mesh))
+        elif model.runtime_blocks:
+            out.extend(self._runtime_block_statements(model, mesh, forward_only))
         else:
             var = self.fresh_name("block", model.scope)
             policy = self.options.reshard_after_forward
@@ -652,6 +654,46 @@ class ShardModelCommand(RetrofitStage):
             f"    fully_shard({var}{mesh}{keep.get(policy, '')})\n"
         )]
 
+
+    def _runtime_block_statements(self, model: ModelSite, mesh: str, forward_only: bool) -> list:
+        """A model whose class the script chooses at run time: a unit per child of each
+        ModuleList/Sequential whose children share one class, found when it runs,
+        innermost first (a child that shares a parameter with another module stays in
+        the root, as tied blocks do); none found: the root alone."""
+        r = self.facts.resolver
+        nn = r.local_name("torch.nn") or "torch.nn"
+        self.add_import("torch")
+        self.add_import("collections")
+        uses = self.fresh_name("uses", model.scope)
+        blocks = self.fresh_name("blocks", model.scope)
+        container = self.fresh_name("container", model.scope)
+        child = self.fresh_name("child", model.scope)
+        p = self.fresh_name("p", model.scope)
+        var = self.fresh_name("block", model.scope)
+        policy = self.options.reshard_after_forward
+        keep = {"default": f", reshard_after_forward={var} is not {blocks}[-1]", "never": ", reshard_after_forward=False"}
+        if forward_only and policy != "never":
+            keep = {}
+        chosen = ", ".join(c.rsplit(".", 1)[-1] for c in model.alternatives)
+        self.change(
+            model.stmt,
+            f"`{model.name}` is one of {chosen}, chosen at run time: its repeated blocks are found when it runs "
+            f"(each child of a ModuleList/Sequential of one class becomes a unit; none: only the root)",
+            "the classes' repeated blocks differ (or a table decides), so no one attribute path fits every choice",
+        )
+        return [self.stmt(
+            f"{uses} = collections.Counter(id({p}) for _, {p} in {model.name}.named_parameters(remove_duplicate=False))\n"
+        ), self.stmt(
+            f"{blocks} = []  # `{model.name}`'s class is chosen at run time: find its repeated blocks\n"
+        ), self.stmt(
+            f"for {container} in {model.name}.modules():\n"
+            f"    if isinstance({container}, ({nn}.ModuleList, {nn}.Sequential)) and len(set(map(type, {container}))) == 1:\n"
+            f"        {blocks} += [{child} for {child} in {container} if not isinstance({child}, ({nn}.ModuleList, {nn}.ModuleDict))\n"
+            f"                   and all({uses}[id({p})] == 1 for {p} in {child}.parameters())]\n"
+        ), self.stmt(
+            f"for {var} in reversed({blocks}):  # innermost first\n"
+            f"    fully_shard({var}{mesh}{keep.get(policy, '')})\n"
+        )]
 
     def _report_untrained(self, model: ModelSite, facts: ScriptFacts) -> None:
         if model.copy_of is not None:

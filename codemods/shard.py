@@ -682,14 +682,16 @@ class ShardModelCommand(RetrofitStage):
             "the classes' repeated blocks differ (or a table decides), so no one attribute path fits every choice",
         )
         return [self.stmt(
-            f"{uses} = collections.Counter(id({p}) for _, {p} in {model.name}.named_parameters(remove_duplicate=False))\n"
-        ), self.stmt(
             f"{blocks} = []  # `{model.name}`'s class is chosen at run time: find its repeated blocks\n"
         ), self.stmt(
             f"for {container} in {model.name}.modules():\n"
             f"    if isinstance({container}, ({nn}.ModuleList, {nn}.Sequential)) and len(set(map(type, {container}))) == 1:\n"
-            f"        {blocks} += [{child} for {child} in {container} if not isinstance({child}, ({nn}.ModuleList, {nn}.ModuleDict))\n"
-            f"                   and all({uses}[id({p})] == 1 for {p} in {child}.parameters())]\n"
+            f"        {blocks} += [{child} for {child} in {container} if not isinstance({child}, ({nn}.ModuleList, {nn}.ModuleDict))]\n"
+        ), self.stmt(
+            f"{uses} = collections.Counter(id({p}) for _, {p} in {model.name}.named_parameters(remove_duplicate=False))\n"
+        ), self.stmt(
+            f"{blocks} = [{var} for {var} in {blocks} if all({uses}[id({p})] == 1 for {p} in {var}.parameters())]"
+            "  # tied: in the root unit\n"
         ), self.stmt(
             f"for {var} in reversed({blocks}):  # innermost first\n"
             f"    fully_shard({var}{mesh}{keep.get(policy, '')})\n"

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Set,
 import libcst as cst
 
 from fsdp2_retrofit.syntax.names import (
-    CONTAINERS, OPTIMIZER_PREFIX, NOT_OPTIMIZERS, TORCH_MODULE_BASES, Resolver, attr_path, walk,
+    CONTAINERS, OPTIMIZER_PREFIX, NOT_OPTIMIZERS, SELF_RETURNING_METHODS, TORCH_MODULE_BASES, Resolver, attr_path,
+    walk,
 )
 
 if TYPE_CHECKING:
@@ -78,8 +79,10 @@ class ClassRegistry:
 
     def classes_built_by(self, expr, namer: "_Namer", depth: int = 2) -> List[str]:
         """The module classes a value of a table (`MODELS = {"a": Net, "b": make_b}`) builds
-        when called: a class, or a top-level function of the same module whose every
-        return builds one; [] when one cannot be read."""
+        when called: a class, a lambda calling one, or a top-level function of the same
+        module whose every return builds one; [] when one cannot be read."""
+        if isinstance(expr, cst.Lambda):
+            return self._built_by_call(expr.body, namer, depth)
         name = namer.of(expr)
         if self.is_module_class(name):
             return [name]
@@ -88,18 +91,21 @@ class ClassRegistry:
             return []
         out: List[str] = []
         for ret in namer.resolver.descendants(fn, cst.Return):
-            value = ret.value
-            while isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) and value.func.attr.value in (
-                "to", "cuda", "float", "double", "half", "bfloat16"
-            ):
-                value = value.func.value  # `return Net(...).to(device)`
-            if not isinstance(value, cst.Call):
-                return []
-            found = self.classes_built_by(value.func, namer, depth - 1)
+            found = self._built_by_call(ret.value, namer, depth - 1)
             if not found:
                 return []
             out += [c for c in found if c not in out]
         return out
+
+    def _built_by_call(self, value, namer: "_Namer", depth: int) -> List[str]:
+        """The classes `Net(...)` / `make(...)` (also `.to(device)` after it) builds."""
+        while isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) and (
+            value.func.attr.value in SELF_RETURNING_METHODS
+        ):
+            value = value.func.value  # `Net(...).to(device)`
+        if not isinstance(value, cst.Call) or isinstance(value.func, cst.Lambda):
+            return []
+        return self.classes_built_by(value.func, namer, depth)
 
     def get(self, name: Optional[str]) -> Optional[ClassInfo]:
         return self.classes.get(name) if name else None

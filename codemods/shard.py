@@ -224,7 +224,9 @@ class ShardModelCommand(RetrofitStage):
                     "name it: --mixed-precision bf16 or fp16",
                 )
             wanted = found.pop()
-        if facts.classes.mentions(model.class_name, "BatchNorm") or model.library and model.library.batchnorm:
+        if any(facts.classes.mentions(c, "BatchNorm") for c in model.alternatives or [model.class_name]) or (
+            model.library and model.library.batchnorm
+        ):
             self.refuse(
                 "FSR603",
                 model.stmt,
@@ -396,33 +398,32 @@ class ShardModelCommand(RetrofitStage):
                     "process group would be torn down at the end of the set-up function",
                     "build the model in the function that trains and saves it, or pass it as an argument",
                 )
-            info = facts.classes.get(model.class_name)
-            if info is None:
-                continue
-            for attr, node in info.plain_lists:
-                self.refuse(
-                    "FSR618",
-                    self._class_line(node, model),
-                    f"`self.{attr}` keeps layers in a plain Python list",
-                    "its parameters are not registered: they are neither trained nor sharded",
-                    f"use nn.ModuleList for self.{attr}",
-                )
-            self._refuse_block_parameter_reads(model, info, facts)
-            if info.optimizer_in_init:
-                self.refuse(
-                    "FSR619",
-                    self._class_line(info.optimizer_in_init, model),
-                    f"an optimizer is built inside {info.name}.__init__",
-                    "it would hold the unsharded parameters; fully_shard replaces them with DTensors",
-                    "build the optimizer in the training script, after the model",
-                )
+            # a class chosen at run time: each class the name may hold
+            for info in filter(None, map(facts.classes.get, model.alternatives or [model.class_name])):
+                for attr, node in info.plain_lists:
+                    self.refuse(
+                        "FSR618",
+                        self._class_line(node, model),
+                        f"`self.{attr}` keeps layers in a plain Python list",
+                        "its parameters are not registered: they are neither trained nor sharded",
+                        f"use nn.ModuleList for self.{attr}",
+                    )
+                self._refuse_block_parameter_reads(model, info, facts)
+                if info.optimizer_in_init:
+                    self.refuse(
+                        "FSR619",
+                        self._class_line(info.optimizer_in_init, model),
+                        f"an optimizer is built inside {info.name}.__init__",
+                        "it would hold the unsharded parameters; fully_shard replaces them with DTensors",
+                        "build the optimizer in the training script, after the model",
+                    )
 
     def _refuse_block_parameter_reads(self, model: ModelSite, info, facts: ScriptFacts) -> None:
         """A method called outside forward that reads a parameter of a block that gets its
         own unit: register_fsdp_forward_method gathers only the root unit's parameters."""
         if self.options.shard:
             return  # --shard CLASS: the units are found at run time
-        blocks = {c.path[0] for c in model.containers}
+        blocks = {c.path[0] for c in (info.containers if model.runtime_blocks else model.containers)}
         for method in called_methods(model.name, info, facts.resolver):
             for node, sub in parameter_reads(info.methods[method], info):
                 owner = sub if sub is not None else first_submodule(info)

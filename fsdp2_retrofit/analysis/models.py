@@ -77,15 +77,12 @@ class ModelAnalysis(SiteAnalysis):
                 calls.append((name, stmt, ctor))
         out = [(name, stmt, cls) for name, stmt, ctor in calls for cls in [self._class_of(ctor)] if cls]
         factories = self._factories(out)
-        self._tables: Dict[int, List[str]] = {}
         for name, stmt, ctor in calls:
             if isinstance(ctor.func, cst.Name) and ctor.func.value in factories:
                 out.append((name, stmt, factories[ctor.func.value]))
             chosen = self._table_classes(ctor)
             if chosen:
-                self._tables[id(stmt)] = chosen
                 out.append((name, stmt, chosen[0]))
-        self._all_bindings = out
         return out
 
     def _table_classes(self, call: cst.Call) -> List[str]:
@@ -114,13 +111,16 @@ class ModelAnalysis(SiteAnalysis):
     def _alternatives(self, name: str, stmt, top) -> tuple:
         """(the classes `name` may hold, whether its blocks are decided at run time): a
         table's entries, or the classes the branches of the if/elif around it build."""
-        if id(stmt) in self._tables:
-            return list(self._tables[id(stmt)]), True
+        value = getattr(stmt.body[0], "value", None)
+        ctor = _innermost_call(value) if value is not None else None
+        chosen = self._table_classes(ctor) if ctor is not None else []
+        if chosen:
+            return chosen, True
         if top is stmt:
             return [], False
         span = self.r.span(top)
         classes: List[str] = []
-        for other, other_stmt, cls in getattr(self, "_all_bindings", ()):
+        for other, other_stmt, cls in getattr(self, "_bindings", ()):
             if other == name and span[0] <= self.r.order(other_stmt) <= span[1] and cls not in classes:
                 classes.append(cls)
         if len(classes) < 2 or any(is_library_builder(c) for c in classes):
@@ -175,6 +175,7 @@ class ModelAnalysis(SiteAnalysis):
 
     def _trained_models(self, optimizers, bindings) -> List["ModelSite"]:
         """The first binding, in the optimizer's own function, of each name it trains."""
+        self._bindings = bindings  # read by _alternatives
         models: List[ModelSite] = []
         seen = set()
         for opt in optimizers:

@@ -225,7 +225,9 @@ class ShardModelCommand(RetrofitStage):
                     "name it: --mixed-precision bf16 or fp16",
                 )
             wanted = found.pop()
-        if facts.classes.mentions(model.class_name, "BatchNorm") or model.library and model.library.batchnorm:
+        if any(facts.classes.mentions(c, "BatchNorm") for c in model.alternatives or [model.class_name]) or (
+            model.library and model.library.batchnorm
+        ):
             self.refuse(
                 "FSR603",
                 model.stmt,
@@ -410,33 +412,32 @@ class ShardModelCommand(RetrofitStage):
                     "process group would be torn down at the end of the set-up function",
                     "build the model in the function that trains and saves it, or pass it as an argument",
                 )
-            info = facts.classes.get(model.class_name)
-            if info is None:
-                continue
-            for attr, node in info.plain_lists:
-                self.refuse(
-                    "FSR618",
-                    self._class_line(node, model),
-                    f"`self.{attr}` keeps layers in a plain Python list",
-                    "its parameters are not registered: they are neither trained nor sharded",
-                    f"use nn.ModuleList for self.{attr}",
-                )
-            self._refuse_block_parameter_reads(model, info, facts)
-            if info.optimizer_in_init:
-                self.refuse(
-                    "FSR619",
-                    self._class_line(info.optimizer_in_init, model),
-                    f"an optimizer is built inside {info.name}.__init__",
-                    "it would hold the unsharded parameters; fully_shard replaces them with DTensors",
-                    "build the optimizer in the training script, after the model",
-                )
+            # a class chosen at run time: each class the name may hold
+            for info in filter(None, map(facts.classes.get, model.alternatives or [model.class_name])):
+                for attr, node in info.plain_lists:
+                    self.refuse(
+                        "FSR618",
+                        self._class_line(node, model),
+                        f"`self.{attr}` keeps layers in a plain Python list",
+                        "its parameters are not registered: they are neither trained nor sharded",
+                        f"use nn.ModuleList for self.{attr}",
+                    )
+                self._refuse_block_parameter_reads(model, info, facts)
+                if info.optimizer_in_init:
+                    self.refuse(
+                        "FSR619",
+                        self._class_line(info.optimizer_in_init, model),
+                        f"an optimizer is built inside {info.name}.__init__",
+                        "it would hold the unsharded parameters; fully_shard replaces them with DTensors",
+                        "build the optimizer in the training script, after the model",
+                    )
 
     def _refuse_block_parameter_reads(self, model: ModelSite, info, facts: ScriptFacts) -> None:
         """A method called outside forward that reads a parameter of a block that gets its
         own unit: register_fsdp_forward_method gathers only the root unit's parameters."""
         if self.options.shard:
             return  # --shard CLASS: the units are found at run time
-        blocks = {c.path[0] for c in model.containers}
+        blocks = {c.path[0] for c in (info.containers if model.runtime_blocks else model.containers)}
         for method in called_methods(model.name, info, facts.resolver):
             for node, sub in parameter_reads(info.methods[method], info):
                 owner = sub if sub is not None else first_submodule(info)
@@ -586,6 +587,8 @@ class ShardModelCommand(RetrofitStage):
             )
         elif model.library is not None and model.library.no_split_modules:
             out.extend(self._no_split_statements(model, mesh))
+        elif model.runtime_blocks:
+            out.extend(self._runtime_block_statements(model, mesh, forward_only))
         else:
             var = self.fresh_name("block", model.scope)
             policy = self.options.reshard_after_forward
@@ -667,6 +670,48 @@ class ShardModelCommand(RetrofitStage):
             f"    fully_shard({var}{mesh}{keep.get(policy, '')})\n"
         )]
 
+
+    def _runtime_block_statements(self, model: ModelSite, mesh: str, forward_only: bool) -> list:
+        """A model whose class the script chooses at run time: a unit per child of each
+        ModuleList/Sequential whose children share one class, found when it runs,
+        innermost first (a child that shares a parameter with another module stays in
+        the root, as tied blocks do); none found: the root alone."""
+        r = self.facts.resolver
+        nn = r.local_name("torch.nn") or "torch.nn"
+        self.add_import("torch")
+        self.add_import("collections")
+        uses = self.fresh_name("uses", model.scope)
+        blocks = self.fresh_name("blocks", model.scope)
+        container = self.fresh_name("container", model.scope)
+        child = self.fresh_name("child", model.scope)
+        p = self.fresh_name("p", model.scope)
+        var = self.fresh_name("block", model.scope)
+        policy = self.options.reshard_after_forward
+        keep = {"default": f", reshard_after_forward={var} is not {blocks}[-1]", "never": ", reshard_after_forward=False"}
+        if forward_only and policy != "never":
+            keep = {}
+        chosen = ", ".join(c.rsplit(".", 1)[-1] for c in model.alternatives)
+        self.change(
+            model.stmt,
+            f"`{model.name}` is one of {chosen}, chosen at run time: its repeated blocks are found when it runs "
+            f"(each child of a ModuleList/Sequential of one class becomes a unit; none: only the root)",
+            "the classes' repeated blocks differ (or a table decides), so no one attribute path fits every choice",
+        )
+        return [self.stmt(
+            f"{blocks} = []  # `{model.name}`'s class is chosen at run time: find its repeated blocks\n"
+        ), self.stmt(
+            f"for {container} in {model.name}.modules():\n"
+            f"    if isinstance({container}, ({nn}.ModuleList, {nn}.Sequential)) and len(set(map(type, {container}))) == 1:\n"
+            f"        {blocks} += [{child} for {child} in {container} if not isinstance({child}, ({nn}.ModuleList, {nn}.ModuleDict))]\n"
+        ), self.stmt(
+            f"{uses} = collections.Counter(id({p}) for _, {p} in {model.name}.named_parameters(remove_duplicate=False))\n"
+        ), self.stmt(
+            f"{blocks} = [{var} for {var} in {blocks} if all({uses}[id({p})] == 1 for {p} in {var}.parameters())]"
+            "  # tied: in the root unit\n"
+        ), self.stmt(
+            f"for {var} in reversed({blocks}):  # innermost first\n"
+            f"    fully_shard({var}{mesh}{keep.get(policy, '')})\n"
+        )]
 
     def _report_untrained(self, model: ModelSite, facts: ScriptFacts) -> None:
         if model.copy_of is not None:

@@ -324,3 +324,44 @@ def test_the_wrapped_module_attribute_is_the_model_itself():
     assert not result.refusals, result.refusals
     code = result.code.decode()
     assert "model.module." not in code and "get_model_state_dict(model" in code
+
+
+# --- a policy defined in a sibling module (issue 15 item 7) ---------------------
+
+SIBLING_POLICIES = {
+    "partial": "functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=LAYERS)\nLAYERS = {Block}",
+    "module": "ModuleWrapPolicy({Block})",
+    "lambda": "lambda module, recurse, nonwrapped_numel: recurse or isinstance(module, Block)",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SIBLING_POLICIES))
+def test_a_policy_imported_from_a_sibling_module_names_the_units(kind, tmp_path):
+    """`from policies import wrap_policy`: read in policies.py (the classes it names come
+    from model.py there), never imported; policies.py is left as it is."""
+    (tmp_path / "model.py").write_text("import torch.nn as nn\n\n\nclass Block(nn.Module):\n    pass\n")
+    value = SIBLING_POLICIES[kind]
+    policies = (
+        "import functools\n"
+        "from torch.distributed.fsdp.wrap import ModuleWrapPolicy, transformer_auto_wrap_policy\n"
+        "from model import Block\n\n"
+        f"wrap_policy = {value}\n"
+    )
+    (tmp_path / "policies.py").write_text(policies)
+    text = source_of("auto_wrap_policy=wrap_policy").replace("import functools\n", "from policies import wrap_policy\n")
+    path = tmp_path / "train.py"
+    path.write_text(text)
+    result = rewrite_source(text.encode(), str(path), RetrofitOptions())
+    assert not result.refusals, result.refusals
+    assert SHARD_BLOCKS.format(extra="") in result.code.decode()
+    assert (tmp_path / "policies.py").read_text() == policies
+
+
+def test_a_sibling_policy_that_cannot_be_read_is_refused_at_the_wrap(tmp_path):
+    (tmp_path / "policies.py").write_text("def wrap_policy(module, recurse, nonwrapped_numel):\n    return recurse\n")
+    text = source_of("auto_wrap_policy=wrap_policy").replace("import functools\n", "from policies import wrap_policy\n")
+    path = tmp_path / "train.py"
+    path.write_text(text)
+    result = rewrite_source(text.encode(), str(path), RetrofitOptions())
+    assert [r.code for r in result.refusals] == ["FSR303"]
+    assert result.refusals[0].line == line_of("model = FSDP(model", text)

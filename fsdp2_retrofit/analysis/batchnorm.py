@@ -70,7 +70,9 @@ def batchnorm_layer(model, facts) -> Optional[BatchNormLayer]:
                 f"{model.library.library} `{model.library.architecture}` (its BatchNorm layers)", r.line(model.stmt)
             )
         return None
-    hit = _in_class(facts.classes, model.class_name, facts, set(), _DEPTH)
+    hit = None
+    for cls in model.alternatives or [model.class_name]:  # a class chosen at run time: any of them
+        hit = hit or _in_class(facts.classes, cls, facts, set(), _DEPTH)
     if hit is not None and hit.file is not None:
         return BatchNormLayer(hit.what, r.line(model.stmt), hit.file, hit.file_line)
     return hit

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from .facts import ScriptFacts
-from fsdp2_retrofit.syntax.names import assigned_names, code
+from fsdp2_retrofit.syntax.names import assigned_names, code, walk
 from fsdp2_retrofit.syntax.torch_api import FSDP1_CLASSES
 from fsdp2_retrofit.syntax.torch_api import SHARDED_GRAD_SCALER as SCALER
 # FSDP1-only names exported by torch.distributed.fsdp (the FSDP2 ones are fully_shard,
@@ -158,6 +158,7 @@ class _Finder:
         self.facts = facts
         self.r = facts.resolver
         self.problems: List[Problem] = []
+        self._origin: Dict[int, object] = {}  # id of a node read from a sibling module -> its module's namer
 
     def run(self) -> Fsdp1Uses:
         calls = self.r.nodes(cst.Call)
@@ -267,8 +268,26 @@ class _Finder:
 
     def _resolve(self, expr, wrap):
         """`expr`, or the value of the one assignment of the name it is (that
-        statement is consumed by `wrap` (a wrap or block) when the name is read nowhere else)."""
+        statement is consumed by `wrap` (a wrap or block) when the name is read nowhere else).
+        A name imported from a sibling module (`from policies import wrap_policy`) is read
+        there, through the class registry's reading of sibling modules (never imported);
+        that module is left as it is."""
         if not isinstance(expr, cst.Name):
+            return expr
+        namer = self._origin.get(id(expr))
+        resolver = namer.resolver if namer is not None else self.r
+        for qname in sorted(resolver.qnames(expr)):
+            if namer is not None and "." not in qname and namer.namespace:
+                qname = f"{namer.namespace}.{qname}"  # a name the sibling module binds itself
+            elif namer is None and not ("." in qname and qname.rpartition(".")[0] in self.facts.classes.namespaces):
+                continue  # the script's own names are read below
+            found = self.facts.classes.top_level_value(qname)
+            if found is not None:
+                value, sibling = found
+                for node in walk(value):
+                    self._origin[id(node)] = sibling
+                return value
+        if namer is not None:
             return expr
         stmts = [
             s for s in self.r.nodes(cst.SimpleStatementLine)
@@ -281,13 +300,18 @@ class _Finder:
             wrap.consumed.append(stmts[0])
         return stmts[0].body[0].value
 
+    def _qn(self, node) -> Set[str]:
+        """Qualified names of a node of the script, or of a value read from a sibling module."""
+        namer = self._origin.get(id(node))
+        return (namer.resolver if namer is not None else self.r).qnames(node)
+
     def _refuse(self, code, node, what, why, hint=""):
         self.problems.append(Problem(code, node, what, why, hint))
 
     def _policy(self, wrap: Fsdp1Wrap, expr) -> None:
         value = self._resolve(expr, wrap)
         kind, classes = None, ()
-        if isinstance(value, cst.Call) and _qnames(value, self.facts) & {"functools.partial"} and value.args:
+        if isinstance(value, cst.Call) and self._qn(value) & {"functools.partial"} and value.args:
             fn = value.args[0].value
             kind = self._policy_kind(fn)
             if kind == "transformer":
@@ -316,7 +340,7 @@ class _Finder:
         wrap.policy, wrap.classes = kind, classes
 
     def _policy_kind(self, fn) -> Optional[str]:
-        for q in _qnames(fn, self.facts):
+        for q in self._qn(fn):
             last = q.rsplit(".", 1)[-1]
             if last in POLICIES and q.startswith("torch.distributed.fsdp"):
                 return POLICIES[last]
@@ -366,7 +390,7 @@ class _Finder:
         return tuple(out) if collect(value.body) else ()
 
     def _enum_member(self, expr, enum: str) -> Optional[str]:
-        for q in _qnames(expr, self.facts):
+        for q in self._qn(expr):
             head, _, last = q.rpartition(".")
             if head.endswith(f".{enum}") and is_fsdp1_name(head):
                 return last
@@ -392,7 +416,7 @@ class _Finder:
         value = self._resolve(expr, wrap)
         if isinstance(value, cst.Name) and value.value == "None":
             return
-        if not (isinstance(value, cst.Call) and any(q.endswith(".MixedPrecision") and is_fsdp1_name(q) for q in _qnames(value, self.facts))):
+        if not (isinstance(value, cst.Call) and any(q.endswith(".MixedPrecision") and is_fsdp1_name(q) for q in self._qn(value))):
             self._refuse("FSR303", expr, f"mixed_precision={code(expr)} is not a MixedPrecision(...) the rewrite can read",
                          "its dtypes become the MixedPrecisionPolicy", "write MixedPrecision(param_dtype=..., ...) in the call or one assignment")
             return
@@ -417,7 +441,7 @@ class _Finder:
     def _dtype(self, expr) -> Optional[str]:
         if isinstance(expr, cst.Name) and expr.value == "None":
             return "None"
-        for q in _qnames(expr, self.facts) | {code(expr)}:
+        for q in self._qn(expr) | {code(expr)}:
             if q in DTYPES:
                 return DTYPES[q]
         return None
@@ -426,7 +450,7 @@ class _Finder:
         value = self._resolve(expr, wrap)
         if isinstance(value, cst.Name) and value.value == "None":
             return
-        if not (isinstance(value, cst.Call) and any(q.endswith(".CPUOffload") and is_fsdp1_name(q) for q in _qnames(value, self.facts))):
+        if not (isinstance(value, cst.Call) and any(q.endswith(".CPUOffload") and is_fsdp1_name(q) for q in self._qn(value))):
             self._refuse("FSR303", expr, f"cpu_offload={code(expr)} is not a CPUOffload(...) the rewrite can read", "",
                          "write CPUOffload(offload_params=True) in the call or one assignment")
             return

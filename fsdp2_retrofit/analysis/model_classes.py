@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Set,
 import libcst as cst
 
 from fsdp2_retrofit.syntax.names import (
-    CONTAINERS, OPTIMIZER_PREFIX, NOT_OPTIMIZERS, TORCH_MODULE_BASES, Resolver, attr_path, walk,
+    CONTAINERS, OPTIMIZER_PREFIX, NOT_OPTIMIZERS, SELF_RETURNING_METHODS, TORCH_MODULE_BASES, Resolver, attr_path,
+    walk,
 )
 
 if TYPE_CHECKING:
@@ -58,8 +59,53 @@ class ClassRegistry:
     def __init__(self) -> None:
         self.classes: Dict[str, ClassInfo] = {}
         self.namespaces: Set[str] = set()  # the sibling modules read ("model", "models.resnet")
+        self.top_level_functions: Dict[str, Dict[str, cst.FunctionDef]] = {}  # namespace -> name -> def
         # the names the script's `from X import *` of its sibling modules bind (star_imports)
         self.star: Optional["StarNames"] = None
+        # namespace ("" for the script) -> that module's top-level `NAME = value` statements, its namer
+        self.top_level: Dict[str, Tuple[Dict[str, list], "_Namer"]] = {}
+
+    def top_level_value(self, qname: Optional[str]):
+        """(value, namer of its module) of the one top-level `NAME = value` that `qname`
+        names: `MODELS` of the script, `policies.wrap_policy` of a sibling module read
+        (parsed, never imported); None when it is bound another way or more than once."""
+        if not qname:
+            return None
+        namespace, _, name = qname.rpartition(".")
+        found = self.top_level.get(namespace)
+        if found is None or len(found[0].get(name, ())) != 1:
+            return None
+        return found[0][name][0].value, found[1]
+
+    def classes_built_by(self, expr, namer: "_Namer", depth: int = 2) -> List[str]:
+        """The module classes a value of a table (`MODELS = {"a": Net, "b": make_b}`) builds
+        when called: a class, a lambda calling one, or a top-level function of the same
+        module whose every return builds one; [] when one cannot be read."""
+        if isinstance(expr, cst.Lambda):
+            return self._built_by_call(expr.body, namer, depth)
+        name = namer.of(expr)
+        if self.is_module_class(name):
+            return [name]
+        fn = self.top_level_functions.get(namer.namespace, {}).get(name or "")
+        if fn is None or depth == 0:
+            return []
+        out: List[str] = []
+        for ret in namer.resolver.descendants(fn, cst.Return):
+            found = self._built_by_call(ret.value, namer, depth - 1)
+            if not found:
+                return []
+            out += [c for c in found if c not in out]
+        return out
+
+    def _built_by_call(self, value, namer: "_Namer", depth: int) -> List[str]:
+        """The classes `Net(...)` / `make(...)` (also `.to(device)` after it) builds."""
+        while isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) and (
+            value.func.attr.value in SELF_RETURNING_METHODS
+        ):
+            value = value.func.value  # `Net(...).to(device)`
+        if not isinstance(value, cst.Call) or isinstance(value.func, cst.Lambda):
+            return []
+        return self.classes_built_by(value.func, namer, depth)
 
     def get(self, name: Optional[str]) -> Optional[ClassInfo]:
         return self.classes.get(name) if name else None
@@ -231,7 +277,19 @@ def _collect(module, resolver: Resolver, namespace: str, file, registry: ClassRe
     if namespace:
         registry.namespaces.add(namespace)
     top_classes = [s for s in module.body if isinstance(s, cst.ClassDef)]
+    top_functions = {s.name.value: s for s in module.body if isinstance(s, cst.FunctionDef)}
     namer = _Namer(resolver, namespace, [c.name.value for c in top_classes])
+    assigns: Dict[str, list] = {}
+    for stmt in module.body:
+        for small in stmt.body if isinstance(stmt, cst.SimpleStatementLine) else ():
+            if isinstance(small, (cst.Assign, cst.AnnAssign, cst.AugAssign)):
+                for target in small.targets if isinstance(small, cst.Assign) else [small]:
+                    target = target.target
+                    if isinstance(target, cst.Name):
+                        bound = small if not isinstance(small, cst.AugAssign) and small.value is not None else None
+                        assigns.setdefault(target.value, []).append(bound)
+    registry.top_level[namespace] = ({k: v for k, v in assigns.items() if all(v)}, namer)
+    registry.top_level_functions[namespace] = top_functions
     for cls in top_classes:
         name = f"{namespace}.{cls.name.value}" if namespace else cls.name.value
         info = ClassInfo(

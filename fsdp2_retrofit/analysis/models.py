@@ -55,6 +55,12 @@ class ModelSite:
     # `name.apply(init)` after the shard anchor, before the model is used, inside an
     # if/else (`if resume: load else: init`): it runs on the sharded module
     late_init: Optional[cst.Call] = None
+    # the classes the name may hold when the script chooses one at run time (`MODELS[args.arch](...)`,
+    # an if/elif building different classes into it); empty when it is one class
+    alternatives: List[str] = field(default_factory=list)
+    # the blocks cannot be read statically (the alternatives' repeated blocks differ, or a
+    # table's entries decide): the shard stage finds them when the script runs
+    runtime_blocks: bool = False
 
 
 class ModelAnalysis(SiteAnalysis):
@@ -75,7 +81,56 @@ class ModelAnalysis(SiteAnalysis):
         for name, stmt, ctor in calls:
             if isinstance(ctor.func, cst.Name) and ctor.func.value in factories:
                 out.append((name, stmt, factories[ctor.func.value]))
+            chosen = self._table_classes(ctor)
+            if chosen:
+                out.append((name, stmt, chosen[0]))
         return out
+
+    def _table_classes(self, call: cst.Call) -> List[str]:
+        """`MODELS[args.arch](...)`: the module classes of the one top-level dict literal
+        `MODELS` (of the script or a sibling module) whose values are classes or functions
+        building one; [] unless every value is read."""
+        func = call.func
+        if not isinstance(func, cst.Subscript):
+            return []
+        found = None
+        for qname in sorted(self.r.qnames(func.value)):
+            found = self.classes.top_level_value(qname)
+            if found is not None:
+                break
+        if found is None or not isinstance(found[0], cst.Dict) or not found[0].elements:
+            return []
+        out: List[str] = []
+        for element in found[0].elements:
+            built = self.classes.classes_built_by(element.value, found[1]) if isinstance(
+                element, cst.DictElement) else []
+            if not built:
+                return []
+            out += [c for c in built if c not in out]
+        return out
+
+    def _alternatives(self, name: str, stmt, top) -> tuple:
+        """(the classes `name` may hold, whether its blocks are decided at run time): a
+        table's entries, or the classes the branches of the if/elif around it build."""
+        value = getattr(stmt.body[0], "value", None)
+        ctor = _innermost_call(value) if value is not None else None
+        chosen = self._table_classes(ctor) if ctor is not None else []
+        if chosen:
+            return chosen, True
+        if top is stmt:
+            return [], False
+        span = self.r.span(top)
+        classes: List[str] = []
+        for other, other_stmt, cls in getattr(self, "_bindings", ()):
+            if other == name and span[0] <= self.r.order(other_stmt) <= span[1] and cls not in classes:
+                classes.append(cls)
+        if len(classes) < 2 or any(is_library_builder(c) for c in classes):
+            return [], False
+        layouts = {
+            tuple(sorted((c.path, c.block_class) for c in self.classes.block_containers(cls) if c.block_class))
+            for cls in classes
+        }
+        return classes, len(layouts) > 1
 
     def _factories(self, bindings) -> Dict[str, str]:
         """Functions of the script that return a module they build: name -> its class."""
@@ -122,6 +177,7 @@ class ModelAnalysis(SiteAnalysis):
 
     def _trained_models(self, optimizers, bindings) -> List["ModelSite"]:
         """The first binding, in the optimizer's own function, of each name it trains."""
+        self._bindings = bindings  # read by _alternatives
         models: List[ModelSite] = []
         seen = set()
         for opt in optimizers:
@@ -164,6 +220,9 @@ class ModelAnalysis(SiteAnalysis):
         ties = self.classes.ties(cls)
         tied = [c for c in containers if any(_under(a, c.path) or _under(b, c.path) for a, b in ties)]
         anchor = self._shard_anchor(name, top, block, frozen)
+        alternatives, runtime = self._alternatives(name, stmt, top) if library is None else ([], False)
+        if runtime:
+            containers, tied = [], []
         return ModelSite(
             name=name,
             stmt=stmt,
@@ -177,6 +236,8 @@ class ModelAnalysis(SiteAnalysis):
             containers=[c for c in containers if c not in tied],
             tied_containers=tied,
             library=library,
+            alternatives=alternatives,
+            runtime_blocks=runtime,
         )
 
     def _library_model(self, stmt, cls: Optional[str]) -> Optional[LibraryModel]:
@@ -306,6 +367,8 @@ class ModelAnalysis(SiteAnalysis):
                 shard_anchor=self._shard_anchor(name, stmt, source.block, frozen=True),
                 containers=list(source.containers),
                 tied_containers=list(source.tied_containers),
+                alternatives=list(source.alternatives),
+                runtime_blocks=source.runtime_blocks,
                 copy_of=source.name,
                 copy_call=call,
             )

@@ -469,10 +469,12 @@ class ConvertLoadsCommand(RetrofitStage):
         moved = site.path_key in self.dcp_paths
         if moved:  # dcp.save makes a directory there: the file moves aside once every rank has read it
             test = self.rank_zero_test(site.stmt, facts) or "dist.get_rank() == 0"
+            literal = isinstance(site.path, cst.SimpleString) and site.path.prefix == "" and len(site.path.quote) == 1
+            aside = path[:-1] + ".single-gpu" + path[-1] if literal else f'str({path}) + ".single-gpu"'
             text += (
                 "    dist.barrier()  # every rank has read the file; this script saves a DCP directory there\n"
                 f"    if {test}:\n"
-                f"        os.replace({path}, str({path}) + \".single-gpu\")\n"
+                f"        os.replace({path}, {aside})\n"
                 "    dist.barrier()\n"
             )
             self.add_import("torch.distributed", asname="dist")

@@ -124,6 +124,12 @@ class ConvertLoadsCommand(RetrofitStage):
             )
             self._load_full(site, state_uses, facts, editor)
             return
+        if (origin == "dcp" and site.var is None and [u.kind for u in site.uses] == ["model"]
+                and site.path_key not in self.copy_dests and not self._saved_before(site, facts)):
+            # a resume at the start: the path may still hold the single-GPU run's file
+            self._require_built(site, state_uses, facts)
+            self._load_either(site, facts, editor, saved_here=True)
+            return
         # a load kept in a variable is told apart at run time (_file_or_directory), but not in the config-first order
         if origin == "either" and state_uses and (site.var is None or self._config_first(site, facts) is not None):
             self.attention(
@@ -469,8 +475,7 @@ class ConvertLoadsCommand(RetrofitStage):
         moved = site.path_key in self.dcp_paths
         if moved:  # dcp.save makes a directory there: the file moves aside once every rank has read it
             test = self.rank_zero_test(site.stmt, facts) or "dist.get_rank() == 0"
-            literal = isinstance(site.path, cst.SimpleString) and site.path.prefix == "" and len(site.path.quote) == 1
-            aside = path[:-1] + ".single-gpu" + path[-1] if literal else f'str({path}) + ".single-gpu"'
+            aside = _aside(site.path, path)
             text += (
                 "    dist.barrier()  # every rank has read the file; this script saves a DCP directory there\n"
                 f"    if {test}:\n"
@@ -496,9 +501,22 @@ class ConvertLoadsCommand(RetrofitStage):
         )
         return options
 
-    def _load_either(self, site: LoadSite, facts: ScriptFacts, editor: StatementEditor) -> None:
+    def _saved_before(self, site: LoadSite, facts: ScriptFacts) -> bool:
+        """A DCP save of the load's path comes before it in the same function (a reload
+        of what this run saved: a directory)."""
+        r = facts.resolver
+        function = r.enclosing_function(site.stmt)
+        order = {id(s): i for i, s in enumerate(r.nodes(cst.SimpleStatementLine))}
+        at = order.get(id(site.stmt), 0)
+        return any(r.enclosing_function(s.stmt) is function and order.get(id(s.stmt), at) < at
+                   for s in self.dcp_paths.get(site.path_key, []))
+
+    def _load_either(self, site: LoadSite, facts: ScriptFacts, editor: StatementEditor,
+                     saved_here: bool = False) -> None:
         """`model.load_state_dict(torch.load(path))` where `path` may name this script's
-        DCP directory or a single file: told apart at run time by os.path.isdir."""
+        DCP directory or a single file: told apart at run time by os.path.isdir.
+        `saved_here`: this script saves a DCP directory at the path later; the file
+        moves aside once loaded."""
         use = site.uses[0]
         scope = facts.resolver.enclosing_function(site.stmt)
         path = code(site.path)
@@ -522,6 +540,11 @@ class ConvertLoadsCommand(RetrofitStage):
             f"    set_model_state_dict({use.owner}, {code(use.call.args[0].value)} if {test} else {{}}, "
             f"options={options})\n"
         )
+        if saved_here:  # every rank has its shards once the broadcast is done
+            text += (f"    if {test}:  # this script saves a DCP directory there\n"
+                     f"        os.replace({path}, {_aside(site.path, path)})\n"
+                     "    dist.barrier()\n")
+            self.add_import("torch.distributed", asname="dist")
         new = [*self._copy_barrier(site), *self._reshard(use, facts), self.stmt(text)]
         new[0] = new[0].with_changes(leading_lines=site.stmt.leading_lines)
         editor.replace(site.stmt, new[0])
@@ -535,8 +558,11 @@ class ConvertLoadsCommand(RetrofitStage):
             f"load `{path}` into the sharded `{use.owner}`, by what it is at run time: a directory (this "
             "script's DCP save) with dcp.load + set_model_state_dict; a single file (a single-GPU run's, "
             "pretrained weights) with set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)",
-            "the path is not one this script saves to, and this script writes model state dicts as DCP "
-            "directories: the flag may name either",
+            ("this script saves a DCP directory there later, and before that the path may hold the file a "
+             "single-GPU run left (a run switched to FSDP2 resumes from it); the file is then renamed to "
+             f"`{path}` + \".single-gpu\" (rank 0)" if saved_here else
+             "the path is not one this script saves to, and this script writes model state dicts as DCP "
+             "directories: the flag may name either"),
             "torch.load of a DCP directory fails (IsADirectoryError); dcp.load of a single file fails",
         )
 
@@ -765,6 +791,13 @@ def _setter(use: LoadUse, state: str) -> str:
     if use.kind == "model":
         return f"set_model_state_dict({use.owner}, {state}{options})\n"
     return f"set_optimizer_state_dict({use.model}, {use.owner}, {state}{options})\n"
+
+
+def _aside(node: cst.BaseExpression, path: str) -> str:
+    """Where a single-GPU file at `path` is moved: `path` + ".single-gpu"."""
+    if isinstance(node, cst.SimpleString) and node.prefix == "" and len(node.quote) == 1:
+        return path[:-1] + ".single-gpu" + path[-1]
+    return f'str({path}) + ".single-gpu"'
 
 
 def _setter_with(use: LoadUse, state: str, options: str) -> str:

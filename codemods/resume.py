@@ -445,13 +445,13 @@ class ConvertLoadsCommand(RetrofitStage):
         save), `else:` torch.load of one file on CPU on every rank (a single-GPU run's
         checkpoint, an --export full or `fsdp2-retrofit convert` file), whose full tensors
         the setters shard (full_state_dict=True). Returns the name of the options the
-        setters take; None (a dcp.load only) where the loads disagree on `strict`, or the
-        path is where this script copies its checkpoint directory."""
+        setters take; None (a dcp.load only) where the loads disagree on `strict`, the path
+        is where this script copies its checkpoint directory, or a save of it comes first."""
         var, path = site.var, code(site.path)
         states = [u for u in site.uses if u.kind in ("model", "optimizer")]
         stricts = {_strict_value(u.call) for u in states}
-        # a copy this script makes of its own checkpoint directory is one (the copy precedes the load)
-        if len(stricts) > 1 or site.path_key in self.copy_dests:
+        # a copy this script makes of its checkpoint directory is one, and so is what it saved before
+        if len(stricts) > 1 or site.path_key in self.copy_dests or self._saved_before(site, facts):
             editor.insert_after(site.stmt, self._dcp_load(var, path, site, facts))
             return None
         strict = stricts.pop() if stricts else None

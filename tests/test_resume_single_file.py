@@ -81,3 +81,11 @@ def test_a_bare_reload_after_this_runs_save_stays_a_dcp_load():
     assert "os.path.isdir(\"checkpoint/last.pth\")" in code  # the resume at the start
     reload = code[code.index("dcp.save(get_model_state_dict(net), checkpoint_id=args.out)"):]
     assert "os.path.isdir" not in reload and "dcp.load(state_dict, checkpoint_id=args.out)" in reload
+
+
+def test_a_kept_reload_after_this_runs_save_stays_a_dcp_load():
+    tail = '    torch.save(net.state_dict(), args.out)\n'
+    code = _rewrite(tail, tail + '    final = torch.load("checkpoint/last.pth")\n    net.load_state_dict(final["net"])\n')
+    reload = code[code.index("dcp.save(get_model_state_dict(net), checkpoint_id=args.out)"):]
+    assert "os.path.isdir" not in reload and 'dcp.load(final, checkpoint_id="checkpoint/last.pth")' in reload
+    assert 'set_model_state_dict(net, final["net"])' in reload

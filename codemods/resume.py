@@ -3,7 +3,10 @@
 A path this script saves with DCP is loaded with dcp.load into state dicts built
 from the sharded model and optimizer, then set_*_state_dict; a single file (an
 --export full save, or weights from elsewhere) is loaded with full_state_dict and
-broadcast_from_rank0. Copies of a checkpoint directory become copytree on rank 0.
+broadcast_from_rank0. A path this script saves that a resume may read before its first
+save is told apart at run time (os.path.isdir): a single-GPU run's file there is read with
+torch.load and set with full_state_dict=True, then moved aside for the DCP save. Copies of
+a checkpoint directory become copytree on rank 0.
 """
 from __future__ import annotations
 

@@ -3,7 +3,10 @@
 A path this script saves with DCP is loaded with dcp.load into state dicts built
 from the sharded model and optimizer, then set_*_state_dict; a single file (an
 --export full save, or weights from elsewhere) is loaded with full_state_dict and
-broadcast_from_rank0. Copies of a checkpoint directory become copytree on rank 0.
+broadcast_from_rank0. A path this script saves that a resume may read before its first
+save is told apart at run time (os.path.isdir): a single-GPU run's file there is read with
+torch.load and set with full_state_dict=True, then moved aside for the DCP save. Copies of
+a checkpoint directory become copytree on rank 0.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from fsdp2_retrofit.analysis.checkpoints import (
     target_names,
     saves,
 )
+from fsdp2_retrofit.rewrite.edit import with_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 from .checkpoint import FUTURE, STATE_DICT_MODULE
@@ -123,7 +127,14 @@ class ConvertLoadsCommand(RetrofitStage):
             )
             self._load_full(site, state_uses, facts, editor)
             return
-        if origin == "either" and state_uses:
+        if (origin == "dcp" and site.var is None and [u.kind for u in site.uses] == ["model"]
+                and site.path_key not in self.copy_dests and not self._saved_before(site, facts)):
+            # a resume at the start: the path may still hold the single-GPU run's file
+            self._require_built(site, state_uses, facts)
+            self._load_either(site, facts, editor, saved_here=True)
+            return
+        # a load kept in a variable is told apart at run time (_file_or_directory), but not in the config-first order
+        if origin == "either" and state_uses and (site.var is None or self._config_first(site, facts) is not None):
             self.attention(
                 site.call,
                 f"`{code(site.path)}` is loaded as a DCP checkpoint directory of this script (dcp.load): "
@@ -390,10 +401,11 @@ class ConvertLoadsCommand(RetrofitStage):
             editor.replace(
                 site.stmt, self.stmt(f"{var} = {template}\n").with_changes(leading_lines=site.stmt.leading_lines)
             )
-            editor.insert_after(site.stmt, self._dcp_load(var, path, site, facts))
+            options = self._file_or_directory(site, facts, editor)
             for use in site.uses:
                 if use.kind in ("model", "optimizer"):
-                    self._replace_load(use, self.stmt(_setter(use, code(use.node))), facts, editor)
+                    setter = _setter(use, code(use.node)) if options is None else _setter_with(use, code(use.node), options)
+                    self._replace_load(use, self.stmt(setter), facts, editor)
         kinds = {u.kind for u in site.uses}
         if any(_strict_option(u.call) for u in site.uses if u.kind in ("model", "optimizer")):
             self.add_import(STATE_DICT_MODULE, "StateDictOptions")
@@ -431,9 +443,83 @@ class ConvertLoadsCommand(RetrofitStage):
             "torch.load of a DCP directory fails; plain tensors loaded into DTensor parameters are wrong",
         )
 
-    def _load_either(self, site: LoadSite, facts: ScriptFacts, editor: StatementEditor) -> None:
+    def _file_or_directory(self, site: LoadSite, facts: ScriptFacts, editor: StatementEditor) -> Optional[str]:
+        """After `var = <template>`: `if os.path.isdir(path):` dcp.load (this script's own
+        save), `else:` torch.load of one file on CPU on every rank (a single-GPU run's
+        checkpoint, an --export full or `fsdp2-retrofit convert` file), whose full tensors
+        the setters shard (full_state_dict=True). Returns the name of the options the
+        setters take; None (a dcp.load only) where the loads disagree on `strict`, the path
+        is where this script copies its checkpoint directory, or a save of it comes first."""
+        var, path = site.var, code(site.path)
+        states = [u for u in site.uses if u.kind in ("model", "optimizer")]
+        stricts = {_strict_value(u.call) for u in states}
+        # a copy this script makes of its checkpoint directory is one, and so is what it saved before
+        if len(stricts) > 1 or site.path_key in self.copy_dests or self._saved_before(site, facts):
+            editor.insert_after(site.stmt, self._dcp_load(var, path, site, facts))
+            return None
+        strict = stricts.pop() if stricts else None
+        scope = facts.resolver.enclosing_function(site.stmt)
+        options = self.fresh_name(f"{var}_options", scope)
+        self.__dict__["_visible"][id(scope)].add(options)
+        loads = self._dcp_load(var, path, site, facts)
+        before, load = loads[:-1], loads[-1]
+        extra = f", strict={strict}" if strict is not None else ""
+        text = (
+            f"if os.path.isdir({path}):  # a DCP checkpoint directory: this script's own save\n"
+            f"    {code(load).strip()}\n"
+            f"    {options} = StateDictOptions({extra[2:]})\n"
+            "else:  # one torch.save file (a single-GPU run's): every rank reads it, the setters shard it\n"
+            f"    {var} = {code(_on_cpu(site.call))}\n"
+            f"    {options} = StateDictOptions(full_state_dict=True{extra})\n"
+        )
+        for use in states:
+            if use.kind == "optimizer":
+                text += _named_optimizer_state(code(use.node), use.model, use.owner, self.fresh_name, scope)
+        moved = site.path_key in self.dcp_paths
+        if moved:  # dcp.save makes a directory there: the file moves aside once every rank has read it
+            test = self.rank_zero_test(site.stmt, facts) or "dist.get_rank() == 0"
+            aside = _aside(site.path, path)
+            text += (
+                "    dist.barrier()  # every rank has read the file; this script saves a DCP directory there\n"
+                f"    if {test}:\n"
+                f"        os.replace({path}, {aside})\n"
+                "    dist.barrier()\n"
+            )
+            self.add_import("torch.distributed", asname="dist")
+        editor.insert_after(site.stmt, [*before, self.stmt(text)])
+        self.add_import("os")
+        self.add_import(STATE_DICT_MODULE, "StateDictOptions")
+        self.change(
+            site.stmt,
+            f"`{path}` is loaded by what it is at run time: a directory (this script's DCP save) with dcp.load; "
+            "a single file (the single-GPU script's torch.save, an --export full or `fsdp2-retrofit convert` "
+            "file) with torch.load on CPU on every rank, its full tensors set with "
+            "set_*_state_dict(full_state_dict=True), each rank keeping its shards",
+            "a run switched to FSDP2 resumes from the checkpoint its single-GPU run left at that path"
+            + ("; the single-GPU optimizer state numbers parameters in the optimizer's order, and is keyed by "
+               "parameter name before it is set" if any(u.kind == "optimizer" for u in states) else "")
+            + (f"; the file is then renamed to `{path}` + \".single-gpu\" (rank 0), since this script's DCP saves "
+               "write a directory at that path (the original overwrote the file)" if moved else ""),
+            "dcp.load of a single file fails (NotADirectoryError); torch.load of a DCP directory fails",
+        )
+        return options
+
+    def _saved_before(self, site: LoadSite, facts: ScriptFacts) -> bool:
+        """A DCP save of the load's path comes before it in the same function (a reload
+        of what this run saved: a directory)."""
+        r = facts.resolver
+        function = r.enclosing_function(site.stmt)
+        order = {id(s): i for i, s in enumerate(r.nodes(cst.SimpleStatementLine))}
+        at = order.get(id(site.stmt), 0)
+        return any(r.enclosing_function(s.stmt) is function and order.get(id(s.stmt), at) < at
+                   for s in self.dcp_paths.get(site.path_key, []))
+
+    def _load_either(self, site: LoadSite, facts: ScriptFacts, editor: StatementEditor,
+                     saved_here: bool = False) -> None:
         """`model.load_state_dict(torch.load(path))` where `path` may name this script's
-        DCP directory or a single file: told apart at run time by os.path.isdir."""
+        DCP directory or a single file: told apart at run time by os.path.isdir.
+        `saved_here`: this script saves a DCP directory at the path later; the file
+        moves aside once loaded."""
         use = site.uses[0]
         scope = facts.resolver.enclosing_function(site.stmt)
         path = code(site.path)
@@ -457,6 +543,11 @@ class ConvertLoadsCommand(RetrofitStage):
             f"    set_model_state_dict({use.owner}, {code(use.call.args[0].value)} if {test} else {{}}, "
             f"options={options})\n"
         )
+        if saved_here:  # every rank has its shards once the broadcast is done
+            text += (f"    if {test}:  # this script saves a DCP directory there\n"
+                     f"        os.replace({path}, {_aside(site.path, path)})\n"
+                     "    dist.barrier()\n")
+            self.add_import("torch.distributed", asname="dist")
         new = [*self._copy_barrier(site), *self._reshard(use, facts), self.stmt(text)]
         new[0] = new[0].with_changes(leading_lines=site.stmt.leading_lines)
         editor.replace(site.stmt, new[0])
@@ -470,8 +561,11 @@ class ConvertLoadsCommand(RetrofitStage):
             f"load `{path}` into the sharded `{use.owner}`, by what it is at run time: a directory (this "
             "script's DCP save) with dcp.load + set_model_state_dict; a single file (a single-GPU run's, "
             "pretrained weights) with set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)",
-            "the path is not one this script saves to, and this script writes model state dicts as DCP "
-            "directories: the flag may name either",
+            ("this script saves a DCP directory there later, and before that the path may hold the file a "
+             "single-GPU run left (a run switched to FSDP2 resumes from it); the file is then renamed to "
+             f"`{path}` + \".single-gpu\" (rank 0)" if saved_here else
+             "the path is not one this script saves to, and this script writes model state dicts as DCP "
+             "directories: the flag may name either"),
             "torch.load of a DCP directory fails (IsADirectoryError); dcp.load of a single file fails",
         )
 
@@ -700,6 +794,47 @@ def _setter(use: LoadUse, state: str) -> str:
     if use.kind == "model":
         return f"set_model_state_dict({use.owner}, {state}{options})\n"
     return f"set_optimizer_state_dict({use.model}, {use.owner}, {state}{options})\n"
+
+
+def _aside(node: cst.BaseExpression, path: str) -> str:
+    """Where a single-GPU file at `path` is moved: `path` + ".single-gpu"."""
+    if isinstance(node, cst.SimpleString) and node.prefix == "" and len(node.quote) == 1:
+        return path[:-1] + ".single-gpu" + path[-1]
+    return f'str({path}) + ".single-gpu"'
+
+
+def _setter_with(use: LoadUse, state: str, options: str) -> str:
+    if use.kind == "model":
+        return f"set_model_state_dict({use.owner}, {state}, options={options})\n"
+    return f"set_optimizer_state_dict({use.model}, {use.owner}, {state}, options={options})\n"
+
+
+def _strict_value(call: Optional[cst.Call]) -> Optional[str]:
+    strict = next((a.value for a in call.args[1:] if a.keyword is None or a.keyword.value == "strict"), None) if call else None
+    return code(strict) if strict is not None else None
+
+
+def _on_cpu(call: cst.Call) -> cst.Call:
+    """`torch.load(path, ...)` with map_location="cpu" (the setters move the shards)."""
+    cpu = cst.SimpleString('"cpu"')
+    args = [a for i, a in enumerate(call.args) if not (i == 1 and a.keyword is None)
+            and not (a.keyword is not None and a.keyword.value == "map_location")]
+    args[-1] = args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+    return with_keyword(call.with_changes(args=args), "map_location", cpu)
+
+
+def _named_optimizer_state(state: str, model: str, optimizer: str, fresh, scope) -> str:
+    """Lines of the `else:` that key a single-GPU optimizer state (parameters numbered in
+    the optimizer's order) by parameter name, as set_optimizer_state_dict reads it."""
+    by_param, names, group = fresh("name_of", scope), fresh("param_names", scope), fresh("param_group", scope)
+    return (
+        f"    if all(isinstance(k, int) for k in {state}[\"state\"]):  # numbered: key it by parameter name\n"
+        f"        {by_param} = {{p: n for n, p in {model}.named_parameters()}}\n"
+        f"        {names} = [{by_param}[p] for group in {optimizer}.param_groups for p in group[\"params\"]]\n"
+        f"        {state}[\"state\"] = {{{names}[i]: s for i, s in {state}[\"state\"].items()}}\n"
+        f"        for {group} in {state}[\"param_groups\"]:\n"
+        f"            {group}[\"params\"] = [{names}[i] for i in {group}[\"params\"]]\n"
+    )
 
 
 def _strict_option(call: Optional[cst.Call]) -> str:

@@ -237,3 +237,41 @@ def test_export_full_output_warm_starts_the_original_single_gpu_script(warm_star
     print(f"\nwarm_start_flag: single-GPU script warm-started from the --export full file vs from its own: "
           f"{result.max_abs_diff}")
     assert result.ok, result.problem
+
+
+# --- a run switched to FSDP2 resumes from the file its single-GPU run left ----------------
+
+SINGLE_FILE = FIXTURES / "resume_single_gpu_file"
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("resume-resume_single_gpu_file")
+def test_the_single_gpu_scripts_own_checkpoint_resumes_the_fsdp2_run(tmp_path: Path):
+    """The original trains one epoch in one process and leaves checkpoint/last.pth (a
+    torch.save file: weights, Adam state keyed by parameter number, epoch); the rewrite,
+    started with --resume on 2 ranks at the same path, loads that file and trains the
+    second epoch like the single-GPU run of two epochs. It then saves a DCP directory at
+    the path, with the file moved aside."""
+    single = tmp_path / "single"
+    launch_single(SINGLE_FILE / "input.py", ["--out", str(single / "out.pt"), "--batch-size", "32", "--epochs", "1"],
+                  single)
+    saved = single / "checkpoint" / "last.pth"
+    assert saved.is_file(), "the single-GPU script writes one file"
+    reference = launch_single(SINGLE_FILE / "input.py", ["--out", str(tmp_path / "ref" / "out.pt"), "--batch-size",
+                                                         "32", "--epochs", "2"], tmp_path / "ref")
+    # the comparison can fail: one epoch is not two
+    assert not compare_saved(tmp_path / "ref" / "out.pt", single / "out.pt", [], DEFAULT_TOLERANCE).ok
+
+    switched = tmp_path / "switched"
+    (switched / "checkpoint").mkdir(parents=True)
+    shutil.copy(saved, switched / "checkpoint" / "last.pth")
+    resumed = launch_distributed(SINGLE_FILE / "expected.py", ["--out", str(switched / "out.pt"), "--batch-size", "16",
+                                                               "--epochs", "2", "--resume"], switched, nproc=2)
+    assert "resumed after epoch 0" in resumed.stdout
+    result = compare_saved(tmp_path / "ref" / "out.pt", switched / "out.pt", [], DEFAULT_TOLERANCE)
+    print(f"\nresume_single_gpu_file: single-GPU file resumed on 2 ranks vs single process, 2 epochs: "
+          f"{result.max_abs_diff} ({resumed.ranks[0]['steps']} steps after the resume)")
+    assert result.ok, result.problem
+    assert _steps_agree(reference, resumed, 6) == []
+    assert (switched / "checkpoint" / "last.pth" / ".metadata").is_file(), "the FSDP2 run saves a DCP directory"
+    assert (switched / "checkpoint" / "last.pth.single-gpu").is_file(), "the single-GPU file is kept, moved aside"

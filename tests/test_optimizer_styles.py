@@ -237,6 +237,9 @@ def test_a_resume_through_the_wrapper_loads_the_torch_optimizer():
     result = rewrite(source)
     assert not result.refusals, result.refusals
     out = result.code.decode()
-    assert '"optimizer": get_optimizer_state_dict(model, opt._optimizer),\n    }\n    dcp.load(ckpt' in out
-    assert 'set_optimizer_state_dict(model, opt._optimizer, ckpt["optimizer"])' in out
+    assert ('"optimizer": get_optimizer_state_dict(model, opt._optimizer),\n    }\n    if os.path.isdir("ckpt.pt"):'
+            '  # a DCP checkpoint directory: this script\'s own save\n        dcp.load(ckpt') in out
+    # a single-GPU file's numbered state is named by the order of the torch optimizer's groups
+    assert 'for group in opt._optimizer.param_groups for p in group["params"]]' in out
+    assert 'set_optimizer_state_dict(model, opt._optimizer, ckpt["optimizer"], options=ckpt_options)' in out
     assert '"optimizer": get_optimizer_state_dict(model, opt._optimizer)}, checkpoint_id="ckpt.pt")' in out

@@ -861,7 +861,8 @@ main(False)
         '            "step": None,\n'
         '            "loss": None,\n'
         "        }\n"
-        '        dcp.load(ckpt, checkpoint_id="ckpt.pt")\n'
+        '        if os.path.isdir("ckpt.pt"):  # a DCP checkpoint directory: this script\'s own save\n'
+        '            dcp.load(ckpt, checkpoint_id="ckpt.pt")\n'
     ) in code
     assert [a.what for a in result.attention if a.code == "resume"] == [
         "'loss' may be saved as a tensor: its dcp.load placeholder is None"

@@ -128,11 +128,11 @@ class Origins:
         if self._backward and i >= len(body) // 2:
             while len(self._backward) <= len(body) - i:  # lines before body[-1], body[-2], ... after the end
                 stmt = body[len(body) - len(self._backward)]
-                self._backward.append(self._backward[-1] - self.first.code_for_node(stmt).count("\n"))
+                self._backward.append(self._backward[-1] - self._breaks_of(stmt))
             return self._backward[len(body) - i]
         while len(self._forward) <= i:
             stmt = body[len(self._forward) - 1]
-            self._forward.append(self._forward[-1] + self.first.code_for_node(stmt).count("\n"))
+            self._forward.append(self._forward[-1] + self._breaks_of(stmt))
         return self._forward[i]
 
     def carry(self, old: cst.CSTNode, new: cst.CSTNode) -> None:
@@ -174,18 +174,20 @@ class Origins:
             return 0
         return self._lines_before(top) + self._breaks_before(top, unit) + pos.start.line
 
-    def _one_line(self, stmt: cst.SimpleStatementLine) -> bool:
-        """Whether the statement's code, after its leading lines, has no line break but its
-        end: its nodes' own text holds exactly the leading lines' and the final one."""
+    def _breaks_of(self, stmt: cst.CSTNode) -> int:
+        """The line breaks in a statement's code, from its nodes' own text (not rendered)."""
         resolver = self.first_resolver
         first, last = resolver.span(stmt)
-        if first < 0:
-            return False
         newline = self.first.default_newline
         breaks = 0
         for node in resolver._seq[first : last + 1]:
             breaks += _breaks_in(node, newline)
-        return breaks == len(stmt.leading_lines) + 1
+        return breaks
+
+    def _one_line(self, stmt: cst.SimpleStatementLine) -> bool:
+        """Whether the statement's code, after its leading lines, has no line break but its
+        end: its nodes' own text holds exactly the leading lines' and the final one."""
+        return self._breaks_of(stmt) == len(stmt.leading_lines) + 1
 
     def _breaks_before(self, top: cst.CSTNode, stmt: cst.CSTNode) -> int:
         """The line breaks (as PositionProvider counts them) in the code of the top-level

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from fsdp2_retrofit.rewrite.pipeline import rewrite_source
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "rewrite"
@@ -36,3 +38,50 @@ def test_a_call_whose_arguments_an_earlier_stage_dropped_keeps_its_line():
     lines, result = rewrite("mp_spawn")
     launch = [c for c in result.changes if c.code == "launch" and "reuse" in c.what]
     assert [c.line for c in launch] == [line_of(lines, "dist.init_process_group(")]
+
+
+TRICKY = (
+    "# header comment\n"
+    "import torch\n"
+    "\n"
+    "x = torch.zeros(\n"
+    "    3,\n"
+    "    4)  # a call over three lines\n"
+    "s = '''a\n"
+    "b'''; t = s + \\\n"
+    "    'c'\n"
+    "def f(a,\n"
+    "      b):\n"
+    "    # a comment line\n"
+    "\n"
+    "    y = a(b); z = [\n"
+    "        1, 2]\n"
+    "    if y:\n"
+    "        return f'{z}'\n"
+    "    return (y\n"
+    "            + 1)\n"
+    "f(x, s)\n"
+)
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_every_node_s_line_is_the_line_libcst_gives_it(newline):
+    """Origins.line reads a one-line statement's line without resolving positions: it
+    must agree with PositionProvider over the whole file for every node, on multi-line
+    calls, strings, continuations, comments, `;` and CRLF files alike."""
+    import libcst as cst
+    from libcst.metadata import MetadataWrapper, PositionProvider
+
+    from fsdp2_retrofit.syntax.names import Origins, Resolver, walk
+
+    text = TRICKY.replace("\n", newline)
+    module = cst.parse_module(text)
+    origins = Origins(module, text)
+    Resolver(module, origins)
+    positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
+    checked = 0
+    for node in (n for stmt in module.body for n in walk(stmt)):
+        if node in positions:
+            assert origins.line(node) == positions[node].start.line, (type(node).__name__, cst.Module([]).code_for_node(node))
+            checked += 1
+    assert checked > 100

@@ -128,11 +128,11 @@ class Origins:
         if self._backward and i >= len(body) // 2:
             while len(self._backward) <= len(body) - i:  # lines before body[-1], body[-2], ... after the end
                 stmt = body[len(body) - len(self._backward)]
-                self._backward.append(self._backward[-1] - self.first.code_for_node(stmt).count("\n"))
+                self._backward.append(self._backward[-1] - self._breaks_of(stmt))
             return self._backward[len(body) - i]
         while len(self._forward) <= i:
             stmt = body[len(self._forward) - 1]
-            self._forward.append(self._forward[-1] + self.first.code_for_node(stmt).count("\n"))
+            self._forward.append(self._forward[-1] + self._breaks_of(stmt))
         return self._forward[i]
 
     def carry(self, old: cst.CSTNode, new: cst.CSTNode) -> None:
@@ -153,15 +153,19 @@ class Origins:
             Resolver(self.first, self)
         parents = self.first_resolver._parents
         stmt = None  # the simple statement line holding `node`
-        while top in parents and parents[top] is not self.first:
+        while id(top) in parents and parents[id(top)] is not self.first:
             if stmt is None and isinstance(top, cst.SimpleStatementLine):
                 stmt = top
-            top = parents[top]
-        if parents.get(top) is not self.first:
+            top = parents[id(top)]
+        if parents.get(id(top)) is not self.first:
             return 0
         if stmt is None and isinstance(top, cst.SimpleStatementLine):
             stmt = top
         unit = top if stmt is None else stmt
+        if stmt is not None and self._one_line(stmt):
+            # a statement on one line (most are): every node in it starts on that line, after
+            # its leading blank and comment lines; no positions resolved
+            return self._lines_before(top) + self._breaks_before(top, stmt) + len(stmt.leading_lines) + 1
         if unit not in self._positions:
             alone = self.first.with_changes(body=[unit], header=[], footer=[])
             self._positions[unit] = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
@@ -169,6 +173,21 @@ class Origins:
         if pos is None:
             return 0
         return self._lines_before(top) + self._breaks_before(top, unit) + pos.start.line
+
+    def _breaks_of(self, stmt: cst.CSTNode) -> int:
+        """The line breaks in a statement's code, from its nodes' own text (not rendered)."""
+        resolver = self.first_resolver
+        first, last = resolver.span(stmt)
+        newline = self.first.default_newline
+        breaks = 0
+        for node in resolver._seq[first : last + 1]:
+            breaks += _breaks_in(node, newline)
+        return breaks
+
+    def _one_line(self, stmt: cst.SimpleStatementLine) -> bool:
+        """Whether the statement's code, after its leading lines, has no line break but its
+        end: its nodes' own text holds exactly the leading lines' and the final one."""
+        return self._breaks_of(stmt) == len(stmt.leading_lines) + 1
 
     def _breaks_before(self, top: cst.CSTNode, stmt: cst.CSTNode) -> int:
         """The line breaks (as PositionProvider counts them) in the code of the top-level
@@ -178,8 +197,8 @@ class Origins:
         if stmt is top:
             return 0
         resolver = self.first_resolver
-        seq, first = resolver._seq, resolver._order[top]
-        end = resolver._order[stmt] - first
+        seq, first = resolver._seq, resolver._order[id(top)]
+        end = resolver._order[id(stmt)] - first
         counts = self._breaks.setdefault(top, [0])
         while len(counts) <= end:
             counts.append(counts[-1] + _breaks_in(seq[first + len(counts) - 1], self.first.default_newline))
@@ -250,28 +269,32 @@ class Resolver:
         else:
             old_order = {}
         seq: List[cst.CSTNode] = []
-        parents: Dict[cst.CSTNode, cst.CSTNode] = {}
-        last: Dict[cst.CSTNode, int] = {}
+        # keyed by id(node): libcst's CSTNode.__hash__ is a Python method (id(self)); every
+        # indexed node is kept alive by `seq`, so no id is reused while the index lives
+        parents: Dict[int, cst.CSTNode] = {}
+        last: Dict[int, int] = {}
         stack: List[tuple] = [(module, None)]
         pop, push, extend, add = stack.pop, stack.append, stack.extend, seq.append
         while stack:
             node, parent = pop()
             if parent is _LEAVE:
-                last[node] = len(seq) - 1
+                last[id(node)] = len(seq) - 1
                 continue
             if parent is not None:
-                parents[node] = parent
+                parents[id(node)] = parent
             if old_order:
-                start = old_order.get(node)
+                start = old_order.get(id(node))
                 if start is not None and old_seq[start] is node:
-                    end = old_last[node]
+                    end = old_last[id(node)]
                     shift = len(seq) - start
                     block = old_seq[start : end + 1]
                     seq.extend(block)
                     for n in block[1:]:
-                        parents[n] = old_parents[n]
+                        key = id(n)
+                        parents[key] = old_parents[key]
                     for n in block:
-                        last[n] = old_last[n] + shift
+                        key = id(n)
+                        last[key] = old_last[key] + shift
                     continue
             add(node)
             children = child_nodes(node)
@@ -279,19 +302,21 @@ class Resolver:
                 push((node, _LEAVE))
                 extend((child, node) for child in reversed(children))
             else:
-                last[node] = len(seq) - 1
+                last[id(node)] = len(seq) - 1
         self._seq = seq
         self._parents = parents
         self._last = last
-        self._order = {n: i for i, n in enumerate(seq)}
+        self._order = {id(n): i for i, n in enumerate(seq)}
         self._by_type: Dict[Type[cst.CSTNode], List[cst.CSTNode]] = defaultdict(list)
         for n in seq:
             self._by_type[type(n)].append(n)
         self._ranks: Dict[Type[cst.CSTNode], List[int]] = {}  # per type, the ranks of nodes(type)
+        _RECENT_INDEXES.insert(0, self)
+        del _RECENT_INDEXES[_KEEP_INDEXES:]
 
     def order(self, node: cst.CSTNode) -> int:
         """The node's rank in a pre-order walk: source order, a node before its children."""
-        return self._order.get(node, -1)
+        return self._order.get(id(node), -1)
 
     def nodes(self, kind: Type[cst.CSTNode]) -> List[cst.CSTNode]:
         """Every node of exactly this type, in source order."""
@@ -299,18 +324,18 @@ class Resolver:
 
     def span(self, node: cst.CSTNode) -> tuple:
         """The ranks (see order) of the node and of its last descendant."""
-        return self._order.get(node, -1), self._last.get(node, -1)
+        return self._order.get(id(node), -1), self._last.get(id(node), -1)
 
     def descendants(self, node: cst.CSTNode, kind: Type[cst.CSTNode]) -> List[cst.CSTNode]:
         """Every node of exactly this type inside `node` (itself included), in source
         order, from the index: no walk of the subtree."""
-        first = self._order.get(node)
+        first = self._order.get(id(node))
         if first is None:
             return []
         if kind not in self._ranks:
-            self._ranks[kind] = [self._order[n] for n in self._by_type.get(kind, [])]
+            self._ranks[kind] = [self._order[id(n)] for n in self._by_type.get(kind, [])]
         ranks = self._ranks[kind]
-        return self._by_type.get(kind, [])[bisect_left(ranks, first) : bisect_right(ranks, self._last[node])]
+        return self._by_type.get(kind, [])[bisect_left(ranks, first) : bisect_right(ranks, self._last[id(node)])]
 
     def qnames(self, node: cst.CSTNode) -> Set[str]:
         """Fully qualified names of a name, attribute or call (its callee)."""
@@ -320,12 +345,13 @@ class Resolver:
         return {found} if found else set()
 
     def _dotted(self, node) -> Optional[str]:
-        if isinstance(node, cst.Name):
+        kind = type(node)  # libcst's Name and Attribute have no subclasses: no isinstance needed
+        if kind is cst.Name:
             found = self._table.get(node.value)
             if found is None and node.value in _BUILTINS:
                 return f"builtins.{node.value}"
             return found
-        if isinstance(node, cst.Attribute):
+        if kind is cst.Attribute:
             base = self._dotted(node.value)
             return f"{base}.{node.attr.value}" if base else None
         return None
@@ -341,13 +367,14 @@ class Resolver:
         return isinstance(node, cst.Call) and any(q.startswith(prefix) for q in self.qnames(node))
 
     def parent(self, node: cst.CSTNode) -> Optional[cst.CSTNode]:
-        return self._parents.get(node)
+        return self._parents.get(id(node))
 
     def ancestors(self, node: cst.CSTNode) -> Iterator[cst.CSTNode]:
-        node = self._parents.get(node)
+        parents = self._parents
+        node = parents.get(id(node))
         while node is not None:
             yield node
-            node = self._parents.get(node)
+            node = parents.get(id(node))
 
     def line(self, node: cst.CSTNode) -> int:
         """The node's line; with `origins`, its line in the user's file (for a node the
@@ -362,7 +389,7 @@ class Resolver:
             found = self.origins.line(node)
             if found:
                 return found
-            parent = self._parents.get(node)
+            parent = self._parents.get(id(node))
             if isinstance(parent, (cst.IndentedBlock, cst.Module)):
                 body = parent.body
                 at = next((i for i, s in enumerate(body) if s is node), len(body))
@@ -387,15 +414,18 @@ class Resolver:
         return self._positions.get(node)
 
     def enclosing_function(self, node: cst.CSTNode) -> Optional[cst.FunctionDef]:
-        for anc in self.ancestors(node):
-            if isinstance(anc, cst.FunctionDef):
-                return anc
-        return None
+        return self._enclosing(node, cst.FunctionDef)
 
     def enclosing_class(self, node: cst.CSTNode) -> Optional[cst.ClassDef]:
-        for anc in self.ancestors(node):
-            if isinstance(anc, cst.ClassDef):
-                return anc
+        return self._enclosing(node, cst.ClassDef)
+
+    def _enclosing(self, node: cst.CSTNode, kind: type):
+        parents = self._parents
+        node = parents.get(id(node))
+        while node is not None:
+            if type(node) is kind:
+                return node
+            node = parents.get(id(node))
         return None
 
     def statement_of(self, node: cst.CSTNode) -> Optional[cst.CSTNode]:
@@ -460,16 +490,27 @@ def child_nodes(node: cst.CSTNode) -> list:
     visited, maybe = _CHILD_FIELDS.get(type(node)) or _learn_fields(node)
     for name in maybe:
         value = getattr(node, name)
-        if isinstance(value, cst.CSTNode) or (isinstance(value, (tuple, list)) and value):
+        if _is_node(value) or (isinstance(value, (tuple, list)) and value):
             return list(node.children)
     out: list = []
     for name in visited:
         value = getattr(node, name)
-        if isinstance(value, cst.CSTNode):
-            out.append(value)
-        elif isinstance(value, (tuple, list)):
+        kind = type(value)
+        if kind is tuple or kind is list:
             out.extend(value)
+        elif _IS_NODE.get(kind) or (kind not in _IS_NODE and _is_node(value)):
+            out.append(value)
     return out
+
+
+_IS_NODE: Dict[type, bool] = {}  # type -> whether it is a CSTNode (isinstance of the ABC costs a Python call)
+
+
+def _is_node(value) -> bool:
+    found = _IS_NODE.get(type(value))
+    if found is None:
+        found = _IS_NODE[type(value)] = isinstance(value, cst.CSTNode)
+    return found
 
 
 _TEXT_FIELDS: Dict[type, tuple] = {}  # node type -> the attributes that are not its children
@@ -493,8 +534,18 @@ def _breaks_in(node: cst.CSTNode, default_newline: str) -> int:
     return count
 
 
+# The Resolvers made last, newest first: walk reads a subtree one of them indexed
+# instead of walking it again (trees are immutable: an indexed subtree cannot change).
+_RECENT_INDEXES: List["Resolver"] = []
+_KEEP_INDEXES = 4
+
+
 def walk(node: cst.CSTNode) -> List[cst.CSTNode]:
     """`node` and every node under it, in source order (child_nodes: no node is rebuilt)."""
+    for resolver in _RECENT_INDEXES:
+        first = resolver._order.get(id(node))
+        if first is not None:
+            return resolver._seq[first : resolver._last[id(node)] + 1]
     out: List[cst.CSTNode] = []
     stack = [node]
     while stack:
@@ -516,26 +567,12 @@ def last_assignment(name: str, stmt: cst.CSTNode, block) -> Optional[cst.SimpleS
 
 def calls_in(node: cst.CSTNode) -> List[cst.Call]:
     """Every call inside `node` (itself included), in source order."""
-    found: List[cst.Call] = []
-
-    class _Calls(cst.CSTVisitor):
-        def visit_Call(self, n: cst.Call) -> None:
-            found.append(n)
-
-    node.visit(_Calls())
-    return found
+    return [n for n in walk(node) if isinstance(n, cst.Call)]
 
 
 def names_in(node: cst.CSTNode) -> Set[str]:
     """Every bare identifier read or written anywhere inside `node`."""
-    found: Set[str] = set()
-
-    class _Names(cst.CSTVisitor):
-        def visit_Name(self, n: cst.Name) -> None:
-            found.add(n.value)
-
-    node.visit(_Names())
-    return found
+    return {n.value for n in walk(node) if isinstance(n, cst.Name)}
 
 
 def assigned_names(stmt: cst.CSTNode) -> Set[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
-from fsdp2_retrofit.syntax.names import assigned_names, is_main_guard, names_in
+from fsdp2_retrofit.syntax.names import assigned_names, calls_in, is_main_guard, names_in, walk
 from fsdp2_retrofit.analysis.frameworks import training_framework
 from fsdp2_retrofit.analysis.process_group import process_group
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
@@ -323,15 +323,7 @@ def _environment_reads(between, holder):
 
 def _asks_the_group(stmt, r) -> bool:
     """`stmt` calls torch.distributed (get_rank, ...): it needs the group started."""
-    found = []
-
-    class _C(cst.CSTVisitor):
-        def visit_Call(self, node: cst.Call) -> None:
-            if any(q.startswith("torch.distributed") for q in r.qnames(node)):
-                found.append(node)
-
-    stmt.visit(_C())
-    return bool(found)
+    return any(any(q.startswith("torch.distributed") for q in r.qnames(call)) for call in calls_in(stmt))
 
 
 def _bare_set_device(stmt) -> bool:
@@ -348,15 +340,12 @@ def _shards_already(facts: ScriptFacts) -> bool:
 
 
 def _touches_torch(stmt, facts: ScriptFacts) -> bool:
-    found = []
-
-    class _T(cst.CSTVisitor):
-        def visit_Name(self, node: cst.Name) -> None:
-            if any(q == "torch" or q.startswith("torch.") for q in facts.resolver.qnames(node)):
-                found.append(node)
-
-    stmt.visit(_T())
-    return bool(found)
+    qnames = facts.resolver.qnames
+    return any(
+        any(q == "torch" or q.startswith("torch.") for q in qnames(node))
+        for node in walk(stmt)
+        if type(node) is cst.Name
+    )
 
 
 def _is_docstring(stmt) -> bool:

@@ -8,6 +8,7 @@ import libcst as cst
 from fsdp2_retrofit.analysis import LogSite, ScriptFacts, code
 from fsdp2_retrofit.rewrite.edit import with_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
+from fsdp2_retrofit.syntax.names import calls_in
 
 
 # Module methods that read local state only: safe to call on one rank.
@@ -136,27 +137,22 @@ class GateRankZeroCommand(RetrofitStage):
 
     def _may_be_collective(self, stmt, facts: ScriptFacts) -> bool:
         models = facts.model_names.get(facts.resolver.enclosing_function(stmt), set())
-        found = []
-
-        class _C(cst.CSTVisitor):
-            def visit_Call(self, node: cst.Call) -> None:
-                func = node.func
-                if isinstance(func, cst.Name) and func.value in models:
-                    found.append(node)  # model(x): a forward
-                elif (
-                    isinstance(func, cst.Attribute)
-                    and isinstance(func.value, cst.Name)
-                    and func.value.value in models
-                    and func.attr.value not in LOCAL_METHODS
-                ):
-                    found.append(node)
-                elif any(isinstance(a.value, cst.Name) and a.value.value in models for a in node.args):
-                    found.append(node)  # evaluate(model, ...)
-                elif isinstance(func, cst.Attribute) and func.attr.value == "full_tensor":
-                    found.append(node)
-
-        stmt.visit(_C())
-        return bool(found)
+        for node in calls_in(stmt):
+            func = node.func
+            if isinstance(func, cst.Name) and func.value in models:
+                return True  # model(x): a forward
+            if (
+                isinstance(func, cst.Attribute)
+                and isinstance(func.value, cst.Name)
+                and func.value.value in models
+                and func.attr.value not in LOCAL_METHODS
+            ):
+                return True
+            if any(isinstance(a.value, cst.Name) and a.value.value in models for a in node.args):
+                return True  # evaluate(model, ...)
+            if isinstance(func, cst.Attribute) and func.attr.value == "full_tensor":
+                return True
+        return False
 
     def _gate_progress_bars(self, facts: ScriptFacts, editor: StatementEditor) -> None:
         bars = [
@@ -198,14 +194,10 @@ class _ReadAverages(cst.CSTTransformer):
 
 def _item_reads(stmt) -> List[str]:
     found: List[str] = []
-
-    class _I(cst.CSTVisitor):
-        def visit_Call(self, node: cst.Call) -> None:
-            f = node.func
-            if isinstance(f, cst.Attribute) and f.attr.value == "item" and isinstance(f.value, cst.Name):
-                found.append(f.value.value)
-
-    stmt.visit(_I())
+    for node in calls_in(stmt):
+        f = node.func
+        if isinstance(f, cst.Attribute) and f.attr.value == "item" and isinstance(f.value, cst.Name):
+            found.append(f.value.value)
     return found
 
 

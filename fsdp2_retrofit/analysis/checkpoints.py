@@ -12,7 +12,7 @@ from typing import List, Optional, Set, Tuple
 import libcst as cst
 
 from .facts import ScriptFacts
-from fsdp2_retrofit.syntax.names import assigned_names, code, dotted, last_assignment, walk
+from fsdp2_retrofit.syntax.names import assigned_names, calls_in, code, dotted, last_assignment, walk
 from fsdp2_retrofit.syntax.rank import is_rank_test, mentions_rank_test, split_rank_test  # noqa: F401  (stages import them from here)
 from fsdp2_retrofit.syntax.torch_api import TORCH_LOAD as LOAD, TORCH_SAVE as SAVE
 
@@ -279,15 +279,10 @@ def _load_state_dict_use(node, key, stmt, facts: ScriptFacts) -> Optional[LoadUs
 
 
 def _state_dict_calls(node) -> List[cst.Call]:
-    found = []
-
-    class _S(cst.CSTVisitor):
-        def visit_Call(self, n: cst.Call) -> None:
-            if isinstance(n.func, cst.Attribute) and n.func.attr.value == "state_dict" and not n.args:
-                found.append(n)
-
-    node.visit(_S())
-    return found
+    return [
+        n for n in calls_in(node)
+        if type(n.func) is cst.Attribute and n.func.attr.value == "state_dict" and not n.args
+    ]
 
 
 PLAIN_CALLS = {"int", "float", "len", "round", "str", "bool", "min", "max", "sum", "abs", "dict", "list", "vars"}

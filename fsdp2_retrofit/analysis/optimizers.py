@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 import libcst as cst
 
 from .site_analysis import Block, SiteAnalysis
-from fsdp2_retrofit.syntax.names import Resolver, alias_target, assigned_names, bind_args, calls_in, root_name
+from fsdp2_retrofit.syntax.names import Resolver, alias_target, assigned_names, bind_args, calls_in, root_name, walk
 from fsdp2_retrofit.syntax.torch_api import (  # noqa: F401  (FLATTENING_OPTIMIZERS: the shard stage imports it from here)
     FLATTENING_OPTIMIZERS,
     NOT_OPTIMIZERS,
@@ -291,14 +291,10 @@ def whole_tensor_operation(cls: cst.ClassDef) -> Optional[cst.CSTNode]:
 
 def _ordered_names(args) -> List[str]:
     seen: List[str] = []
-
-    class _N(cst.CSTVisitor):
-        def visit_Name(self, n: cst.Name) -> None:
-            if n.value not in seen:
-                seen.append(n.value)
-
     for a in args:
-        a.value.visit(_N())
+        for n in walk(a.value):
+            if type(n) is cst.Name and n.value not in seen:
+                seen.append(n.value)
     return seen
 
 

@@ -48,5 +48,5 @@ class SiteAnalysis:
         """(call, function) for every call of a top-level function of the script."""
         functions = {s.name.value: s for s in self.module.body if isinstance(s, cst.FunctionDef)}
         for call in self.calls:
-            if isinstance(call.func, cst.Name) and call.func.value in functions:
+            if type(call.func) is cst.Name and call.func.value in functions:
                 yield call, functions[call.func.value]

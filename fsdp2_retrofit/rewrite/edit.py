@@ -1,11 +1,25 @@
-"""Small expression edits shared by stages: call arguments and dict entries."""
+"""Small expression edits shared by stages: call arguments and dict entries; the parser
+config generated code is parsed with."""
 from __future__ import annotations
 
-from typing import Union
+from typing import Dict, Union
 
 import libcst as cst
 
 DictLike = Union[cst.Dict, cst.Call]
+
+_CONFIGS: Dict[tuple, object] = {}
+
+
+def parser_config(tree: cst.Module):
+    """`tree.config_for_parsing` (the file's encoding, indent and newline, for parsing
+    generated code in its style), made once per style: libcst builds and validates a
+    new config object on every read, and each stage asks."""
+    key = (tree.encoding, tree.default_indent, tree.default_newline)
+    config = _CONFIGS.get(key)
+    if config is None:
+        config = _CONFIGS[key] = tree.config_for_parsing
+    return config
 
 
 def without_keyword(call: cst.Call, keyword: str) -> cst.Call:

@@ -15,6 +15,8 @@ import libcst as cst
 
 from fsdp2_retrofit.syntax.names import dotted
 
+from .edit import parser_config
+
 Wanted = Tuple[str, Optional[str], Optional[str]]  # (module, object or None, alias or None)
 Carry = Callable[[cst.CSTNode, cst.CSTNode], None]  # (old node, the new node that stands for it)
 
@@ -55,7 +57,7 @@ def add_imports(module: cst.Module, wanted: Sequence[Wanted], carry: Optional[Ca
         new.append(f"from {mod} import " + ", ".join(o if a is None else f"{o} as {a}" for o, a in names))
     if not new:
         return module.with_changes(body=body)
-    config = module.config_for_parsing
+    config = parser_config(module)
     _blank_line_after_leading_imports(body, carry)
     for text in new:
         body = _insert(body, cst.parse_statement(text, config=config), carry)

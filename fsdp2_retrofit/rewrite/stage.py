@@ -16,6 +16,7 @@ from fsdp2_retrofit.rewrite.refusals import CATALOGUE
 from fsdp2_retrofit.syntax.names import Origins
 
 from .context import RewriteContext
+from .edit import parser_config
 from .imports import add_imports
 
 CHANGES_KEY = "fsdp2_retrofit.changes"
@@ -131,7 +132,7 @@ class RetrofitStage:
     def plan(self, tree: cst.Module, facts: ScriptFacts) -> "StatementEditor":
         """Decide this stage's edits of `tree` (recorded in the returned editor)."""
         self.facts = facts
-        self.config = tree.config_for_parsing
+        self.config = parser_config(tree)
         editor = self.make_editor()
         editor.origins = self.origins
         editor.resolver = facts.resolver
@@ -187,7 +188,10 @@ class RetrofitStage:
 
             # the entry-block statement after which the group exists: the init itself, the
             # `if`/`else` that starts it either way, or the call of a set-up function that does
-            init_stmt = process_group(facts).start
+            known = self.__dict__.get("_group")  # (facts, its group): asked once per log line
+            if known is None or known[0] is not facts:
+                known = self._group = (facts, process_group(facts))
+            init_stmt = known[1].start
             if init_stmt is not None:
                 block = facts.resolver.block_of(init_stmt)
                 ancestor = _ancestor_in(stmt, block, facts)
@@ -200,9 +204,9 @@ class RetrofitStage:
 
     def fresh_name(self, wanted: str, scope_node: Optional[cst.CSTNode]) -> str:
         """`wanted`, or `wanted_1`, ... when the scope (or the module's globals) uses it."""
-        cache = self.__dict__.setdefault("_visible", {})
+        cache = self.__dict__.setdefault("_visible", {})  # this stage's: it adds the names it takes
         if id(scope_node) not in cache:
-            cache[id(scope_node)] = _names_visible(self.facts.resolver, scope_node)
+            cache[id(scope_node)] = set(_visible_in(self.facts.resolver, scope_node))
         taken = cache[id(scope_node)]
         name, n = wanted, 0
         while name in taken:
@@ -218,6 +222,19 @@ def _ancestor_in(stmt, block, facts: ScriptFacts):
     while node is not None and node not in body:
         node = facts.resolver.parent(node)
     return node
+
+
+_VISIBLE: List[tuple] = []  # [(resolver, {id(scope): names})]: the stages of a group share an analysis
+
+
+def _visible_in(resolver, scope_node: Optional[cst.CSTNode]) -> frozenset:
+    """_names_visible, computed once per analysed tree and scope."""
+    if not _VISIBLE or _VISIBLE[0][0] is not resolver:
+        _VISIBLE[:] = [(resolver, {})]
+    known = _VISIBLE[0][1]
+    if id(scope_node) not in known:
+        known[id(scope_node)] = frozenset(_names_visible(resolver, scope_node))
+    return known[id(scope_node)]
 
 
 def _names_visible(resolver, scope_node: Optional[cst.CSTNode]) -> set:
@@ -242,7 +259,7 @@ def _names_visible(resolver, scope_node: Optional[cst.CSTNode]) -> set:
         if at < len(closed) and closed[at][0] <= rank:
             continue
         parent = resolver.parent(name)
-        if not (isinstance(parent, cst.Attribute) and parent.attr is name):  # `x.state_dict` binds no `state_dict`
+        if not (type(parent) is cst.Attribute and parent.attr is name):  # `x.state_dict` binds no `state_dict`
             found.add(name.value)
     return found
 

@@ -37,9 +37,10 @@ _BUILTINS = frozenset(dir(builtins))
 
 def dotted(node: cst.CSTNode) -> str:
     """`a.b.c` for a name or an attribute chain (an import's module or name), without codegen."""
-    if isinstance(node, cst.Name):
+    kind = type(node)
+    if kind is cst.Name:
         return node.value
-    if isinstance(node, cst.Attribute):
+    if kind is cst.Attribute:
         return f"{dotted(node.value)}.{node.attr.value}"
     return code(node)
 
@@ -274,7 +275,8 @@ class Resolver:
         parents: Dict[int, cst.CSTNode] = {}
         last: Dict[int, int] = {}
         stack: List[tuple] = [(module, None)]
-        pop, push, extend, add = stack.pop, stack.append, stack.extend, seq.append
+        pop, push, add = stack.pop, stack.append, seq.append
+        fields_of, is_node = _CHILD_FIELDS.get, _IS_NODE.get
         while stack:
             node, parent = pop()
             if parent is _LEAVE:
@@ -289,24 +291,35 @@ class Resolver:
                     shift = len(seq) - start
                     block = old_seq[start : end + 1]
                     seq.extend(block)
-                    for n in block[1:]:
-                        key = id(n)
-                        parents[key] = old_parents[key]
-                    for n in block:
-                        key = id(n)
-                        last[key] = old_last[key] + shift
+                    keys = list(map(id, block))  # map/zip: no Python-level loop per copied node
+                    inner = keys[1:]
+                    parents.update(zip(inner, map(old_parents.__getitem__, inner)))
+                    last.update(zip(keys, map(shift.__add__, map(old_last.__getitem__, keys))))
                     continue
             add(node)
-            children = child_nodes(node)
+            # child_nodes, inlined (the hottest loop of an analysis): children pushed last first
+            visited, maybe = fields_of(type(node)) or _learn_fields(node)
+            if maybe:
+                children = child_nodes(node)
+            else:
+                children = []
+                for name in visited:
+                    value = getattr(node, name)
+                    kind = type(value)
+                    if kind is tuple or kind is list:
+                        children.extend(value)
+                    elif is_node(kind) or (kind not in _IS_NODE and _is_node(value)):
+                        children.append(value)
             if children:
                 push((node, _LEAVE))
-                extend((child, node) for child in reversed(children))
+                for child in reversed(children):
+                    push((child, node))
             else:
                 last[id(node)] = len(seq) - 1
         self._seq = seq
         self._parents = parents
         self._last = last
-        self._order = {id(n): i for i, n in enumerate(seq)}
+        self._order = dict(zip(map(id, seq), range(len(seq))))
         self._by_type: Dict[Type[cst.CSTNode], List[cst.CSTNode]] = defaultdict(list)
         for n in seq:
             self._by_type[type(n)].append(n)
@@ -339,7 +352,7 @@ class Resolver:
 
     def qnames(self, node: cst.CSTNode) -> Set[str]:
         """Fully qualified names of a name, attribute or call (its callee)."""
-        if isinstance(node, cst.Call):
+        if type(node) is cst.Call:
             node = node.func
         found = self._dotted(node)
         return {found} if found else set()
@@ -361,10 +374,17 @@ class Resolver:
         return next((local for local, q in sorted(self._table.items()) if q == qname), None)
 
     def is_call_to(self, node: cst.CSTNode, names) -> bool:
-        return isinstance(node, cst.Call) and bool(self.qnames(node) & set(names))
+        """A call of one of `names` (qualified names: a set, or any collection)."""
+        if type(node) is not cst.Call:
+            return False
+        found = self._dotted(node.func)  # what qnames holds, without building the set
+        return bool(found) and found in names
 
     def calls_prefix(self, node: cst.CSTNode, prefix: str) -> bool:
-        return isinstance(node, cst.Call) and any(q.startswith(prefix) for q in self.qnames(node))
+        if type(node) is not cst.Call:
+            return False
+        found = self._dotted(node.func)
+        return bool(found) and found.startswith(prefix)
 
     def parent(self, node: cst.CSTNode) -> Optional[cst.CSTNode]:
         return self._parents.get(id(node))
@@ -520,16 +540,18 @@ def _breaks_in(node: cst.CSTNode, default_newline: str) -> int:
     """The line breaks (\\n, \\r\\n or \\r, as libcst's PositionProvider counts them) in the
     text a node writes itself: its string attributes (a string's or a whitespace's value),
     a Newline's default newline, the `pass` line of an empty indented block."""
-    names = _TEXT_FIELDS.get(type(node))
+    kind = type(node)
+    names = _TEXT_FIELDS.get(kind)
     if names is None:
-        visited, _ = _CHILD_FIELDS.get(type(node)) or _learn_fields(node)
-        names = _TEXT_FIELDS[type(node)] = tuple(f.name for f in fields(node) if f.name not in visited)
+        visited, _ = _CHILD_FIELDS.get(kind) or _learn_fields(node)
+        names = _TEXT_FIELDS[kind] = tuple(f.name for f in fields(node) if f.name not in visited)
     count = 0
     for name in names:
         value = getattr(node, name)
-        if isinstance(value, str) and ("\n" in value or "\r" in value):
+        if type(value) is str and ("\n" in value or "\r" in value):
             count += value.count("\n") + value.count("\r") - value.count("\r\n")
-    if (isinstance(node, cst.Newline) and node.value is None) or (isinstance(node, cst.IndentedBlock) and not node.body):
+    # exact types: libcst has no subclasses of these, and an ABC isinstance costs a Python call
+    if (kind is cst.Newline and node.value is None) or (kind is cst.IndentedBlock and not node.body):
         count += default_newline.count("\n") + default_newline.count("\r") - default_newline.count("\r\n")
     return count
 
@@ -567,33 +589,35 @@ def last_assignment(name: str, stmt: cst.CSTNode, block) -> Optional[cst.SimpleS
 
 def calls_in(node: cst.CSTNode) -> List[cst.Call]:
     """Every call inside `node` (itself included), in source order."""
-    return [n for n in walk(node) if isinstance(n, cst.Call)]
+    return [n for n in walk(node) if type(n) is cst.Call]
 
 
 def names_in(node: cst.CSTNode) -> Set[str]:
     """Every bare identifier read or written anywhere inside `node`."""
-    return {n.value for n in walk(node) if isinstance(n, cst.Name)}
+    return {n.value for n in walk(node) if type(n) is cst.Name}
 
 
 def assigned_names(stmt: cst.CSTNode) -> Set[str]:
     """Names a simple assignment statement binds (`a = ...`, `a, b = ...`)."""
     out: Set[str] = set()
-    if isinstance(stmt, cst.SimpleStatementLine):
+    if type(stmt) is cst.SimpleStatementLine:
         for small in stmt.body:
-            targets = []
-            if isinstance(small, cst.Assign):
+            kind = type(small)
+            if kind is cst.Assign:
                 targets = [t.target for t in small.targets]
-            elif isinstance(small, (cst.AnnAssign, cst.AugAssign)):
+            elif kind is cst.AnnAssign or kind is cst.AugAssign:
                 targets = [small.target]
+            else:
+                continue
             for target in targets:
                 for el in _flatten_target(target):
-                    if isinstance(el, cst.Name):
+                    if type(el) is cst.Name:
                         out.add(el.value)
     return out
 
 
 def _flatten_target(target):
-    if isinstance(target, (cst.Tuple, cst.List)):
+    if type(target) is cst.Tuple or type(target) is cst.List:
         for el in target.elements:
             yield from _flatten_target(el.value)
     else:

@@ -9,7 +9,7 @@ from fsdp2_retrofit.analysis import LoaderSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.batch_size import batch_size_readers
 from fsdp2_retrofit.analysis.data import unfollowed_loaders
 from fsdp2_retrofit.analysis.loops import steps_outside_loops
-from fsdp2_retrofit.syntax.names import assigned_names, iterated_name, names_in, parameter_names
+from fsdp2_retrofit.syntax.names import assigned_names, iterated_name, names_in, parameter_names, walk
 from fsdp2_retrofit.rewrite.edit import with_keyword, without_entry, without_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
@@ -305,38 +305,24 @@ def _epoch_loop(loader: LoaderSite, facts: ScriptFacts) -> Optional[cst.For]:
 def _passes_over(body, name: str, readers=frozenset(), loops_only: bool = False) -> bool:
     """`body` goes over the loader `name`: a loop over it, a call handing it to a
     function, or a call of one of `readers` (functions looping over it as a global)."""
-    found = []
-
-    class _P(cst.CSTVisitor):
-        def visit_For(self, node: cst.For) -> None:
-            if iterated_name(node.iter) == name:
-                found.append(node)
-
-        def visit_Call(self, node: cst.Call) -> None:
-            if loops_only:
-                return
-            if any(isinstance(a.value, cst.Name) and a.value.value == name for a in node.args) and not (
-                isinstance(node.func, cst.Name) and node.func.value in ("iter", "next", "len", "enumerate")
-            ):
-                found.append(node)
-            elif isinstance(node.func, cst.Name) and node.func.value in readers:
-                found.append(node)
-
-    body.visit(_P())
-    return bool(found)
+    for node in walk(body):
+        kind = type(node)
+        if kind is cst.For and iterated_name(node.iter) == name:
+            return True
+        if kind is not cst.Call or loops_only:
+            continue
+        if any(isinstance(a.value, cst.Name) and a.value.value == name for a in node.args) and not (
+            isinstance(node.func, cst.Name) and node.func.value in ("iter", "next", "len", "enumerate")
+        ):
+            return True
+        if isinstance(node.func, cst.Name) and node.func.value in readers:
+            return True
+    return False
 
 
 def _iterated_directly(loader: LoaderSite) -> bool:
     """Some `for` loop goes over the loader itself (one pass per loop)."""
-    found = []
-
-    class _F(cst.CSTVisitor):
-        def visit_For(self, node: cst.For) -> None:
-            if iterated_name(node.iter) == loader.name:
-                found.append(node)
-
-    loader.block.visit(_F())
-    return bool(found)
+    return any(type(n) is cst.For and iterated_name(n.iter) == loader.name for n in walk(loader.block))
 
 
 def _has_key(node, key: str) -> bool:

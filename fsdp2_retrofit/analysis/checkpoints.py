@@ -338,7 +338,8 @@ def rank_zero_names(stmt: cst.CSTNode, facts: ScriptFacts, split=()) -> List[Tup
     for name in sorted(names_read(stmt) - params):
         bindings = [s for s in facts.resolver.descendants(function.body, cst.SimpleStatementLine)
                     if name in assigned_names(s)]
-        others = [n for n in facts.resolver.descendants(function.body, cst.CSTNode)
+        # every node of the body (`descendants` takes one exact type: CSTNode, an ABC, matched none)
+        others = [n for n in walk(function.body)
                   if isinstance(n, (cst.For, cst.With, cst.FunctionDef, cst.ClassDef, cst.Import, cst.ImportFrom,
                                     cst.NamedExpr, cst.Global, cst.Nonlocal, cst.AugAssign))
                   and name in _bound_otherwise(n)]
@@ -350,22 +351,28 @@ def rank_zero_names(stmt: cst.CSTNode, facts: ScriptFacts, split=()) -> List[Tup
 
 def names_read(node: cst.CSTNode) -> set:
     """Names loaded in `node` (not attribute names or keywords)."""
-    found = set()
+    reader = _NamesRead()
+    node.visit(reader)
+    return reader.found
 
-    class _N(cst.CSTVisitor):
-        def visit_Attribute(self, n: cst.Attribute) -> bool:
-            n.value.visit(self)
-            return False
 
-        def visit_Arg(self, n: cst.Arg) -> bool:
-            n.value.visit(self)
-            return False
+class _NamesRead(cst.CSTVisitor):
+    """Collects names_read (one class, not one made per call: making a class is slow)."""
 
-        def visit_Name(self, n: cst.Name) -> None:
-            found.add(n.value)
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: set = set()
 
-    node.visit(_N())
-    return found
+    def visit_Attribute(self, n: cst.Attribute) -> bool:
+        n.value.visit(self)
+        return False
+
+    def visit_Arg(self, n: cst.Arg) -> bool:
+        n.value.visit(self)
+        return False
+
+    def visit_Name(self, n: cst.Name) -> None:
+        self.found.add(n.value)
 
 
 def _bound_otherwise(node) -> set:

@@ -29,7 +29,7 @@ class LogAnalysis(SiteAnalysis):
     def _logs(self, stmts, rank_name) -> List[LogSite]:
         out = []
         for stmt in stmts:
-            if not all(isinstance(s, cst.Expr) and self._is_log_call(s.value) for s in stmt.body):
+            if not all(type(s) is cst.Expr and self._is_log_call(s.value) for s in stmt.body):
                 continue
             if self.r.enclosing_class(stmt) is not None:
                 continue

@@ -547,7 +547,7 @@ class ModelAnalysis(SiteAnalysis):
         out = {}
         for stmt in stmts:
             for small in stmt.body:
-                call = small.value if isinstance(small, cst.Expr) else None
+                call = small.value if type(small) is cst.Expr else None
                 if (
                     isinstance(call, cst.Call)
                     and self.r.qnames(call) & FULLY_SHARD
@@ -592,9 +592,9 @@ def _aliases_model(expr, known: Set[str]) -> bool:
 def _innermost_call(expr) -> Optional[cst.Call]:
     """`Net(...)` for `Net(...)`, `Net(...).to(d)`, `Net(...).cuda().float()`,
     `Net().cuda() if use_cuda else Net()`."""
-    if isinstance(expr, cst.IfExp):
+    if type(expr) is cst.IfExp:  # exact types: an ABC isinstance costs a Python call
         return _innermost_call(expr.body) or _innermost_call(expr.orelse)
-    while isinstance(expr, cst.Call):
+    while type(expr) is cst.Call:
         func = expr.func
         if isinstance(func, cst.Attribute) and func.attr.value in SELF_RETURNING_METHODS and isinstance(func.value, cst.Call):
             expr = func.value

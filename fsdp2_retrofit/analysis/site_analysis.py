@@ -46,7 +46,7 @@ class SiteAnalysis:
 
     def _local_calls(self):
         """(call, function) for every call of a top-level function of the script."""
-        functions = {s.name.value: s for s in self.module.body if isinstance(s, cst.FunctionDef)}
+        functions = {s.name.value: s for s in self.module.body if type(s) is cst.FunctionDef}
         for call in self.calls:
             if type(call.func) is cst.Name and call.func.value in functions:
                 yield call, functions[call.func.value]

@@ -13,7 +13,7 @@ from fsdp2_retrofit.analysis import ScriptFacts, analyse
 from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.report import Attention, Change, Refusal, RefusedError
 from fsdp2_retrofit.rewrite.refusals import CATALOGUE
-from fsdp2_retrofit.syntax.names import Origins
+from fsdp2_retrofit.syntax.names import Origins, is_node
 
 from .context import RewriteContext
 from .edit import parser_config
@@ -272,7 +272,7 @@ class CarryLines:
 
     def on_leave(self, original_node, updated_node):
         result = super().on_leave(original_node, updated_node)
-        if self.origins is not None and isinstance(result, cst.CSTNode):
+        if self.origins is not None and is_node(result):  # not a removal or flatten sentinel
             self.origins.carry(original_node, result)
         return result
 

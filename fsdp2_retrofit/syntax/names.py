@@ -276,7 +276,7 @@ class Resolver:
         last: Dict[int, int] = {}
         stack: List[tuple] = [(module, None)]
         pop, push, add = stack.pop, stack.append, seq.append
-        fields_of, is_node = _CHILD_FIELDS.get, _IS_NODE.get
+        fields_of, known_node = _CHILD_FIELDS.get, _IS_NODE.get
         while stack:
             node, parent = pop()
             if parent is _LEAVE:
@@ -308,7 +308,7 @@ class Resolver:
                     kind = type(value)
                     if kind is tuple or kind is list:
                         children.extend(value)
-                    elif is_node(kind) or (kind not in _IS_NODE and _is_node(value)):
+                    elif known_node(kind) or (kind not in _IS_NODE and is_node(value)):
                         children.append(value)
             if children:
                 push((node, _LEAVE))
@@ -510,7 +510,7 @@ def child_nodes(node: cst.CSTNode) -> list:
     visited, maybe = _CHILD_FIELDS.get(type(node)) or _learn_fields(node)
     for name in maybe:
         value = getattr(node, name)
-        if _is_node(value) or (isinstance(value, (tuple, list)) and value):
+        if is_node(value) or (isinstance(value, (tuple, list)) and value):
             return list(node.children)
     out: list = []
     for name in visited:
@@ -518,7 +518,7 @@ def child_nodes(node: cst.CSTNode) -> list:
         kind = type(value)
         if kind is tuple or kind is list:
             out.extend(value)
-        elif _IS_NODE.get(kind) or (kind not in _IS_NODE and _is_node(value)):
+        elif _IS_NODE.get(kind) or (kind not in _IS_NODE and is_node(value)):
             out.append(value)
     return out
 
@@ -526,7 +526,8 @@ def child_nodes(node: cst.CSTNode) -> list:
 _IS_NODE: Dict[type, bool] = {}  # type -> whether it is a CSTNode (isinstance of the ABC costs a Python call)
 
 
-def _is_node(value) -> bool:
+def is_node(value) -> bool:
+    """isinstance(value, cst.CSTNode), remembered per type (the ABC check is a Python call)."""
     found = _IS_NODE.get(type(value))
     if found is None:
         found = _IS_NODE[type(value)] = isinstance(value, cst.CSTNode)

@@ -144,16 +144,20 @@ def is_rank_test(expr: cst.BaseExpression) -> bool:
 
 def mentions_rank_test(expr: cst.BaseExpression) -> bool:
     """A rank test anywhere in `expr` (`step % N == 0 and master_process`, `a or rank == 0`)."""
-    found: List[cst.CSTNode] = []
+    finder = _FindRankTest()
+    expr.visit(finder)
+    return finder.found
 
-    class _Find(cst.CSTVisitor):
-        def on_visit(self, node) -> bool:
-            if isinstance(node, cst.BaseExpression) and is_rank_test(node):
-                found.append(node)
-            return not found
 
-    expr.visit(_Find())
-    return bool(found)
+class _FindRankTest(cst.CSTVisitor):
+    """Stops at the first rank test (one class, not one made per call: making a class is slow)."""
+
+    found = False
+
+    def on_visit(self, node) -> bool:
+        if not self.found and isinstance(node, cst.BaseExpression) and is_rank_test(node):
+            self.found = True
+        return not self.found
 
 
 def split_rank_test(test: cst.BaseExpression) -> Tuple[List[cst.BaseExpression], List[cst.BaseExpression]]:

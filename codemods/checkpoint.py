@@ -15,7 +15,8 @@ from fsdp2_retrofit.analysis.checkpoints import (
     saves,
     split_rank_test,
 )
-from fsdp2_retrofit.syntax.names import names_in
+from fsdp2_retrofit.syntax.names import calls_in, names_in
+from fsdp2_retrofit.syntax.rank import every_rank_call
 from fsdp2_retrofit.syntax.torch_api import DESTROY_PROCESS_GROUP, STATE_DICT_MODULE
 from fsdp2_retrofit.rewrite.edit import with_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
@@ -370,12 +371,16 @@ class ConvertSavesCommand(RetrofitStage):
         return new
 
     def _every_rank(self, stmt: cst.SimpleStatementLine, facts: ScriptFacts) -> bool:
-        """Computations (assignments) and anything touching the model, the optimizer or a
-        function of the script run on every rank; other calls (output) on rank 0."""
+        """Computations (assignments), anything touching the model, the optimizer or a
+        function of the script, and collectives (`loss.backward()`: its gradient
+        reduce-scatter; `.full_tensor()`, torch.distributed calls) run on every rank;
+        other calls (output) on rank 0."""
         for small in stmt.body:
             if not isinstance(small, cst.Expr):
                 return True
             if names_in(small) & (self.gate_models | self.local_functions):
+                return True
+            if any(every_rank_call(call, facts.resolver) for call in calls_in(small)):
                 return True
         return False
 

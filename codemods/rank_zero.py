@@ -9,6 +9,8 @@ from fsdp2_retrofit.analysis import LogSite, ScriptFacts, code
 from fsdp2_retrofit.rewrite.edit import with_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 from fsdp2_retrofit.syntax.names import calls_in
+from fsdp2_retrofit.syntax.rank import every_rank_call, rank_zero_side
+from fsdp2_retrofit.syntax.torch_api import TORCH_SAVE
 
 
 # Module methods that read local state only: safe to call on one rank.
@@ -69,6 +71,38 @@ class GateRankZeroCommand(RetrofitStage):
                 "every rank runs the script; unguarded output repeats world_size times",
             )
         self._gate_progress_bars(facts, editor)
+        self._flag_gated_collectives(facts)
+
+    def _flag_gated_collectives(self, facts: ScriptFacts) -> None:
+        """A rank-0 `if` of the script itself (a DDP-aware script's `if master_process:`)
+        around a forward, a backward or a collective: harmless before sharding, a hang
+        after it (the other ranks never join). The ones around a checkpoint save are split
+        by the checkpoint stage; the others are flagged at their line."""
+        r = facts.resolver
+        saving = _saving_functions(facts)
+        for gate in r.nodes(cst.If):
+            side = rank_zero_side(gate.test)
+            branch = gate.body if side == "body" else gate.orelse if side == "else" else None
+            if branch is None:
+                continue
+            calls = r.descendants(branch, cst.Call)
+            if any(r.is_call_to(c, TORCH_SAVE) or (isinstance(c.func, cst.Name) and c.func.value in saving)
+                   for c in calls):
+                continue  # the checkpoint stage splits it
+            hit = next((c for c in calls if every_rank_call(c, r)), None)
+            if hit is None:
+                hit = next((s for s in r.descendants(branch, cst.SimpleStatementLine)
+                            if self._may_be_collective(s, facts)), None)
+            if hit is None:
+                continue
+            self.attention(
+                gate,
+                f"`if {code(gate.test)}:` (rank 0 only) runs `{code(hit).strip()}` (line {r.line(hit)}): a forward, "
+                "backward or collective of the sharded model; the run hangs whenever this branch is taken",
+                "every rank must join the all-gathers and reduce-scatters of a sharded model; run the branch on "
+                "every rank and keep only its prints and file writes under the rank-0 test",
+                differs=True,
+            )
 
     def _averaged_losses(self, run, facts: ScriptFacts):
         """(statements that average each logged loss over the ranks, the run's statements
@@ -216,3 +250,12 @@ def _next_statement(stmt, block):
     body = list(block.body)
     i = body.index(stmt)
     return body[i + 1] if i + 1 < len(body) else None
+
+
+def _saving_functions(facts: ScriptFacts) -> set:
+    """Names of the script's top-level functions that call torch.save in their body."""
+    r = facts.resolver
+    return {
+        f.name.value for f in facts.module.body
+        if isinstance(f, cst.FunctionDef) and any(r.is_call_to(c, TORCH_SAVE) for c in r.descendants(f, cst.Call))
+    }

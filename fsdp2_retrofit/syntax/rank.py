@@ -20,7 +20,7 @@ from typing import List, Optional, Tuple
 import libcst as cst
 
 from .names import code
-from .torch_api import GET_RANK, GET_WORLD_SIZE
+from .torch_api import COLLECTIVES, DCP_CALLS, DESTROY_PROCESS_GROUP, GET_RANK, GET_WORLD_SIZE
 
 RANK_WORD = "rank"
 # words of a name that is true on the main process (rank 0) only
@@ -203,3 +203,16 @@ def _env_int(value, key: str) -> bool:
     text = code(value.args[0].value)
     quoted = f'"{key}"' in text or f"'{key}'" in text
     return quoted and ("environ" in text or "getenv" in text)
+
+
+_EVERY_RANK_CALLS = COLLECTIVES | DCP_CALLS | DESTROY_PROCESS_GROUP | {"torch.autograd.backward"}
+
+
+def every_rank_call(call: cst.Call, resolver) -> bool:
+    """A call every rank must make once the model is sharded, so never under a rank-0
+    `if`: a backward (its gradient reduce-scatter), `.full_tensor()`, a torch.distributed
+    collective, a DCP save or load, destroy_process_group."""
+    func = call.func
+    if isinstance(func, cst.Attribute) and func.attr.value in ("backward", "full_tensor"):
+        return True
+    return resolver.is_call_to(call, _EVERY_RANK_CALLS)

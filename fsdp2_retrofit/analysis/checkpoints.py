@@ -335,16 +335,19 @@ def rank_zero_names(stmt: cst.CSTNode, facts: ScriptFacts, split=()) -> List[Tup
     params = {p.name.value for p in function.params.params + function.params.kwonly_params
               + function.params.posonly_params}
     out = []
+    bound_otherwise = None  # names the body binds otherwise than by assignment; made when first needed
     for name in sorted(names_read(stmt) - params):
         bindings = [s for s in facts.resolver.descendants(function.body, cst.SimpleStatementLine)
                     if name in assigned_names(s)]
-        # every node of the body (`descendants` takes one exact type: CSTNode, an ABC, matched none)
-        others = [n for n in walk(function.body)
-                  if isinstance(n, (cst.For, cst.With, cst.FunctionDef, cst.ClassDef, cst.Import, cst.ImportFrom,
-                                    cst.NamedExpr, cst.Global, cst.Nonlocal, cst.AugAssign))
-                  and name in _bound_otherwise(n)]
+        if not bindings:
+            continue
+        if bound_otherwise is None:
+            # every node of the body (`descendants` takes one exact type: CSTNode, an ABC, matched none)
+            bound_otherwise = set().union(
+                *(_bound_otherwise(n) for n in walk(function.body) if type(n) in _BINDERS)
+            )
         gates = [rank_gate(b, facts) for b in bindings]
-        if bindings and not others and all(g is not None and not any(g is x for x in split) for g in gates):
+        if name not in bound_otherwise and all(g is not None and not any(g is x for x in split) for g in gates):
             out.append((name, gates[0]))
     return out
 
@@ -373,6 +376,12 @@ class _NamesRead(cst.CSTVisitor):
 
     def visit_Name(self, n: cst.Name) -> None:
         self.found.add(n.value)
+
+
+# statements and expressions that bind a name otherwise than by assignment (exact types:
+# libcst has no subclasses of these)
+_BINDERS = frozenset({cst.For, cst.With, cst.FunctionDef, cst.ClassDef, cst.Import, cst.ImportFrom,
+                      cst.NamedExpr, cst.Global, cst.Nonlocal, cst.AugAssign})
 
 
 def _bound_otherwise(node) -> set:

@@ -231,7 +231,7 @@ class LoaderAnalysis(SiteAnalysis):
             if loop.function is None or not loop.loader:
                 continue
             for call in self.calls:
-                if isinstance(call.func, cst.Name) and call.func.value == loop.function.name.value:
+                if type(call.func) is cst.Name and call.func.value == loop.function.name.value:
                     for param, arg in bind_args(loop.function, call):
                         if param == loop.loader and isinstance(arg, cst.Name):
                             out.add(arg.value)

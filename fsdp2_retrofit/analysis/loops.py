@@ -34,7 +34,7 @@ class LoopAnalysis(SiteAnalysis):
             mine = [c for c in backward if chains[id(c)][1] is fn]
             if mine and not any(chains[id(c)][0] for c in mine):
                 helpers.add(fn.name.value)
-        triggers = backward + [c for c in self.calls if isinstance(c.func, cst.Name) and c.func.value in helpers]
+        triggers = backward + [c for c in self.calls if type(c.func) is cst.Name and c.func.value in helpers]
         innermost, outer = set(), set()
         for call in triggers:
             chain = chains[id(call)][0] if id(call) in chains else self._loop_chain(call)[0]

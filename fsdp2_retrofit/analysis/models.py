@@ -330,7 +330,7 @@ class ModelAnalysis(SiteAnalysis):
         copy (and what prepares the copy)."""
         out: List[ModelSite] = []
         for stmt in stmts:
-            if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
+            if len(stmt.body) != 1 or type(stmt.body[0]) is not cst.Assign:
                 continue
             assign = stmt.body[0]
             call = _innermost_call(assign.value)  # also `copy.deepcopy(model).eval()`
@@ -503,7 +503,7 @@ class ModelAnalysis(SiteAnalysis):
         """`raw_model = model`, `raw_model = model.module if ddp else model`: another name
         for the same model, in the same function."""
         for stmt in self.r.nodes(cst.SimpleStatementLine):
-            if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
+            if len(stmt.body) != 1 or type(stmt.body[0]) is not cst.Assign:
                 continue
             assign = stmt.body[0]
             if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
@@ -537,7 +537,7 @@ class ModelAnalysis(SiteAnalysis):
         }
         out = []
         for call in calls:
-            if isinstance(call.func, cst.Name) and call.func.value in trainers:
+            if type(call.func) is cst.Name and call.func.value in trainers:
                 known = model_names.get(self.r.enclosing_function(call), set())
                 if any(isinstance(a.value, cst.Name) and a.value.value in known for a in call.args):
                     out.append((call.func.value, call))
@@ -548,8 +548,10 @@ class ModelAnalysis(SiteAnalysis):
         for stmt in stmts:
             for small in stmt.body:
                 call = small.value if type(small) is cst.Expr else None
+                if call is None:
+                    continue
                 if (
-                    isinstance(call, cst.Call)
+                    type(call) is cst.Call
                     and self.r.qnames(call) & FULLY_SHARD
                     and call.args
                     and isinstance(call.args[0].value, cst.Name)

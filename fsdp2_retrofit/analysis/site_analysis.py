@@ -35,9 +35,9 @@ class SiteAnalysis:
             if len(stmt.body) != 1:
                 continue
             small = stmt.body[0]
-            if isinstance(small, cst.Assign) and len(small.targets) == 1:
+            if type(small) is cst.Assign and len(small.targets) == 1:
                 target = small.targets[0].target
-            elif isinstance(small, cst.AnnAssign) and small.value is not None:
+            elif type(small) is cst.AnnAssign and small.value is not None:
                 target = small.target  # `model: nn.Module = Net()`
             else:
                 continue

@@ -264,6 +264,17 @@ def _names_visible(resolver, scope_node: Optional[cst.CSTNode]) -> set:
     return found
 
 
+_STATEMENT_TYPES: Dict[type, bool] = {}
+
+
+def _is_statement(node) -> bool:
+    """isinstance(node, (SimpleStatementLine, BaseCompoundStatement)), remembered per type."""
+    found = _STATEMENT_TYPES.get(type(node))
+    if found is None:
+        found = _STATEMENT_TYPES[type(node)] = isinstance(node, (cst.SimpleStatementLine, cst.BaseCompoundStatement))
+    return found
+
+
 class CarryLines:
     """Mixin for a transformer: each node it rebuilds stands for the node it replaces
     (recorded in `origins`, when set)."""
@@ -369,9 +380,9 @@ class StatementEditor(CarryLines, cst.CSTTransformer):
         edits = self.expressions.get(original_node, ())
         for new in edits:
             result = new(result) if callable(new) else new
-        if edits and self.origins is not None and isinstance(result, cst.CSTNode):
+        if edits and self.origins is not None and is_node(result):
             self.origins.carry(original_node, result)
-        if isinstance(original_node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+        if _is_statement(original_node):
             self._updated[original_node] = result
         return result
 

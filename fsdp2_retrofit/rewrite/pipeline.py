@@ -7,7 +7,7 @@ import libcst as cst
 
 from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.report import InputError, RefusedError, RewriteResult
-from fsdp2_retrofit.syntax.names import Origins
+from fsdp2_retrofit.syntax.names import Origins, render
 from .context import RewriteContext
 from .stage import ATTENTION_KEY, CHANGES_KEY, OPTIONS_KEY, ORIGINS_KEY
 
@@ -53,7 +53,7 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
             new_module = command.transform_module(module)
     except RefusedError as refused:
         return RewriteResult(path, source, source, [], [], [refused.refusal], sorted(looked_at))
-    new_text = new_module.code  # rendered once: the bytes and the compile check share it
+    new_text = render(new_module)  # rendered once: the bytes and the compile check share it
     _must_compile(new_text, path)
     new_code = new_text.encode(new_module.encoding)
     return RewriteResult(

@@ -4,10 +4,11 @@ from __future__ import annotations
 import builtins
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Dict, Iterable, Iterator, List, Optional, Set, Type
 
 import libcst as cst
+from libcst._nodes.internal import CodegenState  # not exported; stable since libcst 0.3
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from .torch_api import (  # noqa: F401  (torch's qualified names: one table, still importable from here)
@@ -29,7 +30,43 @@ PLACEMENT_METHODS = {"to", "cuda", "cpu", "float", "double", "half", "bfloat16"}
 
 def code(node: cst.CSTNode) -> str:
     """The source text of a node, without its surrounding whitespace."""
-    return _EMPTY.code_for_node(node).strip()
+    return render(node).strip()
+
+
+class _NoPosition:
+    """A context manager that does nothing, made once (see _Codegen)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+_NO_POSITION = _NoPosition()
+
+
+@dataclass
+class _Codegen(CodegenState):
+    """libcst's code generation state, without the position bookkeeping it skips anyway:
+    its record_syntactic_position is a generator-based context manager that yields and
+    records nothing (PositionProvider overrides it); entered once per expression and
+    statement, it is a third of the cost of rendering a module."""
+
+    def record_syntactic_position(self, node, *, start_node=None, end_node=None):
+        return _NO_POSITION
+
+
+def render(node: cst.CSTNode, module: Optional[cst.Module] = None) -> str:
+    """`module.code_for_node(node)` (`module.code` for the module itself), the same text
+    (tests/test_syntax.py compares them over every fixture); `module` gives the indent
+    and newline style (default: libcst's)."""
+    style = module if module is not None else node if type(node) is cst.Module else _EMPTY
+    state = _Codegen(default_indent=style.default_indent, default_newline=style.default_newline)
+    node._codegen(state)
+    return "".join(state.tokens)
 
 
 _BUILTINS = frozenset(dir(builtins))

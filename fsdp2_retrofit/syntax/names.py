@@ -567,10 +567,11 @@ _IS_NODE: Dict[type, bool] = {}  # type -> whether it is a CSTNode (isinstance o
 
 
 def is_node(value) -> bool:
-    """isinstance(value, cst.CSTNode), remembered per type (the ABC check is a Python call)."""
+    """isinstance(value, cst.CSTNode), remembered per type (the ABC check is a Python call,
+    and for a type that is not a node it asks every subclass of CSTNode once: hundreds)."""
     found = _IS_NODE.get(type(value))
     if found is None:
-        found = _IS_NODE[type(value)] = isinstance(value, cst.CSTNode)
+        found = _IS_NODE[type(value)] = cst.CSTNode in type(value).__mro__  # libcst registers no virtual subclasses
     return found
 
 

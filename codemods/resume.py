@@ -133,8 +133,8 @@ class ConvertLoadsCommand(RetrofitStage):
             self._require_built(site, state_uses, facts)
             self._load_either(site, facts, editor, saved_here=True)
             return
-        # a load kept in a variable is told apart at run time (_file_or_directory), but not in the config-first order
-        if origin == "either" and state_uses and (site.var is None or self._config_first(site, facts) is not None):
+        # a load kept in a variable is told apart at run time (_file_or_directory, _config_first_options)
+        if origin == "either" and state_uses and site.var is None:
             self.attention(
                 site.call,
                 f"`{code(site.path)}` is loaded as a DCP checkpoint directory of this script (dcp.load): "
@@ -309,8 +309,11 @@ class ConvertLoadsCommand(RetrofitStage):
         for use in site.uses:
             template = self._value_template(use.key, facts, site.stmt) if use.kind == "value" else _template(use)
             (values if use.kind == "value" else states).setdefault(use.key, template)
+        options = self._config_first_options(site, facts)
         new = []
-        if values:
+        if options is not None:  # a DCP directory or a single file, told apart at run time
+            new.append(self._either_first(site, values, options, facts))
+        elif values:
             new.append(self.stmt(f"{var} = {self._dict_text(values, site.stmt)}  # the values read before the model exists\n"))
             new.extend(self._dcp_load(var, path, site, facts))
         else:
@@ -318,15 +321,24 @@ class ConvertLoadsCommand(RetrofitStage):
         new[0] = new[0].with_changes(leading_lines=site.stmt.leading_lines)
         editor.replace(site.stmt, new[0])
         editor.insert_after(site.stmt, new[1:])
+
+        def setter(use: LoadUse) -> str:
+            state = code(use.node)
+            return _setter(use, state) if options is None else _setter_with(use, state, options)
+
         moved = []
         for use in site.uses:
             if use.kind == "model" and not _inside(use.stmt, late, facts):
                 editor.replace(use.stmt, None)
-                moved.append(self.stmt(_setter(use, code(use.node))))
+                moved.append(self.stmt(setter(use)))
             elif use.kind in ("model", "optimizer"):
-                self._replace_load(use, self.stmt(_setter(use, code(use.node))), facts, editor)
-        update = self.stmt(f"{var}.update({self._dict_text(states, late.body.body[0])})\n")
-        editor.insert_before(late.body.body[0], [update, *self._dcp_load(var, path, site, facts), *moved])
+                self._replace_load(use, self.stmt(setter(use)), facts, editor)
+        update = f"{var}.update({self._dict_text(states, late.body.body[0])})\n"
+        if options is None:
+            loads = [self.stmt(update), *self._dcp_load(var, path, site, facts)]
+        else:
+            loads = [self._either_late(site, update, options, facts)]
+        editor.insert_before(late.body.body[0], [*loads, *moved])
         self.add_import("torch.distributed.checkpoint", asname="dcp")
         kinds = {u.kind for u in site.uses}
         for kind in ("model", "optimizer"):
@@ -339,11 +351,84 @@ class ConvertLoadsCommand(RetrofitStage):
             site.stmt,
             f"read {', '.join(repr(k) for k in values) or 'nothing'} from `{path}` with dcp.load before the "
             f"model is built; the states ({', '.join(repr(k) for k in states)}) with a second dcp.load in the "
-            f"later `if {code(late.test)}:`, after sharding and building the optimizer",
+            f"later `if {code(late.test)}:`, after sharding and building the optimizer"
+            + ("; a single torch.save file there (a single-GPU run's) is read whole with torch.load on every "
+               "rank instead, its full states set with full_state_dict=True" if options is not None else ""),
             "the config is read first to build the model from it; DCP loads the sharded state into the state "
-            "dicts of the sharded model and its optimizer, which exist only later",
+            "dicts of the sharded model and its optimizer, which exist only later"
+            + ("; a run switched to FSDP2 resumes from the checkpoint its single-GPU run left at that path"
+               + ("; the file is then renamed to `" + path + "` + \".single-gpu\" (rank 0), since this script's DCP "
+                  "saves write a directory at that path" if site.path_key in self.dcp_paths else "")
+               if options is not None else ""),
             "torch.load of a DCP directory fails; a state loaded before fully_shard is not what the shards hold",
         )
+
+    def _config_first_options(self, site: LoadSite, facts: ScriptFacts) -> Optional[str]:
+        """The name of the set_*_state_dict options when the config-first load is told apart
+        at run time (a DCP directory or one torch.save file); None where it stays a
+        dcp.load only (as _file_or_directory decides)."""
+        states = [u for u in site.uses if u.kind in ("model", "optimizer")]
+        if len({_strict_value(u.call) for u in states}) > 1 or site.path_key in self.copy_dests or (
+            self._saved_before(site, facts)
+        ):
+            return None
+        scope = facts.resolver.enclosing_function(site.stmt)
+        options = self.fresh_name(f"{site.var}_options", scope)
+        self.__dict__["_visible"][id(scope)].add(options)
+        self.add_import("os")
+        self.add_import(STATE_DICT_MODULE, "StateDictOptions")
+        return options
+
+    def _either_first(self, site: LoadSite, values: Dict[str, str], options: str, facts: ScriptFacts) -> cst.CSTNode:
+        """`if os.path.isdir(path):` the values with dcp.load, `else:` the whole file with
+        torch.load on CPU (moved aside when this script saves a DCP directory there)."""
+        var, path = site.var, code(site.path)
+        strict = next(iter({_strict_value(u.call) for u in site.uses if u.kind in ("model", "optimizer")}), None)
+        extra = f", strict={strict}" if strict is not None else ""
+        dcp_text = ""
+        if values:
+            loads = self._dcp_load(var, path, site, facts)
+            first = f"{var} = {self._dict_text(values, site.stmt)}  # the values read before the model exists\n"
+            dcp_text = _indented(first) + "".join(f"    {code(s).strip()}\n" for s in loads)
+        else:
+            dcp_text = f"    {var} = {{}}\n"
+        text = (
+            f"if os.path.isdir({path}):  # a DCP checkpoint directory: this script's own save\n"
+            + dcp_text
+            + f"    {options} = StateDictOptions({extra[2:]})\n"
+            "else:  # one torch.save file (a single-GPU run's): every rank reads it, the setters shard it\n"
+            f"    {var} = {code(_on_cpu(site.call))}\n"
+            f"    {options} = StateDictOptions(full_state_dict=True{extra})\n"
+        )
+        if site.path_key in self.dcp_paths:  # dcp.save makes a directory there: the file moves aside once read
+            test = self.rank_zero_test(site.stmt, facts) or "dist.get_rank() == 0"
+            text += (
+                "    dist.barrier()  # every rank has read the file; this script saves a DCP directory there\n"
+                f"    if {test}:\n"
+                f"        os.replace({path}, {_aside(site.path, path)})\n"
+                "    dist.barrier()\n"
+            )
+            self.add_import("torch.distributed", asname="dist")
+        return self.stmt(text)
+
+    def _either_late(self, site: LoadSite, update: str, options: str, facts: ScriptFacts) -> cst.CSTNode:
+        """In the later `if`: the states with dcp.load from a directory; from a single file
+        they are in memory already (a numbered optimizer state keyed by parameter name)."""
+        var, path = site.var, code(site.path)
+        loads = self._dcp_load(var, path, site, facts)
+        text = (
+            f"if not {options}.full_state_dict:  # this script's DCP checkpoint: the sharded states\n"
+            + _indented(update)
+            + "".join(f"    {code(s).strip()}\n" for s in loads)
+        )
+        scope = facts.resolver.enclosing_function(site.stmt)
+        rekeys = "".join(
+            _named_optimizer_state(code(u.node), u.model, u.owner, self.fresh_name, scope)
+            for u in site.uses if u.kind == "optimizer"
+        )
+        if rekeys:
+            text += "else:  # the single file's full states, as the single-GPU run saved them\n" + rekeys
+        return self.stmt(text)
 
     def _require_built(self, site: LoadSite, uses: List[LoadUse], facts: ScriptFacts) -> None:
         """DCP loads into the model's own (sharded) state dict: it must exist first."""
@@ -821,6 +906,11 @@ def _on_cpu(call: cst.Call) -> cst.Call:
             and not (a.keyword is not None and a.keyword.value == "map_location")]
     args[-1] = args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
     return with_keyword(call.with_changes(args=args), "map_location", cpu)
+
+
+def _indented(text: str) -> str:
+    """`text` (statements, continuation lines included) one block deeper."""
+    return "".join("    " + line if line.strip() else line for line in text.splitlines(keepends=True))
 
 
 def _named_optimizer_state(state: str, model: str, optimizer: str, fresh, scope) -> str:

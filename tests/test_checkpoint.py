@@ -275,3 +275,41 @@ def test_the_single_gpu_scripts_own_checkpoint_resumes_the_fsdp2_run(tmp_path: P
     assert _steps_agree(reference, resumed, 6) == []
     assert (switched / "checkpoint" / "last.pth" / ".metadata").is_file(), "the FSDP2 run saves a DCP directory"
     assert (switched / "checkpoint" / "last.pth.single-gpu").is_file(), "the single-GPU file is kept, moved aside"
+
+
+CONFIG_FIRST = FIXTURES / "resume_config_first"
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("resume-resume_config_first")
+def test_the_single_gpu_file_resumes_the_config_first_fsdp2_run(tmp_path: Path):
+    """nanoGPT's order from a single-GPU checkpoint: the original trains 6 steps in one
+    process and leaves ckpt.pt (model_args, weights, AdamW state keyed by parameter
+    number, scheduler, step); the rewrite, started with --init-from resume on 2 ranks,
+    reads the config from that file, builds the model from it, and trains on like the
+    single-GPU run of 12 steps. It then saves a DCP directory there, the file moved aside."""
+    single = tmp_path / "single"
+    launch_single(CONFIG_FIRST / "input.py", ["--out", str(single / "out.pt"), "--out-dir", str(single),
+                                              "--batch-size", "32", "--steps", "6"], single)
+    saved = single / "ckpt.pt"
+    assert saved.is_file(), "the single-GPU script writes one file"
+    reference = launch_single(CONFIG_FIRST / "input.py", ["--out", str(tmp_path / "ref" / "out.pt"), "--out-dir",
+                                                          str(tmp_path / "ref"), "--batch-size", "32", "--steps", "12"],
+                              tmp_path / "ref")
+    # the comparison can fail: 6 steps are not 12
+    assert not compare_saved(tmp_path / "ref" / "out.pt", single / "out.pt", [], DEFAULT_TOLERANCE).ok
+
+    switched = tmp_path / "switched"
+    switched.mkdir()
+    shutil.copy(saved, switched / "ckpt.pt")
+    # --depth 1 on the command line: the checkpoint's config (depth 3) must win
+    resumed = launch_distributed(CONFIG_FIRST / "expected.py", [
+        "--out", str(switched / "out.pt"), "--out-dir", str(switched), "--batch-size", "16", "--steps", "12",
+        "--init-from", "resume", "--depth", "1"], switched, nproc=2)
+    assert "resumed from step 6" in resumed.stdout
+    result = compare_saved(tmp_path / "ref" / "out.pt", switched / "out.pt", [], DEFAULT_TOLERANCE)
+    print(f"\nresume_config_first: single-GPU file resumed on 2 ranks vs single process, 12 steps: "
+          f"{result.max_abs_diff} ({resumed.ranks[0]['steps']} steps after the resume)")
+    assert result.ok, result.problem
+    assert (switched / "ckpt.pt" / ".metadata").is_file(), "the FSDP2 run saves a DCP directory"
+    assert (switched / "ckpt.pt.single-gpu").is_file(), "the single-GPU file is kept, moved aside"

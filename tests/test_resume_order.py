@@ -1,7 +1,7 @@
 """resume: a checkpoint read before the model it fills is built. nanoGPT's order (the
 config read first, the model built from it, the optimizer's state in a later `if` with
 the same test) is converted (fixture resume_config_first, golden and resumed by
-test_checkpoint); any other such order stays refused (FSR801)."""
+test_checkpoint, from its DCP directory and from a single-GPU file); any other such order stays refused (FSR801)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,7 +29,10 @@ def test_the_config_first_order_is_converted():
     shard = code.index("fully_shard(model, mesh=mesh)")
     state = code.index('"model": get_model_state_dict(model)')
     assert values < shard < state  # values before the build, states after sharding
-    assert "torch.load" not in code
+    # one torch.load: a single file (a single-GPU run's) there, told apart from the DCP directory
+    assert code.count("torch.load(") == 1
+    assert code.index("if os.path.isdir(") < values < code.index("torch.load(") < shard
+    assert code.index("if not ckpt_options.full_state_dict:") < state
 
 
 def test_without_the_later_if_the_early_read_stays_refused():

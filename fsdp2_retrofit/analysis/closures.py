@@ -7,11 +7,11 @@ inside closures ask `sharded_here`, which climbs to the enclosing definitions.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import parameter_names
+from fsdp2_retrofit.syntax.names import child_nodes, parameter_names, walk
 
 
 def sharded_here(
@@ -37,3 +37,109 @@ def sharded_here(
         if fn is None or shards._binds(fn, root) or root.startswith("self.") or root in parameter_names(fn):
             return None
         anchor = fn
+
+
+def _own_nodes(fn: cst.FunctionDef):
+    """The nodes of `fn`'s body that run in its own scope: not inside a nested def,
+    class or lambda (their names are theirs), nor inside a comprehension's targets."""
+    stack = list(reversed(child_nodes(fn.body)))
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, (cst.FunctionDef, cst.ClassDef)):
+            # the name, decorators and defaults belong to `fn`; the body does not
+            yield node.name
+            continue
+        if isinstance(node, cst.Lambda):
+            continue
+        stack.extend(reversed(child_nodes(node)))
+
+
+def _target_names(target) -> Set[str]:
+    if isinstance(target, cst.Name):
+        return {target.value}
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return {n for el in target.elements for n in _target_names(el.value)}
+    if isinstance(target, cst.StarredElement):
+        return _target_names(target.value)
+    return set()  # `a.b = ...`, `a[i] = ...` bind nothing
+
+
+def local_bindings(fn: cst.FunctionDef) -> Set[str]:
+    """The names `fn` binds in its own scope (parameters, assignments, loop, with and
+    except targets, imports, nested defs and classes), less those it declares
+    `nonlocal` or `global`: a read of any other name reaches an enclosing scope."""
+    bound = set(parameter_names(fn))
+    declared: Set[str] = set()
+    for node in _own_nodes(fn):
+        if isinstance(node, (cst.Nonlocal, cst.Global)):
+            declared |= {n.name.value for n in node.names}
+        elif isinstance(node, cst.Assign):
+            for t in node.targets:
+                bound |= _target_names(t.target)
+        elif isinstance(node, (cst.AnnAssign, cst.AugAssign)):
+            bound |= _target_names(node.target)
+        elif isinstance(node, cst.For):
+            bound |= _target_names(node.target)
+        elif isinstance(node, cst.AsName):
+            bound |= _target_names(node.name)
+        elif isinstance(node, cst.NamedExpr):
+            bound |= _target_names(node.target)
+        elif isinstance(node, cst.Del):
+            bound |= _target_names(node.target)
+        elif isinstance(node, cst.ImportAlias) and node.asname is None:
+            bound.add(dotted_root(node.name))
+    for node in _own_nodes(fn):
+        if isinstance(node, (cst.FunctionDef, cst.ClassDef)):
+            bound.add(node.name.value)
+    return bound - declared
+
+
+def dotted_root(name) -> str:
+    while isinstance(name, cst.Attribute):
+        name = name.value
+    return name.value if isinstance(name, cst.Name) else ""
+
+
+def free_reads(fn: cst.FunctionDef) -> Set[str]:
+    """The names `fn` (or a function nested in it) reads that `fn` does not bind:
+    closure variables of the function around it, globals or builtins."""
+    nodes = walk(fn.body)
+    not_reads = {id(n.attr) for n in nodes if isinstance(n, cst.Attribute)}
+    not_reads |= {id(n.keyword) for n in nodes if isinstance(n, cst.Arg) and n.keyword is not None}
+    reads = {n.value for n in nodes if isinstance(n, cst.Name) and id(n) not in not_reads}
+    return reads - local_bindings(fn)
+
+
+def nested_functions(resolver) -> List[Tuple[cst.FunctionDef, cst.FunctionDef]]:
+    """(inner, outer) for each def written directly in another function's code (not
+    a method of a class defined there), outer functions first."""
+    out = []
+    for fn in resolver.nodes(cst.FunctionDef):
+        outer = resolver.enclosing_function(fn)
+        if outer is not None and resolver.enclosing_class(fn) in (None, resolver.enclosing_class(outer)):
+            out.append((fn, outer))
+    return out
+
+
+def closure_propagate(resolver, names: Dict) -> bool:
+    """Adds to `names` (function -> set of names, or function -> dict name -> value)
+    what each nested function reads from its enclosing function's entries without
+    rebinding them; True when something was added."""
+    changed = False
+    for inner, outer in nested_functions(resolver):
+        known = names.get(outer)
+        if not known:
+            continue
+        free = free_reads(inner)
+        here = names.get(inner)
+        for name in list(known):
+            if name.split(".", 1)[0] not in free or (here is not None and name in here):
+                continue
+            if isinstance(known, dict):
+                names.setdefault(inner, {})[name] = known[name]
+            else:
+                names.setdefault(inner, set()).add(name)
+            here = names[inner]
+            changed = True
+    return changed

@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Set
 
 import libcst as cst
 
+from .closures import closure_propagate
 from .init_branches import branch_initialises, initialised_name, initialised_names
 from .library_models import PEFT_WRAPPERS, LibraryModel, is_library_builder, library_model
 from .model_classes import ClassRegistry, Container, build_registry
@@ -464,7 +465,8 @@ class ModelAnalysis(SiteAnalysis):
         return None
 
     def _model_names(self, models: List[ModelSite]) -> Dict[Optional[cst.FunctionDef], Set[str]]:
-        """Model names per function, following calls that pass a model as an argument."""
+        """Model names per function, following calls that pass a model as an argument and
+        nested functions that read one of the function around them (a closure)."""
         names: Dict[Optional[cst.FunctionDef], Set[str]] = {}
         for m in models:
             # `ema.module` (an AveragedModel's copy) is sharded; `ema` is the model the script uses
@@ -478,16 +480,18 @@ class ModelAnalysis(SiteAnalysis):
                     if param not in names.setdefault(callee, set()):
                         names[callee].add(param)
                         changed = True
-        self._add_globals(names)
-        self._add_aliases(names)
+            changed |= self._add_globals(names)
+            changed |= self._add_aliases(names)
+            changed |= closure_propagate(self.r, names)
         return names
 
-    def _add_globals(self, names) -> None:
+    def _add_globals(self, names) -> bool:
         """A model built at the module's top level is the same model in the top-level
         functions that read it as a global (`def test(epoch): ... net.state_dict()`)."""
         top = names.get(None, set())
+        changed = False
         if not top:
-            return
+            return changed
         for fn in self.module.body:
             if not isinstance(fn, cst.FunctionDef):
                 continue
@@ -496,12 +500,15 @@ class ModelAnalysis(SiteAnalysis):
             declared = {n.name.value for node in walk(fn.body) if isinstance(node, cst.Global) for n in node.names}
             seen = names_in(fn.body)
             found = {n for n in top if n in seen and (n not in local or n in declared)}
-            if found:
+            if found - names.get(fn, set()):
                 names.setdefault(fn, set()).update(found)
+                changed = True
+        return changed
 
-    def _add_aliases(self, names) -> None:
+    def _add_aliases(self, names) -> bool:
         """`raw_model = model`, `raw_model = model.module if ddp else model`: another name
         for the same model, in the same function."""
+        changed = False
         for stmt in self.r.nodes(cst.SimpleStatementLine):
             if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
                 continue
@@ -510,8 +517,11 @@ class ModelAnalysis(SiteAnalysis):
                 continue
             function = self.r.enclosing_function(stmt)
             known = names.get(function, set())
-            if known and _aliases_model(assign.value, known):
-                known.add(assign.targets[0].target.value)
+            alias = assign.targets[0].target.value
+            if known and alias not in known and _aliases_model(assign.value, known):
+                known.add(alias)
+                changed = True
+        return changed
 
     def _forward_calls(self, model_names) -> List[cst.Call]:
         out = []

@@ -143,3 +143,15 @@ def closure_propagate(resolver, names: Dict) -> bool:
             here = names[inner]
             changed = True
     return changed
+
+
+def functions_reading(resolver, scope: Optional[cst.FunctionDef], name: str) -> List[cst.FunctionDef]:
+    """The functions that read `name` of `scope` (None: the module) without binding it
+    themselves: top-level functions reading a global, defs nested in function `scope`
+    reading it through their closure."""
+    if scope is None:
+        candidates = [fn for fn in resolver.nodes(cst.FunctionDef) if resolver.enclosing_function(fn) is None
+                      and resolver.enclosing_class(fn) is None]
+    else:
+        candidates = [inner for inner, outer in nested_functions(resolver) if outer is scope]
+    return [fn for fn in candidates if name in free_reads(fn)]

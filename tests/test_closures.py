@@ -89,3 +89,99 @@ def test_local_bindings_and_free_reads():
     assert "model" in local_bindings(fns["own_model"])
     assert {"model", "opt", "report"} <= free_reads(fns["train_epoch"])
     assert "model" not in free_reads(fns["own_model"])
+
+
+# --- check: the forward rule sees inside a closure ---------------------------------
+
+FSDP2_CLOSURE = '''\
+import torch
+from torch.distributed.fsdp import fully_shard
+
+
+def main():
+    model = Net()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters())
+
+    def train_epoch(loader):
+        for x in loader:
+            loss = model.forward(x).sum()
+            loss.backward()
+            opt.step()
+
+    def shadowed(x):
+        model = Other()
+        return model.forward(x)
+
+    train_epoch([1])
+'''
+
+
+def test_check_flags_forward_of_a_sharded_model_inside_a_closure():
+    from fsdp2_retrofit.check.lint import lint_source
+    from fsdp2_retrofit.check.rules import all_rules
+
+    findings = lint_source(FSDP2_CLOSURE.encode(), "train.py", all_rules()).findings
+    forward_line = next(n for n, line in enumerate(FSDP2_CLOSURE.splitlines(), 1) if "model.forward(x).sum()" in line)
+    assert [(f.code, f.line) for f in findings if f.code == "FSD101"] == [("FSD101", forward_line)]
+
+
+# --- rewrite: what cannot be followed is refused --------------------------------------
+
+REBINDS = '''\
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def main():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 4)), batch_size=4)
+
+    def wrap():
+        nonlocal model
+        model = {value}
+
+    def train():
+        for x, y in loader:
+            loss = ((model(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    wrap()
+    train()
+    torch.save(model.state_dict(), "out.pt")
+
+
+main()
+'''
+
+
+def test_a_nested_function_rebinding_the_model_is_refused():
+    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+
+    source = REBINDS.format(value="torch.compile(model)")
+    result = rewrite_source(source.encode(), "train.py")
+    line = next(n for n, text in enumerate(source.splitlines(), 1) if "model = torch.compile(model)" in text)
+    assert [(r.code, r.line) for r in result.refusals][:1] == [("FSR627", line)]
+
+
+def test_a_nested_function_switching_to_train_mode_is_not_refused():
+    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+
+    result = rewrite_source(REBINDS.format(value="model.train()").encode(), "train.py")
+    assert not result.refusals
+    assert b"fully_shard(model" in result.code

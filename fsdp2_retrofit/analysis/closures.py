@@ -155,3 +155,38 @@ def functions_reading(resolver, scope: Optional[cst.FunctionDef], name: str) -> 
     else:
         candidates = [inner for inner, outer in nested_functions(resolver) if outer is scope]
     return [fn for fn in candidates if name in free_reads(fn)]
+
+
+_KEEPS_MODULE = {"train", "eval", "requires_grad_"}  # return the module itself, nothing moved
+
+
+def nonlocal_rebinds(resolver, names: Dict) -> List[Tuple[cst.CSTNode, str]]:
+    """(assignment, name) where a nested function declares `nonlocal name` for a name
+    that holds a model in the function around it and binds it to something else than
+    that module (`model = model.train()` aside): the enclosing function's model changes
+    under the rewrite's feet, after it is sharded."""
+    out = []
+    for inner, outer in nested_functions(resolver):
+        held = names.get(outer) or set()
+        declared = {n.name.value for node in _own_nodes(inner) if isinstance(node, cst.Nonlocal) for n in node.names}
+        watched = declared & set(held)
+        if not watched:
+            continue
+        for node in _own_nodes(inner):
+            if isinstance(node, cst.Assign):
+                targets = [t.target for t in node.targets]
+            elif isinstance(node, (cst.AnnAssign, cst.AugAssign)):
+                targets = [node.target]
+            else:
+                continue
+            for name in sorted({n for t in targets for n in _target_names(t)} & watched):
+                if not (isinstance(node, cst.Assign) and _same_module(node.value, name)):
+                    out.append((node, name))
+    return out
+
+
+def _same_module(expr, name: str) -> bool:
+    """`name`, `name.train()`, `name.eval().requires_grad_(False)`."""
+    while isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute) and expr.func.attr.value in _KEEPS_MODULE:
+        expr = expr.func.value
+    return isinstance(expr, cst.Name) and expr.value == name

@@ -49,6 +49,11 @@ def main():
         net = model
         return net(x)
 
+    def nested_helper(net, x):
+        return net.forward(x)
+
+    nested_helper(model, 1)
+
     train_epoch([torch.randn(2, 4)])
 '''
 
@@ -75,11 +80,12 @@ def test_closure_holds_the_enclosing_model_and_optimizer():
     assert {"net", "model"} <= names[fns["via_alias"]]
     assert "model" not in names.get(fns["own_model"], set())  # its own local model
     assert "m" in names[fns["report"]]  # the closure passes the model to a helper
+    assert "net" in names[fns["nested_helper"]]  # a nested def handed the model as an argument
     assert "model" in facts.trained_names[fns["train_epoch"]]
     assert facts.optimizer_names[fns["train_epoch"]] == {"opt": "model"}
     assert "opt" not in facts.optimizer_names.get(fns["own_model"], {})
-    forward = [c for c in facts.forward_calls]
-    assert [facts.resolver.enclosing_function(c) for c in forward] == [fns["train_epoch"]]
+    forward = [facts.resolver.enclosing_function(c) for c in facts.forward_calls]
+    assert forward == [fns["train_epoch"], fns["nested_helper"]]
 
 
 def test_local_bindings_and_free_reads():

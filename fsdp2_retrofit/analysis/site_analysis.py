@@ -10,6 +10,7 @@ from typing import List, Optional, Union
 
 import libcst as cst
 
+from .closures import nested_functions
 from .model_classes import ClassRegistry
 from fsdp2_retrofit.syntax.names import Resolver
 
@@ -45,8 +46,22 @@ class SiteAnalysis:
                 yield target.value, stmt, small.value
 
     def _local_calls(self):
-        """(call, function) for every call of a top-level function of the script."""
-        functions = {s.name.value: s for s in self.module.body if isinstance(s, cst.FunctionDef)}
-        for call in self.calls:
-            if isinstance(call.func, cst.Name) and call.func.value in functions:
-                yield call, functions[call.func.value]
+        """(call, function) for every call of a function of the script by its name: a
+        top-level function, or a def nested in the calling function or one around it."""
+        if getattr(self, "_local_call_list", None) is None:
+            functions = {s.name.value: s for s in self.module.body if isinstance(s, cst.FunctionDef)}
+            nested = {(id(outer), inner.name.value): inner for inner, outer in nested_functions(self.r)}
+            out = []
+            for call in self.calls:
+                if not isinstance(call.func, cst.Name):
+                    continue
+                name, callee = call.func.value, None
+                scope = self.r.enclosing_function(call)
+                while scope is not None and callee is None:
+                    callee = nested.get((id(scope), name))
+                    scope = self.r.enclosing_function(scope)
+                callee = callee or functions.get(name)
+                if callee is not None:
+                    out.append((call, callee))
+            self._local_call_list = out
+        return iter(self._local_call_list)

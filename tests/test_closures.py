@@ -2,7 +2,7 @@
 closure that reads `model` / `opt` without binding them holds the same objects."""
 import libcst as cst
 
-from fsdp2_retrofit.analysis.closures import free_reads, local_bindings
+from fsdp2_retrofit.analysis.closures import closure_reads, free_reads, local_bindings
 from fsdp2_retrofit.analysis.facts import analyse
 
 SCRIPT = '''
@@ -54,6 +54,10 @@ def main():
 
     nested_helper(model, 1)
 
+    def module_level():
+        global model
+        return model.forward(1)
+
     train_epoch([torch.randn(2, 4)])
 '''
 
@@ -79,6 +83,7 @@ def test_closure_holds_the_enclosing_model_and_optimizer():
     assert "model" in names[fns["rebinds"]]  # nonlocal: the same binding
     assert {"net", "model"} <= names[fns["via_alias"]]
     assert "model" not in names.get(fns["own_model"], set())  # its own local model
+    assert "model" not in names.get(fns["module_level"], set())  # `global`: the module's, not main's
     assert "m" in names[fns["report"]]  # the closure passes the model to a helper
     assert "net" in names[fns["nested_helper"]]  # a nested def handed the model as an argument
     assert "model" in facts.trained_names[fns["train_epoch"]]
@@ -95,6 +100,7 @@ def test_local_bindings_and_free_reads():
     assert "model" in local_bindings(fns["own_model"])
     assert {"model", "opt", "report"} <= free_reads(fns["train_epoch"])
     assert "model" not in free_reads(fns["own_model"])
+    assert "model" in free_reads(fns["module_level"]) and "model" not in closure_reads(fns["module_level"])
 
 
 # --- check: the forward rule sees inside a closure ---------------------------------

@@ -1,9 +1,17 @@
-"""Sharded modules seen from nested functions: a closure variable counts as sharded
-when the function around it sharded the module before defining the nested one.
+"""Nested functions and the names they read from the function around them.
 
-ShardFacts answers "is this expression a sharded module here?" within one function
-(plus module-level models and received arguments); the check rules that must look
-inside closures ask `sharded_here`, which climbs to the enclosing definitions.
+A def inside another function that reads a name it does not bind (or declares
+`nonlocal`) sees the enclosing function's object: when that is a model or an
+optimizer, the nested function holds it too (`closure_propagate`, used by the
+per-function model and optimizer names of analysis/models.py and optimizers.py),
+and a loader it loops over is read there (`functions_reading`, the data stage's
+epoch loop). A nested function that rebinds such a model is found by
+`nonlocal_rebinds` (the shard stage refuses it).
+
+For `check`: a closure variable counts as sharded when the function around it
+sharded the module before defining the nested one. ShardFacts.sites_for climbs
+out of nested functions itself; `sharded_here` also reports where the sharding
+is in effect.
 """
 from __future__ import annotations
 
@@ -40,14 +48,13 @@ def sharded_here(
 
 
 def _own_nodes(fn: cst.FunctionDef):
-    """The nodes of `fn`'s body that run in its own scope: not inside a nested def,
-    class or lambda (their names are theirs), nor inside a comprehension's targets."""
+    """The nodes of `fn`'s body in its own scope: not inside a nested def, class or
+    lambda (of those only the name they bind in `fn`)."""
     stack = list(reversed(child_nodes(fn.body)))
     while stack:
         node = stack.pop()
         yield node
         if isinstance(node, (cst.FunctionDef, cst.ClassDef)):
-            # the name, decorators and defaults belong to `fn`; the body does not
             yield node.name
             continue
         if isinstance(node, cst.Lambda):
@@ -111,6 +118,13 @@ def free_reads(fn: cst.FunctionDef) -> Set[str]:
     return reads - local_bindings(fn)
 
 
+def closure_reads(fn: cst.FunctionDef) -> Set[str]:
+    """free_reads less the names `fn` declares `global`: those reach the module, not
+    the function around `fn`."""
+    declared = {n.name.value for node in _own_nodes(fn) if isinstance(node, cst.Global) for n in node.names}
+    return free_reads(fn) - declared
+
+
 def nested_functions(resolver) -> List[Tuple[cst.FunctionDef, cst.FunctionDef]]:
     """(inner, outer) for each def written directly in another function's code (not
     a method of a class defined there), outer functions first."""
@@ -131,7 +145,7 @@ def closure_propagate(resolver, names: Dict) -> bool:
         known = names.get(outer)
         if not known:
             continue
-        free = free_reads(inner)
+        free = closure_reads(inner)
         here = names.get(inner)
         for name in list(known):
             if name.split(".", 1)[0] not in free or (here is not None and name in here):
@@ -153,7 +167,7 @@ def functions_reading(resolver, scope: Optional[cst.FunctionDef], name: str) -> 
         candidates = [fn for fn in resolver.nodes(cst.FunctionDef) if resolver.enclosing_function(fn) is None
                       and resolver.enclosing_class(fn) is None]
     else:
-        candidates = [inner for inner, outer in nested_functions(resolver) if outer is scope]
+        return [inner for inner, outer in nested_functions(resolver) if outer is scope and name in closure_reads(inner)]
     return [fn for fn in candidates if name in free_reads(fn)]
 
 
@@ -167,7 +181,9 @@ def nonlocal_rebinds(resolver, names: Dict) -> List[Tuple[cst.CSTNode, str]]:
     under the rewrite's feet, after it is sharded."""
     out = []
     for inner, outer in nested_functions(resolver):
-        held = names.get(outer) or set()
+        held = names.get(outer)
+        if not held:
+            continue
         declared = {n.name.value for node in _own_nodes(inner) if isinstance(node, cst.Nonlocal) for n in node.names}
         watched = declared & set(held)
         if not watched:

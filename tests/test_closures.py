@@ -197,3 +197,24 @@ def test_a_nested_function_switching_to_train_mode_is_not_refused():
     result = rewrite_source(REBINDS.format(value="model.train()").encode(), "train.py")
     assert not result.refusals
     assert b"fully_shard(model" in result.code
+
+
+def test_model_zero_grad_in_a_closure_with_a_partial_optimizer_is_refused():
+    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+
+    source = REBINDS.format(value="model.train()").replace(
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)", "opt = torch.optim.SGD(model.fc.parameters(), lr=0.1)"
+    ).replace("            opt.zero_grad()\n            loss.backward()", "            model.zero_grad()\n            loss.backward()")
+    result = rewrite_source(source.encode(), "train.py")
+    line = next(n for n, text in enumerate(source.splitlines(), 1) if "model.zero_grad()" in text)
+    assert [(r.code, r.line) for r in result.refusals][:1] == [("FSR950", line)]
+
+
+def test_model_zero_grad_in_a_closure_goes_through_the_optimizer():
+    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+
+    source = REBINDS.format(value="model.train()").replace(
+        "            opt.zero_grad()\n            loss.backward()", "            model.zero_grad()\n            loss.backward()")
+    result = rewrite_source(source.encode(), "train.py")
+    assert not result.refusals
+    assert b"model.zero_grad()" not in result.code and result.code.count(b"opt.zero_grad()") == 1

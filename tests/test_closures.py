@@ -218,3 +218,18 @@ def test_model_zero_grad_in_a_closure_goes_through_the_optimizer():
     result = rewrite_source(source.encode(), "train.py")
     assert not result.refusals
     assert b"model.zero_grad()" not in result.code and result.code.count(b"opt.zero_grad()") == 1
+
+
+def test_a_model_built_by_a_nested_factory_is_found():
+    source = SCRIPT.replace("    model = Net()\n    opt =", "    def build():\n        return Net()\n\n    model = build()\n    opt =")
+    module = cst.parse_module(source)
+    facts = analyse(module)
+    assert [(m.name, m.class_name) for m in facts.models] == [("model", "Net")]
+    assert "model" in facts.model_names[_functions(module)["train_epoch"]]
+
+
+def test_a_nested_factory_is_seen_only_where_its_name_reaches():
+    source = SCRIPT.replace("    model = Net()\n    opt =", "    model = build()\n    opt =").replace(
+        "def report(m):", "def other():\n    def build():\n        return Net()\n\n    return build\n\n\ndef report(m):")
+    facts = analyse(cst.parse_module(source))
+    assert facts.models == []  # main's `build` is not other()'s nested one

@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Set
 
 import libcst as cst
 
-from .closures import closure_propagate
+from .closures import closure_propagate, nested_functions
 from .init_branches import branch_initialises, initialised_name, initialised_names
 from .library_models import PEFT_WRAPPERS, LibraryModel, is_library_builder, library_model
 from .model_classes import ClassRegistry, Container, build_registry
@@ -80,8 +80,9 @@ class ModelAnalysis(SiteAnalysis):
         out = [(name, stmt, cls) for name, stmt, ctor in calls for cls in [self._class_of(ctor)] if cls]
         factories = self._factories(out)
         for name, stmt, ctor in calls:
-            if isinstance(ctor.func, cst.Name) and ctor.func.value in factories:
-                out.append((name, stmt, factories[ctor.func.value]))
+            factory = self._callee(ctor)
+            if factory is not None and factory in factories:
+                out.append((name, stmt, factories[factory]))
             chosen = self._table_classes(ctor)
             if chosen:
                 out.append((name, stmt, chosen[0]))
@@ -133,29 +134,29 @@ class ModelAnalysis(SiteAnalysis):
         }
         return classes, len(layouts) > 1
 
-    def _factories(self, bindings) -> Dict[str, str]:
-        """Functions of the script that return a module they build: name -> its class."""
-        out: Dict[str, str] = {}
+    def _factories(self, bindings) -> Dict[cst.FunctionDef, str]:
+        """Functions of the script (top-level, or nested in another function) that return
+        a module they build -> its class."""
+        out: Dict[cst.FunctionDef, str] = {}
         locals_of: Dict[Optional[cst.FunctionDef], Dict[str, str]] = {}
         for b in bindings:
             locals_of.setdefault(self.r.enclosing_function(b[1]), {})[b[0]] = b[2]
         returns_of: Dict[Optional[cst.FunctionDef], List[cst.Return]] = {}
         for r in self.r.nodes(cst.Return):
             returns_of.setdefault(self.r.enclosing_function(r), []).append(r)
-        for fn in self.module.body:
-            if not isinstance(fn, cst.FunctionDef):
-                continue
+        top = [fn for fn in self.module.body if isinstance(fn, cst.FunctionDef)]
+        for fn in top + [inner for inner, _ in nested_functions(self.r)]:
             local = locals_of.get(fn, {})
             for ret in returns_of.get(fn, []):
                 value = ret.value
                 while _is_placement_chain(value, root_name(value) or "") and isinstance(value, cst.Call):
                     value = value.func.value  # `return model.to(device)`
                 if isinstance(value, cst.Name) and value.value in local:
-                    out[fn.name.value] = local[value.value]
+                    out[fn] = local[value.value]
                 elif value is not None and _innermost_call(value) is not None:
                     cls = self._class_of(_innermost_call(value))
                     if cls:
-                        out[fn.name.value] = cls
+                        out[fn] = cls
         return out
 
     def _class_of(self, call: cst.Call) -> Optional[str]:

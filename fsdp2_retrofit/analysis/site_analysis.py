@@ -49,19 +49,22 @@ class SiteAnalysis:
         """(call, function) for every call of a function of the script by its name: a
         top-level function, or a def nested in the calling function or one around it."""
         if getattr(self, "_local_call_list", None) is None:
-            functions = {s.name.value: s for s in self.module.body if isinstance(s, cst.FunctionDef)}
-            nested = {(id(outer), inner.name.value): inner for inner, outer in nested_functions(self.r)}
-            out = []
-            for call in self.calls:
-                if not isinstance(call.func, cst.Name):
-                    continue
-                name, callee = call.func.value, None
-                scope = self.r.enclosing_function(call)
-                while scope is not None and callee is None:
-                    callee = nested.get((id(scope), name))
-                    scope = self.r.enclosing_function(scope)
-                callee = callee or functions.get(name)
-                if callee is not None:
-                    out.append((call, callee))
-            self._local_call_list = out
+            self._local_call_list = [(call, fn) for call in self.calls for fn in [self._callee(call)] if fn is not None]
         return iter(self._local_call_list)
+
+    def _callee(self, call: cst.Call) -> Optional[cst.FunctionDef]:
+        """The function of the script a call by name runs: a def nested in the calling
+        function (or one around it), else a top-level function."""
+        if not isinstance(call.func, cst.Name):
+            return None
+        if getattr(self, "_defs", None) is None:
+            self._defs = {(id(outer), inner.name.value): inner for inner, outer in nested_functions(self.r)}
+            self._defs.update({(None, s.name.value): s for s in self.module.body if isinstance(s, cst.FunctionDef)})
+        name = call.func.value
+        scope = self.r.enclosing_function(call)
+        while scope is not None:
+            found = self._defs.get((id(scope), name))
+            if found is not None:
+                return found
+            scope = self.r.enclosing_function(scope)
+        return self._defs.get((None, name))

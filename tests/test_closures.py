@@ -199,12 +199,16 @@ def test_a_nested_function_switching_to_train_mode_is_not_refused():
     assert b"fully_shard(model" in result.code
 
 
+_OPT_CLEARS = "            opt.zero_grad()\n            loss.backward()"
+_MODEL_CLEARS = "            model.zero_grad()\n            loss.backward()"
+
+
 def test_model_zero_grad_in_a_closure_with_a_partial_optimizer_is_refused():
     from fsdp2_retrofit.rewrite.pipeline import rewrite_source
 
     source = REBINDS.format(value="model.train()").replace(
         "opt = torch.optim.SGD(model.parameters(), lr=0.1)", "opt = torch.optim.SGD(model.fc.parameters(), lr=0.1)"
-    ).replace("            opt.zero_grad()\n            loss.backward()", "            model.zero_grad()\n            loss.backward()")
+    ).replace(_OPT_CLEARS, _MODEL_CLEARS)
     result = rewrite_source(source.encode(), "train.py")
     line = next(n for n, text in enumerate(source.splitlines(), 1) if "model.zero_grad()" in text)
     assert [(r.code, r.line) for r in result.refusals][:1] == [("FSR950", line)]
@@ -213,15 +217,15 @@ def test_model_zero_grad_in_a_closure_with_a_partial_optimizer_is_refused():
 def test_model_zero_grad_in_a_closure_goes_through_the_optimizer():
     from fsdp2_retrofit.rewrite.pipeline import rewrite_source
 
-    source = REBINDS.format(value="model.train()").replace(
-        "            opt.zero_grad()\n            loss.backward()", "            model.zero_grad()\n            loss.backward()")
+    source = REBINDS.format(value="model.train()").replace(_OPT_CLEARS, _MODEL_CLEARS)
     result = rewrite_source(source.encode(), "train.py")
     assert not result.refusals
     assert b"model.zero_grad()" not in result.code and result.code.count(b"opt.zero_grad()") == 1
 
 
 def test_a_model_built_by_a_nested_factory_is_found():
-    source = SCRIPT.replace("    model = Net()\n    opt =", "    def build():\n        return Net()\n\n    model = build()\n    opt =")
+    nested = "    def build():\n        return Net()\n\n    model = build()\n    opt ="
+    source = SCRIPT.replace("    model = Net()\n    opt =", nested)
     module = cst.parse_module(source)
     facts = analyse(module)
     assert [(m.name, m.class_name) for m in facts.models] == [("model", "Net")]
@@ -229,7 +233,8 @@ def test_a_model_built_by_a_nested_factory_is_found():
 
 
 def test_a_nested_factory_is_seen_only_where_its_name_reaches():
-    source = SCRIPT.replace("    model = Net()\n    opt =", "    model = build()\n    opt =").replace(
-        "def report(m):", "def other():\n    def build():\n        return Net()\n\n    return build\n\n\ndef report(m):")
+    other = "def other():\n    def build():\n        return Net()\n\n    return build\n\n\ndef report(m):"
+    source = SCRIPT.replace("    model = Net()\n    opt =", "    model = build()\n    opt =")
+    source = source.replace("def report(m):", other)
     facts = analyse(cst.parse_module(source))
     assert facts.models == []  # main's `build` is not other()'s nested one

@@ -7,9 +7,10 @@ import libcst as cst
 
 from fsdp2_retrofit.analysis import LoaderSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.batch_size import batch_size_readers
+from fsdp2_retrofit.analysis.closures import functions_reading
 from fsdp2_retrofit.analysis.data import unfollowed_loaders
 from fsdp2_retrofit.analysis.loops import steps_outside_loops
-from fsdp2_retrofit.syntax.names import assigned_names, iterated_name, names_in, parameter_names, walk
+from fsdp2_retrofit.syntax.names import iterated_name, names_in, walk
 from fsdp2_retrofit.rewrite.edit import with_keyword, without_entry, without_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
@@ -283,15 +284,13 @@ def _epoch_loop(loader: LoaderSite, facts: ScriptFacts) -> Optional[cst.For]:
     """The innermost `for <name> in ...` around a whole pass over the loader: a loop
     over it, or a call that hands it to a function (`train_one_epoch(model, loader)`)."""
     best = None
-    # top-level functions that loop over the loader as a global (`def train(epoch): for x in trainloader`)
-    readers = set()
-    if isinstance(loader.block, cst.Module):
-        readers = {
-            fn.name.value for fn in facts.module.body
-            if isinstance(fn, cst.FunctionDef) and loader.name not in parameter_names(fn)
-            and loader.name not in {n for s in fn.body.body for n in assigned_names(s)}
-            and _passes_over(fn.body, loader.name, loops_only=True)
-        }
+    # functions that loop over the loader as a global (`def train(epoch): for x in trainloader`)
+    # or, nested in the loader's function, through their closure
+    scope = facts.resolver.enclosing_function(loader.stmt)
+    readers = {
+        fn.name.value for fn in functions_reading(facts.resolver, scope, loader.name)
+        if _passes_over(fn.body, loader.name, loops_only=True)
+    }
     for node in facts.resolver.descendants(loader.block, cst.For):  # outer loops first
         if not isinstance(node.target, cst.Name) or loader.name in names_in(node.iter):
             continue

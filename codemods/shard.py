@@ -388,6 +388,17 @@ class ShardModelCommand(RetrofitStage):
                 f"put `{first.name}` and `{second.name}` under one parent module and shard that, or keep the "
                 "script single-GPU",
             )
+        for assign, name in facts.closure_rebinds:
+            self.refuse(
+                "FSR627",
+                assign,
+                f"a nested function rebinds `{name}` (declared nonlocal), a model of the function around it",
+                "the rewrite shards the module the enclosing function built; after this assignment the name holds "
+                "an object fully_shard never saw, and the optimizer, state dicts and gradient sync would follow "
+                "the wrong one",
+                f"return the new object and bind `{name}` in the enclosing function before the optimizer is "
+                "built, or give it its own name",
+            )
         for model in facts.models:
             if model.library is not None and model.library.refusal is not None and not model.sharded:
                 kind, what, why, hint = model.library.refusal

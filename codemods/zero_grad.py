@@ -7,8 +7,8 @@ from typing import Optional
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
+from fsdp2_retrofit.analysis.closures import closure_reads
 from fsdp2_retrofit.analysis.zero_grad import zero_grads_between
-from fsdp2_retrofit.syntax.names import parameter_names
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 WHY = (
@@ -79,7 +79,7 @@ def _scope(facts: ScriptFacts, name: str, at: cst.CSTNode):
     around it when `name` is a closure variable there."""
     r = facts.resolver
     fn = r.enclosing_function(at)
-    while fn is not None and name not in facts.trained_names.get(fn, ()) and name not in parameter_names(fn):
+    while fn is not None and r.enclosing_function(fn) is not None and name in closure_reads(fn):
         fn = r.enclosing_function(fn)
     return fn
 

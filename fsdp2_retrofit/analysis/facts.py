@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Set
 
 import libcst as cst
 
+from .closures import nonlocal_rebinds
 from .data import LoaderAnalysis, LoaderSite, training_loaders  # noqa: F401  (importable from here)
 from .launch import DISTRIBUTED_WRAPPERS, LaunchAnalysis  # noqa: F401
 from .logs import LogAnalysis, LogSite
@@ -63,6 +64,8 @@ class ScriptFacts:
     hidden_copies: List[tuple] = field(default_factory=list)
     # like model_names, for the models optimizers train only (no frozen models, no copies)
     trained_names: Dict[Optional[cst.FunctionDef], Set[str]] = field(default_factory=dict)
+    # (assignment, name): a nested function rebinding a model of the function around it (`nonlocal`)
+    closure_rebinds: List[tuple] = field(default_factory=list)
 
     def model(self, name: str) -> Optional[ModelSite]:
         return next((m for m in self.models if m.name == name), None)
@@ -163,6 +166,7 @@ class _Analyser(ModelAnalysis, OptimizerAnalysis, LoopAnalysis, LoaderAnalysis, 
             copies=copies,
             hidden_copies=self._hidden_copies(calls, trained_names),
             trained_names=trained_names,
+            closure_rebinds=nonlocal_rebinds(self.r, model_names),
         )
         for m in models + copies + frozen:
             m.sharded = m.name in facts.root_shard

@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Set
 
 import libcst as cst
 
+from .closures import closure_propagate, nested_functions
 from .init_branches import branch_initialises, initialised_name, initialised_names
 from .library_models import PEFT_WRAPPERS, LibraryModel, is_library_builder, library_model
 from .model_classes import ClassRegistry, Container, build_registry
@@ -79,8 +80,9 @@ class ModelAnalysis(SiteAnalysis):
         out = [(name, stmt, cls) for name, stmt, ctor in calls for cls in [self._class_of(ctor)] if cls]
         factories = self._factories(out)
         for name, stmt, ctor in calls:
-            if isinstance(ctor.func, cst.Name) and ctor.func.value in factories:
-                out.append((name, stmt, factories[ctor.func.value]))
+            factory = self._callee(ctor)
+            if factory is not None and factory in factories:
+                out.append((name, stmt, factories[factory]))
             chosen = self._table_classes(ctor)
             if chosen:
                 out.append((name, stmt, chosen[0]))
@@ -132,29 +134,29 @@ class ModelAnalysis(SiteAnalysis):
         }
         return classes, len(layouts) > 1
 
-    def _factories(self, bindings) -> Dict[str, str]:
-        """Functions of the script that return a module they build: name -> its class."""
-        out: Dict[str, str] = {}
+    def _factories(self, bindings) -> Dict[cst.FunctionDef, str]:
+        """Functions of the script (top-level, or nested in another function) that return
+        a module they build -> its class."""
+        out: Dict[cst.FunctionDef, str] = {}
         locals_of: Dict[Optional[cst.FunctionDef], Dict[str, str]] = {}
         for b in bindings:
             locals_of.setdefault(self.r.enclosing_function(b[1]), {})[b[0]] = b[2]
         returns_of: Dict[Optional[cst.FunctionDef], List[cst.Return]] = {}
         for r in self.r.nodes(cst.Return):
             returns_of.setdefault(self.r.enclosing_function(r), []).append(r)
-        for fn in self.module.body:
-            if not isinstance(fn, cst.FunctionDef):
-                continue
+        top = [fn for fn in self.module.body if isinstance(fn, cst.FunctionDef)]
+        for fn in top + [inner for inner, _ in nested_functions(self.r)]:
             local = locals_of.get(fn, {})
             for ret in returns_of.get(fn, []):
                 value = ret.value
                 while _is_placement_chain(value, root_name(value) or "") and isinstance(value, cst.Call):
                     value = value.func.value  # `return model.to(device)`
                 if isinstance(value, cst.Name) and value.value in local:
-                    out[fn.name.value] = local[value.value]
+                    out[fn] = local[value.value]
                 elif value is not None and _innermost_call(value) is not None:
                     cls = self._class_of(_innermost_call(value))
                     if cls:
-                        out[fn.name.value] = cls
+                        out[fn] = cls
         return out
 
     def _class_of(self, call: cst.Call) -> Optional[str]:
@@ -464,7 +466,8 @@ class ModelAnalysis(SiteAnalysis):
         return None
 
     def _model_names(self, models: List[ModelSite]) -> Dict[Optional[cst.FunctionDef], Set[str]]:
-        """Model names per function, following calls that pass a model as an argument."""
+        """Model names per function, following calls that pass a model as an argument and
+        nested functions that read one of the function around them (a closure)."""
         names: Dict[Optional[cst.FunctionDef], Set[str]] = {}
         for m in models:
             # `ema.module` (an AveragedModel's copy) is sharded; `ema` is the model the script uses
@@ -478,16 +481,18 @@ class ModelAnalysis(SiteAnalysis):
                     if param not in names.setdefault(callee, set()):
                         names[callee].add(param)
                         changed = True
-        self._add_globals(names)
-        self._add_aliases(names)
+            changed |= self._add_globals(names)
+            changed |= self._add_aliases(names)
+            changed |= closure_propagate(self.r, names)
         return names
 
-    def _add_globals(self, names) -> None:
+    def _add_globals(self, names) -> bool:
         """A model built at the module's top level is the same model in the top-level
         functions that read it as a global (`def test(epoch): ... net.state_dict()`)."""
         top = names.get(None, set())
+        changed = False
         if not top:
-            return
+            return changed
         for fn in self.module.body:
             if not isinstance(fn, cst.FunctionDef):
                 continue
@@ -496,12 +501,15 @@ class ModelAnalysis(SiteAnalysis):
             declared = {n.name.value for node in walk(fn.body) if isinstance(node, cst.Global) for n in node.names}
             seen = names_in(fn.body)
             found = {n for n in top if n in seen and (n not in local or n in declared)}
-            if found:
+            if found - names.get(fn, set()):
                 names.setdefault(fn, set()).update(found)
+                changed = True
+        return changed
 
-    def _add_aliases(self, names) -> None:
+    def _add_aliases(self, names) -> bool:
         """`raw_model = model`, `raw_model = model.module if ddp else model`: another name
         for the same model, in the same function."""
+        changed = False
         for stmt in self.r.nodes(cst.SimpleStatementLine):
             if len(stmt.body) != 1 or type(stmt.body[0]) is not cst.Assign:
                 continue
@@ -510,8 +518,11 @@ class ModelAnalysis(SiteAnalysis):
                 continue
             function = self.r.enclosing_function(stmt)
             known = names.get(function, set())
-            if known and _aliases_model(assign.value, known):
-                known.add(assign.targets[0].target.value)
+            alias = assign.targets[0].target.value
+            if known and alias not in known and _aliases_model(assign.value, known):
+                known.add(alias)
+                changed = True
+        return changed
 
     def _forward_calls(self, model_names) -> List[cst.Call]:
         out = []

@@ -7,6 +7,7 @@ from typing import Dict, List, Optional
 
 import libcst as cst
 
+from .closures import closure_propagate
 from .site_analysis import Block, SiteAnalysis
 from fsdp2_retrofit.syntax.names import Resolver, alias_target, assigned_names, bind_args, calls_in, root_name, walk
 from fsdp2_retrofit.syntax.torch_api import (  # noqa: F401  (FLATTENING_OPTIMIZERS: the shard stage imports it from here)
@@ -234,6 +235,7 @@ class OptimizerAnalysis(SiteAnalysis):
                     for dotted in [k for k in known if k.startswith(arg.value + ".")]:
                         names[callee][param + dotted[len(arg.value):]] = names[callee][param]
                     changed = True
+            changed |= closure_propagate(self.r, names)  # a nested function reading the optimizer around it
         return names
 
     def _class_optimizers(self, calls) -> List[tuple]:

@@ -13,6 +13,7 @@ from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import libcst as cst
 
+from .closures import closure_reads
 from fsdp2_retrofit.syntax.names import Resolver, bind_args, code, names_in, parameter_names
 from fsdp2_retrofit.syntax.rank import rank_zero_side
 from fsdp2_retrofit.syntax.torch_api import (
@@ -73,6 +74,7 @@ class ShardFacts:
     _aliases: Dict[Scope, Dict[str, Tuple[str, bool]]] = field(default_factory=dict)
     _received: Dict[Scope, Dict[str, ShardSite]] = field(default_factory=dict)
     _bindings: Dict[Scope, Dict[str, List[tuple]]] = field(default_factory=dict)
+    _closure_reads: Dict[Scope, Set[str]] = field(default_factory=dict)
 
     # -- positions ----------------------------------------------------------
 
@@ -119,7 +121,17 @@ class ShardFacts:
         received = self._received.get(fn, {}).get(root)
         if received is not None:
             out.append(received)
+        if not out and self._closes_over(fn, root):
+            out = self.sites_for(root, fn)  # sharded around the nested def, before it
         return out
+
+    def _closes_over(self, fn: Scope, root: str) -> bool:
+        """Whether nested function `fn` reads `root` from the function around it."""
+        if fn is None or root.startswith("self.") or self.scope_of(fn) is None:
+            return False
+        if fn not in self._closure_reads:
+            self._closure_reads[fn] = closure_reads(fn)
+        return root.split(".", 1)[0] in self._closure_reads[fn] and not self._binds(fn, root)
 
     def sharded_module(self, expr: cst.BaseExpression, at: cst.CSTNode, unit: bool = False) -> Optional[str]:
         """The root name when `expr` is (part of) a sharded module at `at`.
@@ -172,6 +184,8 @@ class ShardFacts:
             aliases = self._aliases.get(fn, {})
             if any(self.sites_for(aliases.get(root, (root,))[0], at) for root in opt.models):
                 return opt
+        if self._closes_over(fn, name):
+            return self.optimizer(name, fn)  # the optimizer of the function around a nested one
         return None
 
     # -- state --------------------------------------------------------------

@@ -10,6 +10,7 @@ from typing import List, Optional, Union
 
 import libcst as cst
 
+from .closures import nested_functions
 from .model_classes import ClassRegistry
 from fsdp2_retrofit.syntax.names import Resolver
 
@@ -45,8 +46,25 @@ class SiteAnalysis:
                 yield target.value, stmt, small.value
 
     def _local_calls(self):
-        """(call, function) for every call of a top-level function of the script."""
-        functions = {s.name.value: s for s in self.module.body if type(s) is cst.FunctionDef}
-        for call in self.calls:
-            if type(call.func) is cst.Name and call.func.value in functions:
-                yield call, functions[call.func.value]
+        """(call, function) for every call of a function of the script by its name: a
+        top-level function, or a def nested in the calling function or one around it."""
+        if getattr(self, "_local_call_list", None) is None:
+            self._local_call_list = [(call, fn) for call in self.calls for fn in [self._callee(call)] if fn is not None]
+        return iter(self._local_call_list)
+
+    def _callee(self, call: cst.Call) -> Optional[cst.FunctionDef]:
+        """The function of the script a call by name runs: a def nested in the calling
+        function (or one around it), else a top-level function."""
+        if type(call.func) is not cst.Name:
+            return None
+        if getattr(self, "_defs", None) is None:
+            self._defs = {(id(outer), inner.name.value): inner for inner, outer in nested_functions(self.r)}
+            self._defs.update({(None, s.name.value): s for s in self.module.body if type(s) is cst.FunctionDef})
+        name = call.func.value
+        scope = self.r.enclosing_function(call)
+        while scope is not None:
+            found = self._defs.get((id(scope), name))
+            if found is not None:
+                return found
+            scope = self.r.enclosing_function(scope)
+        return self._defs.get((None, name))

@@ -275,6 +275,14 @@ _RULES = [
                 "model then meets parameters that are already sharded (the rank-0 broadcast before it fails), and "
                 "FSDP2 lets a unit belong to one root only, so the shared module cannot be its own unit either.",
                 "Put both models under one parent module and shard that (one root), or keep the script single-GPU."),
+    RefusalRule("FSR627", "shard-model-rebound-in-nested-function",
+                "A function nested in the one that builds the model declares the model's name `nonlocal` and "
+                "binds it to another object.",
+                "The rewrite shards the module the enclosing function built; after the nested function runs, the "
+                "name holds an object fully_shard never saw (unsharded, or a wrapper around the sharded module), "
+                "and the optimizer, state dicts and gradient sync would follow the wrong one.",
+                "Return the new object from the nested function and bind it in the enclosing function before the "
+                "optimizer is built, or give it its own name."),
     # -- 7xx checkpoint and library saves ------------------------------------------------
     RefusalRule("FSR701", "checkpoint-unsplittable-rank-branch",
                 "A checkpoint save inside a rank-0 branch that cannot be split (an else branch, an `or`).",

@@ -14,6 +14,16 @@ for block in model.blocks:
 fully_shard(model)
 """
 
+_NESTED = """\
+from torch.distributed.fsdp import fully_shard
+def main():
+    model = Net()
+    fully_shard(model)
+    def step(x):
+        return {body}
+    step(1)
+"""
+
 
 class ForwardCall(Rule):
     """Checks for `.forward(...)` called directly on a sharded module.
@@ -62,6 +72,8 @@ class ForwardCall(Rule):
             "        return s.split()\ntok = Tokenizer()\nwords = tok.forward(text)\n"
         ),
         Valid("from torch.distributed.fsdp import fully_shard\nmodel = Net()\ny = model.forward(x)\nfully_shard(model)\n"),
+        Valid(_NESTED.format(body="model.forward(x)").replace(  # the nested function binds its own model
+            "        return", "        model = Net()\n        return")),
         Valid(  # only blocks are units: the root's own forward is an ordinary call
             "from torch.distributed.fsdp import fully_shard\nmodel = Net()\nfor b in model.blocks:\n"
             "    fully_shard(b)\ny = model.forward(x)\n"
@@ -92,6 +104,9 @@ class ForwardCall(Rule):
             line=8,
             fixed="from torch.distributed.fsdp import fully_shard\ndef apply_fsdp(m):\n    for b in m.layers:\n"
             "        fully_shard(b)\n    fully_shard(m)\nmodel = Net()\napply_fsdp(model)\ny = model(x)\n",
+        ),
+        Invalid(  # a nested function reading the sharded model of the function around it
+            _NESTED.format(body="model.forward(x)"), line=6, fixed=_NESTED.format(body="model(x)"),
         ),
         Invalid(
             "import torch.distributed.fsdp as fsdp\nmodel = fsdp.fully_shard(Net())\nout = model.forward(x)\n",

@@ -5,6 +5,7 @@ from typing import Optional
 
 import libcst as cst
 
+from fsdp2_retrofit.analysis.closures import closure_reads
 from fsdp2_retrofit.syntax.names import names_in
 from . import Invalid, Rule, Valid
 
@@ -25,7 +26,8 @@ class MissingSetEpoch(Rule):
     ## What it does
     In a script that shards a model, flags the `DistributedSampler` of a training
     DataLoader when it shuffles (`shuffle` is not `False`), a loop over the loader
-    sits inside another loop (the epochs), and nothing calls `set_epoch` on the
+    sits inside another loop (the epochs), or in a nested function the function
+    around it calls inside a loop, and nothing calls `set_epoch` on the
     sampler (`sampler.set_epoch(epoch)` or `loader.sampler.set_epoch(epoch)`).
 
     ## Why is this bad?
@@ -81,6 +83,13 @@ class MissingSetEpoch(Rule):
         Invalid(_HEAD + "loader = DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds))\n"
                 "step = 0\nwhile step < 100:\n    for x, y in loader:\n        model(x).sum().backward()\n"
                 "        step += 1\n", line=7),
+        Invalid(  # the pass is a function nested in main(), called once per epoch
+            "import torch\nfrom torch.distributed.fsdp import fully_shard\nfrom torch.utils.data import DataLoader\n"
+            "from torch.utils.data.distributed import DistributedSampler\ndef main():\n    model = Net()\n"
+            "    fully_shard(model)\n    sampler = DistributedSampler(ds, shuffle=True)\n"
+            "    loader = DataLoader(ds, batch_size=8, sampler=sampler)\n    def train_epoch():\n"
+            "        for x, y in loader:\n            model(x).sum().backward()\n"
+            "    for epoch in range(3):\n        train_epoch()\n", line=8),
     )
 
     def check(self, ctx):
@@ -107,16 +116,33 @@ class MissingSetEpoch(Rule):
                 yield sampler.call, {"loader": loader.name, "loop": str(r.line(loop))}, None
 
     def _epoch_loop(self, r, fors, name: str) -> Optional[cst.CSTNode]:
-        """A loop over the loader that sits inside another loop of the same function."""
+        """A loop over the loader that sits inside another loop of the same function,
+        or in a nested function, reading the loader through its closure, that the
+        function around it calls inside a loop."""
         for loop in fors:
             if name not in names_in(loop.iter):
                 continue
-            for anc in r.ancestors(loop):
-                if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
-                    break
-                if isinstance(anc, (cst.For, cst.While)):
+            if _in_loop(r, loop):
+                return loop
+            fn = r.enclosing_function(loop)
+            outer = r.enclosing_function(fn) if fn is not None else None
+            if outer is None or name not in closure_reads(fn):
+                continue
+            for call in r.descendants(outer, cst.Call):
+                if isinstance(call.func, cst.Name) and call.func.value == fn.name.value and \
+                        r.enclosing_function(call) is outer and _in_loop(r, call):
                     return loop
         return None
+
+
+def _in_loop(r, node) -> bool:
+    """`node` sits in a loop of its own function."""
+    for anc in r.ancestors(node):
+        if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            return False
+        if isinstance(anc, (cst.For, cst.While)):
+            return True
+    return False
 
 
 def _shuffle_off(call: cst.Call) -> bool:

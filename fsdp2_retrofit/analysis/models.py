@@ -425,11 +425,35 @@ class ModelAnalysis(SiteAnalysis):
             used = used or _consumes(later, name)
             if isinstance(later, (cst.For, cst.While, cst.FunctionDef, cst.With, cst.Try)):
                 break
-            if _is_placement(later, name) or _initialises(later, name):
+            if _is_placement(later, name) or _initialises(later, name) or self._initialises_through(later, name):
                 anchor = later
             elif name in assigned_names(later):
                 break  # rebound by something else (torch.compile, a wrapper): shard before it
         return anchor
+
+    def _initialises_through(self, stmt, name: str, depth: int = 2) -> bool:
+        """`init_head(model)`: a call of a function of the script handed the model, whose
+        body initialises in place (an nn.init call anywhere in it, on the model's
+        parameters or through a loop over its modules; `.apply(fn)`; or a call of another
+        such function): done before sharding like the same calls written inline (after it,
+        each rank would draw its own shard's values)."""
+        if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1 or type(stmt.body[0]) is not cst.Expr:
+            return False
+        call = stmt.body[0].value
+        if type(call) is not cst.Call:
+            return False
+        function = self._callee(call)
+        if function is None:
+            return False
+        for param, arg in bind_args(function, call):
+            if type(arg) is not cst.Name or arg.value != name:
+                continue
+            if any(initialised_name(c) is not None for c in self.r.descendants(function.body, cst.Call)):
+                return True
+            if depth and any(self._initialises_through(inner, param, depth - 1)
+                             for inner in self.r.descendants(function.body, cst.SimpleStatementLine)):
+                return True
+        return False
 
     def _loads_checkpoint(self, stmt) -> bool:
         """`model.load_state_dict(torch.load(p))` (or of a name bound to torch.load's

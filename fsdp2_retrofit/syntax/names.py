@@ -4,7 +4,7 @@ from __future__ import annotations
 import builtins
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Dict, Iterable, Iterator, List, Optional, Set, Type
 
 import libcst as cst
@@ -48,12 +48,12 @@ class _NoPosition:
 _NO_POSITION = _NoPosition()
 
 
-@dataclass
 class _Codegen(CodegenState):
     """libcst's code generation state, without the position bookkeeping it skips anyway:
     its record_syntactic_position is a generator-based context manager that yields and
     records nothing (PositionProvider overrides it); entered once per expression and
-    statement, it is a third of the cost of rendering a module."""
+    statement, it is a third of the cost of rendering a module. No fields of its own:
+    CodegenState's dataclass __init__ serves."""
 
     def record_syntactic_position(self, node, *, start_node=None, end_node=None):
         return _NO_POSITION

@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from fsdp2_retrofit import cli
+from fsdp2_retrofit.cli import rewrite as rewrite_cli
 from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.report import Attention, Change, InputError, Refusal, RewriteResult
 
@@ -65,7 +66,7 @@ def fake(monkeypatch):
         seen.append(options)
         return fake_rewrite(source, path, options)
 
-    monkeypatch.setattr(cli, "rewrite_source", rewrite)
+    monkeypatch.setattr(rewrite_cli, "rewrite_source", rewrite)
     return seen
 
 
@@ -425,7 +426,7 @@ def test_internal_error_is_one_line_and_the_next_file_still_runs(tmp_path, monke
             raise RuntimeError("stage exploded\nwith details")
         return fake_rewrite(source, path, options)
 
-    monkeypatch.setattr(cli, "rewrite_source", broken)
+    monkeypatch.setattr(rewrite_cli, "rewrite_source", broken)
     monkeypatch.delenv("FSDP2_RETROFIT_TRACEBACK", raising=False)
     a, b = script(tmp_path, name="a.py"), script(tmp_path, name="b.py")
     result = rewrite(a, b, "--quiet")
@@ -550,7 +551,6 @@ def test_real_syntax_error_reports_its_line(tmp_path):
 
 
 def test_cache_answers_a_second_run_and_misses_when_a_sibling_changes(tmp_path, monkeypatch):
-    from fsdp2_retrofit import cli
     from fsdp2_retrofit.rewrite import cache
     from fsdp2_retrofit.options import RetrofitOptions
 
@@ -562,15 +562,15 @@ def test_cache_answers_a_second_run_and_misses_when_a_sibling_changes(tmp_path, 
         calls.append(path)
         return real(source, path, options)
 
-    real = cli.rewrite_source
-    monkeypatch.setattr(cli, "rewrite_source", counting)
-    first = cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(), use_cache=True)
-    second = cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(), use_cache=True)
+    real = rewrite_cli.rewrite_source
+    monkeypatch.setattr(rewrite_cli, "rewrite_source", counting)
+    first = rewrite_cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(), use_cache=True)
+    second = rewrite_cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(), use_cache=True)
     assert len(calls) == 1 and second.refusals == first.refusals and second.code == first.code
     (tmp_path / "model.py").write_text("X = 1\n")
-    cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(), use_cache=True)
-    cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(shard=("Block",)), use_cache=True)
-    cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(), use_cache=False)
+    rewrite_cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(), use_cache=True)
+    rewrite_cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(shard=("Block",)), use_cache=True)
+    rewrite_cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(), use_cache=False)
     assert len(calls) == 4
     assert any(cache.cache_dir().iterdir())
 
@@ -657,14 +657,14 @@ def test_cache_misses_when_a_module_in_a_package_the_analysis_read_changes(tmp_p
     script = tmp_path / "train.py"
     script.write_text(PKG_SCRIPT)
     calls = []
-    real = cli.rewrite_source
+    real = rewrite_cli.rewrite_source
 
     def counting(source, path, options):
         calls.append(path)
         return real(source, path, options)
 
-    monkeypatch.setattr(cli, "rewrite_source", counting)
-    rewrite_once = lambda: cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(), use_cache=True)  # noqa: E731
+    monkeypatch.setattr(rewrite_cli, "rewrite_source", counting)
+    rewrite_once = lambda: rewrite_cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(), use_cache=True)  # noqa: E731
     blocks = rewrite_once()
     assert b"fully_shard(block, mesh=mesh" in blocks.code and len(calls) == 1
     assert rewrite_once().code == blocks.code and len(calls) == 1  # unchanged: from the cache

@@ -8,7 +8,6 @@ its own shards. The values are fresh random draws, not the single-process ones.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import List, Optional
 
 import libcst as cst
@@ -18,6 +17,7 @@ from fsdp2_retrofit.analysis.init_replay import CannotReplay, plan_init_replay, 
 from fsdp2_retrofit.syntax.names import PLACEMENT_METHODS, assigned_names, names_in
 from fsdp2_retrofit.syntax.torch_api import TORCH_DEVICE
 from fsdp2_retrofit.rewrite.stage import OPTIONS_KEY, RetrofitStage, StatementEditor
+from fsdp2_retrofit.records import replace
 
 MESH_DEVICE = '"cuda" if torch.cuda.is_available() else "cpu"'
 HINT = "drop --meta-init: the default rewrite builds the model as written, then shards it"
@@ -33,7 +33,7 @@ class InitOnMetaDeviceCommand(RetrofitStage):
         if options is None and OPTIONS_KEY not in context.scratch:
             # run on its own (python -m libcst.tool codemod meta_init.InitOnMetaDeviceCommand):
             # choosing this command is asking for it
-            self.options = dataclasses.replace(self.options, meta_init=True)
+            self.options = replace(self.options, meta_init=True)
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         if not self.options.meta_init:

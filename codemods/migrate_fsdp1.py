@@ -8,7 +8,6 @@ fully_shard calls exactly as for a single-GPU script. FSDP1's state-dict API,
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict, List, Set
 
 import libcst as cst
@@ -26,6 +25,7 @@ from fsdp2_retrofit.analysis.fsdp1 import (
 )
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 from fsdp2_retrofit.syntax.torch_api import STATE_DICT_MODULE
+from fsdp2_retrofit.records import replace
 
 PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
 BUFFER_NOTE = (
@@ -201,7 +201,7 @@ class MigrateFsdp1Command(RetrofitStage):
                 }[strategy],
                 "FSDP2 spells the sharding strategy as reshard_after_forward and the mesh's shape",
             )
-        return dataclasses.replace(options, **changes) if changes else options
+        return replace(options, **changes) if changes else options
 
     def _offload_backend(self, facts: ScriptFacts, editor: StatementEditor) -> None:
         """CPU offload steps the optimizer on CPU tensors: the process group needs gloo too."""

@@ -15,11 +15,11 @@ import re
 import stat
 import tokenize
 from contextlib import suppress
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
 from .report import InputError
+from fsdp2_retrofit.records import record
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -27,7 +27,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 _COOKIE = re.compile(rb"^[ \t\f]*#.*?coding[:=][ \t]*([-\w.]+)")
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Source:
     """A script as read from disk: its bytes and the encoding they declare."""
 

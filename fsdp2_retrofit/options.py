@@ -1,13 +1,14 @@
 """RetrofitOptions: the one set of options every rewrite stage reads."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Optional, Tuple
+from fsdp2_retrofit.records import record
 
 EXPORTS = ("dcp", "full")
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class RetrofitOptions:
     """What the user asked for; stages read it and never read global state."""
 

@@ -2,7 +2,6 @@
 whether a training loop reads it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, Optional, Set
 
 import libcst as cst
@@ -13,9 +12,10 @@ from fsdp2_retrofit.syntax.names import (
     Resolver, assigned_names, bind_args, calls_in, code, last_assignment, names_in, walk,
 )
 from fsdp2_retrofit.syntax.torch_api import DATALOADERS, DISTRIBUTED_SAMPLERS, PLAIN_SAMPLERS
+from fsdp2_retrofit.records import record
 
 
-@dataclass
+@record
 class LoaderSite:
     name: str
     stmt: cst.SimpleStatementLine
@@ -34,7 +34,7 @@ class LoaderSite:
     returned: bool = False  # `return loader` from the function that builds it (a helper)
 
 
-@dataclass
+@record
 class SamplerSite:
     """The sampler a DataLoader is given: `kind` "distributed" (nothing to do), "plain"
     (a RandomSampler/SequentialSampler of one dataset, replaced by a DistributedSampler
@@ -48,7 +48,7 @@ class SamplerSite:
     shuffle: str = "False"
 
 
-@dataclass
+@record
 class UnfollowedLoader:
     """A DataLoader the analysis cannot follow to a loop: built inline in a `for`,
     stored on an attribute, or returned by a helper function."""

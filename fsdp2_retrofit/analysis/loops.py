@@ -1,16 +1,16 @@
 """Training loops: the for/while loops that call backward(), and the loader each iterates."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, Optional
 
 import libcst as cst
 
 from .site_analysis import SiteAnalysis
 from fsdp2_retrofit.syntax.names import Resolver, iterated_name
+from fsdp2_retrofit.records import record
 
 
-@dataclass
+@record
 class LoopSite:
     node: cst.CSTNode  # For or While that calls backward()
     function: Optional[cst.FunctionDef]

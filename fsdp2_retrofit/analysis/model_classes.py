@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
@@ -18,6 +18,7 @@ from fsdp2_retrofit.syntax.names import (
     CONTAINERS, OPTIMIZER_PREFIX, NOT_OPTIMIZERS, SELF_RETURNING_METHODS, TORCH_MODULE_BASES, Resolver, attr_path,
     walk,
 )
+from fsdp2_retrofit.records import record
 
 if TYPE_CHECKING:
     from .star_imports import StarNames
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 Path_ = Tuple[str, ...]
 
 
-@dataclass
+@record
 class Container:
     """A repeated-block container: `self.<path>` holds blocks of `block_class`."""
 
@@ -35,7 +36,7 @@ class Container:
     node: cst.CSTNode  # the assignment in __init__ (of the script or of a sibling module)
 
 
-@dataclass
+@record
 class ClassInfo:
     name: str  # global name: "Net", "model.GPT"
     node: cst.ClassDef

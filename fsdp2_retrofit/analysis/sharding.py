@@ -8,7 +8,7 @@ as an argument, and in every method of a class that shards `self.<attr>`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import libcst as cst
@@ -26,6 +26,7 @@ from fsdp2_retrofit.syntax.torch_api import (
     OPTIMIZER_PREFIX,
     STATE_DICT_GETTERS,
 )
+from fsdp2_retrofit.records import record
 
 FSDP1 = FSDP1_CLASSES
 # what each state-dict getter returns, for messages
@@ -43,7 +44,7 @@ _ITERATION_WRAPPERS = {"enumerate", "reversed", "list", "tuple", "iter", "zip", 
 Scope = Optional[cst.CSTNode]  # FunctionDef, ClassDef (for self.attr), or None for the module
 
 
-@dataclass
+@record
 class ShardSite:
     """One `fully_shard(target)` (or FSDP1 wrapper) call."""
 
@@ -57,7 +58,7 @@ class ShardSite:
     direct: bool = False
 
 
-@dataclass
+@record
 class OptimizerBuild:
     name: str
     call: cst.Call = field(repr=False)
@@ -66,7 +67,7 @@ class OptimizerBuild:
     order: int
 
 
-@dataclass
+@record
 class ShardFacts:
     resolver: Resolver
     sites: List[ShardSite]

@@ -12,18 +12,18 @@ which expressions are a whole model at a place.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Iterable, List, Optional
 
 import libcst as cst
 
 from fsdp2_retrofit.syntax.names import Resolver
+from fsdp2_retrofit.records import record
 
 # (expression, the node where it is read) -> the model's name when it is a whole model there
 ModelOf = Callable[[cst.BaseExpression, cst.CSTNode], Optional[str]]
 
 
-@dataclass
+@record
 class ZeroGradBetween:
     call: cst.Call  # `<model>.zero_grad(...)`
     model: str  # the model's name at the call

@@ -44,8 +44,9 @@ def on_original_lines(findings: Sequence, original: str, fixed: str, initial: Se
     the line it maps to, when there is one (its message names lines on disk too);
     else the finding moved: a line the fixes did not touch keeps its column, one
     inside a changed block goes to that block's first line in the original."""
-    import dataclasses
     import difflib
+
+    from fsdp2_retrofit.records import replace
 
     mapping = {}
     last = len(original.splitlines()) or 1
@@ -72,7 +73,7 @@ def on_original_lines(findings: Sequence, original: str, fixed: str, initial: Se
                  "end_location": {**e["end_location"], "row": move(e["end_location"]["row"])[0]}}
                 for e in record["edits"]
             ]}
-        out.append(dataclasses.replace(
+        out.append(replace(
             f, line=line, col=f.col if same else 1, end_line=max(end_line, line),
             end_col=f.end_col if end_same else 1, fix_record=record,
         ))

@@ -8,10 +8,11 @@ the rule to have anything to look at: the cheap prefilter) and `VALID` /
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
 import libcst as cst
+from fsdp2_retrofit.records import record
 
 if TYPE_CHECKING:  # pragma: no cover
     from fsdp2_retrofit.check.lint import LintContext
@@ -19,14 +20,14 @@ if TYPE_CHECKING:  # pragma: no cover
 SHARDING_TRIGGERS = ("fully_shard", "FullyShardedDataParallel")
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Valid:
     """Code the rule must not flag."""
 
     code: str
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Invalid:
     """Code the rule flags once, on `line`; `fixed` is the code after its fix."""
 
@@ -35,7 +36,7 @@ class Invalid:
     fixed: Optional[str] = None
 
 
-@dataclass
+@record
 class Edit:
     """Replace `node`, or insert statements before/after the statement `node`."""
 
@@ -44,7 +45,7 @@ class Edit:
     kind: str = "replace"  # "replace" | "before" | "after"
 
 
-@dataclass
+@record
 class Fix:
     message: str
     edits: List[Edit]
@@ -53,7 +54,7 @@ class Fix:
     imports: Tuple[Tuple[str, Optional[str], Optional[str]], ...] = ()
 
 
-@dataclass
+@record
 class Finding:
     code: str
     name: str

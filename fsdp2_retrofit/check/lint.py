@@ -38,7 +38,8 @@ class LintResult:
 class LintContext:
     """What a rule sees: the tree, its resolved names and the sharding facts (computed once)."""
 
-    def __init__(self, module, path: str):
+    def __init__(self, module, path: str, origins=None):
+        """`origins`: for a rewritten tree, the user's lines (syntax.names.Origins)."""
         import libcst as cst
 
         from fsdp2_retrofit.syntax.names import Resolver
@@ -46,7 +47,7 @@ class LintContext:
 
         self.module = module
         self.path = path
-        self.resolver = Resolver(module)
+        self.resolver = Resolver(module, origins)
         self._loaders = None
         self._classes = None
         if any(isinstance(imp.names, cst.ImportStar) for imp in self.resolver.nodes(cst.ImportFrom)):

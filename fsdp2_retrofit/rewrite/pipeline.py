@@ -9,6 +9,7 @@ from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.report import InputError, RefusedError, RewriteResult
 from fsdp2_retrofit.syntax.names import Origins, render
 from .context import RewriteContext
+from .output_check import crashes_in_output
 from .stage import ATTENTION_KEY, CHANGES_KEY, OPTIONS_KEY, ORIGINS_KEY
 
 
@@ -46,7 +47,7 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
     context = RewriteContext(filename=path)
     context.scratch[OPTIONS_KEY] = options
     # every record names a line of `source`
-    context.scratch[ORIGINS_KEY] = Origins(module, source.decode(module.encoding, errors="replace"))
+    origins = context.scratch[ORIGINS_KEY] = Origins(module, source.decode(module.encoding, errors="replace"))
     command = RetrofitCommand(context, options)
     try:
         with recording_reads() as looked_at:
@@ -56,12 +57,13 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
     new_text = render(new_module)  # rendered once: the bytes and the compile check share it
     _must_compile(new_text, path)
     new_code = new_text.encode(new_module.encoding)
+    attention = context.scratch.get(ATTENTION_KEY, []) + crashes_in_output(new_module, new_code, path, origins)
     return RewriteResult(
         path,
         source,
         new_code,
         sorted(context.scratch.get(CHANGES_KEY, []), key=lambda c: c.line),
-        sorted(context.scratch.get(ATTENTION_KEY, []), key=lambda a: a.line),
+        sorted(attention, key=lambda a: a.line),
         [],
         sorted(looked_at),
     )

@@ -161,7 +161,7 @@ class _Analyser(ModelAnalysis, OptimizerAnalysis, LoopAnalysis, LoaderAnalysis, 
                 and isinstance(c.args[0].value, cst.Name)
                 and c.args[0].value.value in trained_names.get(self.r.enclosing_function(c), set())
             ],
-            trainer_classes=self._trainer_classes(calls, model_names),
+            trainer_classes=self._trainer_classes(calls, model_names, bindings),
             frozen_models=frozen,
             copies=copies,
             hidden_copies=self._hidden_copies(calls, trained_names),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Dict, List, Optional, Set
 
 import libcst as cst
@@ -561,22 +562,47 @@ class ModelAnalysis(SiteAnalysis):
                 out.append(call)
         return out
 
-    def _trainer_classes(self, calls, model_names) -> List[tuple]:
-        """Script classes (not modules) whose methods call backward(), built with a model."""
+    def _trainer_classes(self, calls, model_names, bindings=()) -> List[tuple]:
+        """(label, call) for each `Trainer(model, ...)`: a class that is not a module, whose
+        methods call backward(), built with a model (a trained one, or a name bound in the
+        caller's function by a module's construction). The class is the script's own
+        (label "Trainer") or a sibling module's: the label then names the file and line of
+        its backward() ("Trainer (trainer.py:19)"), a file this rewrite does not edit."""
         trainers = {
-            c.name.value
+            c.name.value: c.name.value
             for c in self.module.body
             if isinstance(c, cst.ClassDef)
             and not self.classes.is_module_class(c.name.value)
             and _calls_method(c.body, "backward", into_functions=True)
         }
+        built = {}
+        for name, stmt, _ in bindings:
+            built.setdefault(self.r.enclosing_function(stmt), set()).add(name)
         out = []
         for call in calls:
-            if type(call.func) is cst.Name and call.func.value in trainers:
-                known = model_names.get(self.r.enclosing_function(call), set())
-                if any(isinstance(a.value, cst.Name) and a.value.value in known for a in call.args):
-                    out.append((call.func.value, call))
+            label = trainers.get(call.func.value) if type(call.func) is cst.Name else None
+            if label is None:
+                label = self._sibling_trainer(call)
+            if label is None:
+                continue
+            scope = self.r.enclosing_function(call)
+            known = model_names.get(scope, set()) | built.get(scope, set())
+            if any(isinstance(a.value, cst.Name) and a.value.value in known for a in call.args):
+                out.append((label, call))
         return out
+
+    def _sibling_trainer(self, call: cst.Call) -> Optional[str]:
+        """"Trainer (trainer.py:19)" when `call` builds a class of a sibling module that is
+        not a module and calls backward() in a method; else None."""
+        for qname in sorted(self.r.qnames(call.func)):
+            info = self.classes.get(qname)
+            if info is None or info.is_module or not info.file or info.namer is None:
+                continue
+            backward = _first_method_call(info.node, "backward")
+            if backward is not None:
+                line = info.namer.resolver.line(backward)
+                return f"{info.node.name.value} ({Path(info.file).name}:{line})"
+        return None
 
     def _shard_statements(self, stmts) -> Dict[str, cst.SimpleStatementLine]:
         out = {}
@@ -842,6 +868,14 @@ def _params_receiving(fn: cst.FunctionDef, call: cst.Call, known: Set[str]):
     for param, arg in bind_args(fn, call):
         if isinstance(arg, cst.Name) and arg.value in known:
             yield param
+
+
+def _first_method_call(node, method: str) -> Optional[cst.Call]:
+    """The first `<x>.method(...)` call inside `node`, nested functions included."""
+    for found in walk(node):
+        if type(found) is cst.Call and isinstance(found.func, cst.Attribute) and found.func.attr.value == method:
+            return found
+    return None
 
 
 def _calls_method(node, method: str, into_functions: bool = False) -> bool:

@@ -243,3 +243,68 @@ def test_a_resume_through_the_wrapper_loads_the_torch_optimizer():
     assert 'for group in opt._optimizer.param_groups for p in group["params"]]' in out
     assert 'set_optimizer_state_dict(model, opt._optimizer, ckpt["optimizer"], options=ckpt_options)' in out
     assert '"optimizer": get_optimizer_state_dict(model, opt._optimizer)}, checkpoint_id="ckpt.pt")' in out
+
+
+# --- an optimizer built by a function of the script ----------------------------------
+
+FACTORY = dedent("""\
+    import torch
+    import torch.nn as nn
+
+
+    def make_optimizer(model, lr):
+    {body}
+
+
+    def main():
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        opt = make_optimizer(model, 0.1)
+        for step in range(3):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+    main()
+    """)
+
+
+def _factory(body: str) -> str:
+    return FACTORY.replace("{body}", "\n".join("    " + line for line in dedent(body).strip().splitlines()))
+
+
+def test_a_function_handed_the_model_that_returns_its_optimizer_builds_it():
+    source = _factory("return torch.optim.SGD(model.parameters(), lr=lr)")
+    facts = analyse(cst.parse_module(source))
+    [opt] = facts.optimizers
+    assert (opt.name, opt.models, opt.method.name.value) == ("opt", ["model"], "make_optimizer")
+    result = rewrite_source(source.encode(), "train.py")
+    assert not result.refusals
+    out = result.code.decode()
+    assert out.index("fully_shard(model") < out.index("opt = make_optimizer(model, 0.1)")
+
+
+def test_param_groups_and_a_named_result_are_followed():
+    source = _factory("""
+        groups = [{"params": [p for n, p in model.named_parameters() if p.dim() >= 2]},
+                  {"params": [p for n, p in model.named_parameters() if p.dim() < 2], "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=lr)
+        return optimizer
+    """)
+    opt = next(o for o in analyse(cst.parse_module(source)).optimizers if o.name == "opt")
+    assert opt.models == ["model"] and opt.method.name.value == "make_optimizer"
+    assert not rewrite_source(source.encode(), "train.py").refusals
+
+
+def test_a_factory_that_does_more_with_the_model_is_not_followed():
+    for body in [
+        "model.to('cpu')\nreturn torch.optim.SGD(model.parameters(), lr=lr)",  # moves it: not only reads
+        "for p in model.parameters():\n    p.requires_grad_(False)\nreturn torch.optim.SGD(model.fc.parameters(), lr=lr)",
+        "a = torch.optim.SGD(model.parameters(), lr=lr)\nb = torch.optim.Adam(model.parameters())\nreturn a",
+        "built = torch.optim.SGD(model.parameters(), lr=lr)\nreturn None",  # returns something else
+    ]:
+        source = _factory(body)
+        assert "opt" not in [o.name for o in analyse(cst.parse_module(source)).optimizers], body
+        result = rewrite_source(source.encode(), "train.py")
+        assert result.refusals and result.code == source.encode(), (body, result.refusals)

@@ -9,7 +9,16 @@ import libcst as cst
 
 from .closures import closure_propagate
 from .site_analysis import Block, SiteAnalysis
-from fsdp2_retrofit.syntax.names import Resolver, alias_target, assigned_names, bind_args, calls_in, root_name, walk
+from fsdp2_retrofit.syntax.names import (
+    SELF_RETURNING_METHODS,
+    Resolver,
+    alias_target,
+    assigned_names,
+    bind_args,
+    calls_in,
+    root_name,
+    walk,
+)
 from fsdp2_retrofit.syntax.torch_api import (  # noqa: F401  (FLATTENING_OPTIMIZERS: the shard stage imports it from here)
     FLATTENING_OPTIMIZERS,
     NOT_OPTIMIZERS,
@@ -62,6 +71,11 @@ class OptimizerAnalysis(SiteAnalysis):
                 params = [a for a in call.args if (a.keyword is None and not a.star) or (
                     a.keyword is not None and a.keyword.value == "params")][:1]
                 models = self._fed_models(_ordered_names(params), stmt, module_names, feeders)
+            elif type(call.func) is cst.Name:
+                factory = self._optimizer_factory(call, module_names)
+                if factory is None:
+                    continue
+                method, models, builds = factory  # `opt = make_optimizer(model, lr)`
             else:
                 model = self._model_of_receiver(receiver, stmt, module_names)
                 if model is None or not isinstance(call.func, cst.Attribute):
@@ -126,6 +140,59 @@ class OptimizerAnalysis(SiteAnalysis):
                     and small.value.value == param):
                 return target.attr.value
         return None
+
+    def _optimizer_factory(self, call: cst.Call, module_names):
+        """(the function, the models, the qualified names of its calls) for a call of a
+        function of the script (top level, or nested and found by lexical scope) that
+        returns the one torch optimizer it builds, from the parameters of models it is
+        handed (`make_optimizer(model, lr)`) or closes over, and does nothing else with
+        them: only `<model>[.<part>].parameters()` / `.named_parameters()` (param groups
+        included). Built when it is called: after fully_shard, from the sharded
+        parameters. None for anything else."""
+        fn = self._callee(call)
+        if fn is None or any(type(n) in (cst.FunctionDef, cst.Lambda, cst.ClassDef) for n in walk(fn.body)):
+            return None
+        builds = [c for c in calls_in(fn) if self._is_torch_optimizer(c)]
+        if len(builds) != 1 or _changes_tensors(fn):
+            return None
+        built = builds[0]
+        holders = {
+            t for stmt in walk(fn.body)
+            if type(stmt) is cst.SimpleStatementLine and any(getattr(s, "value", None) is built for s in stmt.body)
+            for t in assigned_names(stmt)
+        }
+        returns = [n for n in walk(fn.body) if type(n) is cst.Return]
+        if not returns or not all(
+            r.value is built or (type(r.value) is cst.Name and r.value.value in holders) for r in returns
+        ):
+            return None
+        readers = {}  # model name in fn -> ids of its Name nodes that only read parameters
+        for c in calls_in(fn):
+            if isinstance(c.func, cst.Attribute) and c.func.attr.value in ("parameters", "named_parameters"):
+                root = c.func.value
+                while type(root) is cst.Attribute:
+                    root = root.value
+                if type(root) is cst.Name:
+                    readers.setdefault(root.value, set()).add(id(root))
+        if not readers:
+            return None
+        params = {p.name.value for p in fn.params.params} | {p.name.value for p in fn.params.kwonly_params}
+        passed = dict(bind_args(fn, call))
+        models = []
+        for name, ids in readers.items():
+            uses = [n for n in walk(fn.body) if type(n) is cst.Name and n.value == name]
+            if any(id(n) not in ids for n in uses):
+                return None  # the model is used otherwise (moved, frozen, called): not only read
+            if name in params:
+                arg = passed.get(name)
+                model = arg.value if type(arg) is cst.Name else None
+            else:
+                model = name  # a model of the function around it (a closure) or a global
+            if model not in module_names:
+                return None
+            if model not in models:
+                models.append(model)
+        return fn, models, frozenset(q for c in calls_in(fn) for q in self.r.qnames(c))
 
     def _model_of_receiver(self, receiver: Optional[str], stmt, module_names) -> Optional[str]:
         """The model `receiver` names: itself, or the model it was bound to earlier in the
@@ -329,3 +396,20 @@ def _mutates(node, name: str) -> bool:
 
     node.visit(_M())
     return bool(found)
+
+
+def _changes_tensors(fn: cst.FunctionDef) -> bool:
+    """Whether `fn` may change a module or its parameters rather than only read them: an
+    in-place method (`requires_grad_`, `zero_`), a placement or mode change (`.to()`,
+    `.half()`, `.train()`), or an assignment to an attribute (`p.requires_grad = False`)."""
+    for node in walk(fn.body):
+        kind = type(node)
+        if kind is cst.Call and isinstance(node.func, cst.Attribute):
+            name = node.func.attr.value
+            if name in SELF_RETURNING_METHODS or (name.endswith("_") and not name.startswith("_")):
+                return True
+        elif kind in (cst.Assign, cst.AugAssign, cst.AnnAssign):
+            targets = [t.target for t in node.targets] if kind is cst.Assign else [node.target]
+            if any(type(t) in (cst.Attribute, cst.Subscript) for t in targets):
+                return True
+    return False

@@ -4,11 +4,14 @@
 
 Runs, alternately, the console script on FIXTURE (default: the main_modulelist
 fixture) and `python -c "import libcst, click, rich"`, both from this venv; prints
-the median wall time of each and their ratio. The target is <= 1.2: the tool
-should cost little more than loading libcst, click and rich, and never torch.
---check writes nothing, so the fixture is never modified. Two figures: "cached"
-(the result cache answers, as in a pre-commit run over unchanged files) and
-"uncached" (--no-cache: parse, analyse and run every stage).
+the median wall time of each and their ratio; never torch. --check writes
+nothing, so the fixture is never modified. Two figures: "cached" (the result
+cache answers, as in a pre-commit run over unchanged files; target <= 1.2: little
+more than loading libcst, click and rich) and "uncached" (--no-cache: parse,
+analyse and run every stage; target <= 2, issue 18). Byte code: the commands
+write and reuse .pyc files in a private PYTHONPYCACHEPREFIX, as an installed tool
+would, even where PYTHONDONTWRITEBYTECODE is set (it would time compiling every
+module of the tool on every run).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from typing import List, Sequence
 
 DEFAULT_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures/rewrite/main_modulelist/input.py"
 BASELINE = [sys.executable, "-c", "import libcst, click, rich"]
-TARGET = 1.2
+TARGET = {"cached": 1.2, "uncached": 2.0}
 
 
 def console_script() -> str:
@@ -58,6 +61,9 @@ def main(argv: List[str] = None) -> None:
     # it after a first run, and "uncached" runs the whole pipeline every time.
     cache = tempfile.mkdtemp(prefix="fsdp2-retrofit-bench-")
     os.environ["FSDP2_RETROFIT_CACHE_DIR"] = cache
+    pycache = tempfile.mkdtemp(prefix="fsdp2-retrofit-pyc-")
+    os.environ["PYTHONPYCACHEPREFIX"] = pycache
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     cached = [script, "rewrite", "--check", "--quiet", str(args.fixture)]
     uncached = cached[:2] + ["--no-cache"] + cached[2:]
     # --check exits 1 when the fixture would change: that is a successful run.
@@ -70,15 +76,16 @@ def main(argv: List[str] = None) -> None:
         times["uncached"].append(timed(uncached, ok))
         times["base"].append(timed(BASELINE))
     shutil.rmtree(cache, ignore_errors=True)
+    shutil.rmtree(pycache, ignore_errors=True)
 
     median = {k: statistics.median(v) for k, v in times.items()}
     print(f"fixture: {args.fixture}  runs: {args.runs} each, interleaved, median")
     print(f"import libcst, click, rich                  {median['base'] * 1000:8.1f} ms")
     for kind in ("cached", "uncached"):
         ratio = median[kind] / median["base"]
-        verdict = "ok" if ratio <= TARGET else "over target"
+        verdict = "ok" if ratio <= TARGET[kind] else "over target"
         label = f"rewrite --check ({kind})"
-        print(f"{label:<43} {median[kind] * 1000:8.1f} ms   ratio {ratio:5.2f}  (target <= {TARGET}: {verdict})")
+        print(f"{label:<43} {median[kind] * 1000:8.1f} ms   ratio {ratio:5.2f}  (target <= {TARGET[kind]}: {verdict})")
 
 
 if __name__ == "__main__":

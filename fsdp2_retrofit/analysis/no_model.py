@@ -183,6 +183,22 @@ def no_model_blocker(facts) -> Optional[NoModelBlocker]:
             optimizers.append((stmt, call, None))
         elif inner is not None and inner.args and not any(q.startswith("torch.") for q in r.qnames(call)):
             optimizers.append((stmt, inner, call))
+    functions = {}  # name -> the script's defs of that name (top level or nested)
+    for fn in r.nodes(cst.FunctionDef):
+        functions.setdefault(fn.name.value, []).append(fn)
+    for stmt, call in assigned:  # `opt = make_optimizer(model, lr)` of a function the analysis did not follow
+        if type(call.func) is not cst.Name:
+            continue
+        for fn in functions.get(call.func.value, []):
+            built = [c for c in calls_in(fn) if _is_torch_optimizer(r, c)]
+            if built:
+                return NoModelBlocker(
+                    call,
+                    f"`{_short(call)}` builds the optimizer in {fn.name.value}() (`{_short(built[0])}`, line "
+                    f"{r.line(built[0])}), which was not followed: only a function that returns the one torch "
+                    "optimizer it builds from the parameters of a model it is handed (or closes over), and does "
+                    "nothing else with that model (no .to(), requires_grad_, attribute assignment), is",
+                )
     for stmt, call, wrapper in optimizers:  # an optimizer of torch.optim: what does it train?
         first = call.args[0].value
         name = _parameters_owner(first) or (first.value if isinstance(first, cst.Name) else None)

@@ -8,17 +8,9 @@ from typing import Dict, List, Optional
 import libcst as cst
 
 from .closures import closure_propagate
+from .optimizer_factories import changes_tensors, returned_optimizer
 from .site_analysis import Block, SiteAnalysis
-from fsdp2_retrofit.syntax.names import (
-    SELF_RETURNING_METHODS,
-    Resolver,
-    alias_target,
-    assigned_names,
-    bind_args,
-    calls_in,
-    root_name,
-    walk,
-)
+from fsdp2_retrofit.syntax.names import Resolver, alias_target, assigned_names, bind_args, calls_in, root_name, walk
 from fsdp2_retrofit.syntax.torch_api import (  # noqa: F401  (FLATTENING_OPTIMIZERS: the shard stage imports it from here)
     FLATTENING_OPTIMIZERS,
     NOT_OPTIMIZERS,
@@ -150,21 +142,7 @@ class OptimizerAnalysis(SiteAnalysis):
         included). Built when it is called: after fully_shard, from the sharded
         parameters. None for anything else."""
         fn = self._callee(call)
-        if fn is None or any(type(n) in (cst.FunctionDef, cst.Lambda, cst.ClassDef) for n in walk(fn.body)):
-            return None
-        builds = [c for c in calls_in(fn) if self._is_torch_optimizer(c)]
-        if len(builds) != 1 or _changes_tensors(fn):
-            return None
-        built = builds[0]
-        holders = {
-            t for stmt in walk(fn.body)
-            if type(stmt) is cst.SimpleStatementLine and any(getattr(s, "value", None) is built for s in stmt.body)
-            for t in assigned_names(stmt)
-        }
-        returns = [n for n in walk(fn.body) if type(n) is cst.Return]
-        if not returns or not all(
-            r.value is built or (type(r.value) is cst.Name and r.value.value in holders) for r in returns
-        ):
+        if fn is None or changes_tensors(fn) or returned_optimizer(fn, self._is_torch_optimizer) is None:
             return None
         readers = {}  # model name in fn -> ids of its Name nodes that only read parameters
         for c in calls_in(fn):
@@ -396,20 +374,3 @@ def _mutates(node, name: str) -> bool:
 
     node.visit(_M())
     return bool(found)
-
-
-def _changes_tensors(fn: cst.FunctionDef) -> bool:
-    """Whether `fn` may change a module or its parameters rather than only read them: an
-    in-place method (`requires_grad_`, `zero_`), a placement or mode change (`.to()`,
-    `.half()`, `.train()`), or an assignment to an attribute (`p.requires_grad = False`)."""
-    for node in walk(fn.body):
-        kind = type(node)
-        if kind is cst.Call and isinstance(node.func, cst.Attribute):
-            name = node.func.attr.value
-            if name in SELF_RETURNING_METHODS or (name.endswith("_") and not name.startswith("_")):
-                return True
-        elif kind in (cst.Assign, cst.AugAssign, cst.AnnAssign):
-            targets = [t.target for t in node.targets] if kind is cst.Assign else [node.target]
-            if any(type(t) in (cst.Attribute, cst.Subscript) for t in targets):
-                return True
-    return False

@@ -14,6 +14,7 @@ from typing import Dict, Iterator, List, Optional, Set, Tuple
 import libcst as cst
 
 from .closures import closure_reads
+from .optimizer_factories import returned_optimizer
 from fsdp2_retrofit.syntax.names import Resolver, bind_args, code, names_in, parameter_names
 from fsdp2_retrofit.syntax.rank import rank_zero_side
 from fsdp2_retrofit.syntax.torch_api import (
@@ -318,6 +319,7 @@ class _Collector:
         self.module = module
         self.r = resolver
         self.facts = ShardFacts(resolver, [], [])
+        self._functions: Optional[Dict[str, List[cst.FunctionDef]]] = None  # defs by name, on first use
 
     def run(self) -> ShardFacts:
         f = self.facts
@@ -402,10 +404,16 @@ class _Collector:
                     if isinstance(target, cst.Name) and found[0] != "self":
                         f._aliases.setdefault(f.scope_of(assign), {})[target.value] = (found[0], False)
 
-    def _optimizer(self, call: cst.Call) -> Optional[OptimizerBuild]:
-        if not (self.r.calls_prefix(call, OPTIMIZER_PREFIX) and not any(
+    def _is_optimizer(self, call: cst.Call) -> bool:
+        return self.r.calls_prefix(call, OPTIMIZER_PREFIX) and not any(
             self.r.calls_prefix(call, p) for p in NOT_OPTIMIZERS
-        )):
+        )
+
+    def _optimizer(self, call: cst.Call) -> Optional[OptimizerBuild]:
+        """An optimizer built by `call`: a torch optimizer, or a call of a function of the
+        script that returns the one it builds (`opt = make_optimizer(model, lr)`: the
+        models are then read from the call's arguments)."""
+        if not self._is_optimizer(call) and not self._optimizer_factory_call(call):
             return None
         parent = self.r.parent(call)
         if not (isinstance(parent, cst.Assign) and len(parent.targets) == 1):
@@ -420,6 +428,18 @@ class _Collector:
             for value in f.bound_values(name, call):
                 models |= names_in(value) | _attribute_roots(value)
         return OptimizerBuild(target[0], call, models, f.scope_of(call), f.order(call))
+
+    def _optimizer_factory_call(self, call: cst.Call) -> bool:
+        """`make_optimizer(model, ...)`: a call by name of the script's one function of that
+        name, which returns the one torch optimizer it builds."""
+        if type(call.func) is not cst.Name or not call.args:
+            return False
+        if self._functions is None:
+            self._functions = {}
+            for fn in self.r.nodes(cst.FunctionDef):
+                self._functions.setdefault(fn.name.value, []).append(fn)
+        found = self._functions.get(call.func.value, [])
+        return len(found) == 1 and returned_optimizer(found[0], self._is_optimizer) is not None
 
     def _propagate(self) -> None:
         """Functions receiving a sharded module as an argument, classes storing one on

@@ -5,6 +5,8 @@ from . import Invalid, Rule, Valid
 
 _HEAD = "import torch\nfrom torch.distributed.fsdp import fully_shard\nmodel = Net()\n"
 
+_FACTORY = "def make_optimizer(model, lr):\n    return torch.optim.SGD(model.parameters(), lr=lr)\n"
+
 
 class OptimizerBeforeShard(Rule):
     """Checks for an optimizer built from a module's parameters before `fully_shard` of it.
@@ -12,7 +14,9 @@ class OptimizerBeforeShard(Rule):
     ## What it does
     Flags the construction of a `torch.optim` optimizer from `model.parameters()` (or
     parameter groups built from it) when `fully_shard(model)` (or of one of its blocks)
-    comes later in the same function.
+    comes later in the same function. A call of a function of the script that returns
+    the one optimizer it builds (`optimizer = make_optimizer(model, lr)`) is a
+    construction too, of the models passed to it.
 
     ## Why is this bad?
     `fully_shard` replaces every parameter with a new DTensor parameter. An optimizer
@@ -42,6 +46,7 @@ class OptimizerBeforeShard(Rule):
     VALID = (
         Valid(_HEAD + "fully_shard(model)\noptimizer = torch.optim.AdamW(model.parameters())\n"),
         Valid("import torch\nmodel = Net()\noptimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"),
+        Valid(_FACTORY + _HEAD + "fully_shard(model)\noptimizer = make_optimizer(model, 0.1)\n"),
     )
     INVALID = (
         Invalid(_HEAD + "optimizer = torch.optim.AdamW(model.parameters())\nfully_shard(model)\n", line=4),
@@ -51,6 +56,7 @@ class OptimizerBeforeShard(Rule):
             "fully_shard(model)\n",
             line=5,
         ),
+        Invalid(_FACTORY + _HEAD + "optimizer = make_optimizer(model, 0.1)\nfully_shard(model)\n", line=6),
     )
 
     def check(self, ctx):

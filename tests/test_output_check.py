@@ -3,6 +3,8 @@ each finding is an attention item at the user's line, and the crash it announces
 real (the output run under torchrun with the branch taken)."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from textwrap import dedent
 
@@ -58,6 +60,18 @@ def test_output_without_numpy_or_tolist_is_not_analysed(monkeypatch):
         module = cst.parse_module(text)
         found = crashes_in_output(module, text.encode(), "train.py", Origins(module, text))
         assert bool(built) is analysed and bool(found) is analysed, (text, found)
+
+
+def test_a_rewrite_without_numpy_or_tolist_does_not_load_check():
+    """The gate comes before the imports: a fresh interpreter rewriting a script that
+    cannot hit FSD117 never loads check's modules (start-up cost of every rewrite)."""
+    code = (
+        "import sys\nfrom fsdp2_retrofit.rewrite.pipeline import rewrite_source\n"
+        f"rewrite_source(open({str(FIXTURES / 'main_modulelist' / 'input.py')!r}, 'rb').read(), 'train.py')\n"
+        "print(sorted(m for m in sys.modules if m.startswith('fsdp2_retrofit.check')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 @pytest.mark.e2e

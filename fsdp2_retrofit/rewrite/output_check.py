@@ -24,12 +24,11 @@ from fsdp2_retrofit.syntax.names import Origins
 
 def crashes_in_output(module: cst.Module, data: bytes, path: str, origins: Origins) -> List[Attention]:
     """Attention items for what FSD117 finds in the rewritten `module` (`data`: its bytes)."""
-    from fsdp2_retrofit.check.lint import LintContext
-    from fsdp2_retrofit.check.rules.param_tensor import ShardedParamTensor
-
-    rule = ShardedParamTensor
     if b".numpy()" not in data and b".tolist()" not in data:
-        return []
+        return []  # before the imports: a rewrite that cannot hit the rule does not load check's code
+    from fsdp2_retrofit.check.lint import LintContext
+    from fsdp2_retrofit.check.rules.param_tensor import ShardedParamTensor as rule
+
     ctx = LintContext(module, path, origins)
     out: List[Attention] = []
     seen = set()

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Set,
 import libcst as cst
 
 from fsdp2_retrofit.syntax.names import (
-    CONTAINERS, OPTIMIZER_PREFIX, NOT_OPTIMIZERS, SELF_RETURNING_METHODS, TORCH_MODULE_BASES, Resolver, attr_path,
-    walk,
+    CONTAINERS, SELF_RETURNING_METHODS, TORCH_MODULE_BASES, Resolver, attr_path, walk,
 )
+from fsdp2_retrofit.syntax.torch_api import is_optimizer_call
 from fsdp2_retrofit.records import record
 
 if TYPE_CHECKING:
@@ -328,7 +328,7 @@ def _read_init(init: cst.FunctionDef, namer: _Namer, info: ClassInfo) -> None:
                 value = node.args[0].value
                 if isinstance(value, cst.Call):
                     appended.setdefault(tpath[1], []).append(value)
-        if resolver.calls_prefix(node, OPTIMIZER_PREFIX) and not any(resolver.calls_prefix(node, p) for p in NOT_OPTIMIZERS):
+        if is_optimizer_call(resolver, node):
             info.optimizer_in_init = info.optimizer_in_init or node
     for attr, calls in appended.items():
         for c in info.containers:

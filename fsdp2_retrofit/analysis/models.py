@@ -562,27 +562,26 @@ class ModelAnalysis(SiteAnalysis):
                 out.append(call)
         return out
 
-    def _trainer_classes(self, calls, model_names, bindings=()) -> List[tuple]:
+    def _trainer_classes(self, calls, model_names, bindings) -> List[tuple]:
         """(label, call) for each `Trainer(model, ...)`: a class that is not a module, whose
         methods call backward(), built with a model (a trained one, or a name bound in the
         caller's function by a module's construction). The class is the script's own
         (label "Trainer") or a sibling module's: the label then names the file and line of
         its backward() ("Trainer (trainer.py:19)"), a file this rewrite does not edit."""
         trainers = {
-            c.name.value: c.name.value
+            c.name.value
             for c in self.module.body
             if isinstance(c, cst.ClassDef)
             and not self.classes.is_module_class(c.name.value)
-            and _calls_method(c.body, "backward", into_functions=True)
+            and _first_method_call(c.body, "backward") is not None
         }
         built = {}
         for name, stmt, _ in bindings:
             built.setdefault(self.r.enclosing_function(stmt), set()).add(name)
         out = []
         for call in calls:
-            label = trainers.get(call.func.value) if type(call.func) is cst.Name else None
-            if label is None:
-                label = self._sibling_trainer(call)
+            own = type(call.func) is cst.Name and call.func.value in trainers
+            label = call.func.value if own else self._sibling_trainer(call)
             if label is None:
                 continue
             scope = self.r.enclosing_function(call)
@@ -876,18 +875,3 @@ def _first_method_call(node, method: str) -> Optional[cst.Call]:
         if type(found) is cst.Call and isinstance(found.func, cst.Attribute) and found.func.attr.value == method:
             return found
     return None
-
-
-def _calls_method(node, method: str, into_functions: bool = False) -> bool:
-    found = []
-
-    class _M(cst.CSTVisitor):
-        def visit_FunctionDef(self, n) -> bool:
-            return into_functions
-
-        def visit_Call(self, n: cst.Call) -> None:
-            if isinstance(n.func, cst.Attribute) and n.func.attr.value == method:
-                found.append(n)
-
-    node.visit(_M())
-    return bool(found)

@@ -21,7 +21,7 @@ import libcst as cst
 
 from .models import _is_placement_chain
 from fsdp2_retrofit.syntax.names import SELF_RETURNING_METHODS, alias_target, calls_in, code, root_name
-from fsdp2_retrofit.syntax.torch_api import NOT_OPTIMIZERS, OPTIMIZER_PREFIX
+from fsdp2_retrofit.syntax.torch_api import is_optimizer_call
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,6 @@ def _parameters_owner(arg: cst.BaseExpression) -> Optional[str]:
             return root_name(func.value)
     return None
 
-
-
-def _is_torch_optimizer(r, call: cst.Call) -> bool:
-    return r.calls_prefix(call, OPTIMIZER_PREFIX) and not any(r.calls_prefix(call, p) for p in NOT_OPTIMIZERS)
 
 
 def _model_method(r, node) -> Optional[cst.FunctionDef]:
@@ -169,7 +165,7 @@ def no_model_blocker(facts) -> Optional[NoModelBlocker]:
         and isinstance(stmt.body[0].value, cst.Call) and stmt.body[0].value.args
     ]
     for call in r.nodes(cst.Call):  # `def configure_optimizers(self, ...)` of a model class: who calls it?
-        if not r.calls_prefix(call, OPTIMIZER_PREFIX) or any(r.calls_prefix(call, p) for p in NOT_OPTIMIZERS):
+        if not is_optimizer_call(r, call):
             continue
         method = _model_method(r, call)
         blocker = _method_caller_blocker(r, method, r.statement_of(call)) if method is not None else None
@@ -177,9 +173,9 @@ def no_model_blocker(facts) -> Optional[NoModelBlocker]:
             return blocker
     optimizers = []  # (statement, torch optimizer call): assigned, or built inline in a wrapper's arguments
     for stmt, call in assigned:
-        inner = next((a.value for a in call.args if isinstance(a.value, cst.Call) and _is_torch_optimizer(r, a.value)),
+        inner = next((a.value for a in call.args if isinstance(a.value, cst.Call) and is_optimizer_call(r, a.value)),
                      None)
-        if _is_torch_optimizer(r, call):
+        if is_optimizer_call(r, call):
             optimizers.append((stmt, call, None))
         elif inner is not None and inner.args and not any(q.startswith("torch.") for q in r.qnames(call)):
             optimizers.append((stmt, inner, call))
@@ -190,14 +186,14 @@ def no_model_blocker(facts) -> Optional[NoModelBlocker]:
         if type(call.func) is not cst.Name:
             continue
         for fn in functions.get(call.func.value, []):
-            built = [c for c in calls_in(fn) if _is_torch_optimizer(r, c)]
+            built = [c for c in calls_in(fn) if is_optimizer_call(r, c)]
             if built:
                 return NoModelBlocker(
                     call,
                     f"`{_short(call)}` builds the optimizer in {fn.name.value}() (`{_short(built[0])}`, line "
-                    f"{r.line(built[0])}), which was not followed: only a function that returns the one torch "
-                    "optimizer it builds from the parameters of a model it is handed (or closes over), and does "
-                    "nothing else with that model (no .to(), requires_grad_, attribute assignment), is",
+                    f"{r.line(built[0])}), which the rewrite does not follow: it follows a function that returns "
+                    "the one torch optimizer it builds from the parameters of a model it is handed (or closes "
+                    "over) and does nothing else with that model (no .to(), requires_grad_, attribute assignment)",
                 )
     for stmt, call, wrapper in optimizers:  # an optimizer of torch.optim: what does it train?
         first = call.args[0].value
@@ -246,8 +242,7 @@ def unrecognised_trained_model(facts) -> Optional[NoModelBlocker]:
     for stmt in r.nodes(cst.SimpleStatementLine):
         small = stmt.body[0] if len(stmt.body) == 1 else None
         call = small.value if isinstance(small, (cst.Assign, cst.AnnAssign)) else None
-        if not isinstance(call, cst.Call) or not call.args or not r.calls_prefix(call, OPTIMIZER_PREFIX) \
-                or any(r.calls_prefix(call, p) for p in NOT_OPTIMIZERS):
+        if not isinstance(call, cst.Call) or not call.args or not is_optimizer_call(r, call):
             continue
         known = facts.model_names.get(r.enclosing_function(stmt), set())
         for inner in calls_in(call.args[0].value):

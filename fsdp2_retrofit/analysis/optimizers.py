@@ -13,9 +13,8 @@ from .site_analysis import Block, SiteAnalysis
 from fsdp2_retrofit.syntax.names import Resolver, alias_target, assigned_names, bind_args, calls_in, root_name, walk
 from fsdp2_retrofit.syntax.torch_api import (  # noqa: F401  (FLATTENING_OPTIMIZERS: the shard stage imports it from here)
     FLATTENING_OPTIMIZERS,
-    NOT_OPTIMIZERS,
     OPTIMIZER_BASES,
-    OPTIMIZER_PREFIX,
+    is_optimizer_call,
 )
 
 
@@ -86,10 +85,7 @@ class OptimizerAnalysis(SiteAnalysis):
         return out
 
     def _is_torch_optimizer(self, call: cst.Call) -> bool:
-        return (
-            self.r.calls_prefix(call, OPTIMIZER_PREFIX)
-            and not any(self.r.calls_prefix(call, p) for p in NOT_OPTIMIZERS)
-        ) or self._is_getattr_optimizer(call)
+        return is_optimizer_call(self.r, call) or self._is_getattr_optimizer(call)
 
     def _wrapped_optimizer(self, call: cst.Call):
         """(the torch optimizer, the attribute that keeps it) for `Wrapper(optim.Adam(...), ...)`,
@@ -201,7 +197,7 @@ class OptimizerAnalysis(SiteAnalysis):
         resolver = info.namer.resolver if info.namer is not None else self.r
         builds = [
             c for c in calls_in(method)
-            if resolver.calls_prefix(c, OPTIMIZER_PREFIX) and not any(resolver.calls_prefix(c, p) for p in NOT_OPTIMIZERS)
+            if is_optimizer_call(resolver, c)
         ]
         own = [
             c for c in calls_in(method)
@@ -289,9 +285,7 @@ class OptimizerAnalysis(SiteAnalysis):
             cls = self.r.enclosing_class(call)
             if cls is None or self.classes.is_module_class(cls.name.value):
                 continue
-            if self.r.calls_prefix(call, OPTIMIZER_PREFIX) and not any(
-                self.r.calls_prefix(call, p) for p in NOT_OPTIMIZERS
-            ):
+            if is_optimizer_call(self.r, call):
                 out.append((cls.name.value, call))
         return out
 

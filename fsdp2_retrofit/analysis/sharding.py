@@ -23,9 +23,8 @@ from fsdp2_retrofit.syntax.torch_api import (
     GET_MODEL_STATE_DICT,
     GET_OPTIMIZER_STATE_DICT,
     GET_STATE_DICT,
-    NOT_OPTIMIZERS,
-    OPTIMIZER_PREFIX,
     STATE_DICT_GETTERS,
+    is_optimizer_call,
 )
 from fsdp2_retrofit.records import record
 
@@ -404,16 +403,11 @@ class _Collector:
                     if isinstance(target, cst.Name) and found[0] != "self":
                         f._aliases.setdefault(f.scope_of(assign), {})[target.value] = (found[0], False)
 
-    def _is_optimizer(self, call: cst.Call) -> bool:
-        return self.r.calls_prefix(call, OPTIMIZER_PREFIX) and not any(
-            self.r.calls_prefix(call, p) for p in NOT_OPTIMIZERS
-        )
-
     def _optimizer(self, call: cst.Call) -> Optional[OptimizerBuild]:
         """An optimizer built by `call`: a torch optimizer, or a call of a function of the
         script that returns the one it builds (`opt = make_optimizer(model, lr)`: the
         models are then read from the call's arguments)."""
-        if not self._is_optimizer(call) and not self._optimizer_factory_call(call):
+        if not is_optimizer_call(self.r, call) and not self._optimizer_factory_call(call):
             return None
         parent = self.r.parent(call)
         if not (isinstance(parent, cst.Assign) and len(parent.targets) == 1):
@@ -439,7 +433,7 @@ class _Collector:
             for fn in self.r.nodes(cst.FunctionDef):
                 self._functions.setdefault(fn.name.value, []).append(fn)
         found = self._functions.get(call.func.value, [])
-        return len(found) == 1 and returned_optimizer(found[0], self._is_optimizer) is not None
+        return len(found) == 1 and returned_optimizer(found[0], lambda c: is_optimizer_call(self.r, c)) is not None
 
     def _propagate(self) -> None:
         """Functions receiving a sharded module as an argument, classes storing one on

@@ -35,6 +35,14 @@ FLATTENING_OPTIMIZERS = frozenset({"torch.optim.LBFGS", "torch.optim.lbfgs.LBFGS
 NOT_OPTIMIZERS = ("torch.optim.lr_scheduler.", "torch.optim.swa_utils.")  # ...unless under one of these
 AVERAGED_MODEL = frozenset({"torch.optim.swa_utils.AveragedModel"})
 
+
+def is_optimizer_call(resolver, call) -> bool:
+    """Whether `call` builds a torch optimizer (under OPTIMIZER_PREFIX, not NOT_OPTIMIZERS),
+    by the qualified names `resolver` (a syntax.names.Resolver) gives it."""
+    return resolver.calls_prefix(call, OPTIMIZER_PREFIX) and not any(
+        resolver.calls_prefix(call, p) for p in NOT_OPTIMIZERS
+    )
+
 # -- data --------------------------------------------------------------------
 
 DATALOADERS = frozenset({"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"})

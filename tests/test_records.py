@@ -84,8 +84,28 @@ def test_replace_post_init_and_pickle():
     assert (o.shard, o.level) == ((), 3) and calls == [1, 3]
     with pytest.raises(ValueError):
         Options(level=-1)
-    _, Rec = _pair()
-    globals()["_Picklable"] = Rec  # pickle finds classes by module-level name
-    Rec.__qualname__ = "_Picklable"
-    r = Rec("a", 2, ["t"])
-    assert pickle.loads(pickle.dumps(r)) == r
+    r = _Picklable("a", 2, ["t"])
+    assert pickle.loads(pickle.dumps(r)) == r  # what check's worker processes send back
+
+
+@record
+class _Picklable:  # pickle finds a class by its module-level name
+    name: str
+    line: int = 0
+    tags: List[str] = field(default_factory=list)
+
+
+def test_a_subclass_keeps_the_fields_of_its_base_first():
+    @record
+    class Base:
+        name: str
+        line: int = 0
+
+    @record
+    class Child(Base):
+        tags: List[str] = field(default_factory=list)
+
+    child = Child("a", 3)
+    assert (child.name, child.line, child.tags) == ("a", 3, [])
+    assert repr(child) == "test_a_subclass_keeps_the_fields_of_its_base_first.<locals>.Child(name='a', line=3, tags=[])"
+    assert Child("a", 3) != Base("a", 3)

@@ -54,6 +54,17 @@ class LaunchDistributedCommand(RetrofitStage):
                 "fully_shard on top fail at start-up (the default process group is initialised twice)",
                 f"shard with {name}'s own sharding: {how}",
             )
+        if facts.unfollowed_return is not None:
+            helper = facts.unfollowed_return.name.value
+            self.refuse(
+                "FSR404",
+                facts.models[0].stmt,
+                f"`{helper}()` builds `{facts.models[0].name}` and returns it, but not into one assignment "
+                f"(`model, optimizer = {helper}(...)`, called once)",
+                "the process group must start before the helper runs and end after its caller is done with the "
+                "model: the rewrite follows the returned model into the one assignment that receives it",
+                f"call `{helper}()` once, as `model = {helper}(...)` or `model, optimizer = {helper}(...)`",
+            )
         if facts.entry_block is None:
             return
         if facts.distributed_init is not None:
@@ -68,9 +79,12 @@ class LaunchDistributedCommand(RetrofitStage):
         # with CPU offload the optimizer step and clipping run on CPU tensors: they need gloo too
         backend = '"cpu:gloo,cuda:nccl"' if self.options.cpu_offload else '"nccl"'
         mesh = HSDP_MESH if self.options.hsdp else MESH
-        text = (PREAMBLE + mesh).format(backend=backend, replicas=self.options.hsdp, **names)
+        in_helper = facts.entry_call is not None  # the mesh goes where the helper shards the model
+        text = (PREAMBLE + ("" if in_helper else mesh)).format(backend=backend, replicas=self.options.hsdp, **names)
         preamble = cst.parse_module(text, config=self.config).body
         editor.insert_paragraph_before(anchor, preamble, first_in_block=anchor is block.body[0])
+        if in_helper:
+            self._mesh_in_helper(facts, editor, "dist.get_world_size()")
         editor.append_to(block, [self.stmt("dist.destroy_process_group()\n")])
         self.add_import("os")
         self.add_import("torch")
@@ -120,6 +134,18 @@ class LaunchDistributedCommand(RetrofitStage):
         dist = self._dist(group)
         # under `if ddp:` the script's world-size name may be bound in one branch only
         world = (group.conditional is None and group.world_size_name) or f"{dist}.get_world_size()"
+        self.add_import("torch")
+        self.add_import("torch.distributed.device_mesh", "init_device_mesh")
+        if facts.entry_call is not None:  # `model, optimizer = build(cfg)`: the mesh goes into the helper
+            self._mesh_in_helper(facts, editor, f"{dist}.get_world_size()")
+        else:
+            self._mesh_after_group(group, facts, editor, world)
+        if not group.destroys:
+            editor.append_to(block, [self.stmt(f"{self._dist(group)}.destroy_process_group()\n")])
+            self.change(block.body[-1], "destroy the process group at the end", "a clean exit under torchrun")
+
+    def _mesh_after_group(self, group, facts: ScriptFacts, editor: StatementEditor, world: str) -> None:
+        block = facts.entry_block
         mesh_name = self.fresh_name("mesh", facts.entry_scope)
         mesh = HSDP_MESH if self.options.hsdp else MESH
         text = mesh.format(mesh=mesh_name, world_size=world, replicas=self.options.hsdp)
@@ -133,17 +159,28 @@ class LaunchDistributedCommand(RetrofitStage):
             top = facts.models[0].top
             editor.insert_paragraph_before(top, statements, first_in_block=top is block.body[0])
             anchor = top
-        self.add_import("torch")
-        self.add_import("torch.distributed.device_mesh", "init_device_mesh")
         self.change(
             anchor,
             f"reuse the script's process group; build a {'2-D (replicate, shard)' if self.options.hsdp else '1-D'} "
             f"device mesh `{mesh_name}` over its {world} ranks after it",
             "the script already starts a process group under torchrun: a second init_process_group would fail",
         )
-        if not group.destroys:
-            editor.append_to(block, [self.stmt(f"{self._dist(group)}.destroy_process_group()\n")])
-            self.change(block.body[-1], "destroy the process group at the end", "a clean exit under torchrun")
+
+    def _mesh_in_helper(self, facts: ScriptFacts, editor: StatementEditor, world: str) -> str:
+        """`model, optimizer = build(cfg)`: the helper shards the model before it builds the
+        optimizer, so the mesh is built there, before the model; the process group is its
+        caller's. Returns the mesh's name."""
+        model = facts.models[0]
+        name = self.fresh_name("mesh", model.scope)
+        text = (HSDP_MESH if self.options.hsdp else MESH).format(mesh=name, world_size=world, replicas=self.options.hsdp)
+        editor.insert_before(model.top, cst.parse_module(text, config=self.config).body)
+        self.change(
+            model.top,
+            f"build the device mesh `{name}` here, where `{model.name}` is built, sharded and returned",
+            "the helper shards the model before its optimizer is built; the process group is started by its "
+            "caller, before the helper runs, and ends there",
+        )
+        return name
 
     def _one_process_otherwise(self, group, facts: ScriptFacts, editor: StatementEditor) -> bool:
         """`if ddp: init_process_group(...)` (the optional-DDP switch): the other branch starts
@@ -301,7 +338,9 @@ class LaunchDistributedCommand(RetrofitStage):
                 continue
             if _touches_torch(stmt, facts) or names_in(stmt) & model_names:
                 return stmt
-        return facts.models[0].stmt
+            if facts.entry_call is not None and any(c is facts.entry_call for c in calls_in(stmt)):
+                return stmt  # `model, optimizer = build(cfg)`
+        return facts.models[0].stmt if facts.entry_call is None else facts.resolver.statement_of(facts.entry_call)
 
 
 def _environment_reads(between, holder):

@@ -182,6 +182,7 @@ def test_trains_check_fails_when_nothing_is_learned(tmp_path: Path):
 # script whose plain branch now starts a group of its one process.
 PLAIN_CASES = [
     "main_modulelist", "kwargs_shuffle", "accumulation_modulo", "resume_periodic", "torch_2_4_generate", "optional_ddp",
+    "helper_returns_model_optimizer",
 ]
 
 

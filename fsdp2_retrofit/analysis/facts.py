@@ -42,6 +42,11 @@ class ScriptFacts:
     optimizer_names: Dict[Optional[cst.FunctionDef], Dict[str, Optional[str]]]
     entry_block: Optional[Block]
     entry_scope: Optional[Scope]
+    # `model, opt = build(cfg)`: the call, in the entry block, of the helper that builds and
+    # returns the model (the launch goes before it; fully_shard stays in the helper)
+    entry_call: Optional[cst.Call]
+    # a helper that returns the model to something other than one `a, b = helper()` assignment
+    unfollowed_return: Optional[cst.FunctionDef]
     distributed_init: Optional[cst.Call]
     mesh_name: Optional[str]
     rank_name: Optional[str]
@@ -123,10 +128,11 @@ class _Analyser(ModelAnalysis, OptimizerAnalysis, LoopAnalysis, LoaderAnalysis, 
         model_names = self._model_names(models + copies + frozen)
         train_loops = self._train_loops(loops)
         loaders = self._loaders(stmts, train_loops)
-        entry_block = models[0].block if models else None
-        entry_scope = models[0].scope if models else None
+        entry_block, entry_scope, entry_call = self._entry(models[0]) if models else (None, None, None)
+        unfollowed_return = entry_call if entry_block is None else None
+        entry_call = None if entry_block is None else entry_call
         init_call = self._distributed_init(calls)
-        mesh_name, rank_name = self._launch_names(stmts, entry_scope)
+        mesh_name, rank_name = self._launch_names(stmts, entry_scope, models[0].scope if entry_call else None)
         facts = ScriptFacts(
             path=self.path,
             module=self.module,
@@ -142,6 +148,8 @@ class _Analyser(ModelAnalysis, OptimizerAnalysis, LoopAnalysis, LoaderAnalysis, 
             optimizer_names=self._optimizer_names(optimizers, model_names),
             entry_block=entry_block,
             entry_scope=entry_scope,
+            entry_call=entry_call,
+            unfollowed_return=unfollowed_return,
             distributed_init=init_call,
             mesh_name=mesh_name,
             rank_name=rank_name,

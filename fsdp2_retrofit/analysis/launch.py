@@ -6,6 +6,7 @@ from typing import List, Optional
 
 import libcst as cst
 
+from .returns import names_out, returns_any
 from .site_analysis import SiteAnalysis
 from fsdp2_retrofit.syntax.names import Resolver
 from fsdp2_retrofit.syntax.rank import is_rank_value
@@ -22,22 +23,43 @@ DISTRIBUTED_WRAPPERS = {
 class LaunchAnalysis(SiteAnalysis):
     """Finds what the script does to launch itself."""
 
-    def _launch_names(self, stmts, entry_scope):
+    def _entry(self, model):
+        """Where the launch goes: (block, scope, call). The block and scope that build
+        `model`; or, when the function building it returns it (`model, opt = build(cfg)`),
+        those of the one assignment that receives it, followed up to a function that keeps
+        it (call: that assignment's call of the helper that returns the model). (None, None,
+        helper) when a helper returns the model and it is not received by one such assignment."""
+        block, scope, call, names = model.block, model.scope, None, {model.name}
+        while isinstance(scope, cst.FunctionDef) and returns_any(scope, names):
+            calls = [c for c, fn in self._local_calls() if fn is scope]
+            out = names_out(self.r, calls[0], scope, names) if len(calls) == 1 else {}
+            if not out or self.r.enclosing_function(calls[0]) is scope:
+                return None, None, scope
+            call = calls[0]
+            block = self.r.block_of(self.r.statement_of(call))
+            scope = self.r.enclosing_function(call) or self.module
+            names = set(out)
+        return block, scope, call
+
+    def _launch_names(self, stmts, entry_scope, mesh_scope=None):
         """The mesh and the rank names of the entry scope (the script's own, e.g.
-        `rank = int(os.environ["RANK"])`, or the launch stage's)."""
+        `rank = int(os.environ["RANK"])`, or the launch stage's); the mesh is looked for in
+        `mesh_scope` when given (a helper that builds and shards the model, see _entry)."""
         mesh = rank = None
+        mesh_scope = entry_scope if mesh_scope is None else mesh_scope
         entry_fn = entry_scope if isinstance(entry_scope, cst.FunctionDef) else None
+        mesh_fn = mesh_scope if isinstance(mesh_scope, cst.FunctionDef) else None
         for stmt in stmts:
             if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
                 continue
-            if entry_scope is not None and self.r.enclosing_function(stmt) is not entry_fn:
-                continue
             assign = stmt.body[0]
             value, target = assign.value, assign.targets[0].target
-            if isinstance(target, cst.Name) and self.r.is_call_to(
-                value, INIT_DEVICE_MESH
+            if isinstance(target, cst.Name) and self.r.is_call_to(value, INIT_DEVICE_MESH) and (
+                mesh_scope is None or self.r.enclosing_function(stmt) is mesh_fn
             ):
                 mesh = mesh or target.value
+            if entry_scope is not None and self.r.enclosing_function(stmt) is not entry_fn:
+                continue
             pairs = []
             if isinstance(target, cst.Tuple) and isinstance(value, cst.Tuple):
                 pairs = list(zip(target.elements, value.elements))

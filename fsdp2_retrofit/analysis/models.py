@@ -14,6 +14,7 @@ from .closures import closure_propagate, nested_functions
 from .init_branches import branch_initialises, initialised_name, initialised_names
 from .library_models import PEFT_WRAPPERS, LibraryModel, is_library_builder, library_model
 from .model_classes import ClassRegistry, Container, build_registry
+from .returns import names_out
 from .site_analysis import Block, Scope, SiteAnalysis
 from fsdp2_retrofit.syntax.names import (
     PLACEMENT_METHODS,
@@ -508,8 +509,24 @@ class ModelAnalysis(SiteAnalysis):
                         changed = True
             changed |= self._add_globals(names)
             changed |= self._add_aliases(names)
+            changed |= self._add_returns(names)
             changed |= closure_propagate(self.r, names)
         return names
+
+    def _add_returns(self, names) -> bool:
+        """`model, optimizer = build(cfg)`: a helper that returns its model hands it to
+        the names its caller assigns."""
+        changed = False
+        for call, callee in self._local_calls():
+            inside = names.get(callee)
+            if not inside:
+                continue
+            out = set(names_out(self.r, call, callee, inside))
+            caller = names.setdefault(self.r.enclosing_function(call), set())
+            if out - caller:
+                caller |= out
+                changed = True
+        return changed
 
     def _add_globals(self, names) -> bool:
         """A model built at the module's top level is the same model in the top-level

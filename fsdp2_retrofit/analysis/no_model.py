@@ -187,6 +187,13 @@ def no_model_blocker(facts) -> Optional[NoModelBlocker]:
             continue
         for fn in functions.get(call.func.value, []):
             built = [c for c in calls_in(fn) if is_optimizer_call(r, c)]
+            if built and _in_returned_tuple(r, built[0]):
+                return NoModelBlocker(
+                    built[0],
+                    f"{fn.name.value}() builds the optimizer `{_short(built[0])}` inside the tuple it returns: the "
+                    "rewrite follows a helper's model and optimizer when each is bound to a name before the "
+                    "`return` (`optimizer = ...`, then `return model, optimizer`)",
+                )
             if built:
                 return NoModelBlocker(
                     call,
@@ -289,3 +296,9 @@ def _star_note(facts, value) -> str:
 
 
 __all__ = ["NoModelBlocker", "no_model_blocker", "unrecognised_trained_model"]
+
+
+def _in_returned_tuple(r, call: cst.Call) -> bool:
+    """`return model, torch.optim.AdamW(...)`: `call` is an element of a returned tuple."""
+    element, tup = r.parent(call), r.parent(r.parent(call))
+    return type(element) is cst.Element and type(tup) is cst.Tuple and type(r.parent(tup)) is cst.Return

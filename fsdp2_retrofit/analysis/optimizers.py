@@ -9,6 +9,7 @@ import libcst as cst
 
 from .closures import closure_propagate
 from .optimizer_factories import changes_tensors, returned_optimizer
+from .returns import names_out
 from .site_analysis import Block, SiteAnalysis
 from fsdp2_retrofit.syntax.names import Resolver, alias_target, assigned_names, bind_args, calls_in, root_name, walk
 from fsdp2_retrofit.syntax.torch_api import (  # noqa: F401  (FLATTENING_OPTIMIZERS: the shard stage imports it from here)
@@ -276,8 +277,26 @@ class OptimizerAnalysis(SiteAnalysis):
                     for dotted in [k for k in known if k.startswith(arg.value + ".")]:
                         names[callee][param + dotted[len(arg.value):]] = names[callee][param]
                     changed = True
+            changed |= self._returned_optimizers(names, model_names)
             changed |= closure_propagate(self.r, names)  # a nested function reading the optimizer around it
         return names
+
+    def _returned_optimizers(self, names, model_names) -> bool:
+        """`model, optimizer = build(cfg)`: the optimizer a helper returns is its caller's,
+        mapped to the caller's name for the model it trains (None when that is not returned)."""
+        changed = False
+        for call, callee in self._local_calls():
+            inside = names.get(callee)
+            if not inside:
+                continue
+            caller = names.setdefault(self.r.enclosing_function(call), {})
+            models_out = {there: here for here, there in
+                          names_out(self.r, call, callee, model_names.get(callee, set())).items()}
+            for here, there in names_out(self.r, call, callee, inside).items():
+                if here not in caller:
+                    caller[here] = models_out.get(inside[there])
+                    changed = True
+        return changed
 
     def _class_optimizers(self, calls) -> List[tuple]:
         out = []

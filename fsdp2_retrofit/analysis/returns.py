@@ -1,0 +1,86 @@
+"""Helpers of the script that hand back what they build: `return model, optimizer`.
+
+`model, optimizer = build(cfg)` in `main`: `main`'s `model` and `optimizer` are the
+helper's. The analysis follows a name out of a function when every `return` of the
+function gives it back at the same place (alone, or at one position of a tuple) and
+the call is the whole value of an assignment to plain names of the same shape.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Set
+
+import libcst as cst
+
+from .closures import own_nodes
+
+_ALONE = -1  # `return model`: the name is the whole returned value
+
+
+def _returned_at(fn: cst.FunctionDef) -> Optional[List[Dict[str, int]]]:
+    """For each own `return` of `fn`: {name: position} of the plain names it gives back
+    (position _ALONE when the return value is the name itself); None if `fn` has no
+    return with a value."""
+    out = []
+    for node in own_nodes(fn):
+        if type(node) is not cst.Return:
+            continue
+        value = node.value
+        if isinstance(value, cst.Name):
+            out.append({value.value: _ALONE})
+        elif isinstance(value, cst.Tuple):
+            out.append({el.value.value: i for i, el in enumerate(value.elements)
+                        if type(el) is cst.Element and isinstance(el.value, cst.Name)})
+        else:
+            out.append({})
+    return out or None
+
+
+def _tuple_size(fn: cst.FunctionDef) -> Optional[int]:
+    sizes = {len(n.value.elements) if isinstance(n.value, cst.Tuple) else _ALONE
+             for n in own_nodes(fn) if type(n) is cst.Return}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def returned_names(fn: cst.FunctionDef, names: Iterable[str]) -> Dict[str, int]:
+    """{name: position} for each of `names` that every return of `fn` gives back at the
+    same position (_ALONE: as the whole value)."""
+    returns = _returned_at(fn)
+    if returns is None:
+        return {}
+    out = {}
+    for name in names:
+        places = {r.get(name) for r in returns}
+        if len(places) == 1 and None not in places:
+            out[name] = places.pop()
+    return out
+
+
+def call_targets(resolver, call: cst.Call, fn: cst.FunctionDef) -> Optional[Dict[int, str]]:
+    """{position: caller's name} when `call` (of `fn`) is the whole value of a one-target
+    assignment, `model = build()` or `model, opt = build()` with as many plain names as
+    `fn` returns; None otherwise."""
+    assign = resolver.parent(call)
+    if type(assign) is not cst.Assign or assign.value is not call or len(assign.targets) != 1:
+        return None
+    target = assign.targets[0].target
+    size = _tuple_size(fn)
+    if isinstance(target, cst.Name) and size == _ALONE:
+        return {_ALONE: target.value}
+    if isinstance(target, (cst.Tuple, cst.List)) and size == len(target.elements):
+        if all(type(el) is cst.Element and isinstance(el.value, cst.Name) for el in target.elements):
+            return {i: el.value.value for i, el in enumerate(target.elements)}
+    return None
+
+
+def names_out(resolver, call: cst.Call, fn: cst.FunctionDef, names: Iterable[str]) -> Dict[str, str]:
+    """{caller's name: fn's name} for each of `names` that `fn` returns into the names
+    `call` assigns."""
+    targets = call_targets(resolver, call, fn)
+    if targets is None:
+        return {}
+    return {targets[pos]: name for name, pos in returned_names(fn, names).items() if pos in targets}
+
+
+def returns_any(fn: cst.FunctionDef, names: Set[str]) -> bool:
+    """Some `return` of `fn` gives back one of `names` (alone or in a tuple)."""
+    return any(set(r) & names for r in (_returned_at(fn) or []))

@@ -108,3 +108,24 @@ def test_a_sibling_class_without_backward_is_not_a_trainer(tmp_path):
     result = _rewrite(tmp_path, text)
     assert not result.refusals, result.refusals
     assert "fully_shard(" in result.code.decode()
+
+
+@pytest.mark.parametrize("marker", ["setup.py", "pyproject.toml", None])
+def test_a_trainer_of_the_projects_own_package_is_found_from_a_subfolder(tmp_path, marker):
+    """`projects/demo/train.py` importing `from pkg.trainer import Trainer`, where `pkg/` sits
+    at the project's root (installed with `pip install -e .`): found when a marker file says
+    where the root is."""
+    if marker:
+        (tmp_path / marker).write_text("")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "trainer.py").write_text(TRAINER)
+    folder = tmp_path / "projects" / "demo"
+    folder.mkdir(parents=True)
+    text = _script(sibling=True, optimizer=False).replace("from trainer import", "from pkg.trainer import")
+    result = _rewrite(folder, text)
+    if marker is None:  # no root known: the trainer is not found, nor the optimizer it builds
+        assert [r.code for r in result.refusals] != ["FSR605"], result.refusals
+        return
+    assert [r.code for r in result.refusals] == ["FSR605"], result.refusals
+    assert f"Trainer (pkg/trainer.py:{BACKWARD_LINE})" in result.refusals[0].what

@@ -198,6 +198,7 @@ def build_registry(module: cst.Module, resolver: Resolver, path: Optional[str]) 
     _collect(module, resolver, namespace="", file=path, registry=registry)
     if path:
         _collect_siblings(module, resolver, Path(path).resolve().parent, registry, seen=set(), depth=2)
+        _collect_project_packages(module, resolver, Path(path).resolve().parent, registry)
 
     def collect(sibling, sib_resolver, namespace, file) -> None:
         if namespace not in registry.namespaces:
@@ -232,6 +233,35 @@ def _collect_siblings(module, resolver, folder: Path, registry, seen, depth) -> 
         sibling, sib_resolver = parsed
         _collect(sibling, sib_resolver, namespace=dotted, file=str(candidate), registry=registry)
         _collect_siblings(sibling, sib_resolver, folder, registry, seen, depth - 1)
+
+
+# The files that mark a project's root folder: a package of the project imported by a script
+# in a subfolder (`projects/chargpt/chargpt.py`: `from mingpt.model import GPT`) lives there.
+_PROJECT_MARKERS = (".git", "pyproject.toml", "setup.py", "setup.cfg")
+_PROJECT_DEPTH = 3  # folders above the script's own, at most
+
+
+def _project_root(folder: Path) -> Optional[Path]:
+    """The nearest folder above `folder` (within _PROJECT_DEPTH) that holds a project marker."""
+    for parent in list(folder.parents)[:_PROJECT_DEPTH]:
+        if any(_is_file(parent / m) or (parent / m).is_dir() for m in _PROJECT_MARKERS):
+            return parent
+    return None
+
+
+def _collect_project_packages(module, resolver, folder: Path, registry) -> None:
+    """`from mingpt.model import GPT` in a script below the project's root: the package is
+    the project's own (installed with `pip install -e .`) when the root holds `mingpt/`.
+    Only imports the script's folder does not resolve are looked up there."""
+    heads = {_dotted(s.module).split(".")[0] for s in resolver.nodes(cst.ImportFrom)
+             if s.module is not None and not s.relative}
+    heads -= {n.split(".")[0] for n in registry.namespaces}
+    if not heads:
+        return
+    root = _project_root(folder)
+    if root is None or not any((root / h).is_dir() for h in heads):
+        return
+    _collect_siblings(module, resolver, root, registry, seen=set(registry.namespaces), depth=2)
 
 
 # Sibling modules are read, never rewritten: parse and resolve each once per process.

@@ -617,7 +617,9 @@ class ModelAnalysis(SiteAnalysis):
             backward = _first_method_call(info.node, "backward")
             if backward is not None:
                 line = info.namer.resolver.line(backward)
-                return f"{info.node.name.value} ({Path(info.file).name}:{line})"
+                dotted = Path(*info.namespace.split(".")).with_suffix(".py") if info.namespace else None
+                shown = dotted if dotted is not None and Path(info.file).as_posix().endswith(dotted.as_posix()) else None
+                return f"{info.node.name.value} ({(shown or Path(info.file).name).as_posix()}:{line})"
         return None
 
     def _shard_statements(self, stmts) -> Dict[str, cst.SimpleStatementLine]:

@@ -349,6 +349,8 @@ def run_one(script: Script, mirrors: Path, work_root: Path, python: str) -> dict
         verdict, detail, error = "crash", f"RECIPE: {exc}", str(exc)
     except subprocess.TimeoutExpired as exc:
         verdict, detail, error = "crash", f"the harness timed out ({exc.timeout:.0f} s)", "timeout"
+    # paths under this checkout read the same from any checkout (a worktree, CI's clone)
+    detail = detail.replace(f"{work_root}/", "work/").replace(f"{ROOT}/", "")
     row.update(verdict=verdict, detail=detail, first_error=error, seconds=round(time.time() - started, 1))
     return row
 

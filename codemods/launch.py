@@ -59,11 +59,13 @@ class LaunchDistributedCommand(RetrofitStage):
             self.refuse(
                 "FSR404",
                 facts.models[0].stmt,
-                f"`{helper}()` builds `{facts.models[0].name}` and returns it, but not into one assignment "
-                f"(`model, optimizer = {helper}(...)`, called once)",
-                "the process group must start before the helper runs and end after its caller is done with the "
-                "model: the rewrite follows the returned model into the one assignment that receives it",
-                f"call `{helper}()` once, as `model = {helper}(...)` or `model, optimizer = {helper}(...)`",
+                f"`{helper}()` builds `{facts.models[0].name}` and returns it in a way the rewrite does not follow: it "
+                f"follows `return {facts.models[0].name}` or `return {facts.models[0].name}, optimizer` (plain names, the "
+                f"same at every return) into one assignment of plain names, `model, optimizer = {helper}(...)`, "
+                f"with `{helper}()` called once",
+                "the process group must start before the helper runs and end after its caller is done with the model",
+                f"return plain names and call `{helper}()` once, as `model = {helper}(...)` or "
+                f"`model, optimizer = {helper}(...)`",
             )
         if facts.entry_block is None:
             return
@@ -85,7 +87,7 @@ class LaunchDistributedCommand(RetrofitStage):
         editor.insert_paragraph_before(anchor, preamble, first_in_block=anchor is block.body[0])
         if in_helper:
             self._mesh_in_helper(facts, editor, "dist.get_world_size()")
-        editor.append_to(block, [self.stmt("dist.destroy_process_group()\n")])
+        self._teardown(block, "dist", facts, editor)
         self.add_import("os")
         self.add_import("torch")
         self.add_import("torch.distributed", asname="dist")
@@ -141,8 +143,29 @@ class LaunchDistributedCommand(RetrofitStage):
         else:
             self._mesh_after_group(group, facts, editor, world)
         if not group.destroys:
-            editor.append_to(block, [self.stmt(f"{self._dist(group)}.destroy_process_group()\n")])
+            self._teardown(block, self._dist(group), facts, editor)
             self.change(block.body[-1], "destroy the process group at the end", "a clean exit under torchrun")
+
+    def _teardown(self, block, dist: str, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """`dist.destroy_process_group()` at the end of `block`, before its final `return`. A
+        return value that calls anything (`return evaluate(model, loader)`: a forward of the
+        sharded model, a collective) is computed first, while the group still exists."""
+        teardown = [self.stmt(f"{dist}.destroy_process_group()\n")]
+        last = block.body[-1] if block.body else None
+        value = last.body[0].value if (
+            isinstance(last, cst.SimpleStatementLine) and type(last.body[0]) is cst.Return) else None
+        if value is None or not any(type(n) is cst.Call for n in walk(value)):
+            editor.append_to(block, teardown)
+            return
+        name = self.fresh_name("result", facts.entry_scope)
+        editor.replace(last, self.stmt(f"{name} = {code(value)}\n").with_changes(leading_lines=last.leading_lines))
+        editor.append_to(block, [*teardown, self.stmt(f"return {name}\n")])
+        self.change(
+            last,
+            f"the returned value is computed into `{name}` before the process group is destroyed",
+            f"`{code(value)}` runs code that may need the group (a forward of the sharded model, a collective); "
+            "after destroy_process_group it would fail or hang",
+        )
 
     def _mesh_after_group(self, group, facts: ScriptFacts, editor: StatementEditor, world: str) -> None:
         block = facts.entry_block

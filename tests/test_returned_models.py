@@ -87,3 +87,43 @@ def test_a_name_is_followed_only_where_every_return_gives_it_back_at_one_place()
     assert _names(alone, {"m"}) == ({"m": -1}, {"x": "m"})
     arity = "def f():\n    return m, o\nx = f()\n"
     assert _names(arity, {"m"})[1] == {}
+
+
+@pytest.mark.parametrize("returned", [
+    '    return {"model": model, "optimizer": optimizer}\n',  # a dict
+    '    return model.to("cpu"), optimizer\n',  # through a method that returns the model
+])
+def test_a_model_returned_in_another_shape_is_refused(returned):
+    """Before: the teardown went before the helper's `return` and the caller trained on a
+    destroyed process group."""
+    text = SOURCE.replace("    return model, optimizer\n", returned)
+    if "{" in returned:
+        text = text.replace(CALL, '    parts = build(1e-2)\n    model, optimizer = parts["model"], parts["optimizer"]\n')
+    out = _rewrite(text)
+    assert [r.code for r in out.refusals] == ["FSR404"], out.refusals
+    assert out.code == text.encode()
+
+
+TRAIN_AND_RETURN = SOURCE.replace(CALL, "    torch.manual_seed(0)\n    model = Net()\n"
+                                  "    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)\n")
+TRAIN_AND_RETURN = TRAIN_AND_RETURN[:TRAIN_AND_RETURN.index("def build(lr):")] + TRAIN_AND_RETURN[
+    TRAIN_AND_RETURN.index("def main():"):]
+
+
+@pytest.mark.parametrize("returned, computed_first", [
+    ("    return evaluate(model, data)\n", True),  # a forward of the sharded model: needs the group
+    ("    return args.out\n", False),
+])
+def test_a_returned_value_that_calls_anything_is_computed_before_the_teardown(returned, computed_first):
+    text = TRAIN_AND_RETURN.replace("    torch.save(model.state_dict(), args.out)\n",
+                                    "    torch.save(model.state_dict(), args.out)\n" + returned)
+    text = text.replace("def main():", "def evaluate(model, data):\n    x, y = data.tensors\n"
+                        "    return nn.functional.cross_entropy(model(x), y).item()\n\n\ndef main():")
+    out = _rewrite(text)
+    assert not out.refusals, out.refusals
+    main = _function(out.code.decode(), "main")
+    tail = [line.strip() for line in main.rstrip().splitlines()[-3:]]
+    if computed_first:
+        assert tail == ["result = evaluate(model, data)", "dist.destroy_process_group()", "return result"]
+    else:
+        assert tail[-2:] == ["dist.destroy_process_group()", "return args.out"]

@@ -12,6 +12,7 @@ from typing import Dict, Iterable, List, Optional, Set
 import libcst as cst
 
 from .closures import own_nodes
+from fsdp2_retrofit.syntax.names import SELF_RETURNING_METHODS
 
 _ALONE = -1  # `return model`: the name is the whole returned value
 
@@ -82,5 +83,20 @@ def names_out(resolver, call: cst.Call, fn: cst.FunctionDef, names: Iterable[str
 
 
 def returns_any(fn: cst.FunctionDef, names: Set[str]) -> bool:
-    """Some `return` of `fn` gives back one of `names` (alone or in a tuple)."""
-    return any(set(r) & names for r in (_returned_at(fn) or []))
+    """Some `return` of `fn` hands back one of `names` itself: alone, in a tuple, list or
+    dict, or through its self-returning methods (`return model.to(device), optimizer`)."""
+    return any(type(n) is cst.Return and n.value is not None and _hands_back(n.value, names) for n in own_nodes(fn))
+
+
+def _hands_back(expr, names: Set[str]) -> bool:
+    if isinstance(expr, cst.Name):
+        return expr.value in names
+    if isinstance(expr, cst.Call):
+        func = expr.func
+        return isinstance(func, cst.Attribute) and func.attr.value in SELF_RETURNING_METHODS and _hands_back(
+            func.value, names)
+    if isinstance(expr, (cst.Tuple, cst.List, cst.Set)):
+        return any(_hands_back(el.value, names) for el in expr.elements)
+    if isinstance(expr, cst.Dict):
+        return any(_hands_back(el.value, names) for el in expr.elements if isinstance(el, cst.DictElement))
+    return False

@@ -161,10 +161,12 @@ _RULES = [
                 "Use the framework's own FSDP2 support (Accelerate's FSDP plugin, Lightning's "
                 "ModelParallelStrategy, a DeepSpeed ZeRO config), or drop the framework first."),
     RefusalRule("FSR404", "launch-returned-model-unfollowed",
-                "A helper builds the model and returns it, but not into one assignment.",
+                "A helper builds the model and returns it in a way the rewrite does not follow.",
                 "The process group must start before the helper runs and end after its caller is done with the "
-                "model; the rewrite follows a returned model only into one `model, optimizer = build(...)`.",
-                "Call the helper once, as `model = build(...)` or `model, optimizer = build(...)`."),
+                "model; the rewrite follows `return model, optimizer` (plain names) into one "
+                "`model, optimizer = build(...)`.",
+                "Return plain names and call the helper once, as `model = build(...)` or "
+                "`model, optimizer = build(...)`."),
     # -- 5xx meta_init -------------------------------------------------------------------
     RefusalRule("FSR501", "meta-init-library-model", "--meta-init with a model built by a library (transformers, timm, ...).",
                 "Its initialisation or pretrained weights live in the library, which the rewrite never reads.",

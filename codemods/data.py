@@ -10,6 +10,7 @@ from fsdp2_retrofit.analysis.batch_size import batch_size_readers
 from fsdp2_retrofit.analysis.closures import functions_reading
 from fsdp2_retrofit.analysis.data import unfollowed_loaders
 from fsdp2_retrofit.analysis.loops import steps_outside_loops
+from fsdp2_retrofit.analysis.returns import names_out
 from fsdp2_retrofit.syntax.names import iterated_name, names_in, walk
 from fsdp2_retrofit.rewrite.edit import with_keyword, without_entry, without_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
@@ -223,6 +224,12 @@ class DistributeDataCommand(RetrofitStage):
 
     def _set_epoch(self, loader: LoaderSite, sampler: str, facts: ScriptFacts, editor) -> None:
         epoch_loop = _epoch_loop(loader, facts)
+        if epoch_loop is None and loader.returned:  # `train_loader, val_loader = build_loaders(...)`
+            received = _received(loader, facts)
+            if received is not None:
+                name, block = received
+                epoch_loop = _epoch_loop_over(name, block, facts)
+                sampler = f"{name}.sampler" if epoch_loop is not None else sampler
         if epoch_loop is None and self._count_passes(loader, sampler, facts, editor):
             return
         if epoch_loop is None:
@@ -283,22 +290,43 @@ def _pass_in_while(loader: LoaderSite, facts: ScriptFacts):
 def _epoch_loop(loader: LoaderSite, facts: ScriptFacts) -> Optional[cst.For]:
     """The innermost `for <name> in ...` around a whole pass over the loader: a loop
     over it, or a call that hands it to a function (`train_one_epoch(model, loader)`)."""
+    return _epoch_loop_over(loader.name, loader.block, facts)
+
+
+def _epoch_loop_over(name: str, block, facts: ScriptFacts) -> Optional[cst.For]:
+    """`_epoch_loop` for the loader bound to `name` in `block`."""
     best = None
     # functions that loop over the loader as a global (`def train(epoch): for x in trainloader`)
     # or, nested in the loader's function, through their closure
-    scope = facts.resolver.enclosing_function(loader.stmt)
+    scope = facts.resolver.enclosing_function(block)
     readers = {
-        fn.name.value for fn in functions_reading(facts.resolver, scope, loader.name)
-        if _passes_over(fn.body, loader.name, loops_only=True)
+        fn.name.value for fn in functions_reading(facts.resolver, scope, name)
+        if _passes_over(fn.body, name, loops_only=True)
     }
-    for node in facts.resolver.descendants(loader.block, cst.For):  # outer loops first
-        if not isinstance(node.target, cst.Name) or loader.name in names_in(node.iter):
+    for node in facts.resolver.descendants(block, cst.For):  # outer loops first
+        if not isinstance(node.target, cst.Name) or name in names_in(node.iter):
             continue
         if isinstance(node.body, cst.SimpleStatementSuite):
             continue
-        if _passes_over(node.body, loader.name, readers=readers):
+        if _passes_over(node.body, name, readers=readers):
             best = node  # the last kept is the innermost
     return best
+
+
+def _received(loader: LoaderSite, facts: ScriptFacts):
+    """(name, block) where the one call of the helper that returns the loader binds it
+    (`train_loader, val_loader = build_loaders(...)`), or None."""
+    helper = facts.resolver.enclosing_function(loader.stmt)
+    if helper is None:
+        return None
+    calls = [c for c in facts.resolver.nodes(cst.Call)
+             if type(c.func) is cst.Name and c.func.value == helper.name.value]
+    if len(calls) != 1:
+        return None
+    out = names_out(facts.resolver, calls[0], helper, {loader.name})
+    if len(out) != 1:
+        return None
+    return next(iter(out)), facts.resolver.block_of(facts.resolver.statement_of(calls[0]))
 
 
 def _passes_over(body, name: str, readers=frozenset(), loops_only: bool = False) -> bool:

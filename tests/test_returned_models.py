@@ -127,3 +127,23 @@ def test_a_returned_value_that_calls_anything_is_computed_before_the_teardown(re
         assert tail == ["result = evaluate(model, data)", "dist.destroy_process_group()", "return result"]
     else:
         assert tail[-2:] == ["dist.destroy_process_group()", "return args.out"]
+
+
+LOADERS = (CASE.parent / "helper_returns_loaders" / "input.py").read_text()
+
+
+def test_a_returned_loader_gets_set_epoch_in_the_callers_epoch_loop():
+    code = _rewrite(LOADERS).code.decode()
+    main = _function(code, "main")
+    loop = main.index("for epoch in range(args.epochs):")
+    assert main.index("train_loader.sampler.set_epoch(epoch)", loop) < main.index("for x, y in train_loader:")
+    assert "set_epoch" not in _function(code, "build_loaders")
+
+
+def test_a_loader_helper_called_twice_keeps_the_attention_item():
+    text = LOADERS.replace("    train_loader, val_loader = build_loaders(args.batch_size)\n",
+                           "    train_loader, val_loader = build_loaders(args.batch_size)\n"
+                           "    _, _ = build_loaders(args.batch_size)\n")
+    out = _rewrite(text)
+    assert "set_epoch" not in out.code.decode()
+    assert any("set_epoch" in a.what for a in out.attention), out.attention

@@ -122,7 +122,8 @@ class LaunchDistributedCommand(RetrofitStage):
             )
         block = facts.entry_block
         body = list(block.body)
-        top = facts.models[0].top
+        # `model, optimizer = build(cfg)`: the helper builds (and shards) the model where it is called
+        top = facts.models[0].top if facts.entry_call is None else facts.resolver.statement_of(facts.entry_call)
         if group.start in body and top in body and body.index(top) < body.index(group.start):
             self.refuse(
                 "FSR402",

@@ -147,3 +147,24 @@ def test_a_loader_helper_called_twice_keeps_the_attention_item():
     out = _rewrite(text)
     assert "set_epoch" not in out.code.decode()
     assert any("set_epoch" in a.what for a in out.attention), out.attention
+
+
+OWN_GROUP = SOURCE.replace("import torch\n", "import torch\nimport torch.distributed as dist\n", 1).replace(
+    "    torch.save(model.state_dict(), args.out)\n",
+    "    torch.save(model.state_dict(), args.out)\n    dist.destroy_process_group()\n")
+START = '    dist.init_process_group("gloo")\n'
+
+
+def test_a_script_starting_its_own_group_keeps_it_and_the_helper_gets_the_mesh():
+    text = OWN_GROUP.replace(CALL, START + CALL)
+    out = _rewrite(text)
+    assert not out.refusals, out.refusals
+    code = out.code.decode()
+    assert code.count("init_process_group") == 1 and code.count("destroy_process_group") == 1
+    assert "mesh = init_device_mesh(" in _function(code, "build")
+
+
+def test_a_helper_called_before_the_scripts_own_group_starts_is_refused():
+    text = OWN_GROUP.replace(CALL, CALL + START)
+    out = _rewrite(text)
+    assert [r.code for r in out.refusals] == ["FSR402"], out.refusals

@@ -11,6 +11,7 @@ from fsdp2_retrofit.analysis.closures import functions_reading
 from fsdp2_retrofit.analysis.data import unfollowed_loaders
 from fsdp2_retrofit.analysis.loops import steps_outside_loops
 from fsdp2_retrofit.analysis.returns import names_out
+from fsdp2_retrofit.analysis.sibling_loaders import sibling_loaders
 from fsdp2_retrofit.syntax.names import iterated_name, names_in, walk
 from fsdp2_retrofit.rewrite.edit import with_keyword, without_entry, without_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
@@ -37,7 +38,18 @@ class DistributeDataCommand(RetrofitStage):
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         training = [l for l in facts.loaders if l.trains]
-        if not training and facts.loops and not facts.loaders:
+        elsewhere = sibling_loaders(facts.resolver, facts.classes) if not training and facts.loops else []
+        for found in elsewhere:
+            self.attention(
+                found.call,
+                f"the DataLoader comes from {found.function}() of {found.file} (its line {found.line}), a file this "
+                "rewrite does not edit: it gets no DistributedSampler, so every rank reads all of it (if it feeds "
+                "training, every rank trains on the same batches)",
+                "give that DataLoader `sampler=DistributedSampler(dataset, shuffle=...)` in place of `shuffle=`, "
+                "and call `loader.sampler.set_epoch(epoch)` at the start of each epoch",
+                differs=True,
+            )
+        if not training and facts.loops and not facts.loaders and not elsewhere:
             self.attention(
                 facts.loops[0].node,
                 "no DataLoader: the batches do not come from a sampler this tool can shard",

@@ -168,3 +168,19 @@ def test_a_helper_called_before_the_scripts_own_group_starts_is_refused():
     text = OWN_GROUP.replace(CALL, CALL + START)
     out = _rewrite(text)
     assert [r.code for r in out.refusals] == ["FSR402"], out.refusals
+
+
+@pytest.mark.parametrize("call", ["    main()\n", "    fire.Fire(main)\n"], ids=["discarded", "not-called-by-name"])
+def test_a_returned_model_nothing_receives_keeps_the_launch_where_it_is_built(call):
+    """`def main(): ...; return model` with `main()` as a statement (or run by a library):
+    the launch and teardown stay in main, as for any model built there."""
+    text = TRAIN_AND_RETURN.replace("    torch.save(model.state_dict(), args.out)\n",
+                                    "    torch.save(model.state_dict(), args.out)\n    return model\n")
+    text = text.replace('if __name__ == "__main__":\n    main()\n', 'if __name__ == "__main__":\n' + call)
+    if "fire" in call:
+        text = "import fire\n" + text
+    out = _rewrite(text)
+    assert not out.refusals, out.refusals
+    main = _function(out.code.decode(), "main")
+    assert "init_process_group" in main
+    assert [line.strip() for line in main.rstrip().splitlines()[-2:]] == ["dist.destroy_process_group()", "return model"]

@@ -28,10 +28,14 @@ class LaunchAnalysis(SiteAnalysis):
         `model`; or, when the function building it returns it (`model, opt = build(cfg)`),
         those of the one assignment that receives it, followed up to a function that keeps
         it (call: that assignment's call of the helper that returns the model). (None, None,
-        helper) when a helper returns the model and it is not received by one such assignment."""
+        helper) when a helper returns the model and it is not received by one such assignment;
+        a returned model nothing receives (`main()` as a statement, or no call by name) stays
+        where it is built."""
         block, scope, call, names = model.block, model.scope, None, {model.name}
         while isinstance(scope, cst.FunctionDef) and returns_any(scope, names):
             calls = [c for c, fn in self._local_calls() if fn is scope]
+            if not calls or (len(calls) == 1 and type(self.r.parent(calls[0])) is cst.Expr):
+                break  # nothing here receives the model: `main()` discarding it, or `fire.Fire(main)`
             out = names_out(self.r, calls[0], scope, names) if len(calls) == 1 else {}
             if not out or self.r.enclosing_function(calls[0]) is scope:
                 return None, None, scope

@@ -75,7 +75,7 @@ def _names(code: str, wanted):
     resolver = Resolver(module)
     fn = next(s for s in module.body if isinstance(s, cst.FunctionDef))
     call = resolver.nodes(cst.Call)[-1]
-    return returned_names(fn, wanted), names_out(resolver, call, fn, wanted)
+    return returned_names(resolver, fn, wanted), names_out(resolver, call, fn, wanted)
 
 
 def test_a_name_is_followed_only_where_every_return_gives_it_back_at_one_place():

@@ -47,7 +47,7 @@ def sharded_here(
         anchor = fn
 
 
-def own_nodes(fn: cst.FunctionDef):
+def _own_nodes(fn: cst.FunctionDef):
     """The nodes of `fn`'s body in its own scope: not inside a nested def, class or
     lambda (of those only the name they bind in `fn`)."""
     stack = list(reversed(child_nodes(fn.body)))
@@ -78,7 +78,7 @@ def local_bindings(fn: cst.FunctionDef) -> Set[str]:
     `nonlocal` or `global`: a read of any other name reaches an enclosing scope."""
     bound = set(parameter_names(fn))
     declared: Set[str] = set()
-    for node in own_nodes(fn):
+    for node in _own_nodes(fn):
         if isinstance(node, (cst.Nonlocal, cst.Global)):
             declared |= {n.name.value for n in node.names}
         elif isinstance(node, cst.Assign):
@@ -96,7 +96,7 @@ def local_bindings(fn: cst.FunctionDef) -> Set[str]:
             bound |= _target_names(node.target)
         elif isinstance(node, cst.ImportAlias) and node.asname is None:
             bound.add(dotted_root(node.name))
-    for node in own_nodes(fn):
+    for node in _own_nodes(fn):
         if isinstance(node, (cst.FunctionDef, cst.ClassDef)):
             bound.add(node.name.value)
     return bound - declared
@@ -121,7 +121,7 @@ def free_reads(fn: cst.FunctionDef) -> Set[str]:
 def closure_reads(fn: cst.FunctionDef) -> Set[str]:
     """free_reads less the names `fn` declares `global`: those reach the module, not
     the function around `fn`."""
-    declared = {n.name.value for node in own_nodes(fn) if isinstance(node, cst.Global) for n in node.names}
+    declared = {n.name.value for node in _own_nodes(fn) if isinstance(node, cst.Global) for n in node.names}
     return free_reads(fn) - declared
 
 
@@ -184,11 +184,11 @@ def nonlocal_rebinds(resolver, names: Dict) -> List[Tuple[cst.CSTNode, str]]:
         held = names.get(outer)
         if not held:
             continue
-        declared = {n.name.value for node in own_nodes(inner) if isinstance(node, cst.Nonlocal) for n in node.names}
+        declared = {n.name.value for node in _own_nodes(inner) if isinstance(node, cst.Nonlocal) for n in node.names}
         watched = declared & set(held)
         if not watched:
             continue
-        for node in own_nodes(inner):
+        for node in _own_nodes(inner):
             if isinstance(node, cst.Assign):
                 targets = [t.target for t in node.targets]
             elif isinstance(node, (cst.AnnAssign, cst.AugAssign)):

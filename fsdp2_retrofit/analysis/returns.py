@@ -11,20 +11,22 @@ from typing import Dict, Iterable, List, Optional, Set
 
 import libcst as cst
 
-from .closures import own_nodes
 from fsdp2_retrofit.syntax.names import SELF_RETURNING_METHODS
 
 _ALONE = -1  # `return model`: the name is the whole returned value
 
 
-def _returned_at(fn: cst.FunctionDef) -> Optional[List[Dict[str, int]]]:
-    """For each own `return` of `fn`: {name: position} of the plain names it gives back
-    (position _ALONE when the return value is the name itself); None if `fn` has no
-    return with a value."""
+def own_returns(resolver, fn: cst.FunctionDef) -> List[cst.Return]:
+    """The `return` statements of `fn` itself (not of a def nested in it), from the
+    resolver's index."""
+    return [r for r in resolver.descendants(fn, cst.Return) if resolver.enclosing_function(r) is fn]
+
+
+def _returned_at(returns: List[cst.Return]) -> List[Dict[str, int]]:
+    """For each of `returns`: {name: position} of the plain names it gives back (position
+    _ALONE when the return value is the name itself)."""
     out = []
-    for node in own_nodes(fn):
-        if type(node) is not cst.Return:
-            continue
+    for node in returns:
         value = node.value
         if isinstance(value, cst.Name):
             out.append({value.value: _ALONE})
@@ -33,25 +35,17 @@ def _returned_at(fn: cst.FunctionDef) -> Optional[List[Dict[str, int]]]:
                         if type(el) is cst.Element and isinstance(el.value, cst.Name)})
         else:
             out.append({})
-    return out or None
+    return out
 
 
-def _tuple_size(fn: cst.FunctionDef) -> Optional[int]:
-    sizes = {len(n.value.elements) if isinstance(n.value, cst.Tuple) else _ALONE
-             for n in own_nodes(fn) if type(n) is cst.Return}
-    return sizes.pop() if len(sizes) == 1 else None
-
-
-def returned_names(fn: cst.FunctionDef, names: Iterable[str]) -> Dict[str, int]:
+def returned_names(resolver, fn: cst.FunctionDef, names: Iterable[str]) -> Dict[str, int]:
     """{name: position} for each of `names` that every return of `fn` gives back at the
     same position (_ALONE: as the whole value)."""
-    returns = _returned_at(fn)
-    if returns is None:
-        return {}
+    returns = _returned_at(own_returns(resolver, fn))
     out = {}
     for name in names:
         places = {r.get(name) for r in returns}
-        if len(places) == 1 and None not in places:
+        if returns and len(places) == 1 and None not in places:
             out[name] = places.pop()
     return out
 
@@ -64,7 +58,8 @@ def call_targets(resolver, call: cst.Call, fn: cst.FunctionDef) -> Optional[Dict
     if type(assign) is not cst.Assign or assign.value is not call or len(assign.targets) != 1:
         return None
     target = assign.targets[0].target
-    size = _tuple_size(fn)
+    sizes = {len(r.value.elements) if isinstance(r.value, cst.Tuple) else _ALONE for r in own_returns(resolver, fn)}
+    size = sizes.pop() if len(sizes) == 1 else None
     if isinstance(target, cst.Name) and size == _ALONE:
         return {_ALONE: target.value}
     if isinstance(target, (cst.Tuple, cst.List)) and size == len(target.elements):
@@ -79,15 +74,14 @@ def names_out(resolver, call: cst.Call, fn: cst.FunctionDef, names: Iterable[str
     targets = call_targets(resolver, call, fn)
     if targets is None:
         return {}
-    return {targets[pos]: name for name, pos in returned_names(fn, names).items() if pos in targets}
+    return {targets[pos]: name for name, pos in returned_names(resolver, fn, names).items() if pos in targets}
 
 
 def returns_any(resolver, fn: cst.FunctionDef, names: Set[str]) -> bool:
     """Some `return` of `fn` hands back one of `names` itself: alone, in a tuple, list or
     dict, or through its self-returning methods (`return model.to(device), optimizer`).
     Reads the resolver's index of returns: walking `fn` cost ~3 ms a rewrite of the example."""
-    return any(n.value is not None and _hands_back(n.value, names) and resolver.enclosing_function(n) is fn
-               for n in resolver.nodes(cst.Return))
+    return any(n.value is not None and _hands_back(n.value, names) for n in own_returns(resolver, fn))
 
 
 def _hands_back(expr, names: Set[str]) -> bool:

@@ -10,6 +10,7 @@ from typing import List, Optional
 import libcst as cst
 
 from .model_classes import ClassRegistry
+from .returns import own_returns
 from fsdp2_retrofit.records import record
 from fsdp2_retrofit.syntax.names import Resolver, calls_in
 from fsdp2_retrofit.syntax.torch_api import DATALOADERS
@@ -40,14 +41,9 @@ def _builder(resolver: Resolver, classes: ClassRegistry, call: cst.Call) -> Opti
             continue
         namer = classes.top_level[namespace][1]
         built = next((c for c in calls_in(fn) if namer.resolver.is_call_to(c, DATALOADERS)), None)
-        if built is None or not any(type(n) is cst.Return and n.value is not None for n in _returns(fn)):
+        if built is None or not any(n.value is not None for n in own_returns(namer.resolver, fn)):
             continue
         file = Path(*namespace.split(".")).with_suffix(".py").as_posix()
         return SiblingLoader(call, name, file, namer.resolver.line(built))
     return None
 
-
-def _returns(fn: cst.FunctionDef):
-    from .closures import own_nodes
-
-    return (n for n in own_nodes(fn) if type(n) is cst.Return)

@@ -128,9 +128,9 @@ class _Analyser(ModelAnalysis, OptimizerAnalysis, LoopAnalysis, LoaderAnalysis, 
         model_names = self._model_names(models + copies + frozen)
         train_loops = self._train_loops(loops)
         loaders = self._loaders(stmts, train_loops)
-        entry_block, entry_scope, entry_call = self._entry(models[0]) if models else (None, None, None)
-        unfollowed_return = entry_call if entry_block is None else None
-        entry_call = None if entry_block is None else entry_call
+        entry_block, entry_scope, entry_call, unfollowed_return = (
+            self._entry(models[0]) if models else (None, None, None, None)
+        )
         init_call = self._distributed_init(calls)
         mesh_name, rank_name = self._launch_names(stmts, entry_scope, models[0].scope if entry_call else None)
         facts = ScriptFacts(

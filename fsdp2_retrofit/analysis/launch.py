@@ -24,13 +24,13 @@ class LaunchAnalysis(SiteAnalysis):
     """Finds what the script does to launch itself."""
 
     def _entry(self, model):
-        """Where the launch goes: (block, scope, call). The block and scope that build
-        `model`; or, when the function building it returns it (`model, opt = build(cfg)`),
-        those of the one assignment that receives it, followed up to a function that keeps
-        it (call: that assignment's call of the helper that returns the model). (None, None,
-        helper) when a helper returns the model and it is not received by one such assignment;
-        a returned model nothing receives (`main()` as a statement, or no call by name) stays
-        where it is built."""
+        """Where the launch goes: (block, scope, call, unfollowed). The block and scope that
+        build `model`; or, when the function building it returns it (`model, opt = build(cfg)`),
+        those of the one assignment that receives it, followed up to a function that keeps it
+        (call: that assignment's call of the helper that returns the model). unfollowed: the
+        helper, when it returns the model and that is not received by one such assignment (the
+        rest None). A returned model nothing receives (`main()` as a statement, or no call by
+        name) stays where it is built."""
         block, scope, call, names = model.block, model.scope, None, {model.name}
         while isinstance(scope, cst.FunctionDef) and returns_any(self.r, scope, names):
             calls = [c for c, fn in self._local_calls() if fn is scope]
@@ -38,12 +38,12 @@ class LaunchAnalysis(SiteAnalysis):
                 break  # nothing here receives the model: `main()` discarding it, or `fire.Fire(main)`
             out = names_out(self.r, calls[0], scope, names) if len(calls) == 1 else {}
             if not out or self.r.enclosing_function(calls[0]) is scope:
-                return None, None, scope
+                return None, None, None, scope
             call = calls[0]
             block = self.r.block_of(self.r.statement_of(call))
             scope = self.r.enclosing_function(call) or self.module
             names = set(out)
-        return block, scope, call
+        return block, scope, call, None
 
     def _launch_names(self, stmts, entry_scope, mesh_scope=None):
         """The mesh and the rank names of the entry scope (the script's own, e.g.

@@ -10,7 +10,6 @@ from fsdp2_retrofit.analysis.batch_size import batch_size_readers
 from fsdp2_retrofit.analysis.closures import functions_reading
 from fsdp2_retrofit.analysis.data import unfollowed_loaders
 from fsdp2_retrofit.analysis.loops import steps_outside_loops
-from fsdp2_retrofit.analysis.returns import names_out
 from fsdp2_retrofit.analysis.sibling_loaders import sibling_loaders
 from fsdp2_retrofit.syntax.names import iterated_name, names_in, walk
 from fsdp2_retrofit.rewrite.edit import with_keyword, without_entry, without_keyword
@@ -236,12 +235,10 @@ class DistributeDataCommand(RetrofitStage):
 
     def _set_epoch(self, loader: LoaderSite, sampler: str, facts: ScriptFacts, editor) -> None:
         epoch_loop = _epoch_loop(loader, facts)
-        if epoch_loop is None and loader.returned:  # `train_loader, val_loader = build_loaders(...)`
-            received = _received(loader, facts)
-            if received is not None:
-                name, block = received
-                epoch_loop = _epoch_loop_over(name, block, facts)
-                sampler = f"{name}.sampler" if epoch_loop is not None else sampler
+        if epoch_loop is None and loader.received is not None:  # `train_loader, val_loader = build_loaders(...)`
+            name, block = loader.received
+            epoch_loop = _epoch_loop_over(name, block, facts)
+            sampler = f"{name}.sampler" if epoch_loop is not None else sampler
         if epoch_loop is None and self._count_passes(loader, sampler, facts, editor):
             return
         if epoch_loop is None:
@@ -323,22 +320,6 @@ def _epoch_loop_over(name: str, block, facts: ScriptFacts) -> Optional[cst.For]:
         if _passes_over(node.body, name, readers=readers):
             best = node  # the last kept is the innermost
     return best
-
-
-def _received(loader: LoaderSite, facts: ScriptFacts):
-    """(name, block) where the one call of the helper that returns the loader binds it
-    (`train_loader, val_loader = build_loaders(...)`), or None."""
-    helper = facts.resolver.enclosing_function(loader.stmt)
-    if helper is None:
-        return None
-    calls = [c for c in facts.resolver.nodes(cst.Call)
-             if type(c.func) is cst.Name and c.func.value == helper.name.value]
-    if len(calls) != 1:
-        return None
-    out = names_out(facts.resolver, calls[0], helper, {loader.name})
-    if len(out) != 1:
-        return None
-    return next(iter(out)), facts.resolver.block_of(facts.resolver.statement_of(calls[0]))
 
 
 def _passes_over(body, name: str, readers=frozenset(), loops_only: bool = False) -> bool:

@@ -7,6 +7,7 @@ from typing import List, Optional, Set
 import libcst as cst
 
 from .loops import LoopSite, train_loops
+from .returns import names_out
 from .site_analysis import Block, SiteAnalysis
 from fsdp2_retrofit.syntax.names import (
     Resolver, assigned_names, bind_args, calls_in, code, last_assignment, names_in, walk,
@@ -32,6 +33,9 @@ class LoaderSite:
     shuffle_set_later: Optional[str] = None
     sampler: Optional["SamplerSite"] = None  # the sampler= it is given, where it has one
     returned: bool = False  # `return loader` from the function that builds it (a helper)
+    # (name, block) where the one call of that helper binds the loader (`train_loader, val_loader =
+    # build_loaders(...)`), or None
+    received: Optional[tuple] = None
 
 
 @record
@@ -113,9 +117,20 @@ class LoaderAnalysis(SiteAnalysis):
                     shuffle_set_later=shuffle_set_later,
                     sampler=self._sampler(args, stmt),
                     returned=self._returned(name, stmt),
+                    received=self._received(name, stmt),
                 )
             )
         return out
+
+    def _received(self, name: str, stmt) -> Optional[tuple]:
+        """(name, block) where the one call of the function that builds the loader and returns
+        it binds it in its caller (`train_loader, val_loader = build_loaders(...)`), or None."""
+        helper = self.r.enclosing_function(stmt)
+        calls = [c for c, fn in self._local_calls() if fn is helper] if helper is not None else []
+        out = names_out(self.r, calls[0], helper, {name}) if len(calls) == 1 else {}
+        if len(out) != 1:
+            return None
+        return next(iter(out)), self.r.block_of(self.r.statement_of(calls[0]))
 
     def _sampler(self, args, stmt) -> Optional[SamplerSite]:
         if "batch_sampler" in args:

@@ -61,6 +61,7 @@ class ClassRegistry:
         self.classes: Dict[str, ClassInfo] = {}
         self.namespaces: Set[str] = set()  # the sibling modules read ("model", "models.resnet")
         self.top_level_functions: Dict[str, Dict[str, cst.FunctionDef]] = {}  # namespace -> name -> def
+        self.files: Dict[str, str] = {}  # namespace -> the sibling module's file
         # the names the script's `from X import *` of its sibling modules bind (star_imports)
         self.star: Optional["StarNames"] = None
         # namespace ("" for the script) -> that module's top-level `NAME = value` statements, its namer
@@ -107,6 +108,16 @@ class ClassRegistry:
         if not isinstance(value, cst.Call) or isinstance(value.func, cst.Lambda):
             return []
         return self.classes_built_by(value.func, namer, depth)
+
+    def shown_file(self, namespace: str) -> str:
+        """A sibling module's file as a message names it: its path from the folder its import
+        resolves in (`mingpt/trainer.py`, `loaders.py`), or the file's name for a package's
+        `__init__.py`."""
+        if namespace not in self.files:
+            return namespace
+        file = Path(self.files[namespace])
+        dotted = Path(*namespace.split(".")).with_suffix(".py").as_posix()
+        return dotted if file.as_posix().endswith("/" + dotted) or file.as_posix() == dotted else file.name
 
     def get(self, name: Optional[str]) -> Optional[ClassInfo]:
         return self.classes.get(name) if name else None
@@ -307,6 +318,7 @@ class _Namer:
 def _collect(module, resolver: Resolver, namespace: str, file, registry: ClassRegistry) -> None:
     if namespace:
         registry.namespaces.add(namespace)
+        registry.files[namespace] = str(file)
     top_classes = [s for s in module.body if isinstance(s, cst.ClassDef)]
     top_functions = {s.name.value: s for s in module.body if isinstance(s, cst.FunctionDef)}
     namer = _Namer(resolver, namespace, [c.name.value for c in top_classes])

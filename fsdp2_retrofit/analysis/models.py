@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Dict, List, Optional, Set
 
 import libcst as cst
@@ -617,9 +616,7 @@ class ModelAnalysis(SiteAnalysis):
             backward = _first_method_call(info.node, "backward")
             if backward is not None:
                 line = info.namer.resolver.line(backward)
-                dotted = Path(*info.namespace.split(".")).with_suffix(".py") if info.namespace else None
-                shown = dotted if dotted is not None and Path(info.file).as_posix().endswith(dotted.as_posix()) else None
-                return f"{info.node.name.value} ({(shown or Path(info.file).name).as_posix()}:{line})"
+                return f"{info.node.name.value} ({self.classes.shown_file(info.namespace)}:{line})"
         return None
 
     def _shard_statements(self, stmts) -> Dict[str, cst.SimpleStatementLine]:

@@ -4,7 +4,6 @@ gets no DistributedSampler; the data stage names the function and its line inste
 saying that no DataLoader was found."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import List, Optional
 
 import libcst as cst
@@ -43,7 +42,6 @@ def _builder(resolver: Resolver, classes: ClassRegistry, call: cst.Call) -> Opti
         built = next((c for c in calls_in(fn) if namer.resolver.is_call_to(c, DATALOADERS)), None)
         if built is None or not any(n.value is not None for n in own_returns(namer.resolver, fn)):
             continue
-        file = Path(*namespace.split(".")).with_suffix(".py").as_posix()
-        return SiblingLoader(call, name, file, namer.resolver.line(built))
+        return SiblingLoader(call, name, classes.shown_file(namespace), namer.resolver.line(built))
     return None
 

@@ -74,7 +74,6 @@ def _parameters_owner(arg: cst.BaseExpression) -> Optional[str]:
     return None
 
 
-
 def _model_method(r, node) -> Optional[cst.FunctionDef]:
     """The method of a class holding `node` when it reads its own `self.parameters()` /
     `self.named_parameters()` (a model's `configure_optimizers`)."""
@@ -295,10 +294,10 @@ def _star_note(facts, value) -> str:
     return f" ({why})" if why else ""
 
 
-__all__ = ["NoModelBlocker", "no_model_blocker", "unrecognised_trained_model"]
-
-
 def _in_returned_tuple(r, call: cst.Call) -> bool:
     """`return model, torch.optim.AdamW(...)`: `call` is an element of a returned tuple."""
     element, tup = r.parent(call), r.parent(r.parent(call))
     return type(element) is cst.Element and type(tup) is cst.Tuple and type(r.parent(tup)) is cst.Return
+
+
+__all__ = ["NoModelBlocker", "no_model_blocker", "unrecognised_trained_model"]

@@ -214,12 +214,55 @@ def test_only_the_gloo_teardown_abort_is_retried(tmp_path: Path):
                    launch=_fake_launches([(-6, TEARDOWN_ABORT)] * (TEARDOWN_RETRIES + 1)))
 
 
+def _recording_launches(outcomes, exits=None):
+    """A launch that writes both ranks' records, as an instrumented run does, then plays
+    `outcomes`; `exits` (one per attempt): what each rank's exit record says (None: none)."""
+    attempts = iter(exits or [[None, None]] * len(outcomes))
+
+    def launch(cmd, env, cwd, timeout, what):
+        for r, clean in enumerate(next(attempts)):
+            (cwd / f"rank{r}.json").write_text(json.dumps({**_rec([2.0], [1.0]), "rank": r, "world_size": 2,
+                                                            "steps": 1}))
+            if clean is not None:
+                (cwd / f"exit_rank{r}.json").write_text(json.dumps({"clean": clean}))
+        return outcomes.pop(0)
+
+    return launch
+
+
 def test_a_stopped_run_with_every_record_is_not_retried(tmp_path: Path):
     """verify's K-step runs: the records were written before the abort; they are the result."""
-    for r in range(2):
-        (tmp_path / f"rank{r}.json").write_text(json.dumps({**_rec([2.0], [1.0]), "rank": r, "world_size": 2, "steps": 1}))
-    run = run_script(["x"], tmp_path, {}, 2, 10, "run", steps=5, launch=_fake_launches([(-6, TEARDOWN_ABORT)]))
+    run = run_script(["x"], tmp_path, {}, 2, 10, "run", steps=5, launch=_recording_launches([(-6, TEARDOWN_ABORT)]))
     assert run.attempts == 1 and len(run.ranks) == 2
+
+
+def test_a_run_to_its_end_aborted_after_every_rank_finished_cleanly_is_not_retried(tmp_path: Path):
+    """steps 0 (the execution tests): the abort came after every rank's code ended without
+    an error, which each rank's exit record says; the run is its records."""
+    run = run_script(["x"], tmp_path, {}, 2, 10, "run", steps=0,
+                     launch=_recording_launches([(-6, TEARDOWN_ABORT)], [[True, True]]))
+    assert run.attempts == 1 and len(run.ranks) == 2
+
+
+@pytest.mark.parametrize("exits", [[True, None], [True, False]], ids=["a rank never got to its end", "a rank failed"])
+def test_a_run_to_its_end_aborted_before_every_rank_finished_cleanly_is_retried(tmp_path: Path, exits):
+    run = run_script(["x"], tmp_path, {}, 2, 10, "run", steps=0,
+                     launch=_recording_launches([(-6, TEARDOWN_ABORT), (0, "")], [exits, [True, True]]))
+    assert run.attempts == 2
+    with pytest.raises(VerifyError, match="exit code -6"):
+        run_script(["x"], tmp_path, {}, 2, 10, "run", steps=0,
+                   launch=_recording_launches([(-6, TEARDOWN_ABORT)] * 3, [exits] * 3))
+
+
+def test_records_an_earlier_run_left_in_the_folder_do_not_stand_for_this_one(tmp_path: Path):
+    """A resumed run in the folder of the run it resumes: that run's clean exit records must not
+    make an abort before this one's own records look finished."""
+    for r in range(2):
+        (tmp_path / f"rank{r}.json").write_text(json.dumps({**_rec([2.0], [1.0]), "rank": r, "world_size": 2}))
+        (tmp_path / f"exit_rank{r}.json").write_text(json.dumps({"clean": True}))
+    with pytest.raises(VerifyError, match="exit code -6"):
+        run_script(["x"], tmp_path, {}, 2, 10, "run", steps=0,
+                   launch=_fake_launches([(-6, TEARDOWN_ABORT)] * (TEARDOWN_RETRIES + 1)))
 
 
 def test_ranks_must_end_with_exactly_the_same_weights():
@@ -505,3 +548,34 @@ def test_the_optimizer_state_init_step_of_dcp_is_not_a_training_step(tmp_path: P
     run = launch_single(script, [], tmp_path / "run")
     record = run.ranks[0]
     assert record["steps"] == 3 and None not in record["losses"] and len(record["grad_norms"]) == 3
+
+
+EXIT_SCRIPT = """\
+import sys
+
+import torch.distributed as dist
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+dist.destroy_process_group()
+how = sys.argv[1]
+if how == "raises":
+    raise ValueError("boom")
+if how.startswith("exit"):
+    sys.exit(int(how[4:]))
+"""
+
+
+@e2e
+@pytest.mark.parametrize("how, clean", [("ends", True), ("exit0", True), ("exit3", False), ("raises", False)])
+def test_each_rank_records_whether_its_code_ended_cleanly(tmp_path: Path, how: str, clean: bool):
+    """The exit record run_script trusts after a teardown abort: written once the script's
+    own code is over, clean only without an uncaught exception or a failing sys.exit."""
+    from fsdp2_retrofit.verify import _child_env
+
+    script = tmp_path / "ends.py"
+    script.write_text(EXIT_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), how], env=_child_env(tmp_path, 0, "single"),
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == (0 if clean else 1 if how == "raises" else 3), proc.stderr[-2000:]
+    record = json.loads((tmp_path / "exit_rank0.json").read_text())
+    assert record["clean"] is clean, record

@@ -545,6 +545,19 @@ def _restore(directory: Path, snapshot: Path) -> None:
     shutil.copytree(snapshot, directory)
 
 
+def _ended_cleanly(directory: Path, nproc: int) -> bool:
+    """Every rank's own code ran to its end: its exit record (written by the instrumentation's
+    last exit handler) says no exception ended it and it gave sys.exit no failure status."""
+    for r in range(nproc):
+        path = directory / f"exit_rank{r}.json"
+        try:
+            if not json.loads(path.read_text(encoding="utf-8")).get("clean"):
+                return False
+        except (OSError, ValueError):
+            return False
+    return True
+
+
 def run_script(cmd: List[str], directory: Path, env: dict, nproc: int, timeout: float, what: str,
                steps: int = DEFAULT_STEPS, instrument: bool = True, retries: int = TEARDOWN_RETRIES,
                launch=_launch) -> Run:
@@ -552,14 +565,20 @@ def run_script(cmd: List[str], directory: Path, env: dict, nproc: int, timeout: 
 
     gloo's worker threads can abort a rank while the interpreter shuts down,
     after the script finished (std::terminate, exit -6: TEARDOWN_ABORT in
-    stderr). A run stopped after ``steps`` steps whose every rank wrote its
-    record is judged on those records. Any other run that dies that way is
-    retried (``retries`` times) from a copy of ``directory`` as it was before
-    the first attempt: an attempt that resumed from a checkpoint and saved a
-    later one must not hand that to the retry. Any other failure, or the same
-    abort every time, is a VerifyError.
+    stderr; the instrumentation makes it rare, see EXIT_GRACE_S there). A run
+    that dies that way is judged on its records when every rank wrote them
+    first: stopped after ``steps`` steps, or (``steps`` 0) run to the end with
+    every rank's code finished cleanly (its exit record: no uncaught exception,
+    no non-zero sys.exit). Any other run that dies that way is retried
+    (``retries`` times) from a copy of ``directory`` as it was before the first
+    attempt: an attempt that resumed from a checkpoint and saved a later one
+    must not hand that to the retry. Any other failure, or the same abort every
+    time, is a VerifyError.
     """
     directory.mkdir(parents=True, exist_ok=True)
+    if instrument:  # a record left by an earlier run in this folder must not stand for this one's
+        for stale in [*directory.glob("rank*.json"), *directory.glob("exit_rank*.json")]:
+            stale.unlink()
     with tempfile.TemporaryDirectory(prefix="fsdp2-verify-before-") as tmp:
         snapshot = Path(tmp) / "before"
         shutil.copytree(directory, snapshot)
@@ -569,7 +588,7 @@ def run_script(cmd: List[str], directory: Path, env: dict, nproc: int, timeout: 
                 break
             aborted = TEARDOWN_ABORT in stderr
             complete = instrument and all((directory / f"rank{r}.json").is_file() for r in range(nproc))
-            if aborted and steps and complete:
+            if aborted and complete and (steps or _ended_cleanly(directory, nproc)):
                 break  # the records were written before the abort: they are the result
             if not aborted or attempt > retries:
                 raise VerifyError(f"the {what} failed (exit code {rc})", _tail(stderr))

@@ -43,6 +43,10 @@ tool, so nothing here imports fsdp2_retrofit.
 import os
 import sys
 
+# seconds a rank that used a process group waits at exit (see at_exit); benchmarks/teardown.py
+# measures the aborts with and without it (FSDP2_RETROFIT_VERIFY_EXIT_GRACE overrides it)
+EXIT_GRACE_S = 0.2
+
 
 def _chain_shadowed_sitecustomize():
     """Run the sitecustomize this one shadows (a distribution's or a venv's), if any."""
@@ -95,6 +99,9 @@ def _install():
         "primary": None,
         "done": False,
         "failed": None,
+        "uncaught": None,  # an exception that ended the script (sys.excepthook saw it)
+        "exit_status": None,  # what the script gave sys.exit, if it called it
+        "grouped": False,  # this process started or ended a process group
         "started": time.time(),
     }
 
@@ -278,21 +285,38 @@ def _install():
         original_destroy = _d.destroy_process_group
 
         def destroy_process_group(*args, **kwargs):
+            state["grouped"] = True
             if not state["done"] and not args and not kwargs.get("group"):
                 finish("end", gather=True)
             return original_destroy(*args, **kwargs)
 
         _d.destroy_process_group = destroy_process_group
+
+        original_init = _d.init_process_group
+
+        def init_process_group(*args, **kwargs):
+            state["grouped"] = True
+            return original_init(*args, **kwargs)
+
+        _d.init_process_group = init_process_group
     except Exception:
         pass
 
     original_excepthook = sys.excepthook
 
     def excepthook(kind, value, tb):
-        state["failed"] = f"{kind.__name__}: {value}"
+        state["failed"] = state["uncaught"] = f"{kind.__name__}: {value}"
         original_excepthook(kind, value, tb)
 
     sys.excepthook = excepthook
+
+    original_exit = sys.exit
+
+    def exit(status=None):
+        state["exit_status"] = status
+        original_exit(status)
+
+    sys.exit = exit
 
     def at_exit():
         if os.getpid() != main_pid:  # a forked DataLoader worker
@@ -303,6 +327,20 @@ def _install():
             return
         # weights need every rank; a single process or a live group can gather them
         finish("exit", gather=_dist() is not None or "LOCAL_RANK" not in os.environ)
+        # The script's own code has ended: say how, for a rank that gloo aborts from here on.
+        status = state["exit_status"]
+        clean = state["uncaught"] is None and status in (None, 0)
+        exited = os.path.join(out_dir, f"exit_rank{_rank()}.json")
+        with open(exited + ".tmp", "w", encoding="utf-8") as f:
+            json.dump({"clean": clean, "uncaught": state["uncaught"], "status": repr(status)}, f)
+        os.replace(exited + ".tmp", exited)
+        grace = float(os.environ.get("FSDP2_RETROFIT_VERIFY_EXIT_GRACE", EXIT_GRACE_S))
+        if grace > 0 and (state["grouped"] or _dist() is not None):
+            # A gloo worker thread may still hold the last collective's work, whose tensors it
+            # releases under the GIL. Once finalization has begun, taking the GIL ends that
+            # thread in the middle of a destructor: std::terminate, SIGABRT, after the script
+            # finished. A short sleep (GIL released) lets it release them first.
+            time.sleep(grace)
 
     atexit.register(at_exit)
 

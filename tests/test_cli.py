@@ -677,6 +677,39 @@ def test_cache_misses_when_a_module_in_a_package_the_analysis_read_changes(tmp_p
     assert str(models) in plain.inputs
 
 
+
+def test_cache_misses_when_a_project_marker_folder_appears(tmp_path, monkeypatch):
+    """`projects/demo/train.py` imports `pkg.models`, and `pkg/` sits at the project's root: the
+    root is known only once a marker says so. A `.git` folder made after a cached rewrite must
+    reach the rewrite, as a marker file does."""
+    from fsdp2_retrofit.options import RetrofitOptions
+
+    monkeypatch.setenv("FSDP2_RETROFIT_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "models.py").write_text(
+        PKG_MODELS.format(layers="nn.ModuleList([Block(width) for _ in range(depth)])"))
+    script = tmp_path / "projects" / "demo" / "train.py"
+    script.parent.mkdir(parents=True)
+    script.write_text(PKG_SCRIPT)
+    calls = []
+    real = rewrite_cli.rewrite_source
+
+    def counting(source, path, options):
+        calls.append(path)
+        return real(source, path, options)
+
+    monkeypatch.setattr(rewrite_cli, "rewrite_source", counting)
+    rewrite_once = lambda: rewrite_cli.cached_rewrite(script.read_bytes(), str(script), RetrofitOptions(), use_cache=True)  # noqa: E731
+    unknown = rewrite_once()
+    assert b"fully_shard(block, mesh=mesh" not in unknown.code  # pkg/ not found: its blocks unknown
+    assert rewrite_once().code == unknown.code and len(calls) == 1
+    (tmp_path / ".git").mkdir()
+    found = rewrite_once()
+    assert len(calls) == 2 and b"fully_shard(block, mesh=mesh" in found.code
+    assert rewrite_once().code == found.code and len(calls) == 2
+
+
 def test_diff_headers_prefix_relative_paths_like_git():
     from fsdp2_retrofit.report import unified_diff
 

@@ -194,10 +194,20 @@ def recording_reads() -> Iterator[Set[str]]:
 
 def _is_file(path: Path) -> bool:
     """`path.is_file()`, recorded: whether the file exists is an input too."""
+    _record(path)
+    return path.is_file()
+
+
+def _is_dir(path: Path) -> bool:
+    """`path.is_dir()`, recorded like _is_file (the cache tells a folder from a file and from nothing)."""
+    _record(path)
+    return path.is_dir()
+
+
+def _record(path: Path) -> None:
     looked_at = _LOOKED_AT.get()
     if looked_at is not None:
         looked_at.add(str(path))
-    return path.is_file()
 
 
 def build_registry(module: cst.Module, resolver: Resolver, path: Optional[str]) -> ClassRegistry:
@@ -255,7 +265,7 @@ _PROJECT_DEPTH = 3  # folders above the script's own, at most
 def _project_root(folder: Path) -> Optional[Path]:
     """The nearest folder above `folder` (within _PROJECT_DEPTH) that holds a project marker."""
     for parent in list(folder.parents)[:_PROJECT_DEPTH]:
-        if any(_is_file(parent / m) or (parent / m).is_dir() for m in _PROJECT_MARKERS):
+        if any(_is_file(parent / m) or _is_dir(parent / m) for m in _PROJECT_MARKERS):
             return parent
     return None
 

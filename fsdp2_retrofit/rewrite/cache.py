@@ -93,11 +93,14 @@ def _key(path: str, source: bytes, options: RetrofitOptions) -> str:
 
 
 def _fingerprints(paths: Iterable[str]) -> Dict[str, Optional[str]]:
-    """Each file's content hash; None for a file that is absent (or unreadable)."""
+    """Each file's content hash; "folder" for a folder (a project marker such as `.git`);
+    None for a path that is absent (or unreadable)."""
     found: Dict[str, Optional[str]] = {}
     for name in paths:
         try:
             found[name] = hashlib.sha256(Path(name).read_bytes()).hexdigest()
+        except IsADirectoryError:
+            found[name] = "folder"
         except OSError:
             found[name] = None
     return found

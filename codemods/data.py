@@ -8,7 +8,7 @@ import libcst as cst
 from fsdp2_retrofit.analysis import LoaderSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.batch_size import batch_size_readers
 from fsdp2_retrofit.analysis.closures import functions_reading
-from fsdp2_retrofit.analysis.data import unfollowed_loaders
+from fsdp2_retrofit.analysis.data import pass_in_while, unfollowed_loaders
 from fsdp2_retrofit.analysis.loops import steps_outside_loops
 from fsdp2_retrofit.analysis.sibling_loaders import sibling_loaders
 from fsdp2_retrofit.syntax.names import iterated_name, names_in, walk
@@ -248,7 +248,9 @@ class DistributeDataCommand(RetrofitStage):
                     loader.stmt,
                     f"`{loader.name}` is read through iter()/next() or a helper: call "
                     f"`{sampler}.set_epoch(epoch)` each time a new pass over it starts",
-                    "DistributedSampler reshuffles from its epoch number; without it every pass repeats one order",
+                    "DistributedSampler reshuffles from its epoch number; without it every pass after the first "
+                    "repeats the first one's order, where the original loader drew a new one",
+                    differs=True,
                 )
             return
         first = epoch_loop.body.body[0]
@@ -265,35 +267,30 @@ class DistributeDataCommand(RetrofitStage):
 
     def _count_passes(self, loader: LoaderSite, sampler: str, facts: ScriptFacts, editor) -> bool:
         """A pass (`for ... in loader:`) repeated by a `while` (`while step < max_steps:`) has no epoch
-        variable: count the passes in a new one and hand it to set_epoch before each."""
+        variable: count the passes in a new one and hand it to set_epoch before each. The same
+        in a function the loader is handed to (`def cycle(dl): while True: for b in dl: yield b`)."""
         shuffled = loader.shuffle is not None and code(loader.shuffle) != "False"
-        site = _pass_in_while(loader, facts) if shuffled else None  # unshuffled: every epoch reads one order
+        if not shuffled:  # unshuffled: every epoch reads one order
+            return False
+        site = pass_in_while(facts.resolver, loader.name, loader.block)
+        name = loader.name
+        if site is None and loader.cycled is not None:
+            *site, name = loader.cycled
+            sampler = f"{name}.sampler"
         if site is None:
             return False
         while_loop, one_pass = site
         counter = self.fresh_name("epoch", facts.resolver.enclosing_function(while_loop))
         call = f"{sampler}.set_epoch({counter})"
-        editor.insert_before(while_loop, [self.stmt(f"{counter} = 0  # passes over {loader.name}\n")])
+        editor.insert_before(while_loop, [self.stmt(f"{counter} = 0  # passes over {name}\n")])
         editor.insert_before(one_pass, [self.stmt(call + "\n"), self.stmt(f"{counter} += 1\n")])
         self.change(
             one_pass,
-            f"`{call}` before each pass over `{loader.name}`, counting the passes in `{counter}`",
+            f"`{call}` before each pass over `{name}`, counting the passes in `{counter}`",
             "DistributedSampler reshuffles from its epoch number; the `while` loop repeating the pass has none",
             "without set_epoch every pass repeats the first one's order",
         )
         return True
-
-
-def _pass_in_while(loader: LoaderSite, facts: ScriptFacts):
-    """(the while, the for) when a `for` over the loader sits directly in a `while`'s body."""
-    for node in facts.resolver.descendants(loader.block, cst.For):
-        if iterated_name(node.iter) != loader.name:
-            continue
-        block = facts.resolver.parent(node)
-        owner = facts.resolver.parent(block) if block is not None else None
-        if isinstance(block, cst.IndentedBlock) and isinstance(owner, cst.While):
-            return owner, node
-    return None
 
 
 def _epoch_loop(loader: LoaderSite, facts: ScriptFacts) -> Optional[cst.For]:

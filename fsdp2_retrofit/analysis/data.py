@@ -10,7 +10,7 @@ from .loops import LoopSite, train_loops
 from .returns import names_out
 from .site_analysis import Block, SiteAnalysis
 from fsdp2_retrofit.syntax.names import (
-    Resolver, assigned_names, bind_args, calls_in, code, last_assignment, names_in, walk,
+    Resolver, assigned_names, bind_args, calls_in, code, iterated_name, last_assignment, names_in, walk,
 )
 from fsdp2_retrofit.syntax.torch_api import DATALOADERS, DISTRIBUTED_SAMPLERS, PLAIN_SAMPLERS
 from fsdp2_retrofit.records import record
@@ -36,6 +36,9 @@ class LoaderSite:
     # (name, block) where the one call of that helper binds the loader (`train_loader, val_loader =
     # build_loaders(...)`), or None
     received: Optional[tuple] = None
+    # (while, for, parameter) where a function of the script it is handed to repeats passes over it
+    # (`def cycle(dl): while True: for batch in dl: yield batch`), or None
+    cycled: Optional[tuple] = None
 
 
 @record
@@ -118,9 +121,32 @@ class LoaderAnalysis(SiteAnalysis):
                     sampler=self._sampler(args, stmt),
                     returned=self._returned(name, stmt),
                     received=self._received(name, stmt),
+                    cycled=self._cycled(name, stmt),
                 )
             )
         return out
+
+    def _cycled(self, name: str, stmt) -> Optional[tuple]:
+        """(while, for, parameter) when the loader is handed to a function of the script whose
+        `while` repeats a `for` over that parameter, and every call of that function in the
+        loader's scope hands it this loader there (no other loader gets its set_epoch)."""
+        scope = self.r.enclosing_function(stmt)
+        by_function = {}
+        for call, fn in self._local_calls():
+            by_function.setdefault(fn, []).append(call)
+        for fn, calls in by_function.items():
+            given = [{p for p, arg in bind_args(fn, call) if isinstance(arg, cst.Name) and arg.value == name}
+                     for call in calls]
+            params = set().union(*given)
+            if len(params) != 1 or any(g != params for g in given):
+                continue
+            if any(self.r.enclosing_function(call) is not scope for call in calls):
+                continue
+            param = next(iter(params))
+            site = pass_in_while(self.r, param, fn.body)
+            if site is not None:
+                return (*site, param)
+        return None
 
     def _received(self, name: str, stmt) -> Optional[tuple]:
         """(name, block) where the one call of the function that builds the loader and returns
@@ -303,3 +329,16 @@ def _dict_entries(node):
         for a in node.args:
             if a.keyword is not None:
                 yield a.keyword.value, a.value
+
+
+def pass_in_while(resolver: Resolver, name: str, block) -> Optional[tuple]:
+    """(the while, the for) when a `for` over `name` in `block` sits directly in a `while`'s body:
+    each turn of the `while` is one more pass."""
+    for node in resolver.descendants(block, cst.For):
+        if iterated_name(node.iter) != name:
+            continue
+        body = resolver.parent(node)
+        owner = resolver.parent(body) if body is not None else None
+        if isinstance(body, cst.IndentedBlock) and isinstance(owner, cst.While):
+            return owner, node
+    return None

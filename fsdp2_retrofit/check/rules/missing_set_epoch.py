@@ -14,6 +14,11 @@ _HEAD = (
     "from torch.utils.data.distributed import DistributedSampler\nmodel = Net()\nfully_shard(model)\n"
 )
 _EPOCHS = "for epoch in range(3):\n{set_epoch}    for x, y in loader:\n        model(x).sum().backward()\n"
+_CYCLE = (
+    "def cycle(dl):\n{count}    while True:\n{set_epoch}        for b in dl:\n            yield b\n"
+    "loader = DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds))\nbatches = cycle(loader)\n"
+    "for step in range(100):\n    model(next(batches)).sum().backward()\n"
+)
 
 
 def _epochs(set_epoch: str = "") -> str:
@@ -27,8 +32,10 @@ class MissingSetEpoch(Rule):
     In a script that shards a model, flags the `DistributedSampler` of a training
     DataLoader when it shuffles (`shuffle` is not `False`), a loop over the loader
     sits inside another loop (the epochs), or in a nested function the function
-    around it calls inside a loop, and nothing calls `set_epoch` on the
-    sampler (`sampler.set_epoch(epoch)` or `loader.sampler.set_epoch(epoch)`).
+    around it calls inside a loop, or a function the loader is handed to repeats
+    passes over it (`def cycle(dl): while True: for b in dl: yield b`), and nothing
+    calls `set_epoch` on the sampler (`sampler.set_epoch(epoch)`,
+    `loader.sampler.set_epoch(epoch)`, or `dl.sampler.set_epoch(epoch)` in that function).
 
     ## Why is this bad?
     A DistributedSampler shuffles with the seed `seed + epoch`, and its epoch only
@@ -76,6 +83,8 @@ class MissingSetEpoch(Rule):
               "loader = DataLoader(ds, batch_size=8, sampler=sampler)\n" + _epochs()),
         Valid(_HEAD + "sampler = DistributedSampler(ds)\nloader = DataLoader(ds, batch_size=8, sampler=sampler)\n"
               "for x, y in loader:\n    model(x).sum().backward()\n"),  # one pass
+        Valid(_HEAD + _CYCLE.format(count="    epoch = 0\n",
+                                    set_epoch="        dl.sampler.set_epoch(epoch)\n        epoch += 1\n")),
     )
     INVALID = (
         Invalid(_HEAD + "sampler = DistributedSampler(ds, shuffle=True)\n"
@@ -90,6 +99,7 @@ class MissingSetEpoch(Rule):
             "    loader = DataLoader(ds, batch_size=8, sampler=sampler)\n    def train_epoch():\n"
             "        for x, y in loader:\n            model(x).sum().backward()\n"
             "    for epoch in range(3):\n        train_epoch()\n", line=8),
+        Invalid(_HEAD + _CYCLE.format(count="", set_epoch=""), line=11),  # a generator repeats the passes
     )
 
     def check(self, ctx):
@@ -109,9 +119,13 @@ class MissingSetEpoch(Rule):
             if _shuffle_off(sampler.call):
                 continue
             names = {_code(sampler.expr), f"{loader.name}.sampler"}
+            if loader.cycled is not None:  # (while, for, parameter) of a generator repeating the passes
+                names.add(f"{loader.cycled[2]}.sampler")
             if names & receivers:
                 continue
             loop = self._epoch_loop(r, fors, loader.name)
+            if loop is None and loader.cycled is not None:
+                loop = loader.cycled[1]
             if loop is not None:
                 yield sampler.call, {"loader": loader.name, "loop": str(r.line(loop))}, None
 

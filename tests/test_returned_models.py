@@ -61,13 +61,27 @@ def test_a_returned_model_that_cannot_be_followed_is_refused(change):
     assert out.code == text.encode()
 
 
-def test_an_optimizer_built_inside_the_returned_tuple_is_named():
+def test_an_optimizer_built_inside_the_returned_tuple_is_named_and_built_after_fully_shard():
+    """`return model, torch.optim.AdamW(...)` (fixture helper_returns_inline_optimizer runs it)."""
     text = SOURCE.replace("    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)\n    return model, optimizer\n",
                           "    return model, torch.optim.AdamW(model.parameters(), lr=lr)\n")
     out = _rewrite(text)
+    build = _function(out.code.decode(), "build")
+    assert build.index("fully_shard(model, mesh=mesh)") < build.index(
+        "optimizer = torch.optim.AdamW(model.parameters(), lr=lr)\n    return model, optimizer\n")
+    [named] = [c for c in out.changes if c.code == "optimizer" and "bind the optimizer" in c.what]
+    assert named.line == text.splitlines().index("    return model, torch.optim.AdamW(model.parameters(), lr=lr)") + 1
+
+
+def test_two_optimizers_built_inside_the_returned_tuple_are_refused_naming_the_first():
+    text = SOURCE.replace("    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)\n    return model, optimizer\n",
+                          "    return model, torch.optim.AdamW(model.parameters(), lr=lr), "
+                          "torch.optim.SGD(model.parameters(), lr=lr)\n").replace(
+        "model, optimizer = build(1e-2)", "model, optimizer, _ = build(1e-2)")
+    out = _rewrite(text)
     assert [r.code for r in out.refusals] == ["FSR612"], out.refusals
-    assert out.refusals[0].line == text.splitlines().index("    return model, torch.optim.AdamW(model.parameters(), lr=lr)") + 1
     assert "inside the tuple it returns" in out.refusals[0].what
+    assert out.code == text.encode()
 
 
 def _names(code: str, wanted):

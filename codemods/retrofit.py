@@ -28,6 +28,7 @@ from .data import DistributeDataCommand
 from .forward_calls import ReplaceForwardCallsCommand
 from .launch import LaunchDistributedCommand
 from .loss_scale import ScaleSummedLossCommand
+from .make_dirs import CreateFoldersOnceCommand
 from .library_saves import GatherLibrarySavesCommand
 from .meta_init import InitOnMetaDeviceCommand
 from .migrate_ddp import MigrateDistributedWrappersCommand
@@ -69,6 +70,7 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
         GateRankZeroCommand,
         ClearThroughOptimizerCommand,
         ScaleSummedLossCommand,
+        CreateFoldersOnceCommand,
     ],
 ]
 

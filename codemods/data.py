@@ -272,9 +272,9 @@ class DistributeDataCommand(RetrofitStage):
         shuffled = loader.shuffle is not None and code(loader.shuffle) != "False"
         if not shuffled:  # unshuffled: every epoch reads one order
             return False
-        site = pass_in_while(facts.resolver, loader.name, loader.block)
         name = loader.name
-        if site is None and loader.cycled is not None:
+        site = pass_in_while(facts.resolver, name, loader.block)
+        if site is None and loader.cycled is not None:  # in the generator, over its parameter
             *site, name = loader.cycled
             sampler = f"{name}.sampler"
         if site is None:

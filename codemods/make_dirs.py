@@ -25,7 +25,7 @@ class CreateFoldersOnceCommand(RetrofitStage):
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         r = facts.resolver
         for stmt in r.nodes(cst.If):
-            call = self._guarded_makedirs(r, stmt)
+            call = _guarded_makedirs(r, stmt)
             if call is None:
                 continue
             made = with_keyword(call, "exist_ok", cst.Name("True"))
@@ -41,30 +41,24 @@ class CreateFoldersOnceCommand(RetrofitStage):
                 "FileExistsError on a rank at start-up, now and then",
             )
 
-    def _guarded_makedirs(self, r, stmt: cst.If) -> Optional[cst.Call]:
-        """The `os.makedirs(d)` of `if not os.path.exists(d): os.makedirs(d)` (or isdir), alone in
-        its `if`, without an `else`, and without exist_ok of its own."""
-        test = stmt.test
-        if stmt.orelse is not None or not isinstance(test, cst.UnaryOperation) or not isinstance(test.operator, cst.Not):
-            return None
-        probe = test.expression
-        if not r.is_call_to(probe, _TESTS) or len(probe.args) != 1:
-            return None
-        body = stmt.body.body
-        if len(body) != 1:
-            return None
-        inner = body[0]
-        if isinstance(inner, cst.SimpleStatementLine):
-            if len(inner.body) != 1:
-                return None
-            inner = inner.body[0]
-        if not isinstance(inner, cst.Expr) or not r.is_call_to(inner.value, _MAKEDIRS):
-            return None
-        call = inner.value
-        if not call.args or call.args[0].keyword is not None or call.args[0].star or \
-                any(a.keyword is not None and a.keyword.value == "exist_ok" for a in call.args) or \
-                any(a.star for a in call.args):
-            return None
-        if code(call.args[0].value) != code(probe.args[0].value):
-            return None
-        return call
+
+def _guarded_makedirs(r, stmt: cst.If) -> Optional[cst.Call]:
+    """The `os.makedirs(d)` of `if not os.path.exists(d): os.makedirs(d)` (or isdir), alone in
+    its `if`, without an `else`, and without exist_ok of its own."""
+    test = stmt.test
+    if stmt.orelse is not None or not isinstance(test, cst.UnaryOperation) or not isinstance(test.operator, cst.Not):
+        return None
+    probe = test.expression
+    if not r.is_call_to(probe, _TESTS) or len(probe.args) != 1 or len(stmt.body.body) != 1:
+        return None
+    inner = stmt.body.body[0]
+    if isinstance(inner, cst.SimpleStatementLine):  # an indented body; a one-line `if` holds the Expr itself
+        inner = inner.body[0] if len(inner.body) == 1 else None
+    if not isinstance(inner, cst.Expr) or not r.is_call_to(inner.value, _MAKEDIRS):
+        return None
+    call = inner.value
+    first = call.args[0] if call.args else None
+    if first is None or first.keyword is not None or code(first.value) != code(probe.args[0].value) or \
+            any(a.star or (a.keyword is not None and a.keyword.value == "exist_ok") for a in call.args):
+        return None
+    return call

@@ -128,19 +128,13 @@ class LoaderAnalysis(SiteAnalysis):
 
     def _cycled(self, name: str, stmt) -> Optional[tuple]:
         """(while, for, parameter) when the loader is handed to a function of the script whose
-        `while` repeats a `for` over that parameter, and every call of that function in the
-        loader's scope hands it this loader there (no other loader gets its set_epoch)."""
+        `while` repeats a `for` over that parameter, and every call of that function sits in the
+        loader's scope and hands it this loader there (no other loader gets its set_epoch)."""
         scope = self.r.enclosing_function(stmt)
-        by_function = {}
         for call, fn in self._local_calls():
-            by_function.setdefault(fn, []).append(call)
-        for fn, calls in by_function.items():
-            given = [{p for p, arg in bind_args(fn, call) if isinstance(arg, cst.Name) and arg.value == name}
-                     for call in calls]
-            params = set().union(*given)
-            if len(params) != 1 or any(g != params for g in given):
-                continue
-            if any(self.r.enclosing_function(call) is not scope for call in calls):
+            params = _parameters_given(fn, call, name)
+            if len(params) != 1 or any(self.r.enclosing_function(c) is not scope
+                                       or _parameters_given(fn, c, name) != params for c in self._calls_of(fn)):
                 continue
             param = next(iter(params))
             site = pass_in_while(self.r, param, fn.body)
@@ -152,7 +146,7 @@ class LoaderAnalysis(SiteAnalysis):
         """(name, block) where the one call of the function that builds the loader and returns
         it binds it in its caller (`train_loader, val_loader = build_loaders(...)`), or None."""
         helper = self.r.enclosing_function(stmt)
-        calls = [c for c, fn in self._local_calls() if fn is helper] if helper is not None else []
+        calls = self._calls_of(helper)
         out = names_out(self.r, calls[0], helper, {name}) if len(calls) == 1 else {}
         if len(out) != 1:
             return None
@@ -329,6 +323,11 @@ def _dict_entries(node):
         for a in node.args:
             if a.keyword is not None:
                 yield a.keyword.value, a.value
+
+
+def _parameters_given(fn: cst.FunctionDef, call: cst.Call, name: str) -> Set[str]:
+    """The parameters of `fn` that `call` binds to the name `name`."""
+    return {p for p, arg in bind_args(fn, call) if isinstance(arg, cst.Name) and arg.value == name}
 
 
 def pass_in_while(resolver: Resolver, name: str, block) -> Optional[tuple]:

@@ -33,7 +33,7 @@ class LaunchAnalysis(SiteAnalysis):
         name) stays where it is built."""
         block, scope, call, names = model.block, model.scope, None, {model.name}
         while isinstance(scope, cst.FunctionDef) and returns_any(self.r, scope, names):
-            calls = [c for c, fn in self._local_calls() if fn is scope]
+            calls = self._calls_of(scope)
             if not calls or (len(calls) == 1 and type(self.r.parent(calls[0])) is cst.Expr):
                 break  # nothing here receives the model: `main()` discarding it, or `fire.Fire(main)`
             out = names_out(self.r, calls[0], scope, names) if len(calls) == 1 else {}

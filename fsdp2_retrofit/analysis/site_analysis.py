@@ -6,7 +6,7 @@ find one kind of site; ScriptFacts (facts.py) assembles them for one script.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import libcst as cst
 
@@ -51,6 +51,14 @@ class SiteAnalysis:
         if getattr(self, "_local_call_list", None) is None:
             self._local_call_list = [(call, fn) for call in self.calls for fn in [self._callee(call)] if fn is not None]
         return iter(self._local_call_list)
+
+    def _calls_of(self, fn: Optional[cst.FunctionDef]) -> List[cst.Call]:
+        """The calls by name of the script's function `fn` (_local_calls, grouped once)."""
+        if getattr(self, "_calls_by_function", None) is None:
+            self._calls_by_function: Dict[int, List[cst.Call]] = {}
+            for call, callee in self._local_calls():
+                self._calls_by_function.setdefault(id(callee), []).append(call)
+        return self._calls_by_function.get(id(fn), []) if fn is not None else []
 
     def _callee(self, call: cst.Call) -> Optional[cst.FunctionDef]:
         """The function of the script a call by name runs: a def nested in the calling

@@ -312,11 +312,11 @@ def _install():
 
     original_exit = sys.exit
 
-    def exit(status=None):
+    def recording_exit(status=None):
         state["exit_status"] = status
         original_exit(status)
 
-    sys.exit = exit
+    sys.exit = recording_exit
 
     def at_exit():
         if os.getpid() != main_pid:  # a forked DataLoader worker

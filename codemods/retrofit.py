@@ -38,7 +38,7 @@ from .optimizer import MoveOptimizerCommand
 from .rank_zero import GateRankZeroCommand
 from .resume import ConvertLoadsCommand
 from .resume_init import SplitResumeInitCommand
-from .returned_optimizer import NameReturnedOptimizerCommand
+from .returned_builds import NameReturnedBuildsCommand
 from .shard import ShardModelCommand
 from .zero_grad import ClearThroughOptimizerCommand
 
@@ -52,7 +52,7 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
     [MigrateSpawnCommand],  # an mp.spawn launcher becomes a torchrun program
     [MigrateDistributedWrappersCommand],  # DDP/DataParallel go first: the rest sees one plain model
     [MigrateFsdp1Command],  # an FSDP1 script becomes what the others read; its settings become their options
-    [NameReturnedOptimizerCommand],  # `return model, AdamW(...)`: named, so launch and shard follow it
+    [NameReturnedBuildsCommand],  # `return model, AdamW(...)`, `return DataLoader(...)`: named, so later stages follow them
     [LaunchDistributedCommand],
     [SplitResumeInitCommand],  # `if resume: load else: init` splits: the init before fully_shard, the load after
     [InitOnMetaDeviceCommand],

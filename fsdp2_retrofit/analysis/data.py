@@ -85,6 +85,7 @@ class LoaderAnalysis(SiteAnalysis):
             if assigned_names(stmt) & iterated and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assign):
                 iterated |= names_in(stmt.body[0].value)
         passed = self._names_passed_to_loop_functions(train_loops)
+        fed = self._loaders_feeding(train_loops)
         for stmt in stmts:
             if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
                 continue
@@ -116,7 +117,7 @@ class LoaderAnalysis(SiteAnalysis):
                     drop_last=args.get("drop_last"),
                     kwargs_dict=kwargs_dict,
                     has_sampler="sampler" in args or "batch_sampler" in args,
-                    trains=name in iterated or name in passed,
+                    trains=name in iterated or name in passed or id(call) in fed,
                     shuffle_set_later=shuffle_set_later,
                     sampler=self._sampler(args, stmt),
                     returned=self._returned(name, stmt),
@@ -125,6 +126,44 @@ class LoaderAnalysis(SiteAnalysis):
                 )
             )
         return out
+
+    def _loaders_feeding(self, train_loops: List[LoopSite]) -> Set[int]:
+        """id() of each DataLoader call whose value reaches a training loop, followed by value
+        (analysis/flow.py) through names, arguments and returns: what the loop iterates (also
+        through enumerate(), zip(), tqdm(), iter()), what `next()` draws from in it, and what an
+        outer `for` around it iterates (micro-batches split off each batch)."""
+        if getattr(self, "_fed", None) is not None:
+            return self._fed
+        reads: List[cst.BaseExpression] = []
+        for loop in train_loops:
+            if isinstance(loop.node, cst.For):
+                reads.append(loop.node.iter)
+            reads += [c.args[0].value for c in self.r.descendants(loop.node, cst.Call)
+                      if type(c.func) is cst.Name and c.func.value == "next" and c.args]
+            for outer in self.r.ancestors(loop.node):
+                if isinstance(outer, cst.FunctionDef):
+                    break
+                if isinstance(outer, cst.For):
+                    reads.append(outer.iter)
+        found: Set[int] = set()
+        for expr in reads:
+            self._loader_origins(expr, found, 3)
+        self._fed = found
+        return found
+
+    def _loader_origins(self, expr, found: Set[int], depth: int) -> None:
+        """Adds to `found` the DataLoader calls `expr` can hold, looking through the arguments
+        of calls that wrap one (iter(loader), enumerate(loader), a generator of the script)."""
+        names = [expr] if type(expr) is cst.Name else [n for n in walk(expr) if type(n) is cst.Name]
+        for name in names:
+            for origin in self.flow.values(name):
+                if type(origin) is not cst.Call:
+                    continue
+                if self.r.is_call_to(origin, DATALOADERS):
+                    found.add(id(origin))
+                elif depth > 0 and origin.args:
+                    for arg in origin.args:
+                        self._loader_origins(arg.value, found, depth - 1)
 
     def _cycled(self, name: str, stmt) -> Optional[tuple]:
         """(while, for, parameter) when the loader is handed to a function of the script whose

@@ -71,6 +71,8 @@ class ScriptFacts:
     trained_names: Dict[Optional[cst.FunctionDef], Set[str]] = field(default_factory=dict)
     # (assignment, name): a nested function rebinding a model of the function around it (`nonlocal`)
     closure_rebinds: List[tuple] = field(default_factory=list)
+    # id() of every DataLoader call whose value reaches a training loop (named or not: `return DataLoader(...)`)
+    training_loader_calls: Set[int] = field(default_factory=set)
 
     def model(self, name: str) -> Optional[ModelSite]:
         return next((m for m in self.models if m.name == name), None)
@@ -175,6 +177,7 @@ class _Analyser(ModelAnalysis, OptimizerAnalysis, LoopAnalysis, LoaderAnalysis, 
             hidden_copies=self._hidden_copies(calls, trained_names),
             trained_names=trained_names,
             closure_rebinds=nonlocal_rebinds(self.r, model_names),
+            training_loader_calls=self._loaders_feeding(train_loops),
         )
         for m in models + copies + frozen:
             m.sharded = m.name in facts.root_shard

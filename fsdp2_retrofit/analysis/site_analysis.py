@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Union
 import libcst as cst
 
 from .closures import nested_functions
+from .flow import ValueFlow
 from .model_classes import ClassRegistry
 from fsdp2_retrofit.syntax.names import Resolver
 
@@ -28,6 +29,13 @@ class SiteAnalysis:
         self.classes = classes if classes is not None else ClassRegistry()
         self.path = path
         self.calls: List[cst.Call] = resolver.nodes(cst.Call)
+
+    @property
+    def flow(self) -> ValueFlow:
+        """Which values an expression of the script can hold (analysis/flow.py), made once."""
+        if getattr(self, "_flow", None) is None:
+            self._flow = ValueFlow(self.r, self._callee, self._calls_of)
+        return self._flow
 
     def _named_assignments(self, stmts):
         """(name, stmt, value) for each `name = value` or `name: T = value` line outside

@@ -239,6 +239,12 @@ class DistributeDataCommand(RetrofitStage):
             name, block = loader.received
             epoch_loop = _epoch_loop_over(name, block, facts)
             sampler = f"{name}.sampler" if epoch_loop is not None else sampler
+        for fn, param in loader.handed_to if epoch_loop is None else ():
+            # `train_model(model, loader, epochs)` whose own epoch loop passes over its parameter
+            epoch_loop = _epoch_loop_over(param, fn.body, facts)
+            if epoch_loop is not None:
+                sampler = f"{param}.sampler"
+                break
         if epoch_loop is None and self._count_passes(loader, sampler, facts, editor):
             return
         if epoch_loop is None:

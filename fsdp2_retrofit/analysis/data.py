@@ -2,6 +2,7 @@
 whether a training loop reads it."""
 from __future__ import annotations
 
+from dataclasses import field
 from typing import List, Optional, Set
 
 import libcst as cst
@@ -39,6 +40,9 @@ class LoaderSite:
     # (while, for, parameter) where a function of the script it is handed to repeats passes over it
     # (`def cycle(dl): while True: for batch in dl: yield batch`), or None
     cycled: Optional[tuple] = None
+    # (function, parameter) of the script's functions whose parameter holds this loader and
+    # nothing else, at every call (`train_model(model, loader, ...)` reading it as `batches`)
+    handed_to: List[tuple] = field(default_factory=list)
 
 
 @record
@@ -123,8 +127,21 @@ class LoaderAnalysis(SiteAnalysis):
                     returned=self._returned(name, stmt),
                     received=self._received(name, stmt),
                     cycled=self._cycled(name, stmt),
+                    handed_to=self._handed_to(call),
                 )
             )
+        return out
+
+    def _handed_to(self, call: cst.Call) -> List[tuple]:
+        """(function, parameter) for each parameter of a script function that holds the value of
+        the DataLoader `call` and no other value (followed by value: analysis/flow.py)."""
+        out = []
+        for site, fn in self._local_calls():
+            for param, arg in bind_args(fn, site):
+                if (fn, param) in out or call not in self.flow.values(arg):
+                    continue
+                if self.flow.parameter_values(fn, param) == {call}:
+                    out.append((fn, param))
         return out
 
     def _loaders_feeding(self, train_loops: List[LoopSite]) -> Set[int]:

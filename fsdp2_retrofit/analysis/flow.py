@@ -117,6 +117,14 @@ class ValueFlow:
         """The origins `expr` can hold (itself when nothing is known of it)."""
         return self._values(expr, 0)
 
+    def parameter_values(self, fn: cst.FunctionDef, name: str) -> FrozenSet:
+        """The origins parameter `name` of `fn` can hold (the parameter itself when a call does
+        not pass it or no call is known)."""
+        if self._bindings is None:
+            self._index()
+        found = [b for b in self._bindings.get((id(fn), name), []) if b[0] == "param"]
+        return frozenset(v for b in found for v in self._binding_values(b, 0))
+
     def holds(self, expr: cst.BaseExpression, origin) -> bool:
         return origin in self.values(expr)
 
@@ -235,3 +243,17 @@ def _names_at(target, path: tuple) -> Iterator[Tuple[str, tuple]]:
             if type(el) is not cst.Element:
                 return
             yield from _names_at(el.value, path + (i,))
+
+
+def innermost_call(expr) -> Optional[cst.Call]:
+    """`Net(...)` for `Net(...)`, `Net(...).to(d)`, `Net(...).cuda().float()`,
+    `Net().cuda() if use_cuda else Net()`."""
+    if type(expr) is cst.IfExp:  # exact types: an ABC isinstance costs a Python call
+        return innermost_call(expr.body) or innermost_call(expr.orelse)
+    while type(expr) is cst.Call:
+        func = expr.func
+        if isinstance(func, cst.Attribute) and func.attr.value in SELF_RETURNING_METHODS and isinstance(func.value, cst.Call):
+            expr = func.value
+            continue
+        return expr
+    return None

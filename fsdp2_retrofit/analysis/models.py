@@ -13,6 +13,7 @@ from .closures import closure_propagate, nested_functions
 from .init_branches import branch_initialises, initialised_name, initialised_names
 from .library_models import PEFT_WRAPPERS, LibraryModel, is_library_builder, library_model
 from .model_classes import ClassRegistry, Container, build_registry
+from .flow import innermost_call as _innermost_call
 from .returns import names_out
 from .site_analysis import Block, Scope, SiteAnalysis
 from fsdp2_retrofit.syntax.names import (
@@ -84,10 +85,23 @@ class ModelAnalysis(SiteAnalysis):
             factory = self._callee(ctor)
             if factory is not None and factory in factories:
                 out.append((name, stmt, factories[factory]))
-            chosen = self._table_classes(ctor)
+            chosen = self._table_classes(ctor) or self._sibling_factory_classes(ctor)
             if chosen:
                 out.append((name, stmt, chosen[0]))
         return out
+
+    def _sibling_factory_classes(self, call: cst.Call) -> List[str]:
+        """`net = get_network(args)` of a function of a sibling module (`from utils import
+        get_network`) whose every return builds one module class: that class; [] otherwise."""
+        for qname in sorted(self.r.qnames(call)):
+            namespace, _, name = qname.rpartition(".")
+            found = self.classes.top_level.get(namespace) if namespace else None
+            if found is None or name not in self.classes.top_level_functions.get(namespace, {}):
+                continue
+            built = self.classes.classes_built_by(cst.Name(name), found[1])
+            if len(built) == 1:
+                return built
+        return []
 
     def _table_classes(self, call: cst.Call) -> List[str]:
         """`MODELS[args.arch](...)`: the module classes of the one top-level dict literal
@@ -191,12 +205,22 @@ class ModelAnalysis(SiteAnalysis):
                 binding = next(
                     (b for b in bindings if b[0] == name and self.r.enclosing_function(b[1]) is scope), None
                 )
-                if binding is not None:
+                if binding is None:
+                    binding = self._binding_by_value(opt, name, bindings)
+                key = (self.r.enclosing_function(binding[1]), binding[0]) if binding is not None else None
+                if binding is not None and key not in seen:
                     seen.add((scope, name))
+                    seen.add(key)
                     models.append(self._model_site(binding))
         order = {id(s): i for i, s in enumerate(self.r.nodes(cst.SimpleStatementLine))}
         models.sort(key=lambda m: order.get(id(m.stmt), 0))
         return models
+
+    def _binding_by_value(self, opt, name: str, bindings) -> Optional[tuple]:
+        """The binding of the module the optimizer's `name` holds when it is not bound in the
+        optimizer's function (see SiteAnalysis._module_binding_of)."""
+        read = next((n for n in walk(opt.stmt) if type(n) is cst.Name and n.value == name), None)
+        return self._module_binding_of(read, bindings) if read is not None else None
 
     def _scope_body(self, stmt):
         """The statement holding `stmt` directly in its function body, the module, or the
@@ -665,20 +689,6 @@ def _aliases_model(expr, known: Set[str]) -> bool:
     if isinstance(expr, cst.Attribute) and expr.attr.value in ("module", "_orig_mod"):
         expr = expr.value
     return isinstance(expr, cst.Name) and expr.value in known
-
-
-def _innermost_call(expr) -> Optional[cst.Call]:
-    """`Net(...)` for `Net(...)`, `Net(...).to(d)`, `Net(...).cuda().float()`,
-    `Net().cuda() if use_cuda else Net()`."""
-    if type(expr) is cst.IfExp:  # exact types: an ABC isinstance costs a Python call
-        return _innermost_call(expr.body) or _innermost_call(expr.orelse)
-    while type(expr) is cst.Call:
-        func = expr.func
-        if isinstance(func, cst.Attribute) and func.attr.value in SELF_RETURNING_METHODS and isinstance(func.value, cst.Call):
-            expr = func.value
-            continue
-        return expr
-    return None
 
 
 def _is_placement(stmt, name: str) -> bool:

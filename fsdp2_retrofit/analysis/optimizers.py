@@ -3,7 +3,7 @@ the statements that feed them included), and the names that hold them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 import libcst as cst
 
@@ -62,7 +62,8 @@ class OptimizerAnalysis(SiteAnalysis):
             if is_torch_optim:
                 params = [a for a in call.args if (a.keyword is None and not a.star) or (
                     a.keyword is not None and a.keyword.value == "params")][:1]
-                models = self._fed_models(_ordered_names(params), stmt, module_names, feeders)
+                models = self._fed_models(_ordered_names(params), stmt, module_names | self._held_modules(stmt, bindings),
+                                          feeders)
             elif type(call.func) is cst.Name:
                 factory = self._optimizer_factory(call, module_names)
                 if factory is None:
@@ -84,6 +85,11 @@ class OptimizerAnalysis(SiteAnalysis):
             if method is not None:
                 out[-1].method_builds = builds
         return out
+
+    def _held_modules(self, stmt, bindings) -> Set[str]:
+        """Names read in `stmt` that hold a module the script builds, whatever they are called
+        there (a parameter handed the model, an alias): followed by value."""
+        return {n.value for n in walk(stmt) if type(n) is cst.Name and self._module_binding_of(n, bindings)}
 
     def _is_torch_optimizer(self, call: cst.Call) -> bool:
         return is_optimizer_call(self.r, call) or self._is_getattr_optimizer(call)

@@ -11,9 +11,10 @@ from typing import Dict, List, Optional, Union
 import libcst as cst
 
 from .closures import nested_functions
-from .flow import ValueFlow
+from .flow import ValueFlow, innermost_call
 from .model_classes import ClassRegistry
 from fsdp2_retrofit.syntax.names import Resolver
+from fsdp2_retrofit.syntax.torch_api import TORCH_COMPILE
 
 Block = Union[cst.IndentedBlock, cst.Module]
 Scope = Union[cst.FunctionDef, cst.Module]
@@ -36,6 +37,29 @@ class SiteAnalysis:
         if getattr(self, "_flow", None) is None:
             self._flow = ValueFlow(self.r, self._callee, self._calls_of)
         return self._flow
+
+    def _module_binding_of(self, name: cst.Name, bindings) -> Optional[tuple]:
+        """The one module binding (name, stmt, class) of the script whose module the read `name`
+        holds, followed by value (analysis/flow.py: a parameter of a function handed the model by
+        every call, an alias, a helper's return); None when some value it can hold is not a module
+        the script builds, or when it can hold several."""
+        if getattr(self, "_bindings_by_call", None) is None:
+            self._bindings_by_call = {}
+            for binding in bindings:
+                value = binding[1].body[0].value
+                if self.r.is_call_to(value, TORCH_COMPILE) and value.args:
+                    value = value.args[0].value
+                ctor = innermost_call(value)
+                if ctor is not None:
+                    self._bindings_by_call.setdefault(id(ctor), binding)
+        found = {}
+        for origin in self.flow.values(name):
+            ctor = innermost_call(origin) if isinstance(origin, cst.BaseExpression) else None
+            binding = self._bindings_by_call.get(id(ctor)) if ctor is not None else None
+            if binding is None:
+                return None
+            found[id(binding[1])] = binding
+        return next(iter(found.values())) if len(found) == 1 else None
 
     def _named_assignments(self, stmts):
         """(name, stmt, value) for each `name = value` or `name: T = value` line outside

@@ -326,3 +326,35 @@ def test_save_pretrained_gathers_on_every_rank_and_writes_on_rank_zero():
     ) in result.code.decode()
     again = rewrite_source(result.code, "train.py", RetrofitOptions())
     assert not again.refusals and again.code == result.code
+
+
+@pytest.mark.parametrize(
+    "imports, build",
+    [
+        ("import torchvision.models as models", "model = models.__dict__[name]()"),
+        ("from torchvision import models", "model = getattr(models, name)(num_classes=10)"),
+        ("import torchvision", "model = torchvision.models.get_model(name)"),
+    ],
+)
+def test_a_torchvision_model_picked_by_name_at_run_time_may_have_batchnorm(imports, build):
+    """`models.__dict__[arch]()` is `get_model(arch)`: a module (was FSR612), only the root
+    sharded, and SyncBatchNorm made since its BatchNorm layers are not known (flagged on CPU)."""
+    result = _rewrite(_script(imports, build))
+    assert not result.refusals
+    text = result.code.decode()
+    assert "    fully_shard(model, mesh=mesh)\n" in text
+    assert "SyncBatchNorm.convert_sync_batchnorm(model)" in text
+    flagged = [a for a in result.attention if a.differs and "may have BatchNorm layers" in a.what]
+    assert len(flagged) == 1
+
+
+def test_a_run_time_torchvision_choice_with_a_norm_layer_has_no_batchnorm():
+    result = _rewrite(_script("import torchvision.models as models", "model = models.__dict__[name](norm_layer=norm)"))
+    assert not result.refusals
+    assert "SyncBatchNorm" not in result.code.decode()
+    assert not [a for a in result.attention if "BatchNorm" in a.what]
+
+
+def test_a_namespace_lookup_of_another_module_is_not_a_model():
+    result = _rewrite(_script("import mymodels", "model = mymodels.__dict__[name]()"))
+    assert [r.code for r in result.refusals] == ["FSR611"]  # no module built: not read as a choice

@@ -69,6 +69,10 @@ def batchnorm_layer(model, facts) -> Optional[BatchNormLayer]:
             return BatchNormLayer(
                 f"{model.library.library} `{model.library.architecture}` (its BatchNorm layers)", r.line(model.stmt)
             )
+        if model.library.batchnorm is None and norm is None:
+            return BatchNormLayer(
+                f"a {model.library.library} model chosen at run time (it may have BatchNorm layers)", r.line(model.stmt)
+            )
         return None
     hit = None
     for cls in model.alternatives or [model.class_name]:  # a class chosen at run time: any of them

@@ -100,10 +100,29 @@ class LibraryModel:
     containers: Tuple[Tuple[Path_, str], ...]  # (path from the model, block class), in forward order
     no_split_modules: bool  # shard the classes of `model._no_split_modules` at run time
     why: str  # how the blocks were found, for the report
-    batchnorm: bool = False  # has BatchNorm layers (what --mixed-precision must know)
+    # has BatchNorm layers (what --mixed-precision must know); None: not known (an architecture
+    # chosen at run time, or one the table lacks): SyncBatchNorm is made anyway, a no-op without any
+    batchnorm: Optional[bool] = False
     # (refusal code, what, why, hint) when nothing safe can be done
     refusal: Optional[Tuple[str, str, str, str]] = None
     refusal_at: Optional[cst.CSTNode] = None  # the node the refusal points at (default: the build)
+
+
+def namespace_builder(resolver: Resolver, call: cst.Call) -> Optional[str]:
+    """`torchvision.models.get_model` for a model picked by name from a library's namespace
+    at run time, `models.__dict__[args.arch](...)` or `getattr(models, args.arch)(...)` with
+    `models` torchvision's: the same run-time choice as `get_model(args.arch)`; None otherwise."""
+    func = call.func
+    if type(func) is cst.Subscript and type(func.value) is cst.Attribute and func.value.attr.value == "__dict__":
+        base = func.value.value
+    elif resolver.is_call_to(func, {"builtins.getattr"}) and len(func.args) == 2:
+        base = func.args[0].value
+    else:
+        return None
+    for qname in resolver.qnames(base):
+        if qname == "torchvision.models":
+            return "torchvision.models.get_model"
+    return None
 
 
 def is_library_builder(qname: str) -> bool:
@@ -231,11 +250,12 @@ def _torchvision_name(qname: str) -> Optional[str]:
 
 
 def _table(library: str, qname: str, name: Optional[str], table) -> LibraryModel:
-    if name is None:
+    if name is None:  # its BatchNorm layers are not known either: None, "may have"
         return LibraryModel(
             library, qname, None, (), False,
             f"a {library} model whose name is not a literal string: its blocks are not known before it runs; "
             "only the root is sharded (pass --shard CLASS to make each block of that class a unit)",
+            None,
         )
     base = name.split(".")[0] if library == "timm" else name  # timm: "vit_base_patch16_224.augreg_in1k"
     for pattern, paths, block, batchnorm in table:
@@ -250,6 +270,7 @@ def _table(library: str, qname: str, name: Optional[str], table) -> LibraryModel
         library, qname, name, (), False,
         f"{library} `{name}` is not in the table of known layouts: only the root is sharded "
         "(pass --shard CLASS to make each block of that class a unit)",
+        None,
     )
 
 

@@ -11,7 +11,7 @@ import libcst as cst
 
 from .closures import closure_propagate, nested_functions
 from .init_branches import branch_initialises, initialised_name, initialised_names
-from .library_models import PEFT_WRAPPERS, LibraryModel, is_library_builder, library_model
+from .library_models import PEFT_WRAPPERS, LibraryModel, is_library_builder, library_model, namespace_builder
 from .model_classes import ClassRegistry, Container, build_registry
 from .flow import innermost_call as _innermost_call
 from .returns import names_out
@@ -175,6 +175,9 @@ class ModelAnalysis(SiteAnalysis):
         return out
 
     def _class_of(self, call: cst.Call) -> Optional[str]:
+        chosen = namespace_builder(self.r, call)  # `models.__dict__[args.arch](...)`
+        if chosen is not None:
+            return chosen
         for name in sorted(self.r.qnames(call)):
             if is_library_builder(name):
                 return name  # `AutoModelForCausalLM.from_pretrained(...)`, `torchvision.models.resnet50(...)`

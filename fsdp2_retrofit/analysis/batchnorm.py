@@ -58,21 +58,18 @@ def batchnorm_layer(model, facts) -> Optional[BatchNormLayer]:
             found = _named(arg.value, r, lambda n: r.qnames(n))
             if found is not None:
                 return BatchNormLayer(code(found), r.line(found))
-            for node in _references(arg.value):
-                for q in r.qnames(node):
-                    hit = _in_class(facts.classes, q, facts, set(), _DEPTH)
-                    if hit is not None:
-                        return hit
+            for node in _references(arg.value, r):
+                hit = _library_at(node, r, r)
+                for q in sorted(r.qnames(node)):
+                    hit = hit or class_batchnorm(facts.classes, q, r)
+                if hit is not None:
+                    return hit
     if model.library is not None:
-        norm = next((a.value for a in (ctor.args if ctor else ()) if a.keyword and a.keyword.value == "norm_layer"), None)
-        if model.library.batchnorm and norm is None:
-            return BatchNormLayer(
-                f"{model.library.library} `{model.library.architecture}` (its BatchNorm layers)", r.line(model.stmt)
-            )
-        return None
+        what = _library_batchnorm(model.library, ctor)
+        return BatchNormLayer(what, r.line(model.stmt)) if what else None
     hit = None
     for cls in model.alternatives or [model.class_name]:  # a class chosen at run time: any of them
-        hit = hit or _in_class(facts.classes, cls, facts, set(), _DEPTH)
+        hit = hit or class_batchnorm(facts.classes, cls, r)
     if hit is not None and hit.file is not None:
         return BatchNormLayer(hit.what, r.line(model.stmt), hit.file, hit.file_line)
     return hit
@@ -90,7 +87,16 @@ def converted_already(facts, name: str) -> bool:
     )
 
 
-def _in_class(classes, name: Optional[str], facts, seen: set, depth: int) -> Optional[BatchNormLayer]:
+def class_batchnorm(classes, name: Optional[str], script) -> Optional[BatchNormLayer]:
+    """The first BatchNorm of the script's (or a sibling module's) class `name`, or None:
+    a BatchNorm class it builds or names, a library model with BatchNorm it builds
+    (`self.backbone = torchvision.models.resnet18()`, also inside a Sequential or a
+    ModuleList), or one in a class it refers to. `script`: the script's resolver (a layer
+    in a sibling module is named by file and line)."""
+    return _in_class(classes, name, script, set(), _DEPTH)
+
+
+def _in_class(classes, name: Optional[str], script, seen: set, depth: int) -> Optional[BatchNormLayer]:
     info = classes.get(name)
     if info is None or depth == 0 or name in seen:
         return None
@@ -99,16 +105,49 @@ def _in_class(classes, name: Optional[str], facts, seen: set, depth: int) -> Opt
     resolver = namer.resolver
     found = _named(info.node, resolver, lambda n: {namer.of(n)} - {None})
     if found is not None:
-        if resolver is facts.resolver:
-            return BatchNormLayer(code(found), resolver.line(found))
-        return BatchNormLayer(code(found), 0, info.file, resolver.line(found))
+        return _layer(code(found), found, resolver, script, info.file)
     for node in _references(info.node, resolver):
+        hit = _library_at(node, resolver, script, info.file)
+        if hit is not None:
+            return hit
         other = namer.of(node)
         if other and other != name and classes.get(other) is not None:
-            hit = _in_class(classes, other, facts, seen, depth - 1)
+            hit = _in_class(classes, other, script, seen, depth - 1)
             if hit is not None:
                 return hit
     return None
+
+
+def _layer(what: str, node: cst.CSTNode, resolver, script, file: Optional[str]) -> BatchNormLayer:
+    """A layer found at `node`: by its line in the script, else by its file and line."""
+    if resolver is script:
+        return BatchNormLayer(what, resolver.line(node))
+    return BatchNormLayer(what, 0, file, resolver.line(node))
+
+
+def _library_at(node: cst.CSTNode, resolver, script, file: Optional[str] = None) -> Optional[BatchNormLayer]:
+    """`node` names a library model whose table entry has BatchNorm (`torchvision.models.resnet18`,
+    resolved through the imports of its own file): the call that builds it, or the name."""
+    from .library_models import is_library_builder, library_model
+
+    for q in sorted(resolver.qnames(node)):
+        if not is_library_builder(q):
+            continue
+        parent = resolver.parent(node)
+        call = parent if isinstance(parent, cst.Call) and parent.func is node else None
+        what = _library_batchnorm(library_model(q, call, resolver), call)
+        if what:
+            return _layer(what, call or node, resolver, script, file)
+    return None
+
+
+def _library_batchnorm(library, call: Optional[cst.Call]) -> Optional[str]:
+    """How a library model with BatchNorm layers is named, None when its table entry has
+    none or `call` passes a `norm_layer=` of its own."""
+    norm = next((a for a in (call.args if call else ()) if a.keyword and a.keyword.value == "norm_layer"), None)
+    if library is None or not library.batchnorm or norm is not None:
+        return None
+    return f"{library.library} `{library.architecture}` (its BatchNorm layers)"
 
 
 def _named(root: cst.CSTNode, resolver, names_of) -> Optional[cst.CSTNode]:

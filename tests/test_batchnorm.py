@@ -250,3 +250,18 @@ def test_a_model_built_in_a_sibling_module_holding_a_library_model_is_flagged_at
 def test_mixed_precision_is_refused_for_a_model_holding_a_library_model_with_batchnorm():
     result = rewrite(library_script(), mixed_precision="bf16")
     assert [r.code for r in result.refusals] == ["FSR603"], result.refusals
+
+
+def test_check_flags_a_sibling_class_holding_a_library_model_with_batchnorm(tmp_path: Path):
+    """FSD118 reads the same analysis: the script itself never mentions BatchNorm."""
+    from fsdp2_retrofit.check.lint import lint_source
+    from fsdp2_retrofit.check.rules import all_rules
+
+    (tmp_path / "nets.py").write_text(dedent(NET.format(
+        imports="from torchvision.models import resnet50",
+        backbone="nn.ModuleList([resnet50(num_classes=10), nn.Identity()])")))
+    train = tmp_path / "train.py"
+    train.write_text("import torch\nfrom torch.distributed.fsdp import fully_shard\nfrom nets import Net\n\n"
+                     "model = Net()\nfully_shard(model)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n")
+    findings = lint_source(train.read_bytes(), str(train), all_rules()).findings
+    assert [(f.code, f.line) for f in findings] == [("FSD118", 6)], findings

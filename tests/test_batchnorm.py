@@ -219,6 +219,19 @@ def test_a_sibling_modules_class_holding_a_library_model_is_named_by_file_and_li
     assert class_layer(train, "plain.Net", str(tmp_path / "train.py")) is None
 
 
+def test_a_helper_function_that_builds_the_backbone_is_followed(tmp_path: Path):
+    helper = "import torchvision\n\n\ndef build(classes):\n    net = torchvision.models.resnet18(num_classes=classes)\n    return net"
+    layer = class_layer(NET.format(imports=helper, backbone="build(10)"))
+    assert (layer.line, layer.file) == (8, None), layer  # the line of resnet18(...) in build
+    norm = "\n\ndef block(width):\n    return nn.Sequential(nn.Conv2d(3, width, 1), nn.BatchNorm2d(width))"
+    assert class_layer(NET.format(imports=norm, backbone="block(10)")).what == "nn.BatchNorm2d(width)"
+    (tmp_path / "parts.py").write_text(helper)
+    layer = class_layer(NET.format(imports="from parts import build", backbone="build(10)"), path=str(tmp_path / "t.py"))
+    assert layer.where() == "parts.py:5", layer
+    plain = "\n\ndef build(classes):\n    return nn.Linear(3, classes)"
+    assert class_layer(NET.format(imports=plain, backbone="build(10)")) is None
+
+
 def library_script(backbone: str = "torchvision.models.resnet18(num_classes=10)") -> str:
     return script().replace("self.norm = nn.BatchNorm1d(4)", f"self.norm = {backbone}").replace(
         "import torch.nn as nn", "import torch.nn as nn\nimport torchvision")
@@ -245,6 +258,15 @@ def test_a_model_built_in_a_sibling_module_holding_a_library_model_is_flagged_at
     flagged = [a for a in result.attention if a.differs and a.code == "shard"]
     assert len(flagged) == 1 and "nets.py:11" in flagged[0].what, flagged
     assert flagged[0].line == dedent(code).splitlines().index("    model = Net()") + 1
+
+
+def test_a_library_model_passed_to_the_models_constructor_is_found():
+    code = library_script("backbone").replace("def __init__(self):", "def __init__(self, backbone):").replace(
+        "model = Net()", "model = Net(torchvision.models.resnet18())")
+    result = rewrite(code)
+    assert "    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)\n" in result.code.decode()
+    flagged = [a.line for a in result.attention if a.differs and a.code == "shard"]
+    assert flagged == [dedent(code).splitlines().index("    model = Net(torchvision.models.resnet18())") + 1]
 
 
 def test_mixed_precision_is_refused_for_a_model_holding_a_library_model_with_batchnorm():

@@ -7,11 +7,14 @@ single-process run. SyncBatchNorm shares the statistics between the ranks (an
 all-gather in forward, an all-reduce in backward), but runs on GPUs only.
 
 Read from the script's text and its sibling modules (never imported): the model's
-class and every class of the script its class refers to (submodules, blocks, a block
-class passed as an argument), the model's constructor arguments
-(`norm_layer=nn.BatchNorm2d`), a model that is itself a BatchNorm, and the library
-models whose table entry says they have BatchNorm (a torchvision ResNet, unless its
-`norm_layer=` is something else).
+class and every class and top-level function of the script its class refers to
+(submodules, blocks, a block class passed as an argument, a helper that builds a
+part), the model's constructor arguments (`norm_layer=nn.BatchNorm2d`), a model that
+is itself a BatchNorm, and the library models whose table entry says they have
+BatchNorm (a torchvision ResNet, unless its `norm_layer=` is something else), built
+as the model or anywhere in those classes and functions
+(`self.backbone = torchvision.models.resnet18()`), known by the qualified name of
+the call through the imports of the file it is in.
 """
 from __future__ import annotations
 
@@ -91,8 +94,9 @@ def class_batchnorm(classes, name: Optional[str], script) -> Optional[BatchNormL
     """The first BatchNorm of the script's (or a sibling module's) class `name`, or None:
     a BatchNorm class it builds or names, a library model with BatchNorm it builds
     (`self.backbone = torchvision.models.resnet18()`, also inside a Sequential or a
-    ModuleList), or one in a class it refers to. `script`: the script's resolver (a layer
-    in a sibling module is named by file and line)."""
+    ModuleList), or one in a class or a top-level function it refers to (a helper that
+    builds the backbone). `script`: the script's resolver (a layer in a sibling module
+    is named by file and line)."""
     return _in_class(classes, name, script, set(), _DEPTH)
 
 
@@ -101,21 +105,40 @@ def _in_class(classes, name: Optional[str], script, seen: set, depth: int) -> Op
     if info is None or depth == 0 or name in seen:
         return None
     seen.add(name)
-    namer = info.namer
+    return _in_definition(classes, info.node, info.namer, info.file, script, seen, depth)
+
+
+def _in_definition(classes, node, namer, file, script, seen: set, depth: int) -> Optional[BatchNormLayer]:
+    """The first BatchNorm under `node` (a class or a top-level function of the module
+    `namer` reads), or in a class or top-level function it refers to."""
     resolver = namer.resolver
-    found = _named(info.node, resolver, lambda n: {namer.of(n)} - {None})
+    found = _named(node, resolver, lambda n: {namer.of(n)} - {None})
     if found is not None:
-        return _layer(code(found), found, resolver, script, info.file)
-    for node in _references(info.node, resolver):
-        hit = _library_at(node, resolver, script, info.file)
+        return _layer(code(found), found, resolver, script, file)
+    for ref in _references(node, resolver):
+        hit = _library_at(ref, resolver, script, file)
+        other = namer.of(ref)
+        if hit is None and other and classes.get(other) is not None:
+            hit = _in_class(classes, other, script, seen, depth - 1)
+        elif hit is None and other and depth > 1 and ("def", other) not in seen:
+            seen.add(("def", other))
+            hit = _in_function(classes, namer, other, script, seen, depth - 1)
         if hit is not None:
             return hit
-        other = namer.of(node)
-        if other and other != name and classes.get(other) is not None:
-            hit = _in_class(classes, other, script, seen, depth - 1)
-            if hit is not None:
-                return hit
     return None
+
+
+def _in_function(classes, namer, qname: str, script, seen: set, depth: int) -> Optional[BatchNormLayer]:
+    """The first BatchNorm of the top-level function `qname` names (of the script or of
+    a sibling module read, resolved from the module `namer` reads), if it is one."""
+    namespace, _, bare = qname.rpartition(".")
+    if not namespace:
+        namespace = namer.namespace  # a function of the same module
+    fn = classes.top_level_functions.get(namespace, {}).get(bare)
+    module = classes.top_level.get(namespace)
+    if fn is None or module is None:
+        return None
+    return _in_definition(classes, fn, module[1], classes.files.get(namespace), script, seen, depth)
 
 
 def _layer(what: str, node: cst.CSTNode, resolver, script, file: Optional[str]) -> BatchNormLayer:

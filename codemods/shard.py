@@ -227,7 +227,7 @@ class ShardModelCommand(RetrofitStage):
             wanted = found.pop()
         if any(facts.classes.mentions(c, "BatchNorm") for c in model.alternatives or [model.class_name]) or (
             model.library and model.library.batchnorm
-        ):
+        ) or batchnorm_layer(model, facts) is not None:  # also a library model held by the model's class
             self.refuse(
                 "FSR603",
                 model.stmt,

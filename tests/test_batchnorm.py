@@ -149,3 +149,141 @@ def test_the_rewrite_of_the_output_converts_nothing_again():
     first = rewrite(script())
     second = rewrite_source(first.code, "train.py", RetrofitOptions())
     assert second.code == first.code and second.changes == []
+
+
+# --- a library model with BatchNorm held by the model's own class (issue 27) ------------
+
+NET = '''
+import torch
+import torch.nn as nn
+{imports}
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone = {backbone}
+        self.head = nn.Linear(10, 4)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+'''
+
+
+def class_layer(source: str, name: str = "Net", path: str = None):
+    """What the analysis finds in class `name` of `source` (fsdp2_retrofit.analysis.batchnorm.class_batchnorm)."""
+    import libcst as cst
+
+    from fsdp2_retrofit.analysis.batchnorm import class_batchnorm
+    from fsdp2_retrofit.analysis.model_classes import build_registry
+    from fsdp2_retrofit.syntax.names import Resolver
+
+    module = cst.parse_module(dedent(source))
+    resolver = Resolver(module)
+    return class_batchnorm(build_registry(module, resolver, path), name, resolver)
+
+
+def test_a_class_holding_a_library_model_with_batchnorm_has_batchnorm_at_the_line_that_builds_it():
+    cases = [  # imports, the attribute's value: the value's qualified name decides, not a name
+        ("import torchvision", "torchvision.models.resnet18(num_classes=10)"),
+        ("from torchvision.models import resnet50 as make", "make(num_classes=10)"),
+        ("from torchvision import models as zoo", "nn.Sequential(zoo.resnet34(), nn.ReLU())"),
+        ("import torchvision", "nn.ModuleList([torchvision.models.resnet18(), nn.Identity()])"),
+        ("import timm", 'timm.create_model("resnet18", num_classes=10)'),
+    ]
+    for imports, backbone in cases:
+        layer = class_layer(NET.format(imports=imports, backbone=backbone))
+        assert layer is not None, backbone
+        assert layer.line == 10 and layer.file is None and "(its BatchNorm layers)" in layer.what, (backbone, layer)
+
+
+def test_a_class_holding_a_library_model_without_batchnorm_has_none():
+    cases = [
+        ("import torchvision", "torchvision.models.resnet18(norm_layer=lambda c: nn.GroupNorm(2, c))"),
+        ("import torchvision", "torchvision.models.vit_b_16()"),
+        ("import timm", 'timm.create_model("vit_base_patch16_224")'),
+        ("import torchvision", "nn.Linear(10, 10)"),
+        ("from mylib import resnet18", "resnet18()"),  # a function of the same name, not torchvision's
+    ]
+    for imports, backbone in cases:
+        assert class_layer(NET.format(imports=imports, backbone=backbone)) is None, backbone
+
+
+def test_a_sibling_modules_class_holding_a_library_model_is_named_by_file_and_line(tmp_path: Path):
+    (tmp_path / "nets.py").write_text(dedent(NET.format(
+        imports="from torchvision.models import resnet18", backbone="resnet18(num_classes=10)")))
+    (tmp_path / "plain.py").write_text(dedent(NET.format(imports="", backbone="nn.Linear(3, 10)")))
+    train = "import torch\nfrom nets import Net\nfrom plain import Net as Plain\n"
+    layer = class_layer(train, "nets.Net", str(tmp_path / "train.py"))
+    assert (layer.file, layer.file_line, layer.where()) == (str(tmp_path / "nets.py"), 10, "nets.py:10"), layer
+    assert class_layer(train, "plain.Net", str(tmp_path / "train.py")) is None
+
+
+def test_a_helper_function_that_builds_the_backbone_is_followed(tmp_path: Path):
+    helper = "import torchvision\n\n\ndef build(classes):\n    net = torchvision.models.resnet18(num_classes=classes)\n    return net"
+    layer = class_layer(NET.format(imports=helper, backbone="build(10)"))
+    assert (layer.line, layer.file) == (8, None), layer  # the line of resnet18(...) in build
+    norm = "\n\ndef block(width):\n    return nn.Sequential(nn.Conv2d(3, width, 1), nn.BatchNorm2d(width))"
+    assert class_layer(NET.format(imports=norm, backbone="block(10)")).what == "nn.BatchNorm2d(width)"
+    (tmp_path / "parts.py").write_text(helper)
+    layer = class_layer(NET.format(imports="from parts import build", backbone="build(10)"), path=str(tmp_path / "t.py"))
+    assert layer.where() == "parts.py:5", layer
+    plain = "\n\ndef build(classes):\n    return nn.Linear(3, classes)"
+    assert class_layer(NET.format(imports=plain, backbone="build(10)")) is None
+
+
+def library_script(backbone: str = "torchvision.models.resnet18(num_classes=10)") -> str:
+    return script().replace("self.norm = nn.BatchNorm1d(4)", f"self.norm = {backbone}").replace(
+        "import torch.nn as nn", "import torch.nn as nn\nimport torchvision")
+
+
+def test_a_model_holding_a_library_model_with_batchnorm_is_converted_and_flagged_at_its_build():
+    result = rewrite(library_script())
+    assert not result.refusals, result.refusals
+    assert "    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)\n" in result.code.decode()
+    assert [(a.line, a.what) for a in result.attention if a.differs and a.code == "shard"] == [(
+        11, "on CPU (gloo) each rank's BatchNorm normalises with its own part of the batch "
+        "(`torchvision `resnet18` (its BatchNorm layers)`, line 11)",
+    )]
+    group = rewrite(library_script("torchvision.models.resnet18(norm_layer=lambda c: nn.GroupNorm(2, c))"))
+    assert "SyncBatchNorm" not in group.code.decode()
+    assert not [a for a in group.attention if a.differs and a.code == "shard"]
+
+
+def test_a_model_built_in_a_sibling_module_holding_a_library_model_is_flagged_at_the_model(tmp_path: Path):
+    (tmp_path / "nets.py").write_text(library_script().split("\n\ndef main():")[0])
+    code = script().split("\n\nclass Net")[0] + "\nfrom nets import Net\n\n\ndef main():" + script().split("def main():")[1]
+    result = rewrite(code, str(tmp_path / "train.py"))
+    assert "    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)\n" in result.code.decode()
+    flagged = [a for a in result.attention if a.differs and a.code == "shard"]
+    assert len(flagged) == 1 and "nets.py:11" in flagged[0].what, flagged
+    assert flagged[0].line == dedent(code).splitlines().index("    model = Net()") + 1
+
+
+def test_a_library_model_passed_to_the_models_constructor_is_found():
+    code = library_script("backbone").replace("def __init__(self):", "def __init__(self, backbone):").replace(
+        "model = Net()", "model = Net(torchvision.models.resnet18())")
+    result = rewrite(code)
+    assert "    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)\n" in result.code.decode()
+    flagged = [a.line for a in result.attention if a.differs and a.code == "shard"]
+    assert flagged == [dedent(code).splitlines().index("    model = Net(torchvision.models.resnet18())") + 1]
+
+
+def test_mixed_precision_is_refused_for_a_model_holding_a_library_model_with_batchnorm():
+    result = rewrite(library_script(), mixed_precision="bf16")
+    assert [r.code for r in result.refusals] == ["FSR603"], result.refusals
+
+
+def test_check_flags_a_sibling_class_holding_a_library_model_with_batchnorm(tmp_path: Path):
+    """FSD118 reads the same analysis: the script itself never mentions BatchNorm."""
+    from fsdp2_retrofit.check.lint import lint_source
+    from fsdp2_retrofit.check.rules import all_rules
+
+    (tmp_path / "nets.py").write_text(dedent(NET.format(
+        imports="from torchvision.models import resnet50",
+        backbone="nn.ModuleList([resnet50(num_classes=10), nn.Identity()])")))
+    train = tmp_path / "train.py"
+    train.write_text("import torch\nfrom torch.distributed.fsdp import fully_shard\nfrom nets import Net\n\n"
+                     "model = Net()\nfully_shard(model)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n")
+    findings = lint_source(train.read_bytes(), str(train), all_rules()).findings
+    assert [(f.code, f.line) for f in findings] == [("FSD118", 6)], findings

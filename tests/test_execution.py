@@ -138,18 +138,22 @@ def test_retrofit_trains(case: Path, tmp_path: Path):
 
 
 @pytest.mark.e2e
-def test_batchnorm_on_cpu_trains_within_noise_and_is_flagged(tmp_path: Path):
+@pytest.mark.parametrize("name, line", [
+    ("batchnorm_per_rank", 14),  # an nn.BatchNorm1d of the script's class
+    ("library_attribute_batchnorm", 14),  # the BatchNorm2d layers of a library ResNet the class holds
+])
+def test_batchnorm_on_cpu_trains_within_noise_and_is_flagged(name: str, line: int, tmp_path: Path):
     """BatchNorm: SyncBatchNorm runs on GPUs only, so on CPU (gloo) each rank normalises
-    with its own half of the batch. The report says so (differs), the output still
-    trains like the original within the single run's noise, and it is not equivalent
-    (the flag is needed)."""
+    with its own half of the batch. The report says so (differs, at the line that builds
+    the layer or the library model), the output still trains like the original within
+    the single run's noise, and it is not equivalent (the flag is needed)."""
     from rewrite_cases import rewrite_case
 
-    case = FIXTURES / "batchnorm_per_rank"
+    case = FIXTURES / name
     run = _run_config(case)
     result = rewrite_case(case)
     flagged = [a for a in result.attention if a.differs and "BatchNorm" in a.what]
-    assert [a.line for a in flagged] == [14], result.attention
+    assert [a.line for a in flagged] == [line], result.attention
     timeout = run.get("timeout", DEFAULT_TIMEOUT_S)
     single = _reference(case, run, tmp_path / "single", timeout)
     dist = launch_distributed(case / "expected.py", ["--out", str(tmp_path / "dist" / "out.pt"), *run["dist_args"]],

@@ -7,11 +7,14 @@ single-process run. SyncBatchNorm shares the statistics between the ranks (an
 all-gather in forward, an all-reduce in backward), but runs on GPUs only.
 
 Read from the script's text and its sibling modules (never imported): the model's
-class and every class of the script its class refers to (submodules, blocks, a block
-class passed as an argument), the model's constructor arguments
-(`norm_layer=nn.BatchNorm2d`), a model that is itself a BatchNorm, and the library
-models whose table entry says they have BatchNorm (a torchvision ResNet, unless its
-`norm_layer=` is something else).
+class and every class and top-level function of the script its class refers to
+(submodules, blocks, a block class passed as an argument, a helper that builds a
+part), the model's constructor arguments (`norm_layer=nn.BatchNorm2d`), a model that
+is itself a BatchNorm, and the library models whose table entry says they have
+BatchNorm (a torchvision ResNet, unless its `norm_layer=` is something else), built
+as the model or anywhere in those classes and functions
+(`self.backbone = torchvision.models.resnet18()`), known by the qualified name of
+the call through the imports of the file it is in.
 """
 from __future__ import annotations
 
@@ -58,25 +61,18 @@ def batchnorm_layer(model, facts) -> Optional[BatchNormLayer]:
             found = _named(arg.value, r, lambda n: r.qnames(n))
             if found is not None:
                 return BatchNormLayer(code(found), r.line(found))
-            for node in _references(arg.value):
-                for q in r.qnames(node):
-                    hit = _in_class(facts.classes, q, facts, set(), _DEPTH)
-                    if hit is not None:
-                        return hit
+            for node in _references(arg.value, r):
+                hit = _library_at(node, r, r)
+                for q in sorted(r.qnames(node)):
+                    hit = hit or class_batchnorm(facts.classes, q, r)
+                if hit is not None:
+                    return hit
     if model.library is not None:
-        norm = next((a.value for a in (ctor.args if ctor else ()) if a.keyword and a.keyword.value == "norm_layer"), None)
-        if model.library.batchnorm and norm is None:
-            return BatchNormLayer(
-                f"{model.library.library} `{model.library.architecture}` (its BatchNorm layers)", r.line(model.stmt)
-            )
-        if model.library.batchnorm is None and norm is None:
-            return BatchNormLayer(
-                f"a {model.library.library} model chosen at run time (it may have BatchNorm layers)", r.line(model.stmt)
-            )
-        return None
+        what = _library_batchnorm(model.library, ctor)
+        return BatchNormLayer(what, r.line(model.stmt)) if what else None
     hit = None
     for cls in model.alternatives or [model.class_name]:  # a class chosen at run time: any of them
-        hit = hit or _in_class(facts.classes, cls, facts, set(), _DEPTH)
+        hit = hit or class_batchnorm(facts.classes, cls, r)
     if hit is not None and hit.file is not None:
         return BatchNormLayer(hit.what, r.line(model.stmt), hit.file, hit.file_line)
     return hit
@@ -94,25 +90,90 @@ def converted_already(facts, name: str) -> bool:
     )
 
 
-def _in_class(classes, name: Optional[str], facts, seen: set, depth: int) -> Optional[BatchNormLayer]:
+def class_batchnorm(classes, name: Optional[str], script) -> Optional[BatchNormLayer]:
+    """The first BatchNorm of the script's (or a sibling module's) class `name`, or None:
+    a BatchNorm class it builds or names, a library model with BatchNorm it builds
+    (`self.backbone = torchvision.models.resnet18()`, also inside a Sequential or a
+    ModuleList), or one in a class or a top-level function it refers to (a helper that
+    builds the backbone). `script`: the script's resolver (a layer in a sibling module
+    is named by file and line)."""
+    return _in_class(classes, name, script, set(), _DEPTH)
+
+
+def _in_class(classes, name: Optional[str], script, seen: set, depth: int) -> Optional[BatchNormLayer]:
     info = classes.get(name)
     if info is None or depth == 0 or name in seen:
         return None
     seen.add(name)
-    namer = info.namer
+    return _in_definition(classes, info.node, info.namer, info.file, script, seen, depth)
+
+
+def _in_definition(classes, node, namer, file, script, seen: set, depth: int) -> Optional[BatchNormLayer]:
+    """The first BatchNorm under `node` (a class or a top-level function of the module
+    `namer` reads), or in a class or top-level function it refers to."""
     resolver = namer.resolver
-    found = _named(info.node, resolver, lambda n: {namer.of(n)} - {None})
+    found = _named(node, resolver, lambda n: {namer.of(n)} - {None})
     if found is not None:
-        if resolver is facts.resolver:
-            return BatchNormLayer(code(found), resolver.line(found))
-        return BatchNormLayer(code(found), 0, info.file, resolver.line(found))
-    for node in _references(info.node, resolver):
-        other = namer.of(node)
-        if other and other != name and classes.get(other) is not None:
-            hit = _in_class(classes, other, facts, seen, depth - 1)
-            if hit is not None:
-                return hit
+        return _layer(code(found), found, resolver, script, file)
+    for ref in _references(node, resolver):
+        hit = _library_at(ref, resolver, script, file)
+        other = namer.of(ref)
+        if hit is None and other and classes.get(other) is not None:
+            hit = _in_class(classes, other, script, seen, depth - 1)
+        elif hit is None and other and depth > 1 and ("def", other) not in seen:
+            seen.add(("def", other))
+            hit = _in_function(classes, namer, other, script, seen, depth - 1)
+        if hit is not None:
+            return hit
     return None
+
+
+def _in_function(classes, namer, qname: str, script, seen: set, depth: int) -> Optional[BatchNormLayer]:
+    """The first BatchNorm of the top-level function `qname` names (of the script or of
+    a sibling module read, resolved from the module `namer` reads), if it is one."""
+    namespace, _, bare = qname.rpartition(".")
+    if not namespace:
+        namespace = namer.namespace  # a function of the same module
+    fn = classes.top_level_functions.get(namespace, {}).get(bare)
+    module = classes.top_level.get(namespace)
+    if fn is None or module is None:
+        return None
+    return _in_definition(classes, fn, module[1], classes.files.get(namespace), script, seen, depth)
+
+
+def _layer(what: str, node: cst.CSTNode, resolver, script, file: Optional[str]) -> BatchNormLayer:
+    """A layer found at `node`: by its line in the script, else by its file and line."""
+    if resolver is script:
+        return BatchNormLayer(what, resolver.line(node))
+    return BatchNormLayer(what, 0, file, resolver.line(node))
+
+
+def _library_at(node: cst.CSTNode, resolver, script, file: Optional[str] = None) -> Optional[BatchNormLayer]:
+    """`node` names a library model whose table entry has BatchNorm (`torchvision.models.resnet18`,
+    resolved through the imports of its own file): the call that builds it, or the name."""
+    from .library_models import is_library_builder, library_model
+
+    for q in sorted(resolver.qnames(node)):
+        if not is_library_builder(q):
+            continue
+        parent = resolver.parent(node)
+        call = parent if isinstance(parent, cst.Call) and parent.func is node else None
+        what = _library_batchnorm(library_model(q, call, resolver), call)
+        if what:
+            return _layer(what, call or node, resolver, script, file)
+    return None
+
+
+def _library_batchnorm(library, call: Optional[cst.Call]) -> Optional[str]:
+    """How a library model with BatchNorm layers is named, None when its table entry has
+    none or `call` passes a `norm_layer=` of its own; one whose architecture is not known
+    may have them."""
+    norm = next((a for a in (call.args if call else ()) if a.keyword and a.keyword.value == "norm_layer"), None)
+    if library is None or library.batchnorm is False or norm is not None:
+        return None
+    if library.batchnorm is None:  # an architecture chosen at run time, or missing from the table
+        return f"a {library.library} model whose architecture is not known here (it may have BatchNorm layers)"
+    return f"{library.library} `{library.architecture}` (its BatchNorm layers)"
 
 
 def _named(root: cst.CSTNode, resolver, names_of) -> Optional[cst.CSTNode]:

@@ -1,8 +1,9 @@
 """FSD118 batchnorm-per-rank."""
 from __future__ import annotations
 
-import re
-from typing import Optional, Set
+from typing import Set
+
+from fsdp2_retrofit.analysis.batchnorm import class_batchnorm
 
 from . import Invalid, Rule, Valid
 
@@ -11,7 +12,6 @@ _HEAD = (
     "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
     "        self.conv = nn.Conv2d(3, 8, 3)\n        self.bn = nn.{norm}(8)\n"
 )
-_BN = re.compile(r"(?<![A-Za-z_])BatchNorm[123]d\b")
 _SYNC = ("convert_sync_batchnorm", "SyncBatchNorm")
 
 
@@ -27,8 +27,9 @@ class BatchNormPerRank(Rule):
 
     ## What it does
     Flags the `fully_shard` call of a model whose class (in the script or a module
-    beside it) builds `nn.BatchNorm1d/2d/3d`, when an optimizer trains the model and
-    the script never converts it with `nn.SyncBatchNorm.convert_sync_batchnorm`.
+    beside it) builds `nn.BatchNorm1d/2d/3d` or a library model with BatchNorm layers
+    (`self.backbone = torchvision.models.resnet18()`), when an optimizer trains the
+    model and the script never converts it with `nn.SyncBatchNorm.convert_sync_batchnorm`.
 
     ## Why is this bad?
     `fully_shard` shards parameters, not batches: in training mode each rank's
@@ -62,7 +63,6 @@ class BatchNormPerRank(Rule):
         "sharded `{root}` ({cls}) has BatchNorm layers and is trained: each rank normalises with its own batch "
         "statistics; convert with nn.SyncBatchNorm.convert_sync_batchnorm before fully_shard"
     )
-    TRIGGERS = ("BatchNorm",)
     VALID = (
         Valid(_case("GroupNorm", _TRAIN.replace("Net()", "Net()"))),
         Valid(_case("BatchNorm2d", "model = nn.SyncBatchNorm.convert_sync_batchnorm(Net())\nfully_shard(model)\n"
@@ -70,6 +70,11 @@ class BatchNormPerRank(Rule):
         Valid(_case("BatchNorm2d", "teacher = Net()\nfully_shard(teacher)\nteacher.eval()\n")),  # not trained
         Valid(_case("SyncBatchNorm", _TRAIN)),
         Valid(_case("BatchNorm2d", "model = Net()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n")),
+        Valid(  # a library model whose norm_layer is not BatchNorm
+            "import torch\nimport torch.nn as nn\nimport torchvision\nfrom torch.distributed.fsdp import fully_shard\n"
+            "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+            "        self.backbone = torchvision.models.resnet18(norm_layer=lambda c: nn.GroupNorm(2, c))\n" + _TRAIN
+        ),
     )
     INVALID = (
         Invalid(_case("BatchNorm2d", _TRAIN), line=10),
@@ -86,6 +91,12 @@ class BatchNormPerRank(Rule):
             + _TRAIN,
             line=13,
         ),
+        Invalid(  # the BatchNorm layers are a library model's, kept as an attribute
+            "import torch\nimport torch.nn as nn\nimport torchvision\nfrom torch.distributed.fsdp import fully_shard\n"
+            "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+            "        self.backbone = torchvision.models.resnet18(num_classes=4)\n" + _TRAIN,
+            line=10,
+        ),
     )
 
     def check(self, ctx):
@@ -101,23 +112,6 @@ class BatchNormPerRank(Rule):
             if site.legacy or not site.whole or site.root in seen or site.root not in trained:
                 continue
             info = ctx.root_class(site)
-            if info is not None and _has_batchnorm(ctx.classes(), info.name, 4):
+            if info is not None and class_batchnorm(ctx.classes(), info.name, ctx.resolver) is not None:
                 seen.add(site.root)
                 yield site.call, {"root": site.root, "cls": f"class `{info.name}`"}, None
-
-
-def _has_batchnorm(registry, name: Optional[str], depth: int) -> bool:
-    info = registry.get(name)
-    if info is None or depth == 0:
-        return False
-    if _BN.search(_code(info.node)):
-        return True
-    inner = set(info.submodules.values()) | {c.block_class for c in info.containers if c.block_class}
-    inner |= set(info.bases)
-    return any(_has_batchnorm(registry, sub, depth - 1) for sub in inner)
-
-
-def _code(node) -> str:
-    from fsdp2_retrofit.syntax.names import code
-
-    return code(node)

@@ -62,6 +62,8 @@ class RankZeroName(Rule):
         Valid(_HEAD + "if rank == 0:\n    objs = [cfg]\nelse:\n    objs = [None]\n"
               "dist.broadcast_object_list(objs, src=0)\n"),
         Valid(_HEAD + "if rank == 0:\n    path = 'model.pt'\n    torch.save(state, path)\n"),  # used inside the gate
+        Valid(_HEAD + "run_dir = None\nif rank == 0:\n    run_dir = make_dir()\npath = f'{run_dir}/m'\n"
+              "dcp.save(state, checkpoint_id=path)\n"),  # bound on every rank first: the value exists everywhere
         Valid("import torch\nimport torch.distributed as dist\nif dist.get_rank() == 0:\n    t = x\n"
               "dist.broadcast(t, src=0)\n"),  # not sharded
     )

@@ -191,27 +191,31 @@ class ConvertSavesCommand(RetrofitStage):
 
     def _share_rank_zero_names(self, sites, facts: ScriptFacts, editor: StatementEditor) -> None:
         """A save that now runs on every rank and reads a name bound only under a rank-0
-        `if` (`if rank == 0: run_dir = ...`): rank 0 computes it, broadcast_object_list
-        hands it to the others right after that `if` (or after init_process_group), on
-        every rank."""
+        `if` (`if rank == 0: run_dir = ...`), directly or through values computed from it
+        on every rank (`path = f"{run_dir}/m.pt"`, an argument of the function that
+        saves): rank 0 computes it, broadcast_object_list hands it to the others right
+        after that `if` (or after init_process_group), on every rank, before anything
+        reads it."""
         shared = set()
         for site in sites:
             if not self.collective.get(site.stmt):
                 continue
-            for name, gate in rank_zero_names(site.stmt, facts, self.split_gates):
-                if name in shared:
+            for read in rank_zero_names(site.stmt, facts, self.split_gates):
+                name, gate = read.name, read.gate
+                if (id(gate), name) in shared:
                     continue
-                shared.add(name)
-                anchor = self._broadcast_anchor(gate, site.stmt, facts)
+                shared.add((id(gate), name))
+                how = read.describe(self.line)
+                anchor = self._broadcast_anchor(gate, read.reader, facts)
                 if anchor is None:
                     self.refuse(
                         "FSR704",
                         gate,
-                        f"`{name}` is bound only under `if {code(gate.test)}:` and the save on line "
-                        f"{self.line(site.stmt)} that reads it now runs on every rank",
+                        f"{how} (under `if {code(gate.test)}:`); the save on line {self.line(site.stmt)} that "
+                        "reads it now runs on every rank",
                         "the other ranks would stop with a NameError at the first checkpoint; the rewrite hands "
                         "such a name to the other ranks only from a plain rank-0 `if` (no else, no other "
-                        "condition) in the body of the function that saves",
+                        "condition) in the body of the function that reads it, before that read",
                         f"bind `{name}` on every rank (compute the path everywhere; create directories under "
                         "the rank-0 `if`)",
                     )
@@ -226,19 +230,21 @@ class ConvertSavesCommand(RetrofitStage):
                 self.change(
                     gate,
                     f"`{name}`, bound only under `if {test}:`, is broadcast from rank 0 to every rank",
-                    f"the save on line {self.line(site.stmt)} runs on every rank now and reads it",
+                    f"the save on line {self.line(site.stmt)} runs on every rank now and reads it"
+                    + (f" ({how})" if read.chain else ""),
                     "without it the other ranks stop with a NameError at the first checkpoint",
                 )
 
-    def _broadcast_anchor(self, gate: cst.If, save: cst.CSTNode, facts: ScriptFacts) -> Optional[cst.CSTNode]:
+    def _broadcast_anchor(self, gate: cst.If, reader: cst.CSTNode, facts: ScriptFacts) -> Optional[cst.CSTNode]:
         """Where the broadcast of a name `gate` binds goes: after the gate, or after
-        init_process_group when that comes later; None where it cannot go safely."""
+        init_process_group when that comes later, before `reader` (the first statement
+        of every rank to read it); None where it cannot go safely."""
         function = facts.resolver.enclosing_function(gate)
         rank, other = split_rank_test(gate.test)
         if function is None or gate.orelse is not None or not rank or other:
             return None
         body = list(function.body.body)
-        top = next((a for a in [save, *facts.resolver.ancestors(save)] if a in body), None)
+        top = next((a for a in [reader, *facts.resolver.ancestors(reader)] if a in body), None)
         if gate not in body or top is None or body.index(top) <= body.index(gate):
             return None
         anchor = gate

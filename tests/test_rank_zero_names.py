@@ -27,7 +27,7 @@ SAVE = '    torch.save(model.state_dict(), out)\n'
 def _names(source: str):
     facts = analyse(cst.parse_module(source))
     save = next(s for s in facts.resolver.nodes(cst.SimpleStatementLine) if "torch.save" in facts.module.code_for_node(s))
-    return [name for name, _ in rank_zero_names(save, facts)]
+    return [read.name for read in rank_zero_names(save, facts)]
 
 
 def test_a_name_bound_on_rank_zero_only_is_found():

@@ -12,7 +12,8 @@ from typing import List, Optional, Set, Tuple
 import libcst as cst
 
 from .facts import ScriptFacts
-from fsdp2_retrofit.syntax.names import assigned_names, calls_in, code, dotted, last_assignment, walk
+from .rank_bindings import RankZeroRead, rank_zero_reads
+from fsdp2_retrofit.syntax.names import assigned_names, calls_in, code, dotted, last_assignment, names_read, walk
 from fsdp2_retrofit.syntax.rank import is_rank_test, mentions_rank_test, split_rank_test  # noqa: F401  (stages import them from here)
 from fsdp2_retrofit.syntax.torch_api import TORCH_LOAD as LOAD, TORCH_SAVE as SAVE
 
@@ -324,58 +325,41 @@ def rank_gate(node: cst.CSTNode, facts: ScriptFacts) -> Optional[cst.If]:
     return None
 
 
-def rank_zero_names(stmt: cst.CSTNode, facts: ScriptFacts, split=()) -> List[Tuple[str, cst.If]]:
-    """(name, the rank-0 `if` that binds it) for each name `stmt` reads that its function
-    binds only under rank-0 `if`s (`if rank == 0: run_dir = ...`): on the other ranks it
-    does not exist, so a save that now runs on every rank would fail there. Assignments
-    under the `if`s in `split` (split around a save) run on every rank already."""
-    function = facts.resolver.enclosing_function(stmt)
-    if function is None:
-        return []
-    params = {p.name.value for p in function.params.params + function.params.kwonly_params
-              + function.params.posonly_params}
-    out = []
-    bound_otherwise = None  # names the body binds otherwise than by assignment; made when first needed
-    for name in sorted(names_read(stmt) - params):
+def rank_zero_names(stmt: cst.CSTNode, facts: ScriptFacts, split=()) -> List[RankZeroRead]:
+    """The names bound only under rank-0 `if`s (`if rank == 0: run_dir = ...`) that the
+    values `stmt` reads come from, directly or through assignments and arguments every
+    rank runs (`path = f"{run_dir}/m.pt"`): on the other ranks they do not exist, so a
+    save that now runs on every rank would fail there. Assignments under the `if`s in
+    `split` (split around a save) run on every rank already."""
+
+    def everywhere(node) -> bool:
+        gate = rank_gate(node, facts)
+        return gate is None or any(gate is g for g in split)
+
+    def only_on_rank_zero(function, name, at):
+        if function is None:
+            return None
         bindings = [s for s in facts.resolver.descendants(function.body, cst.SimpleStatementLine)
-                    if name in assigned_names(s)]
-        if not bindings:
-            continue
-        if bound_otherwise is None:
+                    if name in assigned_names(s) and facts.resolver.enclosing_function(s) is function]
+        if not bindings or name in _bound_otherwise_in(function):
+            return None
+        if any(everywhere(b) for b in bindings):
+            return None
+        return bindings[0], rank_gate(bindings[0], facts)
+
+    def _bound_otherwise_in(function) -> set:
+        found = cache.get(id(function))
+        if found is None:
             # every node of the body (`descendants` takes one exact type: CSTNode, an ABC, matched none)
-            bound_otherwise = set().union(
+            found = cache[id(function)] = set().union(
                 *(_bound_otherwise(n) for n in walk(function.body) if type(n) in _BINDERS)
             )
-        gates = [rank_gate(b, facts) for b in bindings]
-        if name not in bound_otherwise and all(g is not None and not any(g is x for x in split) for g in gates):
-            out.append((name, gates[0]))
-    return out
+        return found
 
-
-def names_read(node: cst.CSTNode) -> set:
-    """Names loaded in `node` (not attribute names or keywords)."""
-    reader = _NamesRead()
-    node.visit(reader)
-    return reader.found
-
-
-class _NamesRead(cst.CSTVisitor):
-    """Collects names_read (one class, not one made per call: making a class is slow)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.found: set = set()
-
-    def visit_Attribute(self, n: cst.Attribute) -> bool:
-        n.value.visit(self)
-        return False
-
-    def visit_Arg(self, n: cst.Arg) -> bool:
-        n.value.visit(self)
-        return False
-
-    def visit_Name(self, n: cst.Name) -> None:
-        self.found.add(n.value)
+    cache: dict = {}
+    if facts.resolver.enclosing_function(stmt) is None:
+        return []
+    return rank_zero_reads(facts.resolver, stmt, names_read(stmt), only_on_rank_zero, everywhere)
 
 
 # statements and expressions that bind a name otherwise than by assignment (exact types:

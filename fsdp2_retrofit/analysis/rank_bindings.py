@@ -1,19 +1,23 @@
-"""Names a function binds only inside rank-0 branches.
+"""Names a function binds only inside rank-0 branches, and the values computed from them.
 
 `if rank == 0: cfg = load()` binds `cfg` on rank 0 alone: on every other rank the
 name does not exist, and code after the branch that every rank runs (a collective,
 a save) fails there with NameError (or UnboundLocalError) while rank 0 waits in the
 collective. `rank_zero_only_bindings` lists, per scope (a function, or None for the
 module), the names whose every binding is inside a rank-0 branch, with the first
-such binding.
+such binding. `rank_zero_reads` follows the values a statement reads back to such
+names, through the assignments and arguments every rank runs (`path =
+f"{out_dir}/m.pt"` read by a save): the rewrite (analysis.checkpoints.rank_zero_names)
+and the check (FSD116) ask it with their own notion of a rank-0 branch.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import parameter_names
+from fsdp2_retrofit.syntax.names import assigned_names, bind_args, names_read, parameter_names
 
 Scope = Optional[cst.FunctionDef]
 
@@ -86,3 +90,113 @@ def rank_zero_only_bindings(resolver, rank_zero_branch) -> Dict[Scope, Dict[str,
             first = min(bindings, key=lambda b: resolver.order(b[0]))
             out.setdefault(scope, {})[name] = first
     return out
+
+
+# -- values that come from a rank-0-only name ------------------------------------------
+
+@dataclass(frozen=True)
+class RankZeroRead:
+    """A statement every rank runs reads `name`, bound only on rank 0 (at `binding`,
+    under `gate`), directly or through `chain`: (name, the statement that hands it on)
+    pairs from the name read first down to the one that reads `name` (`path = f"{out_dir}/m.pt"`,
+    an assignment; `save(model, out_dir)`, the call that binds a parameter). `reader`
+    is the statement of `name`'s own function that reads it on every rank."""
+
+    name: str
+    binding: cst.CSTNode = field(repr=False)
+    gate: cst.If = field(repr=False)
+    reader: cst.CSTNode = field(repr=False)
+    chain: Tuple[Tuple[str, cst.CSTNode], ...] = field(default=(), repr=False)
+
+    def describe(self, line) -> str:
+        """"`path` (line 30), which reads `out_dir`, bound only on rank 0 at line 22";
+        `line` gives a node's line."""
+        links = [f"`{name}` ({'line' if name in assigned_names(stmt) else 'the argument on line'} {line(stmt)})"
+                 for name, stmt in self.chain]
+        return ", which reads ".join(links + [f"`{self.name}`"]) + f", bound only on rank 0 at line {line(self.binding)}"
+
+
+def rank_zero_reads(
+    resolver,
+    stmt: cst.CSTNode,
+    names: Iterable[str],
+    rank_zero_only: Callable[[Scope, str, cst.CSTNode], Optional[Tuple[cst.CSTNode, cst.If]]],
+    runs_everywhere: Callable[[cst.CSTNode], bool],
+) -> List[RankZeroRead]:
+    """The rank-0-only names the values of `names`, read by `stmt`, come from: each
+    name is followed back through the assignments that bind it on every rank before
+    `stmt` (`path = os.path.join(out_dir, "m.pt")`, `p2 = path`, `a, b = out_dir, 1`,
+    `f(out_dir)`) and, for a parameter of a function of the script, through the
+    arguments of its calls that every rank makes. `rank_zero_only(scope, name, at)` gives
+    the rank-0 binding and its `if` of a name the scope binds on rank 0 alone, read at `at`;
+    `runs_everywhere(statement)` says whether every rank runs a statement (the caller's
+    gates: the rewrite's split ones run everywhere)."""
+    out: List[RankZeroRead] = []
+    seen: Set[Tuple[int, str]] = set()
+    functions = {f.name.value: f for f in resolver.nodes(cst.FunctionDef)
+                 if resolver.enclosing_function(f) is None and resolver.enclosing_class(f) is None}
+
+    def follow(at: cst.CSTNode, name: str, chain: Tuple[Tuple[str, cst.CSTNode], ...]) -> None:
+        scope = _scope_binding(resolver, at, name)
+        if (id(scope), name) in seen:
+            return
+        seen.add((id(scope), name))
+        if scope is not None and name in parameter_names(scope):
+            if functions.get(scope.name.value) is not scope:
+                return
+            for call in resolver.nodes(cst.Call):
+                if not (isinstance(call.func, cst.Name) and call.func.value == scope.name.value):
+                    continue
+                caller = resolver.statement_of(call)
+                if caller is None or not runs_everywhere(caller):
+                    continue
+                for param, arg in bind_args(scope, call):
+                    if param == name:
+                        for read in sorted(names_read(arg)):
+                            follow(caller, read, chain + ((name, caller),))
+            return
+        found = rank_zero_only(scope, name, at)
+        if found is not None:
+            out.append(RankZeroRead(name, found[0], found[1], at, chain))
+            return
+        same_scope = resolver.enclosing_function(at) is scope
+        for binding in resolver.descendants(scope if scope is not None else resolver.module, cst.SimpleStatementLine):
+            if (resolver.enclosing_function(binding) is not scope or name not in assigned_names(binding)
+                    or (same_scope and resolver.order(binding) >= resolver.order(at))
+                    or not runs_everywhere(binding)):
+                continue
+            for read in sorted(_value_reads(binding)):
+                follow(binding, read, chain + ((name, binding),))
+
+    for name in sorted(set(names)):
+        follow(stmt, name, ())
+    return out
+
+
+def _scope_binding(resolver, at: cst.CSTNode, name: str) -> Scope:
+    """The function (None: the module) whose `name` `at` reads: its own, or the nearest
+    function around it that binds the name (a closure)."""
+    scope = resolver.enclosing_function(at)
+    while scope is not None and name not in parameter_names(scope) and name not in _bound_in(resolver, scope):
+        scope = resolver.enclosing_function(scope)
+    return scope
+
+
+def _bound_in(resolver, scope: cst.FunctionDef) -> Set[str]:
+    """Names `scope` binds itself (anywhere in its body, nested functions' bodies apart)."""
+    cache = resolver.__dict__.setdefault("_rank_bound_in", {})
+    if not cache:
+        for node, bound in binding_targets(resolver):
+            cache.setdefault(id(resolver.enclosing_function(node)), set()).add(bound)
+    return cache.get(id(scope), set())
+
+
+def _value_reads(stmt: cst.SimpleStatementLine) -> Set[str]:
+    """Names the values an assignment statement binds are computed from."""
+    found: Set[str] = set()
+    for small in stmt.body:
+        if isinstance(small, (cst.Assign, cst.AnnAssign)) and small.value is not None:
+            found |= names_read(small.value)
+        elif isinstance(small, cst.AugAssign):
+            found |= names_read(small.value) | names_read(small.target)
+    return found

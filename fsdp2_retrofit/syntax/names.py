@@ -651,6 +651,32 @@ def names_in(node: cst.CSTNode) -> Set[str]:
     return {n.value for n in walk(node) if type(n) is cst.Name}
 
 
+def names_read(node: cst.CSTNode) -> set:
+    """Names loaded in `node` (not attribute names or keywords)."""
+    reader = _NamesRead()
+    node.visit(reader)
+    return reader.found
+
+
+class _NamesRead(cst.CSTVisitor):
+    """Collects names_read (one class, not one made per call: making a class is slow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: set = set()
+
+    def visit_Attribute(self, n: cst.Attribute) -> bool:
+        n.value.visit(self)
+        return False
+
+    def visit_Arg(self, n: cst.Arg) -> bool:
+        n.value.visit(self)
+        return False
+
+    def visit_Name(self, n: cst.Name) -> None:
+        self.found.add(n.value)
+
+
 def assigned_names(stmt: cst.CSTNode) -> Set[str]:
     """Names a simple assignment statement binds (`a = ...`, `a, b = ...`)."""
     out: Set[str] = set()

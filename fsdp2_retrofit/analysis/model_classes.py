@@ -231,15 +231,29 @@ def build_registry(module: cst.Module, resolver: Resolver, path: Optional[str]) 
     return registry
 
 
+def _imported_modules(resolver: Resolver, folder: Path) -> List[str]:
+    """The dotted names of the modules a file imports, in the namespaces its qualified
+    names use: `from model import RNNModel` and `import model` (or `import model as m`)
+    give `model` (so `m.RNNModel` is `model.RNNModel`), `import pkg.model` gives
+    `pkg.model`, and `from pkg import model` gives `pkg` and, when `pkg` is a folder
+    here, `pkg.model`."""
+    out: List[str] = []
+    for stmt in resolver.nodes(cst.ImportFrom):
+        if stmt.module is None or (stmt.relative and len(stmt.relative) > 1):
+            continue
+        dotted = _dotted(stmt.module)
+        out.append(dotted)
+        if not isinstance(stmt.names, cst.ImportStar) and _is_dir(folder.joinpath(*dotted.split("."))):
+            out += [f"{dotted}.{_dotted(alias.name)}" for alias in stmt.names]
+    for stmt in resolver.nodes(cst.Import):
+        out += [_dotted(alias.name) for alias in stmt.names]
+    return out
+
+
 def _collect_siblings(module, resolver, folder: Path, registry, seen, depth) -> None:
     if depth == 0:
         return
-    for stmt in resolver.nodes(cst.ImportFrom):
-        if stmt.relative and len(stmt.relative) > 1:
-            continue
-        if stmt.module is None:
-            continue
-        dotted = _dotted(stmt.module)
+    for dotted in _imported_modules(resolver, folder):
         if dotted in seen:
             continue
         candidate = folder.joinpath(*dotted.split(".")).with_suffix(".py")
@@ -276,6 +290,7 @@ def _collect_project_packages(module, resolver, folder: Path, registry) -> None:
     Only imports the script's folder does not resolve are looked up there."""
     heads = {_dotted(s.module).split(".")[0] for s in resolver.nodes(cst.ImportFrom)
              if s.module is not None and not s.relative}
+    heads |= {_dotted(a.name).split(".")[0] for s in resolver.nodes(cst.Import) for a in s.names}
     heads -= {n.split(".")[0] for n in registry.namespaces}
     if not heads:
         return

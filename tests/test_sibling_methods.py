@@ -2,7 +2,8 @@
 parameters (an RNN's `init_hidden` taking dtype and device from `next(self.parameters())`)
 gets the treatment the same class defined in the script gets, however the script imports
 it: `from model import RNN`, `import model` / `import model as m` (word_language_model's
-`model = model.RNNModel(...)`), `import pkg.model`, `from pkg import model`. The class is
+`model = model.RNNModel(...)`), `import pkg.model`, `from pkg import model`, or through a
+package that re-exports it (`from .model import RNN` in `pkg/__init__.py`). The class is
 followed through the import (its qualified name, ClassRegistry), by rewrite (the method is
 registered with register_fsdp_forward_method; FSR623 where the parameter is a block's) and
 by check (FSD122 where it is not registered)."""
@@ -76,13 +77,17 @@ SCRIPT = dedent("""\
         main()
     """)
 
-# (the import line, the file that defines RNN, what the script calls to build it)
+# (the import line, the file that defines RNN, what the script calls to build it, the
+# package's __init__.py when it re-exports the class)
 IMPORTS = {
-    "from": ("from model import RNN", "model.py", "RNN"),
-    "import": ("import model", "model.py", "model.RNN"),
-    "import-as": ("import model as m", "model.py", "m.RNN"),
-    "import-dotted": ("import pkg.model", "pkg/model.py", "pkg.model.RNN"),
-    "from-package-module": ("from pkg import model as rnn_model", "pkg/model.py", "rnn_model.RNN"),
+    "from": ("from model import RNN", "model.py", "RNN", None),
+    "import": ("import model", "model.py", "model.RNN", None),
+    "import-as": ("import model as m", "model.py", "m.RNN", None),
+    "import-dotted": ("import pkg.model", "pkg/model.py", "pkg.model.RNN", None),
+    "from-package-module": ("from pkg import model as rnn_model", "pkg/model.py", "rnn_model.RNN", None),
+    "package-re-export": ("from pkg import RNN", "pkg/model.py", "RNN", "from .model import RNN\n"),
+    "package-re-export-absolute": ("from pkg import Net", "pkg/model.py", "Net", "from pkg.model import RNN as Net\n"),
+    "package-re-export-import": ("import pkg", "pkg/model.py", "pkg.RNN", "from . import model\nfrom .model import RNN\n"),
 }
 
 
@@ -92,10 +97,12 @@ def _in_script(class_source: str = CLASS, to: str = "") -> str:
 
 def _sibling(tmp_path, form: str, class_source: str = CLASS, to: str = "") -> tuple:
     """(the script's path, its text) with RNN in a sibling file imported the `form` way."""
-    imports, file, ctor = IMPORTS[form]
+    imports, file, ctor, init = IMPORTS[form]
     sibling = tmp_path / file
     sibling.parent.mkdir(parents=True, exist_ok=True)
     sibling.write_text("import torch.nn as nn\n\n\n" + class_source)
+    if init is not None:
+        (tmp_path / "pkg" / "__init__.py").write_text(init)
     script = tmp_path / "train.py"
     text = SCRIPT.format(imports=imports, ctor=ctor, to=to)
     script.write_text(text)
@@ -163,3 +170,15 @@ def test_check_flags_the_unregistered_method_of_a_sibling_class_like_an_in_scrip
 def test_check_passes_the_registered_method_of_a_sibling_class(tmp_path, form):
     script, text = _sibling(tmp_path, form)
     assert _fsd122(tmp_path / "sharded.py", rewrite_source(text.encode(), str(script)).code.decode()) == []
+
+
+def test_a_class_of_the_same_bare_name_in_another_module_is_not_taken_for_it(tmp_path):
+    """The script builds `RNN` of a library (not read); a sibling module it also imports
+    defines another `RNN`. Neither rewrite nor check takes one for the other by its name."""
+    (tmp_path / "model.py").write_text("import torch.nn as nn\n\n\n" + CLASS)
+    script = tmp_path / "train.py"
+    text = SCRIPT.format(imports="import model\nfrom recurrent_lib import RNN", ctor="RNN", to="")
+    result = rewrite_source(text.encode(), str(script))
+    assert "register_fsdp_forward_method" not in result.code.decode()
+    assert "fully_shard(net" in result.code.decode()
+    assert _fsd122(tmp_path / "sharded.py", result.code.decode()) == []

@@ -130,9 +130,6 @@ class ClassRegistry:
         info = self.classes.get(name)
         return bool(info and info.is_module)
 
-    def find_by_bare_name(self, bare: str) -> List[ClassInfo]:
-        return [c for c in self.classes.values() if c.name == bare or c.name.endswith("." + bare)]
-
     def block_containers(self, name: Optional[str], depth: int = 3) -> List[Container]:
         """Repeated-block containers of a model class, with paths from its root.
 
@@ -226,20 +223,56 @@ def build_registry(module: cst.Module, resolver: Resolver, path: Optional[str]) 
             _collect(sibling, sib_resolver, namespace=namespace, file=str(file), registry=registry)
 
     registry.star = star_names(module, resolver, path, _parse_sibling, collect, _is_file)
+    _add_re_exports(registry)
     resolver.add_bindings(registry.star.names, registry.star.dropped)
     registry._resolve_modules()
     return registry
 
 
-def _collect_siblings(module, resolver, folder: Path, registry, seen, depth) -> None:
+def _absolute(imp: cst.ImportFrom, package: str) -> Optional[str]:
+    """The dotted module an ImportFrom names, a relative one resolved in `package` (the
+    importing module's package: `from .rnn import X` in `models/__init__.py` names
+    `models.rnn`). The script is in no package: its `from .x import` names its folder's
+    `x`, and deeper relative imports are not followed."""
+    base = _dotted(imp.module) if imp.module is not None else ""
+    if not imp.relative:
+        return base or None
+    parts = package.split(".") if package else []
+    up = len(imp.relative) - 1
+    if up > len(parts) or (up and not package):
+        return None
+    return ".".join(parts[: len(parts) - up] + ([base] if base else [])) or None
+
+
+def _package_of(namespace: str, file) -> str:
+    """The package a sibling module's relative imports resolve in: a package's own
+    `__init__.py` is its package, `models/rnn.py` is in `models`."""
+    return namespace if str(file).endswith("__init__.py") else namespace.rpartition(".")[0]
+
+
+def _imported_modules(resolver: Resolver, folder: Path, package: str = "") -> List[str]:
+    """The dotted names of the modules a file imports, in the namespaces its qualified
+    names use: `from model import RNNModel` and `import model` (or `import model as m`)
+    give `model` (so `m.RNNModel` is `model.RNNModel`), `import pkg.model` gives
+    `pkg.model`, and `from pkg import model` gives `pkg` and, when `pkg` is a folder
+    here, `pkg.model`; relative imports are resolved in `package`."""
+    out: List[str] = []
+    for stmt in resolver.nodes(cst.ImportFrom):
+        dotted = _absolute(stmt, package)
+        if dotted is None:
+            continue
+        out.append(dotted)
+        if not isinstance(stmt.names, cst.ImportStar) and _is_dir(folder.joinpath(*dotted.split("."))):
+            out += [f"{dotted}.{_dotted(alias.name)}" for alias in stmt.names]
+    for stmt in resolver.nodes(cst.Import):
+        out += [_dotted(alias.name) for alias in stmt.names]
+    return out
+
+
+def _collect_siblings(module, resolver, folder: Path, registry, seen, depth, package: str = "") -> None:
     if depth == 0:
         return
-    for stmt in resolver.nodes(cst.ImportFrom):
-        if stmt.relative and len(stmt.relative) > 1:
-            continue
-        if stmt.module is None:
-            continue
-        dotted = _dotted(stmt.module)
+    for dotted in _imported_modules(resolver, folder, package):
         if dotted in seen:
             continue
         candidate = folder.joinpath(*dotted.split(".")).with_suffix(".py")
@@ -253,7 +286,7 @@ def _collect_siblings(module, resolver, folder: Path, registry, seen, depth) -> 
             continue
         sibling, sib_resolver = parsed
         _collect(sibling, sib_resolver, namespace=dotted, file=str(candidate), registry=registry)
-        _collect_siblings(sibling, sib_resolver, folder, registry, seen, depth - 1)
+        _collect_siblings(sibling, sib_resolver, folder, registry, seen, depth - 1, _package_of(dotted, candidate))
 
 
 # The files that mark a project's root folder: a package of the project imported by a script
@@ -276,6 +309,7 @@ def _collect_project_packages(module, resolver, folder: Path, registry) -> None:
     Only imports the script's folder does not resolve are looked up there."""
     heads = {_dotted(s.module).split(".")[0] for s in resolver.nodes(cst.ImportFrom)
              if s.module is not None and not s.relative}
+    heads |= {_dotted(a.name).split(".")[0] for s in resolver.nodes(cst.Import) for a in s.names}
     heads -= {n.split(".")[0] for n in registry.namespaces}
     if not heads:
         return
@@ -287,6 +321,29 @@ def _collect_project_packages(module, resolver, folder: Path, registry) -> None:
 
 # Sibling modules are read, never rewritten: parse and resolve each once per process.
 _SIBLINGS: Dict[tuple, Tuple[cst.Module, Resolver]] = {}
+
+
+def _add_re_exports(registry: ClassRegistry) -> None:
+    """A class a sibling module imports at its top level is that module's name too:
+    `from .rnn import RNNModel` in `models/__init__.py` makes `models.RNNModel` (the
+    name the script's `from models import RNNModel` gives it) the class of
+    `models/rnn.py`. Chains of packages re-exporting are followed."""
+    changed = True
+    while changed:
+        changed = False
+        for namespace in sorted(registry.namespaces):
+            package = _package_of(namespace, registry.files[namespace])
+            for stmt in registry.top_level[namespace][1].resolver.module.body:
+                for imp in stmt.body if isinstance(stmt, cst.SimpleStatementLine) else ():
+                    if not isinstance(imp, cst.ImportFrom) or isinstance(imp.names, cst.ImportStar):
+                        continue
+                    source = _absolute(imp, package)
+                    for alias in imp.names if source else ():
+                        found = registry.classes.get(f"{source}.{_dotted(alias.name)}")
+                        local = f"{namespace}.{_dotted((alias.asname or alias).name)}"
+                        if found is not None and local not in registry.classes:
+                            registry.classes[local] = found
+                            changed = True
 
 
 def _parse_sibling(path: Path) -> Optional[Tuple[cst.Module, Resolver]]:

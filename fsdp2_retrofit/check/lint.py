@@ -75,7 +75,8 @@ class LintContext:
 
     def root_class(self, site):
         """The script class (or a sibling module's) a shard site's root is built from:
-        `model = Net(...)`, `Net(...).to(device)`; None when not known."""
+        `model = Net(...)`, `Net(...).to(device)`, followed through the script's imports
+        to the class (ClassRegistry, as the rewrite does); None when not known."""
         import libcst as cst
 
         if "." in site.root:
@@ -87,13 +88,7 @@ class LintContext:
             if not isinstance(call, cst.Call):
                 continue
             registry = self.classes()
-            for name in sorted(self.resolver.qnames(call.func)):
-                if registry.get(name) is not None:
-                    return registry.get(name)
-                found = registry.find_by_bare_name(name.rsplit(".", 1)[-1])
-                if len(found) == 1:
-                    return found[0]
-            return None
+            return next(filter(None, map(registry.get, sorted(self.resolver.qnames(call.func)))), None)
         return None
 
 

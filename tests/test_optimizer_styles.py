@@ -297,12 +297,25 @@ def test_param_groups_and_a_named_result_are_followed():
     assert not rewrite_source(source.encode(), "train.py").refusals
 
 
+def test_optimizers_a_function_builds_from_its_parameter_train_the_model_it_is_handed():
+    """Not a factory (two optimizers, or it returns something else), but each optimizer in it
+    is built from the parameters of the module every call hands it (followed by value): the
+    module is sharded before the call, so they are built from the sharded parameters."""
+    for body in [
+        "a = torch.optim.SGD(model.parameters(), lr=lr)\nb = torch.optim.Adam(model.parameters())\nreturn a",
+        "built = torch.optim.SGD(model.parameters(), lr=lr)\nreturn None",
+    ]:
+        source = _factory(body)
+        result = rewrite_source(source.encode(), "train.py")
+        assert not result.refusals, body
+        out = result.code.decode()
+        assert out.index("fully_shard(model, mesh=mesh)") < out.index("opt = make_optimizer(model, 0.1)"), body
+
+
 def test_a_factory_that_does_more_with_the_model_is_not_followed():
     for body in [
         "model.to('cpu')\nreturn torch.optim.SGD(model.parameters(), lr=lr)",  # moves it: not only reads
         "for p in model.parameters():\n    p.requires_grad_(False)\nreturn torch.optim.SGD(model.fc.parameters(), lr=lr)",
-        "a = torch.optim.SGD(model.parameters(), lr=lr)\nb = torch.optim.Adam(model.parameters())\nreturn a",
-        "built = torch.optim.SGD(model.parameters(), lr=lr)\nreturn None",  # returns something else
     ]:
         source = _factory(body)
         assert "opt" not in [o.name for o in analyse(cst.parse_module(source)).optimizers], body

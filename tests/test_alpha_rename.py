@@ -11,12 +11,13 @@ execution test (parity with the original) covers the renamed script too.
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 
 import pytest
 
 from alpha_rename import alpha_rename, unrename
 from fsdp2_retrofit.rewrite.pipeline import rewrite_source
-from rewrite_cases import case_options, case_params, rewrite_case
+from rewrite_cases import CASES, case_options, case_params, rewrite_case
 
 
 def _outcome(result) -> tuple:
@@ -54,3 +55,19 @@ def test_the_renamer_separates_scopes():
     assert helper_names and caller_names and not helper_names & caller_names
     assert "loader=" in renamed  # a keyword of a callee that is not the script's keeps its spelling
     assert unrename(renamed) == source
+
+
+CHECK_FILES = sorted((Path(__file__).resolve().parents[1] / "fixtures" / "check").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", CHECK_FILES + [c / "expected.py" for c in CASES], ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_renamed_locals_check_the_same(path):
+    """`check` finds the same rule codes at the same lines in a file whose locals are renamed
+    (the check fixtures with their planted defects, and every rewrite golden)."""
+    from fsdp2_retrofit.check.lint import lint_source
+    from fsdp2_retrofit.check.rules import all_rules
+
+    source = path.read_text(encoding="utf-8")
+    findings = lint_source(source.encode("utf-8"), str(path), all_rules()).findings
+    renamed = lint_source(alpha_rename(source).encode("utf-8"), str(path), all_rules()).findings
+    assert sorted((f.code, f.line) for f in renamed) == sorted((f.code, f.line) for f in findings)

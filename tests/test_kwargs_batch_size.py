@@ -77,6 +77,11 @@ def test_a_dict_call_a_store_and_a_renamed_alias_are_followed():
     loader = DataLoader(data, **kw)
 ''')
     assert f"    {ASSERT}    kw[\"batch_size\"] = args.batch_size // world_size\n" in result.code.decode()
+    _, result = _rewrite('''
+    base: dict = {"batch_size": args.batch_size}
+    loader = DataLoader(data, **{**base, "drop_last": True})
+''')
+    assert 'base: dict = {"batch_size": args.batch_size // world_size}\n' in result.code.decode()
 
 
 def test_a_dict_returned_by_a_helper_is_divided_in_the_helper():
@@ -198,3 +203,31 @@ def main(data):
     [(line, what)] = _differs(result)
     assert line == _line_of(source, "loader = DataLoader(")
     assert f"(line {_line_of(source, 'kw = {')}: it is set before the process group starts)" in what
+
+
+def test_a_parameter_rebound_in_its_function_is_not_divided():
+    source = '''
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+
+def fit(model, opt, data, kw=None):
+    if kw is None:
+        kw: dict = {"batch_size": 8}
+    loader = DataLoader(data, shuffle=True, **kw)
+    for x in loader:
+        model(x).sum().backward()
+        opt.step()
+
+
+def main(data):
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fit(model, opt, data, {"batch_size": 32})
+'''
+    result = rewrite_source(source.encode(), "train.py", RetrofitOptions(keep_global_batch=True))
+    text = result.code.decode()
+    assert "// dist.get_world_size()" not in text and "// world_size" not in text  # neither dict divided
+    [(line, what)] = _differs(result)
+    assert f"(line {_line_of(source, 'kw: dict = ')}: `kw` is a parameter of fit() and is also bound here" in what

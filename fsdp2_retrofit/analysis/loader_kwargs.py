@@ -116,14 +116,16 @@ class KwargsAnalysis(SiteAnalysis):
         if len(bindings) > 1:
             lines = ", ".join(str(self.r.line(b)) for b in bindings)
             raise _Lost(bindings[1], f"`{name.value}` is bound {len(bindings)} times (lines {lines})")
+        if bindings and home is not None and name.value in parameter_names(home):
+            raise _Lost(bindings[0], f"`{name.value}` is a parameter of {home.name.value}() and is also bound here: "
+                                     "which dict reaches the DataLoader depends on the run")
         if bindings:
-            assign = self.r.parent(self.r.parent(bindings[0]))
-            if not (isinstance(assign, cst.Assign) and len(assign.targets) == 1
-                    and assign.targets[0].target is bindings[0]):
+            value = _assigned_value(self.r, bindings[0])
+            if value is None:
                 raise _Lost(bindings[0], f"`{name.value}` is bound here in a way the rewrite does not follow")
-            start = self.r.statement_of(assign)
+            start = self.r.statement_of(bindings[0])
             # an alias holds the same dict: what is set in it up to `at` counts; a copy or a new dict is made here
-            out = self._sets_in(assign.value, at if isinstance(assign.value, cst.Name) else start, steps + 1)
+            out = self._sets_in(value, at if isinstance(value, cst.Name) else start, steps + 1)
         elif home is not None and name.value in parameter_names(home):
             calls = self._calls_of(home)
             if not calls:
@@ -192,6 +194,17 @@ class KwargsAnalysis(SiteAnalysis):
             raise _Lost(value, f"`{code(value)}` is computed from the dict `{name}` itself: divided again it "
                                "would be divided twice")
         return BatchSizeSet(value, stmt)
+
+
+def _assigned_value(resolver, target: cst.Name) -> Optional[cst.BaseExpression]:
+    """The value of `target = value` or `target: T = value` (one target), else None."""
+    holder = resolver.parent(target)
+    if isinstance(holder, cst.AssignTarget):
+        assign = resolver.parent(holder)
+        return assign.value if len(assign.targets) == 1 else None
+    if isinstance(holder, cst.AnnAssign) and holder.target is target:
+        return holder.value
+    return None
 
 
 def _key(subscript: cst.Subscript) -> Optional[str]:

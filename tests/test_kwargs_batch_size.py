@@ -231,3 +231,23 @@ def main(data):
     assert "// dist.get_world_size()" not in text and "// world_size" not in text  # neither dict divided
     [(line, what)] = _differs(result)
     assert f"(line {_line_of(source, 'kw: dict = ')}: `kw` is a parameter of fit() and is also bound here" in what
+
+
+def test_a_store_through_a_later_alias_or_in_a_function_it_is_handed_to_is_divided_too():
+    helper = '''
+
+def add_defaults(options):
+    options.setdefault("num_workers", 0)
+    options["batch_size"] = 64
+'''
+    _, result = _rewrite('''
+    kw = {"batch_size": args.batch_size}
+    same = kw
+    same["batch_size"] = args.other
+    add_defaults(kw)
+    loader = DataLoader(data, **kw)
+''', head=HEAD.replace("\n\ndef main", helper + "\n\ndef main"))
+    text = result.code.decode()
+    assert 'kw = {"batch_size": args.batch_size // world_size}\n' in text
+    assert 'same["batch_size"] = args.other // world_size\n' in text
+    assert 'options["batch_size"] = 64 // dist.get_world_size()\n' in text

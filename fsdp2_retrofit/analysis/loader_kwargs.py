@@ -7,8 +7,9 @@ dict its "batch_size" is a place to divide: the entry itself, a later `kw["batch
 `kw.update(batch_size=n)`, or an update with another dict that sets it (followed the same
 way). Where the value is lost on the way, `lost` says where and why.
 
-Assumed, not checked: the dict is not changed through another name it is bound to
-later, nor inside a function it is handed to.
+What is set through a later alias (`other = kw`) or in a function of the script the dict is
+handed to (`add_defaults(kw)`) counts too; a function of another module is assumed to leave
+the dict as it is.
 """
 from __future__ import annotations
 
@@ -151,8 +152,28 @@ class KwargsAnalysis(SiteAnalysis):
                 continue
             if not low < self.r.order(node) < high:
                 continue
-            out += self._set_by(node, name, steps)
+            out += self._set_by(node, name, steps) + self._handed_on(node, home, end, steps)
         return out
+
+    def _handed_on(self, node: cst.Name, home, end, steps: int) -> List[BatchSizeSet]:
+        """What is set in the dict through another name it is handed to: a later alias in
+        the same function (`other = name`), or a parameter of a function of the script it is
+        passed to (`add_defaults(name)`)."""
+        if steps > _MAX_STEPS:
+            raise _Lost(node, f"`{node.value}` is followed through more than {_MAX_STEPS} steps")
+        parent = self.r.parent(node)
+        if isinstance(parent, cst.Assign) and parent.value is node:
+            stmt = self.r.statement_of(node)
+            targets = [t.target for t in parent.targets]
+            if not all(isinstance(t, cst.Name) for t in targets):
+                raise _Lost(parent, f"`{node.value}` is stored where the rewrite cannot follow it")
+            return [s for t in targets for s in self._later_sets(t.value, home, stmt, end, steps + 1)]
+        call = self.r.parent(parent) if isinstance(parent, cst.Arg) and parent.value is node else None
+        callee = self._callee(call) if isinstance(call, cst.Call) and not parent.star else None
+        if callee is None:
+            return []
+        params = [p for p, arg in bind_args(callee, call) if arg is node]
+        return [s for p in params for s in self._later_sets(p, callee, None, None, steps + 1)]
 
     def _set_by(self, node: cst.Name, name: str, steps: int) -> List[BatchSizeSet]:
         """What this use of the dict's name sets in it: `name[k] = v`, `name[k] += v`,

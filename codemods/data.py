@@ -191,7 +191,7 @@ class DistributeDataCommand(RetrofitStage):
         if size is not None:
             return self._divide(loader, facts, size, loader.stmt, new), True
         through = batch_size_through(facts.module, facts.resolver, loader.call)
-        early = next((s.stmt for s in through.sets if self.before_group(s.stmt, facts)), None) if through else None
+        early = next((s.stmt for s in through.sets if self._before_group(s.stmt, facts)), None) if through else None
         if early is not None:  # no world size to divide by there yet
             through = KwargsBatchSize([], (early, "it is set before the process group starts"))
         if through is None or through.lost is not None or not through.sets:
@@ -220,6 +220,12 @@ class DistributeDataCommand(RetrofitStage):
                 "the DataLoader's own call has no batch_size= to divide",
             )
         return None, True
+
+    def _before_group(self, stmt: cst.CSTNode, facts: ScriptFacts) -> bool:
+        """`stmt` runs before the process group starts: above it in the entry function, or at
+        module level when the entry is a function (module code runs when the file is loaded)."""
+        at_load = facts.resolver.enclosing_function(stmt) is None and isinstance(facts.entry_scope, cst.FunctionDef)
+        return at_load or self.before_group(stmt, facts)
 
     def _not_divided(self, loader: LoaderSite, through) -> None:
         """The batch size could not be divided: the global batch grows world_size times."""

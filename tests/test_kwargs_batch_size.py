@@ -251,3 +251,43 @@ def add_defaults(options):
     assert 'kw = {"batch_size": args.batch_size // world_size}\n' in text
     assert 'same["batch_size"] = args.other // world_size\n' in text
     assert 'options["batch_size"] = 64 // dist.get_world_size()\n' in text
+
+
+def test_a_dict_changed_in_a_nested_function_is_divided_there_too():
+    _, result = _rewrite('''
+    kw = {"batch_size": args.batch_size}
+
+    def configure():
+        if args.big:
+            kw["batch_size"] = 64
+
+    configure()
+    loader = DataLoader(data, **kw)
+''')
+    text = result.code.decode()
+    assert 'kw = {"batch_size": args.batch_size // world_size}\n' in text
+    assert '            kw["batch_size"] = 64 // dist.get_world_size()\n' in text
+
+
+def test_a_module_level_dict_is_set_before_the_process_group_starts():
+    source = '''
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+LOADER = {"batch_size": 16}
+
+
+def main(data):
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(data, **LOADER)
+    for x in loader:
+        model(x).sum().backward()
+        opt.step()
+'''
+    result = rewrite_source(source.encode(), "train.py", RetrofitOptions(keep_global_batch=True))
+    assert "// dist.get_world_size()" not in result.code.decode()
+    [(line, what)] = _differs(result)
+    assert line == _line_of(source, "loader = DataLoader(")
+    assert f"(line {_line_of(source, 'LOADER = ')}: it is set before the process group starts)" in what

@@ -49,7 +49,7 @@ def batch_size_readers(resolver: Resolver, loader_stmt: cst.CSTNode, size: cst.B
     out = BatchSizeReaders(key)
     if len(path) == 1:
         home, bindings = name_home(resolver, path[0], scope)
-        reads = [n for n in _name_reads(resolver, path[0], home) if n is not size]
+        reads = [n for n in name_reads(resolver, path[0], home) if n is not size]
     else:
         home = name_home(resolver, path[0], scope)[0]
         bindings = [a for a in resolver.nodes(cst.Attribute) if attr_path(a) == path and is_target(resolver, a)]
@@ -131,7 +131,7 @@ def _declares_global(resolver: Resolver, function, name: str) -> bool:
     return any(any(n.name.value == name for n in g.names) for g in resolver.descendants(function, cst.Global))
 
 
-def _name_reads(resolver: Resolver, name: str, home) -> List[cst.Name]:
+def name_reads(resolver: Resolver, name: str, home) -> List[cst.Name]:
     """The reads of `name` that see `home`'s binding: in `home` and the functions inside
     it (the whole module for a global) that do not bind the name themselves."""
     out = []

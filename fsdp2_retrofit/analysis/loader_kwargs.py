@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 
 import libcst as cst
 
-from .batch_size import name_home
+from .batch_size import name_home, name_reads
 from .returns import own_returns
 from .site_analysis import SiteAnalysis
 from fsdp2_retrofit.records import record
@@ -126,7 +126,7 @@ class KwargsAnalysis(SiteAnalysis):
                 raise _Lost(bindings[0], f"`{name.value}` is bound here in a way the rewrite does not follow")
             start = self.r.statement_of(bindings[0])
             # an alias holds the same dict: what is set in it up to `at` counts; a copy or a new dict is made here
-            out = self._sets_in(value, at if isinstance(value, cst.Name) else start, steps + 1)
+            out = self._sets_in(value, at if isinstance(value, cst.Name) and home is scope else start, steps + 1)
         elif home is not None and name.value in parameter_names(home):
             calls = self._calls_of(home)
             if not calls:
@@ -143,14 +143,14 @@ class KwargsAnalysis(SiteAnalysis):
 
     def _later_sets(self, name: str, home, start, end, steps: int) -> List[BatchSizeSet]:
         """What statements of `home` between `start` (its binding; None: the function's
-        start) and `end` (None: anywhere) set in the dict `name` holds there."""
+        start) and `end` (None: anywhere), and the functions inside it that see its `name`,
+        set in the dict `name` holds there."""
         low = self.r.order(start) if start is not None else -1
         high = self.r.order(end) if end is not None else float("inf")
         out = []
-        for node in self.r.nodes(cst.Name):
-            if node.value != name or self.r.enclosing_function(node) is not home:
-                continue
-            if not low < self.r.order(node) < high:
+        for node in name_reads(self.r, name, home):
+            # a function nested in `home` (any function, for a global) may run at any time: all of its uses count
+            if self.r.enclosing_function(node) is home and not low < self.r.order(node) < high:
                 continue
             out += self._set_by(node, name, steps) + self._handed_on(node, home, end, steps)
         return out
@@ -177,7 +177,8 @@ class KwargsAnalysis(SiteAnalysis):
 
     def _set_by(self, node: cst.Name, name: str, steps: int) -> List[BatchSizeSet]:
         """What this use of the dict's name sets in it: `name[k] = v`, `name[k] += v`,
-        `del name[k]`, `name.update(...)`, `name.setdefault(k, v)`, `name.pop(k)`, `name |= ...`."""
+        `del name[k]`, `name.update(...)`, `name.setdefault(k, v)`, `name.pop(k)` (`name |= ...`
+        binds the name a second time: name_home counts it)."""
         parent = self.r.parent(node)
         stmt = self.r.statement_of(node)
         if isinstance(parent, cst.Subscript) and parent.value is node:
@@ -194,8 +195,6 @@ class KwargsAnalysis(SiteAnalysis):
                 raise _Lost(parent, f"`{code(self.r.parent(parent) if changes else parent)}` changes the batch "
                                     "size in a way the rewrite cannot divide")
             return []
-        if isinstance(parent, cst.AugAssign) and parent.target is node:  # name |= {...}
-            return [self._set(s.value, s.stmt, name) for s in self._sets_in(parent.value, stmt, steps + 1)]
         method = self.r.parent(parent) if isinstance(parent, cst.Attribute) and parent.value is node else None
         if not (isinstance(method, cst.Call) and method.func is parent):
             return []

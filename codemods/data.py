@@ -9,6 +9,7 @@ from fsdp2_retrofit.analysis import LoaderSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.batch_size import batch_size_readers
 from fsdp2_retrofit.analysis.closures import functions_reading
 from fsdp2_retrofit.analysis.data import pass_in_while, unfollowed_loaders
+from fsdp2_retrofit.analysis.loader_kwargs import KwargsBatchSize, batch_size_through
 from fsdp2_retrofit.analysis.loops import steps_outside_loops
 from fsdp2_retrofit.analysis.sibling_loaders import sibling_loaders
 from fsdp2_retrofit.syntax.names import iterated_name, names_in, walk
@@ -141,7 +142,8 @@ class DistributeDataCommand(RetrofitStage):
         if hoisted is not None:
             new.append(self.stmt(f"{dataset} = {code(loader.dataset)}\n"))
         new.append(self.stmt(f"{sampler} = DistributedSampler({dataset}, shuffle={shuffle}{extra})\n"))
-        batch, keep = self._keep_global_batch(loader, facts, new) if self.options.keep_global_batch else (None, False)
+        batch, keep = (self._keep_global_batch(loader, facts, editor, new) if self.options.keep_global_batch
+                       else (None, False))
         leading = list(loader.stmt.leading_lines)
         new[0] = new[0].with_changes(leading_lines=leading)
         editor.insert_before(loader.stmt, new)
@@ -180,26 +182,82 @@ class DistributeDataCommand(RetrofitStage):
         )
         self._set_epoch(loader, code(site.expr), facts, editor)
 
-    def _keep_global_batch(self, loader: LoaderSite, facts: ScriptFacts, new: list) -> tuple:
+    def _keep_global_batch(self, loader: LoaderSite, facts: ScriptFacts, editor: StatementEditor, new: list) -> tuple:
         """--keep-global-batch: each rank reads batch_size // world_size, checked at run time.
         Returns (the loader's new batch_size= value or None where it stays, whether it is
-        divided). A name (or attribute) the script also reads to size batch tensors is
-        rebound once to the per-rank size before the loader, so those reads see it too."""
+        divided). A batch size the loader unpacks from a `**` dict is divided where the dict
+        is given it (analysis.loader_kwargs)."""
         size = _batch_size(loader.call)
-        if size is None:
-            self.attention(
-                loader.stmt,
-                f"--keep-global-batch: the batch size of `{loader.name}` is not an argument of the call: not divided",
-                "pass batch_size= to the DataLoader (not through a dict) so the rewrite can divide it",
-            )
+        if size is not None:
+            return self._divide(loader, facts, size, loader.stmt, new), True
+        through = batch_size_through(facts.module, facts.resolver, loader.call)
+        early = next((s.stmt for s in through.sets if self._before_group(s.stmt, facts)), None) if through else None
+        if early is not None:  # no world size to divide by there yet
+            through = KwargsBatchSize([], (early, "it is set before the process group starts"))
+        if through is None or through.lost is not None or not through.sets:
+            self._not_divided(loader, through)
             return None, False
-        same_scope = facts.resolver.enclosing_function(loader.stmt) is facts.resolver.enclosing_function(
+        for found in through.sets:
+            if id(found.value) in self.__dict__.setdefault("_divided", set()):
+                continue  # a dict shared by two loaders: divided once
+            self._divided.add(id(found.value))
+            here = new if found.stmt is loader.stmt else []
+            value = self._divide(loader, facts, found.value, found.stmt, here)
+            if value is not None:
+                editor.replace_expression(found.value, lambda _old, value=value: value)
+            if here is not new:
+                moved = self.__dict__.setdefault("_relead", set())
+                if id(found.stmt) not in moved:  # the comments above the statement go above its assert
+                    moved.add(id(found.stmt))
+                    here[0] = here[0].with_changes(leading_lines=list(found.stmt.leading_lines))
+                    editor.set_leading_lines(found.stmt, [])
+                editor.insert_before(found.stmt, here)
+            self.change(
+                found.stmt,
+                f"`{code(found.value)}`, the batch size `{loader.name}` unpacks from "
+                f"`**{_unpacked(loader.call)}`, is divided by the world size here",
+                "--keep-global-batch: each rank reads 1/world_size of the batch; the global batch stays as written",
+                "the DataLoader's own call has no batch_size= to divide",
+            )
+        return None, True
+
+    def _before_group(self, stmt: cst.CSTNode, facts: ScriptFacts) -> bool:
+        """`stmt` runs before the process group starts: above it in the entry function, or at
+        module level when the entry is a function (module code runs when the file is loaded)."""
+        at_load = facts.resolver.enclosing_function(stmt) is None and isinstance(facts.entry_scope, cst.FunctionDef)
+        return at_load or self.before_group(stmt, facts)
+
+    def _not_divided(self, loader: LoaderSite, through) -> None:
+        """The batch size could not be divided: the global batch grows world_size times."""
+        if through is None:
+            how = "is not an argument of the call (the DataLoader default, 1)"
+        elif through.lost is not None:
+            node, why = through.lost
+            how = (f"comes through `**{_unpacked(loader.call)}`, which the rewrite cannot follow "
+                   f"(line {self.line(node)}: {why})")
+        else:
+            how = f"is set nowhere in `**{_unpacked(loader.call)}` (the DataLoader default, 1)"
+        self.attention(
+            loader.stmt,
+            f"--keep-global-batch: the batch size of `{loader.name}` {how}: not divided, so the global batch is "
+            "world_size x larger than the single-process run's",
+            "pass batch_size= to the DataLoader, or build its dict where the rewrite can follow it "
+            "(`kw = {\"batch_size\": n, ...}` in the script), so the rewrite can divide it; or divide it yourself",
+            differs=True,
+        )
+
+    def _divide(self, loader: LoaderSite, facts: ScriptFacts, size: cst.BaseExpression, stmt: cst.CSTNode,
+                new: list) -> Optional[cst.BaseExpression]:
+        """The per-rank value of the batch size `size` (read in `stmt`), with its assert added to
+        `new`, the statements that go before `stmt`; None where a name (or attribute) the script
+        also reads to size batch tensors is rebound once to the per-rank size instead."""
+        same_scope = facts.resolver.enclosing_function(stmt) is facts.resolver.enclosing_function(
             facts.models[0].stmt
         )
         world = "world_size" if same_scope else "dist.get_world_size()"
         text = code(size)
         operand = text if isinstance(size, (cst.Name, cst.Attribute, cst.Integer)) else f"({text})"
-        readers = batch_size_readers(facts.resolver, loader.stmt, size, [loop.node for loop in facts.loops])
+        readers = batch_size_readers(facts.resolver, stmt, size, [loop.node for loop in facts.loops])
         if readers is not None and readers.problem is not None:
             node, why = readers.problem
             self.refuse(
@@ -215,17 +273,17 @@ class DistributeDataCommand(RetrofitStage):
             )
         new.append(self.stmt(f'assert {operand} % {world} == 0, "the batch size must divide by the number of ranks"\n'))
         if readers is None or not readers.shape:
-            return self.expr(f"{operand} // {world}"), True
+            return self.expr(f"{operand} // {world}")
         new.append(self.stmt(f"{text} = {text} // {world}  # per rank from here on\n"))
         self.change(
-            loader.stmt,
+            stmt,
             f"`{text}` is rebound to the per-rank size before `{loader.name}`: its reads at line "
             f"{', '.join(str(self.line(n)) for n in readers.shape)} size tensors of one batch",
             "those tensors must match the per-rank batch the loader now yields",
             "dividing only the loader's argument leaves them at the global size: a shape error or a silent "
             "broadcast against the smaller batch",
         )
-        return None, True
+        return None
 
     def _dataset(self, loader: LoaderSite, scope):
         if isinstance(loader.dataset, (cst.Name, cst.Attribute)):
@@ -362,6 +420,11 @@ def _batch_size(call: cst.Call) -> Optional[cst.BaseExpression]:
         if (a.keyword is not None and a.keyword.value == "batch_size") or (a.keyword is None and not a.star and i == 1):
             return a.value
     return None
+
+
+def _unpacked(call: cst.Call) -> str:
+    """The first `**` argument of a call, as written."""
+    return next(code(a.value) for a in call.args if a.star == "**")
 
 
 def _replace_batch_size(call: cst.Call, value: cst.BaseExpression) -> cst.Call:

@@ -344,6 +344,22 @@ def test_a_refused_retrofit_exits_2_with_its_reason(tmp_path: Path):
     assert list(tmp_path.iterdir()) == [script]  # nothing written next to the user's file
 
 
+def test_a_global_batch_the_retrofit_cannot_keep_exits_2_before_any_run(tmp_path: Path):
+    script = tmp_path / "kwargs_loader.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\nfrom torch.utils.data import DataLoader\n\n\n"
+        "def main(data, settings):\n    model = nn.Linear(4, 1)\n"
+        "    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "    loader = DataLoader(data, **settings.loader_options())\n"
+        "    for x in loader:\n        model(x).sum().backward()\n        opt.step()\n"
+    )
+    result = CliRunner().invoke(cli.main, ["verify", str(script)])
+    assert result.exit_code == EXIT_ERROR
+    assert "kwargs_loader.py:9: cannot keep the global batch" in result.output
+    assert "world_size x larger" in result.output
+    assert list(tmp_path.iterdir()) == [script]
+
+
 # --- real runs ----------------------------------------------------------------
 
 def e2e(test):

@@ -48,13 +48,13 @@ def batch_size_readers(resolver: Resolver, loader_stmt: cst.CSTNode, size: cst.B
     scope = resolver.enclosing_function(loader_stmt)
     out = BatchSizeReaders(key)
     if len(path) == 1:
-        home, bindings = _name_home(resolver, path[0], scope)
-        reads = [n for n in _name_reads(resolver, path[0], home) if n is not size]
+        home, bindings = name_home(resolver, path[0], scope)
+        reads = [n for n in name_reads(resolver, path[0], home) if n is not size]
     else:
-        home = _name_home(resolver, path[0], scope)[0]
-        bindings = [a for a in resolver.nodes(cst.Attribute) if attr_path(a) == path and _is_target(resolver, a)]
+        home = name_home(resolver, path[0], scope)[0]
+        bindings = [a for a in resolver.nodes(cst.Attribute) if attr_path(a) == path and is_target(resolver, a)]
         reads = [a for a in resolver.nodes(cst.Attribute)
-                 if a is not size and attr_path(a) == path and not _is_target(resolver, a)]
+                 if a is not size and attr_path(a) == path and not is_target(resolver, a)]
     for read in reads:
         if _sizes_a_batch_tensor(resolver, read):
             if any(loop in set(resolver.ancestors(read)) for loop in loops):
@@ -102,7 +102,7 @@ def _scope_name(scope) -> str:
     return scope.name.value if scope is not None else "<module>"
 
 
-def _name_home(resolver: Resolver, name: str, scope) -> tuple:
+def name_home(resolver: Resolver, name: str, scope) -> tuple:
     """The function (None: the module) whose binding of `name` the loader's scope reads,
     and that scope's binding nodes of it."""
     functions = [f for f in [scope, *[a for a in resolver.ancestors(scope) if isinstance(a, cst.FunctionDef)]]
@@ -119,7 +119,7 @@ def _bindings_in(resolver: Resolver, name: str, function) -> List[cst.CSTNode]:
     functions that declare it `global`)."""
     found = []
     for node in resolver.nodes(cst.Name):
-        if node.value != name or not _is_target(resolver, node):
+        if node.value != name or not is_target(resolver, node):
             continue
         owner = resolver.enclosing_function(node)
         if owner is function or (function is None and owner is not None and _declares_global(resolver, owner, name)):
@@ -131,7 +131,7 @@ def _declares_global(resolver: Resolver, function, name: str) -> bool:
     return any(any(n.name.value == name for n in g.names) for g in resolver.descendants(function, cst.Global))
 
 
-def _name_reads(resolver: Resolver, name: str, home) -> List[cst.Name]:
+def name_reads(resolver: Resolver, name: str, home) -> List[cst.Name]:
     """The reads of `name` that see `home`'s binding: in `home` and the functions inside
     it (the whole module for a global) that do not bind the name themselves."""
     out = []
@@ -158,10 +158,10 @@ def _is_read(resolver: Resolver, node: cst.Name) -> bool:
         return False
     if isinstance(parent, (cst.Global, cst.Nonlocal, cst.NameItem)):
         return False
-    return not _is_target(resolver, node)
+    return not is_target(resolver, node)
 
 
-def _is_target(resolver: Resolver, node: cst.CSTNode) -> bool:
+def is_target(resolver: Resolver, node: cst.CSTNode) -> bool:
     """Whether `node` is (an element of) what an assignment, `for` or `with` binds."""
     child = node
     for anc in resolver.ancestors(node):

@@ -182,25 +182,32 @@ class RetrofitStage:
         function = facts.resolver.enclosing_function(stmt)
         entry_fn = facts.entry_scope if isinstance(facts.entry_scope, cst.FunctionDef) else None
         if function is entry_fn:
-            if facts.distributed_init is None:
+            if facts.distributed_init is None or self.before_group(stmt, facts):
                 return None
-            from fsdp2_retrofit.analysis.process_group import process_group
-
-            # the entry-block statement after which the group exists: the init itself, the
-            # `if`/`else` that starts it either way, or the call of a set-up function that does
-            known = self.__dict__.get("_group")  # (facts, its group): asked once per log line
-            if known is None or known[0] is not facts:
-                known = self._group = (facts, process_group(facts))
-            init_stmt = known[1].start
-            if init_stmt is not None:
-                block = facts.resolver.block_of(init_stmt)
-                ancestor = _ancestor_in(stmt, block, facts)
-                if ancestor is None or list(block.body).index(ancestor) < list(block.body).index(init_stmt):
-                    return None
             return f"{facts.rank_name} == 0" if facts.rank_name else "dist.get_rank() == 0"
         if function is not None and facts.model_names.get(function):
             return "dist.get_rank() == 0"
         return None
+
+    def before_group(self, stmt: cst.CSTNode, facts: ScriptFacts) -> bool:
+        """`stmt` runs in the entry function before its process group exists (outside the
+        block that starts it, or above the statement that does)."""
+        entry_fn = facts.entry_scope if isinstance(facts.entry_scope, cst.FunctionDef) else None
+        if facts.distributed_init is None or facts.resolver.enclosing_function(stmt) is not entry_fn:
+            return False
+        from fsdp2_retrofit.analysis.process_group import process_group
+
+        # the entry-block statement after which the group exists: the init itself, the
+        # `if`/`else` that starts it either way, or the call of a set-up function that does
+        known = self.__dict__.get("_group")  # (facts, its group): asked once per log line
+        if known is None or known[0] is not facts:
+            known = self._group = (facts, process_group(facts))
+        init_stmt = known[1].start
+        if init_stmt is None:
+            return False
+        block = facts.resolver.block_of(init_stmt)
+        ancestor = _ancestor_in(stmt, block, facts)
+        return ancestor is None or list(block.body).index(ancestor) < list(block.body).index(init_stmt)
 
     def fresh_name(self, wanted: str, scope_node: Optional[cst.CSTNode]) -> str:
         """`wanted`, or `wanted_1`, ... when the scope (or the module's globals) uses it."""

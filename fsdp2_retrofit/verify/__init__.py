@@ -817,6 +817,11 @@ def retrofit_in_memory(script: Path, into: Path) -> Path:
     if result.refusals:
         first = result.refusals[0]
         raise VerifyError(f"{script}:{first.line}: cannot retrofit: {first.what}: {first.why}")
+    kept = next((a for a in result.attention if a.differs and a.what.startswith("--keep-global-batch:")), None)
+    if kept is not None:  # the runs would train on different global batches: nothing fair to compare
+        raise VerifyError(f"{script}:{kept.line}: cannot keep the global batch: {kept.what}",
+                          "divide it yourself and pass the result with --retrofitted FILE (or a retrofit that keeps "
+                          "the per-rank batch with --per-rank-arg NAME)")
     into.mkdir(parents=True, exist_ok=True)
     target = into / script.name
     target.write_bytes(result.code)

@@ -17,7 +17,7 @@ from fsdp2_retrofit.analysis.init_replay import CannotReplay, plan_init_replay, 
 from fsdp2_retrofit.syntax.names import PLACEMENT_METHODS, assigned_names, names_in
 from fsdp2_retrofit.syntax.torch_api import TORCH_DEVICE
 from fsdp2_retrofit.rewrite.stage import OPTIONS_KEY, RetrofitStage, StatementEditor
-from fsdp2_retrofit.records import replace
+from dataclasses import replace
 
 MESH_DEVICE = '"cuda" if torch.cuda.is_available() else "cpu"'
 HINT = "drop --meta-init: the default rewrite builds the model as written, then shards it"

@@ -25,7 +25,7 @@ from fsdp2_retrofit.analysis.fsdp1 import (
 )
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 from fsdp2_retrofit.syntax.torch_api import STATE_DICT_MODULE
-from fsdp2_retrofit.records import replace
+from dataclasses import replace
 
 PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
 BUFFER_NOTE = (

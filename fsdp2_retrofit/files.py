@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from .report import InputError
-from fsdp2_retrofit.records import record
+from dataclasses import dataclass
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -27,7 +27,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 _COOKIE = re.compile(rb"^[ \t\f]*#.*?coding[:=][ \t]*([-\w.]+)")
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class Source:
     """A script as read from disk: its bytes and the encoding they declare."""
 

@@ -1,14 +1,13 @@
 """RetrofitOptions: the one set of options every rewrite stage reads."""
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
-from fsdp2_retrofit.records import record
 
 EXPORTS = ("dcp", "full")
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class RetrofitOptions:
     """What the user asked for; stages read it and never read global state."""
 

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import field
+from dataclasses import asdict, dataclass, field
 from typing import Iterable, List, Optional, Sequence
-from fsdp2_retrofit.records import as_dict, record
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class Change:
     """One edit a stage made: where, what, why, and the pitfall it avoids."""
 
@@ -18,7 +17,7 @@ class Change:
     pitfall: str = ""
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class Attention:
     """Something the rewrite could not fix but the user must look at.
 
@@ -33,7 +32,7 @@ class Attention:
     differs: bool = False
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class Refusal:
     """A construct that cannot be converted safely: the whole file is left alone."""
 
@@ -52,7 +51,7 @@ class RefusedError(Exception):
         self.refusal = refusal
 
 
-@record
+@dataclass
 class RewriteResult:
     """What rewriting one source gave: the new bytes and the reasons."""
 
@@ -77,9 +76,9 @@ def to_json(results: Sequence[RewriteResult]) -> str:
             {
                 "path": r.path,
                 "changed": r.changed,
-                "changes": [as_dict(c) for c in r.changes],
-                "attention": [as_dict(a) for a in r.attention],
-                "refusals": [as_dict(x) for x in r.refusals],
+                "changes": [asdict(c) for c in r.changes],
+                "attention": [asdict(a) for a in r.attention],
+                "refusals": [asdict(x) for x in r.refusals],
             }
             for r in results
         ],

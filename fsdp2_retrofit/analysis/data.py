@@ -2,7 +2,7 @@
 whether a training loop reads it."""
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import List, Optional, Set
 
 import libcst as cst
@@ -14,10 +14,9 @@ from fsdp2_retrofit.syntax.names import (
     Resolver, assigned_names, bind_args, calls_in, code, iterated_name, last_assignment, names_in, walk,
 )
 from fsdp2_retrofit.syntax.torch_api import DATALOADERS, DISTRIBUTED_SAMPLERS, PLAIN_SAMPLERS
-from fsdp2_retrofit.records import record
 
 
-@record
+@dataclass
 class LoaderSite:
     name: str
     stmt: cst.SimpleStatementLine
@@ -45,7 +44,7 @@ class LoaderSite:
     handed_to: List[tuple] = field(default_factory=list)
 
 
-@record
+@dataclass
 class SamplerSite:
     """The sampler a DataLoader is given: `kind` "distributed" (nothing to do), "plain"
     (a RandomSampler/SequentialSampler of one dataset, replaced by a DistributedSampler
@@ -59,7 +58,7 @@ class SamplerSite:
     shuffle: str = "False"
 
 
-@record
+@dataclass
 class UnfollowedLoader:
     """A DataLoader the analysis cannot follow to a loop: built inline in a `for`,
     stored on an attribute, or returned by a helper function."""

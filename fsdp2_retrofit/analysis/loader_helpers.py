@@ -16,13 +16,13 @@ import libcst as cst
 from fsdp2_retrofit.syntax.names import bind_args, parameter_names
 from fsdp2_retrofit.syntax.torch_api import DATALOADERS
 from .loops import train_loops
-from fsdp2_retrofit.records import record
+from dataclasses import dataclass
 
 # calls that iterate what they are given: `enumerate(loader)`, `tqdm(loader)`
 _WRAPPERS = {"enumerate", "iter", "tqdm", "trange", "zip", "islice", "cycle", "chain", "list", "tuple"}
 
 
-@record
+@dataclass
 class HelperLoader:
     call: cst.Call  # the DataLoader(...) call
     where: str  # "make_loader()", "Data.train_loader()", "Data.loader"

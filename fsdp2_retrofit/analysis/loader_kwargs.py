@@ -20,7 +20,7 @@ import libcst as cst
 from .batch_size import name_home, name_reads
 from .returns import own_returns
 from .site_analysis import SiteAnalysis
-from fsdp2_retrofit.records import record
+from dataclasses import dataclass
 from fsdp2_retrofit.syntax.names import bind_args, code, names_in, parameter_names
 
 KEY = "batch_size"
@@ -28,7 +28,7 @@ _MAX_STEPS = 12  # values followed further than this are reported as lost
 _REMOVERS = ("pop", "popitem", "clear")
 
 
-@record
+@dataclass
 class BatchSizeSet:
     """One place a dict's "batch_size" is given: `value`, in statement `stmt`."""
 
@@ -36,7 +36,7 @@ class BatchSizeSet:
     stmt: cst.CSTNode
 
 
-@record
+@dataclass
 class KwargsBatchSize:
     """The places that set the batch size a DataLoader unpacks from its `**` dicts (none:
     the dicts never set it), or `lost`: (node, why) where the value could not be followed."""

@@ -7,10 +7,10 @@ import libcst as cst
 
 from .site_analysis import SiteAnalysis
 from fsdp2_retrofit.syntax.names import Resolver, iterated_name
-from fsdp2_retrofit.records import record
+from dataclasses import dataclass
 
 
-@record
+@dataclass
 class LoopSite:
     node: cst.CSTNode  # For or While that calls backward()
     function: Optional[cst.FunctionDef]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
@@ -18,7 +18,6 @@ from fsdp2_retrofit.syntax.names import (
     CONTAINERS, SELF_RETURNING_METHODS, TORCH_MODULE_BASES, Resolver, attr_path, walk,
 )
 from fsdp2_retrofit.syntax.torch_api import is_optimizer_call
-from fsdp2_retrofit.records import record
 
 if TYPE_CHECKING:
     from .star_imports import StarNames
@@ -26,7 +25,7 @@ if TYPE_CHECKING:
 Path_ = Tuple[str, ...]
 
 
-@record
+@dataclass
 class Container:
     """A repeated-block container: `self.<path>` holds blocks of `block_class`."""
 
@@ -36,7 +35,7 @@ class Container:
     node: cst.CSTNode  # the assignment in __init__ (of the script or of a sibling module)
 
 
-@record
+@dataclass
 class ClassInfo:
     name: str  # global name: "Net", "model.GPT"
     node: cst.ClassDef

@@ -8,7 +8,7 @@ as an argument, and in every method of a class that shards `self.<attr>`.
 """
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import libcst as cst
@@ -26,7 +26,6 @@ from fsdp2_retrofit.syntax.torch_api import (
     STATE_DICT_GETTERS,
     is_optimizer_call,
 )
-from fsdp2_retrofit.records import record
 
 FSDP1 = FSDP1_CLASSES
 # what each state-dict getter returns, for messages
@@ -44,7 +43,7 @@ _ITERATION_WRAPPERS = {"enumerate", "reversed", "list", "tuple", "iter", "zip", 
 Scope = Optional[cst.CSTNode]  # FunctionDef, ClassDef (for self.attr), or None for the module
 
 
-@record
+@dataclass
 class ShardSite:
     """One `fully_shard(target)` (or FSDP1 wrapper) call."""
 
@@ -58,7 +57,7 @@ class ShardSite:
     direct: bool = False
 
 
-@record
+@dataclass
 class OptimizerBuild:
     name: str
     call: cst.Call = field(repr=False)
@@ -67,7 +66,7 @@ class OptimizerBuild:
     order: int
 
 
-@record
+@dataclass
 class ShardFacts:
     resolver: Resolver
     sites: List[ShardSite]

@@ -10,12 +10,12 @@ import libcst as cst
 
 from .model_classes import ClassRegistry
 from .returns import own_returns
-from fsdp2_retrofit.records import record
+from dataclasses import dataclass
 from fsdp2_retrofit.syntax.names import Resolver, calls_in
 from fsdp2_retrofit.syntax.torch_api import DATALOADERS
 
 
-@record
+@dataclass
 class SiblingLoader:
     call: cst.Call  # the script's call of the function
     function: str  # its name

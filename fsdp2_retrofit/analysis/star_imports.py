@@ -23,20 +23,19 @@ sees `Generator` as `models.Generator`, the name the class registry files it und
 """
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import libcst as cst
 
 from fsdp2_retrofit.syntax.names import Resolver, _module_bindings, child_nodes, dotted, import_bindings
-from fsdp2_retrofit.records import record
 
 # how many star imports deep a chain is followed (script -> models/__init__.py -> models/resnet.py)
 MAX_DEPTH = 3
 
 
-@record
+@dataclass
 class Exports:
     """What `from <file> import *` binds."""
 
@@ -48,7 +47,7 @@ class Exports:
     open: List[str] = field(default_factory=list)
 
 
-@record
+@dataclass
 class StarNames:
     """The script's star-imported names: resolved, and those left unresolved with why."""
 

@@ -17,13 +17,13 @@ from typing import Callable, Iterable, List, Optional
 import libcst as cst
 
 from fsdp2_retrofit.syntax.names import Resolver
-from fsdp2_retrofit.records import record
+from dataclasses import dataclass
 
 # (expression, the node where it is read) -> the model's name when it is a whole model there
 ModelOf = Callable[[cst.BaseExpression, cst.CSTNode], Optional[str]]
 
 
-@record
+@dataclass
 class ZeroGradBetween:
     call: cst.Call  # `<model>.zero_grad(...)`
     model: str  # the model's name at the call

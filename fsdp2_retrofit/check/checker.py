@@ -3,19 +3,18 @@ there are many candidates), write fixes atomically, collect results in path orde
 from __future__ import annotations
 
 import os
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Type
 
 from fsdp2_retrofit.report import InputError
 from .rules import Rule
-from fsdp2_retrofit.records import record
 
 # Below this many files that pass the prefilter, starting worker processes costs
 # more than it saves.
 PARALLEL_MIN_FILES = 16
 
 
-@record
+@dataclass
 class FileResult:
     path: str
     findings: list = field(default_factory=list)
@@ -27,7 +26,7 @@ class FileResult:
     initial: list = field(default_factory=list)  # with `fixed`: the findings of `original`
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class CheckJob:
     rules: Tuple[Type[Rule], ...]
     fix: bool = False

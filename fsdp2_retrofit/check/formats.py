@@ -46,7 +46,7 @@ def on_original_lines(findings: Sequence, original: str, fixed: str, initial: Se
     inside a changed block goes to that block's first line in the original."""
     import difflib
 
-    from fsdp2_retrofit.records import replace
+    from dataclasses import replace
 
     mapping = {}
     last = len(original.splitlines()) or 1

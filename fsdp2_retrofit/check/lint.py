@@ -7,12 +7,11 @@ that pass. Nothing here imports torch or runs the user's code.
 from __future__ import annotations
 
 import re
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type
 
 from fsdp2_retrofit.report import InputError
 from .rules import Finding, Fix, Rule
-from fsdp2_retrofit.records import record
 
 _NOQA = re.compile(r"#\s*noqa(?::[\s]?(?P<codes>[A-Z]+[0-9]+(?:[,\s]+[A-Z]+[0-9]+)*))?", re.IGNORECASE)
 _FILE_NOQA = re.compile(
@@ -22,7 +21,7 @@ _FILE_NOQA = re.compile(
 _MAX_FIX_ROUNDS = 10
 
 
-@record
+@dataclass
 class LintResult:
     path: str
     findings: List[Finding]  # what remains (after fixes, when fixing)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 import click
@@ -11,13 +11,12 @@ from fsdp2_retrofit import files
 from fsdp2_retrofit.check import formats
 from .checker import CheckJob, FileResult, lint_one, run
 from fsdp2_retrofit.report import InputError, unified_diff
-from fsdp2_retrofit.records import record
 
 EXIT_OK, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
 PROGRESS_MIN_FILES = 50
 
 
-@record
+@dataclass
 class CheckSettings:
     select: List[str] = field(default_factory=list)
     extend_select: List[str] = field(default_factory=list)

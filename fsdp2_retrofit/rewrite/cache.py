@@ -23,7 +23,7 @@ from typing import Dict, Iterable, Optional
 
 from fsdp2_retrofit import __version__
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.records import as_dict
+from dataclasses import asdict
 from fsdp2_retrofit.report import Attention, Change, Refusal, RewriteResult
 
 
@@ -127,9 +127,9 @@ def lookup(path: str, source: bytes, options: RetrofitOptions) -> Optional[Rewri
 def store(result: RewriteResult, options: RetrofitOptions) -> None:
     entry = {
         "code": None if result.code == result.original else base64.b64encode(result.code).decode(),
-        "changes": [as_dict(c) for c in result.changes],
-        "attention": [as_dict(a) for a in result.attention],
-        "refusals": [as_dict(r) for r in result.refusals],
+        "changes": [asdict(c) for c in result.changes],
+        "attention": [asdict(a) for a in result.attention],
+        "refusals": [asdict(r) for r in result.refusals],
         "inputs": _fingerprints(result.inputs),
     }
     target = cache_dir() / _key(result.path, result.original, options)

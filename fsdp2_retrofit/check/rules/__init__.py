@@ -8,11 +8,10 @@ the rule to have anything to look at: the cheap prefilter) and `VALID` /
 """
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
 import libcst as cst
-from fsdp2_retrofit.records import record
 
 if TYPE_CHECKING:  # pragma: no cover
     from fsdp2_retrofit.check.lint import LintContext
@@ -20,14 +19,14 @@ if TYPE_CHECKING:  # pragma: no cover
 SHARDING_TRIGGERS = ("fully_shard", "FullyShardedDataParallel")
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class Valid:
     """Code the rule must not flag."""
 
     code: str
 
 
-@record(frozen=True)
+@dataclass(frozen=True)
 class Invalid:
     """Code the rule flags once, on `line`; `fixed` is the code after its fix."""
 
@@ -36,7 +35,7 @@ class Invalid:
     fixed: Optional[str] = None
 
 
-@record
+@dataclass
 class Edit:
     """Replace `node`, or insert statements before/after the statement `node`."""
 
@@ -45,7 +44,7 @@ class Edit:
     kind: str = "replace"  # "replace" | "before" | "after"
 
 
-@record
+@dataclass
 class Fix:
     message: str
     edits: List[Edit]
@@ -54,7 +53,7 @@ class Fix:
     imports: Tuple[Tuple[str, Optional[str], Optional[str]], ...] = ()
 
 
-@record
+@dataclass
 class Finding:
     code: str
     name: str

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import textwrap
 
+import pytest
+
 from click.testing import CliRunner
 
 from fsdp2_retrofit import cli
@@ -400,6 +402,18 @@ if __name__ == "__main__":
 
 def test_a_method_reading_a_block_unit_parameter_outside_forward_is_refused():
     assert _refusals(RNN)[0][:1] == [("FSR623", _line_of(RNN, "next(self.parameters()).new_zeros"))]
+
+
+@pytest.mark.parametrize("attr", ["device", "dtype"])
+def test_a_method_reading_only_the_device_of_a_block_unit_parameter_is_not_refused(attr):
+    """`next(self.parameters()).device` (llm.c's LLaMA.generate): a DTensor shard has the
+    parameter's device and dtype, so nothing sharded leaks out of it (was FSR623); the method
+    reads no parameter's values, so it needs no registration either."""
+    source = RNN.replace("next(self.parameters()).new_zeros(batch, 4)",
+                         f"torch.zeros(batch, 4, {attr}=next(self.parameters()).{attr})")
+    found, result = _refusals(source)
+    assert found == []
+    assert "register_fsdp_forward_method" not in result.code.decode()
 
 
 def test_a_method_reading_a_root_parameter_outside_forward_is_registered():

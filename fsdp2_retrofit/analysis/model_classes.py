@@ -553,9 +553,11 @@ def parameter_reads(method: cst.FunctionDef, info: ClassInfo) -> List[Tuple[cst.
     parameters: `next(self.parameters())` (submodule None: the first one registered),
     `self.head.weight.new_zeros(...)` / `.data` / `.clone()` (submodule "head"). Outside
     forward such a parameter is a DTensor shard after fully_shard, and so is what is
-    built from it. Handing `self.parameters()` to an optimizer does not count."""
+    built from it. Handing `self.parameters()` to an optimizer does not count, nor reading
+    only its `.device` or `.dtype` (`next(self.parameters()).device`), which a shard shares."""
     containers = {c.path[0] for c in info.containers}
     found: List[Tuple[cst.CSTNode, Optional[str]]] = []
+    metadata_only = set()  # `next(self.parameters()).device` / `.dtype`: a shard's are the parameter's
 
     def own_parameters(node) -> bool:
         f = node.func if isinstance(node, cst.Call) else None
@@ -569,6 +571,8 @@ def parameter_reads(method: cst.FunctionDef, info: ClassInfo) -> List[Tuple[cst.
                 found.append((node, None))
 
         def visit_Attribute(self, node: cst.Attribute) -> None:
+            if node.attr.value in METADATA_READS and isinstance(node.value, cst.Call):
+                metadata_only.add(id(node.value))
             param, inner = node.value, getattr(node.value, "value", None)
             if (node.attr.value.startswith("new_") or node.attr.value in VALUE_READS) \
                     and isinstance(param, cst.Attribute) and param.attr.value in ("weight", "bias") \
@@ -578,9 +582,11 @@ def parameter_reads(method: cst.FunctionDef, info: ClassInfo) -> List[Tuple[cst.
                 found.append((node, inner.attr.value))
 
     method.body.visit(_P())
-    return found
+    return [(node, sub) for node, sub in found if id(node) not in metadata_only]
 
 
+# what a parameter tells without its values: the same for a DTensor shard as for the whole tensor
+METADATA_READS = {"device", "dtype", "is_cuda"}
 VALUE_READS = {"data", "clone", "detach", "expand", "expand_as", "view", "reshape", "t", "T"}
 
 

@@ -13,6 +13,7 @@ from .closures import closure_propagate, nested_functions
 from .init_branches import branch_initialises, initialised_name, initialised_names
 from .library_models import PEFT_WRAPPERS, LibraryModel, is_library_builder, library_model, namespace_builder
 from .model_classes import ClassRegistry, Container, build_registry
+from .flow import innermost_call
 from .flow import innermost_call as _innermost_call
 from .returns import names_out
 from .site_analysis import Block, Scope, SiteAnalysis
@@ -85,10 +86,43 @@ class ModelAnalysis(SiteAnalysis):
             factory = self._callee(ctor)
             if factory is not None and factory in factories:
                 out.append((name, stmt, factories[factory]))
-            chosen = self._table_classes(ctor) or self._sibling_factory_classes(ctor)
+            chosen = self._table_classes(ctor) or self._sibling_factory_classes(ctor) or self._classmethod_builder(ctor)
             if chosen:
                 out.append((name, stmt, chosen[0]))
         return out
+
+    def _classmethod_builder(self, call: cst.Call) -> List[str]:
+        """`model = LLaMA.from_pretrained(path)`: a classmethod (or staticmethod) of a module class
+        of the script or a sibling module whose every return gives back an instance it builds of
+        that class (`cls(...)`, `LLaMA(...)`, or a name of the method bound once to one): [that
+        class]; [] otherwise. The instance is complete when the call returns, as after a constructor."""
+        func = call.func
+        if type(func) is not cst.Attribute:
+            return []
+        cls = next((q for q in sorted(self.r.qnames(func.value)) if self.classes.is_module_class(q)), None)
+        info = self.classes.get(cls)
+        method = info.methods.get(func.attr.value) if info is not None else None
+        if method is None or not any(type(d.decorator) is cst.Name and d.decorator.value in ("classmethod", "staticmethod")
+                                     for d in method.decorators):
+            return []
+        namer = info.namer
+        bare = info.node.name.value
+        bound = {}
+        for stmt in method.body.body:
+            small = stmt.body[0] if type(stmt) is cst.SimpleStatementLine and len(stmt.body) == 1 else None
+            if type(small) is cst.Assign and len(small.targets) == 1 and type(small.targets[0].target) is cst.Name:
+                name = small.targets[0].target.value
+                bound[name] = None if name in bound else small.value  # bound twice: not one value
+        returns = [r for r in (namer.resolver.descendants(method, cst.Return) if namer is not None else [])
+                   if namer.resolver.enclosing_function(r) is method]
+        for ret in returns:
+            value = ret.value
+            if type(value) is cst.Name:
+                value = bound.get(value.value)
+            built = innermost_call(value) if value is not None else None
+            if built is None or type(built.func) is not cst.Name or built.func.value not in ("cls", bare):
+                return []
+        return [cls] if returns else []
 
     def _sibling_factory_classes(self, call: cst.Call) -> List[str]:
         """`net = get_network(args)` of a function of a sibling module (`from utils import

@@ -67,7 +67,7 @@ def test_alias_target_follows_methods_returning_the_module():
      "    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)\n    m = net\n", SAMPLE, ""),
     (BUILD, "    show(m, context)\n",  # a parameter handed the alias at its one call site
      "\ndef show(net, context):\n    print(decode(net.generate(context, max_new_tokens=20)[0].tolist()))\n\n"),
-])
+], ids=["to-device", "cuda-or-model", "parameter"])
 def test_generate_on_an_alias_is_registered_and_not_rank_gated(build: str, sample: str, extra: str):
     code = _rewrite(_variant(build, sample, extra))
     assert REGISTER in code
@@ -89,3 +89,53 @@ def test_check_follows_the_alias_into_the_rank_gate():
     assert [(f.code, f.line) for f in findings] == [("FSD110", line)], findings
     assert (CASE / "expected.py").read_text().count(SAMPLE) == 1  # and the output as generated: nothing
     assert not lint_source((CASE / "expected.py").read_bytes(), "train.py", all_rules()).findings
+
+
+def test_the_optimizer_built_by_a_method_called_on_the_alias_trains_the_model():
+    """`m.configure_optimizers(lr)` with `m = model.to(device)`: the method's model is `model`
+    (was: refused, FSR612, `m` not recognised as holding a module)."""
+    text = _variant(BUILD.replace("torch.optim.AdamW(m.parameters(), lr=1e-2)", "m.configure_optimizers(1e-2)"))
+    text = text.replace("    @torch.no_grad()\n", "    def configure_optimizers(self, lr):\n"
+                        "        return torch.optim.AdamW(self.parameters(), lr=lr)\n\n    @torch.no_grad()\n", 1)
+    code = _rewrite(text)
+    assert code.index("fully_shard(model, mesh=mesh)") < code.index("m.configure_optimizers(1e-2)")
+    assert REGISTER in code
+
+
+PARAMETER_MODEL = '''\
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def train(model):
+    model = model.to("cpu")
+    optimizer = model.configure_optimizers()
+    for _ in range(3):
+        loss = model(torch.randn(2, 4)).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+train(Net())
+'''
+
+
+def test_a_model_moved_onto_its_own_name_is_not_where_it_was_built():
+    """`model = model.to(device)` of a parameter is no binding of the model: the refusal
+    still points at the optimizer's line and says where the model comes from."""
+    out = rewrite_source(PARAMETER_MODEL.encode(), "train.py")
+    assert [(r.code, r.line) for r in out.refusals] == [("FSR611", 19)], out.refusals
+    assert "not built in this function" in out.refusals[0].what

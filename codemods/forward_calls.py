@@ -4,7 +4,7 @@ from __future__ import annotations
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts
-from fsdp2_retrofit.analysis.model_classes import called_methods, parameter_reads
+from fsdp2_retrofit.analysis.model_classes import parameter_reads, runs_self
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 class ReplaceForwardCallsCommand(RetrofitStage):
@@ -44,37 +44,8 @@ class ReplaceForwardCallsCommand(RetrofitStage):
         info = facts.classes.get(model.class_name)
         if info is None:
             return []
-        return [m for m in called_methods(model.name, info, facts.resolver)
-                if _runs_self(info.methods[m], info) or parameter_reads(info.methods[m], info)]
-
-
-def _runs_self(method: cst.FunctionDef, info) -> bool:
-    """The method runs the model's computation: it calls `self(...)`, `self.forward(...)`
-    or one of its submodules (`self.blocks[0](x)`, `self.head(x)`), or a block of a
-    repeated container in a loop. Methods that only read parameters
-    (`configure_optimizers`) do not count."""
-    submodules = set(info.submodules) | {c.path[0] for c in info.containers}
-    found = []
-
-    class _V(cst.CSTVisitor):
-        def visit_Call(self, node: cst.Call) -> None:
-            f = node.func
-            while isinstance(f, cst.Subscript):
-                f = f.value
-            if isinstance(f, cst.Name) and f.value == "self":
-                found.append(node)
-            elif isinstance(f, cst.Attribute) and isinstance(f.value, cst.Name) and f.value.value == "self":
-                if f.attr.value == "forward" or f.attr.value in submodules:
-                    found.append(node)
-
-        def visit_For(self, node: cst.For) -> None:
-            it = node.iter
-            if isinstance(it, cst.Attribute) and isinstance(it.value, cst.Name) and it.value.value == "self":
-                if it.attr.value in submodules:
-                    found.append(node)
-
-    method.body.visit(_V())
-    return bool(found)
+        return [m for m in facts.methods_called_on(model, info)
+                if runs_self(info.methods[m], info) or parameter_reads(info.methods[m], info)]
 
 
 def _after(stmt, facts: ScriptFacts):

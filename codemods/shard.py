@@ -6,7 +6,7 @@ import libcst as cst
 from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.batchnorm import batchnorm_layer, converted_already
 from fsdp2_retrofit.analysis.copies import unsafe_state_copies
-from fsdp2_retrofit.analysis.model_classes import called_methods, first_submodule, parameter_reads
+from fsdp2_retrofit.analysis.model_classes import first_submodule, parameter_reads
 from fsdp2_retrofit.analysis.no_model import no_model_blocker, unrecognised_trained_model
 from fsdp2_retrofit.analysis.optimizers import FLATTENING_OPTIMIZERS, whole_tensor_operation
 from fsdp2_retrofit.syntax.names import root_name
@@ -449,7 +449,7 @@ class ShardModelCommand(RetrofitStage):
         if self.options.shard:
             return  # --shard CLASS: the units are found at run time
         blocks = {c.path[0] for c in (info.containers if model.runtime_blocks else model.containers)}
-        for method in called_methods(model.name, info, facts.resolver):
+        for method in facts.methods_called_on(model, info):
             for node, sub in parameter_reads(info.methods[method], info):
                 owner = sub if sub is not None else first_submodule(info)
                 if owner in blocks:

@@ -291,6 +291,26 @@ def test_the_logged_loss_is_the_global_batch_loss(tmp_path: Path):
     assert max(abs(a - b) for a, b in zip(expected, got)) <= 2e-4
 
 
+@pytest.mark.e2e
+def test_the_generated_text_is_the_original_one(tmp_path: Path):
+    """alias_generate: after training, `m.generate(...)` (`m = model.to(device)`) runs on
+    every rank (a forward of the sharded model; under a rank-0 `if` the run crashed) and
+    prints the text the single-process run prints."""
+    case = FIXTURES / "alias_generate"
+    run = _run_config(case)
+    single = launch_single(case / "input.py", ["--out", str(tmp_path / "single" / "s.pt"), *run["single_args"]],
+                           tmp_path / "single")
+    dist = launch_distributed(case / "expected.py", ["--out", str(tmp_path / "dist" / "d.pt"), *run["dist_args"]],
+                              tmp_path / "dist", nproc=run["nproc"])
+
+    def samples(text: str) -> list:
+        return re.findall(r"^t[a-z ]{20}$", text, flags=re.M)  # the context "t" and 20 new characters
+
+    expected, got = samples(single.stdout), samples(dist.stdout)
+    print(f"\nsingle {expected}\ndistributed {got}")
+    assert len(expected) == 1 and got == expected * run["nproc"]
+
+
 # --- the engine's reference sampler and failures (these start a torch process) ---
 
 _ORDER_SCRIPT = """\

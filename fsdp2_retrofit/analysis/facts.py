@@ -16,7 +16,7 @@ from .data import LoaderAnalysis, LoaderSite, training_loaders  # noqa: F401  (i
 from .launch import DISTRIBUTED_WRAPPERS, LaunchAnalysis  # noqa: F401
 from .logs import LogAnalysis, LogSite
 from .loops import LoopAnalysis, LoopSite
-from .model_classes import ClassRegistry, build_registry
+from .model_classes import ClassRegistry, build_registry, called_methods
 from .models import ModelAnalysis, ModelSite, _innermost_call
 from .optimizers import OptimizerAnalysis, OptimizerSite
 from .site_analysis import Block, Scope
@@ -79,6 +79,15 @@ class ScriptFacts:
 
     def is_model_name(self, name: str, node: cst.CSTNode) -> bool:
         return name in self.model_names.get(self.resolver.enclosing_function(node), set())
+
+    def methods_called_on(self, model: ModelSite, info) -> List[str]:
+        """The methods of `info` (the model's class) the script calls on any name that
+        holds `model` where it is called (`m = model.to(device)`; `m.generate(...)`)."""
+        def holds(receiver, call) -> bool:
+            return type(receiver) is cst.Name and receiver.value in model.names.get(
+                self.resolver.enclosing_function(call), set())
+
+        return called_methods(holds, info, self.resolver)
 
 
 def analyse(module: cst.Module, path: Optional[str] = None, origins=None, previous=None) -> ScriptFacts:
@@ -181,4 +190,5 @@ class _Analyser(ModelAnalysis, OptimizerAnalysis, LoopAnalysis, LoaderAnalysis, 
         )
         for m in models + copies + frozen:
             m.sharded = m.name in facts.root_shard
+            m.names = self._model_names([m])
         return facts

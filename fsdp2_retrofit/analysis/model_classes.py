@@ -607,6 +607,33 @@ def first_submodule(info: ClassInfo) -> Optional[str]:
     return None
 
 
+def runs_self(method: cst.FunctionDef, info) -> bool:
+    """The method runs the model's computation: it calls `self(...)`, `self.forward(...)`
+    or one of its submodules (`self.blocks[0](x)`, `self.head(x)`), or a block of a
+    repeated container in a loop. Methods that only read parameters
+    (`configure_optimizers`) do not count."""
+    submodules = set(info.submodules) | {c.path[0] for c in info.containers}
+    found = []
+
+    class _V(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            f = node.func
+            while isinstance(f, cst.Subscript):
+                f = f.value
+            if isinstance(f, cst.Name) and f.value == "self":
+                found.append(node)
+            elif isinstance(f, cst.Attribute) and isinstance(f.value, cst.Name) and f.value.value == "self":
+                if f.attr.value == "forward" or f.attr.value in submodules:
+                    found.append(node)
+
+        def visit_For(self, node: cst.For) -> None:
+            it = node.iter
+            if isinstance(it, cst.Attribute) and isinstance(it.value, cst.Name) and it.value.value == "self":
+                if it.attr.value in submodules:
+                    found.append(node)
+
+    method.body.visit(_V())
+    return bool(found)
 
 
 # nn.Module's own API: calling these on a sharded model needs no forward hooks.
@@ -620,19 +647,20 @@ MODULE_API = {
 }
 
 
-def called_methods(model_name: str, info: ClassInfo, resolver: Resolver) -> List[str]:
-    """Public methods of the model's own class (not nn.Module's API) the script calls on it."""
+def called_methods(holds, info: ClassInfo, resolver: Resolver) -> List[str]:
+    """Public methods of the model's own class (not nn.Module's API) the script calls on
+    it; `holds(receiver, call)` says whether a call's receiver holds the model there (any
+    name bound to it: an alias, a parameter handed it)."""
     called: List[str] = []
     for node in resolver.nodes(cst.Call):
         func = node.func
         if (
             isinstance(func, cst.Attribute)
-            and isinstance(func.value, cst.Name)
-            and func.value.value == model_name
             and func.attr.value in info.methods
             and func.attr.value not in MODULE_API
             and not func.attr.value.startswith("_")
             and func.attr.value not in called
+            and holds(func.value, node)
         ):
             called.append(func.attr.value)
     return called

@@ -21,6 +21,7 @@ from fsdp2_retrofit.syntax.names import (
     PLACEMENT_METHODS,
     SELF_RETURNING_METHODS,
     Resolver,
+    alias_target,
     assigned_names,
     bind_args,
     calls_in,
@@ -65,6 +66,9 @@ class ModelSite:
     # the blocks cannot be read statically (the alternatives' repeated blocks differ, or a
     # table's entries decide): the shard stage finds them when the script runs
     runtime_blocks: bool = False
+    # the names that hold this model, per function: its own, aliases (`m = model.to(device)`),
+    # parameters handed it, names a helper returns it to, closures and globals reading it
+    names: Dict[Optional[cst.FunctionDef], Set[str]] = field(default_factory=dict)
 
 
 class ModelAnalysis(SiteAnalysis):
@@ -720,12 +724,11 @@ def trained_models(module: cst.Module, resolver: Resolver, optimizers, bindings,
 
 
 def _aliases_model(expr, known: Set[str]) -> bool:
-    """`model`, `model.module`, `model._orig_mod`, or a conditional choosing one of them."""
+    """`model`, `model.module`, `model._orig_mod`, `model.to(device)` (the module itself),
+    or a conditional choosing one of them."""
     if isinstance(expr, cst.IfExp):
         return _aliases_model(expr.body, known) or _aliases_model(expr.orelse, known)
-    if isinstance(expr, cst.Attribute) and expr.attr.value in ("module", "_orig_mod"):
-        expr = expr.value
-    return isinstance(expr, cst.Name) and expr.value in known
+    return alias_target(expr) in known
 
 
 def _is_placement(stmt, name: str) -> bool:

@@ -133,7 +133,7 @@ def _first_binding(r, name: str, before: cst.CSTNode) -> Optional[cst.SimpleStat
         if not (isinstance(small, cst.Assign) and len(small.targets) == 1
                 and isinstance(small.targets[0].target, cst.Name) and small.targets[0].target.value == name):
             continue
-        if alias_target(small.value) is None and _reads(small.value, name):
+        if (alias_target(small.value) is None or type(small.value) is cst.Call) and _reads(small.value, name):
             continue
         return stmt
     return None

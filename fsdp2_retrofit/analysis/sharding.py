@@ -15,7 +15,7 @@ import libcst as cst
 
 from .closures import closure_reads
 from .optimizer_factories import returned_optimizer
-from fsdp2_retrofit.syntax.names import Resolver, bind_args, code, names_in, parameter_names
+from fsdp2_retrofit.syntax.names import Resolver, bind_args, code, module_itself, names_in, parameter_names
 from fsdp2_retrofit.syntax.rank import rank_zero_side
 from fsdp2_retrofit.syntax.torch_api import (
     FSDP1_CLASSES,
@@ -372,7 +372,8 @@ class _Collector:
 
     def _index_aliases(self) -> None:
         """Loop variables and names bound to parts of a module (`for block in model.layers`,
-        `layer = model.layers[0]`) map to that module."""
+        `layer = model.layers[0]`) map to that module, and names bound to the module
+        itself (`m = model`, `m = model.to(device)`) to the module."""
         f = self.facts
         for loop in self.r.nodes(cst.For) + self.r.nodes(cst.CompFor):
             iterated = loop.iter
@@ -388,6 +389,8 @@ class _Collector:
                 f._aliases.setdefault(fn, {})[name] = (found[0], False)
         for assign in self.r.nodes(cst.Assign):
             value = assign.value
+            if isinstance(module_itself(value), cst.Name):
+                value = module_itself(value)  # `m = model.to(device)`: the module itself
             if isinstance(value, cst.Name) and len(assign.targets) == 1 and isinstance(assign.targets[0].target, cst.Name):
                 if value.value != "self" and assign.targets[0].target.value != value.value:
                     f._aliases.setdefault(f.scope_of(assign), {})[assign.targets[0].target.value] = (value.value, True)

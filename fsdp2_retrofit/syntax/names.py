@@ -704,14 +704,25 @@ def _flatten_target(target):
         yield target
 
 
+def module_itself(expr: cst.BaseExpression) -> cst.BaseExpression:
+    """`model` for `model.to(device)`, `model.cuda().train()`: an nn.Module's placement
+    and mode methods return the module itself, so the value is the receiver's."""
+    while (type(expr) is cst.Call and type(expr.func) is cst.Attribute
+           and expr.func.attr.value in SELF_RETURNING_METHODS):
+        expr = expr.func.value
+    return expr
+
+
 def alias_target(expr: cst.BaseExpression) -> Optional[str]:
-    """`model` for `model`, `model.module`, `model._orig_mod`, and a conditional whose two
-    branches both name it (`model.module if ddp else model`); None otherwise."""
+    """`model` for `model`, `model.module`, `model._orig_mod`, `model.to(device)` (a
+    method returning the module itself), and a conditional whose two branches both name
+    it (`model.module if ddp else model`); None otherwise."""
     if isinstance(expr, cst.IfExp):
         body, orelse = alias_target(expr.body), alias_target(expr.orelse)
         return body if body == orelse else None
+    expr = module_itself(expr)
     if isinstance(expr, cst.Attribute) and expr.attr.value in ("module", "_orig_mod"):
-        expr = expr.value
+        expr = module_itself(expr.value)
     return expr.value if isinstance(expr, cst.Name) else None
 
 

@@ -108,6 +108,11 @@ class ForwardCall(Rule):
         Invalid(  # a nested function reading the sharded model of the function around it
             _NESTED.format(body="model.forward(x)"), line=6, fixed=_NESTED.format(body="model(x)"),
         ),
+        Invalid(  # another name for the module: `.cuda()` returns the module itself
+            _PRELUDE + "net = model.cuda()\ny = net.forward(x)\n",
+            line=8,
+            fixed=_PRELUDE + "net = model.cuda()\ny = net(x)\n",
+        ),
         Invalid(
             "import torch.distributed.fsdp as fsdp\nmodel = fsdp.fully_shard(Net())\nout = model.forward(x)\n",
             line=3,

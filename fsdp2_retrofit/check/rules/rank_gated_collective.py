@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import libcst as cst
 
+from fsdp2_retrofit.analysis.model_classes import runs_self
 from fsdp2_retrofit.syntax.rank import TEXT_TRIGGERS as RANK_TEXT
 from fsdp2_retrofit.syntax.torch_api import CLIP_GRAD_NORM, COLLECTIVES, DCP_CALLS, STATE_DICT_GETTERS, STATE_DICT_SETTERS
 from fsdp2_retrofit.syntax.names import bind_args
@@ -13,6 +14,13 @@ _HEAD = (
     "import torch\nimport torch.distributed as dist\nimport torch.distributed.checkpoint as dcp\n"
     "from torch.distributed.fsdp import fully_shard\nfrom torch.distributed.checkpoint.state_dict import "
     "StateDictOptions, get_model_state_dict\nmodel = Net()\nfully_shard(model)\nrank = dist.get_rank()\n"
+)
+
+_GPT = (
+    "import torch.nn as nn\nclass GPT(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+    "        self.head = nn.Linear(4, 4)\n    def forward(self, x):\n        return self.head(x)\n"
+    "    def generate(self, x, n):\n        for _ in range(n):\n            x = self(x)\n        return x\n"
+    "    def describe(self):\n        return 'gpt'\n"
 )
 
 
@@ -73,6 +81,9 @@ class RankGatedCollective(Rule):
             "else:\n    objs = [None]\n    dist.broadcast_object_list(objs, src=0)\n"
         ),
         Valid(_HEAD + "if rank != 0:\n    dist.scatter(t, src=0)\nelse:\n    dist.scatter(t, chunks, src=0)\n"),
+        Valid(  # a method of the model's class that runs no forward
+            _HEAD.replace("model = Net()", _GPT + "model = GPT()") + "if rank == 0:\n    print(model.describe())\n"
+        ),
     )
     INVALID = (
         Invalid(_HEAD + "if rank == 0:\n    dcp.save(get_model_state_dict(model), checkpoint_id='ckpt')\n", line=10),
@@ -81,6 +92,12 @@ class RankGatedCollective(Rule):
         Invalid(_HEAD + "if master_process and step % 100 == 0:\n    val_loss = model(x_val).mean()\n", line=10),
         Invalid(_HEAD + "if rank != 0:\n    pass\nelse:\n    dist.all_reduce(t)\n", line=12),
         Invalid(_HEAD + "if not dist.get_rank():\n    y = model(x)\n", line=10),
+        Invalid(_HEAD + "m = model.to('cpu')\nif rank == 0:\n    print(m(x))\n", line=11),  # the module itself
+        Invalid(  # a method of the model's class that runs its forward, called through an alias
+            _HEAD.replace("model = Net()", _GPT + "model = GPT()") + "m = model.cuda()\nif rank == 0:\n"
+            "    print(m.generate(x, 5))\n",
+            line=24,
+        ),
         Invalid(  # a forward through a helper function of the script
             _HEAD + "def evaluate(net, x):\n    return net(x).mean().item()\nif rank == 0:\n"
             "    print(evaluate(model, x_val))\n", line=12,
@@ -158,7 +175,22 @@ class RankGatedCollective(Rule):
         root = ctx.shards.sharded_module(func, call, unit=True)
         if root is not None and not (isinstance(func, cst.Attribute) and func.attr.value not in ("forward",)):
             return f"a forward of sharded `{root}`"
-        return self._helper_forward(ctx, call)
+        return self._method_forward(ctx, call) or self._helper_forward(ctx, call)
+
+    def _method_forward(self, ctx, call: cst.Call):
+        """`m.generate(...)`: a method of the sharded module's own class that runs its
+        forward (calls `self(...)` or its submodules), on any name that holds the module."""
+        func = call.func
+        found = ctx.shards.fsdp2_root(func.value, call) if isinstance(func, cst.Attribute) else None
+        if found is None:
+            return None
+        for site in ctx.shards.sites_for(*found):
+            origin = next((s for s in ctx.shards.sites if s.call is site.call and s.whole and "." not in s.root), None)
+            info = ctx.root_class(origin) if origin is not None else None
+            method = info.methods.get(func.attr.value) if info is not None else None
+            if method is not None and runs_self(method, info):
+                return f"`{_code(func)}()`, a method running the forward of sharded `{found[0]}`,"
+        return None
 
     def _helper_forward(self, ctx, call: cst.Call):
         """`evaluate(model, ...)`: a function of this file handed a sharded module that it

@@ -52,7 +52,7 @@ class UnregisteredMethod(Rule):
     CODE = "FSD122"
     NAME = "unregistered-method"
     MESSAGE = (
-        "`{root}.{method}()` reads the parameters of sharded `{root}` outside forward (`{read}`): "
+        "`{target}.{method}()` reads the parameters of sharded `{root}` outside forward (`{read}`): "
         "they are DTensor shards there; call `register_fsdp_forward_method({root}, \"{method}\")` after fully_shard"
     )
     TRIGGERS = ("parameters", "weight", "bias")
@@ -61,6 +61,10 @@ class UnregisteredMethod(Rule):
               "h = model.init_hidden(2)\n"),
         Valid(_CLASS + "model = RNN()\nfully_shard(model)\nprint(model.describe())\n"),  # no parameter read
         Valid(_CLASS + "model = RNN()\nh = model.init_hidden(2)\n"),  # not sharded
+        Valid(  # registered under another name for the same module
+            _CLASS + "model = RNN()\nfully_shard(model)\nm = model.to('cpu')\n"
+            "register_fsdp_forward_method(m, 'init_hidden')\nh = model.init_hidden(2)\n"
+        ),
     )
     INVALID = (
         Invalid(_CLASS + "model = RNN()\nfully_shard(model)\nh = model.init_hidden(2)\n", line=16),
@@ -69,12 +73,27 @@ class UnregisteredMethod(Rule):
             "        h = model.init_hidden(x.size(0))\n        model(x, h).sum().backward()\n",
             line=18,
         ),
+        Invalid(  # an alias: `.to()` returns the module itself
+            _CLASS + "model = RNN()\nfully_shard(model)\nm = model.to('cpu')\nh = m.init_hidden(2)\n", line=17,
+        ),
+        Invalid(  # a parameter handed the sharded module
+            _CLASS + "def start(net):\n    return net.init_hidden(2)\nmodel = RNN()\nfully_shard(model)\n"
+            "h = start(model)\n",
+            line=15,
+        ),
     )
 
     def check(self, ctx):
         shards = ctx.shards
         if not shards.uses_fully_shard:
             return
+
+        def sites_of(receiver, at) -> set:
+            """The fully_shard calls of the whole module `receiver` holds at `at`, followed
+            through aliases (`m = model.to(device)`) and parameters handed it."""
+            found = shards.fsdp2_root(receiver, at)
+            return {id(s.call) for s in shards.sites_for(*found)} if found is not None else set()
+
         registered = set()
         for call in ctx.nodes(cst.Call):
             func = call.func
@@ -82,7 +101,7 @@ class UnregisteredMethod(Rule):
             if name == "register_fsdp_forward_method" and len(call.args) >= 2:
                 method = call.args[1].value
                 if isinstance(method, cst.SimpleString):
-                    registered.add((_code(call.args[0].value), method.evaluated_value))
+                    registered |= {(s, method.evaluated_value) for s in sites_of(call.args[0].value, call)}
         done = set()
         for site in shards.sites:
             if site.legacy or not site.whole or site.root in done:
@@ -91,8 +110,12 @@ class UnregisteredMethod(Rule):
             if info is None:
                 continue
             done.add(site.root)
-            for method in called_methods(site.root, info, ctx.resolver):
-                if (site.root, method) in registered:
+
+            def holds(receiver, at, site=site) -> bool:
+                return id(site.call) in sites_of(receiver, at)
+
+            for method in called_methods(holds, info, ctx.resolver):
+                if (id(site.call), method) in registered:
                     continue
                 reads = parameter_reads(info.methods[method], info)
                 if not reads:
@@ -101,10 +124,9 @@ class UnregisteredMethod(Rule):
                 read = read if len(read) <= 40 else read[:37] + "..."
                 for call in ctx.nodes(cst.Call):
                     func = call.func
-                    if (isinstance(func, cst.Attribute) and func.attr.value == method
-                            and isinstance(func.value, cst.Name) and func.value.value == site.root
-                            and shards.fsdp2_root(func.value, call) is not None):
-                        yield call, {"root": site.root, "method": method, "read": read}, None
+                    if isinstance(func, cst.Attribute) and func.attr.value == method and holds(func.value, call):
+                        yield call, {"target": _code(func.value), "root": site.root, "method": method,
+                                     "read": read}, None
 
 
 def _code(node) -> str:

@@ -38,6 +38,8 @@ class SaveSite:
     state_calls: List[StateCall] = field(default_factory=list)
     whole_model: Optional[str] = None  # torch.save(model, path)
     dict_keys: Tuple[str, ...] = ()  # the keys of a saved dict literal
+    # (node, why) for each optimizer state_dict() whose optimizer or model was lost on the way
+    lost: List[Tuple[cst.CSTNode, str]] = field(default_factory=list)
 
     @property
     def model_only(self) -> bool:
@@ -55,6 +57,7 @@ class LoadUse:
     owner: Optional[str] = None  # the object whose load_state_dict receives it
     model: Optional[str] = None
     call: Optional[cst.Call] = None  # the load_state_dict call
+    lost: Optional[Tuple[cst.CSTNode, str]] = None  # (where, why) an optimizer handed here was lost (held_values)
 
 
 @dataclass
@@ -80,6 +83,18 @@ def save_format(site: SaveSite, export: str) -> Optional[str]:
     if export == "full" and (site.whole_model is not None or site.model_only):
         return "full"
     return "dcp"
+
+
+def optimizer_lost(facts: ScriptFacts, function, owner: str, at: cst.CSTNode) -> Optional[Tuple[cst.CSTNode, str]]:
+    """(where, why) when `owner` in `function` is an optimizer whose value, or the model it
+    trains, the analysis lost on the way (held_values); None when it is followed or no optimizer."""
+    lost = facts.lost_optimizers.get((function, owner))
+    if lost is not None:
+        return lost
+    optimizers = facts.optimizer_names.get(function, {})
+    if owner in optimizers and not optimizers[owner]:
+        return at, f"`{owner}` trains several models, or one that is not known here by a name"
+    return None
 
 
 def calls_to(facts: ScriptFacts, names) -> List[cst.Call]:
@@ -162,16 +177,18 @@ def saves(facts: ScriptFacts) -> List[SaveSite]:
             site.whole_model = state.value
         for sd in _state_dict_calls(state):
             owner = sd.func.value
-            if isinstance(owner, cst.Attribute) and dotted(owner) in optimizers and optimizers[dotted(owner)]:
-                # `optimizer._optimizer.state_dict()`: the torch optimizer a wrapper holds
-                site.state_calls.append(StateCall(sd, "optimizer", dotted(owner), optimizers[dotted(owner)]))
+            if not isinstance(owner, (cst.Name, cst.Attribute)):
                 continue
-            if not isinstance(owner, cst.Name):
-                continue
-            if owner.value in models:
-                site.state_calls.append(StateCall(sd, "model", owner.value, owner.value))
-            elif owner.value in optimizers and optimizers[owner.value]:
-                site.state_calls.append(StateCall(sd, "optimizer", owner.value, optimizers[owner.value]))
+            key = dotted(owner)
+            lost = optimizer_lost(facts, function, key, sd)
+            if lost is not None:
+                site.lost.append(lost)
+            elif key in optimizers:
+                # `optimizer._optimizer.state_dict()`: the torch optimizer a wrapper holds;
+                # `self.optimizer.state_dict()`: the optimizer an object was handed
+                site.state_calls.append(StateCall(sd, "optimizer", key, optimizers[key]))
+            elif key in models:
+                site.state_calls.append(StateCall(sd, "model", key, key))
         if isinstance(state, cst.Dict):
             site.dict_keys = tuple(
                 e.key.evaluated_value
@@ -270,9 +287,15 @@ def _load_state_dict_use(node, key, stmt, facts: ScriptFacts) -> Optional[LoadUs
     owner = dotted(call.func.value)
     function = r.enclosing_function(call)
     optimizers = facts.optimizer_names.get(function, {})
-    if isinstance(call.func.value, cst.Attribute) and owner not in optimizers:
-        return None  # only `optimizer._optimizer` (the torch optimizer a wrapper holds) is read through
-    if owner in facts.model_names.get(function, set()):
+    models = facts.model_names.get(function, set())
+    lost = facts.lost_optimizers.get((function, owner))
+    if isinstance(call.func.value, cst.Attribute) and owner not in optimizers and owner not in models and not lost:
+        # only `optimizer._optimizer` (the torch optimizer a wrapper holds) and `self.<attr>`
+        # holding a model or an optimizer (held_values) are read through
+        return None
+    if lost is not None:
+        return LoadUse(node, stmt, key, "optimizer", owner, None, call, lost)
+    if owner in models:
         return LoadUse(node, stmt, key, "model", owner, owner, call)
     if owner in optimizers:
         return LoadUse(node, stmt, key, "optimizer", owner, optimizers[owner], call)

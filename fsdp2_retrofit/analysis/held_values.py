@@ -78,6 +78,7 @@ class Holder:
     attr: str
     param: str
     init: cst.FunctionDef
+    reassigned: Optional[cst.CSTNode] = None  # another assignment of the attribute (or of the parameter)
 
     def methods(self):
         """(method, the name of its instance parameter) for each method of the class."""
@@ -93,19 +94,30 @@ class Holder:
         return dict(bind_args(self.init, call, skip=1))
 
 
-def holders(resolver, module: cst.Module, is_module_class) -> List[Holder]:
-    """The attributes of the script's top-level classes (not nn.Modules) that their
-    __init__ sets once from a parameter and nothing else assigns."""
-    out = []
-    assigned_attrs: Dict[str, int] = {}
+def _attribute_assignments(resolver) -> Dict[tuple, List[cst.CSTNode]]:
+    """(class, attr) -> the assignments to `self.<attr>` in that class's methods, and
+    (None, attr) -> those to `<anything else>.<attr>`, in statement order."""
+    out: Dict[tuple, List[cst.CSTNode]] = {}
     for node in resolver.nodes(cst.AssignTarget) + resolver.nodes(cst.AugAssign) + resolver.nodes(cst.AnnAssign):
         target = node.target
-        if isinstance(target, cst.Attribute):
-            assigned_attrs[target.attr.value] = assigned_attrs.get(target.attr.value, 0) + 1
-        elif isinstance(target, (cst.Tuple, cst.List)):
-            for el in target.elements:
-                if isinstance(el.value, cst.Attribute):
-                    assigned_attrs[el.value.attr.value] = assigned_attrs.get(el.value.attr.value, 0) + 2
+        targets = [el.value for el in target.elements] if isinstance(target, (cst.Tuple, cst.List)) else [target]
+        for t in targets:
+            if not isinstance(t, cst.Attribute):
+                continue
+            method = resolver.enclosing_function(node)
+            cls = resolver.enclosing_class(node)
+            own = (cls is not None and method is not None and method.params.params and isinstance(t.value, cst.Name)
+                   and t.value.value == method.params.params[0].name.value)
+            out.setdefault((cls if own else None, t.attr.value), []).append(node)
+    return out
+
+
+def holders(resolver, module: cst.Module, is_module_class) -> List[Holder]:
+    """The attributes of the script's top-level classes (not nn.Modules) that their
+    __init__ sets from a parameter (`self.optimizer = optimizer`); `reassigned` is where
+    something else assigns them too (they are then not followed)."""
+    out = []
+    assigned = _attribute_assignments(resolver)
     for cls in module.body:
         if not isinstance(cls, cst.ClassDef) or is_module_class(cls.name.value):
             continue
@@ -120,10 +132,15 @@ def holders(resolver, module: cst.Module, is_module_class) -> List[Holder]:
             if not (isinstance(small, cst.Assign) and len(small.targets) == 1):
                 continue
             target, value = small.targets[0].target, small.value
-            if (isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name) and target.value.value == me
-                    and isinstance(value, cst.Name) and value.value in params and value.value not in rebound
-                    and assigned_attrs.get(target.attr.value) == 1):
-                out.append(Holder(cls, target.attr.value, value.value, init))
+            if not (isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name)
+                    and target.value.value == me and isinstance(value, cst.Name) and value.value in params):
+                continue
+            attr = target.attr.value
+            others = [n for n in assigned.get((cls, attr), []) + assigned.get((None, attr), [])
+                      if n is not small.targets[0]]
+            if value.value in rebound:
+                others.insert(0, small)
+            out.append(Holder(cls, attr, value.value, init, others[0] if others else None))
     return out
 
 
@@ -133,7 +150,7 @@ def held_models(resolver, found: List[Holder], names) -> bool:
     changed = False
     for h in found:
         calls = h.constructions(resolver)
-        if not calls or not all(
+        if h.reassigned is not None or not calls or not all(
             isinstance(h.bound(c).get(h.param), cst.Name)
             and h.bound(c)[h.param].value in names.get(resolver.enclosing_function(c), set())
             for c in calls
@@ -171,6 +188,9 @@ def held_optimizers(resolver, found: List[Holder], names, lost: Lost) -> bool:
         if not any(s[1] for s in seen):
             continue
         wrong = next(((c, why) for c, _, _, why in seen if why), None)
+        if h.reassigned is not None:
+            wrong = (h.reassigned, f"`{h.attr}` of {h.cls.name.value}, handed the optimizer, is assigned again on "
+                                   f"line {resolver.line(h.reassigned)}")
         if wrong is None and len({s[2] for s in seen}) > 1:
             wrong = (seen[-1][0], f"the constructions of {h.cls.name.value} hand `{h.param}` optimizers of "
                                   "different models")

@@ -13,7 +13,9 @@ import libcst as cst
 
 from .facts import ScriptFacts
 from .rank_bindings import RankZeroRead, rank_zero_reads
-from fsdp2_retrofit.syntax.names import assigned_names, calls_in, code, dotted, last_assignment, names_read, walk
+from fsdp2_retrofit.syntax.names import (
+    assigned_names, bind_args, calls_in, code, dotted, last_assignment, names_read, parameter_names, walk,
+)
 from fsdp2_retrofit.syntax.rank import is_rank_test, mentions_rank_test, split_rank_test  # noqa: F401  (stages import them from here)
 from fsdp2_retrofit.syntax.torch_api import TORCH_LOAD as LOAD, TORCH_SAVE as SAVE
 
@@ -132,8 +134,10 @@ def binding_statement(name: str, node: cst.CSTNode, facts: ScriptFacts) -> Optio
     return last_assignment(name, stmt, block) if block is not None else None
 
 
-def path_key(expr, facts: ScriptFacts) -> str:
-    """A path's text, seeing through a name bound once in the function (`best_path = ...`)."""
+def path_key(expr, facts: ScriptFacts, depth: int = 3) -> str:
+    """A path's text, seeing through a name bound once in the function (`best_path = ...`)
+    and through a parameter every call of its function hands the same path (a save helper's
+    `path`, a load helper's `ckpt_path`: both `args.ckpt`, whatever they are called)."""
     if isinstance(expr, cst.Name):
         function = facts.resolver.enclosing_function(expr)
         values = [
@@ -146,6 +150,12 @@ def path_key(expr, facts: ScriptFacts) -> str:
         ]
         if len(values) == 1:
             return code(values[0])
+        if not values and function is not None and depth and expr.value in parameter_names(function):
+            passed = [dict(bind_args(function, c)).get(expr.value) for c in facts.resolver.nodes(cst.Call)
+                      if isinstance(c.func, cst.Name) and c.func.value == function.name.value]
+            keys = {path_key(a, facts, depth - 1) if a is not None else None for a in passed}
+            if len(keys) == 1 and None not in keys:
+                return keys.pop()
     return code(expr)
 
 

@@ -68,7 +68,18 @@ class ConvertSavesCommand(RetrofitStage):
         # new statements each save needs right before it, on every rank (a gather, a wait)
         self.pre: Dict[cst.CSTNode, List[cst.CSTNode]] = {}
         self.collective: Dict[cst.CSTNode, bool] = {}  # save statement -> runs on every rank
-        sites = [s for s in saves(facts) if s.state_calls or s.whole_model]
+        every = saves(facts)
+        for site in every:
+            for where, why in site.lost:
+                self.refuse(
+                    "FSR706",
+                    where,
+                    f"the optimizer state saved on line {self.line(site.call)} cannot be followed: {why}",
+                    "dcp.save needs get_optimizer_state_dict(model, optimizer) of the one model that optimizer "
+                    "trains; left as state_dict() the checkpoint holds numbered state the resume cannot read",
+                    "hand the function the same optimizer and its model at every call, or save where they are built",
+                )
+        sites = [s for s in every if s.state_calls or s.whole_model]
         async_ok = self.options.async_checkpoint and self._async_possible(sites, facts)
         for site in sites:
             self._convert(site, facts, editor, async_ok)

@@ -104,6 +104,15 @@ class ConvertLoadsCommand(RetrofitStage):
         return "full"
 
     def _convert_load(self, site: LoadSite, facts: ScriptFacts, editor: StatementEditor) -> None:
+        for use in site.uses:
+            if use.lost is not None:
+                self.refuse(
+                    "FSR805",
+                    use.lost[0],
+                    f"the optimizer state loaded on line {self.line(use.call)} cannot be followed: {use.lost[1]}",
+                    "set_optimizer_state_dict needs the one model the receiving optimizer trains",
+                    "hand the function the same optimizer and its model at every call, or load where they are built",
+                )
         if site.path_key in self.whole_saves and site.var is not None:
             self._whole_model_reload(site, facts, editor)
             return

@@ -13,7 +13,9 @@ import libcst as cst
 
 from .facts import ScriptFacts
 from .rank_bindings import RankZeroRead, rank_zero_reads
-from fsdp2_retrofit.syntax.names import assigned_names, calls_in, code, dotted, last_assignment, names_read, walk
+from fsdp2_retrofit.syntax.names import (
+    assigned_names, bind_args, calls_in, code, dotted, last_assignment, names_read, parameter_names, walk,
+)
 from fsdp2_retrofit.syntax.rank import is_rank_test, mentions_rank_test, split_rank_test  # noqa: F401  (stages import them from here)
 from fsdp2_retrofit.syntax.torch_api import TORCH_LOAD as LOAD, TORCH_SAVE as SAVE
 
@@ -38,6 +40,8 @@ class SaveSite:
     state_calls: List[StateCall] = field(default_factory=list)
     whole_model: Optional[str] = None  # torch.save(model, path)
     dict_keys: Tuple[str, ...] = ()  # the keys of a saved dict literal
+    # (node, why) for each optimizer state_dict() whose optimizer or model was lost on the way
+    lost: List[Tuple[cst.CSTNode, str]] = field(default_factory=list)
 
     @property
     def model_only(self) -> bool:
@@ -55,6 +59,7 @@ class LoadUse:
     owner: Optional[str] = None  # the object whose load_state_dict receives it
     model: Optional[str] = None
     call: Optional[cst.Call] = None  # the load_state_dict call
+    lost: Optional[Tuple[cst.CSTNode, str]] = None  # (where, why) an optimizer handed here was lost (held_values)
 
 
 @dataclass
@@ -80,6 +85,18 @@ def save_format(site: SaveSite, export: str) -> Optional[str]:
     if export == "full" and (site.whole_model is not None or site.model_only):
         return "full"
     return "dcp"
+
+
+def optimizer_lost(facts: ScriptFacts, function, owner: str, at: cst.CSTNode) -> Optional[Tuple[cst.CSTNode, str]]:
+    """(where, why) when `owner` in `function` is an optimizer whose value, or the model it
+    trains, the analysis lost on the way (held_values); None when it is followed or no optimizer."""
+    lost = facts.lost_optimizers.get((function, owner))
+    if lost is not None:
+        return lost
+    optimizers = facts.optimizer_names.get(function, {})
+    if owner in optimizers and not optimizers[owner]:
+        return at, f"`{owner}` trains several models, or one that is not known here by a name"
+    return None
 
 
 def calls_to(facts: ScriptFacts, names) -> List[cst.Call]:
@@ -117,8 +134,10 @@ def binding_statement(name: str, node: cst.CSTNode, facts: ScriptFacts) -> Optio
     return last_assignment(name, stmt, block) if block is not None else None
 
 
-def path_key(expr, facts: ScriptFacts) -> str:
-    """A path's text, seeing through a name bound once in the function (`best_path = ...`)."""
+def path_key(expr, facts: ScriptFacts, depth: int = 3) -> str:
+    """A path's text, seeing through a name bound once in the function (`best_path = ...`)
+    and through a parameter every call of its function hands the same path (a save helper's
+    `path`, a load helper's `ckpt_path`: both `args.ckpt`, whatever they are called)."""
     if isinstance(expr, cst.Name):
         function = facts.resolver.enclosing_function(expr)
         values = [
@@ -131,6 +150,12 @@ def path_key(expr, facts: ScriptFacts) -> str:
         ]
         if len(values) == 1:
             return code(values[0])
+        if not values and function is not None and depth and expr.value in parameter_names(function):
+            passed = [dict(bind_args(function, c)).get(expr.value) for c in facts.resolver.nodes(cst.Call)
+                      if isinstance(c.func, cst.Name) and c.func.value == function.name.value]
+            keys = {path_key(a, facts, depth - 1) if a is not None else None for a in passed}
+            if len(keys) == 1 and None not in keys:
+                return keys.pop()
     return code(expr)
 
 
@@ -162,16 +187,18 @@ def saves(facts: ScriptFacts) -> List[SaveSite]:
             site.whole_model = state.value
         for sd in _state_dict_calls(state):
             owner = sd.func.value
-            if isinstance(owner, cst.Attribute) and dotted(owner) in optimizers and optimizers[dotted(owner)]:
-                # `optimizer._optimizer.state_dict()`: the torch optimizer a wrapper holds
-                site.state_calls.append(StateCall(sd, "optimizer", dotted(owner), optimizers[dotted(owner)]))
+            if not isinstance(owner, (cst.Name, cst.Attribute)):
                 continue
-            if not isinstance(owner, cst.Name):
-                continue
-            if owner.value in models:
-                site.state_calls.append(StateCall(sd, "model", owner.value, owner.value))
-            elif owner.value in optimizers and optimizers[owner.value]:
-                site.state_calls.append(StateCall(sd, "optimizer", owner.value, optimizers[owner.value]))
+            key = dotted(owner)
+            lost = optimizer_lost(facts, function, key, sd)
+            if lost is not None:
+                site.lost.append(lost)
+            elif key in optimizers:
+                # `optimizer._optimizer.state_dict()`: the torch optimizer a wrapper holds;
+                # `self.optimizer.state_dict()`: the optimizer an object was handed
+                site.state_calls.append(StateCall(sd, "optimizer", key, optimizers[key]))
+            elif key in models:
+                site.state_calls.append(StateCall(sd, "model", key, key))
         if isinstance(state, cst.Dict):
             site.dict_keys = tuple(
                 e.key.evaluated_value
@@ -270,9 +297,15 @@ def _load_state_dict_use(node, key, stmt, facts: ScriptFacts) -> Optional[LoadUs
     owner = dotted(call.func.value)
     function = r.enclosing_function(call)
     optimizers = facts.optimizer_names.get(function, {})
-    if isinstance(call.func.value, cst.Attribute) and owner not in optimizers:
-        return None  # only `optimizer._optimizer` (the torch optimizer a wrapper holds) is read through
-    if owner in facts.model_names.get(function, set()):
+    models = facts.model_names.get(function, set())
+    lost = facts.lost_optimizers.get((function, owner))
+    if isinstance(call.func.value, cst.Attribute) and owner not in optimizers and owner not in models and not lost:
+        # only `optimizer._optimizer` (the torch optimizer a wrapper holds) and `self.<attr>`
+        # holding a model or an optimizer (held_values) are read through
+        return None
+    if lost is not None:
+        return LoadUse(node, stmt, key, "optimizer", owner, None, call, lost)
+    if owner in models:
         return LoadUse(node, stmt, key, "model", owner, owner, call)
     if owner in optimizers:
         return LoadUse(node, stmt, key, "optimizer", owner, optimizers[owner], call)

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Set
 import libcst as cst
 
 from .closures import nonlocal_rebinds
+from .held_values import Lost
 from .data import LoaderAnalysis, LoaderSite, training_loaders  # noqa: F401  (importable from here)
 from .launch import DISTRIBUTED_WRAPPERS, LaunchAnalysis  # noqa: F401
 from .logs import LogAnalysis, LogSite
@@ -73,6 +74,9 @@ class ScriptFacts:
     closure_rebinds: List[tuple] = field(default_factory=list)
     # id() of every DataLoader call whose value reaches a training loop (named or not: `return DataLoader(...)`)
     training_loader_calls: Set[int] = field(default_factory=set)
+    # (function, name) -> (node, why): where an optimizer handed to a function or object was lost
+    # (held_values: a call or construction handing that parameter something else)
+    lost_optimizers: Lost = field(default_factory=dict)
 
     def model(self, name: str) -> Optional[ModelSite]:
         return next((m for m in self.models if m.name == name), None)
@@ -187,6 +191,7 @@ class _Analyser(ModelAnalysis, OptimizerAnalysis, LoopAnalysis, LoaderAnalysis, 
             trained_names=trained_names,
             closure_rebinds=nonlocal_rebinds(self.r, model_names),
             training_loader_calls=self._loaders_feeding(train_loops),
+            lost_optimizers=self.lost_optimizers,
         )
         for m in models + copies + frozen:
             m.sharded = m.name in facts.root_shard

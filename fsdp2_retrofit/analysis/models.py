@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Set
 import libcst as cst
 
 from .closures import closure_propagate, nested_functions
+from .held_values import held_models
 from .init_branches import branch_initialises, initialised_name, initialised_names
 from .library_models import PEFT_WRAPPERS, LibraryModel, is_library_builder, library_model, namespace_builder
 from .model_classes import ClassRegistry, Container, build_registry
@@ -575,6 +576,7 @@ class ModelAnalysis(SiteAnalysis):
             changed |= self._add_aliases(names)
             changed |= self._add_returns(names)
             changed |= closure_propagate(self.r, names)
+            changed |= held_models(self.r, self._holders(), names)
         return names
 
     def _add_returns(self, names) -> bool:

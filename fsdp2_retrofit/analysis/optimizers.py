@@ -8,6 +8,7 @@ from typing import Dict, List, Optional, Set
 import libcst as cst
 
 from .closures import closure_propagate
+from .held_values import Lost, disagreeing_calls, global_optimizers, held_optimizers, model_in_callee
 from .optimizer_factories import changes_tensors, returned_optimizer
 from .returns import names_out
 from .site_analysis import Block, SiteAnalysis
@@ -259,6 +260,7 @@ class OptimizerAnalysis(SiteAnalysis):
     def _optimizer_names(self, optimizers, model_names):
         """Optimizer names per function, following calls; each mapped to its model's name there."""
         names: Dict[Optional[cst.FunctionDef], Dict[str, Optional[str]]] = {}
+        self.lost_optimizers: Lost = {}
         for opt in optimizers:
             if opt.models:
                 fn = self.r.enclosing_function(opt.stmt)
@@ -274,17 +276,16 @@ class OptimizerAnalysis(SiteAnalysis):
                 for param, arg in bound:
                     if not (isinstance(arg, cst.Name) and arg.value in known) or param in names.get(callee, {}):
                         continue
-                    model = known[arg.value]
-                    there = [p for p, a in bound if isinstance(a, cst.Name) and a.value == model]
-                    callee_models = sorted(model_names.get(callee, set()))
-                    names.setdefault(callee, {})[param] = (
-                        there[0] if there else callee_models[0] if len(callee_models) == 1 else None
-                    )
+                    caller = self.r.enclosing_function(call)
+                    names.setdefault(callee, {})[param] = model_in_callee(self.r, known[arg.value], bound, caller, callee)
                     for dotted in [k for k in known if k.startswith(arg.value + ".")]:
                         names[callee][param + dotted[len(arg.value):]] = names[callee][param]
                     changed = True
             changed |= self._returned_optimizers(names, model_names)
             changed |= closure_propagate(self.r, names)  # a nested function reading the optimizer around it
+            changed |= global_optimizers(self.r, self.module, names)
+            changed |= held_optimizers(self.r, self._holders(), names, self.lost_optimizers)
+        disagreeing_calls(self.r, self._calls_of, names, self.lost_optimizers)
         return names
 
     def _returned_optimizers(self, names, model_names) -> bool:

@@ -12,6 +12,7 @@ import libcst as cst
 
 from .closures import nested_functions
 from .flow import ValueFlow, innermost_call
+from .held_values import Holder, holders
 from .model_classes import ClassRegistry
 from fsdp2_retrofit.syntax.names import Resolver
 from fsdp2_retrofit.syntax.torch_api import TORCH_COMPILE
@@ -91,6 +92,12 @@ class SiteAnalysis:
             for call, callee in self._local_calls():
                 self._calls_by_function.setdefault(id(callee), []).append(call)
         return self._calls_by_function.get(id(fn), []) if fn is not None else []
+
+    def _holders(self) -> List[Holder]:
+        """The `self.<attr> = <param>` attributes of the script's classes (held_values.holders), found once."""
+        if getattr(self, "_holder_list", None) is None:
+            self._holder_list = holders(self.r, self.module, self.classes.is_module_class)
+        return self._holder_list
 
     def _callee(self, call: cst.Call) -> Optional[cst.FunctionDef]:
         """The function of the script a call by name runs: a def nested in the calling

@@ -314,6 +314,15 @@ _RULES = [
                 "The save becomes dcp.save of a checkpoint directory, which takes a path: a file object fails.",
                 "Save by path: torch.save(state, path) (or `with open(path, \"wb\") as f: torch.save(state, f)` alone).",
                 "checkpoint_files"),
+    RefusalRule("FSR706", "checkpoint-optimizer-not-followed",
+                "An optimizer's state_dict() is saved where the tool cannot tell which optimizer it is, or which "
+                "model it trains: a function or object handed different values by its calls (the refusal names "
+                "the call), or an optimizer of several models.",
+                "The save becomes dcp.save of get_optimizer_state_dict(model, optimizer), which needs the one model "
+                "that optimizer trains; left as optimizer.state_dict() it would write numbered state the resume "
+                "cannot read.",
+                "Hand the helper the same optimizer (and its model) at every call, or save where the optimizer is "
+                "built."),
     # -- 8xx resume ---------------------------------------------------------------------
     RefusalRule("FSR801", "resume-load-before-build", "A checkpoint is read before the model or optimizer it fills is built.",
                 "dcp.load fills the state dicts of the sharded model, its optimizer and scheduler: they must exist.",
@@ -335,6 +344,13 @@ _RULES = [
                 "and sharding.",
                 "Keep a state dict instead: torch.save(model.state_dict(), path), and to reload, build the model "
                 "(or reuse it) and load_state_dict(torch.load(path))."),
+    RefusalRule("FSR805", "resume-optimizer-not-followed",
+                "An optimizer state is loaded where the tool cannot tell which optimizer receives it: a function "
+                "or object handed different values by its calls (the refusal names the call).",
+                "The load becomes set_optimizer_state_dict(model, optimizer, ...), which needs the one model that "
+                "optimizer trains.",
+                "Hand the helper the same optimizer (and its model) at every call, or load where the optimizer is "
+                "built."),
     # -- 9xx data -----------------------------------------------------------------------
     RefusalRule("FSR901", "data-sampler-not-distributable",
                 "A training DataLoader is given a batch_sampler, or a sampler other than RandomSampler/SequentialSampler.",

@@ -339,7 +339,6 @@ MUTATIONS = MUTATIONS + CROSS_MODULE
 KNOWN_MISSES = frozenset({
     "hidden-global-batch",  # FSD120 looks at reshape/view/factories, not a model method handed the batch size
     "param-list-before-shard",  # FSD103 follows model.parameters() in the optimizer call, not a list taken earlier
-    "xmod-method-save-gated",  # FSD110 follows a forward into a helper function, not a collective into a method
 })
 
 

@@ -71,7 +71,8 @@ class ShardFacts:
     resolver: Resolver
     sites: List[ShardSite]
     optimizers: List[OptimizerBuild]
-    _aliases: Dict[Scope, Dict[str, Tuple[str, bool]]] = field(default_factory=dict)
+    # name -> [(order, (root, whole))] per function, in source order: what each binding aliases
+    _aliases: Dict[Scope, Dict[str, List[Tuple[int, Tuple[str, bool]]]]] = field(default_factory=dict)
     _received: Dict[Scope, Dict[str, ShardSite]] = field(default_factory=dict)
     _bindings: Dict[Scope, Dict[str, List[tuple]]] = field(default_factory=dict)
     _closure_reads: Dict[Scope, Set[str]] = field(default_factory=dict)
@@ -93,12 +94,23 @@ class ShardFacts:
         if found is None:
             return None
         root, whole = found
-        alias = self._aliases.get(self.scope_of(at), {}).get(root)
+        alias = self.alias(root, at)
         if alias is not None:
             return alias[0], alias[1] and whole
         if root == "self":
             return None
         return root, whole
+
+    def alias(self, name: str, at: cst.CSTNode) -> Optional[Tuple[str, bool]]:
+        """(root, whole) of the module (or part) `name` aliases at `at`: its binding last
+        before `at` in its function (`for m in a.layers: ...`, then `for m in b.layers: ...`:
+        `a`, then `b`); a read before any binding (a loop read again) takes the last one."""
+        bindings = self._aliases.get(self.scope_of(at), {}).get(name)
+        if not bindings:
+            return None
+        here = self.order(at)
+        before = [b for b in bindings if b[0] < here]
+        return (before or bindings)[-1][1]
 
     def sites_for(self, root: str, at: cst.CSTNode) -> List[ShardSite]:
         """The shard sites of `root` that are in effect at `at`."""
@@ -181,8 +193,7 @@ class ShardFacts:
         for opt in self.optimizers:
             if opt.name != name or not (opt.scope is fn or (opt.scope is None and not self._binds(fn, name))):
                 continue
-            aliases = self._aliases.get(fn, {})
-            if any(self.sites_for(aliases.get(root, (root,))[0], at) for root in opt.models):
+            if any(self.sites_for((self.alias(root, at) or (root,))[0], at) for root in opt.models):
                 return opt
         if self._closes_over(fn, name):
             return self.optimizer(name, fn)  # the optimizer of the function around a nested one
@@ -392,13 +403,17 @@ class _Collector:
             if found is None:
                 continue
             fn = f.scope_of(loop)
+            anchor = loop
+            while isinstance(anchor, cst.CompFor):  # a comprehension binds before its element is read
+                anchor = self.r.parent(anchor)
             for name in _target_names(loop.target):
-                f._aliases.setdefault(fn, {})[name] = (found[0], False)
+                f._aliases.setdefault(fn, {}).setdefault(name, []).append((f.order(anchor), (found[0], False)))
         for assign in self.r.nodes(cst.Assign):
             value = assign.value
             if isinstance(value, cst.Name) and len(assign.targets) == 1 and isinstance(assign.targets[0].target, cst.Name):
                 if value.value != "self" and assign.targets[0].target.value != value.value:
-                    f._aliases.setdefault(f.scope_of(assign), {})[assign.targets[0].target.value] = (value.value, True)
+                    f._aliases.setdefault(f.scope_of(assign), {}).setdefault(assign.targets[0].target.value, []).append(
+                        (f.order(assign), (value.value, True)))
                 continue
             if isinstance(value, (cst.Subscript, cst.Attribute)) or (
                 isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute)
@@ -408,7 +423,11 @@ class _Collector:
                 if found is not None and not found[1] and len(assign.targets) == 1:
                     target = assign.targets[0].target
                     if isinstance(target, cst.Name) and found[0] != "self":
-                        f._aliases.setdefault(f.scope_of(assign), {})[target.value] = (found[0], False)
+                        f._aliases.setdefault(f.scope_of(assign), {}).setdefault(target.value, []).append(
+                            (f.order(assign), (found[0], False)))
+        for names in f._aliases.values():
+            for bindings in names.values():
+                bindings.sort(key=lambda b: b[0])
 
     def _optimizer(self, call: cst.Call) -> Optional[OptimizerBuild]:
         """An optimizer built by `call`: a torch optimizer, or a call of a function of the
@@ -428,8 +447,6 @@ class _Collector:
         for name in names_in(arg):  # parameter groups built earlier: `groups = [{"params": ...}]`
             for value in f.bound_values(name, call):
                 models |= names_in(value) | _attribute_roots(value)
-        aliases = f._aliases.get(f.scope_of(call), {})  # `lm = model`: the parameters of `model`
-        models |= {aliases[m][0] for m in models if m in aliases}
         return OptimizerBuild(target[0], call, models, f.scope_of(call), f.order(call))
 
     def _optimizer_factory_call(self, call: cst.Call) -> bool:
@@ -486,7 +503,10 @@ class _Collector:
         return None
 
     def _imported_sharder(self, call: cst.Call) -> Optional["Sharder"]:
-        if not self.imported:
+        """The Sharder of a project function of another module a call runs: only for a call
+        that is a statement of its own, or whose value is bound or returned (a module is
+        parsed when a call asks for one of its functions)."""
+        if not self.imported or not isinstance(self.r.parent(call), (cst.Expr, cst.Assign, cst.Return)):
             return None
         path = attr_path(call.func)
         return self.imported.get(".".join(path)) if path is not None else None

@@ -544,7 +544,7 @@ class _Collector:
         """A call of a project function of another module that shards its parameter
         (`shard_model(model, mesh)`) or returns a sharded module (`model = shard_model(...)`)."""
         changed = False
-        for param, arg in bind_args(sharder.fn, call, sharder.skip):
+        for param, arg in bind_args(sharder.fn, call):
             if param in sharder.shards:
                 whole, legacy = sharder.shards[param]
                 changed |= self._add_call_site(call, arg, whole, legacy)
@@ -628,7 +628,7 @@ class _Collector:
         return out
 
 
-@record
+@dataclass
 class Sharder:
     """What a project function does to the modules it is handed: `shards` maps a
     parameter it shards (itself or its parts, directly or through another function) to
@@ -638,7 +638,6 @@ class Sharder:
     fn: cst.FunctionDef = field(repr=False)
     shards: Dict[str, Tuple[bool, bool]]
     returns: Dict[Optional[int], bool]
-    skip: int = 0
 
 
 def _received_site(f: ShardFacts, root: str, call: cst.Call) -> ShardSite:

@@ -5,10 +5,14 @@
 Two sets of broken outputs, and one of correct ones:
 
 * correct outputs: the golden `expected.py` of every rewrite fixture (each one passes its
-  2-rank execution test). `check` must report nothing on them: any finding is a false positive.
+  2-rank execution test), and every file of fixtures/check/projects (correct FSDP2 code,
+  read, not run). `check` must report nothing on them: any finding is a false positive.
 * planted defects: MUTATIONS below, each one small textual edit of one golden (an exact
   `old` text that must occur exactly once, replaced by `new`) that plants one defect seen
-  in real FSDP2 code. Each names the defect in words and the rule expected to catch it
+  in real FSDP2 code. A golden is a fixture's expected.py, or (a `fixture` starting with
+  `projects/`) a file of the multi-file projects under fixtures/check/projects, whose
+  sharding helper lives in another module of the project (torchtitan, torchtune and lingua
+  shard that way): the mutated file is checked at its own path, beside its modules. Each names the defect in words and the rule expected to catch it
   (None where no rule does: it counts as a miss). Caught: the expected rule is among the
   findings of the mutated file.
 * corpus failures: every row of the real-world corpus (benchmarks/realworld, its
@@ -35,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 FIXTURES = REPO / "fixtures" / "rewrite"
+PROJECTS = REPO / "fixtures" / "check" / "projects"
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "check_recall.md"
 
 
@@ -258,6 +263,77 @@ MUTATIONS: Tuple[Mutation, ...] = (
 )
 
 
+# --- cross-module: the sharding helper in another module of the project (fixtures/check/projects)
+_TITAN, _TUNE, _LINGUA = "projects/titan/train.py", "projects/tune/recipes/full_finetune.py", "projects/lingua/train.py"
+_TITAN_SAVE = "    dcp.save(state, checkpoint_id=args.out)\n"
+_TUNE_SAVE = '        dcp.save(state, checkpoint_id=os.path.join(self._cfg.output_dir, f"epoch_{epoch}"))\n'
+CROSS_MODULE: Tuple[Mutation, ...] = (
+    Mutation("xmod-forward-call", "`model.forward(x)` on a model sharded by `parallelize()` of parallel.py",
+             _TITAN, "logits = model(tokens)", "logits = model.forward(tokens)", "FSD101"),
+    Mutation("xmod-forward-in-helper", "`model.forward(x)` in an evaluate function handed the model sharded in "
+             "parallel.py", _TITAN, "total += F.cross_entropy(model(tokens)", "total += F.cross_entropy(model.forward(tokens)",
+             "FSD101"),
+    Mutation("xmod-torch-save", "`torch.save(model.state_dict())` of the model sharded in parallel.py", _TITAN,
+             _TITAN_SAVE, '    torch.save(model.state_dict(), args.out + ".pt")\n', "FSD102"),
+    Mutation("xmod-torch-save-optimizer", "`torch.save` of the state of an optimizer over the parameters of the model "
+             "sharded in parallel.py", _TITAN, _TITAN_SAVE, '    torch.save(optimizer.state_dict(), args.out + ".pt")\n',
+             "FSD102"),
+    Mutation("xmod-optimizer-before-shard", "the optimizer built before `parallelize(model, mesh)` shards the model",
+             _TITAN, "    model = parallelize(Transformer(ModelArgs()), mesh)\n    optimizer = build_optimizer(model, 3e-4)\n",
+             "    model = Transformer(ModelArgs())\n    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)\n"
+             "    parallelize(model, mesh)\n", "FSD103"),
+    Mutation("xmod-eval-gated", "evaluation of the model sharded in parallel.py only on rank 0", _TITAN,
+             "            val_loss = evaluate(model, val_batches)\n            if rank == 0:\n",
+             "            if rank == 0:\n                val_loss = evaluate(model, val_batches)\n", "FSD110"),
+    Mutation("xmod-local-grad-norm", "the clip_grad_norm_ total of the model sharded in parallel.py read without "
+             "`.full_tensor()`", _TITAN, "        norm = norm.full_tensor()\n", "", "FSD107"),
+    Mutation("xmod-load-torch-load", "`load_state_dict(torch.load(...))` into the model sharded in parallel.py",
+             _TITAN, "    optimizer = build_optimizer(model, 3e-4)\n",
+             "    optimizer = build_optimizer(model, 3e-4)\n    model.load_state_dict(torch.load(args.out + \".pt\"))\n",
+             "FSD112"),
+    Mutation("xmod-cast-after-shard", "`model.to(torch.bfloat16)` after parallel.py sharded it", _TITAN,
+             "    optimizer = build_optimizer(model, 3e-4)\n",
+             "    model.to(torch.bfloat16)\n    optimizer = build_optimizer(model, 3e-4)\n", "FSD114"),
+    Mutation("xmod-no-sync", "DDP's `model.no_sync()` on the model sharded in parallel.py", _TITAN,
+             "        loss.backward()\n", "        with model.no_sync():\n            loss.backward()\n", "FSD105"),
+    Mutation("xmod-method-forward", "`self._model.forward(x)` in a recipe's train method, the model sharded by "
+             "the package's shard_model in _setup_model", _TUNE, "logits = self._model(tokens)",
+             "logits = self._model.forward(tokens)", "FSD101"),
+    Mutation("xmod-method-torch-save", "`torch.save(self._model.state_dict())` in a recipe's save method", _TUNE,
+             _TUNE_SAVE, '        torch.save(self._model.state_dict(), f"model_{epoch}.pt")\n', "FSD102"),
+    Mutation("xmod-method-optimizer-before-shard", "the optimizer built in _setup_model before shard_model shards "
+             "the model", _TUNE, "        shard_model(model, mesh=self._mesh,",
+             "        self._optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)\n"
+             "        shard_model(model, mesh=self._mesh,", "FSD103"),
+    Mutation("xmod-method-load-torch-load", "`self._model.load_state_dict(torch.load(path))` in a recipe's "
+             "load method", _TUNE, '        set_model_state_dict(self._model, state["model"])\n',
+             "        self._model.load_state_dict(torch.load(path))\n", "FSD112"),
+    Mutation("xmod-method-save-gated", "the recipe's DCP save only on rank 0", _TUNE,
+             "            self.save_checkpoint(epoch)\n",
+             "            if self._is_rank_zero:\n                self.save_checkpoint(epoch)\n", "FSD110"),
+    Mutation("xmod-method-zero-grad", "`self._model.zero_grad()` between the forward and the backward", _TUNE,
+             "                loss.backward()\n", "                self._model.zero_grad()\n                loss.backward()\n",
+             "FSD113"),
+    Mutation("xmod-star-forward-in-function", "`net.forward(x)` in a validation function handed the alias of a "
+             "model sharded by a star-imported helper", _LINGUA, "F.cross_entropy(net(tokens)",
+             "F.cross_entropy(net.forward(tokens)", "FSD101"),
+    Mutation("xmod-star-alias-forward", "`lm.forward(x)` on an alias of the model sharded by a star-imported helper",
+             _LINGUA, "F.cross_entropy(lm(tokens)", "F.cross_entropy(lm.forward(tokens)", "FSD101"),
+    Mutation("xmod-star-torch-save", "`torch.save(lm.state_dict())` of the alias", _LINGUA,
+             '    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=out_dir)\n',
+             '    torch.save(lm.state_dict(), out_dir + ".pt")\n', "FSD102"),
+    Mutation("xmod-star-validate-gated", "validation (a forward of the sharded alias) only on rank 0", _LINGUA,
+             "            val_loss = validate(lm, val_batches)\n            if rank == 0:\n",
+             "            if rank == 0:\n                val_loss = validate(lm, val_batches)\n", "FSD110"),
+    Mutation("xmod-star-step-gated", "the optimizer step over the sharded alias's parameters only on rank 0",
+             _LINGUA, "        optimizer.step()\n", _gate("        optimizer.step()"), "FSD110"),
+    Mutation("xmod-star-batchnorm", "BatchNorm in the model a star-imported helper shards", _LINGUA,
+             "        self.head = nn.Linear(dim, vocab)\n",
+             "        self.head = nn.Sequential(nn.BatchNorm1d(16), nn.Linear(dim, vocab))\n", "FSD118"),
+)
+MUTATIONS = MUTATIONS + CROSS_MODULE
+
+
 # Planted rows whose expected rule does not catch them (tests/test_check_recall.py checks
 # this list both ways: a row missed that is not here, or caught that is, fails).
 KNOWN_MISSES = frozenset({
@@ -312,6 +388,9 @@ def findings(text: str, path: str, rules=None) -> List:
 
 
 def golden(fixture: str) -> Path:
+    """A rewrite fixture's expected.py, or a file of a check project (`projects/...`)."""
+    if fixture.startswith("projects/"):
+        return PROJECTS.parent / fixture
     return FIXTURES / fixture / "expected.py"
 
 
@@ -325,7 +404,12 @@ def mutate(m: Mutation) -> str:
 
 
 def goldens() -> List[Path]:
-    return sorted(FIXTURES.glob("*/expected.py"))
+    return sorted(FIXTURES.glob("*/expected.py")) + sorted(PROJECTS.glob("**/*.py"))
+
+
+def _golden_name(path: Path) -> str:
+    """The name a golden goes by in the tables: its fixture, or its path under fixtures/check."""
+    return path.relative_to(PROJECTS.parent).as_posix() if PROJECTS in path.parents else path.parent.name
 
 
 @dataclass
@@ -343,7 +427,7 @@ def run_goldens() -> List[Tuple[str, List]]:
     for path in goldens():
         found = findings(path.read_text(), str(path))
         if found:
-            out.append((path.parent.name, found))
+            out.append((_golden_name(path), found))
     return out
 
 

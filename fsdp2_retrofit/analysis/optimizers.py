@@ -93,7 +93,7 @@ class OptimizerAnalysis(SiteAnalysis):
         return {n.value for n in walk(stmt) if type(n) is cst.Name and self._module_binding_of(n, bindings)}
 
     def _is_torch_optimizer(self, call: cst.Call) -> bool:
-        return is_optimizer_call(self.r, call) or self._is_getattr_optimizer(call)
+        return is_optimizer_call(self.r, call)
 
     def _wrapped_optimizer(self, call: cst.Call):
         """(the torch optimizer, the attribute that keeps it) for `Wrapper(optim.Adam(...), ...)`,
@@ -222,17 +222,6 @@ class OptimizerAnalysis(SiteAnalysis):
             node.name.value: node for node in self.module.body
             if isinstance(node, cst.ClassDef) and any(self.r.qnames(b.value) & OPTIMIZER_BASES for b in node.bases)
         }
-
-    def _is_getattr_optimizer(self, call: cst.Call) -> bool:
-        """`getattr(torch.optim, args.optim)(model.parameters(), ...)`"""
-        inner = call.func
-        return (
-            isinstance(inner, cst.Call)
-            and isinstance(inner.func, cst.Name)
-            and inner.func.value == "getattr"
-            and bool(inner.args)
-            and "torch.optim" in self.r.qnames(inner.args[0].value)
-        )
 
     def _fed_models(self, names, stmt, module_names, feeders, depth: int = 3) -> List[str]:
         """Models whose parameters reach the optimizer, directly or through variables

@@ -15,7 +15,7 @@ import libcst as cst
 
 from .closures import closure_reads
 from .optimizer_factories import returned_optimizer
-from fsdp2_retrofit.syntax.names import Resolver, bind_args, code, module_itself, names_in, parameter_names
+from fsdp2_retrofit.syntax.names import Resolver, attr_path, bind_args, code, module_itself, names_in, parameter_names
 from fsdp2_retrofit.syntax.rank import rank_zero_side
 from fsdp2_retrofit.syntax.torch_api import (
     FSDP1_CLASSES,
@@ -71,7 +71,8 @@ class ShardFacts:
     resolver: Resolver
     sites: List[ShardSite]
     optimizers: List[OptimizerBuild]
-    _aliases: Dict[Scope, Dict[str, Tuple[str, bool]]] = field(default_factory=dict)
+    # name -> [(order, (root, whole))] per function, in source order: what each binding aliases
+    _aliases: Dict[Scope, Dict[str, List[Tuple[int, Tuple[str, bool]]]]] = field(default_factory=dict)
     _received: Dict[Scope, Dict[str, ShardSite]] = field(default_factory=dict)
     _bindings: Dict[Scope, Dict[str, List[tuple]]] = field(default_factory=dict)
     _closure_reads: Dict[Scope, Set[str]] = field(default_factory=dict)
@@ -93,12 +94,23 @@ class ShardFacts:
         if found is None:
             return None
         root, whole = found
-        alias = self._aliases.get(self.scope_of(at), {}).get(root)
+        alias = self.alias(root, at)
         if alias is not None:
             return alias[0], alias[1] and whole
         if root == "self":
             return None
         return root, whole
+
+    def alias(self, name: str, at: cst.CSTNode) -> Optional[Tuple[str, bool]]:
+        """(root, whole) of the module (or part) `name` aliases at `at`: its binding last
+        before `at` in its function (`for m in a.layers: ...`, then `for m in b.layers: ...`:
+        `a`, then `b`); a read before any binding (a loop read again) takes the last one."""
+        bindings = self._aliases.get(self.scope_of(at), {}).get(name)
+        if not bindings:
+            return None
+        here = self.order(at)
+        before = [b for b in bindings if b[0] < here]
+        return (before or bindings)[-1][1]
 
     def sites_for(self, root: str, at: cst.CSTNode) -> List[ShardSite]:
         """The shard sites of `root` that are in effect at `at`."""
@@ -181,8 +193,7 @@ class ShardFacts:
         for opt in self.optimizers:
             if opt.name != name or not (opt.scope is fn or (opt.scope is None and not self._binds(fn, name))):
                 continue
-            aliases = self._aliases.get(fn, {})
-            if any(self.sites_for(aliases.get(root, (root,))[0], at) for root in opt.models):
+            if any(self.sites_for((self.alias(root, at) or (root,))[0], at) for root in opt.models):
                 return opt
         if self._closes_over(fn, name):
             return self.optimizer(name, fn)  # the optimizer of the function around a nested one
@@ -308,14 +319,22 @@ def part_root(expr: cst.BaseExpression) -> Optional[Tuple[str, bool]]:
             return None
 
 
-def shard_facts(module: cst.Module, resolver: Resolver) -> ShardFacts:
-    return _Collector(module, resolver).run()
+def shard_facts(module: cst.Module, resolver: Resolver, path: Optional[str] = None) -> ShardFacts:
+    """The sharding facts of a module; with its `path`, calls of the functions it imports
+    from project modules that shard (analysis.project_sharders) count too."""
+    imported = {}
+    if path and path != "-":
+        from .project_sharders import imported_sharders
+
+        imported = imported_sharders(module, resolver, path)
+    return _Collector(module, resolver, imported).run()
 
 
 class _Collector:
-    def __init__(self, module: cst.Module, resolver: Resolver):
+    def __init__(self, module: cst.Module, resolver: Resolver, imported: Optional[Dict[str, "Sharder"]] = None):
         self.module = module
         self.r = resolver
+        self.imported = imported or {}
         self.facts = ShardFacts(resolver, [], [])
         self._functions: Optional[Dict[str, List[cst.FunctionDef]]] = None  # defs by name, on first use
 
@@ -385,15 +404,19 @@ class _Collector:
             if found is None:
                 continue
             fn = f.scope_of(loop)
+            anchor = loop
+            while isinstance(anchor, cst.CompFor):  # a comprehension binds before its element is read
+                anchor = self.r.parent(anchor)
             for name in _target_names(loop.target):
-                f._aliases.setdefault(fn, {})[name] = (found[0], False)
+                f._aliases.setdefault(fn, {}).setdefault(name, []).append((f.order(anchor), (found[0], False)))
         for assign in self.r.nodes(cst.Assign):
             value = assign.value
             if isinstance(module_itself(value), cst.Name):
                 value = module_itself(value)  # `m = model.to(device)`: the module itself
             if isinstance(value, cst.Name) and len(assign.targets) == 1 and isinstance(assign.targets[0].target, cst.Name):
                 if value.value != "self" and assign.targets[0].target.value != value.value:
-                    f._aliases.setdefault(f.scope_of(assign), {})[assign.targets[0].target.value] = (value.value, True)
+                    f._aliases.setdefault(f.scope_of(assign), {}).setdefault(assign.targets[0].target.value, []).append(
+                        (f.order(assign), (value.value, True)))
                 continue
             if isinstance(value, (cst.Subscript, cst.Attribute)) or (
                 isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute)
@@ -403,7 +426,11 @@ class _Collector:
                 if found is not None and not found[1] and len(assign.targets) == 1:
                     target = assign.targets[0].target
                     if isinstance(target, cst.Name) and found[0] != "self":
-                        f._aliases.setdefault(f.scope_of(assign), {})[target.value] = (found[0], False)
+                        f._aliases.setdefault(f.scope_of(assign), {}).setdefault(target.value, []).append(
+                            (f.order(assign), (found[0], False)))
+        for names in f._aliases.values():
+            for bindings in names.values():
+                bindings.sort(key=lambda b: b[0])
 
     def _optimizer(self, call: cst.Call) -> Optional[OptimizerBuild]:
         """An optimizer built by `call`: a torch optimizer, or a call of a function of the
@@ -439,102 +466,199 @@ class _Collector:
 
     def _propagate(self) -> None:
         """Functions receiving a sharded module as an argument, classes storing one on
-        self, and names bound to functions' sharded return values."""
-        f = self.facts
+        self, and names bound to functions' sharded return values: for the script's
+        functions, its classes' methods (`self.setup(...)`) and the functions of project
+        modules it imports (`imported`, a Sharder each)."""
         functions = {s.name.value: s for s in self.module.body if isinstance(s, cst.FunctionDef)}
         classes = {s.name.value: s for s in self.module.body if isinstance(s, cst.ClassDef)}
         for _ in range(3):
             changed = False
             for call in self.r.nodes(cst.Call):
-                if not isinstance(call.func, cst.Name):
+                func = call.func
+                if isinstance(func, cst.Name) and func.value not in functions and func.value in classes:
+                    changed |= self._constructed(call, classes[func.value])
                     continue
-                callee = functions.get(call.func.value)
-                init = None
-                if callee is None and call.func.value in classes:
-                    init = next(
-                        (m for m in classes[call.func.value].body.body
-                         if isinstance(m, cst.FunctionDef) and m.name.value == "__init__"), None,
-                    )
-                    callee = init
-                if callee is None:
+                callee = self._callee(call, functions)
+                if callee is not None:
+                    changed |= self._called(call, *callee)
                     continue
-                for param, arg in bind_args(callee, call) if init is None else _bind_method(callee, call):
-                    if init is None:
-                        changed |= self._sharded_by_callee(callee, param, arg, call)
-                    root = f.sharded_module(arg, call)
-                    if root is None:
-                        continue
-                    found = f.sites_for(root, call)
-                    site = ShardSite(
-                        found[0].call, root, any(s.whole for s in found), None, -1, all(s.legacy for s in found)
-                    )
-                    names = [param]
-                    if init is not None:
-                        names = ["self." + a for a in _stored_as(init, param)]
-                        scope_key = init
-                    else:
-                        scope_key = callee
-                    for name in names:
-                        if init is not None:
-                            for method in classes[call.func.value].body.body:
-                                if isinstance(method, cst.FunctionDef):
-                                    changed |= _receive(f, method, name, site)
-                        else:
-                            changed |= _receive(f, scope_key, name, site)
-                # `model = setup(model)`, `model, opt = build(cfg)`: what a function returns sharded
-                if init is None:
-                    parent = self.r.parent(call)
-                    if isinstance(parent, cst.Assign) and len(parent.targets) == 1:
-                        target = parent.targets[0].target
-                        for position in self._sharded_returns(callee):
-                            name = _target_at(target, position)
-                            if name is None or any(s.call is call and s.root == name for s in f.sites):
-                                continue
-                            f.sites.append(ShardSite(call, name, True, f.scope_of(call), f.order(call)))
-                            changed = True
+                sharder = self._imported_sharder(call)
+                if sharder is not None:
+                    changed |= self._called_sharder(call, sharder)
             if not changed:
                 break
+
+    def _callee(self, call: cst.Call, functions) -> Optional[Tuple[cst.FunctionDef, int]]:
+        """(the function a call runs, how many of its parameters the call does not pass):
+        a function of the script by name, or a method of the class around the call
+        called on `self`."""
+        func = call.func
+        if isinstance(func, cst.Name):
+            found = functions.get(func.value)
+            return (found, 0) if found is not None else None
+        if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == "self":
+            cls = self.r.enclosing_class(call)
+            if cls is None:
+                return None
+            method = next((m for m in cls.body.body
+                           if isinstance(m, cst.FunctionDef) and m.name.value == func.attr.value), None)
+            return (method, 1) if method is not None else None
+        return None
+
+    def _imported_sharder(self, call: cst.Call) -> Optional["Sharder"]:
+        """The Sharder of a project function of another module a call runs: only for a call
+        that is a statement of its own, or whose value is bound or returned (a module is
+        parsed when a call asks for one of its functions)."""
+        if not self.imported or not isinstance(self.r.parent(call), (cst.Expr, cst.Assign, cst.Return)):
+            return None
+        path = attr_path(call.func)
+        return self.imported.get(".".join(path)) if path is not None else None
+
+    def _called(self, call: cst.Call, callee: cst.FunctionDef, skip: int) -> bool:
+        f = self.facts
+        changed = False
+        for param, arg in bind_args(callee, call, skip):
+            changed |= self._sharded_by_callee(callee, param, arg, call)
+            root = f.sharded_module(arg, call)
+            if root is not None:
+                changed |= _receive(f, callee, param, _received_site(f, root, call))
+        return self._bind_returns(call, self._sharded_returns(callee)) or changed
+
+    def _constructed(self, call: cst.Call, cls: cst.ClassDef) -> bool:
+        """`Trainer(model)` of a class of the script whose __init__ stores the sharded
+        module as `self.<attr>`: every method of the class reads it sharded."""
+        f = self.facts
+        init = next((m for m in cls.body.body if isinstance(m, cst.FunctionDef) and m.name.value == "__init__"), None)
+        if init is None:
+            return False
+        changed = False
+        for param, arg in bind_args(init, call, skip=1):
+            root = f.sharded_module(arg, call)
+            if root is None:
+                continue
+            site = _received_site(f, root, call)
+            for name in ["self." + a for a in _stored_as(init, param)]:
+                for method in cls.body.body:
+                    if isinstance(method, cst.FunctionDef):
+                        changed |= _receive(f, method, name, site)
+        return changed
+
+    def _called_sharder(self, call: cst.Call, sharder: "Sharder") -> bool:
+        """A call of a project function of another module that shards its parameter
+        (`shard_model(model, mesh)`) or returns a sharded module (`model = shard_model(...)`)."""
+        changed = False
+        for param, arg in bind_args(sharder.fn, call):
+            if param in sharder.shards:
+                whole, legacy = sharder.shards[param]
+                changed |= self._add_call_site(call, arg, whole, legacy)
+        return self._bind_returns(call, sharder.returns) or changed
+
+    def _add_call_site(self, call: cst.Call, arg, whole: bool, legacy: bool) -> bool:
+        """The module `arg` (a name, an alias of one, `self.model`, or a part of one) is
+        sharded by `call` from there on."""
+        f = self.facts
+        target = f.part(arg, call)
+        if target is None or target[0] == "self":
+            return False
+        if any(s.call is call and s.root == target[0] for s in f.sites):
+            return False
+        f.sites.append(ShardSite(call, target[0], whole and target[1], f.scope_of(call), f.order(call), legacy))
+        return True
+
+    def _bind_returns(self, call: cst.Call, returns: Dict[Optional[int], bool]) -> bool:
+        """`model = setup(model)`, `model, opt = build(cfg)`, `self.model = shard(...)`:
+        the names bound to what a function returns sharded."""
+        f = self.facts
+        parent = self.r.parent(call)
+        if not returns or not (isinstance(parent, cst.Assign) and len(parent.targets) == 1):
+            return False
+        changed = False
+        for position, whole in returns.items():
+            name = _target_at(parent.targets[0].target, position)
+            if name is None or any(s.call is call and s.root == name for s in f.sites):
+                continue
+            f.sites.append(ShardSite(call, name, whole, f.scope_of(call), f.order(call)))
+            changed = True
+        return changed
 
     def _sharded_by_callee(self, callee: cst.FunctionDef, param: str, arg, call: cst.Call) -> bool:
         """`apply_fsdp(model, mesh)`: a function that shards its parameter shards the
         caller's module from that call on."""
-        f = self.facts
-        inside = [s for s in f.sites if s.scope is callee and s.root == param]
-        target = part_root(arg)
-        if not inside or target is None or target[0] == "self" or not target[1]:
+        inside = [s for s in self.facts.sites if s.scope is callee and s.root == param]
+        if not inside:
             return False
-        if any(s.call is call and s.root == target[0] for s in f.sites):
-            return False
-        f.sites.append(ShardSite(
-            call, target[0], any(s.whole for s in inside), f.scope_of(call), f.order(call),
-            all(s.legacy for s in inside),
-        ))
-        return True
+        return self._add_call_site(call, arg, any(s.whole for s in inside), all(s.legacy for s in inside))
 
-    def _sharded_returns(self, fn: cst.FunctionDef) -> Set[Optional[int]]:
-        """Positions of the returned values that are sharded modules: None for the
-        whole return value, i for the i-th element of a returned tuple."""
-        out: Set[Optional[int]] = set()
+    def _sharded_returns(self, fn: cst.FunctionDef) -> Dict[Optional[int], bool]:
+        """Positions of the returned values that are sharded modules (None for the whole
+        return value, i for the i-th element of a returned tuple), each with whether the
+        module itself is a unit (not only its blocks)."""
+        f = self.facts
+        out: Dict[Optional[int], bool] = {}
+
+        def add(position, value, ret) -> None:
+            root = f.sharded_module(value, ret)
+            if root is not None:
+                whole = f.part(value, ret)[1] and any(s.whole for s in f.sites_for(root, ret))
+                out[position] = out.get(position, False) or whole
+
         for ret in self.r.nodes(cst.Return):
             if self.r.enclosing_function(ret) is not fn or ret.value is None:
                 continue
-            value = ret.value
-            if isinstance(value, cst.Tuple):
-                for i, element in enumerate(value.elements):
-                    if self.facts.sharded_module(element.value, ret) is not None:
-                        out.add(i)
-            elif self.facts.sharded_module(value, ret) is not None:
-                out.add(None)
+            if isinstance(ret.value, cst.Tuple):
+                for i, element in enumerate(ret.value.elements):
+                    add(i, element.value, ret)
+            else:
+                add(None, ret.value, ret)
+        return out
+
+    def sharders(self) -> Dict[str, "Sharder"]:
+        """The top-level functions of this module that shard a parameter or return a
+        sharded module, by name (what another module importing them learns)."""
+        out: Dict[str, Sharder] = {}
+        for fn in self.module.body:
+            if not isinstance(fn, cst.FunctionDef):
+                continue
+            params = parameter_names(fn)
+            shards: Dict[str, Tuple[bool, bool]] = {}
+            for s in self.facts.sites:
+                if s.scope is fn and s.root in params:
+                    whole, legacy = shards.get(s.root, (False, True))
+                    shards[s.root] = (whole or s.whole, legacy and s.legacy)
+            returns = self._sharded_returns(fn)
+            if shards or returns:
+                out[fn.name.value] = Sharder(fn, shards, returns)
         return out
 
 
+@dataclass
+class Sharder:
+    """What a project function does to the modules it is handed: `shards` maps a
+    parameter it shards (itself or its parts, directly or through another function) to
+    (the parameter itself is a unit, the sharding is FSDP1's); `returns` the positions
+    of its sharded return values (see _Collector._sharded_returns)."""
+
+    fn: cst.FunctionDef = field(repr=False)
+    shards: Dict[str, Tuple[bool, bool]]
+    returns: Dict[Optional[int], bool]
+
+
+def _received_site(f: ShardFacts, root: str, call: cst.Call) -> ShardSite:
+    """The site a function receiving sharded `root` at `call` sees."""
+    found = f.sites_for(root, call)
+    return ShardSite(found[0].call, root, any(s.whole for s in found), None, -1, all(s.legacy for s in found))
+
+
 def _target_at(target, position: Optional[int]) -> Optional[str]:
-    if position is None:
-        return target.value if isinstance(target, cst.Name) else None
-    if isinstance(target, (cst.Tuple, cst.List)) and position < len(target.elements):
-        element = target.elements[position].value
-        return element.value if isinstance(element, cst.Name) else None
-    return None
+    """The name (or `self.<attr>`) an assignment target binds at a returned position."""
+    if position is not None:
+        if not (isinstance(target, (cst.Tuple, cst.List)) and position < len(target.elements)):
+            return None
+        target = target.elements[position].value
+    if isinstance(target, cst.Name):
+        return target.value
+    found = part_root(target) if isinstance(target, cst.Attribute) else None
+    return found[0] if found is not None and found[1] and found[0] != "self" else None
 
 
 def _receive(f: ShardFacts, scope, name: str, site: ShardSite) -> bool:
@@ -543,17 +667,6 @@ def _receive(f: ShardFacts, scope, name: str, site: ShardSite) -> bool:
         return False
     known[name] = ShardSite(site.call, name, site.whole, scope, -1, site.legacy)
     return True
-
-
-def _bind_method(init: cst.FunctionDef, call: cst.Call):
-    """bind_args for a constructor call: skip `self`."""
-    params = [p.name.value for p in init.params.params][1:]
-    positional = [a for a in call.args if a.keyword is None and not a.star]
-    for param, arg in zip(params, positional):
-        yield param, arg.value
-    for a in call.args:
-        if a.keyword is not None and a.keyword.value in params:
-            yield a.keyword.value, a.value
 
 
 def _stored_as(init: cst.FunctionDef, param: str) -> Iterator[str]:

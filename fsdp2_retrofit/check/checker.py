@@ -96,7 +96,7 @@ def run(
         except InputError as exc:
             results[i] = FileResult(path, error=exc)
             continue
-        if applicable(data, job.rules):
+        if applicable(data, job.rules, path):
             candidates.append(i)
         else:
             results[i] = FileResult(path)

@@ -51,7 +51,7 @@ class LintContext:
         self._classes = None
         if any(isinstance(imp.names, cst.ImportStar) for imp in self.resolver.nodes(cst.ImportFrom)):
             self.classes()  # `from models import *`: the names it binds join the resolver first
-        self.shards = shard_facts(module, self.resolver)
+        self.shards = shard_facts(module, self.resolver, path)
 
     def nodes(self, kind):
         return self.resolver.nodes(kind)
@@ -80,7 +80,11 @@ class LintContext:
 
         if "." in site.root:
             return None
-        for value in reversed(self.shards.bound_values(site.root, site.call)):
+        values = self.shards.bound_values(site.root, site.call)
+        if values and values[-1] is site.call:  # `model = shard_model(model, mesh)`, `model = fully_shard(Net())`
+            handed = [a.value for a in site.call.args if a.keyword is None][:1]
+            values = self.shards.bound_values(site.root, self.resolver.parent(site.call)) + handed
+        for value in reversed(values):
             call = value
             while isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute) and isinstance(call.func.value, cst.Call):
                 call = call.func.value  # `Net(...)` of `Net(...).to(device).cuda()`
@@ -91,9 +95,23 @@ class LintContext:
         return None
 
 
-def applicable(data: bytes, rules: Sequence[Type[Rule]]) -> List[Type[Rule]]:
-    """The prefilter: the selected rules that can possibly fire in this text."""
-    return [r for r in rules if r.may_apply(data)]
+def applicable(data: bytes, rules: Sequence[Type[Rule]], path: Optional[str] = None) -> List[Type[Rule]]:
+    """The prefilter: the selected rules that can possibly fire in this text (the file at
+    `path`, whose project imports may shard: see sharded_elsewhere)."""
+    elsewhere = sharded_elsewhere(data, path, rules)
+    return [r for r in rules if r.may_apply(data, elsewhere)]
+
+
+def sharded_elsewhere(data: bytes, path: Optional[str], rules: Sequence[Type[Rule]]) -> bool:
+    """A file that names no sharding API itself, but imports a project module that does
+    (`from parallel import shard_model`): only asked when a selected rule needs sharding."""
+    from .rules import SHARDING_TRIGGERS
+
+    if not path or any(t.encode() in data for t in SHARDING_TRIGGERS) or not any(r.NEEDS_SHARDING for r in rules):
+        return False
+    from fsdp2_retrofit.analysis.project_imports import imports_sharding
+
+    return imports_sharding(path, data)
 
 
 def lint_source(
@@ -101,7 +119,8 @@ def lint_source(
 ) -> LintResult:
     """Findings for one source; with `fix`, also the fixed source and what remains."""
     result = LintResult(path, [], original=data)
-    rules = applicable(data, rules)
+    elsewhere = sharded_elsewhere(data, path, rules)
+    rules = [r for r in rules if r.may_apply(data, elsewhere)]
     if not rules:
         return result
     try:
@@ -109,7 +128,7 @@ def lint_source(
     except InputError as exc:
         result.error = exc
         return result
-    rules = [r for r in rules if r.may_apply_to_names(names)]
+    rules = [r for r in rules if r.may_apply_to_names(names, elsewhere)]
     if not rules:
         return result
     try:

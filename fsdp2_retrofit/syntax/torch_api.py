@@ -38,9 +38,19 @@ AVERAGED_MODEL = frozenset({"torch.optim.swa_utils.AveragedModel"})
 
 def is_optimizer_call(resolver, call) -> bool:
     """Whether `call` builds a torch optimizer (under OPTIMIZER_PREFIX, not NOT_OPTIMIZERS),
-    by the qualified names `resolver` (a syntax.names.Resolver) gives it."""
-    return resolver.calls_prefix(call, OPTIMIZER_PREFIX) and not any(
-        resolver.calls_prefix(call, p) for p in NOT_OPTIMIZERS
+    by the qualified names `resolver` (a syntax.names.Resolver) gives it, or one picked by
+    name: `getattr(torch.optim, args.optim)(model.parameters(), ...)`."""
+    import libcst as cst  # this table module loads no parser itself
+
+    if resolver.calls_prefix(call, OPTIMIZER_PREFIX):
+        return not any(resolver.calls_prefix(call, p) for p in NOT_OPTIMIZERS)
+    inner = call.func if isinstance(call, cst.Call) else None
+    return (
+        isinstance(inner, cst.Call)
+        and isinstance(inner.func, cst.Name)
+        and inner.func.value == "getattr"
+        and bool(inner.args)
+        and OPTIMIZER_PREFIX[:-1] in resolver.qnames(inner.args[0].value)
     )
 
 # -- data --------------------------------------------------------------------

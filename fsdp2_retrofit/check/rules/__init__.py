@@ -16,7 +16,7 @@ import libcst as cst
 if TYPE_CHECKING:  # pragma: no cover
     from fsdp2_retrofit.check.lint import LintContext
 
-SHARDING_TRIGGERS = ("fully_shard", "FullyShardedDataParallel")
+from fsdp2_retrofit.analysis.project_imports import SHARDING_TRIGGERS
 
 
 @dataclass(frozen=True)
@@ -97,17 +97,23 @@ class Rule:
         raise NotImplementedError
 
     @classmethod
-    def may_apply(cls, data: bytes) -> bool:
-        """The prefilter: can this rule fire anywhere in this text?"""
+    def may_apply(cls, data: bytes, sharded_elsewhere: bool = False) -> bool:
+        """The prefilter: can this rule fire anywhere in this text? `sharded_elsewhere`:
+        a project module the file imports shards (its functions may shard this file's
+        modules), which stands for the sharding triggers."""
+        if sharded_elsewhere and cls.NEEDS_SHARDING:
+            return cls.TRIGGERS == SHARDING_TRIGGERS or any(t.encode() in data for t in cls.TRIGGERS)
         if cls.NEEDS_SHARDING and not any(t.encode() in data for t in SHARDING_TRIGGERS):
             return False
         return any(t.encode() in data for t in cls.TRIGGERS)
 
     @classmethod
-    def may_apply_to_names(cls, names) -> bool:
+    def may_apply_to_names(cls, names, sharded_elsewhere: bool = False) -> bool:
         """The second, exact prefilter: the names the compiled code uses (not its
         comments or strings) include a sharding API (or, for rules that do not need
-        sharding, one of their triggers)."""
+        sharding, one of their triggers), or it imports one that shards."""
+        if cls.NEEDS_SHARDING and sharded_elsewhere:
+            return True
         return bool(names & set(SHARDING_TRIGGERS if cls.NEEDS_SHARDING else cls.TRIGGERS))
 
     @classmethod

@@ -57,6 +57,11 @@ class OptimizerBeforeShard(Rule):
             line=5,
         ),
         Invalid(_FACTORY + _HEAD + "optimizer = make_optimizer(model, 0.1)\nfully_shard(model)\n", line=6),
+        Invalid(  # the optimizer class picked by name (what rewrite's optimizer stage treats as one too)
+            _HEAD + "optimizer = getattr(torch.optim, name)(model.parameters(), lr=0.1)\n"
+            "fully_shard(model)\n",
+            line=4,
+        ),
     )
 
     def check(self, ctx):

@@ -33,8 +33,10 @@ class RankGatedCollective(Rule):
     `get_*_state_dict` with `full_state_dict=True`, `set_*_state_dict`, `.full_tensor()`,
     `clip_grad_norm_` of sharded parameters, `torch.distributed` collectives,
     `destroy_process_group`, `loss.backward()` (its reduce-scatter is a collective),
-    calls (forwards) of a sharded module, calls of a function of the script that is
-    handed a sharded module and calls it (`evaluate(model, x)`), and the `step()` of an
+    calls (forwards) of a sharded module, calls of a function of the script (or a
+    method of the class around the call) that is handed a sharded module and calls it
+    (`evaluate(model, x)`) or runs one of these itself, outside a rank-0 branch of its
+    own (`self.save_checkpoint(epoch)`), and the `step()` of an
     optimizer over sharded parameters (not a collective, but each rank updates only
     its own shards: the others keep theirs, and the ranks train different models).
 
@@ -84,6 +86,9 @@ class RankGatedCollective(Rule):
         Valid(  # a method of the model's class that runs no forward
             _HEAD.replace("model = Net()", _GPT + "model = GPT()") + "if rank == 0:\n    print(model.describe())\n"
         ),
+        Valid(  # a helper that runs no collective (a plain-file write)
+            _HEAD + "def log(msg, path):\n    torch.save({'msg': msg}, path)\nif rank == 0:\n    log('x', 'log.pt')\n"
+        ),
     )
     INVALID = (
         Invalid(_HEAD + "if rank == 0:\n    dcp.save(get_model_state_dict(model), checkpoint_id='ckpt')\n", line=10),
@@ -103,6 +108,10 @@ class RankGatedCollective(Rule):
             "    print(evaluate(model, x_val))\n", line=12,
         ),
         Invalid(_HEAD + "if rank == 0:\n    dist.destroy_process_group()\n", line=10),
+        Invalid(  # a DCP save inside a method of the class, called on rank 0 only
+            _HEAD + "class Trainer:\n    def save(self, path):\n        dcp.save({'m': 1}, checkpoint_id=path)\n"
+            "    def fit(self):\n        if self.rank == 0:\n            self.save('ckpt')\n", line=14,
+        ),
         Invalid(_HEAD + "loss = model(x).sum()\nif rank == 0:\n    loss.backward()\n", line=11),
         Invalid(_HEAD + "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nif rank == 0:\n    opt.step()\n", line=11),
         Invalid(  # the else side runs a different collective: the broadcast still hangs
@@ -149,7 +158,7 @@ class RankGatedCollective(Rule):
             return ("full_tensor", _code(func.value))
         return ("call", _code(func))
 
-    def _collective(self, ctx, call: cst.Call):
+    def _collective(self, ctx, call: cst.Call, depth: int = 2):
         names = ctx.resolver.qnames(call)
         func = call.func
         if names & DCP_CALLS:
@@ -175,7 +184,7 @@ class RankGatedCollective(Rule):
         root = ctx.shards.sharded_module(func, call, unit=True)
         if root is not None and not (isinstance(func, cst.Attribute) and func.attr.value not in ("forward",)):
             return f"a forward of sharded `{root}`"
-        return self._method_forward(ctx, call) or self._helper_forward(ctx, call)
+        return self._method_forward(ctx, call) or self._helper(ctx, call, depth)
 
     def _method_forward(self, ctx, call: cst.Call):
         """`m.generate(...)`: a method of the sharded module's own class that runs its
@@ -192,16 +201,15 @@ class RankGatedCollective(Rule):
                 return f"`{_code(func)}()`, a method running the forward of sharded `{found[0]}`,"
         return None
 
-    def _helper_forward(self, ctx, call: cst.Call):
-        """`evaluate(model, ...)`: a function of this file handed a sharded module that it
-        calls (its forward) in its own body."""
-        if not isinstance(call.func, cst.Name):
+    def _helper(self, ctx, call: cst.Call, depth: int):
+        """`evaluate(model, ...)`, `self.save_checkpoint(epoch)`: a function of this file (or a
+        method of the class around the call) handed a sharded module that it calls (its
+        forward), or that runs a collective itself, outside a rank-0 branch of its own."""
+        found = _helper_function(ctx, call)
+        if found is None or depth == 0:
             return None
-        helpers = [f for f in ctx.module.body if isinstance(f, cst.FunctionDef) and f.name.value == call.func.value]
-        if len(helpers) != 1:
-            return None
-        fn = helpers[0]
-        for param, arg in bind_args(fn, call):
+        fn, skip = found
+        for param, arg in bind_args(fn, call, skip):
             root = ctx.shards.sharded_module(arg, call, unit=True)
             if root is None:
                 continue
@@ -211,7 +219,28 @@ class RankGatedCollective(Rule):
                     target = target.value
                 if isinstance(target, cst.Name) and target.value == param:
                     return f"a forward of sharded `{root}` in `{fn.name.value}()` (line {ctx.resolver.line(inner)})"
+        for inner in ctx.resolver.descendants(fn.body, cst.Call):
+            if ctx.resolver.enclosing_function(inner) is not fn or ctx.shards.rank_zero_branch(inner) is not None:
+                continue
+            what = self._collective(ctx, inner, depth - 1)
+            if what:
+                return f"{what} in `{fn.name.value}()` (line {ctx.resolver.line(inner)})"
         return None
+
+
+def _helper_function(ctx, call: cst.Call):
+    """(the function of this file a call runs, the parameters it does not pass): a
+    top-level function by name, or a method of the class around the call on `self`."""
+    func = call.func
+    if isinstance(func, cst.Name):
+        found = [f for f in ctx.module.body if isinstance(f, cst.FunctionDef) and f.name.value == func.value]
+        return (found[0], 0) if len(found) == 1 else None
+    if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == "self":
+        cls = ctx.resolver.enclosing_class(call)
+        found = [m for m in (cls.body.body if cls is not None else ())
+                 if isinstance(m, cst.FunctionDef) and m.name.value == func.attr.value]
+        return (found[0], 1) if len(found) == 1 else None
+    return None
 
 
 def _code(node) -> str:

@@ -47,6 +47,11 @@ class ShardOrder(Rule):
     INVALID = (
         Invalid(_HEAD + "fully_shard(model)\nfor block in model.blocks:\n    fully_shard(block)\n", line=3),
         Invalid(_HEAD + "fully_shard(model, mesh=mesh)\nfully_shard(model.encoder, mesh=mesh)\n", line=3),
+        Invalid(  # one loop variable for two models: the second loop does not hide the first's blocks
+            _HEAD + "fully_shard(model)\nfor m in model.blocks:\n    fully_shard(m)\n"
+            "for m in head.blocks:\n    fully_shard(m)\nfully_shard(head)\n",
+            line=3,
+        ),
     )
 
     def check(self, ctx):

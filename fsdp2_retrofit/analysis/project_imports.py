@@ -1,0 +1,188 @@
+"""The project files a file imports from, found from its text alone (no parse, no libcst).
+
+`check`'s prefilter asks it whether a file without any sharding call of its own imports
+one from its project (`from parallel import shard_model`, where parallel.py calls
+`fully_shard`): only such a file is parsed and given the cross-module facts
+(analysis.project_sharders). A module is the project's when it is a file beside the
+importing one, in its package (relative imports), or under the project's root (the
+nearest folder above that holds .git, pyproject.toml, setup.py or setup.cfg, within
+three levels). A library is never one: it is not a file there.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+SHARDING_TRIGGERS = ("fully_shard", "FullyShardedDataParallel")
+# how many imports deep a chain is followed (train.py -> parallel.py -> fsdp_utils.py)
+MAX_DEPTH = 3
+_PROJECT_MARKERS = (".git", "pyproject.toml", "setup.py", "setup.cfg")
+_PROJECT_DEPTH = 3
+
+# one stripped line each (only lines that start with the word are matched: no scan of the text)
+_FROM = re.compile(rb"from[ \t]+(\.*)[ \t]*([\w.]*)[ \t]+import[ \t]+\(?([\w., \t*]*)")
+_IMPORT = re.compile(rb"import[ \t]+([\w., \t]+)")
+
+# path -> ((mtime_ns, size), bytes): files read once per process unless they change
+_READ: Dict[str, Tuple[Tuple[int, int], bytes]] = {}
+# where modules were found, per process (a check run: whether a file exists is asked once)
+_ROOTS: Dict[str, Optional[str]] = {}
+_LOCATED: Dict[Tuple[str, int, str], Optional[str]] = {}
+# path -> ((mtime_ns, size), the project files it imports)
+_IMPORTED: Dict[str, Tuple[Tuple[int, int], Tuple[str, ...]]] = {}
+
+
+def _stat_key(path: str) -> Optional[Tuple[int, int]]:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size
+
+
+def read(path) -> Optional[bytes]:
+    """The bytes of a project file (cached while its mtime and size stay), None if unreadable."""
+    path = str(path)
+    key = _stat_key(path)
+    if key is None:
+        return None
+    found = _READ.get(path)
+    if found is not None and found[0] == key:
+        return found[1]
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    _READ[path] = (key, data)
+    return data
+
+
+def project_root(folder: str) -> Optional[str]:
+    """The nearest folder above `folder` (within three levels) that marks a project's root."""
+    if folder not in _ROOTS:
+        found, parent = None, folder
+        for _ in range(_PROJECT_DEPTH):
+            parent = os.path.dirname(parent)
+            if any(os.path.exists(os.path.join(parent, m)) for m in _PROJECT_MARKERS):
+                found = parent
+                break
+        _ROOTS[folder] = found
+    return _ROOTS[folder]
+
+
+def locate(importer, dots: int, module: str) -> Optional[Path]:
+    """The project file `from <dots><module> import ...` in `importer` names (a module file
+    or a package's __init__.py), or None when it is not one (a library, or nothing)."""
+    folder = os.path.dirname(str(importer))
+    key = (folder, dots, module)
+    if key not in _LOCATED:
+        _LOCATED[key] = _locate(folder, dots, module)
+    found = _LOCATED[key]
+    return Path(found) if found is not None else None
+
+
+def _locate(folder: str, dots: int, module: str) -> Optional[str]:
+    parts = [p for p in module.split(".") if p]
+    if dots:
+        base = folder
+        for _ in range(dots - 1):
+            base = os.path.dirname(base)
+        bases: Sequence[str] = [base]
+    else:
+        if not parts:
+            return None
+        root = project_root(folder)
+        bases = [folder] + ([root] if root is not None and root != folder else [])
+    for base in bases:
+        target = os.path.join(base, *parts)
+        for candidate in ((target + ".py") if parts else None, os.path.join(target, "__init__.py")):
+            if candidate is not None and os.path.isfile(candidate):
+                return candidate
+    return None
+
+
+def imported_files(importer, data: bytes) -> Iterator[Path]:
+    """The project files `data` (the text of `importer`) imports from: modules, and the
+    modules of `from package import module`."""
+    for line in _import_lines(data):
+        if line.startswith(b"from"):
+            m = _FROM.match(line)
+            if m is None:
+                continue
+            dots, module = len(m.group(1)), m.group(2).decode()
+            found = locate(importer, dots, module)
+            if found is not None:
+                yield found
+            if found is None or found.name == "__init__.py":  # `from . import parallel`
+                for name in m.group(3).decode().replace("(", " ").split(","):
+                    name = name.split(" as ")[0].strip()
+                    if name and name != "*":
+                        inner = locate(importer, dots, f"{module}.{name}" if module else name)
+                        if inner is not None:
+                            yield inner
+        elif line.startswith(b"import"):
+            m = _IMPORT.match(line)
+            for name in m.group(1).decode().split(",") if m is not None else ():
+                name = name.split(" as ")[0].strip()
+                if name:
+                    found = locate(importer, 0, name)
+                    if found is not None:
+                        yield found
+
+
+def _import_lines(data: bytes) -> Iterator[bytes]:
+    """The lines of `data` that mention `import`, stripped (found with bytes.find: the
+    rest of the text is never looked at in Python)."""
+    at = data.find(b"import")
+    while at != -1:
+        start = data.rfind(b"\n", 0, at) + 1
+        end = data.find(b"\n", at)
+        end = len(data) if end == -1 else end
+        yield data[start:end].strip()
+        at = data.find(b"import", end)
+
+
+def _imported(path: str, data: bytes) -> Tuple[str, ...]:
+    """imported_files of a file, resolved, cached while the file stays the same."""
+    key = _stat_key(path)
+    found = _IMPORTED.get(path)
+    if found is not None and found[0] == key:
+        return found[1]
+    files = _resolved(path, data)
+    _IMPORTED[path] = (key, files)
+    return files
+
+
+def _resolved(path: str, data: bytes) -> Tuple[str, ...]:
+    return tuple(dict.fromkeys(os.path.normpath(f) for f in imported_files(path, data)))
+
+
+def imports_sharding(path: Optional[str], data: bytes) -> bool:
+    """Whether a project module the file imports (directly, or through at most MAX_DEPTH
+    project modules) mentions a sharding API: its functions may shard this file's modules."""
+    if not path or path == "-" or b"import" not in data:
+        return False
+    start = os.path.normpath(os.path.abspath(path))
+    seen = {start}
+    frontier: List[Tuple[str, bytes]] = [(start, data)]
+    for _ in range(MAX_DEPTH):
+        following: List[Tuple[str, bytes]] = []
+        for importer, text in frontier:
+            if b"import" not in text:
+                continue
+            # the file checked is taken as given (its text may not be what is on disk yet)
+            for found in _imported(importer, text) if importer != start else _resolved(importer, text):
+                if found in seen:
+                    continue
+                seen.add(found)
+                inner = read(found)
+                if inner is None:
+                    continue
+                if any(t.encode() in inner for t in SHARDING_TRIGGERS):
+                    return True
+                following.append((found, inner))
+        frontier = following
+    return False

@@ -197,9 +197,9 @@ def test_a_model_method_that_can_build_zero_is_flagged():
     assert any("ZeroRedundancyOptimizer" in a.what for a in result.attention)
 
 
-def test_a_model_from_a_class_method_factory_is_named_as_the_blocker():
-    source = HEAD.replace("    def configure_optimizers", "    @classmethod\n    def build(cls):\n"
-                          "        return cls()\n\n    def configure_optimizers") + dedent("""\
+def _classmethod_factory(returned: str) -> str:
+    return HEAD.replace("    def configure_optimizers", "    @classmethod\n    def build(cls):\n"
+                        f"        return {returned}\n\n    def configure_optimizers") + dedent("""\
         def main(ddp):
             model = Net.build()
             if ddp:
@@ -207,6 +207,20 @@ def test_a_model_from_a_class_method_factory_is_named_as_the_blocker():
             raw_model = model.module if ddp else model
             opt = raw_model.configure_optimizers(0.1)
         """)
+
+
+def test_a_model_from_a_class_method_factory_is_its_class():
+    """`Net.build()` returning `cls()` builds a Net, like its constructor (was FSR611)."""
+    source = _classmethod_factory("cls()")
+    result = rewrite(source)
+    assert not result.refusals
+    out = result.code.decode()
+    assert out.index("model = Net.build()") < out.index("fully_shard(model, mesh=mesh)") < out.index(
+        "opt = raw_model.configure_optimizers(0.1)")
+
+
+def test_a_model_from_a_class_method_returning_something_else_is_named_as_the_blocker():
+    source = _classmethod_factory("cls.cached")
     (refusal,) = rewrite(source).refusals
     line = source.splitlines().index("    model = Net.build()") + 1
     assert (refusal.code, refusal.line) == ("FSR611", line), refusal

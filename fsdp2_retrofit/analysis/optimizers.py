@@ -63,8 +63,9 @@ class OptimizerAnalysis(SiteAnalysis):
             if is_torch_optim:
                 params = [a for a in call.args if (a.keyword is None and not a.star) or (
                     a.keyword is not None and a.keyword.value == "params")][:1]
-                models = self._fed_models(_ordered_names(params), stmt, module_names | self._held_modules(stmt, bindings),
-                                          feeders)
+                names = _ordered_names(params)
+                models = self._fed_models(names, stmt, module_names | self._held_modules(stmt, names, module_names,
+                                                                                        bindings), feeders)
             elif type(call.func) is cst.Name:
                 factory = self._optimizer_factory(call, module_names)
                 if factory is None:
@@ -87,10 +88,16 @@ class OptimizerAnalysis(SiteAnalysis):
                 out[-1].method_builds = builds
         return out
 
-    def _held_modules(self, stmt, bindings) -> Set[str]:
-        """Names read in `stmt` that hold a module the script builds, whatever they are called
-        there (a parameter handed the model, an alias): followed by value."""
-        return {n.value for n in walk(stmt) if type(n) is cst.Name and self._module_binding_of(n, bindings)}
+    def _held_modules(self, stmt, names, module_names, bindings) -> Set[str]:
+        """Those of `names` (read by the optimizer's parameters in `stmt`) that hold a module the
+        script builds, whatever they are called there (a parameter handed the model, an alias):
+        followed by value. Attribute parts (`.parameters`) and known module names are not asked."""
+        wanted = set(names) - module_names
+        if not wanted:
+            return set()
+        skip = {id(a.attr) for a in walk(stmt) if type(a) is cst.Attribute}
+        return {n.value for n in walk(stmt) if type(n) is cst.Name and n.value in wanted and id(n) not in skip
+                and self._module_binding_of(n, bindings)}
 
     def _is_torch_optimizer(self, call: cst.Call) -> bool:
         return is_optimizer_call(self.r, call)

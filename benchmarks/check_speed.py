@@ -25,7 +25,7 @@ interpreter start-up.
 (b) one file: `check --exit-zero -q FILE` divided by
     `python -c "import libcst, click, rich"`. Target <= 1.3 (1.2 until the records went back
     to the standard library's dataclasses, which cost ~80 M instructions at import). Two files: the
-    shared example /work/shared/examples/train_fsdp2.py (correct FSDP2: it passes
+    shared example fixtures/examples/train_fsdp2.py (correct FSDP2: it passes
     the prefilter and is fully parsed and analysed, with no findings) and a small
     temporary script with pitfalls (`model.forward(x)` and `torch.save` of the
     state dict after `fully_shard(model)`). The three commands run --repeat times,
@@ -57,7 +57,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures"
-EXAMPLE = Path(__file__).resolve().parents[2] / "shared/examples/train_fsdp2.py"
+EXAMPLE = Path(__file__).resolve().parents[1] / "fixtures/examples/train_fsdp2.py"
 PY = sys.executable
 CLI = [PY, "-m", "fsdp2_retrofit.cli"]
 BASELINE_IMPORT = [PY, "-c", "import libcst, click, rich"]

@@ -9,7 +9,7 @@ in this one process, best of --repeat (after a warm-up that also loads every
 module). Target: a ratio <= 5 at every size, and a rewrite time that grows
 linearly with the lines.
 
-Scripts: (a) the shared example (../shared/examples/train_single.py beside the repository), and
+Scripts: (a) the example (fixtures/examples/train_single.py), and
 generated scripts of about --sizes lines in two shapes, both built around the
 main_modulelist fixture (a normal training script):
 
@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "shared/examples/train_single.py"
+EXAMPLE = Path(__file__).resolve().parents[1] / "fixtures/examples/train_single.py"
 
 BASE = ROOT / "fixtures" / "rewrite" / "main_modulelist" / "input.py"  # a normal training script
 

@@ -18,7 +18,7 @@ from fsdp2_retrofit.check.rules import all_rules
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_FIXTURES = sorted((ROOT / "fixtures" / "check").glob("*.py"))
 REWRITE_FIXTURES = sorted((ROOT / "fixtures" / "rewrite").glob("*/*.py"))
-SHARED = ROOT.parent / "shared" / "examples"
+SHARED = ROOT / "fixtures" / "examples"  # the team's example pair, in the repository
 EXPECT = re.compile(r"#\s*expect:\s*(FSD\d{3})")
 # Findings on rewrite goldens that are real defects of the golden, not false positives:
 # (fixture, code) pairs a golden is allowed to be flagged for, when the rewrite has a known

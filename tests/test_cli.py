@@ -21,7 +21,7 @@ from fsdp2_retrofit.cli import rewrite as rewrite_cli
 from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.report import Attention, Change, InputError, Refusal, RewriteResult
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "shared/examples/train_single.py"
+EXAMPLE = Path(__file__).resolve().parents[1] / "fixtures/examples/train_single.py"
 CONSOLE_SCRIPT = Path(sys.executable).with_name("fsdp2-retrofit")
 
 SCRIPT = b'''\
@@ -81,8 +81,6 @@ def script(tmp_path: Path, data: bytes = SCRIPT, name: str = "train.py") -> Path
 
 
 def example_script(tmp_path: Path) -> Path:
-    if not EXAMPLE.is_file():
-        pytest.skip(f"{EXAMPLE} not found")
     return script(tmp_path, EXAMPLE.read_bytes())
 
 
@@ -514,7 +512,7 @@ def test_real_rewrite_then_check_is_clean(tmp_path):
 
 @pytest.mark.pipeline
 def test_real_crlf_script_is_rewritten_with_crlf_kept(tmp_path):
-    data = (EXAMPLE.read_bytes() if EXAMPLE.is_file() else SCRIPT).replace(b"\n", b"\r\n")
+    data = EXAMPLE.read_bytes().replace(b"\n", b"\r\n")
     path = script(tmp_path, data)
     result = rewrite(path, "--quiet")
     assert result.exit_code == 0, result.output
@@ -526,7 +524,7 @@ def test_real_crlf_script_is_rewritten_with_crlf_kept(tmp_path):
 @pytest.mark.pipeline
 def test_real_latin1_cookie_is_kept(tmp_path):
     header = "# -*- coding: latin-1 -*-\n# entraîné sur un GPU\n".encode("latin-1")
-    data = header + (EXAMPLE.read_bytes() if EXAMPLE.is_file() else SCRIPT)
+    data = header + EXAMPLE.read_bytes()
     path = script(tmp_path, data)
     result = rewrite(path, "--quiet")
     assert result.exit_code == 0, result.output

@@ -54,7 +54,7 @@ except ImportError:  # Python < 3.11
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures" / "rewrite"
-SHARED_EXAMPLES = REPO.parent / "shared" / "examples"
+SHARED_EXAMPLES = REPO / "fixtures" / "examples"
 DEFAULT_TOLERANCE = 1e-4
 DEFAULT_MIN_DROP = 0.2
 DEFAULT_TIMEOUT_S = 180  # a deadlock fails, it does not hang
@@ -229,12 +229,11 @@ def test_shared_example_rewrite_runs_as_plain_python(shared_reference: Path, tmp
     assert verdict.equivalent, verdict.summary()
 
 
-# --- the hand-written example pair in shared/ --------------------------------
+# --- the hand-written example pair (fixtures/examples) -------------------------
 
 
 def _require_shared_examples():
-    if not (SHARED_EXAMPLES / "train_single.py").is_file():
-        pytest.skip(f"shared examples not found at {SHARED_EXAMPLES}")
+    assert (SHARED_EXAMPLES / "train_single.py").is_file(), f"the example pair is missing from {SHARED_EXAMPLES}"
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ from fsdp2_retrofit.verify import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "examples"
+SHARED = REPO / "fixtures" / "examples"
 FIXTURE = REPO / "fixtures" / "rewrite" / "main_modulelist" / "input.py"
 STEPS = 6
 

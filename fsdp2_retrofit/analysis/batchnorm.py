@@ -48,7 +48,7 @@ class BatchNormLayer:
 
 def batchnorm_layer(model, facts) -> Optional[BatchNormLayer]:
     """The first BatchNorm of `model` (a ModelSite), or None when none is found."""
-    from .models import _innermost_call
+    from .flow import innermost_call as _innermost_call
 
     r = facts.resolver
     small = model.stmt.body[0] if isinstance(model.stmt, cst.SimpleStatementLine) else None

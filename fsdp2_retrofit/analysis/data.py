@@ -87,7 +87,6 @@ class LoaderAnalysis(SiteAnalysis):
         for stmt in stmts:
             if assigned_names(stmt) & iterated and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assign):
                 iterated |= names_in(stmt.body[0].value)
-        passed = self._names_passed_to_loop_functions(train_loops)
         fed = self._loaders_feeding(train_loops)
         for stmt in stmts:
             if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
@@ -120,7 +119,7 @@ class LoaderAnalysis(SiteAnalysis):
                     drop_last=args.get("drop_last"),
                     kwargs_dict=kwargs_dict,
                     has_sampler="sampler" in args or "batch_sampler" in args,
-                    trains=name in iterated or name in passed or id(call) in fed,
+                    trains=name in iterated or id(call) in fed,
                     shuffle_set_later=shuffle_set_later,
                     sampler=self._sampler(args, stmt),
                     returned=self._returned(name, stmt),
@@ -312,19 +311,6 @@ class LoaderAnalysis(SiteAnalysis):
             if loader.returned and not loader.trains:
                 function = self.r.enclosing_function(loader.stmt)
                 out.append(UnfollowedLoader(loader.stmt, f"`{loader.name}`, returned by {function.name.value}()"))
-        return out
-
-    def _names_passed_to_loop_functions(self, train_loops) -> Set[str]:
-        """Loader names handed to a function whose loop trains (train_one_epoch(model, loader))."""
-        out: Set[str] = set()
-        for loop in train_loops:
-            if loop.function is None or not loop.loader:
-                continue
-            for call in self.calls:
-                if type(call.func) is cst.Name and call.func.value == loop.function.name.value:
-                    for param, arg in bind_args(loop.function, call):
-                        if param == loop.loader and isinstance(arg, cst.Name):
-                            out.add(arg.value)
         return out
 
     def _dict_bound_before(self, name: str, stmt) -> Optional[cst.CSTNode]:

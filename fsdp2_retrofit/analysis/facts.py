@@ -18,7 +18,8 @@ from .launch import DISTRIBUTED_WRAPPERS, LaunchAnalysis  # noqa: F401
 from .logs import LogAnalysis, LogSite
 from .loops import LoopAnalysis, LoopSite
 from .model_classes import ClassRegistry, build_registry, called_methods
-from .models import ModelAnalysis, ModelSite, _innermost_call
+from .flow import innermost_call as _innermost_call
+from .models import ModelAnalysis, ModelSite
 from .optimizers import OptimizerAnalysis, OptimizerSite
 from .site_analysis import Block, Scope
 from fsdp2_retrofit.syntax.names import Resolver

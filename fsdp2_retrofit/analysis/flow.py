@@ -125,9 +125,6 @@ class ValueFlow:
         found = [b for b in self._bindings.get((id(fn), name), []) if b[0] == "param"]
         return frozenset(v for b in found for v in self._binding_values(b, 0))
 
-    def holds(self, expr: cst.BaseExpression, origin) -> bool:
-        return origin in self.values(expr)
-
     def _values(self, expr, depth: int) -> FrozenSet:
         key = id(expr)
         found = self._memo.get(key)

@@ -15,7 +15,6 @@ from .init_branches import branch_initialises, initialised_name, initialised_nam
 from .library_models import PEFT_WRAPPERS, LibraryModel, is_library_builder, library_model, namespace_builder
 from .model_classes import ClassRegistry, Container, build_registry
 from .flow import innermost_call
-from .flow import innermost_call as _innermost_call
 from .returns import names_out
 from .site_analysis import Block, Scope, SiteAnalysis
 from fsdp2_retrofit.syntax.names import (
@@ -82,7 +81,7 @@ class ModelAnalysis(SiteAnalysis):
         for name, stmt, value in self._named_assignments(stmts):
             if self.r.is_call_to(value, TORCH_COMPILE) and value.args:
                 value = value.args[0].value  # `model = torch.compile(Net())`: the shard stage splits it
-            ctor = _innermost_call(value)
+            ctor = innermost_call(value)
             if ctor is not None:
                 calls.append((name, stmt, ctor))
         out = [(name, stmt, cls) for name, stmt, ctor in calls for cls in [self._class_of(ctor)] if cls]
@@ -169,7 +168,7 @@ class ModelAnalysis(SiteAnalysis):
         """(the classes `name` may hold, whether its blocks are decided at run time): a
         table's entries, or the classes the branches of the if/elif around it build."""
         value = getattr(stmt.body[0], "value", None)
-        ctor = _innermost_call(value) if value is not None else None
+        ctor = innermost_call(value) if value is not None else None
         chosen = self._table_classes(ctor) if ctor is not None else []
         if chosen:
             return chosen, True
@@ -207,8 +206,8 @@ class ModelAnalysis(SiteAnalysis):
                     value = value.func.value  # `return model.to(device)`
                 if isinstance(value, cst.Name) and value.value in local:
                     out[fn] = local[value.value]
-                elif value is not None and _innermost_call(value) is not None:
-                    cls = self._class_of(_innermost_call(value))
+                elif value is not None and innermost_call(value) is not None:
+                    cls = self._class_of(innermost_call(value))
                     if cls:
                         out[fn] = cls
         return out
@@ -317,7 +316,7 @@ class ModelAnalysis(SiteAnalysis):
         value = stmt.body[0].value
         if self.r.is_call_to(value, TORCH_COMPILE) and value.args:
             value = value.args[0].value
-        call = _innermost_call(value)
+        call = innermost_call(value)
         found = library_model(cls, call if call is not None and cls in self.r.qnames(call) else None, self.r)
         name = stmt.body[0].targets[0].target.value
         for save in self.calls:  # `model.push_to_hub(...)`, in any function that names it `model`
@@ -402,7 +401,7 @@ class ModelAnalysis(SiteAnalysis):
             if len(stmt.body) != 1 or type(stmt.body[0]) is not cst.Assign:
                 continue
             assign = stmt.body[0]
-            call = _innermost_call(assign.value)  # also `copy.deepcopy(model).eval()`
+            call = innermost_call(assign.value)  # also `copy.deepcopy(model).eval()`
             if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name) or call is None:
                 continue
             # AveragedModel(model, ...) deep-copies the model into its `.module`: that is what gets sharded
@@ -549,7 +548,7 @@ class ModelAnalysis(SiteAnalysis):
             if name not in assigned_names(later) or _is_placement(later, name):
                 continue
             small = later.body[0]
-            call = _innermost_call(small.value) if isinstance(small, cst.Assign) else None
+            call = innermost_call(small.value) if isinstance(small, cst.Assign) else None
             if (call is None or self.r.is_call_to(call, TORCH_COMPILE) or self.r.calls_prefix(small.value, PEFT_WRAPPERS)
                     or not any(isinstance(a.value, cst.Name) and a.value.value == name for a in call.args)):
                 return None

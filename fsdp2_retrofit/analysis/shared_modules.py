@@ -19,7 +19,8 @@ from typing import Dict, List, Optional
 
 import libcst as cst
 
-from .models import ModelSite, _innermost_call
+from .flow import innermost_call as _innermost_call
+from .models import ModelSite
 from fsdp2_retrofit.syntax.names import code, root_name
 
 

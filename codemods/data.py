@@ -105,7 +105,7 @@ class DistributeDataCommand(RetrofitStage):
     def _unfollowed(self, tree: cst.Module, facts: ScriptFacts, training: list) -> None:
         """DataLoaders no loop can be traced to: refused where no training loader was
         found (one of them is likely it), reported otherwise."""
-        for unfollowed in unfollowed_loaders(tree, facts.resolver, facts.loaders):
+        for unfollowed in unfollowed_loaders(facts.analysis, facts.loaders):
             if not training and facts.loops:
                 self.refuse(
                     "FSR902",

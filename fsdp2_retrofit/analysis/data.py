@@ -3,11 +3,11 @@ whether a training loop reads it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Set
+from typing import Dict, List, Optional, Set
 
 import libcst as cst
 
-from .loops import LoopSite, train_loops
+from .loops import LoopAnalysis, LoopSite
 from .returns import names_out
 from .site_analysis import Block, SiteAnalysis
 from fsdp2_retrofit.syntax.names import (
@@ -144,13 +144,18 @@ class LoaderAnalysis(SiteAnalysis):
 
     def _loaders_feeding(self, train_loops: List[LoopSite]) -> Set[int]:
         """id() of each DataLoader call whose value reaches a training loop, followed by value
-        (analysis/flow.py) through names, arguments and returns: what the loop iterates (also
-        through enumerate(), zip(), tqdm(), iter()), what `next()` draws from in it, and what an
-        outer `for` around it iterates (micro-batches split off each batch)."""
+        (analysis/flow.py) through names, arguments, returns, attributes and methods: what the
+        loop iterates (also through enumerate(), zip(), tqdm(), iter()), what `next()` draws from
+        in it, and what an outer `for` around it iterates (micro-batches split off each batch)."""
+        return set(self._loops_fed(train_loops))
+
+    def _loops_fed(self, train_loops: List[LoopSite]) -> Dict[int, cst.CSTNode]:
+        """id() of each DataLoader call whose value reaches a training loop -> the first such loop."""
         if getattr(self, "_fed", None) is not None:
             return self._fed
-        reads: List[cst.BaseExpression] = []
+        found: Dict[int, cst.CSTNode] = {}
         for loop in train_loops:
+            reads: List[cst.BaseExpression] = []
             if isinstance(loop.node, cst.For):
                 reads.append(loop.node.iter)
             reads += [c.args[0].value for c in self.r.descendants(loop.node, cst.Call)
@@ -160,16 +165,26 @@ class LoaderAnalysis(SiteAnalysis):
                     break
                 if isinstance(outer, cst.For):
                     reads.append(outer.iter)
-        found: Set[int] = set()
-        for expr in reads:
-            self._loader_origins(expr, found, 3)
+            calls: Set[int] = set()
+            for expr in reads:
+                self._loader_origins(expr, calls, 3)
+            for call in calls:
+                found.setdefault(call, loop.node)
         self._fed = found
         return found
+
+    def fed_loaders(self) -> List[tuple]:
+        """(DataLoader call, the training loop it reaches) for every DataLoader call whose value
+        a training loop reads, wherever it is built (a helper's `return DataLoader(...)`, a
+        method, `self.loader = DataLoader(...)` read as `data.loader`), in source order."""
+        fed = self._loops_fed(self.train_loops())
+        return [(c, fed[id(c)]) for c in self.calls if id(c) in fed]
 
     def _loader_origins(self, expr, found: Set[int], depth: int) -> None:
         """Adds to `found` the DataLoader calls `expr` can hold, looking through the arguments
         of calls that wrap one (iter(loader), enumerate(loader), a generator of the script)."""
-        names = [expr] if type(expr) is cst.Name else [n for n in walk(expr) if type(n) is cst.Name]
+        names = [expr] if type(expr) in (cst.Name, cst.Attribute, cst.Call) else []
+        names += [n for n in walk(expr) if type(n) is cst.Name and n is not expr]
         for name in names:
             for origin in self.flow.values(name):
                 if type(origin) is not cst.Call:
@@ -323,16 +338,32 @@ class LoaderAnalysis(SiteAnalysis):
         return None
 
 
+class DataAnalysis(LoopAnalysis, LoaderAnalysis):
+    """The training loops and the DataLoaders they read, on the shared analysis base: what
+    `check` asks of a script (it needs no model facts: the script is often sharded already);
+    the rewrite's analysis (facts.py) extends it."""
+
+    def train_loops(self) -> List[LoopSite]:
+        """The loops of the script that call backward() (found once)."""
+        if getattr(self, "_train_loop_list", None) is None:
+            self._train_loop_list = self._train_loops(self.r.nodes(cst.For) + self.r.nodes(cst.While))
+        return self._train_loop_list
+
+    def training_loaders(self) -> List[LoaderSite]:
+        """The DataLoaders of the script, each marked whether a training loop reads it (found once)."""
+        if getattr(self, "_training_loaders", None) is None:
+            self._training_loaders = self._loaders(self.r.nodes(cst.SimpleStatementLine), self.train_loops())
+        return self._training_loaders
+
+
 def training_loaders(module: cst.Module, resolver: Resolver) -> List[LoaderSite]:
-    """The DataLoaders of a script, each marked whether a training loop reads it;
-    needs no model facts (the lint asks this of scripts that are already sharded)."""
-    loops = train_loops(module, resolver)
-    return LoaderAnalysis(module, resolver)._loaders(resolver.nodes(cst.SimpleStatementLine), loops)
+    """DataAnalysis.training_loaders of a module."""
+    return DataAnalysis(module, resolver).training_loaders()
 
 
-def unfollowed_loaders(module: cst.Module, resolver: Resolver, loaders: List[LoaderSite]) -> List[UnfollowedLoader]:
-    """The DataLoaders no loop can be traced to (see UnfollowedLoader)."""
-    return LoaderAnalysis(module, resolver)._unfollowed(loaders)
+def unfollowed_loaders(analysis: LoaderAnalysis, loaders: List[LoaderSite]) -> List[UnfollowedLoader]:
+    """The DataLoaders no loop can be traced to (see UnfollowedLoader), asked of the script's analysis."""
+    return analysis._unfollowed(loaders)
 
 
 def _subscript_targets(stmt):

@@ -13,10 +13,10 @@ import libcst as cst
 
 from .closures import nonlocal_rebinds
 from .held_values import Lost
-from .data import LoaderAnalysis, LoaderSite, training_loaders  # noqa: F401  (importable from here)
+from .data import DataAnalysis, LoaderSite, training_loaders  # noqa: F401  (importable from here)
 from .launch import DISTRIBUTED_WRAPPERS, LaunchAnalysis  # noqa: F401
 from .logs import LogAnalysis, LogSite
-from .loops import LoopAnalysis, LoopSite
+from .loops import LoopSite
 from .model_classes import ClassRegistry, build_registry, called_methods
 from .flow import innermost_call as _innermost_call
 from .models import ModelAnalysis, ModelSite
@@ -78,6 +78,8 @@ class ScriptFacts:
     # (function, name) -> (node, why): where an optimizer handed to a function or object was lost
     # (held_values: a call or construction handing that parameter something else)
     lost_optimizers: Lost = field(default_factory=dict)
+    # the analysis these facts were assembled by (its value flow, functions, sharding facts)
+    analysis: Optional["_Analyser"] = field(default=None, repr=False)
 
     def model(self, name: str) -> Optional[ModelSite]:
         return next((m for m in self.models if m.name == name), None)
@@ -125,14 +127,14 @@ def autocast_dtypes(resolver: Resolver) -> Set[str]:
     return out
 
 
-class _Analyser(ModelAnalysis, OptimizerAnalysis, LoopAnalysis, LoaderAnalysis, LogAnalysis, LaunchAnalysis):
-    """Every per-site analysis over one script, assembled into its ScriptFacts."""
+class _Analyser(ModelAnalysis, OptimizerAnalysis, DataAnalysis, LogAnalysis, LaunchAnalysis):
+    """Every per-site analysis over one script, assembled into its ScriptFacts (check asks the
+    DataAnalysis part and the sharding facts of the same base directly)."""
 
     # -- collection ---------------------------------------------------------
 
     def run(self) -> ScriptFacts:
         calls: List[cst.Call] = self.r.nodes(cst.Call)
-        loops = self.r.nodes(cst.For) + self.r.nodes(cst.While)
         stmts: List[cst.SimpleStatementLine] = self.r.nodes(cst.SimpleStatementLine)
         self.calls = calls
         bindings = self._module_bindings(stmts)
@@ -142,7 +144,7 @@ class _Analyser(ModelAnalysis, OptimizerAnalysis, LoopAnalysis, LoaderAnalysis, 
         copies = self._copies(models, stmts)
         frozen = self._frozen_models(bindings, models, copies)
         model_names = self._model_names(models + copies + frozen)
-        train_loops = self._train_loops(loops)
+        train_loops = self.train_loops()
         loaders = self._loaders(stmts, train_loops)
         entry_block, entry_scope, entry_call, unfollowed_return = (
             self._entry(models[0]) if models else (None, None, None, None)
@@ -193,6 +195,7 @@ class _Analyser(ModelAnalysis, OptimizerAnalysis, LoopAnalysis, LoaderAnalysis, 
             closure_rebinds=nonlocal_rebinds(self.r, model_names),
             training_loader_calls=self._loaders_feeding(train_loops),
             lost_optimizers=self.lost_optimizers,
+            analysis=self,
         )
         for m in models + copies + frozen:
             m.sharded = m.name in facts.root_shard

@@ -12,7 +12,9 @@ into, a literal, a parameter no call binds), reached by following
   a tuple element to the element at the same place;
 - `x.to(...)`, `.cuda()`, `.train()` ... (methods that return the module itself), an
   `a if c else b` and an `a or b` to each side;
-- `self.attr` to every `self.attr = value` of the class's methods.
+- `self.attr` to every `self.attr = value` of the class's methods, and `obj.attr` the
+  same way when `obj` holds an instance of a class of the script (`Data(ds).loader`);
+- `obj.method(...)` and `self.method(...)` to what that method of the script's class returns.
 
 It is flow-insensitive: a name bound twice may hold either value ("can hold", an
 over-approximation). Questions about one kind of site ("does this loop read that
@@ -47,6 +49,7 @@ class ValueFlow:
         self._bindings: Optional[Dict[Tuple[int, str], list]] = None
         self._declared_global: Dict[int, set] = {}
         self._attr_stores: Optional[Dict[Tuple[int, str], list]] = None
+        self._classes: Optional[Dict[str, Optional[cst.ClassDef]]] = None
 
     # -- the index -----------------------------------------------------------
 
@@ -153,8 +156,8 @@ class ValueFlow:
         elif kind is cst.BooleanOperation and type(expr.operator) is cst.Or:
             yield from self._values(expr.left, depth)
             yield from self._values(expr.right, depth)
-        elif kind is cst.Attribute and type(expr.value) is cst.Name and expr.value.value == "self":
-            stores = self._self_stores(expr)
+        elif kind is cst.Attribute:
+            stores = [v for cls in self._classes_held(expr.value, depth) for v in self._stores(cls, expr.attr.value)]
             if not stores:
                 yield expr
             for value in stores:
@@ -198,22 +201,50 @@ class ValueFlow:
         if type(func) is cst.Attribute and func.attr.value in SELF_RETURNING_METHODS:
             yield from self._values(func.value, depth)
             return
-        fn = self._callee(call)
-        if fn is None:
-            yield call
-            return
-        returns = [r for r in self.r.descendants(fn, cst.Return) if self.r.enclosing_function(r) is fn]
-        if not returns or any(r.value is None for r in returns):
-            yield call
-        for ret in returns:
-            if ret.value is not None:
-                yield from self._values(ret.value, depth)
+        if type(func) is cst.Attribute:
+            methods = [m for cls in self._classes_held(func.value, depth) for m in self._methods(cls, func.attr.value)]
+            functions = methods or [None]
+        else:
+            functions = [self._callee(call)]
+        for fn in functions:
+            if fn is None:
+                yield call
+                continue
+            returns = [r for r in self.r.descendants(fn, cst.Return) if self.r.enclosing_function(r) is fn]
+            if not returns or any(r.value is None for r in returns):
+                yield call
+            for ret in returns:
+                if ret.value is not None:
+                    yield from self._values(ret.value, depth)
 
-    def _self_stores(self, attr: cst.Attribute) -> list:
-        """The values of `self.<attr> = value` in the methods of the class around `attr`."""
-        cls = self.r.enclosing_class(attr)
-        if cls is None:
-            return []
+    def _classes_held(self, expr, depth: int) -> List[cst.ClassDef]:
+        """The classes of the script whose instance `expr` can hold: the class around a method
+        for `self`, the class a call of the script's class makes (`Data(ds)`, or a name bound to it)."""
+        if type(expr) is cst.Name and expr.value == "self":
+            cls = self.r.enclosing_class(expr)
+            return [cls] if cls is not None and self.r.enclosing_function(expr) is not None else []
+        out = []
+        for origin in self._values(expr, depth):
+            if type(origin) is cst.Call and type(origin.func) is cst.Name:
+                cls = self._class_named(origin.func.value)
+                if cls is not None and cls not in out:
+                    out.append(cls)
+        return out
+
+    def _class_named(self, name: str) -> Optional[cst.ClassDef]:
+        """The script's one top-level class of that name."""
+        if self._classes is None:
+            self._classes = {}
+            for cls in self.r.module.body:
+                if type(cls) is cst.ClassDef:
+                    self._classes[cls.name.value] = cls if cls.name.value not in self._classes else None
+        return self._classes.get(name)
+
+    def _methods(self, cls: cst.ClassDef, name: str) -> List[cst.FunctionDef]:
+        return [m for m in cls.body.body if type(m) is cst.FunctionDef and m.name.value == name]
+
+    def _stores(self, cls: cst.ClassDef, attr: str) -> list:
+        """The values of `self.<attr> = value` in the methods of `cls`."""
         if self._attr_stores is None:
             stores: Dict[Tuple[int, str], list] = {}
             for node in self.r.nodes(cst.Assign):
@@ -225,7 +256,7 @@ class ValueFlow:
                     if type(target) is cst.Attribute and type(target.value) is cst.Name and target.value.value == "self":
                         stores.setdefault((id(owner), target.attr.value), []).append(node.value)
             self._attr_stores = stores
-        return self._attr_stores.get((id(cls), attr.attr.value), [])
+        return self._attr_stores.get((id(cls), attr), [])
 
 
 def _names_at(target, path: tuple) -> Iterator[Tuple[str, tuple]]:

@@ -28,6 +28,7 @@ import libcst as cst
 
 from .project_imports import MAX_DEPTH, SHARDING_TRIGGERS, imports_sharding, locate, read
 from .sharding import Sharder, _Collector
+from .site_analysis import SiteAnalysis
 from fsdp2_retrofit.syntax.names import Resolver, _module_bindings, dotted
 
 # resolved path -> (the bytes of every file it was computed from, how deep, the table)
@@ -116,7 +117,7 @@ class _Tables:
             return Table(self, 0)
         resolver = Resolver(module)
         table = self.imports_of(path, resolver, depth - 1)
-        collector = _Collector(module, resolver, table)
+        collector = _Collector(SiteAnalysis(module, resolver, path=str(path)), table)
         collector.run()
         table.own.update(collector.sharders())
         table.all = _all_names(module) if b"__all__" in data else None

@@ -319,24 +319,25 @@ def part_root(expr: cst.BaseExpression) -> Optional[Tuple[str, bool]]:
             return None
 
 
-def shard_facts(module: cst.Module, resolver: Resolver, path: Optional[str] = None) -> ShardFacts:
-    """The sharding facts of a module; with its `path`, calls of the functions it imports
-    from project modules that shard (analysis.project_sharders) count too."""
+def shard_facts(analysis) -> ShardFacts:
+    """The sharding facts of a script's analysis (site_analysis.SiteAnalysis: its module,
+    resolver and functions); with its path, calls of the functions it imports from project
+    modules that shard (analysis.project_sharders) count too."""
     imported = {}
-    if path and path != "-":
+    if analysis.path and analysis.path != "-":
         from .project_sharders import imported_sharders
 
-        imported = imported_sharders(module, resolver, path)
-    return _Collector(module, resolver, imported).run()
+        imported = imported_sharders(analysis.module, analysis.r, analysis.path)
+    return _Collector(analysis, imported).run()
 
 
 class _Collector:
-    def __init__(self, module: cst.Module, resolver: Resolver, imported: Optional[Dict[str, "Sharder"]] = None):
-        self.module = module
-        self.r = resolver
+    def __init__(self, analysis, imported: Optional[Dict[str, "Sharder"]] = None):
+        self.analysis = analysis
+        self.module = analysis.module
+        self.r = analysis.r
         self.imported = imported or {}
-        self.facts = ShardFacts(resolver, [], [])
-        self._functions: Optional[Dict[str, List[cst.FunctionDef]]] = None  # defs by name, on first use
+        self.facts = ShardFacts(self.r, [], [])
 
     def run(self) -> ShardFacts:
         f = self.facts
@@ -453,32 +454,28 @@ class _Collector:
         return OptimizerBuild(target[0], call, models, f.scope_of(call), f.order(call))
 
     def _optimizer_factory_call(self, call: cst.Call) -> bool:
-        """`make_optimizer(model, ...)`: a call by name of the script's one function of that
-        name, which returns the one torch optimizer it builds."""
-        if type(call.func) is not cst.Name or not call.args:
+        """`make_optimizer(model, ...)`: a call of a function of the script (the analysis's
+        callee: a def nested around the call, else a top-level one) that returns the one
+        torch optimizer it builds."""
+        if not call.args:
             return False
-        if self._functions is None:
-            self._functions = {}
-            for fn in self.r.nodes(cst.FunctionDef):
-                self._functions.setdefault(fn.name.value, []).append(fn)
-        found = self._functions.get(call.func.value, [])
-        return len(found) == 1 and returned_optimizer(found[0], lambda c: is_optimizer_call(self.r, c)) is not None
+        fn = self.analysis._callee(call)
+        return fn is not None and returned_optimizer(fn, lambda c: is_optimizer_call(self.r, c)) is not None
 
     def _propagate(self) -> None:
         """Functions receiving a sharded module as an argument, classes storing one on
         self, and names bound to functions' sharded return values: for the script's
         functions, its classes' methods (`self.setup(...)`) and the functions of project
         modules it imports (`imported`, a Sharder each)."""
-        functions = {s.name.value: s for s in self.module.body if isinstance(s, cst.FunctionDef)}
         classes = {s.name.value: s for s in self.module.body if isinstance(s, cst.ClassDef)}
         for _ in range(3):
             changed = False
             for call in self.r.nodes(cst.Call):
                 func = call.func
-                if isinstance(func, cst.Name) and func.value not in functions and func.value in classes:
+                callee = self._callee(call)
+                if callee is None and isinstance(func, cst.Name) and func.value in classes:
                     changed |= self._constructed(call, classes[func.value])
                     continue
-                callee = self._callee(call, functions)
                 if callee is not None:
                     changed |= self._called(call, *callee)
                     continue
@@ -488,13 +485,13 @@ class _Collector:
             if not changed:
                 break
 
-    def _callee(self, call: cst.Call, functions) -> Optional[Tuple[cst.FunctionDef, int]]:
+    def _callee(self, call: cst.Call) -> Optional[Tuple[cst.FunctionDef, int]]:
         """(the function a call runs, how many of its parameters the call does not pass):
-        a function of the script by name, or a method of the class around the call
-        called on `self`."""
+        a function of the script by name (the analysis's callee), or a method of the class
+        around the call called on `self`."""
         func = call.func
         if isinstance(func, cst.Name):
-            found = functions.get(func.value)
+            found = self.analysis._callee(call)
             return (found, 0) if found is not None else None
         if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == "self":
             cls = self.r.enclosing_class(call)

@@ -1,8 +1,11 @@
 """What each per-site analysis of a script reads: the module, its resolver, the
-script's classes and every call, computed once.
+script's classes, every call, its functions, the value flow and the sharding facts,
+computed once.
 
 The analyses (models.py, optimizers.py, loops.py, data.py, logs.py, launch.py) each
-find one kind of site; ScriptFacts (facts.py) assembles them for one script.
+find one kind of site on this base; ScriptFacts (facts.py) assembles them for the
+rewrite, and `check` (check/lint.py's LintContext) asks the same classes directly:
+one analysis for both.
 """
 from __future__ import annotations
 
@@ -31,6 +34,16 @@ class SiteAnalysis:
         self.classes = classes if classes is not None else ClassRegistry()
         self.path = path
         self.calls: List[cst.Call] = resolver.nodes(cst.Call)
+
+    @property
+    def shards(self):
+        """What the script shards, where, and which values hold sharded state (analysis/sharding.py:
+        the facts `check` asks), built once on this analysis's resolver, functions and value flow."""
+        if getattr(self, "_shards", None) is None:
+            from .sharding import shard_facts
+
+            self._shards = shard_facts(self)
+        return self._shards
 
     @property
     def flow(self) -> ValueFlow:

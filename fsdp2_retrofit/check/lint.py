@@ -35,41 +35,39 @@ class LintResult:
 
 
 class LintContext:
-    """What a rule sees: the tree, its resolved names and the sharding facts (computed once)."""
+    """What a rule sees: the tree and the script's analysis, the one the rewrite's analyses are
+    built on (analysis/data.py's DataAnalysis on analysis/site_analysis.py's base: resolver,
+    functions, value flow, class registry, sharding facts), computed once."""
 
     def __init__(self, module, path: str, origins=None):
         """`origins`: for a rewritten tree, the user's lines (syntax.names.Origins)."""
         import libcst as cst
 
+        from fsdp2_retrofit.analysis.data import DataAnalysis
         from fsdp2_retrofit.syntax.names import Resolver
-        from fsdp2_retrofit.analysis.sharding import shard_facts
 
         self.module = module
         self.path = path
-        self.resolver = Resolver(module, origins)
-        self._loaders = None
+        self.analysis = DataAnalysis(module, Resolver(module, origins), path=path if path != "-" else None)
+        self.resolver = self.analysis.r
         self._classes = None
         if any(isinstance(imp.names, cst.ImportStar) for imp in self.resolver.nodes(cst.ImportFrom)):
             self.classes()  # `from models import *`: the names it binds join the resolver first
-        self.shards = shard_facts(module, self.resolver, path)
+        self.shards = self.analysis.shards
 
     def nodes(self, kind):
         return self.resolver.nodes(kind)
 
     def training_loaders(self):
         """DataLoaders a training loop iterates (the rewriter's own finding of them)."""
-        if self._loaders is None:
-            from fsdp2_retrofit.analysis.data import training_loaders
-
-            self._loaders = training_loaders(self.module, self.resolver)
-        return self._loaders
+        return self.analysis.training_loaders()
 
     def classes(self):
         """The model classes of the script and its sibling modules (parsed on first use)."""
         if self._classes is None:
             from fsdp2_retrofit.analysis.model_classes import build_registry
 
-            self._classes = build_registry(self.module, self.resolver, self.path if self.path != "-" else None)
+            self._classes = self.analysis.classes = build_registry(self.module, self.resolver, self.analysis.path)
         return self._classes
 
     def root_class(self, site):

@@ -74,32 +74,69 @@ class MissingSampler(Rule):
             "def fit(model, batches):\n    for x, y in enumerate(batches):\n        model(x).sum().backward()\n"
             "fit(model, Data(ds).train)\n", line=8,
         ),
+        Invalid(  # a method of a data class, its instance bound to a name first
+            _HEAD + "class Data:\n    def batches(self, ds):\n        return DataLoader(ds, batch_size=8)\n"
+            "data = Data()\nfor x, y in data.batches(ds):\n    model(x).sum().backward()\n", line=8,
+        ),
     )
 
     def check(self, ctx):
         if not ctx.shards.uses_fully_shard:
             return
         for loader in ctx.training_loaders():
-            if loader.trains and not loader.has_sampler and not _iterable_dataset(ctx, loader):
+            if loader.trains and not loader.has_sampler and not _iterable_dataset(ctx, loader.call, loader.dataset):
                 yield loader.call, {"name": f"`{loader.name}`"}, None
-        from fsdp2_retrofit.analysis.loader_helpers import helper_loaders
-
-        for found in helper_loaders(ctx.module, ctx.resolver, ctx.shards.bound_values):
-            if not found.has_sampler and not _iterable_dataset(ctx, found):
-                where = f"built in `{found.where}`, read by the training loop at line {ctx.resolver.line(found.loop)},"
-                yield found.call, {"name": where}, None
-
+        named = {id(loader.call) for loader in ctx.training_loaders() if loader.trains}
+        for call, loop in ctx.analysis.fed_loaders():
+            if id(call) not in named and not _has_sampler(call) and not _iterable_dataset(ctx, call, _dataset(call)):
+                where = f"built in `{_where(ctx, call)}`, read by the training loop at line {ctx.resolver.line(loop)},"
+                yield call, {"name": where}, None
 
 
-
-def _iterable_dataset(ctx, loader) -> bool:
-    """The loader reads an IterableDataset of the script: it takes no sampler (each
-    such dataset splits its stream itself)."""
+def _where(ctx, call) -> str:
+    """`Data.loader` for `self.loader = DataLoader(...)`, `make_loader()` or `Data.loader()` for
+    one built in a function or method, `line N` at module level."""
     import libcst as cst
 
-    expr = loader.dataset
+    r = ctx.resolver
+    fn = r.enclosing_function(call)
+    if fn is None:
+        return f"line {r.line(call)}"
+    cls = r.enclosing_class(fn)
+    owner = f"{cls.name.value}." if cls is not None and r.enclosing_function(fn) is None else ""
+    parent = r.parent(call)
+    if type(parent) is cst.Assign and owner:
+        for t in parent.targets:
+            if type(t.target) is cst.Attribute and type(t.target.value) is cst.Name and t.target.value.value == "self":
+                return owner + t.target.attr.value
+    return f"{owner}{fn.name.value}()"
+
+
+def _dataset(call):
+    """The dataset a DataLoader call is given (`dataset=` or its first positional argument)."""
+    for a in call.args:
+        if a.keyword is not None and a.keyword.value == "dataset":
+            return a.value
+    positional = [a.value for a in call.args if a.keyword is None and not a.star]
+    return positional[0] if positional else None
+
+
+def _has_sampler(call) -> bool:
+    """A sampler is given, or may be (`**kwargs` not seen into)."""
+    return any(
+        (a.keyword is not None and a.keyword.value in ("sampler", "batch_sampler")) or a.star == "**"
+        for a in call.args
+    )
+
+
+def _iterable_dataset(ctx, call, dataset) -> bool:
+    """The loader `call` reads an IterableDataset of the script (`dataset`): it takes no sampler
+    (each such dataset splits its stream itself)."""
+    import libcst as cst
+
+    expr = dataset
     if isinstance(expr, cst.Name):
-        bound = ctx.shards.bound_values(expr.value, loader.call)
+        bound = ctx.shards.bound_values(expr.value, call)
         expr = bound[-1] if bound else expr
     if not isinstance(expr, cst.Call) or not isinstance(expr.func, cst.Name):
         return False

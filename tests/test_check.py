@@ -207,6 +207,42 @@ def test_fix_writes_safe_fixes_and_diff_writes_nothing(tmp_path):
     compile(text, str(path), "exec")
 
 
+
+def test_nested_fixes_are_applied_in_rounds_and_each_counted_once():
+    """The outer call's fix holds the inner one: it waits for the next round (its
+    replacement is built from the original inner call, which would undo the inner fix)."""
+    source = BAD.replace("out = model.forward(x)", "out = model.forward(model.forward(x))")
+    result = lint_source(source.encode(), "case.py", all_rules(), fix=True)
+    assert result.fixed.decode() == source.replace("model.forward(model.forward(x))", "model(model(x))")
+    assert result.applied == 2
+    assert [f.code for f in result.findings] == ["FSD102"]  # unsafe: left
+
+
+def test_an_insertion_keyed_on_no_statement_of_a_block_is_not_applied():
+    """A statement inserted before/after a small statement of `a = f(); g()` or the body
+    of a one-line `if c: g()` has no line of its own to go to: that fix is skipped, the
+    others are applied."""
+    from types import SimpleNamespace
+
+    import libcst as cst
+
+    from fsdp2_retrofit.check.lint import apply_fixes
+    from fsdp2_retrofit.check.rules import Edit, Fix
+    from fsdp2_retrofit.syntax.names import Resolver
+
+    source = "a = f(); g()\nif c: g()\nh()\n"
+    resolver = Resolver(cst.parse_module(source))
+    line, branch, last = resolver.module.body
+    new = [cst.parse_statement("x = 1\n")]
+    fixes = [
+        Fix("in a line", [Edit(line.body[1], new, kind="before")]),
+        Fix("in a suite", [Edit(branch.body.body[0], new, kind="after")]),
+        Fix("a line", [Edit(last, new, kind="after")]),
+    ]
+    fixed, count = apply_fixes(resolver, [SimpleNamespace(fix=fix) for fix in fixes])
+    assert (fixed.decode(), count) == (source + "x = 1\n", 1)
+
+
 SHIFTED = """\
 import torch
 from torch.distributed.fsdp import fully_shard

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type
+from typing import Iterable, List, Optional, Sequence, Set, Tuple, Type
 
 from fsdp2_retrofit.report import InputError
 from .rules import Finding, Fix, Rule
@@ -130,7 +130,7 @@ def lint_source(
     if not rules:
         return result
     try:
-        findings, module = _findings(data, path, rules)
+        findings, resolver = _findings(data, path, rules)
     except InputError as exc:
         result.error = exc
         return result
@@ -141,17 +141,17 @@ def lint_source(
             chosen = [f for f in findings if f.fix is not None and (f.fix.safe or unsafe_fixes)]
             if not chosen:
                 break
-            new, count = apply_fixes(module, chosen)
+            new, count = apply_fixes(resolver, chosen)
             if count == 0 or new == current:
                 break
             try:
                 compile(new, path, "exec", dont_inherit=True)
-                new_findings, new_module = _findings(new, path, rules)
+                new_findings, new_resolver = _findings(new, path, rules)
             except (SyntaxError, ValueError, InputError):
                 break  # a fix must never leave a file that does not parse: keep the last good one
             if len(new_findings) >= len(findings):
                 break  # the fix did not remove its finding: keep the last good source
-            current, findings, module = new, new_findings, new_module
+            current, findings, resolver = new, new_findings, new_resolver
             result.applied += count
         if current != data:
             result.fixed = current
@@ -223,7 +223,7 @@ def _findings(data: bytes, path: str, rules: Sequence[Type[Rule]]):
                 )
             )
     out.sort(key=lambda f: (f.line, f.col, f.code))
-    return out, module
+    return out, ctx.resolver
 
 
 def _fix_record(module, resolver, fix: Fix) -> dict:
@@ -296,16 +296,23 @@ def _is_comment_line(text: str, offset: int) -> bool:
     return False
 
 
-def apply_fixes(module, findings: Iterable[Finding]) -> Tuple[bytes, int]:
-    """Apply the fixes of `findings` whose edits do not overlap; (new source, count)."""
-    import libcst as cst
+def apply_fixes(resolver, findings: Iterable[Finding]) -> Tuple[bytes, int]:
+    """Apply the fixes of `findings` whose edits do not overlap; (new source, count).
 
+    `resolver`: the Resolver of the tree the findings were made on. The edits go through
+    the rewrite's StatementEditor (keyed by the original nodes); a fix whose node lies
+    inside, or holds, a node an earlier fix edits waits for the next round (the caller
+    re-analyses the fixed source). A statement insertion must be keyed on a statement of
+    a block: one keyed elsewhere (a small statement of `a = f(); g(a)`, the body of a
+    one-line `if c: f()`) has no line of its own to go before or after, and is not applied.
+    """
     from fsdp2_retrofit.rewrite.imports import add_imports
+    from fsdp2_retrofit.rewrite.editor import StatementEditor
 
-    replace: Dict[cst.CSTNode, cst.CSTNode] = {}
-    before: Dict[cst.CSTNode, list] = {}
-    after: Dict[cst.CSTNode, list] = {}
-    touched: List[cst.CSTNode] = []
+    editor = StatementEditor()
+    editor.resolver = resolver  # descend only into the nodes the fixes edit
+    touched: Set = set()  # the nodes the chosen fixes edit
+    holding: Set = set()  # and every ancestor of theirs
     imports: List[tuple] = []
     applied: List[Fix] = []
     for f in findings:
@@ -313,26 +320,22 @@ def apply_fixes(module, findings: Iterable[Finding]) -> Tuple[bytes, int]:
         if any(_same_fix(fix, done) for done in applied):
             continue  # two findings sharing one fix (two reads of one local norm)
         nodes = [e.node for e in fix.edits]
-        if any(_overlaps(n, t) for n in nodes for t in touched):
+        if any(n in touched or n in holding or any(a in touched for a in resolver.ancestors(n)) for n in nodes):
             continue  # the next round applies it on the re-analysed tree
+        if any(e.kind != "replace" and resolver.block_of(e.node) is None for e in fix.edits):
+            continue
         for e in fix.edits:
             if e.kind == "replace":
-                replace[e.node] = e.new
+                editor.replace_expression(e.node, e.new)
+            elif e.kind == "before":
+                editor.insert_before(e.node, e.new)
             else:
-                (before if e.kind == "before" else after).setdefault(e.node, []).extend(e.new)
-        touched.extend(nodes)
+                editor.insert_after(e.node, e.new)
+            touched.add(e.node)
+            holding.update(resolver.ancestors(e.node))
         imports.extend(fix.imports)
         applied.append(fix)
-
-    class _Apply(cst.CSTTransformer):
-        def on_leave(self, original_node, updated_node):
-            if original_node in replace:
-                updated_node = replace[original_node]
-            if original_node in before or original_node in after:
-                return cst.FlattenSentinel(before.get(original_node, []) + [updated_node] + after.get(original_node, []))
-            return updated_node
-
-    new = module.visit(_Apply())
+    new = resolver.module.visit(editor) if applied else resolver.module
     if imports:
         new = add_imports(new, imports)
     return new.bytes, len(applied)
@@ -342,20 +345,3 @@ def _same_fix(a: Fix, b: Fix) -> bool:
     return len(a.edits) == len(b.edits) and all(
         x.node is y.node and x.kind == y.kind for x, y in zip(a.edits, b.edits)
     )
-
-
-def _overlaps(a, b) -> bool:
-    """One node inside the other (or the same node)."""
-    if a is b:
-        return True
-    return _contains(a, b) or _contains(b, a)
-
-
-def _contains(outer, inner) -> bool:
-    stack = [outer]
-    while stack:
-        node = stack.pop()
-        if node is inner:
-            return True
-        stack.extend(node.children)
-    return False

@@ -50,6 +50,7 @@ class ValueFlow:
         self._declared_global: Dict[int, set] = {}
         self._attr_stores: Optional[Dict[Tuple[int, str], list]] = None
         self._classes: Optional[Dict[str, Optional[cst.ClassDef]]] = None
+        self._bound: Dict[int, List[Tuple[cst.Call, int]]] = {}
 
     # -- the index -----------------------------------------------------------
 
@@ -172,8 +173,8 @@ class ValueFlow:
             return
         if kind == "param":
             fn = value
-            calls = self._calls_of(fn)
-            args = [arg for call in calls for param, arg in bind_args(fn, call) if param == node.name.value]
+            calls = self.bound_calls(fn)
+            args = [arg for call, skip in calls for param, arg in bind_args(fn, call, skip) if param == node.name.value]
             if not calls or len(args) < len(calls):  # a call that does not pass it: its default, or unknown
                 yield node
             for arg in args:
@@ -216,6 +217,26 @@ class ValueFlow:
             for ret in returns:
                 if ret.value is not None:
                     yield from self._values(ret.value, depth)
+
+    def bound_calls(self, fn: cst.FunctionDef) -> List[Tuple[cst.Call, int]]:
+        """(call, parameters it does not pass) for the known calls of `fn`: by name for a function;
+        for a method of a top-level class of the script, `Cls(...)` for `__init__` and
+        `obj.method(...)` / `self.method(...)` where `obj` holds an instance of the class (the
+        method's `self` is not passed)."""
+        known = self._bound.get(id(fn))
+        if known is not None:
+            return known
+        self._bound[id(fn)] = []  # a cycle (a method's call inside its own arguments) sees none
+        cls = self.r.enclosing_class(fn)
+        if cls is None or self.r.enclosing_function(fn) is not None or self._class_named(cls.name.value) is not cls:
+            found = [(c, 0) for c in self._calls_of(fn)]
+        elif fn.name.value == "__init__":
+            found = [(c, 1) for c in self.r.nodes(cst.Call) if type(c.func) is cst.Name and c.func.value == cls.name.value]
+        else:
+            found = [(c, 1) for c in self.r.nodes(cst.Call) if type(c.func) is cst.Attribute
+                     and c.func.attr.value == fn.name.value and cls in self._classes_held(c.func.value, 0)]
+        self._bound[id(fn)] = found
+        return found
 
     def _classes_held(self, expr, depth: int) -> List[cst.ClassDef]:
         """The classes of the script whose instance `expr` can hold: the class around a method

@@ -55,6 +55,9 @@ class ShardSite:
     legacy: bool = False  # FullyShardedDataParallel (FSDP1)
     # the call is fully_shard/FSDP itself (not a helper that shards, nor an argument received)
     direct: bool = False
+    # the expression whose module value the call shards (its argument, or the call itself
+    # when the name bound to its result is the root); None for a site a function receives
+    target: Optional[cst.BaseExpression] = field(default=None, repr=False)
 
 
 @dataclass
@@ -76,6 +79,11 @@ class ShardFacts:
     _received: Dict[Scope, Dict[str, ShardSite]] = field(default_factory=dict)
     _bindings: Dict[Scope, Dict[str, List[tuple]]] = field(default_factory=dict)
     _closure_reads: Dict[Scope, Set[str]] = field(default_factory=dict)
+    # the analysis's value flow (analysis/flow.py): a module reached by no name of its own
+    # (`trainer.model`, a dict entry, a method's return) is matched to a site by value
+    flow: object = field(default=None, repr=False)
+    _by_value: Dict[Tuple[str, int], List[ShardSite]] = field(default_factory=dict)
+    _site_origins: Dict[int, frozenset] = field(default_factory=dict)
 
     # -- positions ----------------------------------------------------------
 
@@ -135,7 +143,7 @@ class ShardFacts:
             out.append(received)
         if not out and self._closes_over(fn, root):
             out = self.sites_for(root, fn)  # sharded around the nested def, before it
-        return out
+        return out or self._by_value.get((root, id(at)), [])
 
     def _closes_over(self, fn: Scope, root: str) -> bool:
         """Whether nested function `fn` reads `root` from the function around it."""
@@ -152,15 +160,59 @@ class ShardFacts:
         root when the root was sharded, a part when any part was (only blocks
         sharded: the root's own forward is an ordinary one)."""
         found = self.part(expr, at)
-        if found is None:
-            return None
-        root, whole = found
-        sites = self.sites_for(root, at)
+        sites = self.sites_for(found[0], at) if found is not None else []
         if not sites:
-            return None
+            found, sites = self._value_sites(expr, at)
+            if not sites:
+                return None
+        root, whole = found
         if unit and whole and not any(s.whole for s in sites):
             return None
         return root
+
+    def _value_sites(self, expr: cst.BaseExpression, at: cst.CSTNode) -> Tuple[Optional[Tuple[str, bool]], list]:
+        """((root, whole), sites) when every module `expr` can hold (its parts stripped) is, by
+        value, one a site shards (the flow's origins) and the site is in effect at `at` (_in_effect).
+        Remembered for sites_for(root, at)."""
+        if self.flow is None:
+            return None, []
+        base, whole = _base(expr)
+        while True:
+            if base is None or (type(base) is cst.Name and base.value == "self"):
+                return None, []
+            origins = self.flow.values(base)
+            sites = [s for s in self.sites if s.target is not None and origins & self._origins_of(s)
+                     and self._in_effect(s, at, 3)]
+            if sites and origins <= frozenset().union(*map(self._origins_of, sites)):
+                break  # every value it can hold is sharded there (a lint does not guess)
+            if type(base) is not cst.Attribute:
+                return None, []
+            base, whole = _base(base.value)[0], False  # `trainer.model.blocks`: a part of `trainer.model`
+        root = sites[-1].root
+        self._by_value[(root, id(at))] = [s for s in sites if s.root == root]
+        return (root, whole), self._by_value[(root, id(at))]
+
+    def _in_effect(self, site: ShardSite, at: cst.CSTNode, depth: int) -> bool:
+        """The site has run when `at` runs: before it in the same function; at module level,
+        for a function; before a call of the function around `at` (its known calls, the flow's)."""
+        fn = self.scope_of(at)
+        if site.scope is fn:
+            return site.order < self.order(at)
+        if site.scope is None:
+            return True
+        if fn is None or depth == 0:
+            return False
+        return any(self._in_effect(site, call, depth - 1) for call, _ in self.flow.bound_calls(fn))
+
+    def _origins_of(self, site: ShardSite) -> frozenset:
+        """The origins of the module a site shards (its target with the parts stripped), and the
+        call itself (fully_shard returns the module it shards)."""
+        known = self._site_origins.get(id(site))
+        if known is None:
+            base, _ = _base(site.target)
+            known = self.flow.values(base) if base is not None else frozenset()
+            known = self._site_origins[id(site)] = known | {site.call}
+        return known
 
     @property
     def uses_fully_shard(self) -> bool:
@@ -292,6 +344,25 @@ class ShardFacts:
         return None
 
 
+def _base(expr: cst.BaseExpression) -> Tuple[Optional[cst.BaseExpression], bool]:
+    """The expression holding the module `expr` is (part of), and whether it is that module
+    itself: `model` for `model.blocks[0]` (False), `trainer.model` for `trainer.model` (True)."""
+    whole = True
+    while True:
+        if type(expr) in (cst.Name, cst.Call) and not (
+            type(expr) is cst.Call and type(expr.func) is cst.Attribute and expr.func.attr.value in _PART_METHODS
+        ):
+            return expr, whole
+        if type(expr) is cst.Attribute:
+            return expr, whole  # an attribute is asked of the flow as it is (`trainer.model`)
+        if type(expr) is cst.Subscript:
+            whole, expr = False, expr.value
+        elif type(expr) is cst.Call:
+            whole, expr = False, expr.func.value
+        else:
+            return None, whole
+
+
 def part_root(expr: cst.BaseExpression) -> Optional[Tuple[str, bool]]:
     """("model", True) for `model`; ("model", False) for `model.blocks[0]`,
     `model.layers.children()`; ("self.net", ...) for `self.net...`; None otherwise."""
@@ -338,6 +409,7 @@ class _Collector:
         self.r = analysis.r
         self.imported = imported or {}
         self.facts = ShardFacts(self.r, [], [])
+        self.facts.flow = analysis.flow
 
     def run(self) -> ShardFacts:
         f = self.facts
@@ -359,13 +431,13 @@ class _Collector:
         scope = f.scope_of(call)
         found = f.part(call.args[0].value, call)
         if found is not None:
-            f.sites.append(ShardSite(call, found[0], found[1], scope, f.order(call), legacy, direct=True))
+            f.sites.append(ShardSite(call, found[0], found[1], scope, f.order(call), legacy, True, call.args[0].value))
         # `model = fully_shard(model)`, `model = FSDP(Net())`: the name bound to the result
         parent = self.r.parent(call)
         if isinstance(parent, cst.Assign) and len(parent.targets) == 1:
             bound = part_root(parent.targets[0].target)
             if bound is not None and bound[1] and (found is None or bound[0] != found[0]):
-                f.sites.append(ShardSite(call, bound[0], True, scope, f.order(call), legacy, direct=found is None))
+                f.sites.append(ShardSite(call, bound[0], True, scope, f.order(call), legacy, found is None, call))
 
     def _index_bindings(self) -> None:
         """name -> [(order, value)] per function, for `name = value` and `name[k] = value`."""
@@ -559,7 +631,8 @@ class _Collector:
             return False
         if any(s.call is call and s.root == target[0] for s in f.sites):
             return False
-        f.sites.append(ShardSite(call, target[0], whole and target[1], f.scope_of(call), f.order(call), legacy))
+        f.sites.append(ShardSite(call, target[0], whole and target[1], f.scope_of(call), f.order(call), legacy,
+                                 target=arg))
         return True
 
     def _bind_returns(self, call: cst.Call, returns: Dict[Optional[int], bool]) -> bool:
@@ -574,7 +647,7 @@ class _Collector:
             name = _target_at(parent.targets[0].target, position)
             if name is None or any(s.call is call and s.root == name for s in f.sites):
                 continue
-            f.sites.append(ShardSite(call, name, whole, f.scope_of(call), f.order(call)))
+            f.sites.append(ShardSite(call, name, whole, f.scope_of(call), f.order(call), target=call))
             changed = True
         return changed
 
@@ -596,7 +669,8 @@ class _Collector:
         def add(position, value, ret) -> None:
             root = f.sharded_module(value, ret)
             if root is not None:
-                whole = f.part(value, ret)[1] and any(s.whole for s in f.sites_for(root, ret))
+                found = f.part(value, ret) or _base(value)
+                whole = found[1] and any(s.whole for s in f.sites_for(root, ret))
                 out[position] = out.get(position, False) or whole
 
         for ret in self.r.nodes(cst.Return):

@@ -14,6 +14,18 @@ for block in model.blocks:
 fully_shard(model)
 """
 
+_HOLDER = """\
+from torch.distributed.fsdp import fully_shard
+class Holder:
+    def __init__(self, net):
+        self.net = net
+    def run(self, x):
+        return {body}
+model = Net()
+fully_shard(model)
+holder = Holder(model)
+"""
+
 _NESTED = """\
 from torch.distributed.fsdp import fully_shard
 def main():
@@ -61,6 +73,7 @@ class ForwardCall(Rule):
     NAME = "forward-call"
     MESSAGE = "`{target}.forward(...)` bypasses FSDP2's hooks on sharded `{root}`; call `{target}(...)`"
     VALID = (
+        Valid(_HOLDER.format(body="x") + "other = Holder(Net())\ny = other.net.forward(x)\n"),  # may hold an unsharded one
         Valid(_PRELUDE + "y = model(x)\n"),
         Valid("model = Net()\ny = model.forward(x)\n"),  # nothing is sharded
         Valid(
@@ -80,6 +93,14 @@ class ForwardCall(Rule):
         ),
     )
     INVALID = (
+        Invalid(  # a sharded module held by an object of the script: followed by value
+            _HOLDER.format(body="x") + "y = holder.net.forward(x)\n", line=10,
+            fixed=_HOLDER.format(body="x") + "y = holder.net(x)\n",
+        ),
+        Invalid(  # inside the holder's method, called on the object that holds the sharded module
+            _HOLDER.format(body="self.net.forward(x)") + "holder.run(x)\n", line=6,
+            fixed=_HOLDER.format(body="self.net(x)") + "holder.run(x)\n",
+        ),
         Invalid(_PRELUDE + "y = model.forward(x)\n", line=7, fixed=_PRELUDE + "y = model(x)\n"),
         Invalid(
             _PRELUDE + "h = model.blocks[0].forward(x, mask=m)\n",

@@ -442,10 +442,16 @@ class Resolver:
         first = self._order.get(id(node))
         if first is None:
             return []
+        return self.nodes_ranked(kind, first, self._last[id(node)])
+
+    def nodes_ranked(self, kind: Type[cst.CSTNode], first: int, last: Optional[int] = None) -> List[cst.CSTNode]:
+        """Every node of exactly this type whose rank (see order) is from `first` to `last`
+        (None: the end), in source order, from the index."""
         if kind not in self._ranks:
             self._ranks[kind] = [self._order[id(n)] for n in self._by_type.get(kind, [])]
         ranks = self._ranks[kind]
-        return self._by_type.get(kind, [])[bisect_left(ranks, first) : bisect_right(ranks, self._last[id(node)])]
+        end = len(ranks) if last is None else bisect_right(ranks, last)
+        return self._by_type.get(kind, [])[bisect_left(ranks, first) : end]
 
     def qnames(self, node: cst.CSTNode) -> Set[str]:
         """Fully qualified names of a name, attribute or call (its callee)."""

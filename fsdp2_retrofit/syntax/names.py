@@ -319,7 +319,7 @@ class Resolver:
         self.origins = origins
         self._positions = None  # computed on the first position() call: only stages that report need it
         self._index(module, previous)
-        self._table = self._name_table(module)
+        self._table = self._name_table(module, previous)
         self._added: Set[str] = set()  # the names add_bindings added
         # id(attribute) -> (the attribute, its qualified name): the attribute is held, so its id is
         # not reused while the entry lives; emptied when add_bindings changes the table
@@ -329,11 +329,19 @@ class Resolver:
         if origins is not None and module is origins.first:
             origins.first_resolver = self
 
-    def _name_table(self, module: cst.Module) -> Dict[str, str]:
-        """Local name -> qualified name, for the names the module binds globally or imports."""
+    def _name_table(self, module: cst.Module, previous: Optional["Resolver"] = None) -> Dict[str, str]:
+        """Local name -> qualified name, for the names the module binds globally or imports
+        (the names a top-level statement `previous`'s tree had too binds are not looked for again)."""
         table: Dict[str, str] = {}
-        for name in _module_bindings(module.body):
-            table[name] = name
+        known = previous._bound_by if previous is not None else {}
+        self._bound_by: Dict[int, tuple] = {}  # id(top-level statement) -> (it, the names it binds)
+        for stmt in module.body:
+            found = known.get(id(stmt))
+            if found is None or found[0] is not stmt:
+                found = (stmt, list(_module_bindings((stmt,))))
+            self._bound_by[id(stmt)] = found
+            for name in found[1]:
+                table[name] = name
         for kind in (cst.Import, cst.ImportFrom):
             for imp in self._by_type.get(kind, []):
                 table.update(import_bindings(imp))

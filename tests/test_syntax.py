@@ -10,6 +10,7 @@ import libcst as cst
 import pytest
 
 from fsdp2_retrofit.syntax import rank, torch_api
+from fsdp2_retrofit.report import RefusedError
 from fsdp2_retrofit.syntax.names import Resolver
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -272,3 +273,49 @@ def test_render_writes_what_libcst_writes():
             assert render(module) == module.code, path
             for stmt in module.body:
                 assert render(stmt, module) == module.code_for_node(stmt), path
+
+
+def _rewritten_tree(source: bytes):
+    """The pipeline's tree for `source` and its Origins (what rewrite_source renders)."""
+    from codemods.retrofit import RetrofitCommand
+    from fsdp2_retrofit.options import RetrofitOptions
+    from fsdp2_retrofit.rewrite.context import RewriteContext
+    from fsdp2_retrofit.rewrite.stage import OPTIONS_KEY, ORIGINS_KEY
+    from fsdp2_retrofit.syntax.names import Origins
+
+    module = cst.parse_module(source)
+    context = RewriteContext(filename="train.py")
+    context.scratch[OPTIONS_KEY] = RetrofitOptions()
+    origins = context.scratch[ORIGINS_KEY] = Origins(module, source.decode(module.encoding))
+    return RetrofitCommand(context, RetrofitOptions()).transform_module(module), origins
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_origins_render_writes_what_libcst_writes(newline):
+    """Origins.render (the statements the rewrite kept copied from the user's text) gives
+    libcst's text of the rewritten tree for every fixture input (also as CRLF), and for
+    files whose lines are counted the hard way: a string holding a lone \\r, a backslash
+    continuation, a form feed, a BOM, comments after the last statement, mixed newlines."""
+    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+
+    example = (ROOT / "fixtures" / "examples" / "train_single.py").read_text()
+    odd = [
+        example.replace("import torch\n", "import torch\nX = '''a\rb'''  # lone CR\nY = 1 + \\\n    2\n\x0c\n", 1),
+        "\ufeff" + example,
+        example + "\n# the end\n\n",
+        example.replace("import torch\n", "import torch\r\n", 1),
+    ]
+    files = sorted((ROOT / "fixtures" / "rewrite").rglob("input.py"))
+    texts = [p.read_text() for p in files] + odd
+    kept = 0
+    for text in texts:
+        text = text.replace("\n", newline) if newline != "\n" else text
+        try:
+            tree, origins = _rewritten_tree(text.encode("utf-8"))
+        except RefusedError:  # a refusal: nothing rendered
+            continue
+        kept += any(stmt in origins.first.body for stmt in tree.body)
+        assert origins.render(tree) == tree.code, text[:80]
+    assert kept > 50  # the copying path is the one tested
+    data = odd[0].replace("\n", newline).encode()
+    assert rewrite_source(data, "train.py").code.decode() == _rewritten_tree(data)[0].code

@@ -33,6 +33,8 @@ def training_framework(resolver) -> Optional[Tuple[cst.Call, str, str]]:
     training to Accelerate, Lightning/Fabric or DeepSpeed; None when the script trains itself."""
     for call in resolver.nodes(cst.Call):
         names = resolver.qnames(call)
+        if not names:  # most calls: a method of a local value (`self.fc(x)`), nothing imported
+            continue
         for prefix, framework, how in _FRAMEWORK_CALLS:
             if any(n == prefix or n.startswith(prefix + ".") for n in names):
                 return call, framework, how

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import libcst as cst
 
@@ -175,17 +175,42 @@ class ClassRegistry:
 # The files the analysis looked for, found or not: what a rewrite depends on besides
 # the script (its cache entry checks them). Collected while `recording_reads()` runs.
 _LOOKED_AT: ContextVar[Optional[Set[str]]] = ContextVar("fsdp2_retrofit_looked_at", default=None)
+# While `recording_reads()` runs (one rewrite), the file system's answers: each analysis of the
+# rewrite (one per stage that edited the tree) asks the same questions. key -> (answer, paths looked at)
+_ANSWERS: ContextVar[Optional[Dict[tuple, tuple]]] = ContextVar("fsdp2_retrofit_answers", default=None)
 
 
 @contextmanager
 def recording_reads() -> Iterator[Set[str]]:
-    """Collect, into the set it yields, every file path the analysis looks for."""
+    """Collect, into the set it yields, every file path the analysis looks for (and
+    remember what the file system answered, for the analyses made meanwhile)."""
     looked_at: Set[str] = set()
     token = _LOOKED_AT.set(looked_at)
+    answers = _ANSWERS.set({})
     try:
         yield looked_at
     finally:
+        _ANSWERS.reset(answers)
         _LOOKED_AT.reset(token)
+
+
+def _remembered(key: tuple, ask: Callable[[], object]):
+    """`ask()`, once per `recording_reads()`: asked again, its answer, and the paths it
+    looked at recorded again."""
+    answers = _ANSWERS.get()
+    if answers is None:
+        return ask()
+    known = answers.get(key)
+    if known is None:
+        token = _LOOKED_AT.set(set())
+        try:
+            answer = ask()
+            known = answers[key] = (answer, _LOOKED_AT.get())
+        finally:
+            _LOOKED_AT.reset(token)
+    if known[1]:
+        _record_all(known[1])
+    return known[0]
 
 
 def _is_file(path: Path) -> bool:
@@ -206,6 +231,12 @@ def _record(path: Path) -> None:
         looked_at.add(str(path))
 
 
+def _record_all(paths: Set[str]) -> None:
+    looked_at = _LOOKED_AT.get()
+    if looked_at is not None:
+        looked_at |= paths
+
+
 def build_registry(module: cst.Module, resolver: Resolver, path: Optional[str]) -> ClassRegistry:
     """The classes of the script and of the sibling modules it imports from. The names
     the script's star imports bind are added to `resolver` (Resolver.add_bindings)."""
@@ -214,8 +245,9 @@ def build_registry(module: cst.Module, resolver: Resolver, path: Optional[str]) 
     registry = ClassRegistry()
     _collect(module, resolver, namespace="", file=path, registry=registry)
     if path:
-        _collect_siblings(module, resolver, Path(path).resolve().parent, registry, seen=set(), depth=2)
-        _collect_project_packages(module, resolver, Path(path).resolve().parent, registry)
+        folder = _remembered(("folder", path), lambda: Path(path).resolve().parent)
+        _collect_siblings(module, resolver, folder, registry, seen=set(), depth=2)
+        _collect_project_packages(module, resolver, folder, registry)
 
     def collect(sibling, sib_resolver, namespace, file) -> None:
         if namespace not in registry.namespaces:
@@ -261,11 +293,21 @@ def _imported_modules(resolver: Resolver, folder: Path, package: str = "") -> Li
         if dotted is None:
             continue
         out.append(dotted)
-        if not isinstance(stmt.names, cst.ImportStar) and _is_dir(folder.joinpath(*dotted.split("."))):
+        if not isinstance(stmt.names, cst.ImportStar) and _remembered(
+            ("dir", folder, dotted), lambda: _is_dir(folder.joinpath(*dotted.split(".")))
+        ):
             out += [f"{dotted}.{_dotted(alias.name)}" for alias in stmt.names]
     for stmt in resolver.nodes(cst.Import):
         out += [_dotted(alias.name) for alias in stmt.names]
     return out
+
+
+def _module_file(folder: Path, dotted: str) -> Optional[Path]:
+    """The file of module `dotted` in `folder` (a .py file or a package's __init__.py), or None."""
+    candidate = folder.joinpath(*dotted.split(".")).with_suffix(".py")
+    if not _is_file(candidate):
+        candidate = folder.joinpath(*dotted.split("."), "__init__.py")
+    return candidate if _is_file(candidate) else None
 
 
 def _collect_siblings(module, resolver, folder: Path, registry, seen, depth, package: str = "") -> None:
@@ -274,10 +316,8 @@ def _collect_siblings(module, resolver, folder: Path, registry, seen, depth, pac
     for dotted in _imported_modules(resolver, folder, package):
         if dotted in seen:
             continue
-        candidate = folder.joinpath(*dotted.split(".")).with_suffix(".py")
-        if not _is_file(candidate):
-            candidate = folder.joinpath(*dotted.split("."), "__init__.py")
-        if not _is_file(candidate):
+        candidate = _remembered(("module", folder, dotted), lambda: _module_file(folder, dotted))
+        if candidate is None:
             continue
         seen.add(dotted)
         parsed = _parse_sibling(candidate)
@@ -312,8 +352,10 @@ def _collect_project_packages(module, resolver, folder: Path, registry) -> None:
     heads -= {n.split(".")[0] for n in registry.namespaces}
     if not heads:
         return
-    root = _project_root(folder)
-    if root is None or not any((root / h).is_dir() for h in heads):
+    root = _remembered(("root", folder), lambda: _project_root(folder))
+    if root is None:
+        return
+    if not _remembered(("heads", root, frozenset(heads)), lambda: any((root / h).is_dir() for h in heads)):
         return
     _collect_siblings(module, resolver, root, registry, seen=set(registry.namespaces), depth=2)
 

@@ -460,8 +460,9 @@ class ModelAnalysis(SiteAnalysis):
         }
         out = []
         for call in calls:
-            known = trained_names.get(self.r.enclosing_function(call), set())
-            if not (call.args and isinstance(call.args[0].value, cst.Name) and call.args[0].value.value in known):
+            if not (call.args and type(call.args[0].value) is cst.Name):
+                continue
+            if call.args[0].value.value not in trained_names.get(self.r.enclosing_function(call), set()):
                 continue
             if self.r.is_call_to(call, AVERAGED_MODEL):
                 out.append(("AveragedModel", call))
@@ -617,19 +618,27 @@ class ModelAnalysis(SiteAnalysis):
         """`raw_model = model`, `raw_model = model.module if ddp else model`: another name
         for the same model, in the same function."""
         changed = False
-        for stmt in self.r.nodes(cst.SimpleStatementLine):
-            if len(stmt.body) != 1 or type(stmt.body[0]) is not cst.Assign:
-                continue
-            assign = stmt.body[0]
-            if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
-                continue
-            function = self.r.enclosing_function(stmt)
-            known = names.get(function, set())
-            alias = assign.targets[0].target.value
-            if known and alias not in known and _aliases_model(assign.value, known):
+        for function, alias, value in self._plain_assignments():
+            known = names.get(function)
+            if known and alias not in known and _aliases_model(value, known):
                 known.add(alias)
                 changed = True
         return changed
+
+    def _plain_assignments(self) -> List[tuple]:
+        """(function, name, value) of each `name = value` statement (one target, a plain
+        name), in source order; found once per analysis (_model_names asks each round)."""
+        found = self.__dict__.get("_plain_assignment_list")
+        if found is None:
+            found = self._plain_assignment_list = []
+            for stmt in self.r.nodes(cst.SimpleStatementLine):
+                if len(stmt.body) != 1 or type(stmt.body[0]) is not cst.Assign:
+                    continue
+                assign = stmt.body[0]
+                if len(assign.targets) != 1 or type(assign.targets[0].target) is not cst.Name:
+                    continue
+                found.append((self.r.enclosing_function(stmt), assign.targets[0].target.value, assign.value))
+        return found
 
     def _forward_calls(self, model_names) -> List[cst.Call]:
         out = []

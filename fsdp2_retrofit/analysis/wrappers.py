@@ -65,10 +65,11 @@ def wrappers(facts) -> WrapperFacts:
         site = _site(stmt, call, kind)
         (sites if site is not None else other_calls).append(site or call)
     wrapped = {s.name for s in sites}
+    wrapper_names = DDP | DATA_PARALLEL
     other_uses = [
         n for kind in (cst.Name, cst.Attribute)
         for n in r.nodes(kind)
-        if n not in wrapper_calls and r.qnames(n) & (DDP | DATA_PARALLEL) and not _in_import(n, r)
+        if r.qnames(n) & wrapper_names and n not in wrapper_calls and not _in_import(n, r)
         and not (isinstance(r.parent(n), cst.Attribute) and r.parent(n).attr is n)
     ]
     other_uses = [n for n in other_uses if not any(a in other_uses for a in r.ancestors(n))]

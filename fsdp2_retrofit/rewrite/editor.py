@@ -71,18 +71,19 @@ class StatementEditor(CarryLines, cst.CSTTransformer):
         if self.resolver is not None:
             if self.__dict__.get("_paths") is None:
                 self._paths = self._edit_paths()
-            if node not in self._paths:
+            if id(node) not in self._paths:
                 return False
         return super().on_visit(node)
 
     def _edit_paths(self) -> set:
-        """The nodes edits are keyed on, with all their ancestors."""
-        paths = {self.resolver.module}
+        """id() of the nodes edits are keyed on, with all their ancestors (nodes of the
+        tree or keys of the edits: alive while the editor is, so their ids are theirs)."""
+        paths = {id(self.resolver.module)}
         edits = (self.before, self.after, self.append, self.replacement, self.leading, self.relead, self.expressions)
         for keyed in edits:
             for node in keyed:
-                while isinstance(node, cst.CSTNode) and node not in paths:
-                    paths.add(node)
+                while isinstance(node, cst.CSTNode) and id(node) not in paths:
+                    paths.add(id(node))
                     node = self.resolver.parent(node)
         return paths
 
@@ -129,6 +130,8 @@ class StatementEditor(CarryLines, cst.CSTTransformer):
         self.after[anchor].append(stmt)
 
     def on_leave(self, original_node, updated_node):
+        if updated_node is original_node and self.resolver is not None and id(original_node) not in self._paths:
+            return original_node  # off every edit's path (on_visit skipped it): kept, the same node
         result = super().on_leave(original_node, updated_node)
         edits = self.expressions.get(original_node, ())
         for new in edits:

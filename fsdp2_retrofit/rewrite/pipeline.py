@@ -7,7 +7,7 @@ import libcst as cst
 
 from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.report import InputError, RefusedError, RewriteResult
-from fsdp2_retrofit.syntax.names import Origins, render
+from fsdp2_retrofit.syntax.names import Origins
 from .context import RewriteContext
 from .output_check import crashes_in_output
 from .stage import ATTENTION_KEY, CHANGES_KEY, OPTIONS_KEY, ORIGINS_KEY
@@ -54,7 +54,7 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
             new_module = command.transform_module(module)
     except RefusedError as refused:
         return RewriteResult(path, source, source, [], [], [refused.refusal], sorted(looked_at))
-    new_text = render(new_module)  # rendered once: the bytes and the compile check share it
+    new_text = origins.render(new_module)  # rendered once: the bytes and the compile check share it
     _must_compile(new_text, path)
     new_code = new_text.encode(new_module.encoding)
     attention = context.scratch.get(ATTENTION_KEY, []) + crashes_in_output(new_module, new_code, path, origins)

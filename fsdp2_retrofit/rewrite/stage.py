@@ -244,7 +244,8 @@ def _visible_in(resolver, scope_node: Optional[cst.CSTNode]) -> frozenset:
 def _names_visible(resolver, scope_node: Optional[cst.CSTNode]) -> set:
     """Names bound or read in a function plus the module's top level (not other bodies):
     the identifiers (not attribute names) outside every def and class but `scope_node`,
-    and the names of the outermost of those defs and classes. One pass over the index."""
+    and the names of the outermost of those defs and classes. The names of the bodies left
+    out are not visited (the index's ranks give the stretches between them)."""
     inside = scope_node if isinstance(scope_node, cst.FunctionDef) else None
     others = [d for kind in (cst.FunctionDef, cst.ClassDef) for d in resolver.nodes(kind) if d is not inside]
     found = set()
@@ -255,14 +256,14 @@ def _names_visible(resolver, scope_node: Optional[cst.CSTNode]) -> set:
             continue  # inside a body that is not visible
         closed.append((first, last))
         found.add(d.name.value)
-    at = 0
-    for name in resolver.nodes(cst.Name):
-        rank = resolver.order(name)
-        while at < len(closed) and closed[at][1] < rank:
-            at += 1
-        if at < len(closed) and closed[at][0] <= rank:
-            continue
-        parent = resolver.parent(name)
-        if not (type(parent) is cst.Attribute and parent.attr is name):  # `x.state_dict` binds no `state_dict`
-            found.add(name.value)
+    stretches, at = [], 0  # the ranks outside those bodies: the names there, from the index
+    for first, last in closed:
+        stretches.append((at, first - 1))
+        at = last + 1
+    stretches.append((at, None))
+    for first, last in stretches:
+        for name in resolver.nodes_ranked(cst.Name, first, last):
+            parent = resolver.parent(name)
+            if not (type(parent) is cst.Attribute and parent.attr is name):  # `x.state_dict` binds no `state_dict`
+                found.add(name.value)
     return found

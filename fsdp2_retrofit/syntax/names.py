@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import builtins
+import re
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
+from itertools import accumulate
 from dataclasses import fields
 from typing import Dict, Iterable, Iterator, List, Optional, Set, Type
 
@@ -46,6 +48,7 @@ class _NoPosition:
 
 
 _NO_POSITION = _NoPosition()
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")  # a line and its break, as libcst counts breaks
 
 
 class _Codegen(CodegenState):
@@ -145,11 +148,13 @@ class Origins:
         counted from the end of the file too, for statements near it)."""
         self.first = first
         self._newlines = None if text is None else text.count("\n") + (0 if first.has_trailing_newline else 1)
+        self._text = text
         self._source: Dict[cst.CSTNode, cst.CSTNode] = {}
         self.first_resolver: Optional["Resolver"] = None  # set by the first tree's Resolver
         self._at: Optional[Dict[cst.CSTNode, int]] = None  # top-level statement -> its index
         self._positions: Dict[cst.CSTNode, object] = {}  # statement -> its nodes' positions, alone
         self._breaks: Dict[cst.CSTNode, List[int]] = {}  # top-level statement -> breaks before each of its nodes
+        self._counted: Dict[int, int] = {}  # id(statement of the first tree) -> _breaks_of
 
     def _lines_before(self, top: cst.CSTNode) -> int:
         """How many lines of the file come before a top-level statement (its leading
@@ -172,6 +177,47 @@ class Origins:
             stmt = body[len(self._forward) - 1]
             self._forward.append(self._forward[-1] + self._breaks_of(stmt))
         return self._forward[i]
+
+    def render(self, module: cst.Module) -> str:
+        """`render(module)` for a tree the rewrite made from the first: each top-level
+        statement it kept (the same node) is copied from the user's text instead of
+        generated again (libcst's parse round-trips: a node's code is the text it was
+        parsed from), the others are rendered. The statements' lines are counted from
+        their nodes' own text (see _breaks_of, a third of the cost of rendering them);
+        where that count and the text disagree, or the file's style differs (no final
+        newline, another indent or newline in `module`), the whole tree is rendered."""
+        first, text = self.first, self._text
+        if (
+            text is None
+            or self.first_resolver is None
+            or not (first.has_trailing_newline and module.has_trailing_newline)
+            or (module.default_indent, module.default_newline) != (first.default_indent, first.default_newline)
+        ):
+            return render(module)
+        at = {id(stmt): i for i, stmt in enumerate(first.body)}
+        if not any(at.get(id(stmt)) is not None and first.body[at[id(stmt)]] is stmt for stmt in module.body):
+            return render(module)
+        starts = [len(first.header)]  # the line each statement's code starts at (its leading lines included)
+        for stmt in first.body:
+            starts.append(starts[-1] + self._breaks_of(stmt))
+        lines = _LINE.findall(text)
+        if starts[-1] + len(first.footer) != len(lines) or "".join(lines) != text:
+            return render(module)
+        offsets = [0, *accumulate(map(len, lines))]  # line -> the offset of its first character
+        state = _Codegen(default_indent=module.default_indent, default_newline=module.default_newline)
+        for line in module.header:
+            line._codegen(state)
+        for stmt in module.body:
+            i = at.get(id(stmt))
+            if i is not None and first.body[i] is stmt:
+                state.add_token(text[offsets[starts[i]] : offsets[starts[i + 1]]])
+            else:
+                stmt._codegen(state)
+        for line in module.footer:
+            line._codegen(state)
+        if not state.tokens:
+            state.add_token(state.default_newline)  # an empty module keeps its newline (Module._codegen_impl)
+        return "".join(state.tokens)
 
     def carry(self, old: cst.CSTNode, new: cst.CSTNode) -> None:
         if new is not old:
@@ -213,13 +259,18 @@ class Origins:
         return self._lines_before(top) + self._breaks_before(top, unit) + pos.start.line
 
     def _breaks_of(self, stmt: cst.CSTNode) -> int:
-        """The line breaks in a statement's code, from its nodes' own text (not rendered)."""
+        """The line breaks in a statement's code, from its nodes' own text (not rendered);
+        counted once per statement (the lines of the report and render share them)."""
+        known = self._counted.get(id(stmt))  # statements of the first tree: alive while it is
+        if known is not None:
+            return known
         resolver = self.first_resolver
         first, last = resolver.span(stmt)
         newline = self.first.default_newline
         breaks = 0
         for node in resolver._seq[first : last + 1]:
             breaks += _breaks_in(node, newline)
+        self._counted[id(stmt)] = breaks
         return breaks
 
     def _one_line(self, stmt: cst.SimpleStatementLine) -> bool:
@@ -268,16 +319,29 @@ class Resolver:
         self.origins = origins
         self._positions = None  # computed on the first position() call: only stages that report need it
         self._index(module, previous)
-        self._table = self._name_table(module)
+        self._table = self._name_table(module, previous)
         self._added: Set[str] = set()  # the names add_bindings added
+        # id(attribute) -> (the attribute, its qualified name): the attribute is held, so its id is
+        # not reused while the entry lives; emptied when add_bindings changes the table
+        self._attribute_names: Dict[int, tuple] = {}
+        # id(indexed node) -> the innermost FunctionDef / ClassDef that is or holds it (see _enclosing)
+        self._within: Dict[type, Dict[int, Optional[cst.CSTNode]]] = {cst.FunctionDef: {}, cst.ClassDef: {}}
         if origins is not None and module is origins.first:
             origins.first_resolver = self
 
-    def _name_table(self, module: cst.Module) -> Dict[str, str]:
-        """Local name -> qualified name, for the names the module binds globally or imports."""
+    def _name_table(self, module: cst.Module, previous: Optional["Resolver"] = None) -> Dict[str, str]:
+        """Local name -> qualified name, for the names the module binds globally or imports
+        (the names a top-level statement `previous`'s tree had too binds are not looked for again)."""
         table: Dict[str, str] = {}
-        for name in _module_bindings(module.body):
-            table[name] = name
+        known = previous._bound_by if previous is not None else {}
+        self._bound_by: Dict[int, tuple] = {}  # id(top-level statement) -> (it, the names it binds)
+        for stmt in module.body:
+            found = known.get(id(stmt))
+            if found is None or found[0] is not stmt:
+                found = (stmt, list(_module_bindings((stmt,))))
+            self._bound_by[id(stmt)] = found
+            for name in found[1]:
+                table[name] = name
         for kind in (cst.Import, cst.ImportFrom):
             for imp in self._by_type.get(kind, []):
                 table.update(import_bindings(imp))
@@ -292,6 +356,7 @@ class Resolver:
         from the sibling files by analysis.star_imports); a name it binds itself keeps
         its own meaning, unless listed in `unsure` (a star import may rebind it): that
         one resolves to nothing."""
+        self._attribute_names.clear()
         for name in unsure:
             self._table.pop(name, None)
         for name, qualified in names.items():
@@ -385,10 +450,16 @@ class Resolver:
         first = self._order.get(id(node))
         if first is None:
             return []
+        return self.nodes_ranked(kind, first, self._last[id(node)])
+
+    def nodes_ranked(self, kind: Type[cst.CSTNode], first: int, last: Optional[int] = None) -> List[cst.CSTNode]:
+        """Every node of exactly this type whose rank (see order) is from `first` to `last`
+        (None: the end), in source order, from the index."""
         if kind not in self._ranks:
             self._ranks[kind] = [self._order[id(n)] for n in self._by_type.get(kind, [])]
         ranks = self._ranks[kind]
-        return self._by_type.get(kind, [])[bisect_left(ranks, first) : bisect_right(ranks, self._last[id(node)])]
+        end = len(ranks) if last is None else bisect_right(ranks, last)
+        return self._by_type.get(kind, [])[bisect_left(ranks, first) : end]
 
     def qnames(self, node: cst.CSTNode) -> Set[str]:
         """Fully qualified names of a name, attribute or call (its callee)."""
@@ -405,8 +476,13 @@ class Resolver:
                 return f"builtins.{node.value}"
             return found
         if kind is cst.Attribute:
+            known = self._attribute_names.get(id(node))
+            if known is not None and known[0] is node:
+                return known[1]
             base = self._dotted(node.value)
-            return f"{base}.{node.attr.value}" if base else None
+            found = f"{base}.{node.attr.value}" if base else None
+            self._attribute_names[id(node)] = (node, found)
+            return found
         return None
 
     def local_name(self, qname: str) -> Optional[str]:
@@ -480,13 +556,26 @@ class Resolver:
         return self._enclosing(node, cst.ClassDef)
 
     def _enclosing(self, node: cst.CSTNode, kind: type):
-        parents = self._parents
+        """The nearest ancestor of type `kind`. Remembered for the ancestors walked (indexed
+        nodes, kept alive by the index: their ids are not reused), so asking about every
+        node of a function climbs each of its ancestors once."""
+        parents, known = self._parents, self._within[kind]
         node = parents.get(id(node))
+        walked = []
+        found = None
         while node is not None:
+            key = id(node)
+            if key in known:
+                found = known[key]
+                break
             if type(node) is kind:
-                return node
-            node = parents.get(id(node))
-        return None
+                found = node
+                break
+            walked.append(key)
+            node = parents.get(key)
+        for key in walked:
+            known[key] = found
+        return found
 
     def statement_of(self, node: cst.CSTNode) -> Optional[cst.CSTNode]:
         """The statement (simple line or compound) that directly holds `node` in a block."""

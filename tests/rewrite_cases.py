@@ -28,10 +28,21 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "rewrite"
 CASES = sorted(p for p in FIXTURES.iterdir() if (p / "input.py").is_file())
 
 
-def case_params() -> list:
+def case_params(sample: int = 1) -> list:
     """CASES as parameters named by the case, each case its own xdist group, so that
-    ``--dist loadgroup`` runs every test of one case on the worker that rewrote it."""
-    return [pytest.param(case, id=case.name, marks=pytest.mark.xdist_group(case.name)) for case in CASES]
+    ``--dist loadgroup`` runs every test of one case on the worker that rewrote it. With
+    `sample` N, only every N-th case stays in the fast loop: the others are marked
+    `integration` (a property repeated over every fixture; the full run has them all)."""
+    return [
+        pytest.param(case, id=case.name, marks=[pytest.mark.xdist_group(case.name)]
+                     + ([] if i % sample == 0 else [pytest.mark.integration]))
+        for i, case in enumerate(CASES)
+    ]
+
+
+def sampled(items: list, sample: int) -> list:
+    """`items` as parameters, every `sample`-th in the fast loop, the others marked `integration`."""
+    return [pytest.param(item, marks=[] if i % sample == 0 else [pytest.mark.integration]) for i, item in enumerate(items)]
 
 
 def case_config(case: Path) -> dict:

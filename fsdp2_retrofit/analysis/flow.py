@@ -51,6 +51,7 @@ class ValueFlow:
         self._attr_stores: Optional[Dict[Tuple[int, str], list]] = None
         self._classes: Optional[Dict[str, Optional[cst.ClassDef]]] = None
         self._bound: Dict[int, List[Tuple[cst.Call, int]]] = {}
+        self._by_spelling: Optional[Dict[str, List[cst.Call]]] = None
 
     # -- the index -----------------------------------------------------------
 
@@ -231,12 +232,23 @@ class ValueFlow:
         if cls is None or self.r.enclosing_function(fn) is not None or self._class_named(cls.name.value) is not cls:
             found = [(c, 0) for c in self._calls_of(fn)]
         elif fn.name.value == "__init__":
-            found = [(c, 1) for c in self.r.nodes(cst.Call) if type(c.func) is cst.Name and c.func.value == cls.name.value]
+            found = [(c, 1) for c in self._calls_spelled(cls.name.value) if type(c.func) is cst.Name]
         else:
-            found = [(c, 1) for c in self.r.nodes(cst.Call) if type(c.func) is cst.Attribute
-                     and c.func.attr.value == fn.name.value and cls in self._classes_held(c.func.value, 0)]
+            found = [(c, 1) for c in self._calls_spelled(fn.name.value)
+                     if type(c.func) is cst.Attribute and cls in self._classes_held(c.func.value, 0)]
         self._bound[id(fn)] = found
         return found
+
+    def _calls_spelled(self, name: str) -> List[cst.Call]:
+        """The calls `name(...)` and `<expr>.name(...)` of the module (indexed once)."""
+        if self._by_spelling is None:
+            self._by_spelling = {}
+            for call in self.r.nodes(cst.Call):
+                func = call.func
+                key = func.value if type(func) is cst.Name else func.attr.value if type(func) is cst.Attribute else None
+                if key is not None:
+                    self._by_spelling.setdefault(key, []).append(call)
+        return self._by_spelling.get(name, [])
 
     def _classes_held(self, expr, depth: int) -> List[cst.ClassDef]:
         """The classes of the script whose instance `expr` can hold: the class around a method

@@ -107,7 +107,7 @@ class LoaderAnalysis(SiteAnalysis):
                         if self._shuffle_set_after(a.value.value, kwargs_dict, stmt):
                             shuffle_set_later = a.value.value
             positional = [a.value for a in call.args if a.keyword is None and not a.star]
-            dataset = args.get("dataset", positional[0] if positional else None)
+            dataset = loader_dataset(call, args)
             out.append(
                 LoaderSite(
                     name=name,
@@ -354,6 +354,15 @@ class DataAnalysis(LoopAnalysis, LoaderAnalysis):
         if getattr(self, "_training_loaders", None) is None:
             self._training_loaders = self._loaders(self.r.nodes(cst.SimpleStatementLine), self.train_loops())
         return self._training_loaders
+
+
+def loader_dataset(call: cst.Call, keywords: Optional[dict] = None) -> Optional[cst.BaseExpression]:
+    """The dataset a DataLoader call is given: `dataset=` (from `keywords` when given: the call's
+    keyword arguments with the entries of a dict it unpacks) or its first positional argument."""
+    if keywords is None:
+        keywords = {a.keyword.value: a.value for a in call.args if a.keyword is not None}
+    positional = [a.value for a in call.args if a.keyword is None and not a.star]
+    return keywords.get("dataset", positional[0] if positional else None)
 
 
 def training_loaders(module: cst.Module, resolver: Resolver) -> List[LoaderSite]:

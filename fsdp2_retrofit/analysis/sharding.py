@@ -80,7 +80,7 @@ class ShardFacts:
     _bindings: Dict[Scope, Dict[str, List[tuple]]] = field(default_factory=dict)
     _closure_reads: Dict[Scope, Set[str]] = field(default_factory=dict)
     # the analysis's value flow (analysis/flow.py): a module reached by no name of its own
-    # (`trainer.model`, a dict entry, a method's return) is matched to a site by value
+    # (`trainer.model`, a method's return) is matched to a site by value
     flow: object = field(default=None, repr=False)
     _by_value: Dict[Tuple[str, int], List[ShardSite]] = field(default_factory=dict)
     _site_origins: Dict[int, frozenset] = field(default_factory=dict)
@@ -346,19 +346,17 @@ class ShardFacts:
 
 def _base(expr: cst.BaseExpression) -> Tuple[Optional[cst.BaseExpression], bool]:
     """The expression holding the module `expr` is (part of), and whether it is that module
-    itself: `model` for `model.blocks[0]` (False), `trainer.model` for `trainer.model` (True)."""
+    itself: `model` for `model.blocks[0]` (False), `trainer.model` for `trainer.model` (True:
+    an attribute is asked of the flow as it is)."""
     whole = True
     while True:
-        if type(expr) in (cst.Name, cst.Call) and not (
-            type(expr) is cst.Call and type(expr.func) is cst.Attribute and expr.func.attr.value in _PART_METHODS
-        ):
-            return expr, whole
-        if type(expr) is cst.Attribute:
-            return expr, whole  # an attribute is asked of the flow as it is (`trainer.model`)
-        if type(expr) is cst.Subscript:
+        kind = type(expr)
+        if kind is cst.Subscript:
             whole, expr = False, expr.value
-        elif type(expr) is cst.Call:
+        elif kind is cst.Call and type(expr.func) is cst.Attribute and expr.func.attr.value in _PART_METHODS:
             whole, expr = False, expr.func.value
+        elif kind in (cst.Name, cst.Attribute, cst.Call):
+            return expr, whole
         else:
             return None, whole
 

@@ -86,9 +86,11 @@ class MissingSampler(Rule):
         for loader in ctx.training_loaders():
             if loader.trains and not loader.has_sampler and not _iterable_dataset(ctx, loader.call, loader.dataset):
                 yield loader.call, {"name": f"`{loader.name}`"}, None
+        from fsdp2_retrofit.analysis.data import loader_dataset
+
         named = {id(loader.call) for loader in ctx.training_loaders() if loader.trains}
         for call, loop in ctx.analysis.fed_loaders():
-            if id(call) not in named and not _has_sampler(call) and not _iterable_dataset(ctx, call, _dataset(call)):
+            if id(call) not in named and not _has_sampler(call) and not _iterable_dataset(ctx, call, loader_dataset(call)):
                 where = f"built in `{_where(ctx, call)}`, read by the training loop at line {ctx.resolver.line(loop)},"
                 yield call, {"name": where}, None
 
@@ -110,15 +112,6 @@ def _where(ctx, call) -> str:
             if type(t.target) is cst.Attribute and type(t.target.value) is cst.Name and t.target.value.value == "self":
                 return owner + t.target.attr.value
     return f"{owner}{fn.name.value}()"
-
-
-def _dataset(call):
-    """The dataset a DataLoader call is given (`dataset=` or its first positional argument)."""
-    for a in call.args:
-        if a.keyword is not None and a.keyword.value == "dataset":
-            return a.value
-    positional = [a.value for a in call.args if a.keyword is None and not a.star]
-    return positional[0] if positional else None
 
 
 def _has_sampler(call) -> bool:

@@ -16,7 +16,7 @@ import stat
 import tokenize
 from contextlib import suppress
 from pathlib import Path
-from typing import Optional, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 from .report import InputError
 from dataclasses import dataclass
@@ -65,6 +65,19 @@ def read_source(path: PathLike) -> Source:
         raise InputError("empty file: nothing to retrofit")
     encoding = _check_encoding(data)
     return Source(str(path), data, encoding)
+
+
+def decode(data: bytes, like: Optional[bytes] = None) -> str:
+    """The text of `data` in the encoding it declares (or `like`, the file it was made
+    from, declares), for diffs; undecodable bytes replaced."""
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(like if like is not None else data).readline)
+    except SyntaxError:
+        encoding = "utf-8"
+    try:
+        return data.decode(encoding, errors="replace")
+    except LookupError:
+        return data.decode("utf-8", errors="replace")
 
 
 def _check_encoding(data: bytes) -> str:
@@ -183,6 +196,108 @@ def atomic_write(path: PathLike, data: bytes) -> None:
             raise InputError(f"cannot write: {_reason(exc)}") from None
         raise
     _fsync_directory(directory)
+
+
+# -- a set of files, all or none ----------------------------------------------
+
+JOURNAL = ".fsdp2-retrofit-pending.json"  # in the first target's folder while a set is being renamed
+
+
+def write_all(writes: Sequence[Tuple[PathLike, bytes]]) -> None:
+    """Replace every (path, data) of `writes` so that the set lands whole: every new file is
+    staged (written and fsynced beside its target) before any target changes; on a failure
+    while staging nothing is changed. Then a journal naming each staged file, its target
+    and the target's bytes as they were is written beside the first target (the commit
+    point), the renames follow, and the journal goes. A run killed between two renames
+    leaves the journal, and the next `rewrite` in that folder finishes the renames first
+    (`finish_interrupted`). One file is `atomic_write`. Raises InputError(message, path)."""
+    if len(writes) == 1:
+        atomic_write(writes[0][0], writes[0][1])
+        return
+    import hashlib
+    import json
+    import tempfile
+
+    staged: List[Tuple[str, str, Optional[str]]] = []  # (tmp, real target, sha256 of the target's bytes)
+    journal = ""
+    try:
+        for path, data in writes:
+            target = os.path.realpath(path)
+            try:
+                st: Optional[os.stat_result] = os.stat(target)
+                with open(target, "rb") as f:
+                    before: Optional[str] = hashlib.sha256(f.read()).hexdigest()
+            except FileNotFoundError:
+                st, before = None, None
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=f".{os.path.basename(target)}.",
+                                       suffix=".tmp")
+            staged.append((tmp, target, before))
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            if st is not None:
+                os.chmod(tmp, stat.S_IMODE(st.st_mode))
+                _keep_owner(tmp, st)
+            else:
+                os.chmod(tmp, 0o666 & ~_umask())
+        journal = os.path.join(os.path.dirname(staged[0][1]), JOURNAL)
+        record = [{"staged": tmp, "target": target, "before": before} for tmp, target, before in staged]
+        atomic_write(journal, json.dumps(record, indent=1).encode())
+    except BaseException as exc:
+        for tmp, _, _ in staged:
+            with suppress(OSError):
+                os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise InputError(f"cannot write: {_reason(exc)}") from None
+        raise
+    try:
+        for tmp, target, _ in staged:  # committed: from here on the set is finished, now or by the next run
+            os.replace(tmp, target)
+    except OSError as exc:
+        raise InputError(f"cannot write: {_reason(exc)} (the files still to write are listed in {journal}; "
+                         "the next rewrite in that folder writes them)") from None
+    for folder in sorted({os.path.dirname(t) for _, t, _ in staged}):
+        _fsync_directory(folder)
+    with suppress(OSError):
+        os.unlink(journal)
+
+
+def finish_interrupted(folder: PathLike) -> List[str]:
+    """Finish a set of writes `write_all` committed in `folder` but did not complete (the run
+    was killed between renames): each staged file still there replaces its target, unless
+    the target changed since (then it is kept, and the staged file removed). Returns one
+    line per file for the report; [] when there was nothing to finish."""
+    import hashlib
+    import json
+
+    journal = os.path.join(str(folder), JOURNAL)
+    try:
+        with open(journal, "rb") as f:
+            record = json.loads(f.read())
+    except (OSError, ValueError):
+        return []
+    done = []
+    for entry in record if isinstance(record, list) else ():
+        tmp, target, before = entry.get("staged"), entry.get("target"), entry.get("before")
+        if not (isinstance(tmp, str) and isinstance(target, str)) or not os.path.exists(tmp):
+            continue
+        try:
+            with open(target, "rb") as f:
+                now: Optional[str] = hashlib.sha256(f.read()).hexdigest()
+        except FileNotFoundError:
+            now = None
+        if now == before:
+            os.replace(tmp, target)
+            done.append(f"{target}: written (an interrupted rewrite of several files is finished)")
+        else:
+            with suppress(OSError):
+                os.unlink(tmp)
+            done.append(f"{target}: changed since an interrupted rewrite; kept as it is")
+    _fsync_directory(str(folder))
+    with suppress(OSError):
+        os.unlink(journal)
+    return done
 
 
 def _keep_owner(tmp: str, st: os.stat_result) -> None:

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
-from typing import Iterable, List, Optional, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Dict, Iterable, List, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -15,6 +15,7 @@ class Change:
     what: str
     why: str
     pitfall: str = ""
+    path: str = ""  # the file it is in (set for every record of a result)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Attention:
     what: str
     why: str
     differs: bool = False
+    path: str = ""
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class Refusal:
     why: str
     hint: str = ""
     code: str = ""  # its kind in the refusal catalogue (`fsdp2-retrofit rules FSR101`)
+    path: str = ""
 
 
 class RefusedError(Exception):
@@ -63,10 +66,27 @@ class RewriteResult:
     refusals: List[Refusal]
     # the other files the analysis looked for (found or not): the result depends on them
     inputs: List[str] = field(default_factory=list)
+    # the project's other files this rewrite edits (a DataLoader helper's module), one result each
+    siblings: List["RewriteResult"] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        """Every record names its file."""
+        for records in (self.changes, self.attention, self.refusals):
+            records[:] = [r if r.path else replace(r, path=self.path) for r in records]
 
     @property
     def changed(self) -> bool:
+        """This file changes (the script's result: the script itself; see `files`)."""
         return not self.refusals and self.code != self.original
+
+    @property
+    def files(self) -> List["RewriteResult"]:
+        """The script's result, then each other file's: what a run writes, shows and counts."""
+        return [self] + list(self.siblings)
+
+    @property
+    def changed_files(self) -> List["RewriteResult"]:
+        return [] if self.refusals else [r for r in self.files if r.code != r.original]
 
 
 def to_json(results: Sequence[RewriteResult]) -> str:
@@ -80,7 +100,8 @@ def to_json(results: Sequence[RewriteResult]) -> str:
                 "attention": [asdict(a) for a in r.attention],
                 "refusals": [asdict(x) for x in r.refusals],
             }
-            for r in results
+            for result in results
+            for r in result.files
         ],
         indent=2,
     )
@@ -130,18 +151,19 @@ def launch_command(target: str) -> str:
     return single_node(target)
 
 
-def render_text(result: RewriteResult, console, *, target: Optional[str] = None, applied: bool = True) -> None:
+def render_text(result: RewriteResult, console, *, target: Optional[str] = None, applied: bool = True,
+                targets: Optional[Dict[str, str]] = None) -> None:
     """The human report of one rewrite, on `console` (a rich Console).
 
-    `target` is where the result goes (default: in place); `applied` says whether it
-    was written or only checked/shown. A refused file's first refusal is the error
+    `target` is where the result goes (default: in place), `targets` where each other file
+    of the project it edits goes (default: in place); `applied` says whether they were
+    written or only checked/shown. A refused file's first refusal is the error
     line the CLI prints, so only the further ones are listed here.
     """
     from rich.table import Table
     from rich.text import Text
 
     target = target or result.path
-    dest = "" if target == result.path else f" -> {target}"
     if result.refusals:
         if len(result.refusals) > 1:
             title = f"{result.path}: further refusals (file left unchanged)"
@@ -157,6 +179,25 @@ def render_text(result: RewriteResult, console, *, target: Optional[str] = None,
             console.print(table)
         return
 
+    targets = targets or {}
+    _render_file(result, console, target, applied)
+    for sibling in result.siblings:
+        if sibling.code != sibling.original:
+            _render_file(sibling, console, targets.get(sibling.path, sibling.path), applied)
+
+    if result.changed:
+        from fsdp2_retrofit.rewrite.launch_commands import multi_node
+
+        console.print(Text.assemble("launch with: ", (launch_command(target), "bold")), soft_wrap=True)
+        console.print(Text.assemble("  on several nodes, on each: ", multi_node(target)), soft_wrap=True)
+
+
+def _render_file(result: RewriteResult, console, target: str, applied: bool) -> None:
+    """The heading and tables of one file of a rewrite."""
+    from rich.table import Table
+    from rich.text import Text
+
+    dest = "" if target == result.path else f" -> {target}"
     if result.changed:
         verb = "rewrote" if applied else "would rewrite"
         count = _count(len(result.changes), "change")
@@ -187,12 +228,6 @@ def render_text(result: RewriteResult, console, *, target: Optional[str] = None,
             what = Text("training differs: ", style="bold red") + Text(a.what) if a.differs else Text(a.what)
             table.add_row(str(a.line), a.code, what, Text(a.why))
         console.print(table)
-
-    if result.changed:
-        from fsdp2_retrofit.rewrite.launch_commands import multi_node
-
-        console.print(Text.assemble("launch with: ", (launch_command(target), "bold")), soft_wrap=True)
-        console.print(Text.assemble("  on several nodes, on each: ", multi_node(target)), soft_wrap=True)
 
 
 def render_diff(diff: str, console) -> None:

@@ -12,6 +12,8 @@ group each case's tests on one worker (``xdist_group``) so it is rewritten once.
 from __future__ import annotations
 
 import functools
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -63,5 +65,43 @@ def rewrite_case(case: Path, name: str = "input.py"):
 
 @functools.lru_cache(maxsize=None)
 def _rewrite(case: Path, name: str):
-    path = case / name
+    path = project_copy(case, name) / "input.py" if edits_siblings(case) else case / name
     return rewrite_source(path.read_bytes(), str(path), case_options(case))
+
+
+def edits_siblings(case: Path) -> bool:
+    """A case whose rewrite also edits modules beside the script: their goldens are in
+    `expected/`, at their paths below the case."""
+    return (case / "expected").is_dir()
+
+
+_KEPT_OUT = ("input.py", "expected.py", "reference.py")
+
+
+def project_copy(case: Path, name: str, into: Path = None) -> Path:
+    """The project of a case that edits siblings, alone in a folder: its modules, and `name`
+    as input.py; for "expected.py" the modules are the goldens of `expected/` (what the
+    rewrite's output runs with). Copied once per (case, name) unless `into` is given (the
+    script and the modules the rewrite reads are all the folder holds, as in a user's project)."""
+    if into is None:
+        into = Path(tempfile.mkdtemp(prefix=f"{case.name}-")) / "project"
+    for path in sorted(case.rglob("*.py")):
+        rel = path.relative_to(case)
+        if rel.parts[0] == "expected" or rel.as_posix() in _KEPT_OUT:
+            continue
+        (into / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, into / rel)
+    if name == "expected.py":
+        for path in sorted((case / "expected").rglob("*.py")):
+            target = into / path.relative_to(case / "expected")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+    shutil.copyfile(case / name, into / "input.py")
+    return into
+
+
+def sibling_goldens(case: Path) -> dict:
+    """{path below the case: golden bytes} of the modules beside the script the rewrite edits."""
+    if not edits_siblings(case):
+        return {}
+    return {p.relative_to(case / "expected").as_posix(): p.read_bytes() for p in sorted((case / "expected").rglob("*.py"))}

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from rewrite_cases import edits_siblings, project_copy
 from fsdp2_retrofit.verify import (
     COMPARE_SCRIPT,
     Run,
@@ -100,6 +101,14 @@ def _reference(case: Path, run: dict, directory: Path, timeout: float) -> Run:
     return launch_single(case / run.get("reference_script", "input.py"), args, directory, timeout=timeout)
 
 
+def _expected(case: Path, directory: Path) -> Path:
+    """The rewritten script to run: expected.py, or for a case that edits modules beside the
+    script, the script in a copy of the project whose modules are the goldens of expected/."""
+    if not edits_siblings(case):
+        return case / "expected.py"
+    return project_copy(case, "expected.py", into=directory / "project") / "input.py"
+
+
 # --- the fixtures -----------------------------------------------------------
 
 
@@ -115,7 +124,7 @@ def test_retrofit_trains_like_the_original(case: Path, tmp_path: Path):
     # each run in its own folder: scripts that save periodically to relative paths
     # write plain files in one and DCP directories in the other
     single = _reference(case, run, tmp_path / "single", timeout)
-    dist = launch_distributed(case / "expected.py", ["--out", str(tmp_path / "dist" / "out.pt"), *run["dist_args"]],
+    dist = launch_distributed(_expected(case, tmp_path), ["--out", str(tmp_path / "dist" / "out.pt"), *run["dist_args"]],
                               tmp_path / "dist", nproc=run.get("nproc", 2), timeout=timeout)
     saved = compare_saved(tmp_path / "single" / "out.pt", tmp_path / "dist" / "out.pt", run["weights"], tolerance,
                           single_prefix=run.get("single_prefix", ""))
@@ -130,7 +139,7 @@ def test_retrofit_trains_like_the_original(case: Path, tmp_path: Path):
 def test_retrofit_trains(case: Path, tmp_path: Path):
     """--meta-init and bf16 outputs: the distributed run learns (its loss falls)."""
     run = _run_config(case)
-    dist = launch_distributed(case / "expected.py", ["--out", str(tmp_path / "out.pt"), *run["dist_args"]], tmp_path,
+    dist = launch_distributed(_expected(case, tmp_path), ["--out", str(tmp_path / "out.pt"), *run["dist_args"]], tmp_path,
                               nproc=run.get("nproc", 2), timeout=run.get("timeout", DEFAULT_TIMEOUT_S))
     result = trains(dist, run.get("min_drop", DEFAULT_MIN_DROP))
     print(f"\n{case.name}: {len(result.losses)} steps, losses {[round(v, 4) for v in result.losses if v is not None]}")
@@ -200,7 +209,7 @@ def test_retrofit_runs_as_plain_python(name: str, tmp_path: Path):
     tolerance = run.get("tolerance", DEFAULT_TOLERANCE)
     timeout = run.get("timeout", DEFAULT_TIMEOUT_S)
     single = _reference(case, run, tmp_path / "single", timeout)
-    plain = launch_single(case / "expected.py", ["--out", str(tmp_path / "plain" / "out.pt"), *run["single_args"]],
+    plain = launch_single(_expected(case, tmp_path), ["--out", str(tmp_path / "plain" / "out.pt"), *run["single_args"]],
                           tmp_path / "plain", timeout=timeout)
     saved = compare_saved(tmp_path / "single" / "out.pt", tmp_path / "plain" / "out.pt", run["weights"], tolerance,
                           single_prefix=run.get("single_prefix", ""))

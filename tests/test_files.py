@@ -142,3 +142,80 @@ def test_atomic_write_through_symlink_keeps_the_link(tmp_path):
 def test_atomic_write_failure_is_an_input_error(tmp_path):
     with pytest.raises(InputError, match="cannot write: no such file or directory"):
         files.atomic_write(tmp_path / "missing-dir" / "out.py", b"x = 1\n")
+
+
+# -- a set of files: all or none ------------------------------------------------------------
+
+_KILL_AFTER_FIRST_RENAME = """
+import os, sys
+sys.path.insert(0, {repo!r})
+from fsdp2_retrofit import files
+real = os.replace
+done = []
+def replace(src, dst):
+    real(src, dst)
+    if not dst.endswith(files.JOURNAL):
+        done.append(dst)
+        if len(done) == 1:
+            os._exit(9)  # killed between the renames
+os.replace = replace
+files.write_all([({a!r}, b"new a"), ({b!r}, b"new b")])
+"""
+
+
+def test_a_writer_killed_between_renames_is_finished_by_the_next_run(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_bytes(b"old a")
+    b.write_bytes(b"old b")
+    repo = str(Path(__file__).resolve().parents[1])
+    code = _KILL_AFTER_FIRST_RENAME.format(repo=repo, a=str(a), b=str(b))
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 9
+    assert (tmp_path / files.JOURNAL).exists()  # committed, not finished
+    assert (a.read_bytes(), b.read_bytes()) == (b"new a", b"old b")
+    notes = files.finish_interrupted(tmp_path)
+    assert len(notes) == 1 and "b.py: written" in notes[0]
+    assert (a.read_bytes(), b.read_bytes()) == (b"new a", b"new b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.py", "b.py"]
+
+
+def test_a_writer_killed_before_the_commit_changes_nothing(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_bytes(b"old a")
+    b.write_bytes(b"old b")
+    repo = str(Path(__file__).resolve().parents[1])
+    code = (f"import os, sys\nsys.path.insert(0, {repo!r})\nfrom fsdp2_retrofit import files\n"
+            "files.atomic_write = lambda *a, **k: os._exit(9)\n"  # the journal is the commit point
+            f"files.write_all([({str(a)!r}, b'new a'), ({str(b)!r}, b'new b')])\n")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 9
+    assert files.finish_interrupted(tmp_path) == []
+    assert (a.read_bytes(), b.read_bytes()) == (b"old a", b"old b")
+
+
+def test_a_file_edited_after_the_kill_is_kept(tmp_path):
+    import json
+
+    a = tmp_path / "a.py"
+    a.write_bytes(b"edited by hand")
+    staged = tmp_path / ".a.py.x.tmp"
+    staged.write_bytes(b"new a")
+    (tmp_path / files.JOURNAL).write_text(json.dumps([{"staged": str(staged), "target": str(a), "before": "0" * 64}]))
+    notes = files.finish_interrupted(tmp_path)
+    assert notes == [f"{a}: changed since an interrupted rewrite; kept as it is"]
+    assert a.read_bytes() == b"edited by hand" and not staged.exists()
+
+
+def test_a_failed_staging_leaves_every_file_and_no_temp(tmp_path):
+    a = tmp_path / "a.py"
+    a.write_bytes(b"old a")
+    with pytest.raises(InputError):
+        files.write_all([(str(a), b"new a"), (str(tmp_path / "missing" / "b.py"), b"new b")])
+    assert a.read_bytes() == b"old a"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.py"]

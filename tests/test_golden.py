@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fsdp2_retrofit.report import unified_diff
-from rewrite_cases import FIXTURES, case_config, case_params, rewrite_case
+from rewrite_cases import FIXTURES, case_config, case_params, rewrite_case, sibling_goldens
 
 
 @pytest.mark.parametrize("case", case_params())
@@ -24,6 +24,14 @@ def test_fixture_rewrites_to_expected(case: Path):
     if result.code != expected:
         diff = unified_diff("expected.py", expected.decode(), result.code.decode(), "got.py")
         pytest.fail(f"{case.name}: the rewrite differs from expected.py:\n{diff}")
+    folder = Path(result.path).parent
+    edited = {Path(s.path).resolve().relative_to(folder.resolve()).as_posix(): s.code for s in result.siblings}
+    goldens = sibling_goldens(case)
+    assert sorted(edited) == sorted(goldens), f"{case.name}: edits {sorted(edited)}, goldens in expected/ {sorted(goldens)}"
+    for rel, code in edited.items():
+        if code != goldens[rel]:
+            diff = unified_diff(f"expected/{rel}", goldens[rel].decode(), code.decode(), f"got/{rel}")
+            pytest.fail(f"{case.name}: the rewrite of {rel} differs from expected/{rel}:\n{diff}")
 
 
 @pytest.mark.parametrize("case", case_params())
@@ -32,6 +40,7 @@ def test_rewrite_of_expected_changes_nothing(case: Path):
     assert not result.refusals, result.refusals
     assert result.code == (case / "expected.py").read_bytes()
     assert result.changes == []
+    assert result.siblings == []
 
 
 @pytest.mark.parametrize("case", case_params())
@@ -55,7 +64,15 @@ if __name__ == "__main__":
     # Regenerate golden files for the named cases and show what changed.
     for name in sys.argv[1:]:
         case = FIXTURES / name
-        new = rewrite_case(case).code
+        result = rewrite_case(case)
+        new = result.code
         old = (case / "expected.py").read_bytes() if (case / "expected.py").exists() else b""
         print(unified_diff(f"{name}/expected.py", old.decode(), new.decode()) or f"{name}: unchanged")
         (case / "expected.py").write_bytes(new)
+        for sibling in result.siblings:
+            rel = Path(sibling.path).resolve().relative_to(Path(result.path).parent.resolve())
+            golden = case / "expected" / rel
+            old = golden.read_bytes() if golden.exists() else b""
+            print(unified_diff(f"{name}/expected/{rel}", old.decode(), sibling.code.decode()) or f"{rel}: unchanged")
+            golden.parent.mkdir(parents=True, exist_ok=True)
+            golden.write_bytes(sibling.code)

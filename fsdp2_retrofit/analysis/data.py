@@ -125,14 +125,15 @@ class LoaderAnalysis(SiteAnalysis):
                     returned=self._returned(name, stmt),
                     received=self._received(name, stmt),
                     cycled=self._cycled(name, stmt),
-                    handed_to=self._handed_to(call),
+                    handed_to=self.handed_to(call),
                 )
             )
         return out
 
-    def _handed_to(self, call: cst.Call) -> List[tuple]:
+    def handed_to(self, call: cst.Call) -> List[tuple]:
         """(function, parameter) for each parameter of a script function that holds the value of
-        the DataLoader `call` and no other value (followed by value: analysis/flow.py)."""
+        `call` (a DataLoader, or a call returning one) and no other value (followed by value:
+        analysis/flow.py)."""
         out = []
         for site, fn in self._local_calls():
             for param, arg in bind_args(fn, site):
@@ -154,6 +155,7 @@ class LoaderAnalysis(SiteAnalysis):
         if getattr(self, "_fed", None) is not None:
             return self._fed
         found: Dict[int, cst.CSTNode] = {}
+        self._fed_calls: Dict[int, cst.CSTNode] = {}  # every call whose value a loop reads -> the loop
         for loop in train_loops:
             reads: List[cst.BaseExpression] = []
             if isinstance(loop.node, cst.For):
@@ -166,12 +168,21 @@ class LoaderAnalysis(SiteAnalysis):
                 if isinstance(outer, cst.For):
                     reads.append(outer.iter)
             calls: Set[int] = set()
+            every: Set[int] = set()
             for expr in reads:
-                self._loader_origins(expr, calls, 3)
+                self._loader_origins(expr, calls, 3, every)
             for call in calls:
                 found.setdefault(call, loop.node)
+            for call in every:
+                self._fed_calls.setdefault(call, loop.node)
         self._fed = found
         return found
+
+    def loop_fed_by(self, call: cst.Call) -> Optional[cst.CSTNode]:
+        """The first training loop that reads the value of `call` (any call: a function of another
+        module that returns a DataLoader), followed as `fed_loaders` follows DataLoaders; None if none."""
+        self._loops_fed(self.train_loops())
+        return self._fed_calls.get(id(call))
 
     def fed_loaders(self) -> List[tuple]:
         """(DataLoader call, the training loop it reaches) for every DataLoader call whose value
@@ -180,20 +191,23 @@ class LoaderAnalysis(SiteAnalysis):
         fed = self._loops_fed(self.train_loops())
         return [(c, fed[id(c)]) for c in self.calls if id(c) in fed]
 
-    def _loader_origins(self, expr, found: Set[int], depth: int) -> None:
+    def _loader_origins(self, expr, found: Set[int], depth: int, every: Optional[Set[int]] = None) -> None:
         """Adds to `found` the DataLoader calls `expr` can hold, looking through the arguments
-        of calls that wrap one (iter(loader), enumerate(loader), a generator of the script)."""
+        of calls that wrap one (iter(loader), enumerate(loader), a generator of the script);
+        to `every` (when given) every call it can hold."""
         names = [expr] if type(expr) in (cst.Name, cst.Attribute, cst.Call) else []
         names += [n for n in walk(expr) if type(n) is cst.Name and n is not expr]
         for name in names:
             for origin in self.flow.values(name):
                 if type(origin) is not cst.Call:
                     continue
+                if every is not None:
+                    every.add(id(origin))
                 if self.r.is_call_to(origin, DATALOADERS):
                     found.add(id(origin))
                 elif depth > 0 and origin.args:
                     for arg in origin.args:
-                        self._loader_origins(arg.value, found, depth - 1)
+                        self._loader_origins(arg.value, found, depth - 1, every)
 
     def _cycled(self, name: str, stmt) -> Optional[tuple]:
         """(while, for, parameter) when the loader is handed to a function of the script whose

@@ -1,14 +1,19 @@
 """DataLoaders built by a function of a sibling module: `train_loader = create_dataloader(...)`
-with `from loaders import create_dataloader`. The rewrite edits one file, so such a loader
-gets no DistributedSampler; the data stage names the function and its line instead of
-saying that no DataLoader was found."""
+with `from loaders import create_dataloader`. The data stage gives that DataLoader its
+DistributedSampler in the sibling module (rewrite/workspace.py) when every call of the
+function feeds training and no other script of the project names it (`blocker` says what
+stands in the way otherwise); else it names the function and its line."""
 from __future__ import annotations
 
+import os
+import re
 from typing import List, Optional
 
 import libcst as cst
 
+from .data import loader_dataset
 from .model_classes import ClassRegistry
+from .project_imports import read
 from .returns import own_returns
 from dataclasses import dataclass
 from fsdp2_retrofit.syntax.names import Resolver, calls_in
@@ -21,6 +26,48 @@ class SiblingLoader:
     function: str  # its name
     file: str  # the sibling module, as a path relative to the script ("loaders.py", "data/loaders.py")
     line: int  # the line of the DataLoader(...) it builds
+    built: cst.Call  # that DataLoader(...) call, a node of the sibling's tree
+    resolver: Resolver  # the sibling module's
+    path: str  # the sibling module's file, as the analysis found it
+
+    def blocker(self, script: str) -> str:
+        """Why the DataLoader cannot take a DistributedSampler where it is built ("" when it can):
+        its arguments, or another file beside the script or the module that names the function
+        (a script run in one process, where a DistributedSampler finds no process group)."""
+        call = self.built
+        keywords = {a.keyword.value for a in call.args if a.keyword is not None}
+        if any(a.star for a in call.args):
+            return "its arguments are unpacked from `*`/`**` there"
+        if keywords & {"sampler", "batch_sampler"}:
+            return "it is given a sampler of its own there"
+        positional = [a for a in call.args if a.keyword is None]
+        if len(positional) > 2:
+            return "its shuffle/sampler arguments are given by position there"
+        if not isinstance(loader_dataset(call), cst.Name):
+            return "its dataset is not a name there (it would be built twice)"
+        other = _other_file_naming(self.function, [script, self.path])
+        if other:
+            return f"{other} names {self.function}() too (a DistributedSampler needs a process group in every " \
+                   "script that calls it)"
+        return ""
+
+
+def _other_file_naming(function: str, paths: List[str]) -> str:
+    """A .py file in the folders of `paths`, not one of them, whose text names `function`."""
+    mine = {os.path.realpath(p) for p in paths}
+    word = re.compile(rb"\b" + re.escape(function.encode()) + rb"\b")
+    for folder in sorted({os.path.dirname(p) for p in mine}):
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(folder, name)
+            if name.endswith(".py") and path not in mine:
+                data = read(path)
+                if data is not None and word.search(data):
+                    return os.path.relpath(path)
+    return ""
 
 
 def sibling_loaders(resolver: Resolver, classes: ClassRegistry) -> List[SiblingLoader]:
@@ -42,6 +89,7 @@ def _builder(resolver: Resolver, classes: ClassRegistry, call: cst.Call) -> Opti
         built = next((c for c in calls_in(fn) if namer.resolver.is_call_to(c, DATALOADERS)), None)
         if built is None or not any(n.value is not None for n in own_returns(namer.resolver, fn)):
             continue
-        return SiblingLoader(call, name, classes.shown_file(namespace), namer.resolver.line(built))
+        return SiblingLoader(call, name, classes.shown_file(namespace), namer.resolver.line(built), built,
+                             namer.resolver, classes.files[namespace])
     return None
 

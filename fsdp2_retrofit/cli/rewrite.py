@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import click
 
@@ -61,7 +61,12 @@ Examples:
 
 @click.command("rewrite", help=REWRITE_HELP, no_args_is_help=True, short_help="Rewrite scripts into FSDP2.")
 @click.argument("paths", nargs=-1, required=True, metavar="PATH...")
-@click.option("-o", "--output", "out", metavar="OUT", help="Write the result to OUT and leave PATH untouched (one PATH only).")
+@click.option(
+    "-o", "--output", "out", metavar="OUT",
+    help="Write the result to OUT and leave PATH untouched (one PATH only). When the rewrite also changes other "
+    "files of the project, or OUT is a folder, every changed file goes into the folder OUT at its path below the "
+    "folder the files share.",
+)
 @click.option("--diff", is_flag=True, help="Print a unified diff instead of writing.")
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 if a file would change.")
 @click.option(
@@ -256,7 +261,9 @@ class _Run:
         return not (self.diff or self.check)
 
     def process(self, path: str) -> None:
-        target = self.out or path
+        if self.writes:
+            for line in files.finish_interrupted(os.path.dirname(os.path.abspath(path))):
+                click.echo(line, err=True)
         try:
             source = files.read_source(path)
             result = cached_rewrite(source.data, path, self.options, self.use_cache)
@@ -273,30 +280,66 @@ class _Run:
         if result.refusals:
             first = result.refusals[0]
             code = f"{first.code} " if first.code else ""
-            self._error(path, first.line, f"{code}{first.what}: {first.why}", first.hint)
+            self._error(first.path or path, first.line, f"{code}{first.what}: {first.why}", first.hint)
             self.counts["failed"] += 1
             self._bump(EXIT_ERROR)
             if self.text_report:
-                self._render(result, target, applied=False)
+                self._render(result, {}, applied=False)
             return
 
-        if self.diff and result.changed:
-            text = unified_diff(path, source.decode(), source.decode(result.code), self.out)
-            render_diff(text, self.stdout)
-        if self.writes and (result.changed or self.out is not None):
+        changed = result.changed_files
+        try:
+            targets = self._targets(result, changed)
+        except InputError as exc:
+            self.results.pop()
+            return self._fail(path, exc)
+        if self.diff:
+            for unit in changed:
+                text = files.decode(unit.original)
+                diff = unified_diff(unit.path, text, files.decode(unit.code, like=unit.original),
+                                    targets[unit.path] if self.out else None)
+                render_diff(diff, self.stdout)
+        if self.writes and (changed or self.out is not None):
+            edited = {id(u) for u in changed}
+            writes = [(targets[u.path], u.code) for u in result.files
+                      if id(u) in edited or (u is result and self.out is not None)]
             try:
-                files.check_writable(target)
-                files.atomic_write(target, result.code)
-            except InputError as exc:
+                for target, _ in writes:
+                    files.check_writable(target)
+                    if self.out is not None and targets[result.path] != self.out:  # into the folder OUT
+                        os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+                files.write_all(writes)
+            except (InputError, OSError) as exc:
                 self.results.pop()
-                return self._fail(target, exc)
-        if self.check and result.changed:
+                failed = exc if isinstance(exc, InputError) else InputError(f"cannot write: {exc.strerror}")
+                return self._fail(target if len(writes) == 1 else (self.out or path), failed)
+        if self.check and changed:
             self._bump(EXIT_WOULD_CHANGE)
             if not self.quiet and not self.text_report:  # the text report's heading says it
-                click.echo(f"would rewrite {path}", err=True)
-        self.counts["changed" if result.changed else "unchanged"] += 1
+                for unit in changed:
+                    click.echo(f"would rewrite {unit.path}", err=True)
+        self.counts["changed"] += len(changed)
+        self.counts["unchanged"] += 0 if changed else 1
         if self.text_report:
-            self._render(result, target, applied=self.writes)
+            self._render(result, targets, applied=self.writes)
+
+    def _targets(self, result: RewriteResult, changed: List[RewriteResult]) -> Dict[str, str]:
+        """Where each file of the result goes: in place, or with -o the script's OUT, or for a
+        rewrite that changes several files (or an OUT that is a folder) each file at its path
+        below the folder the files share, inside OUT."""
+        if self.out is None:
+            return {u.path: u.path for u in result.files}
+        several = [u for u in changed if u is not result]
+        folder = os.path.isdir(self.out) or self.out.endswith(("/", os.sep))
+        if not several and not folder:
+            return {result.path: self.out}
+        if os.path.exists(self.out) and not os.path.isdir(self.out):
+            names = ", ".join(u.path for u in changed)
+            raise InputError(f"-o {self.out}: this rewrite changes {len(changed)} files ({names}); give -o a folder")
+        from fsdp2_retrofit.rewrite.workspace import project_relative
+
+        _, below = project_relative([u.path for u in result.files])
+        return {u.path: os.path.join(self.out, rel) for u, rel in zip(result.files, below)}
 
     def summary(self) -> None:
         verb = "rewritten" if self.writes else "would change"
@@ -319,8 +362,8 @@ class _Run:
             self._stdout = Console(highlight=False)
         return self._stdout
 
-    def _render(self, result: RewriteResult, target: str, applied: bool) -> None:
-        render_text(result, self.stderr, target=target, applied=applied)
+    def _render(self, result: RewriteResult, targets: Dict[str, str], applied: bool) -> None:
+        render_text(result, self.stderr, target=targets.get(result.path), applied=applied, targets=targets)
 
     def _fail(self, path: str, exc: InputError) -> None:
         self._error(path, exc.line, exc.message)

@@ -8,7 +8,8 @@ file of fsdp2_retrofit/ and codemods/: a changed checkout of the same version
 misses). The entry also lists every file the analysis looked for (modules
 the script imports, in its folder or in packages below it: RewriteResult.inputs)
 with a hash of its bytes, or null where it was absent; a lookup re-hashes them, and
-any difference is a miss. Entries are JSON files under $FSDP2_RETROFIT_CACHE_DIR,
+any difference is a miss. The other files a rewrite edits are stored with it (their new
+bytes, records and a hash of the bytes they were made from, checked on lookup). Entries are JSON files under $FSDP2_RETROFIT_CACHE_DIR,
 else $XDG_CACHE_HOME/fsdp2-retrofit, else ~/.cache/fsdp2-retrofit. Any problem
 with the cache means a miss, never an error.
 """
@@ -35,7 +36,7 @@ def cache_dir() -> Path:
     return Path(base) / "fsdp2-retrofit"
 
 
-FORMAT = 2  # of the entries: 2 added inputs and refusal codes
+FORMAT = 3  # of the entries: 2 added inputs and refusal codes, 3 the other files a rewrite edits
 
 _PACKAGES = ("fsdp2_retrofit", "codemods")  # the tool's own code, beside each other
 _source_stamp: Optional[str] = None
@@ -119,9 +120,26 @@ def lookup(path: str, source: bytes, options: RetrofitOptions) -> Optional[Rewri
             attention=[Attention(**a) for a in entry["attention"]],
             refusals=[Refusal(**r) for r in entry["refusals"]],
             inputs=sorted(entry["inputs"]),
+            siblings=[_sibling(s) for s in entry["siblings"]],
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _sibling(entry: dict) -> RewriteResult:
+    """Another file of the project the rewrite edits, as stored: its bytes on disk must be
+    the ones it was rewritten from (else KeyError: a miss)."""
+    original = Path(entry["path"]).read_bytes()
+    if hashlib.sha256(original).hexdigest() != entry["original"]:
+        raise KeyError(entry["path"])
+    return RewriteResult(
+        path=entry["path"],
+        original=original,
+        code=base64.b64decode(entry["code"]),
+        changes=[Change(**c) for c in entry["changes"]],
+        attention=[Attention(**a) for a in entry["attention"]],
+        refusals=[],
+    )
 
 
 def store(result: RewriteResult, options: RetrofitOptions) -> None:
@@ -131,6 +149,16 @@ def store(result: RewriteResult, options: RetrofitOptions) -> None:
         "attention": [asdict(a) for a in result.attention],
         "refusals": [asdict(r) for r in result.refusals],
         "inputs": _fingerprints(result.inputs),
+        "siblings": [
+            {
+                "path": s.path,
+                "original": hashlib.sha256(s.original).hexdigest(),
+                "code": base64.b64encode(s.code).decode(),
+                "changes": [asdict(c) for c in s.changes],
+                "attention": [asdict(a) for a in s.attention],
+            }
+            for s in result.siblings
+        ],
     }
     target = cache_dir() / _key(result.path, result.original, options)
     try:

@@ -10,7 +10,8 @@ from fsdp2_retrofit.report import InputError, RefusedError, RewriteResult
 from fsdp2_retrofit.syntax.names import Origins
 from .context import RewriteContext
 from .output_check import crashes_in_output
-from .stage import ATTENTION_KEY, CHANGES_KEY, OPTIONS_KEY, ORIGINS_KEY
+from .stage import ATTENTION_KEY, CHANGES_KEY, OPTIONS_KEY, ORIGINS_KEY, WORKSPACE_KEY
+from .workspace import Workspace
 
 
 def parse(source: bytes, path: str = "<input>") -> cst.Module:
@@ -48,6 +49,7 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
     context.scratch[OPTIONS_KEY] = options
     # every record names a line of `source`
     origins = context.scratch[ORIGINS_KEY] = Origins(module, source.decode(module.encoding, errors="replace"))
+    context.scratch[WORKSPACE_KEY] = project = Workspace(path)
     command = RetrofitCommand(context, options)
     try:
         with recording_reads() as looked_at:
@@ -66,6 +68,7 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
         sorted(attention, key=lambda a: a.line),
         [],
         sorted(looked_at),
+        project.results(),
     )
 
 

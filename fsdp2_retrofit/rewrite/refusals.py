@@ -371,6 +371,13 @@ _RULES = [
                 "batch: a shape error, or a silent broadcast.",
                 "Bind the per-rank size to a name of its own, read by the DataLoader and the batch tensors, or run "
                 "without --keep-global-batch."),
+    RefusalRule("FSR904", "data-loader-outside-project",
+                "The training DataLoader is built in a module outside the project (an installed package, or a folder "
+                "above the project's root).",
+                "The DataLoader needs a DistributedSampler where it is built, and the rewrite edits only the script "
+                "and the project's own modules.",
+                "Build the DataLoader in the script or a module of the project, or give it its DistributedSampler "
+                "there by hand."),
     # -- 95x zero_grad (a stage of its own, numbered among the 9xx) ---------------------
     RefusalRule("FSR950", "zero-grad-between-forward-and-backward",
                 "`model.zero_grad()` between the model's forward and backward() with no one optimizer to clear "

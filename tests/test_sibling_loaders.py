@@ -190,3 +190,23 @@ def test_output_file_for_a_set_of_files_is_an_error(tmp_path):
     assert done.returncode == 2
     assert "this rewrite changes 2 files (train.py, loaders.py); give -o a folder" in done.stderr
     assert (tmp_path / "loaders.py").read_text() == LOADERS
+
+
+def test_the_cache_answers_with_every_file_and_misses_when_the_module_changes(tmp_path):
+    _project(tmp_path)
+    first = _cli("train.py", "--diff", cwd=tmp_path)
+    assert list((tmp_path / ".cache").glob("*")), "nothing was cached"
+    again = _cli("train.py", "--diff", cwd=tmp_path)
+    assert again.stdout == first.stdout and "--- a/loaders.py" in again.stdout
+    (tmp_path / "loaders.py").write_text(LOADERS.replace("batch_size=batch_size, shuffle", "batch_size=batch_size,  shuffle"))
+    changed = _cli("train.py", "--diff", cwd=tmp_path)
+    assert "-    return DataLoader(data, batch_size=batch_size,  shuffle=shuffle)" in changed.stdout
+
+
+def test_verify_runs_the_retrofit_with_the_modules_it_edits(tmp_path):
+    from fsdp2_retrofit.verify import retrofit_in_memory
+
+    script = _project(tmp_path)
+    target = retrofit_in_memory(script, tmp_path / "retrofit")
+    assert SAMPLED in (tmp_path / "retrofit" / "loaders.py").read_text()
+    assert target == tmp_path / "retrofit" / "train.py"

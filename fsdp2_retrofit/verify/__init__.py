@@ -825,6 +825,15 @@ def retrofit_in_memory(script: Path, into: Path) -> Path:
     into.mkdir(parents=True, exist_ok=True)
     target = into / script.name
     target.write_bytes(result.code)
+    folder = script.resolve().parent
+    for sibling in result.siblings:  # the modules it edits, where the script's imports find them first
+        rel = Path(os.path.relpath(Path(sibling.path).resolve(), folder))
+        if rel.parts[0] == "..":
+            raise VerifyError(f"{sibling.path}: the retrofit edits this module, outside the script's folder; verify "
+                              "runs the retrofit from a copy of that folder only",
+                              "rewrite with -o DIR and pass the script with --retrofitted FILE from a copy of the project")
+        (into / rel).parent.mkdir(parents=True, exist_ok=True)
+        (into / rel).write_bytes(sibling.code)
     return target
 
 

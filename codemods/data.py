@@ -8,7 +8,7 @@ import libcst as cst
 from fsdp2_retrofit.analysis import LoaderSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.batch_size import batch_size_readers
 from fsdp2_retrofit.analysis.closures import functions_reading
-from fsdp2_retrofit.analysis.data import loader_dataset, pass_in_while, unfollowed_loaders
+from fsdp2_retrofit.analysis.data import pass_in_while, unfollowed_loaders
 from fsdp2_retrofit.analysis.loader_kwargs import KwargsBatchSize, batch_size_through
 from fsdp2_retrofit.analysis.loops import steps_outside_loops
 from fsdp2_retrofit.analysis.sibling_loaders import sibling_loaders
@@ -16,23 +16,25 @@ from fsdp2_retrofit.syntax.names import iterated_name, names_in, walk
 from fsdp2_retrofit.rewrite.edit import with_keyword, without_entry, without_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
+from .data_siblings import SiblingLoaderEdits
+
 BATCH_NOTE = "# The per-rank batch stays as written: the global batch is now world_size x larger."
 KEEP_NOTE = "# --keep-global-batch: each rank reads 1/world_size of the batch; the global batch stays as written."
 
 
-def _sampled(call: cst.Call, sampler, dataset: Optional[cst.BaseExpression],
+def _sampled(call: cst.Call, sampler: str, dataset: Optional[cst.BaseExpression],
              batch: Optional[cst.BaseExpression]) -> cst.Call:
-    """A DataLoader call reading through `sampler` (a name, or an expression; its shuffle
-    dropped; its dataset and per-rank batch size replaced where given)."""
+    """A DataLoader call reading through `sampler` (its shuffle dropped; its dataset
+    and per-rank batch size replaced where given)."""
     call = without_keyword(without_keyword(call, "shuffle"), "sampler")
     if dataset is not None:
         call = _replace_dataset(call, dataset)
     if batch is not None:
         call = _replace_batch_size(call, batch)
-    return with_keyword(call, "sampler", cst.Name(sampler) if isinstance(sampler, str) else sampler)
+    return with_keyword(call, "sampler", cst.Name(sampler))
 
 
-class DistributeDataCommand(RetrofitStage):
+class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
     DESCRIPTION = "Shard the training data across ranks with DistributedSampler and set_epoch."
     CODE = "data"
 
@@ -83,93 +85,6 @@ class DistributeDataCommand(RetrofitStage):
             if loader.sampler is not None and loader.sampler.kind == "distributed":
                 continue
             self._distribute(loader, facts, editor, several=len(training) > 1)
-
-    def _distribute_elsewhere(self, elsewhere: list, facts: ScriptFacts, editor: StatementEditor) -> list:
-        """Give each DataLoader a sibling module's function builds its DistributedSampler there, when
-        every call of the function in the script feeds a training loop and nothing else stands in
-        the way (SiblingLoader.blocker); its epoch is set in the script. Returns the ones left as
-        they are (each an attention item), with the reason added to their message."""
-        left = []
-        by_function: dict = {}
-        for found in elsewhere:
-            by_function.setdefault((found.path, found.function), []).append(found)
-        for calls in by_function.values():
-            found = calls[0]
-            loops = [facts.analysis.loop_fed_by(c.call) for c in calls]
-            why = "" if all(loops) else "not every call of it feeds a training loop"
-            why = why or found.blocker(self.context.filename or "")
-            unit = None if why else self.unit(found.path, found.resolver, found.built, "FSR904")
-            if unit is None:
-                left.extend((c, why) for c in calls)
-                continue
-            built = found.built
-            dataset = code(loader_dataset(built))
-            shuffle = next((a.value for a in built.args if a.keyword is not None and a.keyword.value == "shuffle"), None)
-            drop_last = next((a.value for a in built.args if a.keyword is not None and a.keyword.value == "drop_last"),
-                             None)
-            shuffle_text = code(shuffle) if shuffle is not None else "False"
-            extra = f", drop_last={code(drop_last)}" if drop_last is not None else ""
-            sampler = self.expr(f"DistributedSampler({dataset}, shuffle={shuffle_text}{extra})")
-            unit.editor.replace_expression(built, lambda call: _sampled(call, sampler, None, None))
-            unit.add_import("torch.utils.data.distributed", "DistributedSampler")
-            unit.change(
-                self.CODE, built,
-                f"the DataLoader {found.function}() builds reads through `{code(sampler)}` (every call of "
-                f"{found.function}() in {self.context.filename} feeds training); the per-rank batch size stays, so "
-                "the global batch is world_size x larger",
-                "each rank must see its own part of the data",
-                "without a sampler every rank trains on the same batches",
-            )
-            if self.options.keep_global_batch:
-                unit.note(self.CODE, built, f"--keep-global-batch: the batch size of the DataLoader "
-                          f"{found.function}() builds is not divided (it is built in {found.file})",
-                          "divide it by dist.get_world_size() there, or run without --keep-global-batch",
-                          differs=True)
-            if shuffle is not None and code(shuffle) != "False":
-                for c in calls:
-                    self._set_epoch_received(c, facts, editor)
-        return left
-
-    def _set_epoch_received(self, found, facts: ScriptFacts, editor: StatementEditor) -> None:
-        """`sampler.set_epoch(epoch)` for a loader a call of the script receives (`loader = make(...)`),
-        at the start of the epoch loop that passes over it; an attention item where there is none."""
-        stmt = facts.resolver.statement_of(found.call)
-        small = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 else None
-        name = None
-        if isinstance(small, cst.Assign) and len(small.targets) == 1 and small.value is found.call:
-            target = small.targets[0].target
-            name = target.value if isinstance(target, cst.Name) else None
-        block = facts.resolver.enclosing_function(stmt) or facts.module
-        epoch_loop = _epoch_loop_over(name, block, facts) if name is not None else None
-        for fn, param in facts.analysis.handed_to(found.call) if epoch_loop is None else ():
-            # `train(model, loader)` whose own epoch loop passes over its parameter
-            epoch_loop = _epoch_loop_over(param, fn.body, facts)
-            if epoch_loop is not None:
-                name = param
-                break
-        if epoch_loop is None and name is not None:
-            return  # no loop repeats passes over it: one pass, one order
-        if epoch_loop is None:
-            self.attention(
-                found.call,
-                f"the loader {found.function}() returns: call `loader.sampler.set_epoch(epoch)` each time a new "
-                "pass over it starts",
-                "DistributedSampler reshuffles from its epoch number; without it every pass after the first "
-                "repeats the first one's order, where the original loader drew a new one",
-                differs=True,
-            )
-            return
-        call = f"{name}.sampler.set_epoch({epoch_loop.target.value})"
-        first = epoch_loop.body.body[0]
-        if code(first) == call:
-            return
-        editor.insert_before(first, [self.stmt(call + "\n")])
-        self.change(
-            epoch_loop,
-            f"`{call}` at the start of each epoch",
-            "DistributedSampler reshuffles from its epoch number",
-            "without set_epoch every epoch repeats the same order",
-        )
 
     def _steps_without_loader(self, facts: ScriptFacts) -> None:
         """An optimizer step no loop repeats (a one-off step at module level): its batch

@@ -210,3 +210,55 @@ def test_verify_runs_the_retrofit_with_the_modules_it_edits(tmp_path):
     target = retrofit_in_memory(script, tmp_path / "retrofit")
     assert SAMPLED in (tmp_path / "retrofit" / "loaders.py").read_text()
     assert target == tmp_path / "retrofit" / "train.py"
+
+
+SHARED = dedent("""\
+    import torch
+    import torch.nn as nn
+    from loaders import make_loader
+
+
+    def main():
+        torch.manual_seed(0)
+        model = nn.Linear(8, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        train_loader = make_loader(64, 8, True)
+        val_loader = make_loader(32, 8, False)
+        for epoch in range(2):
+            for x, y in train_loader:
+                loss = nn.functional.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            with torch.no_grad():
+                print(sum(nn.functional.cross_entropy(model(x), y).item() for x, y in val_loader))
+
+
+    main()
+    """)
+
+
+def test_a_helper_shared_with_a_validation_loader_samples_only_for_training(tmp_path):
+    (tmp_path / "loaders.py").write_text(LOADERS)
+    script = tmp_path / "train.py"
+    script.write_text(SHARED)
+    out = _rewrite(script)
+    assert not out.refusals, out.refusals
+    text = out.siblings[0].code.decode()
+    assert "def make_loader(n, batch_size, shuffle, distributed=False):\n" in text
+    assert ("    return DataLoader(data, batch_size=batch_size, shuffle=None if distributed else shuffle, "
+            "sampler=DistributedSampler(data, shuffle=shuffle) if distributed else None)\n") in text
+    new = out.code.decode()
+    assert "    train_loader = make_loader(64, 8, True, distributed=True)\n" in new
+    assert "    val_loader = make_loader(32, 8, False)\n" in new
+    assert "    for epoch in range(2):\n        train_loader.sampler.set_epoch(epoch)\n" in new
+    compile(text, "loaders.py", "exec")
+
+
+def test_a_helper_taking_kwargs_is_left_when_it_also_builds_a_validation_loader(tmp_path):
+    (tmp_path / "loaders.py").write_text(LOADERS.replace("shuffle):", "shuffle, **kwargs):"))
+    script = tmp_path / "train.py"
+    script.write_text(SHARED)
+    out = _rewrite(script)
+    assert out.siblings == []
+    assert any("make_loader() takes **kwargs: no parameter can be added" in a.what for a in out.attention)

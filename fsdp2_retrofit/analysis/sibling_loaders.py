@@ -29,6 +29,7 @@ class SiblingLoader:
     built: cst.Call  # that DataLoader(...) call, a node of the sibling's tree
     resolver: Resolver  # the sibling module's
     path: str  # the sibling module's file, as the analysis found it
+    function_def: cst.FunctionDef  # the function there
 
     def blocker(self, script: str) -> str:
         """Why the DataLoader cannot take a DistributedSampler where it is built ("" when it can):
@@ -90,6 +91,6 @@ def _builder(resolver: Resolver, classes: ClassRegistry, call: cst.Call) -> Opti
         if built is None or not any(n.value is not None for n in own_returns(namer.resolver, fn)):
             continue
         return SiblingLoader(call, name, classes.shown_file(namespace), namer.resolver.line(built), built,
-                             namer.resolver, classes.files[namespace])
+                             namer.resolver, classes.files[namespace], fn)
     return None
 

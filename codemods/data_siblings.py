@@ -1,0 +1,185 @@
+"""The data stage's edits of a sibling module: a training DataLoader a function of another
+project file builds (`loader = create_dataloader(...)`, `from data_utils import create_dataloader`)
+gets its DistributedSampler there (rewrite/workspace.py), and its epoch is set in the script.
+
+When every call of the function feeds training, the DataLoader simply reads through the
+sampler. When only some do (`train_loader = make(..., shuffle=True)` beside `val_loader =
+make(..., shuffle=False)`), the function gets a parameter `distributed=False`, the DataLoader
+takes the sampler only when it is true, and the training calls pass `distributed=True`: the
+other loaders stay as they were, as a validation loader of the script does."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import libcst as cst
+
+from fsdp2_retrofit.analysis import ScriptFacts, code
+from fsdp2_retrofit.analysis.data import loader_dataset
+from fsdp2_retrofit.rewrite.edit import with_keyword, without_keyword
+from fsdp2_retrofit.rewrite.stage import StatementEditor
+
+FLAG = "distributed"  # the parameter a helper shared by training and other loaders gets
+
+
+def _keyword(call: cst.Call, name: str) -> Optional[cst.BaseExpression]:
+    return next((a.value for a in call.args if a.keyword is not None and a.keyword.value == name), None)
+
+
+class SiblingLoaderEdits:
+    """Mixin of the data stage (a RetrofitStage)."""
+
+    def _distribute_elsewhere(self, elsewhere: list, facts: ScriptFacts, editor: StatementEditor) -> list:
+        """Give the DataLoader each sibling function builds its DistributedSampler there, for the
+        calls of the script that feed a training loop, when nothing stands in the way
+        (SiblingLoader.blocker); set the epoch in the script. Returns (call, why) for the calls
+        left as they are (each an attention item, the reason in its message)."""
+        left = []
+        by_function: dict = {}
+        for found in elsewhere:
+            by_function.setdefault((found.path, found.function), []).append(found)
+        for calls in by_function.values():
+            found = calls[0]
+            training = [c for c in calls if facts.analysis.loop_fed_by(c.call) is not None]
+            why = "" if training else f"no call of {found.function}() feeds a training loop"
+            why = why or found.blocker(self.context.filename or "")
+            flag = None
+            if not why and len(training) < len(calls):
+                flag, why = self._flag_for(found)
+            unit = None if why else self.unit(found.path, found.resolver, found.built, "FSR904")
+            if unit is None:
+                left.extend((c, why or "this rewrite edits the script only") for c in calls)
+                continue
+            self._sample_there(found, unit, flag)
+            for c in training:
+                if flag is not None:
+                    editor.replace_expression(c.call, lambda call: with_keyword(call, flag, cst.Name("True")))
+                    self.change(c.call, f"`{flag}=True`: the loader {found.function}() returns here trains, so it "
+                                "reads through a DistributedSampler",
+                                f"the other calls of {found.function}() build loaders that do not train (left as "
+                                "they were: every rank reads all of them)",
+                                "without a sampler every rank trains on the same batches")
+            shuffle = _keyword(found.built, "shuffle")
+            if shuffle is not None and code(shuffle) != "False":
+                for c in training:
+                    self._set_epoch_received(c, facts, editor)
+        return left
+
+    def _flag_for(self, found) -> tuple:
+        """(the name of the new parameter, "") for a function whose DataLoader trains for some calls
+        only, or (None, why it cannot get one)."""
+        params = found.function_def.params
+        if params.star_kwarg is not None:
+            return None, f"{found.function}() takes **{params.star_kwarg.name.value}: no parameter can be added"
+        taken = {p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)}
+        if FLAG in taken or FLAG in {n.value for n in found.resolver.descendants(found.function_def, cst.Name)}:
+            return None, f"{found.function}() already uses the name `{FLAG}`"
+        return FLAG, ""
+
+    def _sample_there(self, found, unit, flag: Optional[str]) -> None:
+        """The DataLoader call of the sibling reads through a DistributedSampler (when `flag` is
+        true, if given); the function takes `flag=False`."""
+        built = found.built
+        dataset = code(loader_dataset(built))
+        shuffle, drop_last = _keyword(built, "shuffle"), _keyword(built, "drop_last")
+        shuffle_text = code(shuffle) if shuffle is not None else "False"
+        extra = f", drop_last={code(drop_last)}" if drop_last is not None else ""
+        sampler_text = f"DistributedSampler({dataset}, shuffle={shuffle_text}{extra})"
+        if flag is None:
+            sampler = self.expr(sampler_text)
+
+            def edit(call: cst.Call) -> cst.Call:
+                return with_keyword(without_keyword(call, "shuffle"), "sampler", sampler)
+        else:
+            sampler = self.expr(f"{sampler_text} if {flag} else None")
+            kept = self.expr(f"None if {flag} else {shuffle_text}") if shuffle is not None else None
+
+            def edit(call: cst.Call) -> cst.Call:
+                args = [a.with_changes(value=kept) if a.keyword is not None and a.keyword.value == "shuffle" else a
+                        for a in call.args]
+                return with_keyword(call.with_changes(args=args), "sampler", sampler)
+
+            params = found.function_def.params
+            new_param = cst.Param(cst.Name(flag), default=cst.Name("False"),
+                                  equal=cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace("")))
+            unit.editor.replace_expression(params, lambda p: _with_param(p, new_param))
+            unit.change(self.CODE, found.function_def,
+                        f"{found.function}() takes `{flag}=False`: its DataLoader reads through a DistributedSampler "
+                        f"when it is true (the calls of {self.context.filename} whose loader trains pass True)",
+                        "each rank must see its own part of the training data; the other loaders stay as they were",
+                        "without a sampler every rank trains on the same batches")
+        unit.editor.replace_expression(built, edit)
+        unit.add_import("torch.utils.data.distributed", "DistributedSampler")
+        unit.change(
+            self.CODE, built,
+            f"the DataLoader {found.function}() builds reads through `{sampler_text}`"
+            + (f" when `{flag}` is true" if flag else f" (every call of {found.function}() in "
+               f"{self.context.filename} feeds training)")
+            + "; the per-rank batch size stays, so the global batch is world_size x larger",
+            "each rank must see its own part of the data",
+            "without a sampler every rank trains on the same batches",
+        )
+        if self.options.keep_global_batch:
+            unit.note(self.CODE, built, f"--keep-global-batch: the batch size of the DataLoader "
+                      f"{found.function}() builds is not divided (it is built in {found.file})",
+                      "divide it by dist.get_world_size() there, or run without --keep-global-batch",
+                      differs=True)
+
+    def _set_epoch_received(self, found, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """`<loader>.sampler.set_epoch(epoch)` for the loader a call of the script receives
+        (`loader = make(...)`), at the start of the epoch loop that passes over it there or in a
+        function it is handed to; an attention item where the loader is not bound to a name."""
+        from .data import _epoch_loop_over
+
+        stmt = facts.resolver.statement_of(found.call)
+        small = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 else None
+        name = None
+        if isinstance(small, cst.Assign) and len(small.targets) == 1 and small.value is found.call:
+            target = small.targets[0].target
+            name = target.value if isinstance(target, cst.Name) else None
+        block = facts.resolver.enclosing_function(stmt) or facts.module
+        epoch_loop = _epoch_loop_over(name, block, facts) if name is not None else None
+        for fn, param in facts.analysis.handed_to(found.call) if epoch_loop is None else ():
+            # `train(model, loader)` whose own epoch loop passes over its parameter
+            epoch_loop = _epoch_loop_over(param, fn.body, facts)
+            if epoch_loop is not None:
+                name = param
+                break
+        if epoch_loop is None and name is not None:
+            return  # no loop repeats passes over it: one pass, one order
+        if epoch_loop is None:
+            self.attention(
+                found.call,
+                f"the loader {found.function}() returns: call `loader.sampler.set_epoch(epoch)` each time a new "
+                "pass over it starts",
+                "DistributedSampler reshuffles from its epoch number; without it every pass after the first "
+                "repeats the first one's order, where the original loader drew a new one",
+                differs=True,
+            )
+            return
+        call = f"{name}.sampler.set_epoch({epoch_loop.target.value})"
+        first = epoch_loop.body.body[0]
+        if code(first) == call:
+            return
+        editor.insert_before(first, [self.stmt(call + "\n")])
+        self.change(
+            epoch_loop,
+            f"`{call}` at the start of each epoch",
+            "DistributedSampler reshuffles from its epoch number",
+            "without set_epoch every epoch repeats the same order",
+        )
+
+
+def _with_param(params: cst.Parameters, new: cst.Param) -> cst.Parameters:
+    """`params` with `new` (which has a default) last among the ordinary parameters, or among
+    the keyword-only ones after a `*`."""
+    if not isinstance(params.star_arg, cst.MaybeSentinel) or params.kwonly_params:
+        return params.with_changes(kwonly_params=[*_commas(params.kwonly_params), new])
+    return params.with_changes(params=[*_commas(params.params), new])
+
+
+def _commas(params) -> List[cst.Param]:
+    """`params` each followed by a comma (the last one's added, keeping a multi-line layout's)."""
+    out = list(params)
+    if out and isinstance(out[-1].comma, cst.MaybeSentinel):
+        out[-1] = out[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+    return out

@@ -457,7 +457,8 @@ class _Finder:
             return
         if not (isinstance(value, cst.Call) and any(q.endswith(".MixedPrecision") and is_fsdp1_name(q) for q in self._qn(value))):
             self._refuse("FSR303", expr, f"mixed_precision={code(expr)} is not a MixedPrecision(...) the rewrite can read",
-                         self._lost.get(id(expr), "its dtypes become the MixedPrecisionPolicy"), "write MixedPrecision(param_dtype=..., ...) in the call or one assignment")
+                         self._lost.get(id(expr), "its dtypes become the MixedPrecisionPolicy"),
+                         "write MixedPrecision(param_dtype=..., ...) in the call or one assignment")
             return
         for arg in value.args:
             key = arg.keyword.value if arg.keyword else None

@@ -102,7 +102,8 @@ class ModuleValues:
             # `from .mixed_precision import *`: binds the name when that module does (a
             # star import of a library may bind anything: the name is then not sure)
             if not known:
-                return [(Bound(why=f"`{name}` may come from `from {source} import *`, not a module of the project"),
+                return [(Bound(why=f"`{name}` may come from `from {source} import *`, a module the analysis does "
+                                   "not read"),
                          ("", ""), line)]
             if name.startswith("_") or (source, name) in self._visiting:
                 return []
@@ -118,8 +119,9 @@ class ModuleValues:
             if known:
                 out.append((None, (source, _dotted(alias.name)), line))
             else:
-                out.append((Bound(why=f"`{name}` comes from {source or 'a relative import'}, not a module of the "
-                                      "project"), ("", ""), line))
+                why = (f"`{name}` comes from {source or 'a relative import'}, a module the analysis does not read "
+                       "(a library, or one beyond the imports it follows)")
+                out.append((Bound(why=why), ("", ""), line))
         return out
 
     def returned(self, bound: Bound) -> Bound:

@@ -450,3 +450,20 @@ def test_a_package_policy_that_cannot_be_read_is_refused_with_why(wrapping, call
     text, result = _package_rewrite(tmp_path, "from policies import get_wrapper", f"auto_wrap_policy={call}")
     assert [(r.code, r.why) for r in result.refusals] == [("FSR303", why)]
     assert result.refusals[0].line == line_of("model = FSDP(model", text)
+
+
+def test_policies_unpacked_from_a_config_dependent_helper_stay_refused(tmp_path):
+    """pytorch/examples' T5 shape: `mixed_precision_policy, wrap_policy = get_policies(cfg)`,
+    whose mixed precision depends on the config: one element of a tuple is not followed."""
+    _package(tmp_path, "from .wrapping import get_wrapper\n", PACKAGE_SHAPES["function"][1])
+    (tmp_path / "helpers.py").write_text(
+        "from policies import get_wrapper\n\n\ndef get_policies(cfg):\n    mixed = None\n"
+        "    return mixed, get_wrapper()\n")
+    text = source_of("auto_wrap_policy=wrap_policy, mixed_precision=mixed").replace(
+        "import functools\n", "from helpers import get_policies\n").replace(
+        "    model = Net()\n", "    model = Net()\n    mixed, wrap_policy = get_policies(None)\n")
+    path = tmp_path / "train.py"
+    path.write_text(text)
+    result = rewrite_source(text.encode(), str(path), RetrofitOptions())
+    assert [r.code for r in result.refusals][:1] == ["FSR303"]
+    assert "is unpacked from `get_policies(None)`" in result.refusals[0].why

@@ -333,10 +333,16 @@ class _Finder:
         ]
         if len(stmts) != 1 or len(stmts[0].body) != 1 or not isinstance(stmts[0].body[0], cst.Assign):
             return expr
+        assign = stmts[0].body[0]
+        if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
+            # `mixed_precision_policy, wrap_policy = get_policies(cfg)`: one element of a value
+            self._lost[id(expr)] = (f"`{expr.value}` is unpacked from `{code(assign.value)}` (line "
+                                    f"{self.r.line(stmts[0])}): the rewrite does not follow one element of a value")
+            return expr
         reads = [n for n in self.r.nodes(cst.Name) if n.value == expr.value]
         if len(reads) == 2:  # the assignment's target and this argument
             wrap.consumed.append(stmts[0])
-        return stmts[0].body[0].value
+        return assign.value
 
     def _qn(self, node) -> Set[str]:
         """Qualified names of a node of the script, or of a value read from a sibling module."""

@@ -82,7 +82,7 @@ class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
                     "split its indices by rank yourself (e.g. indices[rank::world_size]), or use shuffle=True / "
                     "RandomSampler so the rewrite can put a DistributedSampler in its place",
                 )
-            if loader.sampler is not None and loader.sampler.kind == "distributed":
+            if loader.sampler is not None and loader.sampler.kind in ("distributed", "per_rank"):
                 continue
             self._distribute(loader, facts, editor, several=len(training) > 1)
 
@@ -126,6 +126,9 @@ class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
             )
 
     def _distribute(self, loader: LoaderSite, facts: ScriptFacts, editor: StatementEditor, several: bool) -> None:
+        if loader.sampler is not None and loader.sampler.kind == "replacement":
+            self._draw_per_rank(loader, facts, editor)
+            return
         if loader.sampler is not None and isinstance(loader.sampler.expr, cst.Name):
             self._replace_bound_sampler(loader, facts, editor)
             return
@@ -183,6 +186,60 @@ class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
             "left alone, every rank trains on the same batches",
         )
         self._set_epoch(loader, code(site.expr), facts, editor)
+
+    def _draw_per_rank(self, loader: LoaderSite, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """`RandomSampler(data, replacement=True, num_samples=N)`: no DistributedSampler draws
+        with replacement, so the sampler stays, drawing on each rank its share of the N samples
+        (`len(range(rank, N, world_size))`: the shares add up to N) from a generator of its own,
+        seeded from the run's seed and the rank. Where it stands: inline or bound to a name."""
+        site = loader.sampler
+        stmt = facts.resolver.statement_of(site.call)
+        if self._before_group(stmt, facts):
+            self.refuse(
+                "FSR901",
+                site.call,
+                f"`{loader.name}` draws with replacement through `{code(site.call)}`, built before the process "
+                "group starts",
+                "each rank must draw its own share from a generator seeded by its rank, which is not known there",
+                "build the sampler (and its DataLoader) after init_process_group",
+            )
+        scope = facts.resolver.enclosing_function(stmt)
+        samples, generator = self.fresh_name("rank_samples", scope), self.fresh_name("rank_generator", scope)
+        total = code(site.num_samples) if site.num_samples is not None else f"len({code(site.dataset)})"
+        new = [
+            self.stmt(f"{samples} = len(range(dist.get_rank(), {total}, dist.get_world_size()))\n"),
+            self.stmt(f"{generator} = torch.Generator().manual_seed(torch.initial_seed() + dist.get_rank())\n"),
+        ]
+        new[0] = new[0].with_changes(leading_lines=[*stmt.leading_lines, cst.EmptyLine(comment=cst.Comment(
+            "# drawn with replacement: each rank draws its share of the samples, from a generator of its own"))])
+        editor.set_leading_lines(stmt, [])
+        sampler = (f"{code(site.call.func)}({code(site.dataset)}, replacement=True, num_samples={samples}, "
+                   f"generator={generator})")
+        editor.replace_expression(site.call, lambda _call: self.expr(sampler))
+        self.add_import("torch")
+        self.add_import("torch.distributed", asname="dist")
+        if self.options.keep_global_batch:
+            batch, _keep = self._keep_global_batch(loader, facts, editor, new)
+            if batch is not None:
+                editor.replace_expression(loader.call, lambda call: _replace_batch_size(call, batch))
+        editor.insert_before(stmt, new)
+        self.change(
+            site.call,
+            f"`{loader.name}` draws with replacement on each rank: its share of the {total} samples "
+            f"(len(range(rank, {total}, world_size))), from a generator seeded with torch.initial_seed() + rank",
+            "no DistributedSampler draws with replacement; each rank must draw samples of its own",
+            "left alone, every rank (seeded alike) draws the same samples and trains on the same batches",
+        )
+        self.attention(
+            site.call,
+            f"`{loader.name}` draws with replacement: the samples each rank draws are not those of the "
+            "single-process run",
+            "a draw with replacement cannot be split between ranks the way a permutation can (DistributedSampler): "
+            "each rank draws from its own random stream, so the batches, and the training, differ from the "
+            f"single run's step by step; what stays equal is the number of samples per epoch ({total}, summed "
+            "over the ranks) and their distribution (uniform over the whole dataset, with replacement)",
+            differs=True,
+        )
 
     def _keep_global_batch(self, loader: LoaderSite, facts: ScriptFacts, editor: StatementEditor, new: list) -> tuple:
         """--keep-global-batch: each rank reads batch_size // world_size, checked at run time.

@@ -365,3 +365,105 @@ def test_a_sibling_policy_that_cannot_be_read_is_refused_at_the_wrap(tmp_path):
     result = rewrite_source(text.encode(), str(path), RetrofitOptions())
     assert [r.code for r in result.refusals] == ["FSR303"]
     assert result.refusals[0].line == line_of("model = FSDP(model", text)
+
+
+# --- settings kept in a policies/ package (issue 28) ------------------------------
+
+PACKAGE_WRAPPING = (
+    "import functools\n"
+    "from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy\n"
+    "from model import Block\n\n"
+)
+PACKAGE_SHAPES = {
+    # a function's return, its local name followed; re-exported by __init__.py
+    "function": ("from .wrapping import get_wrapper\n", "def get_wrapper():\n    policy = functools.partial("
+                 "transformer_auto_wrap_policy, transformer_layer_cls={Block})\n    return policy\n",
+                 "from policies import get_wrapper", "get_wrapper()"),
+    # the classes in a local name of the function
+    "function_local_classes": ("from .wrapping import *\n", "def get_wrapper():\n    layers = {Block}\n"
+                               "    return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layers)\n",
+                               "from policies import get_wrapper", "get_wrapper()"),
+    # the package module itself, its function called through it
+    "module_attribute": ("from .wrapping import get_wrapper\n", "def get_wrapper():\n    return functools.partial("
+                         "transformer_auto_wrap_policy, transformer_layer_cls={Block})\n",
+                         "import policies", "policies.get_wrapper()"),
+    # a module-level name of wrapping.py, re-exported under another name
+    "module_level_name": ("from .wrapping import block_policy as wrap_policy\n", "block_policy = functools.partial("
+                          "transformer_auto_wrap_policy, transformer_layer_cls={Block})\n",
+                          "from policies import wrap_policy", "wrap_policy"),
+}
+
+
+def _package(tmp_path, init: str, wrapping: str, mixed: str = "") -> None:
+    (tmp_path / "model.py").write_text("import torch.nn as nn\n\n\nclass Block(nn.Module):\n    pass\n")
+    (tmp_path / "policies").mkdir()
+    (tmp_path / "policies" / "__init__.py").write_text(init)
+    (tmp_path / "policies" / "wrapping.py").write_text(PACKAGE_WRAPPING + wrapping)
+    (tmp_path / "policies" / "mixed_precision.py").write_text(mixed)
+
+
+def _package_rewrite(tmp_path, import_line: str, wrap: str):
+    text = source_of(wrap).replace("import functools\n", import_line + "\n")
+    path = tmp_path / "train.py"
+    path.write_text(text)
+    return text, rewrite_source(text.encode(), str(path), RetrofitOptions())
+
+
+@pytest.mark.parametrize("shape", sorted(PACKAGE_SHAPES))
+def test_a_policy_built_in_a_policies_package_names_the_units(shape, tmp_path):
+    """`FSDP(model, auto_wrap_policy=get_wrapper())` with get_wrapper re-exported by
+    policies/__init__.py: followed to policies/wrapping.py and to what it returns."""
+    init, wrapping, import_line, call = PACKAGE_SHAPES[shape]
+    _package(tmp_path, init, wrapping)
+    _, result = _package_rewrite(tmp_path, import_line, f"auto_wrap_policy={call}")
+    assert not result.refusals, result.refusals
+    assert SHARD_BLOCKS.format(extra="") in result.code.decode()
+
+
+def test_a_mixed_precision_star_imported_by_a_policies_package_is_read(tmp_path):
+    """`from .mixed_precision import *` in policies/__init__.py: bfSixteen is read in
+    policies/mixed_precision.py and becomes the MixedPrecisionPolicy."""
+    mixed = ("import torch\nfrom torch.distributed.fsdp import MixedPrecision\n\n"
+             "bfSixteen = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)\n")
+    _package(tmp_path, "from .wrapping import get_wrapper\nfrom .mixed_precision import *\n",
+             PACKAGE_SHAPES["function"][1], mixed)
+    _, result = _package_rewrite(tmp_path, "from policies import bfSixteen, get_wrapper",
+                                 "auto_wrap_policy=get_wrapper(), mixed_precision=bfSixteen")
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in code
+    assert SHARD_BLOCKS.format(extra=", mp_policy=mp_policy") in code
+
+
+@pytest.mark.parametrize("wrapping, call, why", [
+    # which policy it returns depends on a value known only when it runs
+    ("def get_wrapper(big):\n    if big:\n        return functools.partial(transformer_auto_wrap_policy, "
+     "transformer_layer_cls={Block})\n    return None\n", "get_wrapper(True)",
+     "get_wrapper() (policies/wrapping.py:5) can return 2 different values"),
+    # the classes are its caller's argument (not followed into the other module)
+    ("def get_wrapper(layer):\n    return functools.partial(transformer_auto_wrap_policy, "
+     "transformer_layer_cls={layer})\n", "get_wrapper(Block)",
+     "what get_wrapper() (policies/wrapping.py:5) returns is made from its parameter `layer`"),
+])
+def test_a_package_policy_that_cannot_be_read_is_refused_with_why(wrapping, call, why, tmp_path):
+    _package(tmp_path, "from .wrapping import get_wrapper\n", wrapping)
+    text, result = _package_rewrite(tmp_path, "from policies import get_wrapper", f"auto_wrap_policy={call}")
+    assert [(r.code, r.why) for r in result.refusals] == [("FSR303", why)]
+    assert result.refusals[0].line == line_of("model = FSDP(model", text)
+
+
+def test_policies_unpacked_from_a_config_dependent_helper_stay_refused(tmp_path):
+    """pytorch/examples' T5 shape: `mixed_precision_policy, wrap_policy = get_policies(cfg)`,
+    whose mixed precision depends on the config: one element of a tuple is not followed."""
+    _package(tmp_path, "from .wrapping import get_wrapper\n", PACKAGE_SHAPES["function"][1])
+    (tmp_path / "helpers.py").write_text(
+        "from policies import get_wrapper\n\n\ndef get_policies(cfg):\n    mixed = None\n"
+        "    return mixed, get_wrapper()\n")
+    text = source_of("auto_wrap_policy=wrap_policy, mixed_precision=mixed").replace(
+        "import functools\n", "from helpers import get_policies\n").replace(
+        "    model = Net()\n", "    model = Net()\n    mixed, wrap_policy = get_policies(None)\n")
+    path = tmp_path / "train.py"
+    path.write_text(text)
+    result = rewrite_source(text.encode(), str(path), RetrofitOptions())
+    assert [r.code for r in result.refusals][:1] == ["FSR303"]
+    assert "is unpacked from `get_policies(None)`" in result.refusals[0].why

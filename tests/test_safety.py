@@ -188,6 +188,68 @@ def test_a_sampler_bound_to_a_name_becomes_a_distributed_sampler():
     assert "loader = DataLoader(data, batch_size=4, sampler=order)" in code
 
 
+def test_a_sampler_drawing_with_replacement_draws_per_rank():
+    """minGPT's `RandomSampler(data, replacement=True, num_samples=N)`: no DistributedSampler
+    draws with replacement; each rank draws its share of N from a generator of its own, and
+    the report says the run cannot match the single one (differs)."""
+    source = _main('''\
+    from torch.utils.data import RandomSampler
+    loader = DataLoader(data, batch_size=4, sampler=RandomSampler(data, replacement=True, num_samples=1000))
+    ''')
+    found, result = _refusals(source)
+    assert found == []
+    code = result.code.decode()
+    assert ("    rank_samples = len(range(dist.get_rank(), 1000, dist.get_world_size()))\n"
+            "    rank_generator = torch.Generator().manual_seed(torch.initial_seed() + dist.get_rank())\n"
+            "    loader = DataLoader(data, batch_size=4, sampler=RandomSampler(data, replacement=True, "
+            "num_samples=rank_samples, generator=rank_generator))\n") in code
+    assert "DistributedSampler(" not in code and "set_epoch" not in code
+    flagged = [a for a in result.attention if a.differs and "draws with replacement" in a.what]
+    assert [a.line for a in flagged] == [_line_of(source, "RandomSampler(data")]
+    assert "number of samples per epoch (1000, summed over the ranks)" in flagged[0].why
+    again = rewrite_source(code.encode(), "train.py")
+    assert again.code == result.code and not again.refusals
+
+
+def test_a_bound_sampler_with_replacement_draws_len_data_per_rank_by_default():
+    source = _main('''\
+    from torch.utils.data import RandomSampler
+    draws = RandomSampler(data, True)
+    loader = DataLoader(data, batch_size=4, sampler=draws)
+    ''')
+    found, result = _refusals(source)
+    assert found == []
+    code = result.code.decode()
+    assert "rank_samples = len(range(dist.get_rank(), len(data), dist.get_world_size()))" in code
+    assert "draws = RandomSampler(data, replacement=True, num_samples=rank_samples, generator=rank_generator)" in code
+
+
+def test_the_per_rank_shares_add_up_and_the_ranks_draw_apart():
+    """What the rewrite writes, run for ranks 0..2 of 3 (a stand-in for torch.distributed):
+    the shares add up to N, and the ranks' generators draw different samples."""
+    torch = pytest.importorskip("torch")
+    draws = []
+    for rank in range(3):
+        dist = type("Dist", (), {"get_rank": staticmethod(lambda r=rank: r), "get_world_size": staticmethod(lambda: 3)})
+        scope = {"dist": dist, "torch": torch}
+        torch.manual_seed(0)  # every rank seeded alike, as the script does
+        exec("rank_samples = len(range(dist.get_rank(), 1000, dist.get_world_size()))\n"
+             "rank_generator = torch.Generator().manual_seed(torch.initial_seed() + dist.get_rank())\n"
+             "sampler = torch.utils.data.RandomSampler(range(50), replacement=True, num_samples=rank_samples, "
+             "generator=rank_generator)\n", scope)
+        draws.append(list(scope["sampler"]))
+    assert [len(d) for d in draws] == [334, 333, 333]
+    assert draws[0] != draws[1] != draws[2] and draws[0] != draws[2]
+
+
+def test_a_sampler_with_replacement_and_its_own_generator_is_refused():
+    source = _main('''\
+    from torch.utils.data import RandomSampler
+    loader = DataLoader(data, batch_size=4, sampler=RandomSampler(data, replacement=True, generator=g))
+    ''')
+    assert _refusals(source)[0][:1] == [("FSR901", _line_of(source, "RandomSampler(data"))]
+
+
 def test_a_loader_already_distributed_is_left_alone():
     source = _main('''\
     from torch.utils.data.distributed import DistributedSampler

@@ -13,7 +13,10 @@ from .site_analysis import Block, SiteAnalysis
 from fsdp2_retrofit.syntax.names import (
     Resolver, assigned_names, bind_args, calls_in, code, iterated_name, last_assignment, names_in, walk,
 )
-from fsdp2_retrofit.syntax.torch_api import DATALOADERS, DISTRIBUTED_SAMPLERS, PLAIN_SAMPLERS
+from fsdp2_retrofit.syntax.torch_api import DATALOADERS, DISTRIBUTED_SAMPLERS, GET_RANK, PLAIN_SAMPLERS
+
+# RandomSampler's parameters, in order
+RANDOM_SAMPLER_PARAMS = ("data_source", "replacement", "num_samples", "generator")
 
 
 @dataclass
@@ -48,14 +51,17 @@ class LoaderSite:
 class SamplerSite:
     """The sampler a DataLoader is given: `kind` "distributed" (nothing to do), "plain"
     (a RandomSampler/SequentialSampler of one dataset, replaced by a DistributedSampler
-    with `shuffle`), or "other" (a batch_sampler, a subset, weighted or custom sampler:
-    no safe conversion)."""
+    with `shuffle`), "replacement" (`RandomSampler(data, replacement=True[, num_samples=N])`:
+    drawn per rank instead), "per_rank" (such a sampler already drawing from a generator
+    seeded by the rank: nothing to do), or "other" (a batch_sampler, a subset, weighted or
+    custom sampler: no safe conversion)."""
 
     kind: str
     expr: cst.BaseExpression  # the sampler= value
     call: Optional[cst.Call] = None  # the sampler's construction (inline, or the one its name is bound to)
     dataset: Optional[cst.BaseExpression] = None
     shuffle: str = "False"
+    num_samples: Optional[cst.BaseExpression] = None  # "replacement": the samples drawn per epoch (None: len(data))
 
 
 @dataclass
@@ -256,7 +262,33 @@ class LoaderAnalysis(SiteAnalysis):
         shuffle = next((PLAIN_SAMPLERS[q] for q in self.r.qnames(call.func) if q in PLAIN_SAMPLERS), None)
         if shuffle is not None and len(call.args) == 1 and call.args[0].keyword in (None,) and not call.args[0].star:
             return SamplerSite("plain", expr, call, call.args[0].value, shuffle)
+        if shuffle == "True":
+            return self._with_replacement(expr, call) or SamplerSite("other", expr, call)
         return SamplerSite("other", expr, call)
+
+    def _with_replacement(self, expr, call: cst.Call) -> Optional[SamplerSite]:
+        """`RandomSampler(data, replacement=True[, num_samples=N])` (arguments by position or
+        keyword): "replacement"; with a `generator=` that reads the rank (`torch.Generator()
+        .manual_seed(... + dist.get_rank())`, what the rewrite writes): "per_rank"; else None."""
+        args: Dict[str, cst.BaseExpression] = {}
+        for i, arg in enumerate(call.args):
+            if arg.star:
+                return None
+            key = arg.keyword.value if arg.keyword is not None else (
+                RANDOM_SAMPLER_PARAMS[i] if i < len(RANDOM_SAMPLER_PARAMS) else None)
+            if key not in RANDOM_SAMPLER_PARAMS:
+                return None
+            args[key] = arg.value
+        replacement = args.get("replacement")
+        if "data_source" not in args or not (isinstance(replacement, cst.Name) and replacement.value == "True"):
+            return None
+        generator = args.get("generator")
+        if generator is None:
+            return SamplerSite("replacement", expr, call, args["data_source"], "True", args.get("num_samples"))
+        if any(self.r.is_call_to(node, GET_RANK) for origin in self.flow.values(generator)
+               if isinstance(origin, cst.CSTNode) for node in walk(origin)):
+            return SamplerSite("per_rank", expr, call, args["data_source"], "True", args.get("num_samples"))
+        return None
 
     def _distributed_or_none(self, value) -> bool:
         """`DistributedSampler(...) if ddp else None` (either order): the script's own optional

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from .facts import ScriptFacts
+from .module_values import ModuleValues
 from fsdp2_retrofit.syntax.names import assigned_names, code, walk
 from fsdp2_retrofit.syntax.torch_api import FSDP1_CLASSES
 from fsdp2_retrofit.syntax.torch_api import SHARDED_GRAD_SCALER as SCALER
@@ -159,6 +160,8 @@ class _Finder:
         self.r = facts.resolver
         self.problems: List[Problem] = []
         self._origin: Dict[int, object] = {}  # id of a node read from a sibling module -> its module's namer
+        self._lost: Dict[int, str] = {}  # id of an argument -> why its value could not be followed
+        self.values = ModuleValues(facts.classes)
 
     def run(self) -> Fsdp1Uses:
         calls = self.r.nodes(cst.Call)
@@ -267,38 +270,79 @@ class _Finder:
         return wrap
 
     def _resolve(self, expr, wrap):
-        """`expr`, or the value of the one assignment of the name it is (that
-        statement is consumed by `wrap` (a wrap or block) when the name is read nowhere else).
-        A name imported from a sibling module (`from policies import wrap_policy`) is read
-        there, through the class registry's reading of sibling modules (never imported);
-        that module is left as it is."""
-        if not isinstance(expr, cst.Name):
-            return expr
+        """The value `expr` holds, as far as it can be read (else `expr`). A name of the script
+        is seen through its one assignment (that statement is consumed by `wrap` (a wrap or
+        block) when the name is read nowhere else). A name imported from a project module
+        (`from policies import bfSixteen`) is read there, through re-exports
+        (`policies/__init__.py`: `from .mixed_precision import *`), and a call of a function of
+        the project (`get_wrapper()`) is what its return gives back (analysis/module_values);
+        those modules are read (parsed, never imported) and left as they are. Where a value is
+        lost, why is kept for the refusal (self._lost)."""
+        value = self._read_name(expr, wrap) if isinstance(expr, cst.Name) else expr
+        for _ in range(4):  # a function returning another one's call
+            if not isinstance(value, cst.Call):
+                break
+            bound = self._bound(value.func)
+            if bound is None:
+                break
+            if bound.function is None:
+                self._lost[id(expr)] = bound.why or f"`{code(value.func)}` is not a function of the project"
+                break
+            found = self.values.returned(bound)
+            if found.value is None:
+                self._lost[id(expr)] = found.why
+                break
+            value = self._adopt(found)
+        return value
+
+    def _bound(self, expr):
+        """What a name (or `module.name`) read in the script or in a project module is bound to
+        in a project module, or None when it is not one of theirs."""
         namer = self._origin.get(id(expr))
         resolver = namer.resolver if namer is not None else self.r
         for qname in sorted(resolver.qnames(expr)):
             if namer is not None and "." not in qname and namer.namespace:
-                qname = f"{namer.namespace}.{qname}"  # a name the sibling module binds itself
-            elif namer is None and not ("." in qname and qname.rpartition(".")[0] in self.facts.classes.namespaces):
-                continue  # the script's own names are read below
-            found = self.facts.classes.top_level_value(qname)
-            if found is not None:
-                value, sibling = found
-                for node in walk(value):
-                    self._origin[id(node)] = sibling
-                return value
-        if namer is not None:
+                qname = f"{namer.namespace}.{qname}"  # a name the project module binds itself
+            bound = self.values.bound(qname)
+            if bound is not None:
+                return bound
+        return None
+
+    def _adopt(self, bound):
+        """`bound.value`, its nodes read in the module they come from."""
+        for node in walk(bound.value):
+            self._origin[id(node)] = bound.namer
+        return bound.value
+
+    def _read_name(self, expr: cst.Name, wrap):
+        namer = self._origin.get(id(expr))
+        bound = self._bound(expr)
+        if bound is not None and bound.value is not None:
+            return self._adopt(bound)
+        if bound is not None:
+            self._lost[id(expr)] = bound.why or f"`{expr.value}` names a function, not a value"
             return expr
+        if namer is not None:
+            local = self.values.local_value(expr, namer)  # a local name of a project module's function
+            if local is not None:
+                self._origin.update((id(node), namer) for node in walk(local))
+            return local if local is not None else expr
         stmts = [
             s for s in self.r.nodes(cst.SimpleStatementLine)
             if expr.value in assigned_names(s)
         ]
         if len(stmts) != 1 or len(stmts[0].body) != 1 or not isinstance(stmts[0].body[0], cst.Assign):
             return expr
+        assign = stmts[0].body[0]
+        if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
+            # `mixed_precision_policy, wrap_policy = get_policies(cfg)`: one element of a value
+            self._lost[id(expr)] = (f"`{expr.value}` is unpacked from `{code(assign.value)}` (line "
+                                    f"{self.r.line(stmts[0])}): the rewrite does not follow one element of a value")
+            return expr
         reads = [n for n in self.r.nodes(cst.Name) if n.value == expr.value]
         if len(reads) == 2:  # the assignment's target and this argument
             wrap.consumed.append(stmts[0])
-        return stmts[0].body[0].value
+        return assign.value
 
     def _qn(self, node) -> Set[str]:
         """Qualified names of a node of the script, or of a value read from a sibling module."""
@@ -332,8 +376,9 @@ class _Finder:
             self._refuse(
                 "FSR303",
                 expr, f"auto_wrap_policy={code(expr)} is not a policy the rewrite reads",
-                "it reads transformer_auto_wrap_policy / lambda_auto_wrap_policy (functools.partial), "
-                "ModuleWrapPolicy({Block}), size_based_auto_wrap_policy, or a lambda testing isinstance",
+                self._lost.get(id(expr), "it reads transformer_auto_wrap_policy / lambda_auto_wrap_policy "
+                               "(functools.partial), ModuleWrapPolicy({Block}), size_based_auto_wrap_policy, "
+                               "or a lambda testing isinstance"),
                 "name the wrapped classes: `rewrite --shard Block` after removing the FSDP(...) wrap",
             )
             return
@@ -418,7 +463,8 @@ class _Finder:
             return
         if not (isinstance(value, cst.Call) and any(q.endswith(".MixedPrecision") and is_fsdp1_name(q) for q in self._qn(value))):
             self._refuse("FSR303", expr, f"mixed_precision={code(expr)} is not a MixedPrecision(...) the rewrite can read",
-                         "its dtypes become the MixedPrecisionPolicy", "write MixedPrecision(param_dtype=..., ...) in the call or one assignment")
+                         self._lost.get(id(expr), "its dtypes become the MixedPrecisionPolicy"),
+                         "write MixedPrecision(param_dtype=..., ...) in the call or one assignment")
             return
         for arg in value.args:
             key = arg.keyword.value if arg.keyword else None

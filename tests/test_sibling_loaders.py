@@ -262,3 +262,11 @@ def test_a_helper_taking_kwargs_is_left_when_it_also_builds_a_validation_loader(
     out = _rewrite(script)
     assert out.siblings == []
     assert any("make_loader() takes **kwargs: no parameter can be added" in a.what for a in out.attention)
+
+
+def test_output_naming_a_new_script_for_a_set_of_files_is_an_error_too(tmp_path):
+    _project(tmp_path)
+    done = _cli("train.py", "-o", "train_fsdp2.py", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "give -o a folder" in done.stderr
+    assert not (tmp_path / "train_fsdp2.py").exists()

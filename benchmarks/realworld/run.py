@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -143,16 +144,20 @@ def first_error_line(text: str) -> str:
 
 
 def rewrite_step(src: Path, out: Path) -> dict:
+    """Rewrite `src` into the folder of `out` (the script at `out`, the project modules the
+    rewrite also edits beside it at their paths below the script's folder), then compile the
+    output and check its idempotence and lint findings."""
     res: dict = {"exit_code": None, "refusal": None, "compiles": None, "idempotent": None, "check": None,
                  "error": None}
     out.parent.mkdir(parents=True, exist_ok=True)
-    proc = tool("rewrite", str(src), "-o", str(out), "--report", "json", "--no-cache")
+    proc = tool("rewrite", str(src), "-o", str(out.parent) + os.sep, "--report", "json", "--no-cache")
     res["exit_code"] = proc.returncode
     report = _json_or_none(proc.stdout)
     refusals = (report or [{}])[0].get("refusals") if report else None
-    # what the report says will not train like the original (attention items marked `differs`)
+    # what the report says will not train like the original (attention items marked `differs`), in every file
     res["differs"] = [{"line": a.get("line"), "what": a.get("what")}
-                      for a in ((report or [{}])[0].get("attention") or []) if a.get("differs")] if report else []
+                      for entry in report or [] for a in (entry.get("attention") or []) if a.get("differs")]
+    res["files"] = [entry.get("path") for entry in report or [] if entry.get("changed")]
     if refusals:
         r = refusals[0]
         res["refusal"] = {"code": r.get("code"), "line": r.get("line"), "what": r.get("what"), "why": r.get("why")}
@@ -170,8 +175,17 @@ def rewrite_step(src: Path, out: Path) -> dict:
         res["error"] = f"output does not compile: {exc.msg} (line {exc.lineno})"
         return res
     # the output is rewritten again and checked where the script is, beside its own modules
-    # (`from models import *` is read from the files next to it), under a name no import can reach
-    beside = src.with_name(src.stem + ".retrofit" + src.suffix)
+    # (`from models import *` is read from the files next to it), under a name no import can reach;
+    # where the rewrite edited modules beside it, in a copy of the script's folder holding the edited ones
+    edited = [f for f in out.parent.rglob("*.py") if f != out]
+    folder = src.parent
+    if edited:
+        folder = out.parent.parent / "project"
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(src.parent, folder)
+        for f in edited:
+            shutil.copyfile(f, folder / f.relative_to(out.parent))
+    beside = folder / (src.stem + ".retrofit" + src.suffix)
     beside.write_bytes(out.read_bytes())
     try:
         return _check_output(beside, res)

@@ -333,7 +333,7 @@ class _Run:
         folder = os.path.isdir(self.out) or self.out.endswith(("/", os.sep))
         if not several and not folder:
             return {result.path: self.out}
-        if os.path.exists(self.out) and not os.path.isdir(self.out):
+        if not folder and (os.path.exists(self.out) or self.out.endswith((".py", ".pyw"))):
             names = ", ".join(u.path for u in changed)
             raise InputError(f"-o {self.out}: this rewrite changes {len(changed)} files ({names}); give -o a folder")
         from fsdp2_retrofit.rewrite.workspace import project_relative

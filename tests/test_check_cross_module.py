@@ -169,3 +169,84 @@ def test_command_line(tmp_path):
     result = CliRunner().invoke(cli.main, ["check", str(tmp_path / "train.py")], catch_exceptions=False)
     assert result.exit_code == 1
     assert result.output.splitlines()[0].startswith(f"{tmp_path / 'train.py'}:8:11: FSD101")
+
+
+# -- the other way: a file hands a sharded module to another module's class or function ---------
+
+TRAINER = """\
+import torch
+
+
+class Trainer:
+    def __init__(self, model, loader, optimizer):
+        self.model = model
+        self.loader = loader
+        self.optimizer = optimizer
+
+    def train(self):
+        for x, y in self.loader:
+            loss = torch.nn.functional.cross_entropy(self.model.forward(x), y)
+            loss.backward()
+            self.optimizer.step()
+        torch.save(self.model.state_dict(), "ckpt.pt")
+
+
+def evaluate(net, x):
+    return net.forward(x)
+"""
+
+HANDS_OVER = """\
+import torch
+from torch.distributed.fsdp import fully_shard
+from trainer import Trainer, evaluate
+
+
+def main(loader, x):
+    {model} = Transformer()
+    fully_shard({model})
+    optimizer = torch.optim.AdamW({model}.parameters())
+    Trainer({model}, loader, optimizer).train()
+    evaluate(x=x, net={model})
+"""
+
+
+def _run_codes(tmp_path: Path, *names: str):
+    from fsdp2_retrofit.check.checker import CheckJob, run
+
+    results = run(CheckJob(tuple(all_rules())), [str(tmp_path / n) for n in names], workers=1)
+    return {Path(r.path).name: [(f.line, f.code) for f in r.findings] for r in results}
+
+
+def test_a_sharded_module_handed_to_another_modules_class_and_function_is_sharded_there(tmp_path):
+    _project(tmp_path, {"trainer.py": TRAINER, "train.py": HANDS_OVER.format(model="model")})
+    found = _run_codes(tmp_path, "train.py", "trainer.py")
+    assert found["trainer.py"] == [(12, "FSD101"), (15, "FSD102"), (19, "FSD101")]
+    assert found["train.py"] == []
+
+
+def test_renamed_locals_hand_over_the_same(tmp_path):
+    _project(tmp_path, {"trainer.py": TRAINER, "train.py": HANDS_OVER.format(model="net_2")})
+    assert _run_codes(tmp_path, "trainer.py", "train.py")["trainer.py"] == [(12, "FSD101"), (15, "FSD102"), (19, "FSD101")]
+
+
+def test_without_the_file_that_shards_in_the_run_the_module_is_not_told(tmp_path):
+    _project(tmp_path, {"trainer.py": TRAINER, "train.py": HANDS_OVER.format(model="model")})
+    assert _run_codes(tmp_path, "trainer.py") == {"trainer.py": []}
+
+
+def test_an_unsharded_module_handed_over_tells_nothing(tmp_path):
+    unsharded = HANDS_OVER.format(model="model").replace("    fully_shard(model)\n", "")
+    _project(tmp_path, {"trainer.py": TRAINER, "train.py": unsharded})
+    assert _run_codes(tmp_path, "train.py", "trainer.py")["trainer.py"] == []
+
+
+def test_the_command_line_reports_the_receiving_file(tmp_path):
+    _project(tmp_path, {"trainer.py": TRAINER, "train.py": HANDS_OVER.format(model="model")})
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        out = CliRunner().invoke(cli.main, ["check", "."])
+    finally:
+        os.chdir(old)
+    assert out.exit_code == 1, out.output
+    assert "trainer.py:12:" in out.output and "FSD101" in out.output

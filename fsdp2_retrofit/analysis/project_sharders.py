@@ -51,6 +51,19 @@ class Table:
     def __bool__(self) -> bool:
         return bool(self.own or self.names or self.modules or self.stars)
 
+    def where(self, name: str) -> Optional[Tuple[Path, str]]:
+        """(the project file, the name there) a name a call spells reaches through an import of
+        this module (`Trainer` of `from trainer import Trainer`, `trainer.Trainer`); None for its
+        own names, star imports and what no import binds. Nothing is parsed."""
+        if name in self.names:
+            return self.names[name]
+        head = name.rpartition(".")[0]
+        while head:
+            if head in self.modules:
+                return self.modules[head], name[len(head) + 1:]
+            head = head.rpartition(".")[0]
+        return None
+
     def get(self, name: str) -> Optional[Sharder]:
         if name in self.own:
             return self.own[name]

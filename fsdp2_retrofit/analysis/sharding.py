@@ -8,8 +8,9 @@ as an argument, and in every method of a class that shards `self.<attr>`.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import libcst as cst
 
@@ -60,6 +61,20 @@ class ShardSite:
     target: Optional[cst.BaseExpression] = field(default=None, repr=False)
 
 
+@dataclass(frozen=True)
+class Handed:
+    """A sharded module a call hands to a class or function of another project module
+    (`Trainer(model, ...)` with `from trainer import Trainer`): what `check` tells that
+    module's analysis when it checks both in one run (check/checker.py)."""
+
+    file: str  # the module's file, resolved
+    name: str  # the class or function there
+    key: Union[int, str]  # the argument: its position among the positional ones, or its keyword
+    where: str  # "train.py:17", the call
+    whole: bool
+    legacy: bool
+
+
 @dataclass
 class OptimizerBuild:
     name: str
@@ -84,6 +99,8 @@ class ShardFacts:
     flow: object = field(default=None, repr=False)
     _by_value: Dict[Tuple[str, int], List[ShardSite]] = field(default_factory=dict)
     _site_origins: Dict[int, frozenset] = field(default_factory=dict)
+    # sharded modules this file hands to classes and functions of other project modules
+    handed_out: List[Handed] = field(default_factory=list)
 
     # -- positions ----------------------------------------------------------
 
@@ -391,21 +408,23 @@ def part_root(expr: cst.BaseExpression) -> Optional[Tuple[str, bool]]:
 def shard_facts(analysis) -> ShardFacts:
     """The sharding facts of a script's analysis (site_analysis.SiteAnalysis: its module,
     resolver and functions); with its path, calls of the functions it imports from project
-    modules that shard (analysis.project_sharders) count too."""
+    modules that shard (analysis.project_sharders) count too, and so do the modules other
+    files hand its classes and functions (`analysis.received`, Handed records)."""
     imported = {}
     if analysis.path and analysis.path != "-":
         from .project_sharders import imported_sharders
 
         imported = imported_sharders(analysis.module, analysis.r, analysis.path)
-    return _Collector(analysis, imported).run()
+    return _Collector(analysis, imported, getattr(analysis, "received", ())).run()
 
 
 class _Collector:
-    def __init__(self, analysis, imported: Optional[Dict[str, "Sharder"]] = None):
+    def __init__(self, analysis, imported: Optional[Dict[str, "Sharder"]] = None, received: Sequence[Handed] = ()):
         self.analysis = analysis
         self.module = analysis.module
         self.r = analysis.r
         self.imported = imported or {}
+        self.received = received
         self.facts = ShardFacts(self.r, [], [])
         self.facts.flow = analysis.flow
 
@@ -421,9 +440,64 @@ class _Collector:
             opt = self._optimizer(call)
             if opt is not None:
                 f.optimizers.append(opt)
+        self._receive_handed()
         self._propagate()
+        self._hand_out()
         return f
 
+    def _receive_handed(self) -> None:
+        """Modules other files hand this one's classes and functions, sharded: a class's
+        constructor parameter and the `self.<attr>` it is stored as (in every method), or a
+        function's parameter. The site a rule names is the class or function itself."""
+        path = os.path.realpath(self.analysis.path) if self.received and self.analysis.path else None
+        defs = {s.name.value: s for s in self.module.body if isinstance(s, (cst.ClassDef, cst.FunctionDef))}
+        for handed in self.received:
+            node = defs.get(handed.name)
+            if node is None or os.path.realpath(handed.file) != path:
+                continue
+            fn = node if isinstance(node, cst.FunctionDef) else next(
+                (m for m in node.body.body if isinstance(m, cst.FunctionDef) and m.name.value == "__init__"), None)
+            if fn is None:
+                continue
+            positional = [p.name.value for p in (*fn.params.posonly_params, *fn.params.params)]
+            positional = positional[1 if fn is not node else 0:]  # a constructor's `self` is not passed
+            if isinstance(handed.key, int):
+                param = positional[handed.key] if handed.key < len(positional) else None
+            else:
+                param = handed.key if handed.key in parameter_names(fn) else None
+            if param is None:
+                continue
+            site = ShardSite(node, param, handed.whole, None, -1, handed.legacy)
+            _receive(self.facts, fn, param, site)
+            if fn is not node:
+                for name in ["self." + a for a in _stored_as(fn, param)]:
+                    for method in node.body.body:
+                        if isinstance(method, cst.FunctionDef):
+                            _receive(self.facts, method, name, site)
+
+    def _hand_out(self) -> None:
+        """Each call of a class or function of another project module (reached through an
+        import, not a star) handed a sharded module: a Handed record for that module."""
+        if not self.imported or not hasattr(self.imported, "where"):
+            return
+        f = self.facts
+        for call in self.r.nodes(cst.Call):
+            path = attr_path(call.func)
+            found = self.imported.where(".".join(path)) if path is not None else None
+            if found is None:
+                continue
+            position = 0
+            for arg in call.args:
+                if arg.star:
+                    break
+                key: Union[int, str] = arg.keyword.value if arg.keyword is not None else position
+                position += arg.keyword is None
+                root = f.sharded_module(arg.value, call)
+                if root is None:
+                    continue
+                sites = f.sites_for(root, call)
+                f.handed_out.append(Handed(str(found[0]), found[1], key, f"{self.analysis.path}:{self.r.line(call)}",
+                                           any(s.whole for s in sites), all(s.legacy for s in sites)))
     def _add_site(self, call: cst.Call, legacy: bool) -> None:
         f = self.facts
         scope = f.scope_of(call)

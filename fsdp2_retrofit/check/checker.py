@@ -24,6 +24,7 @@ class FileResult:
     bare_noqa: int = 0
     error: Optional[InputError] = None
     initial: list = field(default_factory=list)  # with `fixed`: the findings of `original`
+    handed: list = field(default_factory=list)  # analysis.sharding.Handed: what it hands other project files
 
 
 @dataclass(frozen=True)
@@ -46,11 +47,11 @@ def read_for_check(path: str) -> bytes:
     return data
 
 
-def lint_one(job: CheckJob, path: str, data: bytes) -> FileResult:
+def lint_one(job: CheckJob, path: str, data: bytes, received=()) -> FileResult:
     from .lint import lint_source
 
     try:
-        result = lint_source(data, path, job.rules, fix=job.fix, unsafe_fixes=job.unsafe_fixes)
+        result = lint_source(data, path, job.rules, fix=job.fix, unsafe_fixes=job.unsafe_fixes, received=received)
     except Exception as exc:  # a bug in a rule: report this file, check the others
         if os.environ.get("FSDP2_RETROFIT_TRACEBACK"):
             raise
@@ -67,15 +68,16 @@ def lint_one(job: CheckJob, path: str, data: bytes) -> FileResult:
         bare_noqa=result.bare_noqa,
         error=result.error,
         initial=[f.detached() for f in result.initial],
+        handed=result.handed,
     )
 
 
-def _lint_path(job: CheckJob, path: str) -> FileResult:
+def _lint_path(job: CheckJob, path: str, received=()) -> FileResult:
     try:
         data = read_for_check(path)
     except InputError as exc:
         return FileResult(path, error=exc)
-    return lint_one(job, path, data)
+    return lint_one(job, path, data, received)
 
 
 def run(
@@ -85,7 +87,10 @@ def run(
     on_result: Optional[Callable[[FileResult], None]] = None,
 ) -> List[FileResult]:
     """Lint every path; results in the order of `paths`. Files that no selected rule
-    can apply to (the text prefilter) are not parsed, and never sent to a worker."""
+    can apply to (the text prefilter) are not parsed, and never sent to a worker. A file
+    whose classes or functions another file of the run hands a sharded module
+    (`Trainer(model, ...)` after `fully_shard(model)` in train.py) is linted (again) knowing
+    it: its `self.model.forward(x)` is a forward call on a sharded module."""
     from .lint import applicable
 
     results: List[Optional[FileResult]] = [None] * len(paths)
@@ -118,4 +123,22 @@ def run(
             results[i] = _lint_path(job, paths[i])
             if on_result is not None:
                 on_result(results[i])
+    _lint_receivers(job, paths, results, on_result)
     return [r for r in results if r is not None]
+
+
+def _lint_receivers(job: CheckJob, paths: Sequence[str], results: list, on_result) -> None:
+    """The second pass: each file of the run that other files hand sharded modules, linted with them."""
+    handed: dict = {}
+    for result in results:
+        for h in (result.handed if result is not None else ()):
+            handed.setdefault(os.path.realpath(h.file), []).append(h)
+    for i, path in enumerate(paths):
+        received = handed.get(os.path.realpath(path))
+        if not received or results[i] is None or results[i].error is not None or results[i].fixed is not None:
+            continue
+        again = _lint_path(job, path, tuple(received))
+        if again.error is None:
+            results[i] = again
+            if on_result is not None:
+                on_result(again)

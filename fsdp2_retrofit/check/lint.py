@@ -32,6 +32,8 @@ class LintResult:
     original: bytes = b""
     # when fixes were applied: the findings of the source as given (its lines, its messages)
     initial: List[Finding] = field(default_factory=list)
+    # sharded modules it hands to classes and functions of other project modules (analysis.sharding.Handed)
+    handed: list = field(default_factory=list)
 
 
 class LintContext:
@@ -39,8 +41,9 @@ class LintContext:
     built on (analysis/data.py's DataAnalysis on analysis/site_analysis.py's base: resolver,
     functions, value flow, class registry, sharding facts), computed once."""
 
-    def __init__(self, module, path: str, origins=None):
-        """`origins`: for a rewritten tree, the user's lines (syntax.names.Origins)."""
+    def __init__(self, module, path: str, origins=None, received=()):
+        """`origins`: for a rewritten tree, the user's lines (syntax.names.Origins); `received`:
+        the sharded modules other files of the run hand this one (analysis.sharding.Handed)."""
         import libcst as cst
 
         from fsdp2_retrofit.analysis.data import DataAnalysis
@@ -49,6 +52,7 @@ class LintContext:
         self.module = module
         self.path = path
         self.analysis = DataAnalysis(module, Resolver(module, origins), path=path if path != "-" else None)
+        self.analysis.received = received
         self.resolver = self.analysis.r
         self._classes = None
         if any(isinstance(imp.names, cst.ImportStar) for imp in self.resolver.nodes(cst.ImportFrom)):
@@ -113,11 +117,13 @@ def sharded_elsewhere(data: bytes, path: Optional[str], rules: Sequence[Type[Rul
 
 
 def lint_source(
-    data: bytes, path: str, rules: Sequence[Type[Rule]], fix: bool = False, unsafe_fixes: bool = False
+    data: bytes, path: str, rules: Sequence[Type[Rule]], fix: bool = False, unsafe_fixes: bool = False,
+    received=(),
 ) -> LintResult:
-    """Findings for one source; with `fix`, also the fixed source and what remains."""
+    """Findings for one source; with `fix`, also the fixed source and what remains. `received`:
+    the sharded modules other files of the run hand this one (its classes and functions)."""
     result = LintResult(path, [], original=data)
-    elsewhere = sharded_elsewhere(data, path, rules)
+    elsewhere = bool(received) or sharded_elsewhere(data, path, rules)
     rules = [r for r in rules if r.may_apply(data, elsewhere)]
     if not rules:
         return result
@@ -130,7 +136,7 @@ def lint_source(
     if not rules:
         return result
     try:
-        findings, resolver = _findings(data, path, rules)
+        findings, resolver = _findings(data, path, rules, received, result.handed)
     except InputError as exc:
         result.error = exc
         return result
@@ -146,7 +152,7 @@ def lint_source(
                 break
             try:
                 compile(new, path, "exec", dont_inherit=True)
-                new_findings, new_resolver = _findings(new, path, rules)
+                new_findings, new_resolver = _findings(new, path, rules, received)
             except (SyntaxError, ValueError, InputError):
                 break  # a fix must never leave a file that does not parse: keep the last good one
             if len(new_findings) >= len(findings):
@@ -180,7 +186,7 @@ def code_names(data: bytes, path: str) -> Set[str]:
     return names
 
 
-def _findings(data: bytes, path: str, rules: Sequence[Type[Rule]]):
+def _findings(data: bytes, path: str, rules: Sequence[Type[Rule]], received=(), handed: Optional[list] = None):
     import libcst as cst
 
     try:
@@ -196,7 +202,9 @@ def _findings(data: bytes, path: str, rules: Sequence[Type[Rule]]):
         raise InputError(f"syntax error: {message}", line) from None
     except (UnicodeDecodeError, LookupError) as exc:
         raise InputError(f"cannot decode: {exc}") from None
-    ctx = LintContext(module, path)
+    ctx = LintContext(module, path, received=received)
+    if handed is not None:
+        handed.extend(ctx.shards.handed_out)
     out: List[Finding] = []
     seen: Set[Tuple[str, int]] = set()
     for rule_cls in rules:

@@ -69,6 +69,12 @@ def _rewrite(case: Path, name: str):
     return rewrite_source(path.read_bytes(), str(path), case_options(case))
 
 
+def script_path(case: Path) -> Path:
+    """Where a case's input.py is rewritten: in the case's folder, or for a case that edits
+    modules beside it, in a copy of its project (the goldens beside it name its functions too)."""
+    return project_copy(case, "input.py") / "input.py" if edits_siblings(case) else case / "input.py"
+
+
 def edits_siblings(case: Path) -> bool:
     """A case whose rewrite also edits modules beside the script: their goldens are in
     `expected/`, at their paths below the case."""

@@ -18,7 +18,7 @@ import pytest
 
 from alpha_rename import alpha_rename, unrename
 from fsdp2_retrofit.rewrite.pipeline import rewrite_source
-from rewrite_cases import CASES, case_options, case_params, rewrite_case, sampled
+from rewrite_cases import CASES, case_options, case_params, rewrite_case, sampled, script_path
 
 
 def _fresh(text: str) -> str:
@@ -30,6 +30,7 @@ def _outcome(result) -> tuple:
         [(r.code, r.line) for r in result.refusals],
         sorted((c.line, c.code) for c in result.changes),
         sorted((a.line, a.code, a.differs) for a in result.attention),
+        [(Path(s.path).name, s.code) for s in result.siblings],
     )
 
 
@@ -39,7 +40,7 @@ def test_renamed_locals_rewrite_the_same(case):
     source = (case / "input.py").read_text(encoding="utf-8")
     renamed_source = alpha_rename(source)
     assert renamed_source != source or "def " not in source, "the renamer renamed nothing"
-    renamed = rewrite_source(renamed_source.encode("utf-8"), str(case / "input.py"), case_options(case))
+    renamed = rewrite_source(renamed_source.encode("utf-8"), str(script_path(case)), case_options(case))
     assert _outcome(renamed) == _outcome(original)
     # a name the rewrite adds takes a numbered spelling (`rank_1`) where the user's own name is
     # taken; with the user's names prefixed it is not: the numbers are not compared

@@ -128,7 +128,8 @@ class DistributeDataCommand(RetrofitStage):
             self._replace_bound_sampler(loader, facts, editor)
             return
         scope = facts.resolver.enclosing_function(loader.stmt)
-        sampler = self.fresh_name(f"{loader.name}_sampler" if several else "sampler", scope)
+        sampler = self.fresh_name(f"{loader.name}_sampler" if several and loader.name.isidentifier() else "sampler",
+                                  scope)
         dataset, hoisted = self._dataset(loader, scope)
         shuffle = code(loader.shuffle) if loader.shuffle is not None else "False"
         if loader.sampler is not None:  # sampler=RandomSampler(data) written in the call
@@ -303,6 +304,9 @@ class DistributeDataCommand(RetrofitStage):
             if epoch_loop is not None:
                 sampler = f"{param}.sampler"
                 break
+        if epoch_loop is None and loader.epoch_passed is not None:
+            self._set_epoch_passed(loader, editor)
+            return
         if epoch_loop is None and self._count_passes(loader, sampler, facts, editor):
             return
         if epoch_loop is None:
@@ -325,6 +329,20 @@ class DistributeDataCommand(RetrofitStage):
         self.change(
             epoch_loop,
             f"`{call}` at the start of each epoch",
+            "DistributedSampler reshuffles from its epoch number",
+            "without set_epoch every epoch repeats the same order",
+        )
+
+    def _set_epoch_passed(self, loader: LoaderSite, editor) -> None:
+        """The pass over the loader is a function's (`_run_epoch(self, epoch)` of a trainer), handed
+        the epoch number by the loop that calls it: set_epoch before that pass, through the loader's
+        own `.sampler` (the DistributedSampler given it where it is built)."""
+        loop, reader, epoch = loader.epoch_passed
+        call = f"{code(reader)}.sampler.set_epoch({epoch})"
+        editor.insert_before(loop, [self.stmt(call + "\n")])
+        self.change(
+            loop,
+            f"`{call}` before each pass over `{code(reader)}`, the epoch number it is handed as `{epoch}`",
             "DistributedSampler reshuffles from its epoch number",
             "without set_epoch every epoch repeats the same order",
         )

@@ -42,6 +42,9 @@ class LoaderSite:
     # (function, parameter) of the script's functions whose parameter holds this loader and
     # nothing else, at every call (`train_model(model, loader, ...)` reading it as `batches`)
     handed_to: List[tuple] = field(default_factory=list)
+    # (loop, reader, parameter): the pass over it is a function's, the epoch number its parameter
+    # (`def _run_epoch(self, epoch): for x, y in self.train_data:`); see LoaderAnalysis._epoch_passed
+    epoch_passed: Optional[tuple] = None
 
 
 @dataclass
@@ -87,7 +90,7 @@ class LoaderAnalysis(SiteAnalysis):
         for stmt in stmts:
             if assigned_names(stmt) & iterated and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assign):
                 iterated |= names_in(stmt.body[0].value)
-        fed = self._loaders_feeding(train_loops)
+        fed = self._loops_fed(train_loops)
         for stmt in stmts:
             if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
                 continue
@@ -126,9 +129,31 @@ class LoaderAnalysis(SiteAnalysis):
                     received=self._received(name, stmt),
                     cycled=self._cycled(name, stmt),
                     handed_to=self._handed_to(call),
+                    epoch_passed=self._epoch_passed(call, fed[id(call)]) if id(call) in fed else None,
                 )
             )
         return out
+
+    def _epoch_passed(self, call: cst.Call, loop) -> Optional[tuple]:
+        """(loop, reader, parameter) where the training loop `loop` is one pass over the DataLoader
+        `call` (`for x, y in self.train_data:`, `reader` holding that loader and nothing else), in a
+        function that runs it once a call and whose `parameter` holds, at every call, the variable of a
+        `for <epoch> in range(...)` whose body makes that call: the epoch number, handed in
+        (`self._run_epoch(epoch)` in `train()`), followed by value."""
+        reader = loop.iter if type(loop) is cst.For else None
+        fn = self.r.enclosing_function(loop)
+        if (type(reader) not in (cst.Name, cst.Attribute) or self.flow.values(reader) != {call} or fn is None
+                or self._loop_chain(loop)[0]):
+            return None
+        calls = [c for c, _ in self.flow.bound_calls(fn)]
+        for param in fn.params.params:
+            origins = self.flow.parameter_values(fn, param.name.value)
+            epoch = next(iter(origins)) if len(origins) == 1 else None
+            if (calls and type(epoch) is cst.For and type(epoch.target) is cst.Name
+                    and type(epoch.iter) is cst.Call and "builtins.range" in self.r.qnames(epoch.iter.func)
+                    and all(self._loop_chain(c)[0][:1] == [epoch] for c in calls)):
+                return loop, reader, param.name.value
+        return None
 
     def _handed_to(self, call: cst.Call) -> List[tuple]:
         """(function, parameter) for each parameter of a script function that holds the value of

@@ -204,8 +204,8 @@ class ValueFlow:
             yield from self._values(func.value, depth)
             return
         if type(func) is cst.Attribute:
-            methods = [m for cls in self._classes_held(func.value, depth) for m in self._methods(cls, func.attr.value)]
-            functions = methods or [None]
+            functions = [m for cls in self._classes_held(func.value, depth)
+                         for m in self._methods(cls, func.attr.value)] or [None]
         else:
             functions = [self._callee(call)]
         for fn in functions:
@@ -218,6 +218,14 @@ class ValueFlow:
             for ret in returns:
                 if ret.value is not None:
                     yield from self._values(ret.value, depth)
+
+    def methods_called(self, call: cst.Call) -> List[cst.FunctionDef]:
+        """The methods of the script's classes `obj.method(...)` / `self.method(...)` can run
+        (where `obj` holds an instance of a class of the script)."""
+        func = call.func
+        if type(func) is not cst.Attribute:
+            return []
+        return [m for cls in self._classes_held(func.value, 0) for m in self._methods(cls, func.attr.value)]
 
     def bound_calls(self, fn: cst.FunctionDef) -> List[Tuple[cst.Call, int]]:
         """(call, parameters it does not pass) for the known calls of `fn`: by name for a function;

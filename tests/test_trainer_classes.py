@@ -221,17 +221,33 @@ def test_a_trainer_class_of_the_script_is_converted_in_its_methods(tmp_path, tex
     assert save.index("if dist.get_rank() == 0:") > save.index("dcp.save(")
 
 
-def test_an_epoch_the_trainer_cannot_follow_is_reported_at_the_loader(tmp_path):
+def test_a_pass_inside_the_trainers_epoch_loop_sets_that_epoch(tmp_path):
+    """train() makes the pass itself, inside `for epoch in range(...)`: set_epoch goes before it."""
+    epoch_method = SCRIPT_TRAINER[SCRIPT_TRAINER.index("    def _run_epoch"):SCRIPT_TRAINER.index("    def _save_checkpoint")]
+    text = SCRIPT_TRAINER.replace(epoch_method, "").replace(
+        "            self._run_epoch(epoch)\n",
+        "            for source, targets in self.train_data:\n                self._run_batch(source, targets)\n")
+    result = _rewrite(tmp_path, text)
+    assert not result.refusals, result.refusals
+    out = result.code.decode()
+    assert ("        for epoch in range(max_epochs):\n            self.train_data.sampler.set_epoch(epoch)\n"
+            "            for source, targets in self.train_data:\n") in out
+    assert not [a for a in result.attention if a.differs], result.attention
+
+
+def test_an_epoch_the_trainer_cannot_follow_is_reported_at_the_pass(tmp_path):
     """`self._run_epoch(epoch + 1)`: the number handed in is not the loop's variable, so no
-    set_epoch is written for it: an attention item (differs) at the loader says so."""
+    set_epoch is written for it: an attention item (differs) at the pass says so."""
     text = SCRIPT_TRAINER.replace("self._run_epoch(epoch)", "self._run_epoch(epoch + 1)")
     result = _rewrite(tmp_path, text)
     assert not result.refusals, result.refusals
     assert ".set_epoch(" not in result.code.decode()
     flagged = [a for a in result.attention if "set_epoch" in a.what]
-    assert flagged and flagged[0].differs, result.attention
-    assert flagged[0].line == text.splitlines().index(
-        "    return DataLoader(dataset, batch_size=batch_size, shuffle=True)") + 1
+    assert len(flagged) == 1 and flagged[0].differs, result.attention
+    lines = text.splitlines()
+    assert flagged[0].line == lines.index("        for source, targets in self.train_data:") + 1
+    loader_line = lines.index("    return DataLoader(dataset, batch_size=batch_size, shuffle=True)") + 1
+    assert f"the DataLoader of line {loader_line}" in flagged[0].what
 
 
 def test_a_sibling_class_without_backward_is_not_a_trainer(tmp_path):

@@ -204,8 +204,8 @@ class ValueFlow:
             yield from self._values(func.value, depth)
             return
         if type(func) is cst.Attribute:
-            functions = [m for cls in self._classes_held(func.value, depth)
-                         for m in self._methods(cls, func.attr.value)] or [None]
+            methods = [m for cls in self._classes_held(func.value, depth) for m in self._methods(cls, func.attr.value)]
+            functions = methods or [None]
         else:
             functions = [self._callee(call)]
         for fn in functions:

@@ -198,7 +198,12 @@ RENAMED = (SCRIPT_TRAINER.replace("self.train_data", "self.batches").replace("se
                     "if n % self.save_every == 0:\n                self._save_checkpoint(n)"))
 
 
-@pytest.mark.parametrize("text", [SCRIPT_TRAINER, RENAMED], ids=["as-written", "renamed"])
+# built and run in one expression: `Trainer(...).train(epochs)`
+INLINE = SCRIPT_TRAINER.replace("    trainer = Trainer(model, train_data, optimizer, save_every)\n    trainer.train(total_epochs)\n",
+                                "    Trainer(model, train_data, optimizer, save_every).train(total_epochs)\n")
+
+
+@pytest.mark.parametrize("text", [SCRIPT_TRAINER, RENAMED, INLINE], ids=["as-written", "renamed", "inline-train"])
 def test_a_trainer_class_of_the_script_is_converted_in_its_methods(tmp_path, text):
     result = _rewrite(tmp_path, text)
     assert not result.refusals, result.refusals

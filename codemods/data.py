@@ -362,11 +362,16 @@ class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
             if epoch_loop is not None:
                 sampler = f"{param}.sampler"
                 break
+        if epoch_loop is None and loader.epoch_passed is not None and loader.epoch_passed[2] is not None:
+            self._set_epoch_passed(loader, editor)
+            return
         if epoch_loop is None and self._count_passes(loader, sampler, facts, editor):
             return
         if epoch_loop is None:
             shuffled = loader.shuffle is not None and code(loader.shuffle) != "False"
-            if shuffled and not _iterated_directly(loader):
+            if shuffled and loader.epoch_passed is not None:
+                self._no_epoch_passed(loader)
+            elif shuffled and not _iterated_directly(loader):
                 self.attention(
                     loader.stmt,
                     f"`{loader.name}` is read through iter()/next() or a helper: call "
@@ -386,6 +391,34 @@ class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
             f"`{call}` at the start of each epoch",
             "DistributedSampler reshuffles from its epoch number",
             "without set_epoch every epoch repeats the same order",
+        )
+
+    def _set_epoch_passed(self, loader: LoaderSite, editor) -> None:
+        """The pass over the loader is made where the loader is not a name of its block (a trainer's
+        `for x, y in self.train_data:`), its epoch number the variable of the `for ... in range(...)`
+        around it or handed to its method (`self._run_epoch(epoch)`): set_epoch before that pass,
+        through the loader's own `.sampler` (the DistributedSampler given it where it is built)."""
+        loop, reader, epoch = loader.epoch_passed
+        call = f"{code(reader)}.sampler.set_epoch({epoch})"
+        editor.insert_before(loop, [self.stmt(call + "\n")])
+        self.change(
+            loop,
+            f"`{call}` before each pass over `{code(reader)}`, `{epoch}` holding the number of the epoch",
+            "DistributedSampler reshuffles from its epoch number",
+            "without set_epoch every epoch repeats the same order",
+        )
+
+    def _no_epoch_passed(self, loader: LoaderSite) -> None:
+        """A pass like _set_epoch_passed's whose epoch number the analysis cannot follow: flagged at the pass."""
+        loop, reader, _ = loader.epoch_passed
+        self.attention(
+            loop,
+            f"this pass over `{code(reader)}` (the DataLoader of line {self.line(loader.stmt)}) has no epoch number "
+            f"the rewrite can follow: call `{code(reader)}.sampler.set_epoch(epoch)` before it",
+            "DistributedSampler reshuffles from its epoch number, known here only as the variable of a "
+            "`for ... in range(...)` around the pass or handed to its function by one; without it every pass "
+            "repeats the first one's order, where the original loader drew a new one",
+            differs=True,
         )
 
     def _count_passes(self, loader: LoaderSite, sampler: str, facts: ScriptFacts, editor) -> bool:

@@ -279,9 +279,10 @@ class ShardModelCommand(RetrofitStage):
                 "FSR605",
                 call,
                 f"the training loop lives in class {cls}, which is handed the model",
-                "following the model, optimizer and data into a trainer object is not supported yet: "
-                "its sampler, saves and logging would be left unconverted",
-                "keep the training loop in a function that receives the model and optimizer",
+                "the class is in another file, which this rewrite does not edit: its loop would keep its plain "
+                "sampler, saves and logging",
+                "move the trainer class into the script (it is then converted in its methods), or keep the training "
+                "loop in a function of the script that receives the model and optimizer",
             )
         copied = {id(c.copy_call) for c in facts.copies}
         for call in facts.deep_copies:

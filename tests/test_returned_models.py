@@ -154,10 +154,28 @@ def test_a_returned_loader_gets_set_epoch_in_the_callers_epoch_loop():
     assert "set_epoch" not in _function(code, "build_loaders")
 
 
-def test_a_loader_helper_called_twice_keeps_the_attention_item():
+def test_a_loader_helper_called_twice_sets_the_epoch_of_the_loader_the_loop_reads():
+    """The loop's `train_loader` holds the first call's loader only (followed by value), and that
+    loader's own `.sampler` is the DistributedSampler the helper gives it: set_epoch goes there,
+    however often the helper is called."""
     text = LOADERS.replace("    train_loader, val_loader = build_loaders(args.batch_size)\n",
                            "    train_loader, val_loader = build_loaders(args.batch_size)\n"
                            "    _, _ = build_loaders(args.batch_size)\n")
+    out = _rewrite(text)
+    code = out.code.decode()
+    main = _function(code, "main")
+    loop = main.index("for epoch in range(args.epochs):")
+    assert main.index("train_loader.sampler.set_epoch(epoch)", loop) < main.index("for x, y in train_loader:")
+    assert "set_epoch" not in _function(code, "build_loaders")
+    assert not any("set_epoch" in a.what for a in out.attention), out.attention
+
+
+def test_a_pass_over_either_of_two_loaders_keeps_the_attention_item():
+    """`loader = train_loader if ... else other`: the loop's reader may hold two loaders, so no
+    one `.sampler` is known to be the one read: no set_epoch, the attention item stays."""
+    text = LOADERS.replace("    train_loader, val_loader = build_loaders(args.batch_size)\n",
+                           "    train_loader, val_loader = build_loaders(args.batch_size)\n"
+                           "    train_loader = train_loader if args.epochs else build_loaders(args.batch_size)[0]\n")
     out = _rewrite(text)
     assert "set_epoch" not in out.code.decode()
     assert any("set_epoch" in a.what for a in out.attention), out.attention

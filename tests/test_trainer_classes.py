@@ -1,5 +1,7 @@
-"""A training loop inside a trainer class handed the model (FSR605): in the script, or
-in a sibling module, where the refusal names that file and the line of its backward()."""
+"""A training loop inside a trainer class handed the model: the script's own class is converted
+in its methods (value flow into `self.<attr>`), or refused for the true reason where a part
+cannot be; a sibling module's class is refused (FSR605), naming that file and the line of its
+backward()."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -89,11 +91,168 @@ def test_sibling_trainer_is_refused_naming_its_file_and_backward_line(tmp_path, 
 
 
 @pytest.mark.parametrize("optimizer", [False, True], ids=["optimizer-in-trainer", "optimizer-in-main"])
-def test_trainer_class_in_the_script_is_refused(tmp_path, optimizer):
+def test_a_script_trainer_that_cannot_be_converted_is_refused_for_its_true_reason(tmp_path, optimizer):
+    """The script's own trainer is followed into its methods: what stops the conversion is named
+    where it is (an optimizer built in a method, a DataLoader built inline in the `for`), not FSR605."""
     text = _script(sibling=False, optimizer=optimizer)
     result = _rewrite(tmp_path, text)
-    assert [r.code for r in result.refusals] == ["FSR605"], result.refusals
-    assert "class Trainer," in result.refusals[0].what
+    lines = text.splitlines()
+    if optimizer:  # the optimizer comes from main(): the loader, built in the `for` itself, is what cannot be followed
+        expected = ("FSR902", "for x, y in DataLoader(self.dataset, batch_size=32, shuffle=True):")
+    else:
+        expected = ("FSR610", "optimizer = self.optimizer or torch.optim.AdamW(model.parameters(), lr=1e-3)")
+    line = next(i for i, text in enumerate(lines, 1) if text.strip() == expected[1])
+    assert [(r.code, r.line) for r in result.refusals] == [(expected[0], line)], result.refusals
+
+
+SCRIPT_TRAINER = dedent("""\
+    import argparse
+
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.fc(x))
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(3)])
+            self.head = nn.Linear(8, 4)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+
+    class Trainer:
+        def __init__(self, model, train_data, optimizer, save_every):
+            self.gpu = "cuda" if torch.cuda.is_available() else "cpu"
+            self.model = model.to(self.gpu)
+            self.train_data = train_data
+            self.optimizer = optimizer
+            self.save_every = save_every
+
+        def _run_batch(self, source, targets):
+            self.optimizer.zero_grad()
+            loss = F.cross_entropy(self.model(source), targets)
+            loss.backward()
+            self.optimizer.step()
+
+        def _run_epoch(self, epoch):
+            for source, targets in self.train_data:
+                self._run_batch(source.to(self.gpu), targets.to(self.gpu))
+
+        def _save_checkpoint(self, epoch):
+            torch.save(self.model.state_dict(), "checkpoint.pt")
+            print(f"epoch {epoch}: checkpoint saved")
+
+        def train(self, max_epochs):
+            for epoch in range(max_epochs):
+                self._run_epoch(epoch)
+                if epoch % self.save_every == 0:
+                    self._save_checkpoint(epoch)
+
+
+    def load_train_objs():
+        dataset = TensorDataset(torch.randn(64, 8), torch.randint(0, 4, (64,)))
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        return dataset, model, optimizer
+
+
+    def prepare_dataloader(dataset, batch_size):
+        return DataLoader(dataset, batch_size=batch_size, shuffle=True)
+
+
+    def main(save_every, total_epochs, batch_size):
+        dataset, model, optimizer = load_train_objs()
+        train_data = prepare_dataloader(dataset, batch_size)
+        trainer = Trainer(model, train_data, optimizer, save_every)
+        trainer.train(total_epochs)
+
+
+    if __name__ == "__main__":
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--epochs", type=int, default=2)
+        parser.add_argument("--batch-size", type=int, default=16)
+        args = parser.parse_args()
+        main(1, args.epochs, args.batch_size)
+    """)
+# the same script, its trainer's attributes, parameters and locals named otherwise
+RENAMED = (SCRIPT_TRAINER.replace("self.train_data", "self.batches").replace("self.model", "self.net")
+           .replace("self.gpu", "self.where").replace("(self, epoch)", "(self, ep)").replace("{epoch}", "{ep}")
+           .replace("for epoch in range(max_epochs):\n            self._run_epoch(epoch)",
+                    "for n in range(max_epochs):\n            self._run_epoch(n)")
+           .replace("if epoch % self.save_every == 0:\n                self._save_checkpoint(epoch)",
+                    "if n % self.save_every == 0:\n                self._save_checkpoint(n)"))
+
+
+# built and run in one expression: `Trainer(...).train(epochs)`
+INLINE = SCRIPT_TRAINER.replace("    trainer = Trainer(model, train_data, optimizer, save_every)\n    trainer.train(total_epochs)\n",
+                                "    Trainer(model, train_data, optimizer, save_every).train(total_epochs)\n")
+
+
+@pytest.mark.parametrize("text", [SCRIPT_TRAINER, RENAMED, INLINE], ids=["as-written", "renamed", "inline-train"])
+def test_a_trainer_class_of_the_script_is_converted_in_its_methods(tmp_path, text):
+    result = _rewrite(tmp_path, text)
+    assert not result.refusals, result.refusals
+    out = result.code.decode()
+    assert not [a for a in result.attention if a.differs], result.attention
+    # fully_shard of the blocks, then the root, before the optimizer load_train_objs() builds
+    build = out[out.index("def load_train_objs"):out.index("def prepare_dataloader")]
+    assert build.index("fully_shard(block") < build.index("fully_shard(model") < build.index("torch.optim.SGD(")
+    # the loader prepare_dataloader() returns reads through a DistributedSampler ...
+    assert "sampler = DistributedSampler(dataset, shuffle=True)" in out
+    # ... whose epoch is set in the method that makes the pass, from the number train() hands it
+    reader, epoch = ("self.batches", "ep") if text is RENAMED else ("self.train_data", "epoch")
+    epoch_method = out[out.index("def _run_epoch"):out.index("def _save_checkpoint")]
+    assert epoch_method.index(f"{reader}.sampler.set_epoch({epoch})") < epoch_method.index(f"for source, targets in {reader}")
+    # the trainer's save is a DCP save on every rank; its print is rank 0's
+    model = "self.net" if text is RENAMED else "self.model"
+    save = out[out.index("def _save_checkpoint"):out.index("def train(")]
+    assert f"dcp.save(get_model_state_dict({model}), checkpoint_id=\"checkpoint.pt\")" in save
+    assert "torch.save" not in save
+    assert save.index("if dist.get_rank() == 0:") > save.index("dcp.save(")
+
+
+def test_a_pass_inside_the_trainers_epoch_loop_sets_that_epoch(tmp_path):
+    """train() makes the pass itself, inside `for epoch in range(...)`: set_epoch goes before it."""
+    epoch_method = SCRIPT_TRAINER[SCRIPT_TRAINER.index("    def _run_epoch"):SCRIPT_TRAINER.index("    def _save_checkpoint")]
+    text = SCRIPT_TRAINER.replace(epoch_method, "").replace(
+        "            self._run_epoch(epoch)\n",
+        "            for source, targets in self.train_data:\n                self._run_batch(source, targets)\n")
+    result = _rewrite(tmp_path, text)
+    assert not result.refusals, result.refusals
+    out = result.code.decode()
+    assert ("        for epoch in range(max_epochs):\n            self.train_data.sampler.set_epoch(epoch)\n"
+            "            for source, targets in self.train_data:\n") in out
+    assert not [a for a in result.attention if a.differs], result.attention
+
+
+def test_an_epoch_the_trainer_cannot_follow_is_reported_at_the_pass(tmp_path):
+    """`self._run_epoch(epoch + 1)`: the number handed in is not the loop's variable, so no
+    set_epoch is written for it: an attention item (differs) at the pass says so."""
+    text = SCRIPT_TRAINER.replace("self._run_epoch(epoch)", "self._run_epoch(epoch + 1)")
+    result = _rewrite(tmp_path, text)
+    assert not result.refusals, result.refusals
+    assert ".set_epoch(" not in result.code.decode()
+    flagged = [a for a in result.attention if "set_epoch" in a.what]
+    assert len(flagged) == 1 and flagged[0].differs, result.attention
+    lines = text.splitlines()
+    assert flagged[0].line == lines.index("        for source, targets in self.train_data:") + 1
+    loader_line = lines.index("    return DataLoader(dataset, batch_size=batch_size, shuffle=True)") + 1
+    assert f"the DataLoader of line {loader_line}" in flagged[0].what
 
 
 def test_a_sibling_class_without_backward_is_not_a_trainer(tmp_path):

@@ -45,6 +45,10 @@ class LoaderSite:
     # (function, parameter) of the script's functions whose parameter holds this loader and
     # nothing else, at every call (`train_model(model, loader, ...)` reading it as `batches`)
     handed_to: List[tuple] = field(default_factory=list)
+    # (loop, reader, epoch): a pass over it read through another name or attribute (`for x, y in
+    # self.train_data:`) and the name holding that pass's epoch number (None where none is known);
+    # see LoaderAnalysis._epoch_passed
+    epoch_passed: Optional[tuple] = None
 
 
 @dataclass
@@ -93,7 +97,7 @@ class LoaderAnalysis(SiteAnalysis):
         for stmt in stmts:
             if assigned_names(stmt) & iterated and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assign):
                 iterated |= names_in(stmt.body[0].value)
-        fed = self._loaders_feeding(train_loops)
+        fed = self._loops_fed(train_loops)
         for stmt in stmts:
             if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
                 continue
@@ -132,9 +136,40 @@ class LoaderAnalysis(SiteAnalysis):
                     received=self._received(name, stmt),
                     cycled=self._cycled(name, stmt),
                     handed_to=self.handed_to(call),
+                    epoch_passed=self._epoch_passed(call, fed[id(call)]) if id(call) in fed else None,
                 )
             )
         return out
+
+    def _epoch_passed(self, call: cst.Call, loop) -> Optional[tuple]:
+        """(loop, reader, epoch) where the training loop `loop` is one pass over the DataLoader `call`
+        (`for x, y in self.train_data:`, `reader` holding that loader and nothing else) and `epoch` the
+        number of that pass: the variable of a `for <epoch> in range(...)` right around it, or a
+        parameter of its function that holds, at every call, the variable of such a loop whose body
+        makes the call (`self._run_epoch(epoch)` in `train()`), followed by value; `epoch` is None
+        where the pass may repeat and its number is neither. None for a pass in the loader's own
+        function, or one that runs once."""
+        reader = loop.iter if type(loop) is cst.For else None
+        fn = self.r.enclosing_function(loop)
+        if (type(reader) not in (cst.Name, cst.Attribute) or self.flow.values(reader) != {call} or fn is None
+                or fn is self.r.enclosing_function(call)):
+            return None  # in the loader's own function its name is followed (codemods/data.py's epoch loops)
+        around = self._loop_chain(loop)[0]
+        if around:
+            return loop, reader, around[0].target.value if self._is_epoch_loop(around[0]) else None
+        calls = [c for c, _ in self.flow.bound_calls(fn)]
+        for param in fn.params.params:
+            origins = self.flow.parameter_values(fn, param.name.value)
+            epoch = next(iter(origins)) if len(origins) == 1 else None
+            if calls and self._is_epoch_loop(epoch) and all(self._loop_chain(c)[0][:1] == [epoch] for c in calls):
+                return loop, reader, param.name.value
+        # a pass that may repeat (its function is called in a loop) with no epoch number known
+        return (loop, reader, None) if any(self._loop_chain(c)[0] for c in calls) else None
+
+    def _is_epoch_loop(self, node) -> bool:
+        """`for <name> in range(...)`."""
+        return (type(node) is cst.For and type(node.target) is cst.Name and type(node.iter) is cst.Call
+                and "builtins.range" in self.r.qnames(node.iter.func))
 
     def handed_to(self, call: cst.Call) -> List[tuple]:
         """(function, parameter) for each parameter of a script function that holds the value of

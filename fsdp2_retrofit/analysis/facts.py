@@ -58,7 +58,7 @@ class ScriptFacts:
     class_optimizers: List[tuple]  # (class name, call)
     compiled_builds: List[cst.Call]  # `torch.compile(Net())`: built and compiled in one expression
     deep_copies: List[cst.Call]  # `copy.deepcopy(model)` of a trained model
-    trainer_classes: List[tuple]  # (class name, call) of a class with a backward() loop given a model
+    trainer_classes: List[tuple]  # (label, call) of a sibling module's class with a backward() loop given a model
     module_ctor_names: Set[str]
     # models no optimizer trains that the script freezes (requires_grad_(False), a loop setting
     # requires_grad = False, eval()): a distillation teacher

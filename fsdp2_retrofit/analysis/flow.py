@@ -219,6 +219,14 @@ class ValueFlow:
                 if ret.value is not None:
                     yield from self._values(ret.value, depth)
 
+    def methods_called(self, call: cst.Call) -> List[cst.FunctionDef]:
+        """The methods of the script's classes `obj.method(...)` / `self.method(...)` can run
+        (where `obj` holds an instance of a class of the script)."""
+        func = call.func
+        if type(func) is not cst.Attribute:
+            return []
+        return [m for cls in self._classes_held(func.value, 0) for m in self._methods(cls, func.attr.value)]
+
     def bound_calls(self, fn: cst.FunctionDef) -> List[Tuple[cst.Call, int]]:
         """(call, parameters it does not pass) for the known calls of `fn`: by name for a function;
         for a method of a top-level class of the script, `Cls(...)` for `__init__` and

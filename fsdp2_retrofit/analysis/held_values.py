@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Tuple
 import libcst as cst
 
 from .closures import free_reads, local_bindings
-from fsdp2_retrofit.syntax.names import bind_args, code
+from fsdp2_retrofit.syntax.names import SELF_RETURNING_METHODS, bind_args, code
 
 # (function, name) -> (the node where the value was lost, why)
 Lost = Dict[Tuple[Optional[cst.FunctionDef], str], Tuple[cst.CSTNode, str]]
@@ -131,7 +131,7 @@ def holders(resolver, module: cst.Module, is_module_class) -> List[Holder]:
             small = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 else None
             if not (isinstance(small, cst.Assign) and len(small.targets) == 1):
                 continue
-            target, value = small.targets[0].target, small.value
+            target, value = small.targets[0].target, _held_object(small.value)
             if not (isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name)
                     and target.value.value == me and isinstance(value, cst.Name) and value.value in params):
                 continue
@@ -142,6 +142,15 @@ def holders(resolver, module: cst.Module, is_module_class) -> List[Holder]:
                 others.insert(0, small)
             out.append(Holder(cls, attr, value.value, init, others[0] if others else None))
     return out
+
+
+def _held_object(value: cst.BaseExpression) -> cst.BaseExpression:
+    """`model` for `model.to(device)`, `model.cuda().train()`: the object these methods return
+    (a module's `.to()` moves it in place and returns it), else the value itself."""
+    while (type(value) is cst.Call and type(value.func) is cst.Attribute
+           and value.func.attr.value in SELF_RETURNING_METHODS):
+        value = value.func.value
+    return value
 
 
 def held_models(resolver, found: List[Holder], names) -> bool:

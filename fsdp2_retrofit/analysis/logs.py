@@ -31,8 +31,10 @@ class LogAnalysis(SiteAnalysis):
         for stmt in stmts:
             if not all(type(s) is cst.Expr and self._is_log_call(s.value) for s in stmt.body):
                 continue
-            if self.r.enclosing_class(stmt) is not None:
-                continue
+            cls = self.r.enclosing_class(stmt)
+            if cls is not None and (self.classes.is_module_class(cls.name.value)
+                                    or self.r.enclosing_function(stmt) is None):
+                continue  # a module's own prints, a class body: left to the script (a trainer's methods are not)
             out.append(
                 LogSite(
                     stmt=stmt,

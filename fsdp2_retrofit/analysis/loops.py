@@ -22,19 +22,30 @@ class LoopAnalysis(SiteAnalysis):
 
     def _train_loops(self, loops) -> List[LoopSite]:
         """Innermost loops that call backward(), directly or through a per-step helper
-        of the script (`train_step(model, batch, optimizer)`, no loop of its own).
+        of the script (`train_step(model, batch, optimizer)`, no loop of its own), or a
+        per-step method of one of its classes (`self._run_batch(x, y)` of a trainer,
+        followed by value: analysis/flow.py).
 
         Works from the calls up (one walk of ancestors per backward() call), not by
         visiting every loop's body."""
         top = {fn for fn in self.module.body if isinstance(fn, cst.FunctionDef)}
+        methods = {m for cls in self.module.body if isinstance(cls, cst.ClassDef)
+                   and not self.classes.is_module_class(cls.name.value)
+                   for m in cls.body.body if isinstance(m, cst.FunctionDef)}
         backward = [c for c in self.calls if isinstance(c.func, cst.Attribute) and c.func.attr.value == "backward"]
         chains = {id(c): self._loop_chain(c) for c in backward}
-        helpers = set()
-        for fn in top:
+        helpers, step_methods = set(), set()
+        for fn in top | methods:
             mine = [c for c in backward if chains[id(c)][1] is fn]
             if mine and not any(chains[id(c)][0] for c in mine):
-                helpers.add(fn.name.value)
+                if fn in top:
+                    helpers.add(fn.name.value)
+                else:
+                    step_methods.add(fn)
         triggers = backward + [c for c in self.calls if type(c.func) is cst.Name and c.func.value in helpers]
+        named = {m.name.value for m in step_methods}
+        triggers += [c for c in self.calls if type(c.func) is cst.Attribute and c.func.attr.value in named
+                     and step_methods.intersection(self.flow.methods_called(c))]
         innermost, outer = set(), set()
         for call in triggers:
             chain = chains[id(call)][0] if id(call) in chains else self._loop_chain(call)[0]

@@ -654,25 +654,18 @@ class ModelAnalysis(SiteAnalysis):
         return out
 
     def _trainer_classes(self, calls, model_names, bindings) -> List[tuple]:
-        """(label, call) for each `Trainer(model, ...)`: a class that is not a module, whose
-        methods call backward(), built with a model (a trained one, or a name bound in the
-        caller's function by a module's construction). The class is the script's own
-        (label "Trainer") or a sibling module's: the label then names the file and line of
-        its backward() ("Trainer (trainer.py:19)"), a file this rewrite does not edit."""
-        trainers = {
-            c.name.value
-            for c in self.module.body
-            if isinstance(c, cst.ClassDef)
-            and not self.classes.is_module_class(c.name.value)
-            and _first_method_call(c.body, "backward") is not None
-        }
+        """(label, call) for each `Trainer(model, ...)` of a sibling module's class that is not a
+        module and whose methods call backward(), built with a model (a trained one, or a name bound
+        in the caller's function by a module's construction): the label names the class, the file
+        and the line of its backward() ("Trainer (trainer.py:19)"), a file this rewrite does not
+        edit. A trainer class of the script itself is not listed: the stages follow the model,
+        optimizer, loader and saves into its methods by value (analysis/flow.py, held_values.py)."""
         built = {}
         for name, stmt, _ in bindings:
             built.setdefault(self.r.enclosing_function(stmt), set()).add(name)
         out = []
         for call in calls:
-            own = type(call.func) is cst.Name and call.func.value in trainers
-            label = call.func.value if own else self._sibling_trainer(call)
+            label = self._sibling_trainer(call)
             if label is None:
                 continue
             scope = self.r.enclosing_function(call)
@@ -686,8 +679,8 @@ class ModelAnalysis(SiteAnalysis):
         not a module and calls backward() in a method; else None."""
         for qname in sorted(self.r.qnames(call.func)):
             info = self.classes.get(qname)
-            if info is None or info.is_module or not info.file or info.namer is None:
-                continue
+            if info is None or info.is_module or not info.file or info.namer is None or not info.namespace:
+                continue  # not a class, a module, or the script's own class (its stages convert it)
             backward = _first_method_call(info.node, "backward")
             if backward is not None:
                 line = info.namer.resolver.line(backward)

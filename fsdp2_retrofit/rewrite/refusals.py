@@ -196,11 +196,13 @@ _RULES = [
     RefusalRule("FSR604", "shard-compiled-in-build", "The model is compiled in the expression that builds it.",
                 "fully_shard must see the plain module, before torch.compile wraps it.",
                 "Build it first (`model = Net()`), then `model = torch.compile(model)` on its own line."),
-    RefusalRule("FSR605", "shard-trainer-class-loop", "The training loop lives in a class that is handed the model.",
-                "Following the model, optimizer and data into a trainer object is not supported yet; a trainer "
-                "class of a sibling module (`from trainer import Trainer`) is named with the file and line of its "
-                "backward(): rewrite edits one file, and the loop there would keep its plain sampler.",
-                "Keep the training loop in a function that receives the model and optimizer."),
+    RefusalRule("FSR605", "shard-trainer-class-loop",
+                "The training loop lives in a class of a sibling module that is handed the model.",
+                "A trainer class of the script itself is converted in its methods; one of a sibling module "
+                "(`from trainer import Trainer`) is named with the file and line of its backward(): rewrite edits "
+                "one file, and the loop there would keep its plain sampler, saves and logging.",
+                "Move the trainer class into the script, or keep the training loop in a function of the script "
+                "that receives the model and optimizer."),
     RefusalRule("FSR606", "shard-copy-elsewhere", "A sharded model is copied other than right after its build.",
                 "FSDP2 modules cannot be deep-copied; a copy is sharded like the model only when made as "
                 "`name = copy.deepcopy(model)` in the block that builds it.",

@@ -21,6 +21,15 @@ _CYCLE = (
 )
 
 
+_TRAINER = (
+    "class Trainer:\n    def __init__(self, data):\n        self.data = data\n    def one_epoch(self, n):\n"
+    "{set_epoch}        for x, y in self.data:\n            model(x).sum().backward()\n"
+    "    def fit(self):\n        for n in range(3):\n            self.one_epoch(n)\n"
+    "def make_loader(ds):\n    loader = DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds))\n    return loader\n"
+    "Trainer(make_loader(ds)).fit()\n"
+)
+
+
 def _epochs(set_epoch: str = "") -> str:
     return _EPOCHS.format(set_epoch=set_epoch)
 
@@ -33,7 +42,9 @@ class MissingSetEpoch(Rule):
     DataLoader when it shuffles (`shuffle` is not `False`), a loop over the loader
     sits inside another loop (the epochs), or in a nested function the function
     around it calls inside a loop, or a function the loader is handed to repeats
-    passes over it (`def cycle(dl): while True: for b in dl: yield b`), and nothing
+    passes over it (`def cycle(dl): while True: for b in dl: yield b`), or a
+    method reads it through an attribute once per epoch (`self.train_data` of a
+    trainer, followed by value, its pass repeated by a loop), and nothing
     calls `set_epoch` on the sampler (`sampler.set_epoch(epoch)`,
     `loader.sampler.set_epoch(epoch)`, or `dl.sampler.set_epoch(epoch)` in that function).
 
@@ -85,6 +96,7 @@ class MissingSetEpoch(Rule):
               "for x, y in loader:\n    model(x).sum().backward()\n"),  # one pass
         Valid(_HEAD + _CYCLE.format(count="    epoch = 0\n",
                                     set_epoch="        dl.sampler.set_epoch(epoch)\n        epoch += 1\n")),
+        Valid(_HEAD + _TRAINER.format(set_epoch="        self.data.sampler.set_epoch(n)\n")),
     )
     INVALID = (
         Invalid(_HEAD + "sampler = DistributedSampler(ds, shuffle=True)\n"
@@ -100,17 +112,21 @@ class MissingSetEpoch(Rule):
             "        for x, y in loader:\n            model(x).sum().backward()\n"
             "    for epoch in range(3):\n        train_epoch()\n", line=8),
         Invalid(_HEAD + _CYCLE.format(count="", set_epoch=""), line=11),  # a generator repeats the passes
+        Invalid(_HEAD + _TRAINER.format(set_epoch=""), line=17),  # a trainer's method, once per epoch
     )
 
     def check(self, ctx):
         if not ctx.shards.uses_fully_shard:
             return
         r = ctx.resolver
-        receivers = set()
+        receivers, loaders_set = set(), set()
         for call in ctx.nodes(cst.Call):
             func = call.func
             if isinstance(func, cst.Attribute) and func.attr.value == "set_epoch":
                 receivers.add(_code(func.value))
+                if isinstance(func.value, cst.Attribute) and func.value.attr.value == "sampler":
+                    # `<x>.sampler.set_epoch(...)`: the loaders `x` can hold, followed by value
+                    loaders_set.update(id(v) for v in ctx.analysis.flow.values(func.value.value))
         fors = ctx.nodes(cst.For)
         for loader in ctx.training_loaders():
             sampler = loader.sampler
@@ -121,11 +137,15 @@ class MissingSetEpoch(Rule):
             names = {_code(sampler.expr), f"{loader.name}.sampler"}
             if loader.cycled is not None:  # (while, for, parameter) of a generator repeating the passes
                 names.add(f"{loader.cycled[2]}.sampler")
-            if names & receivers:
+            if loader.epoch_passed is not None:  # (loop, reader, epoch) of a repeated pass through another name
+                names.add(f"{_code(loader.epoch_passed[1])}.sampler")
+            if names & receivers or id(loader.call) in loaders_set:
                 continue
             loop = self._epoch_loop(r, fors, loader.name)
             if loop is None and loader.cycled is not None:
                 loop = loader.cycled[1]
+            if loop is None and loader.epoch_passed is not None:
+                loop = loader.epoch_passed[0]
             if loop is not None:
                 yield sampler.call, {"loader": loader.name, "loop": str(r.line(loop))}, None
 

@@ -279,8 +279,8 @@ class ShardModelCommand(RetrofitStage):
                 "FSR605",
                 call,
                 f"the training loop lives in class {cls}, which is handed the model",
-                "the class is in another file, which this rewrite does not edit: its loop would keep its plain "
-                "sampler, saves and logging",
+                "the class is in another file: the rewrite edits another file's DataLoader helper, but not yet a "
+                "trainer class there, whose loop would keep its plain sampler, saves and logging",
                 "move the trainer class into the script (it is then converted in its methods), or keep the training "
                 "loop in a function of the script that receives the model and optimizer",
             )

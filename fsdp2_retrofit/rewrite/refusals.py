@@ -199,8 +199,9 @@ _RULES = [
     RefusalRule("FSR605", "shard-trainer-class-loop",
                 "The training loop lives in a class of a sibling module that is handed the model.",
                 "A trainer class of the script itself is converted in its methods; one of a sibling module "
-                "(`from trainer import Trainer`) is named with the file and line of its backward(): rewrite edits "
-                "one file, and the loop there would keep its plain sampler, saves and logging.",
+                "(`from trainer import Trainer`) is named with the file and line of its backward(): the rewrite "
+                "edits another file's DataLoader helper (see README, Several files), but not yet a trainer class "
+                "there, whose loop would keep its plain sampler, saves and logging.",
                 "Move the trainer class into the script, or keep the training loop in a function of the script "
                 "that receives the model and optimizer."),
     RefusalRule("FSR606", "shard-copy-elsewhere", "A sharded model is copied other than right after its build.",

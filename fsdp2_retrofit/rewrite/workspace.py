@@ -79,11 +79,18 @@ class Workspace:
 
     def __init__(self, script: str):
         self.script = script
-        folder = os.path.dirname(os.path.realpath(script))
-        from fsdp2_retrofit.analysis.project_imports import project_root
-
-        self.root = project_root(folder) or folder
+        self._root: Optional[str] = None
         self._units: Dict[str, Unit] = {}
+
+    @property
+    def root(self) -> str:
+        """The project's root folder (looked up when a unit is first asked for)."""
+        if self._root is None:
+            from fsdp2_retrofit.analysis.project_imports import project_root
+
+            folder = os.path.dirname(os.path.realpath(self.script))
+            self._root = project_root(folder) or folder
+        return self._root
 
     def unit(self, file: str, resolver: Resolver, node: cst.CSTNode, stage: str, refusal: str) -> Unit:
         """The unit of the project module `file` (analysed as `resolver`), to edit at `node`;

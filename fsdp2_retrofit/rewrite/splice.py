@@ -55,6 +55,7 @@ class Splice:
     class_name: str
     sibling_path: str  # as the report shows it
     sibling_text: str
+    sibling_bytes: bytes
     class_lines: Tuple[int, int]  # first and last line of the class in the sibling (1-based)
     import_text: str  # the script's statement that imported the class, as written
     added: List[str] = field(default_factory=list)  # the import statements added for the class
@@ -74,6 +75,9 @@ def plan(script_path: str, source: bytes, module: cst.Module, info) -> Optional[
         return None
     sibling = info.namer.resolver.module
     name = info.node.name.value
+    if (sibling.encoding, sibling.default_newline, sibling.default_indent) != (
+            module.encoding, module.default_newline, module.default_indent):
+        return None  # the class's new lines are written in the script's style
     found = _importing_statement(module, info.namespace, name)
     if found is None:
         return None
@@ -123,7 +127,7 @@ def plan(script_path: str, source: bytes, module: cst.Module, info) -> Optional[
         Segment(first + n_added, n_class, shown, pos.start.line),
         Segment(first + n_added + n_class, len(script_lines) - last, script_path, last + 1),
     ]
-    return Splice(spliced, segments, name, shown, sibling_text, (pos.start.line, pos.end.line),
+    return Splice(spliced, segments, name, shown, sibling_text, sibling.bytes, (pos.start.line, pos.end.line),
                   "".join(script_lines[first - 1:last]), added)
 
 
@@ -161,21 +165,24 @@ def split(splice: Splice, result: RewriteResult, script_path: str, original: byt
     lines = splice.sibling_text.splitlines(keepends=True)
     first, last = splice.class_lines
     sibling_new = "".join(lines[:first - 1]) + class_code + "".join(lines[last:])
-    sibling_module = cst.parse_module(sibling_new)
+    sibling_module = cst.parse_module(sibling_new.encode(encoding))
     wanted = _imports_read(out, new_class, sibling_module)
     if wanted is None:
         return None
     sibling_module = add_imports(sibling_module, wanted)
     sibling_code = sibling_module.bytes
-    for code, path in ((script_code, script_path), (sibling_code, splice.sibling_path)):
-        compile(code, path, "exec", dont_inherit=True)
+    try:
+        for code, path in ((script_code, script_path), (sibling_code, splice.sibling_path)):
+            compile(code, path, "exec", dont_inherit=True)
+    except SyntaxError:
+        return None
     script_records, sibling_records = ([], [], []), ([], [], [])
     for i, records in enumerate((result.changes, result.attention, result.refusals)):
         for record in records:
             path, line = splice.where(record.line)
             moved = replace(record, line=line, path=path or script_path)
             (sibling_records if path == splice.sibling_path else script_records)[i].append(moved)
-    sibling = RewriteResult(splice.sibling_path, splice.sibling_text.encode(encoding), sibling_code,
+    sibling = RewriteResult(splice.sibling_path, splice.sibling_bytes, sibling_code,
                             sibling_records[0], sibling_records[1], [])
     edited = [sibling] if sibling.code != sibling.original else []
     return RewriteResult(script_path, original, script_code, script_records[0], script_records[1],

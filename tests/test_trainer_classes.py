@@ -78,16 +78,31 @@ def _rewrite(tmp_path: Path, text: str):
 
 
 @pytest.mark.parametrize("optimizer", [False, True], ids=["optimizer-in-trainer", "optimizer-in-main"])
-def test_sibling_trainer_is_refused_naming_its_file_and_backward_line(tmp_path, optimizer):
+def test_a_sibling_trainer_that_cannot_be_converted_is_refused_for_its_true_reason_in_its_file(tmp_path, optimizer):
+    """A sibling module's trainer is converted where it lives (rewrite/splice.py): what stops the
+    conversion is named in trainer.py, at its own line, as for the script's own trainer."""
     (tmp_path / "trainer.py").write_text(TRAINER)
     text = _script(sibling=True, optimizer=optimizer)
     result = _rewrite(tmp_path, text)
+    if optimizer:
+        expected = ("FSR902", "for x, y in DataLoader(self.dataset, batch_size=32, shuffle=True):")
+    else:
+        expected = ("FSR610", "optimizer = self.optimizer or torch.optim.AdamW(model.parameters(), lr=1e-3)")
+    line = next(i for i, text in enumerate(TRAINER.splitlines(), 1) if text.strip() == expected[1])
+    assert [(r.code, Path(r.path).name, r.line) for r in result.refusals] == [(expected[0], "trainer.py", line)]
+    assert result.code == text.encode() and result.siblings == []  # nothing half-converted
+
+
+def test_a_sibling_trainer_reading_a_function_of_its_module_stays_refused(tmp_path):
+    """The class calls a function of trainer.py the script does not have: it cannot be converted
+    in the script's analysis, so FSR605 names the file and the line of its backward()."""
+    (tmp_path / "trainer.py").write_text(TRAINER.replace("        model = self.model\n", "        model = unwrap(self.model)\n")
+                                         + "\n\ndef unwrap(model):\n    return model\n")
+    text = _script(sibling=True, optimizer=True)
+    result = _rewrite(tmp_path, text)
     assert [r.code for r in result.refusals] == ["FSR605"], result.refusals
-    refusal = result.refusals[0]
-    assert refusal.line == text.splitlines().index("    Trainer(model, dataset" + (", optimizer" if optimizer else "")
-                                                   + ").run()") + 1
-    assert f"Trainer (trainer.py:{BACKWARD_LINE})" in refusal.what
-    assert result.code == text.encode()  # nothing half-converted: the loop in trainer.py would keep its sampler
+    assert f"Trainer (trainer.py:{BACKWARD_LINE})" in result.refusals[0].what
+    assert result.code == text.encode()
 
 
 @pytest.mark.parametrize("optimizer", [False, True], ids=["optimizer-in-trainer", "optimizer-in-main"])
@@ -284,7 +299,48 @@ def test_a_trainer_of_the_projects_own_package_is_found_from_a_subfolder(tmp_pat
     text = _script(sibling=True, optimizer=False).replace("from trainer import", "from pkg.trainer import")
     result = _rewrite(folder, text)
     if marker is None:  # no root known: the trainer is not found, nor the optimizer it builds
-        assert [r.code for r in result.refusals] != ["FSR605"], result.refusals
+        assert [r.code for r in result.refusals] != ["FSR610"], result.refusals
         return
-    assert [r.code for r in result.refusals] == ["FSR605"], result.refusals
-    assert f"Trainer (pkg/trainer.py:{BACKWARD_LINE})" in result.refusals[0].what
+    # found, and followed into pkg/trainer.py: its optimizer, built in run(), is what stops it
+    assert [(r.code, Path(r.path).as_posix().endswith("pkg/trainer.py")) for r in result.refusals] == [("FSR610", True)]
+
+
+SIBLING_CASE = Path(__file__).resolve().parents[1] / "fixtures" / "rewrite" / "trainer_class_sibling"
+
+
+def _sibling_project(tmp_path: Path, trainer_text: str = None) -> Path:
+    (tmp_path / "trainer.py").write_text(trainer_text or (SIBLING_CASE / "trainer.py").read_text())
+    script = tmp_path / "train.py"
+    script.write_text((SIBLING_CASE / "input.py").read_text())
+    return script
+
+
+def test_a_sibling_trainer_is_converted_where_it_lives_and_each_record_names_its_file(tmp_path):
+    script = _sibling_project(tmp_path)
+    result = rewrite_source(script.read_bytes(), str(script))
+    assert not result.refusals, result.refusals
+    assert [Path(s.path).name for s in result.siblings] == ["trainer.py"]
+    trainer_lines = (tmp_path / "trainer.py").read_text().splitlines()
+    by_line = {c.line: c.code for c in result.siblings[0].changes}
+    assert by_line[trainer_lines.index("        torch.save(self.model.state_dict(), self.snapshot)") + 1] == "checkpoint"
+    assert by_line[trainer_lines.index("        for source, targets in self.train_data:") + 1] == "data"
+    assert all(Path(c.path).name == "trainer.py" for c in result.siblings[0].changes)
+    script_lines = script.read_text().splitlines()
+    assert all(Path(c.path).name == "train.py" and 1 <= c.line <= len(script_lines) for c in result.changes)
+    assert "from trainer import Trainer\n" in result.code.decode() and "class Trainer" not in result.code.decode()
+    assert "dcp" not in result.code.decode()  # the imports the class needed went to trainer.py, not the script
+
+
+def test_an_import_spliced_in_for_the_class_stays_in_the_script_when_the_script_reads_it(tmp_path):
+    """trainer.py imports `torch.distributed as dist` (its class reads it), the script does not:
+    it is spliced in, the launch stage then uses that very `dist`, so the script keeps it."""
+    text = (SIBLING_CASE / "trainer.py").read_text()
+    text = text.replace("import torch\n", "import torch\nimport torch.distributed as dist\n", 1)
+    text = text.replace("    def _run_batch(self, source, targets):\n",
+                        "    def _run_batch(self, source, targets):\n        assert not dist.is_initialized() or True\n")
+    script = _sibling_project(tmp_path, text)
+    result = rewrite_source(script.read_bytes(), str(script))
+    assert not result.refusals, result.refusals
+    out = result.code.decode()
+    assert "import torch.distributed as dist\n" in out and "dist.init_process_group(" in out
+    compile(out, "train.py", "exec")

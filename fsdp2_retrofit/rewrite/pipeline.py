@@ -1,6 +1,7 @@
 """Rewrite one source text: parse, run the stages in order, render the result."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import libcst as cst
@@ -32,7 +33,8 @@ def parse(source: bytes, path: str = "<input>") -> cst.Module:
         raise InputError(f"cannot decode the file: {err}") from None
 
 
-def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] = None) -> RewriteResult:
+def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] = None,
+                   _spliced: bool = False) -> RewriteResult:
     """Rewrite `source` (the bytes of the file at `path`) into FSDP2.
 
     Never raises for a script it cannot convert: the refusal is in the result and
@@ -55,6 +57,10 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
         with recording_reads() as looked_at:
             new_module = command.transform_module(module)
     except RefusedError as refused:
+        if refused.refusal.code == "FSR605" and not _spliced:  # a trainer class of a sibling module
+            converted = _with_sibling_trainer(source, path, options, module, context)
+            if converted is not None:
+                return converted
         return RewriteResult(path, source, source, [], [], [refused.refusal], sorted(looked_at))
     new_text = origins.render(new_module)  # rendered once: the bytes and the compile check share it
     _must_compile(new_text, path)
@@ -70,6 +76,30 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
         sorted(looked_at),
         project.results(),
     )
+
+
+def _with_sibling_trainer(source: bytes, path: str, options: RetrofitOptions, module: cst.Module,
+                          context: RewriteContext) -> Optional[RewriteResult]:
+    """The script rewritten with the trainer class of a sibling module converted where it lives
+    (rewrite/splice.py), or None where that is not sound (the FSR605 refusal stands)."""
+    from . import splice
+    from .stage import FACTS_KEY
+
+    facts = context.scratch.get(FACTS_KEY)
+    if facts is None or len(facts.trainer_classes) != 1:
+        return None
+    _, call = facts.trainer_classes[0]
+    info = next(filter(None, map(facts.classes.get, sorted(facts.resolver.qnames(call.func)))), None)
+    planned = splice.plan(path, source, module, info) if info is not None else None
+    if planned is None:
+        return None
+    inner = rewrite_source(planned.text.encode(module.encoding), path, options, _spliced=True)
+    if inner.refusals:  # the true blocker, at its own file and line
+        first = inner.refusals[0]
+        where, line = planned.where(first.line)
+        moved = replace(first, path=where or path, line=line)
+        return RewriteResult(path, source, source, [], [], [moved], inner.inputs)
+    return splice.split(planned, inner, path, source, module.encoding)
 
 
 def _must_compile(text: str, path: str) -> None:

@@ -197,13 +197,13 @@ _RULES = [
                 "fully_shard must see the plain module, before torch.compile wraps it.",
                 "Build it first (`model = Net()`), then `model = torch.compile(model)` on its own line."),
     RefusalRule("FSR605", "shard-trainer-class-loop",
-                "The training loop lives in a class of a sibling module that is handed the model.",
-                "A trainer class of the script itself is converted in its methods; one of a sibling module "
-                "(`from trainer import Trainer`) is named with the file and line of its backward(): the rewrite "
-                "edits another file's DataLoader helper (see README, Several files), but not yet a trainer class "
-                "there, whose loop would keep its plain sampler, saves and logging.",
-                "Move the trainer class into the script, or keep the training loop in a function of the script "
-                "that receives the model and optimizer."),
+                "The training loop lives in a class of a sibling module that cannot be converted where it lives.",
+                "A trainer class of the script is converted in its methods, and so is one of a sibling module "
+                "(`from trainer import Trainer`), in its own file, when the script imports it alone and every "
+                "module-level name the class reads is an import or a builtin. Otherwise it is named with the file "
+                "and line of its backward(): its loop would keep its plain sampler, saves and logging.",
+                "Import the class on a line of its own, keep the functions and constants it reads out of its module "
+                "(or pass them in), or move the trainer class into the script."),
     RefusalRule("FSR606", "shard-copy-elsewhere", "A sharded model is copied other than right after its build.",
                 "FSDP2 modules cannot be deep-copied; a copy is sharded like the model only when made as "
                 "`name = copy.deepcopy(model)` in the block that builds it.",

@@ -344,3 +344,39 @@ def test_an_import_spliced_in_for_the_class_stays_in_the_script_when_the_script_
     out = result.code.decode()
     assert "import torch.distributed as dist\n" in out and "dist.init_process_group(" in out
     compile(out, "train.py", "exec")
+
+
+def _configure_optimizers_project(tmp_path: Path, model_in_sibling: bool) -> str:
+    """minGPT's shape: the class builds its optimizer with `model.configure_optimizers(...)` in a
+    method; the model class in the script, or in a module of its own."""
+    (tmp_path / "trainer.py").write_text(TRAINER.replace(
+        "self.optimizer or torch.optim.AdamW(model.parameters(), lr=1e-3)", "model.configure_optimizers(1e-3)"))
+    text = _script(sibling=True, optimizer=False).replace(
+        "    def forward(self, x):\n",
+        "    def configure_optimizers(self, lr):\n        return torch.optim.AdamW(self.parameters(), lr=lr)\n\n"
+        "    def forward(self, x):\n", 1)
+    if model_in_sibling:
+        head, rest = text.split("class Net(nn.Module):", 1)
+        body, tail = rest.split("\n\n\n", 1)
+        (tmp_path / "net.py").write_text("import torch\nimport torch.nn as nn\n\n\nclass Net(nn.Module):" + body + "\n")
+        text = head.replace("import torch.nn as nn\n", "import torch.nn as nn\nfrom net import Net\n") + tail
+    return text
+
+
+def test_a_sibling_trainer_building_its_optimizer_is_refused_at_that_line_of_its_file(tmp_path):
+    text = _configure_optimizers_project(tmp_path, model_in_sibling=False)
+    result = _rewrite(tmp_path, text)
+    line = TRAINER.splitlines().index("        model = self.model") + 1  # the binding the finding names
+    assert [(r.code, Path(r.path).name, r.line) for r in result.refusals] == [("FSR612", "trainer.py", line)]
+    assert "configure_optimizers()" in result.refusals[0].what
+
+
+def test_where_nothing_is_found_inside_the_trainer_fsr605_stays_saying_why(tmp_path):
+    """The model class in a module of its own: followed into the trainer, no optimizer is found
+    and the finding has no line inside the class: FSR605 at the trainer's call, with that reason."""
+    text = _configure_optimizers_project(tmp_path, model_in_sibling=True)
+    result = _rewrite(tmp_path, text)
+    assert [r.code for r in result.refusals] == ["FSR605"], result.refusals
+    assert "followed into it, the rewrite still finds FSR612" in result.refusals[0].why
+    assert result.refusals[0].line == text.splitlines().index("    Trainer(model, dataset).run()") + 1
+    assert result.code == text.encode() and result.siblings == []

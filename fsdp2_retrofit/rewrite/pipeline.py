@@ -59,8 +59,10 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
     except RefusedError as refused:
         if refused.refusal.code == "FSR605" and not _spliced:  # a trainer class of a sibling module
             converted = _with_sibling_trainer(source, path, options, module, context)
-            if converted is not None:
+            if isinstance(converted, RewriteResult):
                 return converted
+            if converted:  # what stopped the conversion, for the FSR605 refusal
+                refused.refusal = replace(refused.refusal, why=converted[0], hint=converted[1])
         return RewriteResult(path, source, source, [], [], [refused.refusal], sorted(looked_at))
     new_text = origins.render(new_module)  # rendered once: the bytes and the compile check share it
     _must_compile(new_text, path)
@@ -78,10 +80,15 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
     )
 
 
+# refusals that say the analysis found no model or optimizer, rather than naming a construct
+_NOTHING_FOUND = ("FSR611", "FSR612")
+
+
 def _with_sibling_trainer(source: bytes, path: str, options: RetrofitOptions, module: cst.Module,
-                          context: RewriteContext) -> Optional[RewriteResult]:
+                          context: RewriteContext):
     """The script rewritten with the trainer class of a sibling module converted where it lives
-    (rewrite/splice.py), or None where that is not sound (the FSR605 refusal stands)."""
+    (rewrite/splice.py); else what stopped it (a sentence for the FSR605 refusal, or None where
+    the splice is not sound: the refusal stands as it is)."""
     from . import splice
     from .stage import FACTS_KEY
 
@@ -94,10 +101,17 @@ def _with_sibling_trainer(source: bytes, path: str, options: RetrofitOptions, mo
     if planned is None:
         return None
     inner = rewrite_source(planned.text.encode(module.encoding), path, options, _spliced=True)
-    if inner.refusals:  # the true blocker, at its own file and line
+    if inner.refusals:
         first = inner.refusals[0]
         where, line = planned.where(first.line)
-        moved = replace(first, path=where or path, line=line)
+        if where != planned.sibling_path and first.code in _NOTHING_FOUND:
+            # no model or optimizer found at all: the trainer class is the likelier blocker (FSR605)
+            return (f"the class is in another file; followed into it, the rewrite still finds {first.code} "
+                    f"({first.what}): an optimizer the class builds itself (`self.optimizer = "
+                    "model.configure_optimizers(...)` in a method) is not followed yet, and its loop would keep its "
+                    "plain sampler, saves and logging",
+                    "build the optimizer in the script (after the model) and hand it to the trainer")
+        moved = replace(first, path=where or path, line=line)  # the true blocker, at its own file and line
         return RewriteResult(path, source, source, [], [], [moved], inner.inputs)
     return splice.split(planned, inner, path, source, module.encoding)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import libcst as cst
 
@@ -61,11 +61,12 @@ class ShardSite:
     target: Optional[cst.BaseExpression] = field(default=None, repr=False)
 
 
-@dataclass(frozen=True)
-class Handed:
+class Handed(NamedTuple):
     """A sharded module a call hands to a class or function of another project module
     (`Trainer(model, ...)` with `from trainer import Trainer`): what `check` tells that
-    module's analysis when it checks both in one run (check/checker.py)."""
+    module's analysis when it checks both in one run (check/checker.py). A NamedTuple, not a
+    dataclass: check imports this module on every run, and a frozen dataclass costs ~4 M
+    instructions to create (benchmarks/RESULTS.md)."""
 
     file: str  # the module's file, resolved
     name: str  # the class or function there

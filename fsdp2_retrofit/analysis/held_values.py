@@ -137,11 +137,23 @@ def holders(resolver, module: cst.Module, is_module_class) -> List[Holder]:
                 continue
             attr = target.attr.value
             others = [n for n in assigned.get((cls, attr), []) + assigned.get((None, attr), [])
-                      if n is not small.targets[0]]
+                      if n is not small.targets[0] and not _keeps(resolver, n, attr)]
             if value.value in rebound:
                 others.insert(0, small)
             out.append(Holder(cls, attr, value.value, init, others[0] if others else None))
     return out
+
+
+def _keeps(resolver, target: cst.CSTNode, attr: str) -> bool:
+    """`self.model = self.model.to(device)`: an assignment of the attribute that keeps the object
+    it holds (a module's `.to()` moves it in place and returns it)."""
+    assign = resolver.parent(target) if type(target) is cst.AssignTarget else None
+    if type(assign) is not cst.Assign or len(assign.targets) != 1:
+        return False
+    value = _held_object(assign.value)
+    return (type(value) is cst.Attribute and value.attr.value == attr and type(value.value) is cst.Name
+            and type(target.target) is cst.Attribute and type(target.target.value) is cst.Name
+            and value.value.value == target.target.value.value)
 
 
 def _held_object(value: cst.BaseExpression) -> cst.BaseExpression:

@@ -605,14 +605,15 @@ class ModelAnalysis(SiteAnalysis):
         return changed
 
     def _add_globals(self, names) -> bool:
-        """A model built at the module's top level is the same model in the top-level
-        functions that read it as a global (`def test(epoch): ... net.state_dict()`)."""
+        """A model built at the module's top level is the same model in the functions of the
+        module's scope that read it as a global (`def test(epoch): ... net.state_dict()`, a
+        callback defined under `if __name__ == "__main__":`)."""
         top = names.get(None, set())
         changed = False
         if not top:
             return changed
-        for fn in self.module.body:
-            if not isinstance(fn, cst.FunctionDef):
+        for fn in self.r.nodes(cst.FunctionDef):
+            if self.r.enclosing_function(fn) is not None or self.r.enclosing_class(fn) is not None:
                 continue
             local = parameter_names(fn) | {n for node in walk(fn.body) if isinstance(node, cst.SimpleStatementLine)
                                            for n in assigned_names(node)}

@@ -124,8 +124,20 @@ class SiteAnalysis:
     def _holders(self) -> List[Holder]:
         """The `self.<attr> = <param>` attributes of the script's classes (held_values.holders), found once."""
         if getattr(self, "_holder_list", None) is None:
-            self._holder_list = holders(self.r, self.module, self.classes.is_module_class)
+            self._holder_list = holders(self.r, self.module, self.classes.is_module_class, self._not_an_instance)
         return self._holder_list
+
+    def _not_an_instance(self, obj: cst.BaseExpression, cls: cst.ClassDef) -> bool:
+        """Every value `obj` can hold is made by a call of something imported that is not `cls`
+        (`C = CfgNode()`): it is not an instance of the script's class `cls`."""
+        origins = self.flow.values(obj)
+        for origin in origins:
+            if type(origin) is not cst.Call or self._callee(origin) is not None:
+                return False
+            names = self.r.qnames(origin)
+            if not names or any(n.rsplit(".", 1)[-1] == cls.name.value for n in names):
+                return False
+        return bool(origins)
 
     def _callee(self, call: cst.Call) -> Optional[cst.FunctionDef]:
         """The function of the script a call by name runs: a def nested in the calling

@@ -523,3 +523,100 @@ def test_a_callback_defined_after_the_process_group_prints_on_rank_0_with_the_av
             "            print(f\"iter {trainer.iter_num}: loss {loss_avg.item():.4f}\")\n") in out
     assert "def report(trainer):\n    print(\"top-level\", trainer.iter_num)\n" in out
     compile(out, "train.py", "exec")
+
+
+def _package_project(tmp_path: Path) -> Path:
+    """minGPT's layout: the trainer in the project's package (`pkg/trainer.py`, the root marked by
+    setup.py), the script two folders below, building its optimizer in run()."""
+    (tmp_path / "setup.py").write_text("")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "trainer.py").write_text(TRAINER.replace(
+        "self.optimizer or torch.optim.AdamW(", "torch.optim.AdamW(").replace(
+        "        for x, y in DataLoader(self.dataset, batch_size=32, shuffle=True):\n",
+        "        loader = DataLoader(self.dataset, batch_size=32, shuffle=True)\n        for x, y in loader:\n"))
+    folder = tmp_path / "projects" / "demo"
+    folder.mkdir(parents=True)
+    script = folder / "train.py"
+    script.write_text(_script(sibling=True, optimizer=False).replace("from trainer import", "from pkg.trainer import"))
+    return script
+
+
+def test_verify_runs_a_retrofit_that_edits_the_projects_package_from_a_copy_of_the_project(tmp_path):
+    """The retrofit edits pkg/trainer.py, above the script's folder: verify copies the project's
+    Python files (the package whole, with its edited module) and runs the script at its place in
+    the copy, the copy first on the import path (was: an error, "outside the script's folder")."""
+    from fsdp2_retrofit.verify import retrofit_import_root, retrofit_in_memory
+
+    script = _package_project(tmp_path)
+    into = tmp_path / "retrofit"
+    target = retrofit_in_memory(script, into)
+    assert target == into / "projects" / "demo" / "train.py"
+    assert "fully_shard(model, mesh=mesh)" in target.read_text()
+    assert "DistributedSampler(self.dataset" in (into / "pkg" / "trainer.py").read_text()
+    assert (into / "pkg" / "__init__.py").is_file() and (into / "setup.py").is_file()
+    assert retrofit_import_root(target, into) == [str(into.resolve())]
+    assert "DistributedSampler" not in (tmp_path / "pkg" / "trainer.py").read_text()  # the user's files untouched
+
+
+def test_an_attribute_of_the_same_name_on_another_object_does_not_hide_the_trainers_model(tmp_path):
+    """minGPT's get_config() sets `C.model = ...` on a config object: not the trainer's
+    `self.model`, so the model the trainer is handed is still followed into run(), where its
+    `model.zero_grad()` between forward and backward clears through the optimizer (with the
+    config's attribute counted as a reassignment, it was left as written: gradients adding up)."""
+    (tmp_path / "trainer.py").write_text(TRAINER.replace(
+        "self.optimizer or torch.optim.AdamW(model.parameters(), lr=1e-3)", "model.configure_optimizers(1e-3)").replace(
+        "        for x, y in DataLoader(self.dataset, batch_size=32, shuffle=True):\n",
+        "        loader = DataLoader(self.dataset, batch_size=32, shuffle=True)\n        for x, y in loader:\n"))
+    text = _configure_optimizers_project(tmp_path, model_in_sibling=False)
+    (tmp_path / "trainer.py").write_text((tmp_path / "trainer.py").read_text().replace(
+        "        for x, y in DataLoader(self.dataset, batch_size=32, shuffle=True):\n",
+        "        loader = DataLoader(self.dataset, batch_size=32, shuffle=True)\n        for x, y in loader:\n").replace(
+        "            optimizer.zero_grad()\n", "            model.zero_grad()\n"))
+    text = text.replace("import torch.nn as nn\n", "import types\n\nimport torch.nn as nn\n", 1).replace(
+        "def main():\n", "def get_config():\n    C = types.SimpleNamespace()\n    C.model = \"small\"\n    return C\n\n\n"
+        "def main():\n    get_config()\n", 1)
+    result = _rewrite(tmp_path, text)
+    assert not result.refusals, result.refusals
+    assert "fully_shard(model, mesh=mesh)" in result.code.decode()
+    [trainer] = result.siblings
+    assert "model.zero_grad()" in trainer.original.decode()
+    assert "            optimizer.zero_grad()\n            loss.backward()\n" in trainer.code.decode()
+
+
+MAIN_GUARD_CALLBACK = dedent("""\
+    import torch
+    import torch.nn as nn
+
+    from trainer import Trainer
+
+    if __name__ == "__main__":
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+        dataset = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 4, (64,)))
+        trainer = Trainer(model, dataset)
+
+        def batch_end_callback(trainer):
+            print("saving")
+            torch.save(model.state_dict(), "model.pt")
+
+        trainer.callback = batch_end_callback
+        trainer.run()
+    """)
+
+
+def test_a_callback_defined_under_the_main_guard_saves_the_global_model_with_dcp(tmp_path):
+    """chargpt's callback: a def under `if __name__ == "__main__":` reading the module's `model`
+    as a global; its torch.save of the sharded state becomes a DCP save on every rank, its print
+    goes to rank 0 (was: both left as written)."""
+    trainer = TRAINER.replace(
+        "self.optimizer or torch.optim.AdamW(model.parameters(), lr=1e-3)", "torch.optim.AdamW(model.parameters(), lr=1e-3)")
+    trainer = trainer.replace(
+        "        for x, y in DataLoader(self.dataset, batch_size=32, shuffle=True):\n",
+        "        loader = DataLoader(self.dataset, batch_size=32, shuffle=True)\n        for x, y in loader:\n")
+    (tmp_path / "trainer.py").write_text(trainer.replace("                optimizer.step()\n",
+                                                         "                optimizer.step()\n                self.callback(self)\n"))
+    result = _rewrite(tmp_path, MAIN_GUARD_CALLBACK)
+    assert not result.refusals, result.refusals
+    out = result.code.decode()
+    assert "        dcp.save(get_model_state_dict(model), checkpoint_id=\"model.pt\")\n" in out
+    assert "        if dist.get_rank() == 0:\n            print(\"saving\")\n" in out

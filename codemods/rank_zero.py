@@ -121,7 +121,7 @@ class GateRankZeroCommand(RetrofitStage):
             return [], stmts
         mapping, reduce = {}, []
         for name in names:
-            avg = self.fresh_name(f"{name}_avg", function)
+            avg = self.fresh_name(f"{name.rsplit('.', 1)[-1]}_avg", function)
             self.__dict__["_visible"][id(function)].add(avg)
             mapping[name] = avg
             reduce += [
@@ -216,22 +216,27 @@ class _ReadAverages(cst.CSTTransformer):
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
         func = updated_node.func
-        if (
-            isinstance(func, cst.Attribute)
-            and func.attr.value == "item"
-            and isinstance(func.value, cst.Name)
-            and func.value.value in self.mapping
-        ):
-            return updated_node.with_changes(func=func.with_changes(value=cst.Name(self.mapping[func.value.value])))
+        if isinstance(func, cst.Attribute) and func.attr.value == "item" and _dotted(func.value) in self.mapping:
+            return updated_node.with_changes(func=func.with_changes(value=cst.Name(self.mapping[_dotted(func.value)])))
         return updated_node
+
+
+def _dotted(node) -> str:
+    """`loss` for a name, `trainer.loss` for an attribute of names; "" otherwise."""
+    if type(node) is cst.Name:
+        return node.value
+    if type(node) is cst.Attribute:
+        head = _dotted(node.value)
+        return f"{head}.{node.attr.value}" if head else ""
+    return ""
 
 
 def _item_reads(stmt) -> List[str]:
     found: List[str] = []
     for node in calls_in(stmt):
         f = node.func
-        if isinstance(f, cst.Attribute) and f.attr.value == "item" and isinstance(f.value, cst.Name):
-            found.append(f.value.value)
+        if isinstance(f, cst.Attribute) and f.attr.value == "item" and _dotted(f.value):
+            found.append(_dotted(f.value))  # `loss.item()`, `trainer.loss.item()` (a callback's)
     return found
 
 

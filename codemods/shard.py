@@ -334,10 +334,13 @@ class ShardModelCommand(RetrofitStage):
                 self.refuse(
                     "FSR610",
                     call,
-                    f"the optimizer is built inside class {cls} (e.g. self.optimizer)",
-                    "models and optimizers held by a trainer object are not supported yet: "
-                    "the rewrite must shard the model before that optimizer is built",
-                    f"build the model and optimizer in a function and pass them to {cls}",
+                    f"the optimizer is built inside class {cls} from parameters the rewrite cannot follow to a "
+                    "model the script builds",
+                    "the rewrite must shard that model before the optimizer is built; an optimizer a trainer "
+                    "builds from the model it is handed (`self.optimizer = model.configure_optimizers(cfg)`, "
+                    "`torch.optim.AdamW(self.model.parameters())`) is followed, this one is not",
+                    f"build the optimizer as one call on the model {cls} is handed, or build the model and "
+                    f"optimizer in a function and pass them to {cls}",
                 )
             blocker = no_model_blocker(facts)
             where, detail = (blocker.at, f": {blocker.detail}") if blocker else (1, "")

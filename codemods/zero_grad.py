@@ -55,7 +55,7 @@ class ClearThroughOptimizerCommand(RetrofitStage):
             if part is not None:
                 self._refuse_without_optimizer(found, where, f"`{opt}` is built over part of the model ({part}): "
                                           "its zero_grad() would not clear every gradient the model's clears")
-            editor.replace_expression(found.call.func.value, cst.Name(opt))
+            editor.replace_expression(found.call.func.value, cst.parse_expression(opt))  # `self.optimizer` too
             self.change(
                 found.call,
                 f"`{found.model}.zero_grad()` -> `{opt}.zero_grad()` (it sits between the forward and backward())",

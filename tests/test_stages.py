@@ -372,7 +372,8 @@ class Trainer:
         self.model = Net()
         self.optimizer = optim.SGD(self.model.parameters(), lr=0.1)
 ''')
-    assert result.refusals[0].what == "the optimizer is built inside class Trainer (e.g. self.optimizer)"
+    assert result.refusals[0].what == ("the optimizer is built inside class Trainer from parameters the rewrite "
+                                       "cannot follow to a model the script builds")  # the class builds the model
     assert result.refusals[0].line == 28
 
 

@@ -93,12 +93,14 @@ def _words(rng, vocab):
 
 @kind("text")
 def text(path, spec):
-    """A text file of random words, ``line`` words a line."""
+    """A text file of random words, ``line`` words a line, then the line ``extra`` (characters a
+    script's sampling prompt needs in the vocabulary)."""
     rng = _rng(spec)
     words = _words(rng, int(spec.get("vocab", 60)))
     total, per_line = int(spec.get("words", 3000)), int(spec.get("line", 12))
     picks = rng.integers(0, len(words), size=(total,))
     lines = [" ".join(words[int(j)] for j in picks[i:i + per_line]) for i in range(0, total, per_line)]
+    lines += [spec["extra"]] if spec.get("extra") else []
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")

@@ -32,7 +32,7 @@ VERDICTS = ("parity", "trains", "flagged", "refused", "crash", "silently-wrong")
 DEFAULTS = {
     "extra_files": [], "data": [], "args": [], "per_rank_args": [], "steps": 5, "compare": "parity",
     "tolerance": 1e-4, "noise_rtol": 0.1, "seed": 0, "timeout": 300, "env": {}, "patches": [], "notes": "",
-    "split_data": None, "stubs": {},
+    "split_data": None, "stubs": {}, "pythonpath": [],
 }
 KEYS = set(DEFAULTS) | {"id", "path"}
 
@@ -158,6 +158,13 @@ def rewrite_step(src: Path, out: Path) -> dict:
     res["differs"] = [{"line": a.get("line"), "what": a.get("what")}
                       for entry in report or [] for a in (entry.get("attention") or []) if a.get("differs")]
     res["files"] = [entry.get("path") for entry in report or [] if entry.get("changed")]
+    # `-o DIR` lays the set out below the folder its files share (workspace.project_relative):
+    # the script is at `out` only where every edited file is in the script's folder or below it
+    base = Path(os.path.commonpath([str(src.parent.resolve())] + [
+        str(Path(f).resolve().parent) for f in res["files"] if f]))
+    written = out.parent  # the -o folder
+    out = written / src.resolve().relative_to(base)
+    out.parent.mkdir(parents=True, exist_ok=True)
     if refusals:
         r = refusals[0]
         res["refusal"] = {"code": r.get("code"), "line": r.get("line"), "what": r.get("what"), "why": r.get("why")}
@@ -177,14 +184,15 @@ def rewrite_step(src: Path, out: Path) -> dict:
     # the output is rewritten again and checked where the script is, beside its own modules
     # (`from models import *` is read from the files next to it), under a name no import can reach;
     # where the rewrite edited modules beside it, in a copy of the script's folder holding the edited ones
-    edited = [f for f in out.parent.rglob("*.py") if f != out]
+    edited = [f for f in written.rglob("*.py") if f != out]
     folder = src.parent
     if edited:
-        folder = out.parent.parent / "project"
-        shutil.rmtree(folder, ignore_errors=True)
-        shutil.copytree(src.parent, folder)
+        project = written.parent / "project"
+        shutil.rmtree(project, ignore_errors=True)
+        shutil.copytree(base, project)
         for f in edited:
-            shutil.copyfile(f, folder / f.relative_to(out.parent))
+            shutil.copyfile(f, project / f.relative_to(written))
+        folder = project / src.resolve().parent.relative_to(base)
     beside = folder / (src.stem + ".retrofit" + src.suffix)
     beside.write_bytes(out.read_bytes())
     try:
@@ -256,7 +264,8 @@ def verify_step(script: Script, src: Path, work: Path, run_files: Optional[Path]
         args += ["--per-rank-arg", name]
     args += ["--", *script.args]
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(SHIM)
+    repo_root = src.parents[len(Path(script.path).parts) - 1]  # where the extraction puts the repository's root
+    env["PYTHONPATH"] = os.pathsep.join([str(SHIM), *(str((repo_root / p).resolve()) for p in script.pythonpath)])
     env["REALWORLD_SKIP_INTEGRITY"] = "1"
     if script.seed is not False:
         env["REALWORLD_SEED"] = str(int(script.seed))

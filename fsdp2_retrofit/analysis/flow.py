@@ -12,7 +12,8 @@ into, a literal, a parameter no call binds), reached by following
   a tuple element to the element at the same place;
 - `x.to(...)`, `.cuda()`, `.train()` ... (methods that return the module itself), an
   `a if c else b` and an `a or b` to each side;
-- `self.attr` to every `self.attr = value` of the class's methods, and `obj.attr` the
+- `self.attr` to every `self.attr = value` of the class's methods (but for
+  `self.attr = self.attr.to(device)`, which holds what the others hold), and `obj.attr` the
   same way when `obj` holds an instance of a class of the script (`Data(ds).loader`);
 - `obj.method(...)` and `self.method(...)` to what that method of the script's class returns.
 
@@ -295,9 +296,19 @@ class ValueFlow:
                 for t in node.targets:
                     target = t.target
                     if type(target) is cst.Attribute and type(target.value) is cst.Name and target.value.value == "self":
+                        if _same_attribute(node.value, target.attr.value):
+                            continue  # `self.model = self.model.to(device)`: what the other stores hold
                         stores.setdefault((id(owner), target.attr.value), []).append(node.value)
             self._attr_stores = stores
         return self._attr_stores.get((id(cls), attr), [])
+
+
+def _same_attribute(value, attr: str) -> bool:
+    """`value` is `self.<attr>`, or it through methods that return the object itself (`.to(d)`)."""
+    while type(value) is cst.Call and type(value.func) is cst.Attribute and value.func.attr.value in SELF_RETURNING_METHODS:
+        value = value.func.value
+    return (type(value) is cst.Attribute and value.attr.value == attr and type(value.value) is cst.Name
+            and value.value.value == "self")
 
 
 def _names_at(target, path: tuple) -> Iterator[Tuple[str, tuple]]:

@@ -112,10 +112,12 @@ def _attribute_assignments(resolver) -> Dict[tuple, List[cst.CSTNode]]:
     return out
 
 
-def holders(resolver, module: cst.Module, is_module_class) -> List[Holder]:
+def holders(resolver, module: cst.Module, is_module_class, foreign=None) -> List[Holder]:
     """The attributes of the script's top-level classes (not nn.Modules) that their
     __init__ sets from a parameter (`self.optimizer = optimizer`); `reassigned` is where
-    something else assigns them too (they are then not followed)."""
+    something else assigns them too (they are then not followed). `foreign(obj, cls)`: the
+    object `obj` of an `obj.<attr> = ...` outside the class is surely not an instance of it
+    (`C = CfgNode(); C.model = ...` in another function): that assignment does not count."""
     out = []
     assigned = _attribute_assignments(resolver)
     for cls in module.body:
@@ -136,12 +138,33 @@ def holders(resolver, module: cst.Module, is_module_class) -> List[Holder]:
                     and target.value.value == me and isinstance(value, cst.Name) and value.value in params):
                 continue
             attr = target.attr.value
-            others = [n for n in assigned.get((cls, attr), []) + assigned.get((None, attr), [])
-                      if n is not small.targets[0]]
+            elsewhere = [n for n in assigned.get((None, attr), [])
+                         if foreign is None or not all(foreign(obj, cls) for obj in _objects(n, attr))]
+            others = [n for n in assigned.get((cls, attr), []) + elsewhere
+                      if n is not small.targets[0] and not _keeps(resolver, n, attr)]
             if value.value in rebound:
                 others.insert(0, small)
             out.append(Holder(cls, attr, value.value, init, others[0] if others else None))
     return out
+
+
+def _objects(node: cst.CSTNode, attr: str) -> List[cst.BaseExpression]:
+    """The objects whose `.<attr>` the assignment `node` (an AssignTarget, AugAssign, AnnAssign) sets."""
+    target = node.target
+    targets = [el.value for el in target.elements] if isinstance(target, (cst.Tuple, cst.List)) else [target]
+    return [t.value for t in targets if isinstance(t, cst.Attribute) and t.attr.value == attr]
+
+
+def _keeps(resolver, target: cst.CSTNode, attr: str) -> bool:
+    """`self.model = self.model.to(device)`: an assignment of the attribute that keeps the object
+    it holds (a module's `.to()` moves it in place and returns it)."""
+    assign = resolver.parent(target) if type(target) is cst.AssignTarget else None
+    if type(assign) is not cst.Assign or len(assign.targets) != 1:
+        return False
+    value = _held_object(assign.value)
+    return (type(value) is cst.Attribute and value.attr.value == attr and type(value.value) is cst.Name
+            and type(target.target) is cst.Attribute and type(target.target.value) is cst.Name
+            and value.value.value == target.target.value.value)
 
 
 def _held_object(value: cst.BaseExpression) -> cst.BaseExpression:

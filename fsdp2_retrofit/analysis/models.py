@@ -27,6 +27,7 @@ from fsdp2_retrofit.syntax.names import (
     calls_in,
     code,
     is_main_guard,
+    module_itself,
     names_in,
     parameter_names,
     root_name,
@@ -236,6 +237,12 @@ class ModelAnalysis(SiteAnalysis):
     def _trained_models(self, optimizers, bindings) -> List["ModelSite"]:
         """The first binding, in the optimizer's own function, of each name it trains."""
         self._bindings = bindings  # read by _alternatives
+        # classes (not modules) whose methods build an optimizer (a trainer's run()): fully_shard
+        # goes before any construction of them (_shard_anchor)
+        self._building_classes = {
+            cls.name.value for opt in optimizers for fn in [self.r.enclosing_function(opt.stmt)] if fn is not None
+            for cls in [self.r.enclosing_class(fn)] if cls is not None
+        }
         models: List[ModelSite] = []
         seen = set()
         for opt in optimizers:
@@ -490,6 +497,9 @@ class ModelAnalysis(SiteAnalysis):
                 anchor = later  # a new head, a frozen part, loaded weights: fully_shard sees the final module
                 continue
             used = used or _consumes(later, name)
+            if not frozen and any(type(c.func) is cst.Name and c.func.value in getattr(self, "_building_classes", ())
+                                  for c in calls_in(later)):
+                break  # `Trainer(model, ...)`, whose methods build the optimizer: the model is sharded before it
             if isinstance(later, (cst.For, cst.While, cst.FunctionDef, cst.With, cst.Try)):
                 break
             if _is_placement(later, name) or _initialises(later, name) or self._initialises_through(later, name):
@@ -595,14 +605,15 @@ class ModelAnalysis(SiteAnalysis):
         return changed
 
     def _add_globals(self, names) -> bool:
-        """A model built at the module's top level is the same model in the top-level
-        functions that read it as a global (`def test(epoch): ... net.state_dict()`)."""
+        """A model built at the module's top level is the same model in the functions of the
+        module's scope that read it as a global (`def test(epoch): ... net.state_dict()`, a
+        callback defined under `if __name__ == "__main__":`)."""
         top = names.get(None, set())
         changed = False
         if not top:
             return changed
-        for fn in self.module.body:
-            if not isinstance(fn, cst.FunctionDef):
+        for fn in self.r.nodes(cst.FunctionDef):
+            if self.r.enclosing_function(fn) is not None or self.r.enclosing_class(fn) is not None:
                 continue
             local = parameter_names(fn) | {n for node in walk(fn.body) if isinstance(node, cst.SimpleStatementLine)
                                            for n in assigned_names(node)}
@@ -635,9 +646,17 @@ class ModelAnalysis(SiteAnalysis):
                 if len(stmt.body) != 1 or type(stmt.body[0]) is not cst.Assign:
                     continue
                 assign = stmt.body[0]
-                if len(assign.targets) != 1 or type(assign.targets[0].target) is not cst.Name:
+                if len(assign.targets) != 1:
                     continue
-                found.append((self.r.enclosing_function(stmt), assign.targets[0].target.value, assign.value))
+                target, value = assign.targets[0].target, assign.value
+                if type(target) is cst.Name:
+                    found.append((self.r.enclosing_function(stmt), target.value, value))
+                elif type(target) is type(value) is cst.Tuple and len(target.elements) == len(value.elements) and all(
+                        type(t) is type(v) is cst.Element and type(t.value) is cst.Name
+                        for t, v in zip(target.elements, value.elements)):
+                    # `model, config = self.model, self.config`: each name its own element
+                    function = self.r.enclosing_function(stmt)
+                    found.extend((function, t.value.value, v.value) for t, v in zip(target.elements, value.elements))
         return found
 
     def _forward_calls(self, model_names) -> List[cst.Call]:
@@ -731,7 +750,11 @@ def _aliases_model(expr, known: Set[str]) -> bool:
     or a conditional choosing one of them."""
     if isinstance(expr, cst.IfExp):
         return _aliases_model(expr.body, known) or _aliases_model(expr.orelse, known)
-    return alias_target(expr) in known
+    if alias_target(expr) in known:
+        return True
+    held = module_itself(expr)  # `model = self.model` in a trainer's method holding it
+    return (type(held) is cst.Attribute and type(held.value) is cst.Name
+            and f"{held.value.value}.{held.attr.value}" in known)
 
 
 def _is_placement(stmt, name: str) -> bool:

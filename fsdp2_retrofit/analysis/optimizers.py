@@ -47,7 +47,7 @@ class OptimizerAnalysis(SiteAnalysis):
         module_names = {b[0] for b in bindings}
         own = self._own_optimizer_classes()
         out = []
-        for target, stmt, call in self._named_assignments(stmts):
+        for target, stmt, call in self._named_assignments(stmts, methods=True):
             if not isinstance(call, cst.Call):
                 continue
             own_class = own.get(call.func.value) if isinstance(call.func, cst.Name) else None
@@ -72,10 +72,15 @@ class OptimizerAnalysis(SiteAnalysis):
                     continue
                 method, models, builds = factory  # `opt = make_optimizer(model, lr)`
             else:
-                model = self._model_of_receiver(receiver, stmt, module_names)
-                if model is None or not isinstance(call.func, cst.Attribute):
+                if not isinstance(call.func, cst.Attribute):
                     continue
-                method = self._optimizer_method(model, call.func.attr.value, stmt, bindings)
+                model, binding = self._model_of_receiver(receiver, stmt, module_names), None
+                if model is None and type(call.func.value) is cst.Name:  # `model = self.model` in a trainer's run()
+                    binding = self._module_binding_of(call.func.value, bindings)
+                    model = receiver if binding is not None else None
+                if model is None:
+                    continue
+                method = self._optimizer_method(model, call.func.attr.value, stmt, bindings, binding)
                 if method is None:
                     continue
                 models = [model]  # model.configure_optimizers(...), raw_model.configure_optimizers(...)
@@ -197,14 +202,15 @@ class OptimizerAnalysis(SiteAnalysis):
                 return model
         return None
 
-    def _optimizer_method(self, model: str, attr: str, stmt, bindings):
+    def _optimizer_method(self, model: str, attr: str, stmt, bindings, binding=None):
         """(the model class's method `attr`, the qualified names of its calls) when it builds
         a torch optimizer and reads the model's own parameters (`self.parameters()`,
         `self.named_parameters()`: param groups built from them are this model's); False
         when the class is not readable and the method's name says optimizer
         (`configure_optimizers`); None otherwise."""
         scope = self.r.enclosing_function(stmt)
-        cls = next((b[2] for b in bindings if b[0] == model and self.r.enclosing_function(b[1]) is scope), None)
+        cls = binding[2] if binding is not None else next(
+            (b[2] for b in bindings if b[0] == model and self.r.enclosing_function(b[1]) is scope), None)
         info = self.classes.get(cls)
         if info is None or attr not in info.methods:
             return False if "optim" in attr.lower() else None

@@ -75,9 +75,10 @@ class SiteAnalysis:
             found[id(binding[1])] = binding
         return next(iter(found.values())) if len(found) == 1 else None
 
-    def _named_assignments(self, stmts):
+    def _named_assignments(self, stmts, methods: bool = False):
         """(name, stmt, value) for each `name = value` or `name: T = value` line outside
-        class bodies."""
+        class bodies; with `methods`, those in the methods of a class that is not an
+        nn.Module too (a trainer class building its optimizer in `run()`)."""
         for stmt in stmts:
             if len(stmt.body) != 1:
                 continue
@@ -90,6 +91,20 @@ class SiteAnalysis:
                 continue
             if isinstance(target, cst.Name) and self.r.enclosing_class(stmt) is None:
                 yield target.value, stmt, small.value
+            elif methods and self._in_trainer_method(stmt):
+                me = self.r.enclosing_function(stmt).params.params[:1]
+                if type(target) is cst.Name:
+                    yield target.value, stmt, small.value
+                elif (type(target) is cst.Attribute and type(target.value) is cst.Name and me
+                      and target.value.value == me[0].name.value):
+                    yield f"{target.value.value}.{target.attr.value}", stmt, small.value  # self.optimizer = ...
+
+    def _in_trainer_method(self, stmt) -> bool:
+        """`stmt` is in a method of a top-level class of the script that is not an nn.Module."""
+        fn = self.r.enclosing_function(stmt)
+        cls = self.r.enclosing_class(fn) if fn is not None else None
+        return (cls is not None and self.r.enclosing_function(cls) is None
+                and not self.classes.is_module_class(cls.name.value))
 
     def _local_calls(self):
         """(call, function) for every call of a function of the script by its name: a
@@ -109,8 +124,20 @@ class SiteAnalysis:
     def _holders(self) -> List[Holder]:
         """The `self.<attr> = <param>` attributes of the script's classes (held_values.holders), found once."""
         if getattr(self, "_holder_list", None) is None:
-            self._holder_list = holders(self.r, self.module, self.classes.is_module_class)
+            self._holder_list = holders(self.r, self.module, self.classes.is_module_class, self._not_an_instance)
         return self._holder_list
+
+    def _not_an_instance(self, obj: cst.BaseExpression, cls: cst.ClassDef) -> bool:
+        """Every value `obj` can hold is made by a call of something imported that is not `cls`
+        (`C = CfgNode()`): it is not an instance of the script's class `cls`."""
+        origins = self.flow.values(obj)
+        for origin in origins:
+            if type(origin) is not cst.Call or self._callee(origin) is not None:
+                return False
+            names = self.r.qnames(origin)
+            if not names or any(n.rsplit(".", 1)[-1] == cls.name.value for n in names):
+                return False
+        return bool(origins)
 
     def _callee(self, call: cst.Call) -> Optional[cst.FunctionDef]:
         """The function of the script a call by name runs: a def nested in the calling

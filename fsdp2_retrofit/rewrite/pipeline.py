@@ -107,10 +107,11 @@ def _with_sibling_trainer(source: bytes, path: str, options: RetrofitOptions, mo
         if where != planned.sibling_path and first.code in _NOTHING_FOUND:
             # no model or optimizer found at all: the trainer class is the likelier blocker (FSR605)
             return (f"the class is in another file; followed into it, the rewrite still finds {first.code} "
-                    f"({first.what}): an optimizer the class builds itself (`self.optimizer = "
-                    "model.configure_optimizers(...)` in a method) is not followed yet, and its loop would keep its "
-                    "plain sampler, saves and logging",
-                    "build the optimizer in the script (after the model) and hand it to the trainer")
+                    f"({first.what}): the model its optimizer trains cannot be followed back to the model the "
+                    "script builds (an attribute assigned again elsewhere, a model the analysis does not see), and "
+                    "its loop would keep its plain sampler, saves and logging",
+                    "hand the trainer the model the script builds and keep its `self.model` assigned once, or build "
+                    "the optimizer in the script (after the model) and hand it over too")
         moved = replace(first, path=where or path, line=line)  # the true blocker, at its own file and line
         return RewriteResult(path, source, source, [], [], [moved], inner.inputs)
     return splice.split(planned, inner, path, source, module.encoding)

@@ -217,9 +217,12 @@ _RULES = [
     RefusalRule("FSR609", "shard-meta-init-with-copy", "--meta-init with a copy of the model.",
                 "The copy would be made of the model on the meta device, before its re-initialisation.",
                 "Run without --meta-init."),
-    RefusalRule("FSR610", "shard-optimizer-in-class", "The optimizer is built inside a trainer class.",
-                "The rewrite must shard the model before that optimizer is built.",
-                "Build the model and optimizer in a function and pass them to the class."),
+    RefusalRule("FSR610", "shard-optimizer-in-class",
+                "The optimizer is built inside a trainer class from parameters that cannot be followed to a model.",
+                "The rewrite must shard the model before that optimizer is built; one a trainer builds from the "
+                "model it is handed (`model.configure_optimizers(cfg)` in its run()) is followed.",
+                "Build the optimizer as one call on the model the class is handed, or build the model and "
+                "optimizer in a function and pass them to the class."),
     RefusalRule("FSR611", "shard-no-model", "No nn.Module is built in the script.", "There is no model to shard.",
                 "Run rewrite on the script that builds the model and its optimizer."),
     RefusalRule("FSR612", "shard-no-optimizer", "No optimizer trains a model built in the script.",

@@ -193,7 +193,26 @@ class RetrofitStage:
             return f"{facts.rank_name} == 0" if facts.rank_name else "dist.get_rank() == 0"
         if function is not None and facts.model_names.get(function):
             return "dist.get_rank() == 0"
+        if function is not None and self._defined_after_group(function, entry_fn, facts):
+            return "dist.get_rank() == 0"
         return None
+
+    def _defined_after_group(self, function: cst.FunctionDef, entry_fn, facts: ScriptFacts) -> bool:
+        """`function` (a callback, a helper) is defined inside the entry scope below the statement
+        that starts the process group: it can only run once the group exists."""
+        if facts.distributed_init is None:
+            return False
+        r = facts.resolver
+        outer = function
+        while r.enclosing_function(outer) is not entry_fn:
+            outer = r.enclosing_function(outer)
+            if outer is None:
+                return False
+        if r.enclosing_class(outer) is not None:
+            return False
+        if entry_fn is None and r.block_of(outer) is facts.module:
+            return False  # a top-level def: it may be called from anywhere
+        return not self.before_group(outer, facts)
 
     def before_group(self, stmt: cst.CSTNode, facts: ScriptFacts) -> bool:
         """`stmt` runs in the entry function before its process group exists (outside the

@@ -638,11 +638,11 @@ def reuse_single(settings: VerifySettings, args: List[str]) -> Run:
     return Run(directory, ranks, weights if weights.is_file() else None)
 
 
-def run_distributed(settings: VerifySettings, script: Path, directory: Path) -> Run:
+def run_distributed(settings: VerifySettings, script: Path, directory: Path, import_root: Sequence[str] = ()) -> Run:
     link_run_files(settings.run_files, directory)
     return launch_distributed(
         script, settings.script_args, directory, nproc=settings.nproc, steps=settings.steps, python=settings.python,
-        timeout=settings.timeout, extra_path=[str(settings.script.resolve().parent)],
+        timeout=settings.timeout, extra_path=[*import_root, str(settings.script.resolve().parent)],
         what=f"distributed run of {settings.retrofitted or 'the retrofit'} (torchrun, {settings.nproc} ranks)")
 
 
@@ -823,18 +823,39 @@ def retrofit_in_memory(script: Path, into: Path) -> Path:
                           "divide it yourself and pass the result with --retrofitted FILE (or a retrofit that keeps "
                           "the per-rank batch with --per-rank-arg NAME)")
     into.mkdir(parents=True, exist_ok=True)
-    target = into / script.name
-    target.write_bytes(result.code)
     folder = script.resolve().parent
+    base = Path(os.path.commonpath([folder, *(Path(s.path).resolve().parent for s in result.siblings)]))
+    if base != folder:  # a module of the project's own package (`mingpt/trainer.py` above `projects/chargpt/`)
+        _copy_python_files(base, into)
+    target = into / script.resolve().relative_to(base)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(result.code)
     for sibling in result.siblings:  # the modules it edits, where the script's imports find them first
-        rel = Path(os.path.relpath(Path(sibling.path).resolve(), folder))
-        if rel.parts[0] == "..":
-            raise VerifyError(f"{sibling.path}: the retrofit edits this module, outside the script's folder; verify "
-                              "runs the retrofit from a copy of that folder only",
-                              "rewrite with -o DIR and pass the script with --retrofitted FILE from a copy of the project")
+        rel = Path(sibling.path).resolve().relative_to(base)
         (into / rel).parent.mkdir(parents=True, exist_ok=True)
         (into / rel).write_bytes(sibling.code)
     return target
+
+
+def retrofit_import_root(target: Path, into: Path) -> List[str]:
+    """Where the retrofit's imports of the project's package must look first: the copy of the
+    project when the retrofit edits modules above the script's folder (its script then sits below
+    `into`), else nowhere more."""
+    return [str(into.resolve())] if target.resolve().parent != into.resolve() else []
+
+
+_NOT_COPIED = {"__pycache__", "site-packages", "node_modules"}
+
+
+def _copy_python_files(base: Path, into: Path) -> None:
+    """The project's Python files under `base`, at their places below `into` (a package the
+    script imports is read from the copy, whole, with its edited modules; data stays where it is)."""
+    for path in sorted(base.rglob("*.py")):
+        rel = path.relative_to(base)
+        if any(part.startswith(".") or part in _NOT_COPIED for part in rel.parts[:-1]):
+            continue
+        (into / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, into / rel)
 
 
 # -- the whole command ------------------------------------------------------------
@@ -886,8 +907,9 @@ def _run_and_compare(settings: VerifySettings, root: Path) -> Verdict:
     args = single_run_args(settings.script_args, settings.per_rank_args, settings.nproc)
     if settings.retrofitted is None:
         dist_script = retrofit_in_memory(settings.script, root / "retrofitted")
+        import_root = retrofit_import_root(dist_script, root / "retrofitted")
     else:
-        dist_script = settings.retrofitted.resolve()
+        dist_script, import_root = settings.retrofitted.resolve(), []
 
     if settings.reuse_single is not None:
         single = reuse_single(settings, args)
@@ -895,7 +917,7 @@ def _run_and_compare(settings: VerifySettings, root: Path) -> Verdict:
         _progress(f"running {settings.script} in one process ({settings.steps} steps at most)...")
         single = run_single(settings, args, root / "single")
     _progress(f"running {dist_script.name} under torchrun --nproc_per_node {settings.nproc}...")
-    dist = run_distributed(settings, dist_script, root / "dist")
+    dist = run_distributed(settings, dist_script, root / "dist", import_root)
 
     verdict = compare_runs(single, dist, tolerance=settings.tolerance, loss_rtol=settings.loss_rtol,
                            loss_atol=settings.loss_atol, python=settings.python)

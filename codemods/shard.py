@@ -553,7 +553,7 @@ class ShardModelCommand(RetrofitStage):
                         or r.order(opt.stmt) > r.order(anchor)):
                     continue
                 self.refuse(
-                    "FSR628",
+                    "FSR629",
                     opt.stmt,
                     f"`{opt.name}` is built from `{model.name}`'s parameters before `{model.name}` is sharded "
                     f"(fully_shard goes after line {r.line(anchor)}), inside a block the rewrite does not move",

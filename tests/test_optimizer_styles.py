@@ -381,7 +381,7 @@ def test_an_optimizer_built_in_a_branch_before_the_model_is_sharded_is_refused_a
 
     result = rewrite_source(BRANCH_BUILD.encode(), "train.py")
     line = BRANCH_BUILD.splitlines().index("        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)") + 1
-    assert [(r.code, r.line) for r in result.refusals] == [("FSR628", line)]
+    assert [(r.code, r.line) for r in result.refusals] == [("FSR629", line)]
     assert "never updates" in result.refusals[0].why
     assert result.code == BRANCH_BUILD.encode()
 

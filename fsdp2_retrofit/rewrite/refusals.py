@@ -298,7 +298,7 @@ _RULES = [
                 "and the optimizer, state dicts and gradient sync would follow the wrong one.",
                 "Return the new object from the nested function and bind it in the enclosing function before the "
                 "optimizer is built, or give it its own name."),
-    RefusalRule("FSR628", "shard-optimizer-before-shard-in-branch",
+    RefusalRule("FSR629", "shard-optimizer-before-shard-in-branch",
                 "An optimizer is built from a model's parameters before the model is sharded, inside a branch "
                 "(an if/else, a try) the rewrite does not move.",
                 "fully_shard replaces the parameters with DTensor shards: an optimizer built before it keeps the "

@@ -6,7 +6,14 @@ from typing import Optional
 import libcst as cst
 
 from fsdp2_retrofit.analysis import LoaderSite, ScriptFacts, code
-from fsdp2_retrofit.analysis.batch_size import batch_size_readers
+from fsdp2_retrofit.analysis.batch_size import (
+    PARTIAL_LAST_BATCH,
+    batch_shaped_calls,
+    batch_size_readers,
+    drops_last,
+    nominal_batch_size,
+    short_code,
+)
 from fsdp2_retrofit.analysis.closures import functions_reading
 from fsdp2_retrofit.analysis.data import pass_in_while, unfollowed_loaders
 from fsdp2_retrofit.analysis.loader_kwargs import KwargsBatchSize, batch_size_through
@@ -170,6 +177,24 @@ class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
             "without a sampler every rank trains on the same batches",
         )
         self._set_epoch(loader, sampler, facts, editor)
+        if not keep:
+            self._shaped_by_batch_size(loader, facts)
+
+    def _shaped_by_batch_size(self, loader: LoaderSite, facts: ScriptFacts) -> None:
+        """Tensors the training loop shapes by the loader's nominal batch size: a rank's last batch
+        can now be partial where the single run's were full (check's FSD120, reported here)."""
+        nominal = nominal_batch_size(loader.call)
+        if nominal is None or nominal[1] or drops_last(loader.drop_last):
+            return
+        for call in batch_shaped_calls(facts.resolver, facts.resolver.nodes(cst.For), loader.name, nominal[0]):
+            self.attention(
+                call,
+                f"FSD120: `{short_code(call)}` is shaped by `{nominal[0]}`, {PARTIAL_LAST_BATCH}",
+                "DistributedSampler gives each rank ceil(len(dataset) / world_size) samples: where that does not "
+                f"divide by `{nominal[0]}`, the rank's last batch is smaller and this tensor no longer matches it "
+                "(a shape error, or samples mixed by a reshape) even where the single run's batches were all full; "
+                "use the batch's own size (`x.size(0)`), or pass drop_last=True to the DataLoader",
+            )
 
     def _replace_bound_sampler(self, loader: LoaderSite, facts: ScriptFacts, editor: StatementEditor) -> None:
         """`sampler = RandomSampler(data)` bound before the loader: the call becomes

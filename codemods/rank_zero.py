@@ -97,7 +97,7 @@ class GateRankZeroCommand(RetrofitStage):
                 continue
             self.attention(
                 gate,
-                f"`if {code(gate.test)}:` (rank 0 only) runs `{code(hit).strip()}` (line {r.line(hit)}): a forward, "
+                f"FSD110: `if {code(gate.test)}:` (rank 0 only) runs `{code(hit).strip()}` (line {r.line(hit)}): a forward, "
                 "backward or collective of the sharded model; the run hangs whenever this branch is taken",
                 "every rank must join the all-gathers and reduce-scatters of a sharded model; run the branch on "
                 "every rank and keep only its prints and file writes under the rank-0 test",

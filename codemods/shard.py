@@ -360,6 +360,7 @@ class ShardModelCommand(RetrofitStage):
                 "build the optimizer from model.parameters() in the same script",
             )
         self._refuse_optimizers(facts)
+        self._refuse_optimizers_built_before_shard(facts)
         unknown = unrecognised_trained_model(facts)
         if unknown is not None:
             self.refuse(
@@ -535,6 +536,33 @@ class ShardModelCommand(RetrofitStage):
                         "gather the gradient explicitly (`g.full_tensor()`), compute, and keep this rank's "
                         "part (distribute_tensor), or keep the script single-GPU",
                     )
+
+    def _refuse_optimizers_built_before_shard(self, facts: ScriptFacts) -> None:
+        """An optimizer of a model built, in the function that shards the model, before the
+        statement fully_shard follows and outside its block (a branch of an if/else, a try): the
+        optimizer stage moves only statements of that block, so it would keep the unsharded
+        parameters and the model would never update."""
+        r = facts.resolver
+        for model in facts.models:
+            anchor = model.shard_anchor
+            fn = r.enclosing_function(anchor)
+            body = list(r.block_of(anchor).body) if r.block_of(anchor) is not None else []
+            names = model.names.get(fn, {model.name})
+            for opt in facts.optimizers:
+                if (r.enclosing_function(opt.stmt) is not fn or not set(opt.models) & names or opt.stmt in body
+                        or r.order(opt.stmt) > r.order(anchor)):
+                    continue
+                self.refuse(
+                    "FSR629",
+                    opt.stmt,
+                    f"`{opt.name}` is built from `{model.name}`'s parameters before `{model.name}` is sharded "
+                    f"(fully_shard goes after line {r.line(anchor)}), inside a block the rewrite does not move",
+                    "fully_shard replaces the parameters with DTensor shards: an optimizer built before it keeps "
+                    "the old tensors and the model never updates; the optimizer stage moves an optimizer only "
+                    "within the block that shards the model",
+                    "build the model (and place it) before the if/else that builds its optimizer, or build the "
+                    "optimizer after the model is placed",
+                )
 
     def _unread_wrapper(self, opt, facts: ScriptFacts) -> None:
         """`opt = Wrapper(optim.Adam(...))` whose class is not in the script or a sibling module."""

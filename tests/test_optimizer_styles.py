@@ -338,3 +338,73 @@ def test_a_factory_that_does_more_with_the_model_is_not_followed():
         [refusal] = result.refusals  # named where the optimizer is asked for, with the function that builds it
         assert refusal.code == "FSR612" and "builds the optimizer in make_optimizer()" in refusal.what, refusal
         assert refusal.line == source.splitlines().index("    opt = make_optimizer(model, 0.1)") + 1
+
+
+BRANCH_BUILD = '''\
+import argparse
+
+import torch
+import torch.nn as nn
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--resume", default=None)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.resume is None:
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    else:
+        checkpoint = torch.load(args.resume)
+        model = checkpoint["model"]
+        optimizer = checkpoint["optimizer"]
+    model = model.to(device)
+    for step in range(5):
+        loss = model(torch.randn(16, 8, device=device)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    torch.save({"model": model, "optimizer": optimizer}, "ckpt.pt")
+
+
+main()
+'''
+
+
+def test_an_optimizer_built_in_a_branch_before_the_model_is_sharded_is_refused_at_its_line():
+    """The model and its optimizer made in one branch of `if resume is None:` / `else:` (the image
+    captioning tutorial's shape), the model placed after the if/else, where fully_shard goes: no stage
+    moves the optimizer out of the branch, so it would keep the unsharded parameters and the model
+    would never update. Refused at the optimizer's line (was: rewritten, silently never training)."""
+    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+
+    result = rewrite_source(BRANCH_BUILD.encode(), "train.py")
+    line = BRANCH_BUILD.splitlines().index("        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)") + 1
+    assert [(r.code, r.line) for r in result.refusals] == [("FSR629", line)]
+    assert "never updates" in result.refusals[0].why
+    assert result.code == BRANCH_BUILD.encode()
+
+
+def test_an_if_else_picking_the_optimizer_after_the_build_is_sharded_before():
+    """fixtures/rewrite/optimizer_picked_in_branch: the placement after the if/else does not pull
+    fully_shard past the optimizer's build."""
+    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+
+    text = BRANCH_BUILD.replace('''    if args.resume is None:
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    else:
+        checkpoint = torch.load(args.resume)
+        model = checkpoint["model"]
+        optimizer = checkpoint["optimizer"]
+''', '''    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    if args.resume is None:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+''').replace('    torch.save({"model": model, "optimizer": optimizer}, "ckpt.pt")\\n', "")
+    result = rewrite_source(text.encode(), "train.py")
+    assert not result.refusals, result.refusals
+    out = result.code.decode()
+    assert out.index("fully_shard(model, mesh=mesh)") < out.index("    if args.resume is None:")

@@ -81,3 +81,56 @@ def test_the_flagged_line_does_crash_under_fsdp2(tmp_path: Path):
     with pytest.raises(VerifyError) as failure:
         launch_distributed(CASE / "expected.py", ["--batch-size", "32", "--log-every", "2"], tmp_path / "dist")
     assert "numpy" in failure.value.detail.lower() or "DTensor" in failure.value.detail, failure.value.detail
+
+
+# --- the rewrite's output passes its own check, or the report says what check finds -----------------
+
+import re  # noqa: E402
+
+from fsdp2_retrofit.check.lint import lint_source  # noqa: E402
+from fsdp2_retrofit.check.rules import all_rules  # noqa: E402
+from rewrite_cases import case_params, project_copy, edits_siblings  # noqa: E402
+
+_CODE = re.compile(r"^(FSD\d{3}):")
+
+
+def reported_codes(result) -> set:
+    """The check codes the rewrite's report names in its attention items, in every file it edits."""
+    return {m.group(1) for file in result.files for a in file.attention for m in [_CODE.match(a.what)] if m}
+
+
+def own_check_findings(case: Path) -> list:
+    """(file, code, line) for what `check` finds in the case's goldens, each read where it runs: the
+    script beside the modules it imports; for a multi-file case, in a copy of its project holding the
+    edited modules' goldens (expected/), each of those checked too."""
+    if not edits_siblings(case):
+        checked = [(case / "expected.py", case / "input.py")]
+    else:
+        folder = project_copy(case, "expected.py")
+        checked = [(folder / "input.py", folder / "input.py")]
+        checked += [(folder / p.relative_to(case / "expected"),) * 2 for p in sorted((case / "expected").rglob("*.py"))]
+    found = []
+    for path, name in checked:
+        for f in lint_source(path.read_bytes(), str(name), all_rules()).findings:
+            found.append((name.name, f.code, f.line))
+    return found
+
+
+@pytest.mark.parametrize("case", case_params())
+def test_every_check_finding_on_a_golden_output_is_in_its_report(case: Path):
+    """The output passes the tool's own check, or each finding is an attention item of the report
+    (issue 29 item 6): a user who runs check after the rewrite learns nothing the report did not say."""
+    findings = own_check_findings(case)
+    missing = [f for f in findings if f[1] not in reported_codes(rewrite_case(case))]
+    assert not missing, f"check finds what the report does not say: {missing}"
+
+
+def test_the_own_check_test_can_fail():
+    """A golden with a finding (param_numpy_logging's FSD117) against a report without it."""
+    findings = own_check_findings(CASE)
+    assert [code for _, code, _ in findings] == ["FSD117"]
+
+    class Empty:
+        files = []
+
+    assert "FSD117" not in reported_codes(Empty())

@@ -196,9 +196,13 @@ def rewrite_step(src: Path, out: Path) -> dict:
     beside = folder / (src.stem + ".retrofit" + src.suffix)
     beside.write_bytes(out.read_bytes())
     try:
-        return _check_output(beside, res)
+        res = _check_output(beside, res)
     finally:
         beside.unlink(missing_ok=True)
+    # the output's own check against the report: each finding should be an attention item ("FSD120: ...")
+    said = {a.get("what", "").split(":", 1)[0] for entry in report or [] for a in (entry.get("attention") or [])}
+    res["check_unreported"] = [c for c in res.get("check") or [] if c.startswith("FSD") and c not in said]
+    return res
 
 
 def _check_output(out: Path, res: dict) -> dict:
@@ -405,7 +409,8 @@ def markdown(rows: List[dict]) -> str:
         elif rw.get("error"):
             rw_cell = "error"
         elif rw:
-            check = ",".join(rw.get("check") or []) or "none"
+            check = ",".join(c + (" (not in the report)" if c in (rw.get("check_unreported") or []) else "")
+                             for c in rw.get("check") or []) or "none"
             rw_cell = (f"{'ok' if rw.get('compiles') else 'no'} / {'yes' if rw.get('idempotent') else 'NO'} / "
                        f"{check}")
         else:

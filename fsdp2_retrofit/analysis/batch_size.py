@@ -13,8 +13,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import Resolver, attr_path, code, parameter_names
-from fsdp2_retrofit.syntax.torch_api import BATCH_SHAPE_FACTORIES, BATCH_SHAPE_METHODS
+from fsdp2_retrofit.syntax.names import Resolver, attr_path, code, names_in, parameter_names
+from fsdp2_retrofit.syntax.torch_api import BATCH_SHAPE_FACTORIES, BATCH_SHAPE_METHODS, TENSOR_FACTORIES
 
 
 @dataclass
@@ -225,3 +225,66 @@ def _what_it_does(resolver: Resolver, node: cst.CSTNode) -> str:
             return f"an argument of `{code(call.func)}(...)`"
     text = code(resolver.statement_of(node) or node).strip().splitlines()[0]
     return f"`{text}`"
+
+
+# -- tensors shaped by the nominal batch size (check FSD120, and the data stage's report) --------------
+
+PARTIAL_LAST_BATCH = ("but a rank's last batch is partial wherever its shard of the data does not divide by it "
+                      "(the loader has no drop_last=True)")
+# the factories whose arguments are sizes (torch.tensor(batch_size) holds the number)
+_FACTORIES = {n for n in TENSOR_FACTORIES if n.rsplit(".", 1)[1] not in ("tensor", "as_tensor", "from_numpy")}
+_SHAPERS = {"reshape", "view", "expand", "new_zeros", "new_ones", "new_full", "new_empty"}
+
+
+def nominal_batch_size(call: cst.Call) -> Optional[Tuple[str, bool]]:
+    """(the batch-size expression's code, whether it is divided) of a DataLoader(...) call."""
+    value = None
+    for i, arg in enumerate(call.args):
+        if (arg.keyword is not None and arg.keyword.value == "batch_size") or (arg.keyword is None and i == 1):
+            value = arg.value
+    if value is None:
+        return None
+    if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, (cst.FloorDivide, cst.Divide)):
+        value, divided = value.left, True
+    else:
+        divided = False
+    if not isinstance(value, (cst.Name, cst.Attribute)):
+        return None
+    return code(value), divided
+
+
+def drops_last(expr: Optional[cst.BaseExpression]) -> bool:
+    """A loader's `drop_last=` is the literal True."""
+    return isinstance(expr, cst.Name) and expr.value == "True"
+
+
+def batch_shaped_calls(resolver: Resolver, loops: Sequence[cst.For], loader: str, name: str) -> List[cst.Call]:
+    """The calls in the bodies of `loops` over `loader` (in the loop's own function) that shape a
+    tensor by the expression `name` (a reshape/view/expand or a tensor factory given it as a dimension)."""
+    out = []
+    for loop in loops:
+        if loader not in names_in(loop.iter):
+            continue
+        for call in resolver.descendants(loop.body, cst.Call):
+            if resolver.enclosing_function(call) is resolver.enclosing_function(loop) and _shaped_by(resolver, call, name):
+                out.append(call)
+    return out
+
+
+def _shaped_by(resolver: Resolver, call: cst.Call, name: str) -> bool:
+    func = call.func
+    shaper = isinstance(func, cst.Attribute) and func.attr.value in _SHAPERS
+    if not shaper and not (resolver.qnames(call) & _FACTORIES):
+        return False
+    for arg in call.args:
+        if arg.keyword is not None and arg.keyword.value not in ("size",):
+            continue
+        values = [e.value for e in arg.value.elements] if isinstance(arg.value, (cst.Tuple, cst.List)) else [arg.value]
+        if any(code(v) == name for v in values):
+            return True
+    return False
+
+
+def short_code(node: cst.CSTNode) -> str:
+    text = code(node)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -243,6 +243,7 @@ class ModelAnalysis(SiteAnalysis):
             cls.name.value for opt in optimizers for fn in [self.r.enclosing_function(opt.stmt)] if fn is not None
             for cls in [self.r.enclosing_class(fn)] if cls is not None
         }
+        self._optimizer_stmts = {id(opt.stmt) for opt in optimizers}  # _shard_anchor stops before a branch building one
         models: List[ModelSite] = []
         seen = set()
         for opt in optimizers:
@@ -500,6 +501,9 @@ class ModelAnalysis(SiteAnalysis):
             if not frozen and any(type(c.func) is cst.Name and c.func.value in getattr(self, "_building_classes", ())
                                   for c in calls_in(later)):
                 break  # `Trainer(model, ...)`, whose methods build the optimizer: the model is sharded before it
+            if not frozen and type(later) is not cst.SimpleStatementLine and any(
+                    id(s) in getattr(self, "_optimizer_stmts", ()) for s in self.r.descendants(later, cst.SimpleStatementLine)):
+                break  # `if adam: opt = Adam(model.parameters()) else: ...`: no stage moves a branch, shard before it
             if isinstance(later, (cst.For, cst.While, cst.FunctionDef, cst.With, cst.Try)):
                 break
             if _is_placement(later, name) or _initialises(later, name) or self._initialises_through(later, name):

@@ -298,6 +298,15 @@ _RULES = [
                 "and the optimizer, state dicts and gradient sync would follow the wrong one.",
                 "Return the new object from the nested function and bind it in the enclosing function before the "
                 "optimizer is built, or give it its own name."),
+    RefusalRule("FSR629", "shard-optimizer-before-shard-in-branch",
+                "An optimizer is built from a model's parameters before the model is sharded, inside a branch "
+                "(an if/else, a try) the rewrite does not move.",
+                "fully_shard replaces the parameters with DTensor shards: an optimizer built before it keeps the "
+                "old tensors and the model never updates. The optimizer stage moves optimizers only within the "
+                "block that shards the model (an if/else that only picks the optimizer, after the model's build, "
+                "is sharded before).",
+                "Build (and place) the model before the if/else that builds its optimizer, or build the optimizer "
+                "after the model is placed."),
     # -- 7xx checkpoint and library saves ------------------------------------------------
     RefusalRule("FSR701", "checkpoint-unsplittable-rank-branch",
                 "A checkpoint save inside a rank-0 branch that cannot be split (an else branch, an `or`).",

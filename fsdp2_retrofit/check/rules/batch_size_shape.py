@@ -1,12 +1,16 @@
 """FSD120 batch-size-shape."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import names_in
-from fsdp2_retrofit.syntax.torch_api import TENSOR_FACTORIES
+from fsdp2_retrofit.analysis.batch_size import (
+    PARTIAL_LAST_BATCH,
+    batch_shaped_calls,
+    drops_last,
+    nominal_batch_size,
+    short_code,
+)
 from . import Invalid, Rule, Valid
 
 _HEAD = (
@@ -14,9 +18,6 @@ _HEAD = (
     "from torch.utils.data.distributed import DistributedSampler\nmodel = Net()\nfully_shard(model)\n"
     "sampler = DistributedSampler(ds)\n"
 )
-# the factories whose arguments are sizes (torch.tensor(batch_size) holds the number)
-_FACTORIES = {n for n in TENSOR_FACTORIES if n.rsplit(".", 1)[1] not in ("tensor", "as_tensor", "from_numpy")}
-_SHAPERS = {"reshape", "view", "expand", "new_zeros", "new_ones", "new_full", "new_empty"}
 
 
 class BatchSizeShape(Rule):
@@ -88,66 +89,13 @@ class BatchSizeShape(Rule):
         for loader in ctx.training_loaders():
             if not loader.trains:
                 continue
-            nominal = _nominal(loader.call)
+            nominal = nominal_batch_size(loader.call)
             if nominal is None:
                 continue
             name, divided = nominal
-            full = _is_true(loader.drop_last)
-            if full and not divided:
+            if drops_last(loader.drop_last) and not divided:
                 continue
-            why = ("the per-rank loader reads `batch_size // world_size`" if divided else
-                   "but a rank's last batch is partial wherever its shard of the data does not divide by it "
-                   "(the loader has no drop_last=True)")
-            for loop in loops:
-                if loader.name not in names_in(loop.iter):
-                    continue
-                for call in r.descendants(loop.body, cst.Call):
-                    if r.enclosing_function(call) is not r.enclosing_function(loop):
-                        continue
-                    if self._shaped_by(ctx, call, name):
-                        yield call, {"call": _short(call), "name": name, "why": why}, None
+            why = "the per-rank loader reads `batch_size // world_size`" if divided else PARTIAL_LAST_BATCH
+            for call in batch_shaped_calls(r, loops, loader.name, name):
+                yield call, {"call": short_code(call), "name": name, "why": why}, None
 
-    def _shaped_by(self, ctx, call: cst.Call, name: str) -> bool:
-        func = call.func
-        shaper = isinstance(func, cst.Attribute) and func.attr.value in _SHAPERS
-        if not shaper and not (ctx.resolver.qnames(call) & _FACTORIES):
-            return False
-        for arg in call.args:
-            if arg.keyword is not None and arg.keyword.value not in ("size",):
-                continue
-            values = [e.value for e in arg.value.elements] if isinstance(arg.value, (cst.Tuple, cst.List)) else [arg.value]
-            if any(_code(v) == name for v in values):
-                return True
-        return False
-
-
-def _nominal(call: cst.Call) -> Optional[Tuple[str, bool]]:
-    """(the batch-size expression's code, whether it is divided) of a DataLoader(...) call."""
-    value = None
-    for i, arg in enumerate(call.args):
-        if (arg.keyword is not None and arg.keyword.value == "batch_size") or (arg.keyword is None and i == 1):
-            value = arg.value
-    if value is None:
-        return None
-    if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, (cst.FloorDivide, cst.Divide)):
-        value, divided = value.left, True
-    else:
-        divided = False
-    if not isinstance(value, (cst.Name, cst.Attribute)):
-        return None
-    return _code(value), divided
-
-
-def _is_true(expr) -> bool:
-    return isinstance(expr, cst.Name) and expr.value == "True"
-
-
-def _code(node) -> str:
-    from fsdp2_retrofit.syntax.names import code
-
-    return code(node)
-
-
-def _short(node) -> str:
-    text = _code(node)
-    return text if len(text) <= 60 else text[:57] + "..."

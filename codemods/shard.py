@@ -208,6 +208,8 @@ class ShardModelCommand(RetrofitStage):
 
     def _scalar_line(self, param, facts: ScriptFacts) -> str:
         """Where a 0-dim parameter is created: `line 25` in the script, `models.py:25` in a sibling module."""
+        if param.owner is None:
+            return f"line {self.line(param.node)}"
         info = facts.classes.get(param.owner)
         line = info.namer.resolver.line(param.node)
         return f"{facts.classes.shown_file(info.namespace)}:{line}" if info.namespace else f"line {line}"

@@ -185,3 +185,30 @@ def test_meta_init_with_a_scalar_is_refused_at_its_line(tmp_path, monkeypatch):
     line = source.splitlines().index("        self.gate = nn.Parameter(torch.zeros(()))") + 1
     first = result.stderr.splitlines()[0]
     assert first.startswith(f"{path}:{line}: FSR628 --meta-init with a 0-dim parameter: `Net.gate`"), first
+
+
+def test_a_scalar_the_script_sets_on_a_library_model_is_handled():
+    """`model.logit_scale = nn.Parameter(...)` on a torchvision model: no class to read, the
+    script's own assignment says it; fully_shard comes after it, and so does the put-back."""
+    source = dedent("""\
+        import torch
+        import torch.nn as nn
+        import torchvision
+
+
+        def main():
+            torch.manual_seed(0)
+            model = torchvision.models.resnet18(num_classes=4)
+            model.logit_scale = nn.Parameter(torch.tensor(1.0))
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                loss = model(torch.randn(2, 3, 32, 32)).pow(2).mean() * model.logit_scale
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        """)
+    result = rewrite(source)
+    code = result.code.decode()
+    assert code.index("model.logit_scale = nn.Parameter") < code.index(HIDE) < code.index(
+        "fully_shard(model, mesh=mesh)") < code.index(HOOK), code
+    assert any("`model.logit_scale` (line 9)" in c.what for c in result.changes), result.changes

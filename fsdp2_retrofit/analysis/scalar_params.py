@@ -38,14 +38,14 @@ NUMBER_FUNCTIONS = {"builtins.float", "builtins.int", "builtins.abs", "builtins.
 class ScalarParameter:
     """`self.<attr>` of class `owner` (global name) is, or may be, a 0-dim parameter."""
 
-    owner: str
+    owner: Optional[str]  # None: set on a model by the script itself (`model.temperature = nn.Parameter(...)`)
     attr: str
     node: cst.CSTNode  # the nn.Parameter(...) call, in the class's own file
     certain: bool  # False: `torch.tensor(init)` of a value that may be a list
 
     def describe(self) -> str:
-        short = self.owner.rsplit(".", 1)[-1]
-        return f"`{short}.{self.attr}`" + ("" if self.certain else " (may be 0-dim)")
+        short = self.owner.rsplit(".", 1)[-1] if self.owner else None
+        return f"`{short or ''}{'.' if short else ''}{self.attr}`" + ("" if self.certain else " (may be 0-dim)")
 
 
 def scalar_parameters_of_init(init: cst.FunctionDef, resolver: Resolver, owner: str) -> List[ScalarParameter]:
@@ -153,4 +153,34 @@ def model_scalar_parameters(facts, model) -> List[ScalarParameter]:
     for name, info in sorted(classes.classes.items()):
         if info.name == name and name not in reached and info.is_module:
             found += info.scalar_params
+    models = {m.name for m in list(facts.models) + list(facts.copies) + list(facts.frozen_models)}
+    for target, param in script_scalar_parameters(facts.resolver):
+        root = target.split(".", 1)[0]
+        if root == model.name or root not in models:  # on this model, or on something that may hold it
+            found.append(param)
     return found
+
+
+def script_scalar_parameters(resolver: Resolver):
+    """(target, parameter) for each 0-dim parameter the script sets on an object outside
+    its classes: `model.temperature = nn.Parameter(torch.tensor(1.0))` on a library model,
+    `model.register_parameter("t", nn.Parameter(...))`."""
+    for node in resolver.nodes(cst.Assign):
+        if any(isinstance(a, cst.ClassDef) for a in resolver.ancestors(node)):
+            continue
+        for target in node.targets:
+            path = attr_path(target.target)
+            if path and len(path) >= 2 and path[0] != "self":
+                for param in _parameter(node.value, ".".join(path), resolver, None):
+                    yield param.attr, param
+    for node in resolver.nodes(cst.Call):
+        func = node.func
+        if not (isinstance(func, cst.Attribute) and func.attr.value == "register_parameter" and len(node.args) == 2):
+            continue
+        path = attr_path(func.value)
+        if not path or path[0] == "self" or any(isinstance(a, cst.ClassDef) for a in resolver.ancestors(node)):
+            continue
+        name = node.args[0].value
+        attr = name.evaluated_value if isinstance(name, cst.SimpleString) else "<name>"
+        for param in _parameter(node.args[1].value, ".".join(path) + "." + attr, resolver, None):
+            yield ".".join(path), param

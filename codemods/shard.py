@@ -12,6 +12,7 @@ from fsdp2_retrofit.analysis.optimizers import FLATTENING_OPTIMIZERS, whole_tens
 from fsdp2_retrofit.syntax.names import root_name
 from fsdp2_retrofit.syntax.torch_api import AUTOGRAD_GRAD, ZERO_REDUNDANCY_OPTIMIZER
 from fsdp2_retrofit.analysis.same_start import broadcast_reason
+from fsdp2_retrofit.analysis.scalar_params import model_scalar_parameters
 from fsdp2_retrofit.analysis.shared_modules import shared_module
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
@@ -34,11 +35,14 @@ class ShardModelCommand(RetrofitStage):
                 statements = list(policies[1])
             else:
                 statements = []
+            hide, restore = self._scalar_parameters(model, facts)
             statements = (
                 statements
                 + self._sync_batchnorm(model, facts)
                 + self._same_start(model, facts)
+                + hide
                 + self._shard_statements(model, facts, policies[0])
+                + restore
             )
             editor.insert_after(model.shard_anchor, statements + self._split_compile(model, facts, editor))
             self.add_import(self.options.fsdp_module, "fully_shard")
@@ -137,6 +141,78 @@ class ShardModelCommand(RetrofitStage):
             f"        dist.broadcast({on_device}, src=0)\n"
             f"        {tensor}.copy_({on_device})\n"
         )]
+
+    def _scalar_parameters(self, model: ModelSite, facts: ScriptFacts):
+        """(statements before the fully_shard calls, statements after them) for a model
+        that may hold 0-dim parameters (analysis/scalar_params.py): fully_shard cannot
+        split them, so they leave their modules while it runs, come back whole, on the
+        mesh's device, and a hook averages their gradients over the ranks in backward."""
+        found = model_scalar_parameters(facts, model)
+        if not found:
+            return [], []
+        where = ", ".join(f"{p.describe()} ({self._scalar_line(p, facts)})" for p in found)
+        if self.options.meta_init:
+            first = found[0]
+            self.refuse(
+                "FSR628",
+                self._class_line(first.node, model),
+                f"--meta-init with a 0-dim parameter: {where}",
+                "fully_shard cannot split a 0-dim parameter, so it stays a plain tensor outside fully_shard; "
+                "to_empty replaces such a tensor with a new, uninitialised one after the fully_shard calls, "
+                "and the hook that averages its gradient over the ranks would be left on the old one",
+                "drop --meta-init: the default rewrite builds the model as written and keeps the 0-dim "
+                "parameters whole on every rank",
+            )
+        self.add_import("torch.distributed", asname="dist")
+        scalars = self.fresh_name("scalar_params", model.scope)
+        module = self.fresh_name("module", model.scope)
+        name = self.fresh_name("name", model.scope)
+        param = self.fresh_name("param", model.scope)
+        if facts.mesh_name:
+            device = f"{facts.mesh_name}.device_type"
+        else:
+            self.add_import("torch")
+            device = '"cuda" if torch.cuda.is_available() else "cpu"'
+        self.change(
+            model.shard_anchor,
+            f"0-dim parameters of `{model.name}` ({where}) stay whole on every rank, outside fully_shard; "
+            "a hook averages their gradients over the ranks in backward",
+            "fully_shard splits each parameter along dim 0 and raises on a 0-dim one; they leave their "
+            "modules while it runs (found when the script runs: `p.dim() == 0`), then come back on the mesh's "
+            "device, and since FSDP reduces no gradient of a parameter it does not manage, each gets an "
+            "all-reduce averaging its gradient as FSDP averages the others (rank 0's starting values: see the "
+            "broadcast rule above)",
+            "fully_shard raises \"doesn't support scalar parameters\"; a parameter left out without its own "
+            "all-reduce trains differently on each rank",
+        )
+        hide = [self.stmt(
+            "# fully_shard splits each parameter along dim 0: the 0-dim ones leave their modules while it runs\n"
+            f"{scalars} = [\n"
+            f"    ({module}, {name}, {param})\n"
+            f"    for {module} in {model.name}.modules()\n"
+            f"    for {name}, {param} in {module}.named_parameters(recurse=False)\n"
+            f"    if {param}.dim() == 0\n"
+            "]\n"
+        ), self.stmt(
+            f"for {module}, {name}, {param} in {scalars}:\n"
+            f"    {module}.register_parameter({name}, None)\n"
+        )]
+        restore = [self.stmt(
+            f"for {module}, {name}, {param} in {scalars}:  # back, whole on every rank\n"
+            f"    {param}.data = {param}.data.to({device})  # fully_shard moves only what it shards\n"
+            f"    {module}.register_parameter({name}, {param})\n"
+            f"    if {param}.requires_grad:  # FSDP reduces no gradient of theirs: average it over the ranks\n"
+            f"        {param}.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad.div_(dist.get_world_size())))\n"
+        )]
+        return hide, restore
+
+    def _scalar_line(self, param, facts: ScriptFacts) -> str:
+        """Where a 0-dim parameter is created: `line 25` in the script, `models.py:25` in a sibling module."""
+        if param.owner is None:
+            return f"line {self.line(param.node)}"
+        info = facts.classes.get(param.owner)
+        line = info.namer.resolver.line(param.node)
+        return f"{facts.classes.shown_file(info.namespace)}:{line}" if info.namespace else f"line {line}"
 
     def _compiled_model(self, call: cst.Call, facts: ScriptFacts):
         """The model whose whole build statement is `name = torch.compile(<build>, ...)`."""

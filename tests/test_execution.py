@@ -192,10 +192,11 @@ def test_trains_check_fails_when_nothing_is_learned(tmp_path: Path):
 # A representative set: the README's shape, a shuffled two-epoch loader (DistributedSampler
 # of one rank against the reference order), accumulation with clipping, periodic DCP
 # checkpoints with a resume guard, the torch 2.4 import spelling, and an optional-DDP
-# script whose plain branch now starts a group of its one process.
+# script whose plain branch now starts a group of its one process, and 0-dim parameters kept out of
+# fully_shard (their gradient hooks all-reduce over a group of one).
 PLAIN_CASES = [
     "main_modulelist", "kwargs_shuffle", "accumulation_modulo", "resume_periodic", "torch_2_4_generate", "optional_ddp",
-    "helper_returns_model_optimizer",
+    "helper_returns_model_optimizer", "scalar_parameter",
 ]
 
 

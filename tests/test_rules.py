@@ -19,7 +19,7 @@ def _id(item):
 
 def test_catalogue_is_complete():
     codes = [r.CODE for r in RULES]
-    assert codes == [f"FSD1{n:02d}" for n in range(1, 26)]
+    assert codes == [f"FSD1{n:02d}" for n in range(1, 27)]
     for rule in RULES:
         doc = rule.__doc__ or ""
         for heading in ("## What it does", "## Why is this bad?", "## Example", "## Use instead", "## Fix safety"):

@@ -19,6 +19,8 @@ from fsdp2_retrofit.syntax.names import (
 )
 from fsdp2_retrofit.syntax.torch_api import is_optimizer_call
 
+from .scalar_params import ScalarParameter, scalar_parameters_of_init
+
 if TYPE_CHECKING:
     from .star_imports import StarNames
 
@@ -47,6 +49,8 @@ class ClassInfo:
     ties: List[Tuple[Path_, Path_]] = field(default_factory=list)
     plain_lists: List[Tuple[str, cst.CSTNode]] = field(default_factory=list)
     optimizer_in_init: Optional[cst.CSTNode] = None
+    # `self.logit_scale = nn.Parameter(torch.tensor(0.5))`: 0-dim parameters (analysis/scalar_params.py)
+    scalar_params: List[ScalarParameter] = field(default_factory=list)
     methods: Dict[str, cst.FunctionDef] = field(default_factory=dict)
     # resolves names in the class's own file (the script or a sibling module)
     namer: Optional["_Namer"] = field(default=None, repr=False, compare=False)
@@ -457,6 +461,7 @@ def _collect(module, resolver: Resolver, namespace: str, file, registry: ClassRe
         init = info.methods.get("__init__")
         if init is not None:
             _read_init(init, namer, info)
+            info.scalar_params = scalar_parameters_of_init(init, resolver, name)
         registry.classes[name] = info
 
 

@@ -298,6 +298,15 @@ _RULES = [
                 "and the optimizer, state dicts and gradient sync would follow the wrong one.",
                 "Return the new object from the nested function and bind it in the enclosing function before the "
                 "optimizer is built, or give it its own name."),
+    RefusalRule("FSR628", "shard-scalar-parameter-meta-init",
+                "--meta-init with a model whose classes create a 0-dim parameter (`nn.Parameter(torch.zeros(()))`, "
+                "a learned temperature or gate).",
+                "fully_shard splits each parameter along dim 0 and cannot take a 0-dim one, so the rewrite keeps it "
+                "out of fully_shard, whole on every rank, with a hook that averages its gradient; `to_empty` after "
+                "the fully_shard calls replaces such a plain tensor with a new, uninitialised one, which the "
+                "re-initialisation does not know and the hook is not on.",
+                "Drop --meta-init: the default rewrite builds the model as written and keeps the 0-dim parameters "
+                "whole on every rank."),
     RefusalRule("FSR629", "shard-optimizer-before-shard-in-branch",
                 "An optimizer is built from a model's parameters before the model is sharded, inside a branch "
                 "(an if/else, a try) the rewrite does not move.",

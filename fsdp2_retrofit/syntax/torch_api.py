@@ -217,3 +217,12 @@ BATCHNORM = frozenset(f"torch.nn.{c}" for c in _BN_CLASSES) | frozenset(
 )
 SYNC_BATCHNORM = frozenset({"torch.nn.SyncBatchNorm", "torch.nn.modules.batchnorm.SyncBatchNorm"})
 CONVERT_SYNC_BATCHNORM = frozenset(f"{c}.convert_sync_batchnorm" for c in SYNC_BATCHNORM)
+
+# -- 0-dim parameters (analysis/scalar_params.py) -------------------------------------
+
+# a tensor of the value given: 0-dim for a number
+TENSOR_OF_VALUE = frozenset({"torch.tensor", "torch.as_tensor", "torch.scalar_tensor"})
+# factories whose first argument (or `size=`) is the shape: `torch.ones([])` is 0-dim
+SHAPE_FACTORIES = frozenset({"torch.ones", "torch.zeros", "torch.empty", "torch.randn", "torch.rand", "torch.full"})
+# elementwise: the shape of their argument
+ELEMENTWISE = frozenset({"torch.log", "torch.exp", "torch.sqrt", "torch.abs", "torch.sigmoid", "torch.tanh", "torch.log1p"})

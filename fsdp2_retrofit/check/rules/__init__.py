@@ -159,6 +159,7 @@ def all_rules() -> List[Type[Rule]]:
         rank_gated_collective,
         rank_zero_name,
         sampler_misuse,
+        scalar_parameter,
         shard_container,
         shard_order,
         sum_reduced_loss,
@@ -193,6 +194,7 @@ def all_rules() -> List[Type[Rule]]:
         gradient_sync_off.GradientSyncOff,
         sampler_misuse.SamplerMisuse,
         broadcast_after_shard.BroadcastAfterShard,
+        scalar_parameter.ScalarParameter,
     ]
     return sorted(rules, key=lambda r: r.CODE)
 

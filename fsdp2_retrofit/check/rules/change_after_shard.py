@@ -37,6 +37,10 @@ class ChangeAfterShard(Rule):
       (`torch.load` is FSD112's); this one after the sharding of any of its blocks too.
     A part added or a cast between the blocks' `fully_shard` and the root's is not
     flagged: the root's `fully_shard` takes the parameters as they are then.
+    Nor is `m.register_parameter(name, p)` putting back a parameter the same function
+    took out of fully_shard's way before it (`m.register_parameter(name, None)`: a
+    0-dim one, which fully_shard cannot split) when `p` gets a gradient hook there
+    (`register_post_accumulate_grad_hook`, `register_hook`) that can sync it.
 
     ## Why is this bad?
     `fully_shard` turns the parameters it finds into DTensor shards and builds its
@@ -84,10 +88,15 @@ class ChangeAfterShard(Rule):
         Valid("import torch\nimport torch.nn as nn\nmodel = Net()\nmodel.head = nn.Linear(4, 2)\nmodel.half()\n"),
         Valid(_HEAD + "for block in model.blocks:\n    fully_shard(block)\nmodel.head = nn.Linear(4, 2)\n"
               "fully_shard(model)\n"),  # the root's fully_shard comes after: it shards the head
+        Valid(_HEAD + "scale = model.scale\nmodel.register_parameter('scale', None)\nfully_shard(model)\n"
+              "model.register_parameter('scale', scale)\nscale.register_post_accumulate_grad_hook(average)\n"),
+        # a 0-dim parameter put back after fully_shard (which cannot split it), with a gradient hook
     )
     INVALID = (
         Invalid(_HEAD + "fully_shard(model)\nmodel.head = nn.Linear(4, 2)\n", line=6),
         Invalid(_HEAD + "fully_shard(model)\nmodel.to(torch.bfloat16)\n", line=6),
+        Invalid(_HEAD + "scale = model.scale\nmodel.register_parameter('scale', None)\nfully_shard(model)\n"
+                "model.register_parameter('scale', scale)\n", line=8),  # put back, but no hook syncs its gradient
         Invalid(_HEAD + "fully_shard(model)\nmodel = model.half()\n", line=6),
         Invalid(_HEAD + "fully_shard(model)\nmodel.layers.append(Block())\nclass Block(nn.Module):\n    pass\n", line=6),
         Invalid(_HEAD + "fully_shard(model)\nmodel.load_state_dict({k: v for k, v in base.items()})\n", line=6),
@@ -118,6 +127,8 @@ class ChangeAfterShard(Rule):
                 continue
             method = func.attr.value
             if method in _REGISTER or (method in _GROW and any(_builds_module(ctx, a.value, classes) for a in call.args)):
+                if method == "register_parameter" and _put_back(ctx, call):
+                    continue
                 found = sharded_here(shards, func.value, call, root_sharded=True)
                 if found is not None:
                     yield call, self._new_part(ctx, found, f"`{_code(func)}(...)`"), None
@@ -171,6 +182,28 @@ class ChangeAfterShard(Rule):
             if len(values) == 1:
                 return self._plain(ctx, values[0], at, depth - 1)
         return None
+
+
+def _put_back(ctx, call: cst.Call) -> bool:
+    """`m.register_parameter(name, p)` puts back a parameter its function took out of
+    fully_shard's way (`m.register_parameter(name, None)` before: a 0-dim one, which
+    fully_shard cannot split) and gives it a gradient hook (`p.register_post_accumulate_grad_hook`
+    or `p.register_hook`) that can sync it over the ranks. Without the hook it is flagged."""
+    if len(call.args) != 2:
+        return False
+    receiver, name, value = _code(call.func.value), _code(call.args[0].value), _code(call.args[1].value)
+    scope = ctx.resolver.enclosing_function(call)
+    emptied = hooked = False
+    for other in ctx.nodes(cst.Call):
+        func = other.func
+        if not isinstance(func, cst.Attribute) or ctx.resolver.enclosing_function(other) is not scope:
+            continue
+        if (func.attr.value == "register_parameter" and len(other.args) == 2 and _code(func.value) == receiver
+                and _code(other.args[0].value) == name and _code(other.args[1].value) == "None"):
+            emptied = True
+        elif func.attr.value in ("register_post_accumulate_grad_hook", "register_hook") and _code(func.value) == value:
+            hooked = True
+    return emptied and hooked
 
 
 def _builds_module(ctx, value, classes) -> bool:

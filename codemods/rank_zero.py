@@ -1,14 +1,16 @@
-"""rank_zero: print and log on rank 0 only; never put a collective under that gate."""
+"""rank_zero: print, log, show progress and write plain files on rank 0 only; never put a
+collective under that gate. The values a log line reads of a loss, or of a float summed over
+the training loop, are first combined over the ranks, on every rank (`_averaged_losses`)."""
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import libcst as cst
 
 from fsdp2_retrofit.analysis import LogSite, ScriptFacts, code
 from fsdp2_retrofit.rewrite.edit import with_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
-from fsdp2_retrofit.syntax.names import calls_in
+from fsdp2_retrofit.syntax.names import calls_in, names_read, walk
 from fsdp2_retrofit.syntax.rank import every_rank_call, rank_zero_side
 from fsdp2_retrofit.syntax.torch_api import TORCH_SAVE
 
@@ -65,10 +67,12 @@ class GateRankZeroCommand(RetrofitStage):
                 self.add_import("torch.distributed", asname="dist")
             for site in run[1:]:
                 editor.replace(site.stmt, None)
+            files = any(site.file_write for site in run)
             self.change(
                 first,
-                f"print/log on rank 0 only (`if {test}:`)",
-                "every rank runs the script; unguarded output repeats world_size times",
+                f"print/log{' and file writes' if files else ''} on rank 0 only (`if {test}:`)",
+                "every rank runs the script; unguarded output repeats world_size times"
+                + (" (each rank appending its lines, or overwriting the file as another writes it)" if files else ""),
             )
         self._gate_progress_bars(facts, editor)
         self._flag_gated_collectives(facts)
@@ -105,39 +109,106 @@ class GateRankZeroCommand(RetrofitStage):
             )
 
     def _averaged_losses(self, run, facts: ScriptFacts):
-        """(statements that average each logged loss over the ranks, the run's statements
-        reading the averages). A loss is a `<name with "loss">.item()` the log line reads."""
+        """(statements that put each logged loss on the global batch, run on every rank before
+        the gate; the run's statements reading those values).
+
+        A loss is a tensor read of a `<name with "loss">`: `loss.item()`, `loss.data.numpy()`,
+        `loss.detach().cpu().numpy()`, `loss.cpu().item()` (`.numpy()`/`.tolist()` of a loss the
+        scope calls backward() on: a scalar); it is all-reduced and divided by the world size
+        (each rank's loss is the mean of its part of the batch). A float accumulated over the
+        loop and logged by name (`running_loss += loss.item()`, `total += y.size(0)`) is gathered
+        from every rank: summed, and divided by the world size where each term is a batch mean
+        (see `_accumulation`). A read of a loss that cannot be averaged is flagged."""
         stmts = [site.stmt for site in run]
         if not self.options.reduce_logs:
             return [], stmts
-        function = facts.resolver.enclosing_function(run[0].stmt)
-        reduced = _all_reduced_names(function or facts.module, facts)
-        names: List[str] = []
+        r = facts.resolver
+        function = r.enclosing_function(run[0].stmt)
+        scope = function or facts.module
+        reduced = _all_reduced_names(scope, facts)
+        tensors: List[str] = []
+        floats: List[tuple] = []
         for stmt in stmts:
-            for name in _item_reads(stmt):
-                if "loss" in name.lower() and name not in reduced and name not in names:
-                    names.append(name)
-        if not names:
+            for call in calls_in(stmt):
+                base = _tensor_read(call)
+                if base is None or "loss" not in base.lower() or base in reduced or base in tensors:
+                    continue
+                if call.func.attr.value != "item" and not _backward_on(base, scope, r):
+                    self.attention(
+                        stmt,
+                        f"`{code(call)}` is logged as rank 0's own value (of its part of the batch)",
+                        "it is not known to be a scalar loss (no backward() on it here), so it is not averaged "
+                        "over the ranks: average it (all_reduce, then divide by the world size) before the print",
+                    )
+                    continue
+                tensors.append(base)
+            read = names_read(stmt)
+            for name in dict.fromkeys(n.value for n in walk(stmt) if type(n) is cst.Name and n.value in read):
+                if name in reduced or name in tensors or any(name == f[0] for f in floats):
+                    continue
+                kind = _accumulation(name, function, facts)
+                if kind in ("mean", "sum"):
+                    floats.append((name, kind))
+                elif kind == "unknown-loss":
+                    self.attention(
+                        stmt,
+                        f"`{name}` (accumulated over the loop from a loss) is logged as rank 0's own figure",
+                        "each rank sums over its own part of the data; the sum of the terms is not recognised "
+                        "(`x += loss.item()` or `x += loss.item() * n`), so it is not combined over the ranks",
+                    )
+        if not tensors and not floats:
             return [], stmts
         mapping, reduce = {}, []
-        for name in names:
-            avg = self.fresh_name(f"{name.rsplit('.', 1)[-1]}_avg", function)
-            self.__dict__["_visible"][id(function)].add(avg)
+        for name in tensors:
+            kind = _accumulation(name, function, facts)
+            avg = self._take(f"{name.rsplit('.', 1)[-1]}_{'all' if kind == 'sum' else 'avg'}", function)
             mapping[name] = avg
             reduce += [
                 self.stmt(f"{avg} = {name}.detach().clone()\n"),
                 self.stmt(f"dist.all_reduce({avg})  # a sum: gloo has no ReduceOp.AVG\n"),
-                self.stmt(f"{avg} /= dist.get_world_size()\n"),
             ]
+            if kind != "sum":
+                reduce.append(self.stmt(f"{avg} /= dist.get_world_size()\n"))
+        if floats:  # one gather for them all: a collective per value is a wait per value
+            ranks = self._take(f"{floats[0][0]}_ranks" if len(floats) == 1 else "logged_ranks", function)
+            reduce += [
+                self.stmt(f"{ranks} = [None] * dist.get_world_size()\n"),
+                self.stmt(f"dist.all_gather_object({ranks}, {floats[0][0] if len(floats) == 1 else '(' + ', '.join(n for n, _ in floats) + ')'})"
+                          f"  # every rank's own {'sum' if len(floats) == 1 else 'sums'}\n"),
+            ]
+            for i, (name, kind) in enumerate(floats):
+                avg = self._take(f"{name}_{'avg' if kind == 'mean' else 'all'}", function)
+                mapping[name] = avg
+                each = ranks if len(floats) == 1 else f"r[{i}] for r in {ranks}"
+                reduce.append(self.stmt(f"{avg} = sum({each}) / dist.get_world_size()\n" if kind == "mean"
+                                        else f"{avg} = sum({each})\n"))
         self.add_import("torch.distributed", asname="dist")
-        self.change(
-            run[0].stmt,
-            f"the logged {', '.join(f'`{n}`' for n in names)} is the mean over ranks "
-            f"({', '.join(mapping.values())}, all-reduced on every rank before the rank-0 print)",
-            "each rank's loss is the mean of its own part of the batch; their mean is the loss of the whole "
-            "global batch, the number the single-GPU run printed (--no-reduce-logs prints rank 0's own)",
-        )
+        if tensors:
+            self.change(
+                run[0].stmt,
+                f"the logged {', '.join(f'`{n}`' for n in tensors)} is the mean over ranks "
+                f"({', '.join(mapping[n] for n in tensors)}, all-reduced on every rank before the rank-0 print)",
+                "each rank's loss is the mean of its own part of the batch; their mean is the loss of the whole "
+                "global batch, the number the single-GPU run printed (--no-reduce-logs prints rank 0's own)",
+            )
+        if floats:
+            self.change(
+                run[0].stmt,
+                "the logged " + ", ".join(
+                    f"`{n}` is {'the mean over ranks' if k == 'mean' else 'the sum over ranks'} of each rank's "
+                    f"sum (`{mapping[n]}`)" for n, k in floats) + ", gathered on every rank before the rank-0 print",
+                "each rank sums over its own part of the data; summed over the ranks (divided by the world size "
+                "where each term is a batch mean) it is the figure of the whole data, which len(loader.dataset) "
+                "and len(loader) already count (exact when world_size divides the dataset: otherwise "
+                "DistributedSampler repeats up to world_size - 1 samples, which are counted too; "
+                "--no-reduce-logs prints rank 0's own)",
+            )
         return reduce, [s.visit(_ReadAverages(mapping)) for s in stmts]
+
+    def _take(self, wanted: str, function) -> str:
+        name = self.fresh_name(wanted, function)
+        self.__dict__["_visible"][id(function)].add(name)
+        return name
 
     def _join_enclosing_if(self, run, test: str, facts: ScriptFacts, editor) -> bool:
         """When the run is the whole body of a plain `if cond:`, say `if cond and rank == 0:`
@@ -208,17 +279,64 @@ class GateRankZeroCommand(RetrofitStage):
 
 
 class _ReadAverages(cst.CSTTransformer):
-    """`loss.item()` -> `loss_avg.item()` for the names in the mapping."""
+    """`loss.item()` -> `loss_avg.item()` (and `loss.data.numpy()` -> `loss_avg.data.numpy()`)
+    for the tensors in the mapping; `running_loss` -> `running_loss_avg` for the floats."""
 
     def __init__(self, mapping):
         super().__init__()
         self.mapping = mapping
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
-        func = updated_node.func
-        if isinstance(func, cst.Attribute) and func.attr.value == "item" and _dotted(func.value) in self.mapping:
-            return updated_node.with_changes(func=func.with_changes(value=cst.Name(self.mapping[_dotted(func.value)])))
+        base = _tensor_read(original_node)
+        if base in self.mapping:
+            func = updated_node.func
+            return updated_node.with_changes(func=func.with_changes(value=_with_base(func.value, self.mapping[base])))
         return updated_node
+
+    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name):
+        return updated_node.with_changes(value=self.mapping.get(updated_node.value, updated_node.value))
+
+    def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute):
+        return updated_node.with_changes(attr=original_node.attr)  # `x.running_loss` is another value
+
+    def leave_Arg(self, original_node: cst.Arg, updated_node: cst.Arg):
+        return updated_node.with_changes(keyword=original_node.keyword)
+
+
+# calls and attributes between a loss and its read that keep its value
+_KEEPS = frozenset({"detach", "cpu", "clone", "float", "double"})
+_READS = frozenset({"item", "numpy", "tolist"})
+
+
+def _chain_base(node):
+    """`loss` of `loss.data`, `loss.detach().cpu()`, `loss.cpu()`."""
+    while True:
+        if type(node) is cst.Call and type(node.func) is cst.Attribute and node.func.attr.value in _KEEPS \
+                and not node.args:
+            node = node.func.value
+        elif type(node) is cst.Attribute and node.attr.value == "data":
+            node = node.value
+        else:
+            return node
+
+
+def _tensor_read(call) -> Optional[str]:
+    """The dotted tensor a read chain reads: `loss` of `loss.item()`, `loss.data.numpy()`,
+    `loss.detach().cpu().numpy()`, `loss.cpu().item()`; `trainer.loss` of `trainer.loss.item()`."""
+    if type(call) is not cst.Call or type(call.func) is not cst.Attribute or call.func.attr.value not in _READS \
+            or call.args:
+        return None
+    return _dotted(_chain_base(call.func.value)) or None
+
+
+def _with_base(node, name: str):
+    """`node` (a chain of _KEEPS calls and `.data` over a tensor) reading `name` instead."""
+    if type(node) is cst.Call and type(node.func) is cst.Attribute and node.func.attr.value in _KEEPS \
+            and not node.args:
+        return node.with_changes(func=node.func.with_changes(value=_with_base(node.func.value, name)))
+    if type(node) is cst.Attribute and node.attr.value == "data":
+        return node.with_changes(value=_with_base(node.value, name))
+    return cst.Name(name)
 
 
 def _dotted(node) -> str:
@@ -231,13 +349,82 @@ def _dotted(node) -> str:
     return ""
 
 
-def _item_reads(stmt) -> List[str]:
-    found: List[str] = []
-    for node in calls_in(stmt):
-        f = node.func
-        if isinstance(f, cst.Attribute) and f.attr.value == "item" and _dotted(f.value):
-            found.append(_dotted(f.value))  # `loss.item()`, `trainer.loss.item()` (a callback's)
-    return found
+def _backward_on(base: str, scope, r) -> bool:
+    """`<base>.backward()` runs in `scope`: the tensor is a scalar."""
+    return any(type(c.func) is cst.Attribute and c.func.attr.value == "backward" and _dotted(c.func.value) == base
+               for c in r.descendants(scope, cst.Call))
+
+
+def _loss_term(expr) -> Optional[str]:
+    """The loss a term reads whole: `loss.item()`, `float(loss)`, `loss` (a tensor), `loss.detach()`."""
+    if type(expr) is cst.Call and type(expr.func) is cst.Name and expr.func.value == "float" and len(expr.args) == 1:
+        expr = expr.args[0].value
+    base = _tensor_read(expr) if type(expr) is cst.Call and type(expr.func) is cst.Attribute \
+        and expr.func.attr.value == "item" else _dotted(_chain_base(expr))
+    return base if base and "loss" in base.lower() else None
+
+
+def _is_count(expr) -> bool:
+    """A number of samples or a per-sample sum: `y.size(0)`, `y.shape[0]`, `len(y)`, `y.numel()`,
+    `(pred == y).sum().item()`."""
+    if type(expr) is cst.Subscript and type(expr.value) is cst.Attribute and expr.value.attr.value == "shape":
+        return True
+    if type(expr) is not cst.Call:
+        return False
+    f = expr.func
+    if type(f) is cst.Name:
+        return f.value == "len"
+    if type(f) is not cst.Attribute:
+        return False
+    if f.attr.value in ("size", "numel"):
+        return True
+    if f.attr.value == "item":
+        inner = f.value
+        return type(inner) is cst.Call and type(inner.func) is cst.Attribute and inner.func.attr.value == "sum"
+    return False
+
+
+def _accumulation(name: str, function, facts: ScriptFacts) -> Optional[str]:
+    """How `name` is accumulated (`name += term`) in `function` (the module's top level for None):
+    "mean" (each term a batch's mean loss), "sum" (each a per-sample sum or count: a loss times a
+    number, `y.size(0)`, `(pred == y).sum().item()`), "steps" (a number literal: the same on every
+    rank), "unknown-loss" (terms that read a loss otherwise), "unknown", or None (not an
+    accumulator: never set to a number literal there, never added to, or added to outside the
+    training loops over a loader the DistributedSampler splits)."""
+    r = facts.resolver
+    kinds = set()
+    split = {l.name for l in facts.loaders if l.trains}  # the loaders DistributedSampler splits
+    loops = {id(l.node) for l in facts.loops if l.loader in split}
+    if not any(type(a.value) in (cst.Integer, cst.Float) and any(
+            type(t.target) is cst.Name and t.target.value == name for t in a.targets)
+            and r.enclosing_function(a) is function for a in r.nodes(cst.Assign)):
+        return None
+    for node in r.nodes(cst.AugAssign):
+        if type(node.target) is not cst.Name or node.target.value != name or r.enclosing_function(node) is not function:
+            continue
+        term = node.value
+        if not any(id(a) in loops for a in r.ancestors(node)):
+            return None  # summed over data every rank reads whole (an evaluation), or not over a loader at all
+        if type(node.operator) is not cst.AddAssign:
+            kinds.add("unknown")
+        elif type(term) in (cst.Integer, cst.Float):
+            kinds.add("steps")
+        elif _loss_term(term):
+            kinds.add("mean")
+        elif type(term) is cst.BinaryOperation and type(term.operator) is cst.Multiply and \
+                (_loss_term(term.left) or _loss_term(term.right)):
+            kinds.add("sum")
+        elif _is_count(term):
+            kinds.add("sum")
+        elif any(_tensor_read(c) and "loss" in _tensor_read(c).lower() for c in calls_in(term)):
+            kinds.add("unknown-loss")
+        else:
+            kinds.add("unknown")
+    if not kinds:
+        return None
+    if len(kinds) == 1:
+        return kinds.pop()
+    return "unknown-loss" if "unknown-loss" in kinds or "mean" in kinds or "sum" in kinds else "unknown"
 
 
 def _all_reduced_names(scope, facts: ScriptFacts) -> set:

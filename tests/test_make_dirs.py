@@ -1,5 +1,6 @@
 """make_dirs: the check-then-create folder idiom, which every rank runs, becomes one
-`os.makedirs(d, exist_ok=True)` (fixture makedirs_every_rank runs it on 2 ranks). Anything
+`os.makedirs(d, exist_ok=True)` (fixture makedirs_every_rank runs it on 2 ranks; mkdir_every_rank the
+`os.mkdir` form). Anything
 else in or around the `if` leaves it as written."""
 from __future__ import annotations
 
@@ -37,10 +38,13 @@ def _code(make: str) -> str:
     "if not os.path.exists(out):\n    os.makedirs(out)\n",
     "# the folder\nif not os.path.isdir(out): os.makedirs(out)\n",
     "if not os.path.exists(out):\n    os.makedirs(out, 0o755)\n",
-], ids=["exists", "isdir-one-line", "with-mode"])
+    "if not os.path.isdir(out):\n    os.mkdir(out)\n",
+    "if not os.path.exists(out):\n    os.mkdir(out, 0o755)\n",
+    "from os import mkdir\nif not os.path.isdir(out):\n    mkdir(out)\n",
+], ids=["exists", "isdir-one-line", "with-mode", "mkdir", "mkdir-with-mode", "mkdir-imported"])
 def test_the_check_then_create_idiom_becomes_one_makedirs(make):
     code = _code(make)
-    assert "os.path.exists" not in code and "os.path.isdir" not in code
+    assert "os.path.exists" not in code and "os.path.isdir" not in code and "mkdir(" not in code
     assert ("os.makedirs(out, 0o755, exist_ok=True)\n" if "0o755" in make else "os.makedirs(out, exist_ok=True)\n") in code
     if make.startswith("#"):
         assert "# the folder\nos.makedirs(" in code  # its comment stays
@@ -50,8 +54,8 @@ def test_the_check_then_create_idiom_becomes_one_makedirs(make):
     "if not os.path.exists(out):\n    os.makedirs(out)\nelse:\n    print('reusing', out)\n",
     "if not os.path.exists(out):\n    os.makedirs(out)\n    print('made', out)\n",
     "if not os.path.exists(out):\n    os.makedirs(os.path.join(out, 'x'))\n",
-    "if not os.path.exists(out):\n    os.mkdir(out)\n",
+    "if not os.path.exists(out):\n    os.mkdir(os.path.join(out, 'x'))\n",
     "if not os.path.exists(out):\n    os.makedirs(out, exist_ok=False)\n",
-], ids=["else", "more-in-the-body", "another-folder", "mkdir", "own-exist_ok"])
+], ids=["else", "more-in-the-body", "another-folder", "mkdir-another-folder", "own-exist_ok"])
 def test_anything_else_stays_as_written(make):
     assert make in _code(make)

@@ -83,6 +83,8 @@ class ConvertSavesCommand(RetrofitStage):
         async_ok = self.options.async_checkpoint and self._async_possible(sites, facts)
         for site in sites:
             self._convert(site, facts, editor, async_ok)
+        if self.options.async_checkpoint and not any(self.collective.values()):
+            self._nothing_async(sites, facts)
         self._move_out_of_rank_gates(sites, facts, editor)
         self._share_rank_zero_names(sites, facts, editor)
         if async_ok and self.future:
@@ -419,6 +421,18 @@ class ConvertSavesCommand(RetrofitStage):
         return bool(found)
 
     # -- async ------------------------------------------------------------------------
+
+    def _nothing_async(self, sites, facts: ScriptFacts) -> None:
+        """--async-checkpoint where no save becomes a DCP save: said, not silently ignored."""
+        if sites:  # --export full: every save stays one torch.save file
+            where, what = sites[0].call, "every checkpoint save stays one torch.save file (--export full)"
+        else:
+            where, what = facts.models[0].stmt, "the script saves no model or optimizer state"
+        self.attention(
+            where,
+            f"--async-checkpoint changes nothing: {what}",
+            "only a DCP save (dcp.save of sharded state) can become dcp.async_save",
+        )
 
     def _async_possible(self, sites, facts: ScriptFacts) -> bool:
         """Async saves keep their future in the function that builds the model."""

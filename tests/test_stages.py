@@ -896,6 +896,33 @@ main()
     )
 
 
+def test_async_checkpoint_with_nothing_to_make_async_says_so():
+    train = MODEL + '''
+def main():
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        model(torch.ones(4)).sum().backward()
+        opt.step()
+    SAVE
+
+main()
+'''
+    def notes(result):
+        return [a.what for a in result.attention if a.what.startswith("--async-checkpoint")]
+
+    unsaved = rewrite(train.replace("SAVE", "print(step)"), async_checkpoint=True)
+    assert notes(unsaved) == ["--async-checkpoint changes nothing: the script saves no model or optimizer state"]
+    full = rewrite(train.replace("SAVE", 'torch.save(model.state_dict(), "m.pt")'), async_checkpoint=True,
+                   export="full")
+    assert notes(full) == [
+        "--async-checkpoint changes nothing: every checkpoint save stays one torch.save file (--export full)"]
+    assert "async_save" not in full.code.decode()
+    dcp = rewrite(train.replace("SAVE", 'torch.save(model.state_dict(), "m.pt")'), async_checkpoint=True)
+    assert "dcp.async_save" in dcp.code.decode() and notes(dcp) == []
+    assert notes(rewrite(train.replace("SAVE", "print(step)"))) == []  # not asked: nothing said
+
+
 def test_a_rank_gated_call_of_a_saving_helper_runs_on_every_rank():
     code = out(MODEL + '''
 def save_checkpoint(model, opt, path):
@@ -1038,3 +1065,28 @@ for i in range(0, 64, 16):
     loop_line = MODEL.count("\n") + 6  # the `for` over slices of `data`
     assert [(a.code, a.line) for a in flagged] == [("data", loop_line)]
     assert all(not a.differs for a in result.attention if a not in flagged)
+
+
+def test_shard_option_naming_no_class_of_the_model_is_refused():
+    """--shard NoSuchClass would shard only the root: refused, naming the classes found."""
+    code = MODEL + "\nmodel = Net()\nopt = optim.SGD(model.parameters(), lr=0.1)\n"
+    result = rewrite(code, shard=("NoSuchClass",))
+    line = code.splitlines().index("model = Net()") + 1
+    assert [(r.code, r.line) for r in result.refusals] == [("FSR628", line)]
+    assert "--shard NoSuchClass" in result.refusals[0].what
+    assert "(its classes: Block, Linear, Net, Sequential)" in result.refusals[0].what
+    # a class the model is built of, bare or dotted, and torch's own leaves are accepted
+    for name in ("Block", "mymodels.Block", "Linear", "Net"):
+        assert not rewrite(MODEL + "\nmodel = Net()\nopt = optim.SGD(model.parameters(), lr=0.1)\n",
+                           shard=(name,)).refusals, name
+
+
+def test_shard_option_for_a_model_with_unread_classes_is_a_note():
+    """A submodule some function returns may hold the class: matched at run time, said so."""
+    code = MODEL.replace("self.head = nn.Linear(4, 2)", "self.head = make_head()") + '''
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+'''
+    result = rewrite(code, shard=("Head",))
+    assert not result.refusals
+    assert any("--shard Head: not a class the rewrite reads" in a.what for a in result.attention)

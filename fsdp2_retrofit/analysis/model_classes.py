@@ -17,7 +17,7 @@ import libcst as cst
 from fsdp2_retrofit.syntax.names import (
     CONTAINERS, SELF_RETURNING_METHODS, TORCH_MODULE_BASES, Resolver, attr_path, walk,
 )
-from fsdp2_retrofit.syntax.torch_api import is_optimizer_call
+from fsdp2_retrofit.syntax.torch_api import BARE_CONTAINERS, is_optimizer_call
 
 if TYPE_CHECKING:
     from .star_imports import StarNames
@@ -155,6 +155,54 @@ class ClassRegistry:
             return True
         inner = set(info.submodules.values()) | {c.block_class for c in info.containers if c.block_class}
         return any(self.mentions(sub, word, depth - 1) for sub in inner)
+
+    def built_of(self, name: Optional[str]) -> Tuple[Set[str], bool]:
+        """(the module classes an instance of class `name` is built of, itself included, by
+        their bare names; whether that list is complete). The classes are read from the
+        `__init__` of the class and its bases of the script or its sibling modules, and of
+        every class of theirs those build; a `torch.nn` class is a leaf. Not complete where
+        one of them is not read here (a library's), or a `self.<attr>` is bound to what
+        something other than a known class returns (`self.layers = make_layers(cfg)`)."""
+        found: Set[str] = set()
+        complete = True
+        todo, seen = [name], set()
+        while todo:
+            current = todo.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            info = self.get(current)
+            if current and current.startswith("torch.") and self.is_module_class(current):
+                found.add(current.rsplit(".", 1)[-1])  # `model = nn.Linear(...)`
+                continue
+            if info is None or not info.is_module:
+                return found | {current.rsplit(".", 1)[-1]} if current else found, False
+            found.add(current.rsplit(".", 1)[-1])
+            todo.extend(b for b in info.bases if b not in TORCH_MODULE_BASES and self.get(b) is not None)
+            complete = complete and all(
+                b in TORCH_MODULE_BASES or self.get(b) is not None for b in info.bases)
+            init = info.methods.get("__init__")
+            if init is None or info.namer is None:
+                continue
+            resolver, namer = info.namer.resolver, info.namer
+            for call in resolver.descendants(init, cst.Call):
+                callee = namer.of(call)
+                if callee and callee.startswith("torch."):
+                    if self.is_module_class(callee) and callee not in BARE_CONTAINERS:
+                        found.add(callee.rsplit(".", 1)[-1])
+                elif callee and self.get(callee) is not None:
+                    if self.is_module_class(callee):
+                        todo.append(callee)
+                elif callee and callee.rsplit(".", 1)[-1][:1].isupper():
+                    complete = False  # a class read nowhere here: a library's
+            for node in resolver.descendants(init, cst.Assign):
+                target = node.targets[0].target if len(node.targets) == 1 else None
+                path = attr_path(target) if target is not None else None
+                if path and path[0] == "self" and isinstance(node.value, cst.Call):
+                    callee = namer.of(node.value)
+                    if not (callee and (callee.startswith("torch.") or self.get(callee) is not None)):
+                        complete = False  # a module a function returns
+        return found, complete
 
     def ties(self, name: Optional[str]) -> List[Tuple[Path_, Path_]]:
         info = self.get(name)

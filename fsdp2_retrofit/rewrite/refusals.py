@@ -290,12 +290,6 @@ _RULES = [
                 "model then meets parameters that are already sharded (the rank-0 broadcast before it fails), and "
                 "FSDP2 lets a unit belong to one root only, so the shared module cannot be its own unit either.",
                 "Put both models under one parent module and shard that (one root), or keep the script single-GPU."),
-    RefusalRule("FSR628", "shard-option-class-not-found",
-                "--shard names a class that no module of the model is built of.",
-                "The generated loop shards the modules of the named classes; with none of them it shards only "
-                "the root, one unit holding every parameter: the option would do nothing, without a word.",
-                "Name one of the classes the message lists (the model's repeated block); a model built from a "
-                "library's classes is not checked (its classes are matched when the script runs)."),
     RefusalRule("FSR627", "shard-model-rebound-in-nested-function",
                 "A function nested in the one that builds the model declares the model's name `nonlocal` and "
                 "binds it to another object.",
@@ -304,6 +298,12 @@ _RULES = [
                 "and the optimizer, state dicts and gradient sync would follow the wrong one.",
                 "Return the new object from the nested function and bind it in the enclosing function before the "
                 "optimizer is built, or give it its own name."),
+    RefusalRule("FSR628", "shard-option-class-not-found",
+                "--shard names a class that no module of the model is built of.",
+                "The generated loop shards the modules of the named classes; with none of them it shards only "
+                "the root, one unit holding every parameter: the option would do nothing, without a word.",
+                "Name one of the classes the message lists (the model's repeated block); a model built from a "
+                "library's classes is not checked (its classes are matched when the script runs)."),
     # -- 7xx checkpoint and library saves ------------------------------------------------
     RefusalRule("FSR701", "checkpoint-unsplittable-rank-branch",
                 "A checkpoint save inside a rank-0 branch that cannot be split (an else branch, an `or`).",

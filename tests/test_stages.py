@@ -187,12 +187,16 @@ torch.save({"loss": [1.0, 0.5]}, "metrics.pt")
 '''
         after = MODEL.replace(
             "import torch\nfrom torch import nn, optim\n",
-            "import torch\nimport torch.distributed.checkpoint as dcp\nfrom torch import nn, optim\n"
+            "import os\n\nimport torch\nimport torch.distributed as dist\nimport torch.distributed.checkpoint as dcp\n"
+            "from torch import nn, optim\n"
             "from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict\n",
         ) + '''
 model = Net()
 opt = optim.SGD(model.parameters(), lr=0.1)
 state = {"model": get_model_state_dict(model), "opt": get_optimizer_state_dict(model, opt), "step": 3}
+if dist.get_rank() == 0 and os.path.isfile("ckpt.pt"):  # a single-GPU run's file: moved aside, DCP saves a directory
+    os.replace("ckpt.pt", "ckpt.pt.single-gpu")
+dist.barrier()  # the path is free on every rank
 dcp.save(state, checkpoint_id="ckpt.pt")
 torch.save({"loss": [1.0, 0.5]}, "metrics.pt")
 '''
@@ -723,6 +727,9 @@ main()
     assert (
         "    if rank == 0:\n"
         '        print("saving")\n'
+        "    if rank_1 == 0 and os.path.isfile(\"final.pt\"):  # a single-GPU run's file: moved aside, DCP saves a directory\n"
+        '        os.replace("final.pt", "final.pt.single-gpu")\n'
+        "    dist.barrier()  # the path is free on every rank\n"
         '    dcp.save(get_model_state_dict(model), checkpoint_id="final.pt")\n'
         "    if rank == 0:\n"
         '        with open("cfg.json", "w") as f:\n'
@@ -888,12 +895,41 @@ main()
     assert (
         "        if checkpoint_future is not None:\n"
         "            checkpoint_future.result()\n"
+        "        if rank == 0 and os.path.isfile(\"ckpt.pt\"):  # a single-GPU run's file: moved aside, DCP saves a directory\n"
+        '            os.replace("ckpt.pt", "ckpt.pt.single-gpu")\n'
+        "        dist.barrier()  # the path is free on every rank\n"
         '        checkpoint_future = dcp.async_save({"model": get_model_state_dict(model), "step": step}, '
         'checkpoint_id="ckpt.pt", process_group=checkpoint_group)\n'
     ) in code
     assert code.endswith(
         "    if checkpoint_future is not None:\n        checkpoint_future.result()\n    dist.destroy_process_group()\n\nmain()\n"
     )
+
+
+def test_a_dcp_save_first_moves_a_file_at_its_path_aside_on_rank_zero():
+    """A single-GPU run's file at a save's path: dcp.save would fail there (FileExistsError)
+    after the training up to it; rank 0 renames the file, every rank waits, then saves."""
+    result = rewrite(MODEL + '''
+def main(path):
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        model(torch.ones(4)).sum().backward()
+        opt.step()
+        torch.save({"model": model.state_dict(), "step": step}, path)
+
+main("ckpt.pt")
+''')
+    code = result.code.decode()
+    assert (
+        "        if rank == 0 and os.path.isfile(path):  # a single-GPU run's file: moved aside, DCP saves a directory\n"
+        '            os.replace(path, str(path) + ".single-gpu")\n'
+        "        dist.barrier()  # the path is free on every rank\n"
+        '        dcp.save({"model": get_model_state_dict(model), "step": step}, checkpoint_id=path)\n'
+    ) in code
+    assert "import os\n" in code
+    saves = [c for c in result.changes if c.code == "checkpoint" and "dcp.save" in c.what]
+    assert len(saves) == 1 and "is first renamed `str(path) + \".single-gpu\"` on rank 0" in saves[0].why
 
 
 def test_async_checkpoint_with_nothing_to_make_async_says_so():
@@ -978,7 +1014,13 @@ def main(args):
 
 main(None)
 ''')
-    assert '    if args.rank_loss:\n        dcp.save(get_model_state_dict(model), checkpoint_id="final.pt")\n' in code
+    assert (
+        "    if args.rank_loss:\n"
+        "        if rank == 0 and os.path.isfile(\"final.pt\"):  # a single-GPU run's file: moved aside, DCP saves a directory\n"
+        '            os.replace("final.pt", "final.pt.single-gpu")\n'
+        "        dist.barrier()  # the path is free on every rank\n"
+        '        dcp.save(get_model_state_dict(model), checkpoint_id="final.pt")\n'
+    ) in code
 
 
 def test_a_scheduler_built_after_the_resume_is_refused():
@@ -1037,6 +1079,9 @@ main()
     assert (
         "    with torch.no_grad():\n"
         "        val = model(torch.ones(4)).sum().item()\n"
+        "    if rank == 0 and os.path.isfile(\"final.pt\"):  # a single-GPU run's file: moved aside, DCP saves a directory\n"
+        '        os.replace("final.pt", "final.pt.single-gpu")\n'
+        "    dist.barrier()  # the path is free on every rank\n"
         '    dcp.save(get_model_state_dict(model), checkpoint_id="final.pt")\n'
         "    if master_process:\n"
         '        with open("val.json", "w") as f:\n'

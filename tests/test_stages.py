@@ -1126,6 +1126,32 @@ def test_shard_option_naming_no_class_of_the_model_is_refused():
                            shard=(name,)).refusals, name
 
 
+def test_shard_option_reads_the_methods_init_calls_on_self():
+    """ResNet's shape: the blocks are built in `self._make_layer(...)`; a class it builds is
+    accepted, one no module is of is refused."""
+    code = MODEL.replace(
+        "self.blocks = nn.Sequential(*[Block() for _ in range(3)])", "self.blocks = self._make_layer(3)"
+    ).replace("    def forward(self, x):\n        return self.head", """    def _make_layer(self, n):
+        return nn.Sequential(*[Block() for _ in range(n)])
+
+    def forward(self, x):
+        return self.head""") + "\nmodel = Net()\nopt = optim.SGD(model.parameters(), lr=0.1)\n"
+    assert "self._make_layer(3)" in code and "def _make_layer" in code
+    ok = rewrite(code, shard=("Block",))
+    assert not ok.refusals and not [a for a in ok.attention if "--shard" in a.what]
+    assert [r.code for r in rewrite(code, shard=("Nope",)).refusals] == ["FSR628"]
+
+
+def test_shard_option_with_a_class_made_through_partial_is_a_note():
+    code = ("from functools import partial\n" + MODEL).replace(
+        "self.blocks = nn.Sequential(*[Block() for _ in range(3)])",
+        "make = partial(Block)\n        self.blocks = nn.Sequential(*[make() for _ in range(3)])",
+    ) + "\nmodel = Net()\nopt = optim.SGD(model.parameters(), lr=0.1)\n"
+    result = rewrite(code, shard=("Nope",))
+    assert not result.refusals
+    assert any(a.what.startswith("--shard Nope: not a class the rewrite reads") for a in result.attention)
+
+
 def test_shard_option_for_a_model_with_unread_classes_is_a_note():
     """A submodule some function returns may hold the class: matched at run time, said so."""
     code = MODEL.replace("self.head = nn.Linear(4, 2)", "self.head = make_head()") + '''

@@ -17,7 +17,7 @@ import libcst as cst
 from fsdp2_retrofit.syntax.names import (
     CONTAINERS, SELF_RETURNING_METHODS, TORCH_MODULE_BASES, Resolver, attr_path, walk,
 )
-from fsdp2_retrofit.syntax.torch_api import BARE_CONTAINERS, is_optimizer_call
+from fsdp2_retrofit.syntax.torch_api import BARE_CONTAINERS, NN_PARAMETER, is_optimizer_call
 
 if TYPE_CHECKING:
     from .star_imports import StarNames
@@ -51,6 +51,17 @@ class ClassInfo:
     # resolves names in the class's own file (the script or a sibling module)
     namer: Optional["_Namer"] = field(default=None, repr=False, compare=False)
     namespace: str = ""  # "" for the script, "model" for a sibling model.py
+
+
+# Methods whose call builds no module of its own (what they are handed is read separately).
+_PLAIN_METHODS = frozenset({
+    "__init__", "append", "extend", "insert", "register_buffer", "register_parameter", "add_module", "apply",
+    "get", "items", "keys", "values", "format", "join", "split", "size", "view", "reshape", "to", "fill_",
+    "zero_", "normal_", "uniform_", "copy_", "requires_grad_", "unsqueeze", "expand", "repeat", "float",
+    "long", "bool", "pop", "update", "startswith", "endswith", "lower", "upper", "strip", "replace",
+    "parameters", "named_parameters", "buffers", "named_buffers", "modules", "named_modules", "children",
+    "named_children", "numel", "transpose", "sum", "mean", "clone", "detach", "t",
+})
 
 
 class ClassRegistry:
@@ -159,10 +170,11 @@ class ClassRegistry:
     def built_of(self, name: Optional[str]) -> Tuple[Set[str], bool]:
         """(the module classes an instance of class `name` is built of, itself included, by
         their bare names; whether that list is complete). The classes are read from the
-        `__init__` of the class and its bases of the script or its sibling modules, and of
-        every class of theirs those build; a `torch.nn` class is a leaf. Not complete where
-        one of them is not read here (a library's), or a `self.<attr>` is bound to what
-        something other than a known class returns (`self.layers = make_layers(cfg)`)."""
+        `__init__` of the class and its bases of the script or its sibling modules (and the
+        methods of theirs it calls on `self`), and of every class of theirs those build; a
+        `torch.nn` class is a leaf. Not complete where something else is called there that may
+        build a module: a class not read here (a library's), a function (`make_layers(cfg)`,
+        a `partial` bound to a name), anything the analysis cannot name."""
         found: Set[str] = set()
         complete = True
         todo, seen = [name], set()
@@ -171,37 +183,41 @@ class ClassRegistry:
             if current in seen:
                 continue
             seen.add(current)
-            info = self.get(current)
             if current and current.startswith("torch.") and self.is_module_class(current):
                 found.add(current.rsplit(".", 1)[-1])  # `model = nn.Linear(...)`
                 continue
-            if info is None or not info.is_module:
-                return found | {current.rsplit(".", 1)[-1]} if current else found, False
+            info = self.get(current)
+            if info is None or not info.is_module or info.namer is None:
+                return found | ({current.rsplit(".", 1)[-1]} if current else set()), False
             found.add(current.rsplit(".", 1)[-1])
-            todo.extend(b for b in info.bases if b not in TORCH_MODULE_BASES and self.get(b) is not None)
-            complete = complete and all(
-                b in TORCH_MODULE_BASES or self.get(b) is not None for b in info.bases)
-            init = info.methods.get("__init__")
-            if init is None or info.namer is None:
-                continue
-            resolver, namer = info.namer.resolver, info.namer
-            for call in resolver.descendants(init, cst.Call):
-                callee = namer.of(call)
-                if callee and callee.startswith("torch."):
-                    if self.is_module_class(callee) and callee not in BARE_CONTAINERS:
-                        found.add(callee.rsplit(".", 1)[-1])
-                elif callee and self.get(callee) is not None:
-                    if self.is_module_class(callee):
-                        todo.append(callee)
-                elif callee and callee.rsplit(".", 1)[-1][:1].isupper():
-                    complete = False  # a class read nowhere here: a library's
-            for node in resolver.descendants(init, cst.Assign):
-                target = node.targets[0].target if len(node.targets) == 1 else None
-                path = attr_path(target) if target is not None else None
-                if path and path[0] == "self" and isinstance(node.value, cst.Call):
-                    callee = namer.of(node.value)
-                    if not (callee and (callee.startswith("torch.") or self.get(callee) is not None)):
-                        complete = False  # a module a function returns
+            for base in info.bases:
+                if base not in TORCH_MODULE_BASES:
+                    todo.append(base)
+            bodies, read = [info.methods.get("__init__")], set()
+            while bodies:
+                body = bodies.pop()
+                if body is None or id(body) in read:
+                    continue
+                read.add(id(body))
+                for call in info.namer.resolver.descendants(body, cst.Call):
+                    callee = info.namer.of(call)
+                    func = call.func
+                    if callee and (callee.startswith("torch.") or callee.startswith("math.")):
+                        if self.is_module_class(callee) and callee not in BARE_CONTAINERS | NN_PARAMETER:
+                            found.add(callee.rsplit(".", 1)[-1])
+                    elif self.get(callee) is not None:
+                        if self.is_module_class(callee):
+                            todo.append(callee)
+                    elif callee and callee.startswith("builtins."):
+                        continue
+                    elif isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and (
+                        func.value.value == "self" and func.attr.value in info.methods
+                    ):
+                        bodies.append(info.methods[func.attr.value])  # ResNet's self._make_layer(...)
+                    elif isinstance(func, cst.Attribute) and func.attr.value in _PLAIN_METHODS:
+                        continue  # super().__init__(), layers.append(...), self.register_buffer(...)
+                    else:
+                        complete = False
         return found, complete
 
     def ties(self, name: Optional[str]) -> List[Tuple[Path_, Path_]]:

@@ -64,7 +64,7 @@ class ShardModelCommand(RetrofitStage):
         named = ", ".join(missing)
         if complete:
             self.refuse(
-                "FSR628",
+                "FSR630",
                 models[0].stmt,
                 f"--shard {named}: no module of {', '.join(f'`{m.name}`' for m in models)} is of that class "
                 f"(its classes: {', '.join(sorted(found))})",

@@ -179,7 +179,7 @@ def test_shard_naming_no_class_of_the_model_exits_2_and_leaves_the_file(tmp_path
     result = rewrite(path, "--shard", "NoSuchClass")
     assert result.exit_code == 2 and path.read_bytes() == before
     first = result.output.splitlines()[0]
-    assert first.startswith(f"{path}:") and "FSR628 --shard NoSuchClass" in first and "(its classes: " in first
+    assert first.startswith(f"{path}:") and "FSR630 --shard NoSuchClass" in first and "(its classes: " in first
 
 
 def test_checkpoint_options_reach_the_options(tmp_path, fake):

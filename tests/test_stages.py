@@ -1117,7 +1117,7 @@ def test_shard_option_naming_no_class_of_the_model_is_refused():
     code = MODEL + "\nmodel = Net()\nopt = optim.SGD(model.parameters(), lr=0.1)\n"
     result = rewrite(code, shard=("NoSuchClass",))
     line = code.splitlines().index("model = Net()") + 1
-    assert [(r.code, r.line) for r in result.refusals] == [("FSR628", line)]
+    assert [(r.code, r.line) for r in result.refusals] == [("FSR630", line)]
     assert "--shard NoSuchClass" in result.refusals[0].what
     assert "(its classes: Block, Linear, Net, Sequential)" in result.refusals[0].what
     # a class the model is built of, bare or dotted, and torch's own leaves are accepted
@@ -1139,7 +1139,7 @@ def test_shard_option_reads_the_methods_init_calls_on_self():
     assert "self._make_layer(3)" in code and "def _make_layer" in code
     ok = rewrite(code, shard=("Block",))
     assert not ok.refusals and not [a for a in ok.attention if "--shard" in a.what]
-    assert [r.code for r in rewrite(code, shard=("Nope",)).refusals] == ["FSR628"]
+    assert [r.code for r in rewrite(code, shard=("Nope",)).refusals] == ["FSR630"]
 
 
 def test_shard_option_with_a_class_made_through_partial_is_a_note():

@@ -298,7 +298,7 @@ _RULES = [
                 "and the optimizer, state dicts and gradient sync would follow the wrong one.",
                 "Return the new object from the nested function and bind it in the enclosing function before the "
                 "optimizer is built, or give it its own name."),
-    RefusalRule("FSR628", "shard-option-class-not-found",
+    RefusalRule("FSR630", "shard-option-class-not-found",
                 "--shard names a class that no module of the model is built of.",
                 "The generated loop shards the modules of the named classes; with none of them it shards only "
                 "the root, one unit holding every parameter: the option would do nothing, without a word.",

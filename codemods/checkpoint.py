@@ -18,7 +18,7 @@ from fsdp2_retrofit.analysis.checkpoints import (
 from fsdp2_retrofit.syntax.names import calls_in, names_in
 from fsdp2_retrofit.syntax.rank import every_rank_call
 from fsdp2_retrofit.syntax.torch_api import DESTROY_PROCESS_GROUP, STATE_DICT_MODULE
-from fsdp2_retrofit.rewrite.edit import with_keyword
+from fsdp2_retrofit.rewrite.edit import aside_path, with_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 FULL_OPTIONS = "StateDictOptions(full_state_dict=True, cpu_offload=True)"
@@ -83,6 +83,8 @@ class ConvertSavesCommand(RetrofitStage):
         async_ok = self.options.async_checkpoint and self._async_possible(sites, facts)
         for site in sites:
             self._convert(site, facts, editor, async_ok)
+        if self.options.async_checkpoint and not any(self.collective.values()):
+            self._nothing_async(sites, facts)
         self._move_out_of_rank_gates(sites, facts, editor)
         self._share_rank_zero_names(sites, facts, editor)
         if async_ok and self.future:
@@ -147,12 +149,33 @@ class ConvertSavesCommand(RetrofitStage):
             callee = self.expr("dcp.save")
             editor.replace_expression(call, lambda updated: _dcp_save(updated, callee))
             how = "dcp.save"
+        aside = self._keep_single_gpu_file(site, facts)
         self.change(
             call,
             f"torch.save -> {how} of {', '.join(kinds)}(...); `{code(site.path)}` is now a checkpoint directory",
-            DIRECTORY_NOTE,
-            "torch.save of sharded state writes one rank's DTensor shards, not a loadable model",
+            DIRECTORY_NOTE + f"; a file already at that path (a single-GPU run's) is first renamed `{aside}` on "
+            "rank 0, every rank waiting at a barrier",
+            "torch.save of sharded state writes one rank's DTensor shards, not a loadable model; dcp.save "
+            "where a file is fails (FileExistsError) after the training up to it",
         )
+
+    def _keep_single_gpu_file(self, site: SaveSite, facts: ScriptFacts) -> str:
+        """Before a DCP save: a file at its path (the single-GPU script's checkpoint, left by an
+        earlier run) is renamed PATH.single-gpu on rank 0, as the resume stage does once it has
+        read one, and every rank waits until the path is free. Returns the new name."""
+        path = code(site.path)
+        aside = aside_path(site.path, path)
+        test = self.rank_zero_test(site.stmt, facts) or "dist.get_rank() == 0"
+        if " or " in test:
+            test = f"({test})"
+        self.pre.setdefault(site.stmt, []).append(self.stmt(
+            f"if {test} and os.path.isfile({path}):  # a single-GPU run's file: moved aside, DCP saves a directory\n"
+            f"    os.replace({path}, {aside})\n"
+        ))
+        self.pre[site.stmt].append(self.stmt("dist.barrier()  # the path is free on every rank\n"))
+        self.add_import("os")
+        self.add_import("torch.distributed", asname="dist")
+        return aside
 
     def _full_export(self, site: SaveSite, calls, states, facts: ScriptFacts, editor: StatementEditor) -> None:
         """--export full: the full state dict is gathered on every rank (a collective),
@@ -419,6 +442,18 @@ class ConvertSavesCommand(RetrofitStage):
         return bool(found)
 
     # -- async ------------------------------------------------------------------------
+
+    def _nothing_async(self, sites, facts: ScriptFacts) -> None:
+        """--async-checkpoint where no save becomes a DCP save: said, not silently ignored."""
+        if sites:  # --export full: every save stays one torch.save file
+            where, what = sites[0].call, "every checkpoint save stays one torch.save file (--export full)"
+        else:
+            where, what = facts.models[0].stmt, "the script saves no model or optimizer state"
+        self.attention(
+            where,
+            f"--async-checkpoint changes nothing: {what}",
+            "only a DCP save (dcp.save of sharded state) can become dcp.async_save",
+        )
 
     def _async_possible(self, sites, facts: ScriptFacts) -> bool:
         """Async saves keep their future in the function that builds the model."""

@@ -30,7 +30,7 @@ from fsdp2_retrofit.analysis.checkpoints import (
     target_names,
     saves,
 )
-from fsdp2_retrofit.rewrite.edit import with_keyword
+from fsdp2_retrofit.rewrite.edit import aside_path, with_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 from .checkpoint import FUTURE, STATE_DICT_MODULE
@@ -414,7 +414,7 @@ class ConvertLoadsCommand(RetrofitStage):
             text += (
                 "    dist.barrier()  # every rank has read the file; this script saves a DCP directory there\n"
                 f"    if {test}:\n"
-                f"        os.replace({path}, {_aside(site.path, path)})\n"
+                f"        os.replace({path}, {aside_path(site.path, path)})\n"
                 "    dist.barrier()\n"
             )
             self.add_import("torch.distributed", asname="dist")
@@ -572,7 +572,7 @@ class ConvertLoadsCommand(RetrofitStage):
         moved = site.path_key in self.dcp_paths
         if moved:  # dcp.save makes a directory there: the file moves aside once every rank has read it
             test = self.rank_zero_test(site.stmt, facts) or "dist.get_rank() == 0"
-            aside = _aside(site.path, path)
+            aside = aside_path(site.path, path)
             text += (
                 "    dist.barrier()  # every rank has read the file; this script saves a DCP directory there\n"
                 f"    if {test}:\n"
@@ -639,7 +639,7 @@ class ConvertLoadsCommand(RetrofitStage):
         )
         if saved_here:  # every rank has its shards once the broadcast is done
             text += (f"    if {test}:  # this script saves a DCP directory there\n"
-                     f"        os.replace({path}, {_aside(site.path, path)})\n"
+                     f"        os.replace({path}, {aside_path(site.path, path)})\n"
                      "    dist.barrier()\n")
             self.add_import("torch.distributed", asname="dist")
         new = [*self._copy_barrier(site), *self._reshard(use, facts), self.stmt(text)]
@@ -888,13 +888,6 @@ def _setter(use: LoadUse, state: str) -> str:
     if use.kind == "model":
         return f"set_model_state_dict({use.owner}, {state}{options})\n"
     return f"set_optimizer_state_dict({use.model}, {use.owner}, {state}{options})\n"
-
-
-def _aside(node: cst.BaseExpression, path: str) -> str:
-    """Where a single-GPU file at `path` is moved: `path` + ".single-gpu"."""
-    if isinstance(node, cst.SimpleString) and node.prefix == "" and len(node.quote) == 1:
-        return path[:-1] + ".single-gpu" + path[-1]
-    return f'str({path}) + ".single-gpu"'
 
 
 def _setter_with(use: LoadUse, state: str, options: str) -> str:

@@ -27,6 +27,7 @@ class ShardModelCommand(RetrofitStage):
         for unsafe in unsafe_state_copies(facts):
             self.attention(unsafe.node, unsafe.what, unsafe.why)
         policies = None
+        self._check_shard_classes(facts)
         for model in self._to_shard(facts):
             if model.sharded:
                 continue
@@ -46,6 +47,41 @@ class ShardModelCommand(RetrofitStage):
             )
             editor.insert_after(model.shard_anchor, statements + self._split_compile(model, facts, editor))
             self.add_import(self.options.fsdp_module, "fully_shard")
+
+    def _check_shard_classes(self, facts: ScriptFacts) -> None:
+        """--shard CLASS names a class some model is built of. Where every class the models
+        are built of is read here, a name that is none of them is refused (the loop would
+        shard only the root); where a model is built from classes not read here (a library's),
+        the name is matched when the script runs, and a note says so."""
+        if not self.options.shard:
+            return
+        found, complete = set(), True
+        models = [m for m in self._to_shard(facts) if not m.sharded] if facts.models else []
+        for model in models:
+            for name in model.alternatives or [model.class_name]:
+                classes, whole = facts.classes.built_of(name)
+                found |= classes
+                complete = complete and whole and model.library is None
+        missing = [c for c in self.options.shard if c.rsplit(".", 1)[-1] not in found]
+        if not missing or not models:
+            return
+        named = ", ".join(missing)
+        if complete:
+            self.refuse(
+                "FSR630",
+                models[0].stmt,
+                f"--shard {named}: no module of {', '.join(f'`{m.name}`' for m in models)} is of that class "
+                f"(its classes: {', '.join(sorted(found))})",
+                "the generated loop matches module classes by name; with none of that class it would shard "
+                "only the root, one unit holding every parameter",
+                "name one of the classes the model is built of (its repeated block)",
+            )
+        self.attention(
+            models[0].stmt,
+            f"--shard {named}: not a class the rewrite reads in {', '.join(f'`{m.name}`' for m in models)} "
+            "(built from classes it does not read); it is matched by name when the script runs",
+            "where no module is of that class, only the root is sharded: one unit holding every parameter",
+        )
 
     def _to_shard(self, facts: ScriptFacts) -> list:
         """The trained models, their copies (EMA) and the frozen models sharded with them,

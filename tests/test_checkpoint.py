@@ -251,7 +251,8 @@ def test_the_single_gpu_scripts_own_checkpoint_resumes_the_fsdp2_run(tmp_path: P
     torch.save file: weights, Adam state keyed by parameter number, epoch); the rewrite,
     started with --resume on 2 ranks at the same path, loads that file and trains the
     second epoch like the single-GPU run of two epochs. It then saves a DCP directory at
-    the path, with the file moved aside."""
+    the path, with the file moved aside; the weights file the single-GPU run left at --out
+    is moved aside too by the final save (dcp.save where a file is: FileExistsError)."""
     single = tmp_path / "single"
     launch_single(SINGLE_FILE / "input.py", ["--out", str(single / "out.pt"), "--batch-size", "32", "--epochs", "1"],
                   single)
@@ -265,6 +266,7 @@ def test_the_single_gpu_scripts_own_checkpoint_resumes_the_fsdp2_run(tmp_path: P
     switched = tmp_path / "switched"
     (switched / "checkpoint").mkdir(parents=True)
     shutil.copy(saved, switched / "checkpoint" / "last.pth")
+    shutil.copy(single / "out.pt", switched / "out.pt")
     resumed = launch_distributed(SINGLE_FILE / "expected.py", ["--out", str(switched / "out.pt"), "--batch-size", "16",
                                                                "--epochs", "2", "--resume"], switched, nproc=2)
     assert "resumed after epoch 0" in resumed.stdout
@@ -275,6 +277,7 @@ def test_the_single_gpu_scripts_own_checkpoint_resumes_the_fsdp2_run(tmp_path: P
     assert _steps_agree(reference, resumed, 6) == []
     assert (switched / "checkpoint" / "last.pth" / ".metadata").is_file(), "the FSDP2 run saves a DCP directory"
     assert (switched / "checkpoint" / "last.pth.single-gpu").is_file(), "the single-GPU file is kept, moved aside"
+    assert (switched / "out.pt.single-gpu").read_bytes() == (single / "out.pt").read_bytes(), "its weights, kept"
 
 
 CONFIG_FIRST = FIXTURES / "resume_config_first"

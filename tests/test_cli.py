@@ -173,6 +173,15 @@ def test_shard_classes_reach_the_options(tmp_path, fake):
     assert fake == [RetrofitOptions(shard=("Block", "mylib.Layer"))]
 
 
+def test_shard_naming_no_class_of_the_model_exits_2_and_leaves_the_file(tmp_path):
+    path = example_script(tmp_path)
+    before = path.read_bytes()
+    result = rewrite(path, "--shard", "NoSuchClass")
+    assert result.exit_code == 2 and path.read_bytes() == before
+    first = result.output.splitlines()[0]
+    assert first.startswith(f"{path}:") and "FSR630 --shard NoSuchClass" in first and "(its classes: " in first
+
+
 def test_checkpoint_options_reach_the_options(tmp_path, fake):
     rewrite(script(tmp_path), "--export", "full", "--async-checkpoint", "--quiet")
     rewrite(script(tmp_path), "--quiet")
@@ -727,8 +736,13 @@ def test_launch_commands_are_printed_and_emit_slurm_writes_a_script(tmp_path):
     assert f"launch with: torchrun --nproc_per_node=<gpus> {script}" in result.stderr
     assert "--rdzv_backend=c10d --rdzv_endpoint=<head-node>:29500" in result.stderr
     text = (tmp_path / "job.sbatch").read_text()
-    assert text.startswith("#!/bin/bash\n") and "srun torchrun" in text and f"    {script} \"$@\"\n" in text
+    assert text.startswith("#!/bin/bash\n") and "}\" torchrun \\\n" in text and f"    {script} \"$@\"\n" in text
     assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0
+    # the GPU count is written once, in #SBATCH; torchrun reads what Slurm allocated; the node's
+    # one task gets CPUs for every process, and srun is handed them (it does not inherit them)
+    assert "#SBATCH --gpus-per-node=8\n" in text and text.count("8\n") == 1
+    assert '--nproc_per_node="$gpus_per_node"' in text and 'gpus_per_node="${SLURM_GPUS_ON_NODE:?' in text
+    assert "#SBATCH --cpus-per-task=64\n" in text and 'srun --cpus-per-task="${SLURM_CPUS_PER_TASK:?' in text
     both = CliRunner().invoke(cli.main, ["rewrite", str(script), str(script), "--emit-slurm", "x.sbatch"])
     assert both.exit_code == 2 and "--emit-slurm takes exactly one PATH" in both.output
 
@@ -745,13 +759,15 @@ def test_the_slurm_script_trains_under_a_stand_in_srun(tmp_path):
     job.write_text(slurm_script(str(out), nodes=1, gpus_per_node=2))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text('#!/bin/sh\nexec "$@"\n')
+    # srun's own options (up to the command) are dropped
+    (bin_dir / "srun").write_text('#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\nexec "$@"\n')
     (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
     (bin_dir / "torchrun").write_text(f'#!/bin/sh\nexec {sys.executable} -m torch.distributed.run "$@"\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     env = {**__import__("os").environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node1",
-           "SLURM_NNODES": "1", "SLURM_JOB_ID": "42", "OMP_NUM_THREADS": "1"}
+           "SLURM_NNODES": "1", "SLURM_JOB_ID": "42", "OMP_NUM_THREADS": "1", "SLURM_GPUS_ON_NODE": "2",
+           "SLURM_CPUS_PER_TASK": "2"}
     # through verify's runner: gloo's abort at interpreter exit, after the script finished, is retried
     from fsdp2_retrofit.verify import run_script
 

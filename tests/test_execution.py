@@ -12,7 +12,10 @@ norm, and the final parameters of the optimizers. Cases whose ``[run]`` says
 compare with) run only ``expected.py``, whose per-step loss must fall by
 ``min_drop`` (default 20 %) from the first step to the last. Cases whose ``[run]``
 says ``mode = "flagged"`` cannot match on CPU and are reported so (an attention item
-with ``differs``); their own test below runs both and bounds the difference. The e2e tests take
+with ``differs``); their own test below runs both and bounds the difference. A ``[run]``
+``left_by_single`` list names files of the reference run that are copied where the
+distributed run saves before it starts (a single-GPU run's checkpoints left at the paths);
+each must come out byte for byte at PATH.single-gpu. The e2e tests take
 a few seconds each; deselect them with ``-m "not e2e"``. ``pytest -s`` shows the
 measured differences.
 """
@@ -101,6 +104,18 @@ def _reference(case: Path, run: dict, directory: Path, timeout: float) -> Run:
     return launch_single(case / run.get("reference_script", "input.py"), args, directory, timeout=timeout)
 
 
+def _leave_single_files(names, single: Path, dist: Path) -> dict:
+    """Copy the reference run's files `names` into the distributed run's folder (what a
+    single-GPU run of the script left where the FSDP2 run saves); name -> their bytes."""
+    left = {}
+    for name in names:
+        data = (single / name).read_bytes()
+        (dist / name).parent.mkdir(parents=True, exist_ok=True)
+        (dist / name).write_bytes(data)
+        left[name] = data
+    return left
+
+
 def _expected(case: Path, directory: Path) -> Path:
     """The rewritten script to run: expected.py, or for a case that edits modules beside the
     script, the script in a copy of the project whose modules are the goldens of expected/."""
@@ -124,8 +139,13 @@ def test_retrofit_trains_like_the_original(case: Path, tmp_path: Path):
     # each run in its own folder: scripts that save periodically to relative paths
     # write plain files in one and DCP directories in the other
     single = _reference(case, run, tmp_path / "single", timeout)
+    left = _leave_single_files(run.get("left_by_single", []), tmp_path / "single", tmp_path / "dist")
     dist = launch_distributed(_expected(case, tmp_path), ["--out", str(tmp_path / "dist" / "out.pt"), *run["dist_args"]],
                               tmp_path / "dist", nproc=run.get("nproc", 2), timeout=timeout)
+    for name, data in left.items():
+        aside = tmp_path / "dist" / (name + ".single-gpu")
+        assert aside.is_file() and aside.read_bytes() == data, f"{case.name}: the single-GPU run's {name} was lost"
+        assert (tmp_path / "dist" / name / ".metadata").is_file(), f"{case.name}: no DCP directory at {name}"
     saved = compare_saved(tmp_path / "single" / "out.pt", tmp_path / "dist" / "out.pt", run["weights"], tolerance,
                           single_prefix=run.get("single_prefix", ""))
     verdict = compare_runs(single, dist, tolerance=tolerance, saved=saved)

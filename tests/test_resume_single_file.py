@@ -42,7 +42,9 @@ def test_the_kept_checkpoint_is_loaded_by_what_it_is():
     assert isdir < single < numbered < aside
     # the move is rank 0's, between two barriers every rank passes (no collective under the rank-0 `if`)
     assert '    dist.barrier()  # every rank has read the file' in code
-    assert code.count("dist.barrier()") == 2
+    assert code.count("dist.barrier()  # every rank has read the file") == 1
+    # and each of the two DCP saves waits at one more, after rank 0 moved a file at its path aside
+    assert code.count("dist.barrier()") == 4 and code.count("dist.barrier()  # the path is free on every rank") == 2
     assert 'set_model_state_dict(net, state["net"], options=state_options)' in code
     assert 'set_optimizer_state_dict(net, optimizer, state["optim"], options=state_options)' in code
     assert "StateDictOptions(full_state_dict=True)" in code

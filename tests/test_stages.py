@@ -187,12 +187,16 @@ torch.save({"loss": [1.0, 0.5]}, "metrics.pt")
 '''
         after = MODEL.replace(
             "import torch\nfrom torch import nn, optim\n",
-            "import torch\nimport torch.distributed.checkpoint as dcp\nfrom torch import nn, optim\n"
+            "import os\n\nimport torch\nimport torch.distributed as dist\nimport torch.distributed.checkpoint as dcp\n"
+            "from torch import nn, optim\n"
             "from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict\n",
         ) + '''
 model = Net()
 opt = optim.SGD(model.parameters(), lr=0.1)
 state = {"model": get_model_state_dict(model), "opt": get_optimizer_state_dict(model, opt), "step": 3}
+if dist.get_rank() == 0 and os.path.isfile("ckpt.pt"):  # a single-GPU run's file: moved aside, DCP saves a directory
+    os.replace("ckpt.pt", "ckpt.pt.single-gpu")
+dist.barrier()  # the path is free on every rank
 dcp.save(state, checkpoint_id="ckpt.pt")
 torch.save({"loss": [1.0, 0.5]}, "metrics.pt")
 '''
@@ -723,6 +727,9 @@ main()
     assert (
         "    if rank == 0:\n"
         '        print("saving")\n'
+        "    if rank_1 == 0 and os.path.isfile(\"final.pt\"):  # a single-GPU run's file: moved aside, DCP saves a directory\n"
+        '        os.replace("final.pt", "final.pt.single-gpu")\n'
+        "    dist.barrier()  # the path is free on every rank\n"
         '    dcp.save(get_model_state_dict(model), checkpoint_id="final.pt")\n'
         "    if rank == 0:\n"
         '        with open("cfg.json", "w") as f:\n'
@@ -888,12 +895,68 @@ main()
     assert (
         "        if checkpoint_future is not None:\n"
         "            checkpoint_future.result()\n"
+        "        if rank == 0 and os.path.isfile(\"ckpt.pt\"):  # a single-GPU run's file: moved aside, DCP saves a directory\n"
+        '            os.replace("ckpt.pt", "ckpt.pt.single-gpu")\n'
+        "        dist.barrier()  # the path is free on every rank\n"
         '        checkpoint_future = dcp.async_save({"model": get_model_state_dict(model), "step": step}, '
         'checkpoint_id="ckpt.pt", process_group=checkpoint_group)\n'
     ) in code
     assert code.endswith(
         "    if checkpoint_future is not None:\n        checkpoint_future.result()\n    dist.destroy_process_group()\n\nmain()\n"
     )
+
+
+def test_a_dcp_save_first_moves_a_file_at_its_path_aside_on_rank_zero():
+    """A single-GPU run's file at a save's path: dcp.save would fail there (FileExistsError)
+    after the training up to it; rank 0 renames the file, every rank waits, then saves."""
+    result = rewrite(MODEL + '''
+def main(path):
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        model(torch.ones(4)).sum().backward()
+        opt.step()
+        torch.save({"model": model.state_dict(), "step": step}, path)
+
+main("ckpt.pt")
+''')
+    code = result.code.decode()
+    assert (
+        "        if rank == 0 and os.path.isfile(path):  # a single-GPU run's file: moved aside, DCP saves a directory\n"
+        '            os.replace(path, str(path) + ".single-gpu")\n'
+        "        dist.barrier()  # the path is free on every rank\n"
+        '        dcp.save({"model": get_model_state_dict(model), "step": step}, checkpoint_id=path)\n'
+    ) in code
+    assert "import os\n" in code
+    saves = [c for c in result.changes if c.code == "checkpoint" and "dcp.save" in c.what]
+    assert len(saves) == 1 and "is first renamed `str(path) + \".single-gpu\"` on rank 0" in saves[0].why
+
+
+def test_async_checkpoint_with_nothing_to_make_async_says_so():
+    train = MODEL + '''
+def main():
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        model(torch.ones(4)).sum().backward()
+        opt.step()
+    SAVE
+
+main()
+'''
+    def notes(result):
+        return [a.what for a in result.attention if a.what.startswith("--async-checkpoint")]
+
+    unsaved = rewrite(train.replace("SAVE", "print(step)"), async_checkpoint=True)
+    assert notes(unsaved) == ["--async-checkpoint changes nothing: the script saves no model or optimizer state"]
+    full = rewrite(train.replace("SAVE", 'torch.save(model.state_dict(), "m.pt")'), async_checkpoint=True,
+                   export="full")
+    assert notes(full) == [
+        "--async-checkpoint changes nothing: every checkpoint save stays one torch.save file (--export full)"]
+    assert "async_save" not in full.code.decode()
+    dcp = rewrite(train.replace("SAVE", 'torch.save(model.state_dict(), "m.pt")'), async_checkpoint=True)
+    assert "dcp.async_save" in dcp.code.decode() and notes(dcp) == []
+    assert notes(rewrite(train.replace("SAVE", "print(step)"))) == []  # not asked: nothing said
 
 
 def test_a_rank_gated_call_of_a_saving_helper_runs_on_every_rank():
@@ -951,7 +1014,13 @@ def main(args):
 
 main(None)
 ''')
-    assert '    if args.rank_loss:\n        dcp.save(get_model_state_dict(model), checkpoint_id="final.pt")\n' in code
+    assert (
+        "    if args.rank_loss:\n"
+        "        if rank == 0 and os.path.isfile(\"final.pt\"):  # a single-GPU run's file: moved aside, DCP saves a directory\n"
+        '            os.replace("final.pt", "final.pt.single-gpu")\n'
+        "        dist.barrier()  # the path is free on every rank\n"
+        '        dcp.save(get_model_state_dict(model), checkpoint_id="final.pt")\n'
+    ) in code
 
 
 def test_a_scheduler_built_after_the_resume_is_refused():
@@ -1010,6 +1079,9 @@ main()
     assert (
         "    with torch.no_grad():\n"
         "        val = model(torch.ones(4)).sum().item()\n"
+        "    if rank == 0 and os.path.isfile(\"final.pt\"):  # a single-GPU run's file: moved aside, DCP saves a directory\n"
+        '        os.replace("final.pt", "final.pt.single-gpu")\n'
+        "    dist.barrier()  # the path is free on every rank\n"
         '    dcp.save(get_model_state_dict(model), checkpoint_id="final.pt")\n'
         "    if master_process:\n"
         '        with open("val.json", "w") as f:\n'
@@ -1038,3 +1110,54 @@ for i in range(0, 64, 16):
     loop_line = MODEL.count("\n") + 6  # the `for` over slices of `data`
     assert [(a.code, a.line) for a in flagged] == [("data", loop_line)]
     assert all(not a.differs for a in result.attention if a not in flagged)
+
+
+def test_shard_option_naming_no_class_of_the_model_is_refused():
+    """--shard NoSuchClass would shard only the root: refused, naming the classes found."""
+    code = MODEL + "\nmodel = Net()\nopt = optim.SGD(model.parameters(), lr=0.1)\n"
+    result = rewrite(code, shard=("NoSuchClass",))
+    line = code.splitlines().index("model = Net()") + 1
+    assert [(r.code, r.line) for r in result.refusals] == [("FSR630", line)]
+    assert "--shard NoSuchClass" in result.refusals[0].what
+    assert "(its classes: Block, Linear, Net, Sequential)" in result.refusals[0].what
+    # a class the model is built of, bare or dotted, and torch's own leaves are accepted
+    for name in ("Block", "mymodels.Block", "Linear", "Net"):
+        assert not rewrite(MODEL + "\nmodel = Net()\nopt = optim.SGD(model.parameters(), lr=0.1)\n",
+                           shard=(name,)).refusals, name
+
+
+def test_shard_option_reads_the_methods_init_calls_on_self():
+    """ResNet's shape: the blocks are built in `self._make_layer(...)`; a class it builds is
+    accepted, one no module is of is refused."""
+    code = MODEL.replace(
+        "self.blocks = nn.Sequential(*[Block() for _ in range(3)])", "self.blocks = self._make_layer(3)"
+    ).replace("    def forward(self, x):\n        return self.head", """    def _make_layer(self, n):
+        return nn.Sequential(*[Block() for _ in range(n)])
+
+    def forward(self, x):
+        return self.head""") + "\nmodel = Net()\nopt = optim.SGD(model.parameters(), lr=0.1)\n"
+    assert "self._make_layer(3)" in code and "def _make_layer" in code
+    ok = rewrite(code, shard=("Block",))
+    assert not ok.refusals and not [a for a in ok.attention if "--shard" in a.what]
+    assert [r.code for r in rewrite(code, shard=("Nope",)).refusals] == ["FSR630"]
+
+
+def test_shard_option_with_a_class_made_through_partial_is_a_note():
+    code = ("from functools import partial\n" + MODEL).replace(
+        "self.blocks = nn.Sequential(*[Block() for _ in range(3)])",
+        "make = partial(Block)\n        self.blocks = nn.Sequential(*[make() for _ in range(3)])",
+    ) + "\nmodel = Net()\nopt = optim.SGD(model.parameters(), lr=0.1)\n"
+    result = rewrite(code, shard=("Nope",))
+    assert not result.refusals
+    assert any(a.what.startswith("--shard Nope: not a class the rewrite reads") for a in result.attention)
+
+
+def test_shard_option_for_a_model_with_unread_classes_is_a_note():
+    """A submodule some function returns may hold the class: matched at run time, said so."""
+    code = MODEL.replace("self.head = nn.Linear(4, 2)", "self.head = make_head()") + '''
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+'''
+    result = rewrite(code, shard=("Head",))
+    assert not result.refusals
+    assert any("--shard Head: not a class the rewrite reads" in a.what for a in result.attention)

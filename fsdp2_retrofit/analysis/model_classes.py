@@ -17,7 +17,7 @@ import libcst as cst
 from fsdp2_retrofit.syntax.names import (
     CONTAINERS, SELF_RETURNING_METHODS, TORCH_MODULE_BASES, Resolver, attr_path, walk,
 )
-from fsdp2_retrofit.syntax.torch_api import is_optimizer_call
+from fsdp2_retrofit.syntax.torch_api import BARE_CONTAINERS, NN_PARAMETER, is_optimizer_call
 
 from .scalar_params import ScalarParameter, scalar_parameters_of_init
 
@@ -55,6 +55,17 @@ class ClassInfo:
     # resolves names in the class's own file (the script or a sibling module)
     namer: Optional["_Namer"] = field(default=None, repr=False, compare=False)
     namespace: str = ""  # "" for the script, "model" for a sibling model.py
+
+
+# Methods whose call builds no module of its own (what they are handed is read separately).
+_PLAIN_METHODS = frozenset({
+    "__init__", "append", "extend", "insert", "register_buffer", "register_parameter", "add_module", "apply",
+    "get", "items", "keys", "values", "format", "join", "split", "size", "view", "reshape", "to", "fill_",
+    "zero_", "normal_", "uniform_", "copy_", "requires_grad_", "unsqueeze", "expand", "repeat", "float",
+    "long", "bool", "pop", "update", "startswith", "endswith", "lower", "upper", "strip", "replace",
+    "parameters", "named_parameters", "buffers", "named_buffers", "modules", "named_modules", "children",
+    "named_children", "numel", "transpose", "sum", "mean", "clone", "detach", "t",
+})
 
 
 class ClassRegistry:
@@ -159,6 +170,59 @@ class ClassRegistry:
             return True
         inner = set(info.submodules.values()) | {c.block_class for c in info.containers if c.block_class}
         return any(self.mentions(sub, word, depth - 1) for sub in inner)
+
+    def built_of(self, name: Optional[str]) -> Tuple[Set[str], bool]:
+        """(the module classes an instance of class `name` is built of, itself included, by
+        their bare names; whether that list is complete). The classes are read from the
+        `__init__` of the class and its bases of the script or its sibling modules (and the
+        methods of theirs it calls on `self`), and of every class of theirs those build; a
+        `torch.nn` class is a leaf. Not complete where something else is called there that may
+        build a module: a class not read here (a library's), a function (`make_layers(cfg)`,
+        a `partial` bound to a name), anything the analysis cannot name."""
+        found: Set[str] = set()
+        complete = True
+        todo, seen = [name], set()
+        while todo:
+            current = todo.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            if current and current.startswith("torch.") and self.is_module_class(current):
+                found.add(current.rsplit(".", 1)[-1])  # `model = nn.Linear(...)`
+                continue
+            info = self.get(current)
+            if info is None or not info.is_module or info.namer is None:
+                return found | ({current.rsplit(".", 1)[-1]} if current else set()), False
+            found.add(current.rsplit(".", 1)[-1])
+            for base in info.bases:
+                if base not in TORCH_MODULE_BASES:
+                    todo.append(base)
+            bodies, read = [info.methods.get("__init__")], set()
+            while bodies:
+                body = bodies.pop()
+                if body is None or id(body) in read:
+                    continue
+                read.add(id(body))
+                for call in info.namer.resolver.descendants(body, cst.Call):
+                    callee = info.namer.of(call)
+                    func = call.func
+                    if callee and (callee.startswith("torch.") or callee.startswith("math.")):
+                        if self.is_module_class(callee) and callee not in BARE_CONTAINERS | NN_PARAMETER:
+                            found.add(callee.rsplit(".", 1)[-1])
+                    elif self.get(callee) is not None:
+                        if self.is_module_class(callee):
+                            todo.append(callee)
+                    elif callee and callee.startswith("builtins."):
+                        continue
+                    elif isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and (
+                        func.value.value == "self" and func.attr.value in info.methods
+                    ):
+                        bodies.append(info.methods[func.attr.value])  # ResNet's self._make_layer(...)
+                    elif isinstance(func, cst.Attribute) and func.attr.value in _PLAIN_METHODS:
+                        continue  # super().__init__(), layers.append(...), self.register_buffer(...)
+                    else:
+                        complete = False
+        return found, complete
 
     def ties(self, name: Optional[str]) -> List[Tuple[Path_, Path_]]:
         info = self.get(name)

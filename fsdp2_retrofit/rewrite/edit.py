@@ -22,6 +22,14 @@ def parser_config(tree: cst.Module):
     return config
 
 
+def aside_path(node: cst.BaseExpression, path: str) -> str:
+    """Where a single-GPU file at the checkpoint path `node` (written `path`) is moved, since
+    the FSDP2 script saves a DCP directory there: `path` + ".single-gpu"."""
+    if isinstance(node, cst.SimpleString) and node.prefix == "" and len(node.quote) == 1:
+        return path[:-1] + ".single-gpu" + path[-1]
+    return f'str({path}) + ".single-gpu"'
+
+
 def without_keyword(call: cst.Call, keyword: str) -> cst.Call:
     """`call` without its `keyword=` argument, the commas kept tidy."""
     args = [a for a in call.args if not (a.keyword is not None and a.keyword.value == keyword)]

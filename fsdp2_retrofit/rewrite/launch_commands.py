@@ -20,9 +20,13 @@ def multi_node(target: str) -> str:
     )
 
 
-def slurm_script(target: str, nodes: int = 1, gpus_per_node: int = 8, job_name: str = "") -> str:
+def slurm_script(target: str, nodes: int = 1, gpus_per_node: int = 8, job_name: str = "",
+                 cpus_per_gpu: int = 8) -> str:
     """An sbatch script: one task per node, each running torchrun over the node's GPUs,
-    the first node of the allocation as the rendezvous endpoint."""
+    the first node of the allocation as the rendezvous endpoint. The GPU count is written
+    once, in `#SBATCH --gpus-per-node`; torchrun reads it back from SLURM_GPUS_ON_NODE. The
+    node's one task gets the CPUs of all its processes (`--cpus-per-task`), handed to srun
+    too (srun does not inherit sbatch's --cpus-per-task since Slurm 22.05)."""
     name = job_name or target.rsplit("/", 1)[-1].rsplit(".", 1)[0] or "train"
     return f"""#!/bin/bash
 # Written by fsdp2-retrofit for {target}. Submit with: sbatch <this file> [script arguments]
@@ -30,16 +34,20 @@ def slurm_script(target: str, nodes: int = 1, gpus_per_node: int = 8, job_name: 
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node={gpus_per_node}
+# CPUs for each node's one task: torchrun and its process per GPU ({cpus_per_gpu} each)
+#SBATCH --cpus-per-task={cpus_per_gpu * gpus_per_node}
 #SBATCH --output=%x-%j.out
 set -euo pipefail
 
-# torchrun starts one process per GPU on each node; the nodes meet at the first node.
+# torchrun starts one process per GPU on each node (the --gpus-per-node above, as
+# Slurm allocated it); the nodes meet at the first node.
+gpus_per_node="${{SLURM_GPUS_ON_NODE:?no GPUs allocated: set #SBATCH --gpus-per-node}}"
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-1}}
 
-srun torchrun \\
+srun --cpus-per-task="${{SLURM_CPUS_PER_TASK:?set #SBATCH --cpus-per-task}}" torchrun \\
     --nnodes="$SLURM_NNODES" \\
-    --nproc_per_node={gpus_per_node} \\
+    --nproc_per_node="$gpus_per_node" \\
     --rdzv_id="$SLURM_JOB_ID" \\
     --rdzv_backend=c10d \\
     --rdzv_endpoint="$head_node:{RDZV_PORT}" \\

@@ -316,6 +316,12 @@ _RULES = [
                 "is sharded before).",
                 "Build (and place) the model before the if/else that builds its optimizer, or build the optimizer "
                 "after the model is placed."),
+    RefusalRule("FSR630", "shard-option-class-not-found",
+                "--shard names a class that no module of the model is built of.",
+                "The generated loop shards the modules of the named classes; with none of them it shards only "
+                "the root, one unit holding every parameter: the option would do nothing, without a word.",
+                "Name one of the classes the message lists (the model's repeated block); a model built from a "
+                "library's classes is not checked (its classes are matched when the script runs)."),
     # -- 7xx checkpoint and library saves ------------------------------------------------
     RefusalRule("FSR701", "checkpoint-unsplittable-rank-branch",
                 "A checkpoint save inside a rank-0 branch that cannot be split (an else branch, an `or`).",

@@ -177,3 +177,16 @@ def test_a_conditional_group_of_another_shape_is_refused():
 def test_a_model_built_before_the_group_is_refused():
     result = rewrite("    model = Net()\n" + ENV)
     assert result.refusals and "built before the script starts its process group" in result.refusals[0].what
+
+
+def test_a_rank_name_bound_in_one_branch_of_an_optional_launch_is_not_used():
+    """fixtures/rewrite/optional_ddp binds `ddp_rank` only under `if ddp:`; the plain `python` mode
+    never binds it, so a generated rank-0 test reads `dist.get_rank()` (was: `ddp_rank == 0` before
+    the final DCP save, an UnboundLocalError when run as plain python)."""
+    from pathlib import Path
+
+    case = Path(__file__).resolve().parents[1] / "fixtures" / "rewrite" / "optional_ddp"
+    out = rewrite_source((case / "input.py").read_bytes(), str(case / "input.py")).code.decode()
+    generated = out.replace((case / "input.py").read_text(), "")
+    assert "if dist.get_rank() == 0 and os.path.isfile(args.out):" in out
+    assert "ddp_rank == 0 and" not in generated

@@ -8,7 +8,7 @@ import libcst as cst
 
 from .returns import names_out, returns_any
 from .site_analysis import SiteAnalysis
-from fsdp2_retrofit.syntax.names import Resolver
+from fsdp2_retrofit.syntax.names import Resolver, is_main_guard
 from fsdp2_retrofit.syntax.rank import is_rank_value
 from fsdp2_retrofit.syntax.torch_api import DATA_PARALLEL, DDP, FSDP1_CLASSES, INIT_DEVICE_MESH, INIT_PROCESS_GROUP
 
@@ -70,10 +70,19 @@ class LaunchAnalysis(SiteAnalysis):
                 pairs = [(t.value, v.value) for t, v in pairs]
             else:
                 pairs = [(target, value)]
+            if not self._on_every_path(stmt):
+                continue  # `if ddp: ddp_rank = int(os.environ["RANK"])`: unbound in the other mode
             for t, v in pairs:
                 if isinstance(t, cst.Name) and is_rank_value(v, self.r):
                     rank = rank or t.value
         return mesh, rank
+
+    def _on_every_path(self, stmt) -> bool:
+        """`stmt` sits directly in a function's body, the module's or the main guard's (not in a
+        branch or a loop): what it binds is bound wherever the code after it runs."""
+        block = self.r.block_of(stmt)
+        owner = self.r.parent(block) if block is not None and not isinstance(block, cst.Module) else None
+        return isinstance(block, cst.Module) or isinstance(owner, cst.FunctionDef) or is_main_guard(owner)
 
     def _distributed_init(self, calls) -> Optional[cst.Call]:
         """The script's own `init_process_group(...)` call, if any."""

@@ -335,9 +335,13 @@ def test_the_generated_text_is_the_original_one(tmp_path: Path):
     def samples(text: str) -> list:
         return re.findall(r"^t[a-z ]{20}$", text, flags=re.M)  # the context "t" and 20 new characters
 
-    expected, got = samples(single.stdout), samples(dist.stdout)
-    print(f"\nsingle {expected}\ndistributed {got}")
-    assert len(expected) == 1 and got == expected * run["nproc"]
+    expected = samples(single.stdout)
+    assert len(expected) == 1, single.stdout
+    # the ranks print into one log: a rank's text and its newline are two writes, which the other
+    # rank's line can come between ("<text><text>\n\n"); count the text, not the lines
+    got = dist.stdout.count(expected[0])
+    print(f"\nsingle {expected}\ndistributed {got} times in {dist.stdout[-200:]!r}")
+    assert got == run["nproc"]
 
 
 # --- the engine's reference sampler and failures (these start a torch process) ---

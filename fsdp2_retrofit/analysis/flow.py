@@ -32,7 +32,7 @@ from typing import Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import SELF_RETURNING_METHODS, Resolver, bind_args
+from fsdp2_retrofit.syntax.names import SELF_RETURNING_METHODS, Resolver, bind_args, module_itself
 
 Origin = object  # a CSTNode, or (node, position) for the element of a value not seen into
 _MAX_DEPTH = 40
@@ -296,19 +296,19 @@ class ValueFlow:
                 for t in node.targets:
                     target = t.target
                     if type(target) is cst.Attribute and type(target.value) is cst.Name and target.value.value == "self":
-                        if _same_attribute(node.value, target.attr.value):
+                        if keeps_attribute(node.value, "self", target.attr.value):
                             continue  # `self.model = self.model.to(device)`: what the other stores hold
                         stores.setdefault((id(owner), target.attr.value), []).append(node.value)
             self._attr_stores = stores
         return self._attr_stores.get((id(cls), attr), [])
 
 
-def _same_attribute(value, attr: str) -> bool:
-    """`value` is `self.<attr>`, or it through methods that return the object itself (`.to(d)`)."""
-    while type(value) is cst.Call and type(value.func) is cst.Attribute and value.func.attr.value in SELF_RETURNING_METHODS:
-        value = value.func.value
+def keeps_attribute(value, owner: str, attr: str) -> bool:
+    """`value` is `<owner>.<attr>`, or it through methods that return the object itself:
+    `self.model = self.model.to(device)` keeps what the attribute holds."""
+    value = module_itself(value)
     return (type(value) is cst.Attribute and value.attr.value == attr and type(value.value) is cst.Name
-            and value.value.value == "self")
+            and value.value.value == owner)
 
 
 def _names_at(target, path: tuple) -> Iterator[Tuple[str, tuple]]:

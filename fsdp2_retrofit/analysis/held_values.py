@@ -13,7 +13,8 @@ from typing import Dict, List, Optional, Tuple
 import libcst as cst
 
 from .closures import free_reads, local_bindings
-from fsdp2_retrofit.syntax.names import SELF_RETURNING_METHODS, bind_args, code
+from .flow import keeps_attribute
+from fsdp2_retrofit.syntax.names import bind_args, code, module_itself
 
 # (function, name) -> (the node where the value was lost, why)
 Lost = Dict[Tuple[Optional[cst.FunctionDef], str], Tuple[cst.CSTNode, str]]
@@ -133,7 +134,7 @@ def holders(resolver, module: cst.Module, is_module_class, foreign=None) -> List
             small = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 else None
             if not (isinstance(small, cst.Assign) and len(small.targets) == 1):
                 continue
-            target, value = small.targets[0].target, _held_object(small.value)
+            target, value = small.targets[0].target, module_itself(small.value)
             if not (isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name)
                     and target.value.value == me and isinstance(value, cst.Name) and value.value in params):
                 continue
@@ -161,19 +162,9 @@ def _keeps(resolver, target: cst.CSTNode, attr: str) -> bool:
     assign = resolver.parent(target) if type(target) is cst.AssignTarget else None
     if type(assign) is not cst.Assign or len(assign.targets) != 1:
         return False
-    value = _held_object(assign.value)
-    return (type(value) is cst.Attribute and value.attr.value == attr and type(value.value) is cst.Name
-            and type(target.target) is cst.Attribute and type(target.target.value) is cst.Name
-            and value.value.value == target.target.value.value)
-
-
-def _held_object(value: cst.BaseExpression) -> cst.BaseExpression:
-    """`model` for `model.to(device)`, `model.cuda().train()`: the object these methods return
-    (a module's `.to()` moves it in place and returns it), else the value itself."""
-    while (type(value) is cst.Call and type(value.func) is cst.Attribute
-           and value.func.attr.value in SELF_RETURNING_METHODS):
-        value = value.func.value
-    return value
+    own = target.target
+    return (type(own) is cst.Attribute and type(own.value) is cst.Name
+            and keeps_attribute(assign.value, own.value.value, attr))
 
 
 def held_models(resolver, found: List[Holder], names) -> bool:

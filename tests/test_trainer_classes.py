@@ -32,6 +32,9 @@ TRAINER = dedent("""\
                 optimizer.step()
     """)
 BACKWARD_LINE = TRAINER.splitlines().index("            loss.backward()") + 1
+# the trainer's inline `for x, y in DataLoader(...)` bound to a name first (what FSR902 asks for)
+NAMED_LOADER = ("        for x, y in DataLoader(self.dataset, batch_size=32, shuffle=True):\n",
+                "        loader = DataLoader(self.dataset, batch_size=32, shuffle=True)\n        for x, y in loader:\n")
 
 NET = dedent("""\
     import torch
@@ -373,9 +376,7 @@ def test_an_optimizer_a_sibling_trainer_builds_from_the_model_it_is_handed_is_fo
     result = _rewrite(tmp_path, text)
     line = BACKWARD_LINE - 3  # `for x, y in DataLoader(...)`
     assert [(r.code, Path(r.path).name, r.line) for r in result.refusals] == [("FSR902", "trainer.py", line)]
-    trainer = (tmp_path / "trainer.py").read_text().replace(
-        "        for x, y in DataLoader(self.dataset, batch_size=32, shuffle=True):\n",
-        "        loader = DataLoader(self.dataset, batch_size=32, shuffle=True)\n        for x, y in loader:\n")
+    trainer = (tmp_path / "trainer.py").read_text().replace(*NAMED_LOADER)
     (tmp_path / "trainer.py").write_text(trainer)
     result = _rewrite(tmp_path, text)
     assert not result.refusals, result.refusals
@@ -411,9 +412,7 @@ def test_a_model_handed_to_a_trainer_that_builds_its_optimizer_is_sharded_before
                               "        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)\n")
     trainer = trainer.replace("            optimizer = self.optimizer or torch.optim.AdamW(model.parameters(), lr=1e-3)\n",
                               "            optimizer = self.optimizer\n")
-    trainer = trainer.replace("        for x, y in DataLoader(self.dataset, batch_size=32, shuffle=True):\n",
-                              "        loader = DataLoader(self.dataset, batch_size=32, shuffle=True)\n"
-                              "        for x, y in loader:\n")
+    trainer = trainer.replace(*NAMED_LOADER)
     (tmp_path / "trainer.py").write_text(trainer)
     text = _script(sibling=True, optimizer=False).replace(
         "    Trainer(model, dataset).run()\n",
@@ -532,9 +531,7 @@ def _package_project(tmp_path: Path) -> Path:
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "trainer.py").write_text(TRAINER.replace(
-        "self.optimizer or torch.optim.AdamW(", "torch.optim.AdamW(").replace(
-        "        for x, y in DataLoader(self.dataset, batch_size=32, shuffle=True):\n",
-        "        loader = DataLoader(self.dataset, batch_size=32, shuffle=True)\n        for x, y in loader:\n"))
+        "self.optimizer or torch.optim.AdamW(", "torch.optim.AdamW(").replace(*NAMED_LOADER))
     folder = tmp_path / "projects" / "demo"
     folder.mkdir(parents=True)
     script = folder / "train.py"
@@ -564,14 +561,8 @@ def test_an_attribute_of_the_same_name_on_another_object_does_not_hide_the_train
     `self.model`, so the model the trainer is handed is still followed into run(), where its
     `model.zero_grad()` between forward and backward clears through the optimizer (with the
     config's attribute counted as a reassignment, it was left as written: gradients adding up)."""
-    (tmp_path / "trainer.py").write_text(TRAINER.replace(
-        "self.optimizer or torch.optim.AdamW(model.parameters(), lr=1e-3)", "model.configure_optimizers(1e-3)").replace(
-        "        for x, y in DataLoader(self.dataset, batch_size=32, shuffle=True):\n",
-        "        loader = DataLoader(self.dataset, batch_size=32, shuffle=True)\n        for x, y in loader:\n"))
-    text = _configure_optimizers_project(tmp_path, model_in_sibling=False)
-    (tmp_path / "trainer.py").write_text((tmp_path / "trainer.py").read_text().replace(
-        "        for x, y in DataLoader(self.dataset, batch_size=32, shuffle=True):\n",
-        "        loader = DataLoader(self.dataset, batch_size=32, shuffle=True)\n        for x, y in loader:\n").replace(
+    text = _configure_optimizers_project(tmp_path, model_in_sibling=False)  # writes trainer.py
+    (tmp_path / "trainer.py").write_text((tmp_path / "trainer.py").read_text().replace(*NAMED_LOADER).replace(
         "            optimizer.zero_grad()\n", "            model.zero_grad()\n"))
     text = text.replace("import torch.nn as nn\n", "import types\n\nimport torch.nn as nn\n", 1).replace(
         "def main():\n", "def get_config():\n    C = types.SimpleNamespace()\n    C.model = \"small\"\n    return C\n\n\n"
@@ -610,9 +601,7 @@ def test_a_callback_defined_under_the_main_guard_saves_the_global_model_with_dcp
     goes to rank 0 (was: both left as written)."""
     trainer = TRAINER.replace(
         "self.optimizer or torch.optim.AdamW(model.parameters(), lr=1e-3)", "torch.optim.AdamW(model.parameters(), lr=1e-3)")
-    trainer = trainer.replace(
-        "        for x, y in DataLoader(self.dataset, batch_size=32, shuffle=True):\n",
-        "        loader = DataLoader(self.dataset, batch_size=32, shuffle=True)\n        for x, y in loader:\n")
+    trainer = trainer.replace(*NAMED_LOADER)
     (tmp_path / "trainer.py").write_text(trainer.replace("                optimizer.step()\n",
                                                          "                optimizer.step()\n                self.callback(self)\n"))
     result = _rewrite(tmp_path, MAIN_GUARD_CALLBACK)

@@ -52,3 +52,29 @@ def test_summary_line_counts_flagged(run):
     rows = [{"verdict": v} for v in ("parity", "flagged", "flagged", "silently-wrong")]
     assert run.summary_line(rows) == ("4 scripts: 1 parity, 0 trains, 2 flagged, 0 refused, 0 crash, "
                                       "1 silently-wrong")
+
+
+def test_a_failure_after_training_is_a_crash_and_another_global_batch_is_named(run):
+    after = {"exit_code": 1, "equivalent": False, "summary": "the retrofit failed after training: ...",
+             "rank_weights": {"ok": True}, "epilogue": "it failed after the 5 recorded steps (exit code 1): rank 1: X"}
+    verdict, detail, error = run.judge(script(run), REWRITTEN, after)
+    assert verdict == "crash" and detail.startswith("after training (verify --to-end): it failed after")
+    batch = {"exit_code": 2, "equivalent": False, "summary": "not comparable", "rank_weights": {"ok": True},
+             "global_batch": "step 1: the single run read 8 samples, the 2 ranks together 16 (8 + 8)"}
+    verdict, detail, _ = run.judge(script(run), REWRITTEN, batch)
+    assert verdict == "silently-wrong" and detail.startswith("global batch not kept: step 1")
+
+
+def test_the_harness_runs_verify_to_the_end_unless_the_manifest_says_not(run, tmp_path, monkeypatch):
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(cmd)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(run.subprocess, "run", fake_run)
+    src = tmp_path / "train.py"
+    for spec, expected in (({}, True), ({"to_end": False}, False)):
+        with pytest.raises(RuntimeError):
+            run.verify_step(script(run, **spec), src, tmp_path, None, sys.executable)
+        assert ("--to-end" in seen[-1]) is expected

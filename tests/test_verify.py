@@ -595,3 +595,224 @@ def test_each_rank_records_whether_its_code_ended_cleanly(tmp_path: Path, how: s
     assert proc.returncode == (0 if clean else 1 if how == "raises" else 3), proc.stderr[-2000:]
     record = json.loads((tmp_path / "exit_rank0.json").read_text())
     assert record["clean"] is clean, record
+
+
+# -- the global batch and the epochs the samplers were at (the evidence issue, item 1) ----------------------
+
+
+def test_the_global_batch_is_the_single_runs_batch_against_the_ranks_sum():
+    from fsdp2_retrofit.verify import global_batch_problem
+
+    single = {"samples": [16, 16, 16]}
+    assert global_batch_problem(single, [{"samples": [8, 8, 8]}, {"samples": [8, 8, 8]}]) is None
+    problem = global_batch_problem(single, [{"samples": [8, 16, 8]}, {"samples": [8, 16, 8]}])
+    assert problem is not None and problem.startswith("step 2: the single run read 16 samples, the 2 ranks "
+                                                      "together 32 (16 + 16)")
+    # data that does not come through a DataLoader counts nothing: not judged
+    assert global_batch_problem({"samples": [0, 0]}, [{"samples": [0, 0]}, {"samples": [0, 0]}]) is None
+    assert global_batch_problem({}, [{}, {}]) is None
+
+
+def test_a_global_batch_mismatch_is_not_a_training_defect():
+    from fsdp2_retrofit.verify import Verdict
+
+    verdict = Verdict([], None, {}, [], global_batch="step 1: ...")
+    assert verdict.exit_code == EXIT_ERROR and not verdict.equivalent
+    assert verdict.summary().startswith("not comparable: the global batch differs at step 1")
+
+
+def test_the_single_run_replays_the_epochs_the_distributed_samplers_were_at(tmp_path: Path):
+    from fsdp2_retrofit.verify import Run, _child_env, sampler_epochs
+
+    def run(epochs):
+        return Run(tmp_path, [{"sampler_epochs": epochs}], None)
+
+    assert sampler_epochs(run([0, 1, 2])) == []  # what the single run's sampler does anyway
+    assert sampler_epochs(run([1, 2, 3])) == [1, 2, 3]
+    assert sampler_epochs(run([0, 0, 1, 1])) == [0, 0, 1, 1]  # two shuffled loaders
+    env = _child_env(tmp_path, 4, "single", epochs=[1, 2])
+    assert env["FSDP2_RETROFIT_VERIFY_EPOCHS"] == "1,2"
+    assert "FSDP2_RETROFIT_VERIFY_EPOCHS" not in _child_env(tmp_path, 4, "dist", epochs=[1, 2])
+
+
+EPOCHS_FROM_ONE = '''\
+import argparse
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(2)])
+        self.out = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=3)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,)))
+    loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(1, args.epochs + 1):
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        print(f"epoch {epoch}: loss {loss.item():.4f}")
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+@e2e
+def test_a_script_counting_epochs_from_one_is_equivalent(tmp_path: Path):
+    """The retrofit calls set_epoch(1), set_epoch(2), ...: the single run's sampler draws those
+    epochs' permutations too (it drew epoch 0, 1, ... before, and verify called a correct
+    retrofit diverged at step 1)."""
+    script = tmp_path / "train.py"
+    script.write_text(EPOCHS_FROM_ONE)
+    code, output, report = _verify(script, "--steps", "10", "--json", tmp_path / "r.json")
+    print(_figures("epochs counted from 1, in-memory retrofit", report))
+    assert report["sampler_epochs"][:3] == [1, 2, 3]
+    assert code == EXIT_EQUIVALENT, output
+    assert report["global_batch"] is None
+
+
+@e2e
+def test_a_retrofit_on_another_global_batch_is_not_comparable(tmp_path: Path):
+    """A retrofit whose ranks each read the whole global batch: verify says the batches differ
+    (exit 2), it does not call the retrofit diverged."""
+    from fsdp2_retrofit.verify import retrofit_in_memory
+
+    script = tmp_path / "train.py"
+    script.write_text(EPOCHS_FROM_ONE)
+    code = retrofit_in_memory(script, tmp_path / "retrofit").read_text()
+    old = "batch_size=args.batch_size // world_size"
+    assert code.count(old) == 1, "the retrofit no longer divides the batch size this way"
+    twin = tmp_path / "twin.py"
+    twin.write_text(code.replace(old, "batch_size=args.batch_size"))
+    code, output, report = _verify(script, "--retrofitted", twin, "--steps", "4", "--json", tmp_path / "r.json")
+    assert code == EXIT_ERROR, output
+    assert report["global_batch"].startswith("step 1: the single run read 8 samples, the 2 ranks together 16")
+    assert "not comparable: the global batch differs" in output
+
+
+def _to_end_launch(outcome, exits):
+    """A launch whose ranks record their steps (reason "steps"), go on, and end as `exits`
+    says (True clean, a text: the exception that ended the rank); `outcome`: (exit code,
+    stderr), or a VerifyError to raise (a timeout)."""
+
+    def launch(cmd, env, cwd, timeout, what):
+        for r, how in enumerate(exits):
+            (cwd / f"rank{r}.json").write_text(json.dumps({**_rec([2.0], [1.0]), "rank": r, "world_size": 2,
+                                                            "steps": 1, "reason": "steps"}))
+            if how is not None:
+                (cwd / f"exit_rank{r}.json").write_text(
+                    json.dumps({"clean": how is True, "uncaught": None if how is True else how}))
+        if isinstance(outcome, VerifyError):
+            raise outcome
+        return outcome
+
+    return launch
+
+
+def test_to_end_a_failure_after_the_recorded_steps_is_the_runs_epilogue(tmp_path: Path):
+    run = run_script(["x"], tmp_path, {}, 2, 10, "run", steps=1, to_end=True,
+                     launch=_to_end_launch((1, "Traceback ...\nRuntimeError: boom\n"),
+                                           [True, "RuntimeError: rank 1 only"]))
+    assert len(run.ranks) == 2
+    assert run.epilogue == "it failed after the 1 recorded steps (exit code 1): rank 1: RuntimeError: rank 1 only"
+    hang = VerifyError("the run timed out after 10 s (a deadlock?)", "stderr tail")
+    run = run_script(["x"], tmp_path, {}, 2, 10, "run", steps=1, to_end=True, launch=_to_end_launch(hang, [None, None]))
+    assert run.epilogue.startswith("it did not end within 10 s after the 1 recorded steps (a hang")
+    # without to_end the same failure is the run's failure
+    with pytest.raises(VerifyError, match="exit code 1"):
+        run_script(["x"], tmp_path, {}, 2, 10, "run", steps=1,
+                   launch=_to_end_launch((1, "RuntimeError: boom"), [True, "RuntimeError: boom"]))
+
+
+def test_a_retrofit_failing_after_training_is_diverged():
+    verdict = Verdict([], None, {}, [], epilogue="it failed after the 4 recorded steps (exit code 1): rank 1: ...")
+    assert verdict.exit_code == EXIT_DIVERGED and not verdict.equivalent
+    assert verdict.summary().startswith("the retrofit failed after training: it failed after the 4 recorded steps")
+
+
+EPILOGUE = '''
+    model.eval()
+    with torch.no_grad():
+        total = sum(F.cross_entropy(model(x), y, reduction="sum").item() for x, y in DataLoader(data, batch_size=8))
+    print(f"final loss {total / len(data):.4f}")
+'''
+
+
+@e2e
+def test_to_end_runs_the_epilogue_and_catches_a_retrofit_failing_there(tmp_path: Path):
+    """The original evaluates after training. Its retrofit with one rank failing after the loop:
+    stopped after the steps (the default) verify cannot see it; with --to-end it is diverged.
+    The faithful retrofit runs to its end on both sides and stays equivalent."""
+    from fsdp2_retrofit.verify import retrofit_in_memory
+
+    script = tmp_path / "train.py"
+    anchor = '        print(f"epoch {epoch}: loss {loss.item():.4f}")\n'
+    assert EPOCHS_FROM_ONE.count(anchor) == 1
+    script.write_text(EPOCHS_FROM_ONE.replace(anchor, anchor + EPILOGUE))
+    code, output, report = _verify(script, "--steps", "4", "--to-end", "--json", tmp_path / "ok.json")
+    assert code == EXIT_EQUIVALENT, output
+    assert report["to_end"] and report["epilogue"] is None
+    assert "both scripts ran to their end after the recorded steps" in report["notes"]
+
+    retrofit = retrofit_in_memory(script, tmp_path / "retrofit").read_text()
+    old = "    model.eval()\n"
+    assert retrofit.count(old) == 1, "the retrofit no longer has the final evaluation's model.eval()"
+    twin = tmp_path / "twin.py"
+    twin.write_text(retrofit.replace(old, "    if dist.get_rank() == 1:\n        raise RuntimeError('after training')\n"
+                                     + old))
+    code, output, report = _verify(script, "--retrofitted", twin, "--steps", "4", "--json", tmp_path / "r.json")
+    assert code == EXIT_EQUIVALENT, output  # stopped after 4 steps: the failure is never reached
+    code, output, report = _verify(script, "--retrofitted", twin, "--steps", "4", "--to-end",
+                                   "--json", tmp_path / "r2.json")
+    print(f"\n--to-end on a retrofit failing after training: exit {code}: {report.get('summary')}")
+    assert code == EXIT_DIVERGED, output
+    assert "rank 1: RuntimeError: after training" in report["epilogue"]
+    assert "the retrofit failed after training" in output
+
+
+def test_keep_runs_may_hold_the_inputs_a_script_reads_beside_its_run_folder(tmp_path: Path):
+    """A script reading ../data from its run folder: the data sits in the --keep-runs directory
+    (the harness puts it there); only an earlier run's folders are refused."""
+    from fsdp2_retrofit.verify import VerifySettings, _work_root
+
+    root = tmp_path / "runs"
+    (root / "data").mkdir(parents=True)
+    assert _work_root(VerifySettings(script=tmp_path / "x.py", keep_runs=root)) == (root.resolve(), False)
+    (root / "single").mkdir()
+    with pytest.raises(VerifyError, match="holds single of an earlier run"):
+        _work_root(VerifySettings(script=tmp_path / "x.py", keep_runs=root))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(VerifyError, match="not a directory"):
+        _work_root(VerifySettings(script=tmp_path / "file", keep_runs=tmp_path / "file"))

@@ -26,15 +26,26 @@ per-rank batch instead (the default rewrite), name its batch-size option with
 Both runs record per optimizer step the loss (the sum of the losses
 `backward()` is called on since the previous step: all micro-batches) and the
 gradient norm, and stop after --steps optimizer steps. A shuffled DataLoader of
-the single run visits samples in DistributedSampler's order (seed 0).
-Equivalent: every step's loss (single vs mean over ranks) and gradient norm
-agree within rel 1e-4 / abs 1e-5, and the final weights within --tolerance.
+the single run visits samples in DistributedSampler's order (seed 0, at the
+epochs the retrofit's samplers were set to). Equivalent: each step read the
+same number of samples in both runs (the global batch), every step's loss
+(single vs mean over ranks) and gradient norm agree within rel 1e-4 / abs 1e-5,
+and the final weights within --tolerance.
+
+With --to-end, both scripts go on after the steps: the loaders they trained on
+yield nothing more, so each script reaches what it does after training (final
+evaluation, generation, the last save) on the spot. A retrofit that fails or
+hangs there (a collective on rank 0 only) is diverged; an original that fails
+there is noted. Give the script small settings (one or two epochs) if its own
+loop does not end with its loaders.
 
 \b
 Exit codes:
   0  equivalent within tolerance
-  1  diverged (the first diverging step is named)
-  2  a script could not run (its error is shown), or bad input/options
+  1  diverged (the first diverging step is named), or with --to-end the
+     retrofit failed after training
+  2  a script could not run (its error is shown), the runs read different
+     global batches (not comparable), or bad input/options
 
 \b
 Examples:
@@ -56,6 +67,8 @@ Examples:
 @click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks for torchrun.")
 @click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True,
               help="Stop both runs after this many optimizer steps.")
+@click.option("--to-end", is_flag=True,
+              help="After the steps, run both scripts to their end and judge what the retrofit does after training.")
 @click.option("--tolerance", type=click.FloatRange(min=0), default=1e-4, show_default=True,
               help="Largest allowed max |difference| of the final weights.")
 @click.option("--per-rank-arg", "per_rank_args", multiple=True, metavar="NAME",
@@ -64,7 +77,9 @@ Examples:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
               help="Also write the report as JSON to FILE.")
 @click.option("--keep-runs", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
-              help="Run in DIR (new or empty) and keep the records, logs and in-memory retrofit there.")
+              help="Run in DIR (new, or without the single/, dist/ and retrofitted/ folders of an earlier run) and "
+              "keep the records, logs and in-memory retrofit there; other entries stay (inputs the script reads at "
+              "../data from its run folder).")
 @click.option("--reuse-single", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
               help="Skip the single run: use the one recorded in DIR (a --keep-runs DIR/single) with the same "
               "script, arguments and steps.")
@@ -76,13 +91,13 @@ Examples:
               help="Link each entry of DIR into both runs' working directories (input files the script opens "
               "by a relative path).")
 @click.pass_context
-def verify_command(ctx: click.Context, script, script_args, retrofitted, nproc, steps, tolerance, per_rank_args,
-                   json_path, keep_runs, reuse_single, python, timeout, run_files) -> None:
+def verify_command(ctx: click.Context, script, script_args, retrofitted, nproc, steps, to_end, tolerance,
+                   per_rank_args, json_path, keep_runs, reuse_single, python, timeout, run_files) -> None:
     from fsdp2_retrofit.verify import VerifySettings, verify
 
     settings = VerifySettings(
         script=script, script_args=tuple(script_args), retrofitted=retrofitted, nproc=nproc, steps=steps,
         tolerance=tolerance, per_rank_args=tuple(per_rank_args), json_path=json_path, keep_runs=keep_runs,
-        reuse_single=reuse_single, python=python, timeout=timeout, run_files=run_files,
+        reuse_single=reuse_single, python=python, timeout=timeout, run_files=run_files, to_end=to_end,
     )
     ctx.exit(verify(settings))

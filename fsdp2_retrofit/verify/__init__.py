@@ -94,6 +94,7 @@ class VerifySettings:
     timeout: float = DEFAULT_TIMEOUT_S
     run_files: Optional[Path] = None  # entries linked into each run's working directory
     noise_rtol: float = DEFAULT_NOISE_RTOL
+    to_end: bool = False  # after the steps, both scripts go on to their end (their epilogue is judged)
 
 
 # -- arguments ----------------------------------------------------------------
@@ -292,6 +293,28 @@ def compare_rank_weights(summaries: Sequence[Tuple[int, dict]]) -> WeightsResult
     return worst or WeightsResult(True, 0.0, None, 0, 0)
 
 
+def global_batch_problem(single: dict, ranks: Sequence[dict]) -> Optional[str]:
+    """Where the runs did not read the same number of samples for a step (the single run's
+    batch against the ranks' batches summed), the first such step in words; else None.
+
+    Counted from the DataLoader batches each process drew between optimizer steps (the
+    first dimension of a batch's first tensor); steps where either side counted nothing
+    (data that does not come through a DataLoader) are not judged.
+    """
+    mine = single.get("samples") or []
+    theirs = [r.get("samples") or [] for r in ranks]
+    n = min([len(mine)] + [len(t) for t in theirs]) if theirs else 0
+    for i in range(n):
+        together = sum(t[i] for t in theirs)
+        if mine[i] and together and mine[i] != together:
+            per_rank = " + ".join(str(t[i]) for t in theirs)
+            return (f"step {i + 1}: the single run read {mine[i]} samples, the {len(theirs)} ranks together "
+                    f"{together} ({per_rank}): the runs do not train on the same global batch, so their steps "
+                    f"cannot be compared (a batch size the retrofit did not divide, or one the command line sets "
+                    f"for one run only)")
+    return None
+
+
 def ranks_read_the_same_data(ranks: Sequence[dict]) -> bool:
     """True when there are 2+ ranks, 2+ steps, and every rank recorded exactly the same loss at every step.
 
@@ -346,6 +369,8 @@ class Verdict:
     judge_steps: bool = True  # False: the rows are shown, not judged (a reference without records)
     rank_weights: Optional[WeightsResult] = None  # rank r vs rank 0 of the distributed run
     initial: Optional[WeightsResult] = None  # the weights each optimizer started from, single vs distributed
+    global_batch: Optional[str] = None  # the runs read different numbers of samples per step: not comparable
+    epilogue: Optional[str] = None  # to_end: the retrofit failed or hung after the steps, the original did not
 
     @property
     def start_apart(self) -> bool:
@@ -373,12 +398,17 @@ class Verdict:
     def equivalent(self) -> bool:
         results = self.weight_results
         return (self.first_divergence is None and bool(results) and all(w.ok for w in results)
-                and not self.ranks_disagree and not self.start_apart)
+                and not self.ranks_disagree and not self.start_apart and self.global_batch is None
+                and self.epilogue is None)
 
     @property
     def exit_code(self) -> int:
         if self.equivalent:
             return EXIT_EQUIVALENT
+        if self.global_batch is not None and not self.ranks_disagree and not self.start_apart:
+            return EXIT_ERROR  # not a training defect: the two runs trained on different batches
+        if self.epilogue is not None:
+            return EXIT_DIVERGED
         if self.first_divergence is None and not self.weight_results:
             return EXIT_ERROR  # nothing diverged, but the weights could not be compared
         return EXIT_DIVERGED
@@ -386,9 +416,13 @@ class Verdict:
     def summary(self) -> str:
         if self.start_apart:
             return f"diverged before the first step: {self.initial.problem}"  # type: ignore[union-attr]
+        if self.global_batch is not None and not self.ranks_disagree:
+            return f"not comparable: the global batch differs at {self.global_batch}"
         first = self.first_divergence
         if first is not None:
             return f"diverged at step {first.step}: {first.problem}"
+        if self.epilogue is not None:
+            return f"the retrofit failed after training: {self.epilogue}"
         if not self.weight_results:
             return "error: the final weights were not recorded by both runs; cannot judge"
         failed = next((w for w in self.weight_results if not w.ok), None)
@@ -459,6 +493,7 @@ class Run:
     ranks: List[dict]
     weights: Optional[Path]
     attempts: int = 1  # > 1: retried after gloo's teardown abort
+    epilogue: Optional[str] = None  # to_end: how what ran after the recorded steps failed (None: it ended cleanly)
 
     @property
     def stdout(self) -> str:
@@ -470,10 +505,14 @@ TEARDOWN_RETRIES = 2
 
 
 def _child_env(record_dir: Path, steps: int, mode: str, extra_path: Sequence[str] = (),
-               instrument: bool = True, sampler: Optional[bool] = None) -> dict:
+               instrument: bool = True, sampler: Optional[bool] = None, epochs: Sequence[int] = (),
+               to_end: bool = False) -> dict:
     """The child's environment. ``mode``: "single" (one process) or "dist" (torchrun:
     only the workers record). ``sampler`` defaults to on for "single"; a run with
-    neither instrumentation nor sampler gets no verify variable at all."""
+    neither instrumentation nor sampler gets no verify variable at all. ``epochs``: the
+    epoch of each shuffled pass, in order, for the single run's sampler (the values the
+    distributed run's DistributedSamplers were set to). ``to_end``: after the steps the
+    script goes on to its end."""
     env = dict(os.environ)
     for key in list(env):
         if key.startswith("FSDP2_RETROFIT_VERIFY_"):
@@ -484,8 +523,12 @@ def _child_env(record_dir: Path, steps: int, mode: str, extra_path: Sequence[str
         env["FSDP2_RETROFIT_VERIFY_DIR"] = str(record_dir)
         env["FSDP2_RETROFIT_VERIFY_STEPS"] = str(steps)
         env["FSDP2_RETROFIT_VERIFY_MODE"] = mode
+        if to_end:
+            env["FSDP2_RETROFIT_VERIFY_TO_END"] = "1"
     if sampler:
         env["FSDP2_RETROFIT_VERIFY_SAMPLER"] = "1"
+        if epochs:
+            env["FSDP2_RETROFIT_VERIFY_EPOCHS"] = ",".join(str(int(e)) for e in epochs)
     env.setdefault("OMP_NUM_THREADS", "1")
     site = [str(SITE_DIR)] if instrument or sampler else []
     env["PYTHONPATH"] = os.pathsep.join([*site, *extra_path, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
@@ -558,9 +601,27 @@ def _ended_cleanly(directory: Path, nproc: int) -> bool:
     return True
 
 
+def _epilogue_failure(directory: Path, nproc: int, stderr: str) -> str:
+    """What ended a run after its recorded steps: each failed rank's uncaught exception, or
+    the last error line of its output."""
+    said = []
+    for r in range(nproc):
+        try:
+            record = json.loads((directory / f"exit_rank{r}.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            said.append(f"rank {r} did not reach its end")
+            continue
+        if not record.get("clean"):
+            said.append(f"rank {r}: {record.get('uncaught') or 'exit status ' + str(record.get('status'))}")
+    if not said:
+        errors = [line for line in stderr.splitlines() if "Error" in line or "error:" in line]
+        said.append(errors[-1].strip() if errors else "failed (no exception recorded)")
+    return "; ".join(dict.fromkeys(said))
+
+
 def run_script(cmd: List[str], directory: Path, env: dict, nproc: int, timeout: float, what: str,
                steps: int = DEFAULT_STEPS, instrument: bool = True, retries: int = TEARDOWN_RETRIES,
-               launch=_launch) -> Run:
+               launch=_launch, to_end: bool = False) -> Run:
     """Run ``cmd`` in ``directory`` and read its records.
 
     gloo's worker threads can abort a rank while the interpreter shuts down,
@@ -573,7 +634,9 @@ def run_script(cmd: List[str], directory: Path, env: dict, nproc: int, timeout: 
     (``retries`` times) from a copy of ``directory`` as it was before the first
     attempt: an attempt that resumed from a checkpoint and saved a later one
     must not hand that to the retry. Any other failure, or the same abort every
-    time, is a VerifyError.
+    time, is a VerifyError. With ``to_end``, a failure or a timeout after every rank
+    recorded its ``steps`` steps is the Run's ``epilogue`` instead: what the script
+    does after training failed or hung; the records are the result.
     """
     directory.mkdir(parents=True, exist_ok=True)
     if instrument:  # a record left by an earlier run in this folder must not stand for this one's
@@ -582,14 +645,27 @@ def run_script(cmd: List[str], directory: Path, env: dict, nproc: int, timeout: 
     with tempfile.TemporaryDirectory(prefix="fsdp2-verify-before-") as tmp:
         snapshot = Path(tmp) / "before"
         shutil.copytree(directory, snapshot)
+        epilogue = None
         for attempt in range(1, retries + 2):
-            rc, stderr = launch(cmd, env, directory, timeout, what)
+            try:
+                rc, stderr = launch(cmd, env, directory, timeout, what)
+            except VerifyError as exc:
+                if not (to_end and instrument and _recorded_steps(directory, nproc)):
+                    raise
+                epilogue = (f"it did not end within {timeout:.0f} s after the {steps} recorded steps (a hang: a "
+                            f"collective that not every rank reaches?)")
+                rc, stderr = 0, exc.detail
+                break
             if rc == 0:
                 break
             aborted = TEARDOWN_ABORT in stderr
             complete = instrument and all((directory / f"rank{r}.json").is_file() for r in range(nproc))
             if aborted and complete and (steps or _ended_cleanly(directory, nproc)):
                 break  # the records were written before the abort: they are the result
+            if to_end and instrument and _recorded_steps(directory, nproc) and not aborted:
+                epilogue = f"it failed after the {steps} recorded steps (exit code {rc}): " + \
+                    _epilogue_failure(directory, nproc, stderr)
+                break
             if not aborted or attempt > retries:
                 raise VerifyError(f"the {what} failed (exit code {rc})", _tail(stderr))
             _restore(directory, snapshot)
@@ -601,35 +677,55 @@ def run_script(cmd: List[str], directory: Path, env: dict, nproc: int, timeout: 
     if not ranks[0]["steps"]:
         raise VerifyError(f"the {what} made no optimizer step (nothing to compare)", _tail(stderr))
     weights = directory / "weights.pt"
-    return Run(directory, ranks, weights if weights.is_file() else None, attempt)
+    return Run(directory, ranks, weights if weights.is_file() else None, attempt, epilogue)
+
+
+def _recorded_steps(directory: Path, nproc: int) -> bool:
+    """Every rank wrote its record after the requested steps (to_end: then it went on)."""
+    for r in range(nproc):
+        try:
+            if json.loads((directory / f"rank{r}.json").read_text(encoding="utf-8")).get("reason") != "steps":
+                return False
+        except (OSError, ValueError):
+            return False
+    return True
 
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _single_meta(settings: VerifySettings, args: List[str]) -> dict:
+def _single_meta(settings: VerifySettings, args: List[str], epochs: Sequence[int] = ()) -> dict:
     return {"script": str(settings.script.resolve()), "sha256": _sha256(settings.script), "args": args,
-            "steps": settings.steps, "python": settings.python}
+            "steps": settings.steps, "python": settings.python, "epochs": list(epochs), "to_end": settings.to_end}
 
 
-def run_single(settings: VerifySettings, args: List[str], directory: Path) -> Run:
+def run_single(settings: VerifySettings, args: List[str], directory: Path, epochs: Sequence[int] = ()) -> Run:
     link_run_files(settings.run_files, directory)
     run = launch_single(settings.script, args, directory, steps=settings.steps, python=settings.python,
-                        timeout=settings.timeout)
-    (directory / "meta.json").write_text(json.dumps(_single_meta(settings, args)), encoding="utf-8")
+                        timeout=settings.timeout, epochs=epochs, to_end=settings.to_end)
+    (directory / "meta.json").write_text(json.dumps(_single_meta(settings, args, epochs)), encoding="utf-8")
     return run
 
 
-def reuse_single(settings: VerifySettings, args: List[str]) -> Run:
+def sampler_epochs(run: Run) -> List[int]:
+    """The epoch of each shuffled DistributedSampler pass of a distributed run (rank 0's
+    record); empty where they are 0, 1, 2, ... (what the single run's sampler does anyway)."""
+    epochs = [int(e) for e in (run.ranks[0].get("sampler_epochs") or [])] if run.ranks else []
+    return [] if epochs == list(range(len(epochs))) else epochs
+
+
+def reuse_single(settings: VerifySettings, args: List[str], epochs: Sequence[int] = ()) -> Run:
     directory = settings.reuse_single
     assert directory is not None
     meta_path = directory / "meta.json"
     if not meta_path.is_file():
         raise VerifyError(f"--reuse-single {directory}: no recorded single run there (meta.json missing)")
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    expected = _single_meta(settings, args)
-    for key in ("sha256", "args", "steps"):
+    expected = _single_meta(settings, args, epochs)
+    meta.setdefault("epochs", [])  # recorded before the epochs were
+    meta.setdefault("to_end", False)
+    for key in ("sha256", "args", "steps", "epochs", "to_end"):
         if meta.get(key) != expected[key]:
             raise VerifyError(f"--reuse-single {directory}: recorded with another {key} "
                               f"({meta.get(key)!r}, now {expected[key]!r})")
@@ -643,7 +739,8 @@ def run_distributed(settings: VerifySettings, script: Path, directory: Path, imp
     return launch_distributed(
         script, settings.script_args, directory, nproc=settings.nproc, steps=settings.steps, python=settings.python,
         timeout=settings.timeout, extra_path=[*import_root, str(settings.script.resolve().parent)],
-        what=f"distributed run of {settings.retrofitted or 'the retrofit'} (torchrun, {settings.nproc} ranks)")
+        what=f"distributed run of {settings.retrofitted or 'the retrofit'} (torchrun, {settings.nproc} ranks)",
+        to_end=settings.to_end)
 
 
 # -- the engine's API: one run of each kind, then compare --------------------
@@ -655,31 +752,34 @@ def run_distributed(settings: VerifySettings, script: Path, directory: Path, imp
 
 def launch_single(script: Path, args: Sequence[str], directory: Path, *, steps: int = 0, python: str = sys.executable,
                   timeout: float = DEFAULT_TIMEOUT_S, instrument: bool = True, sampler: bool = True,
-                  what: str = "") -> Run:
+                  what: str = "", epochs: Sequence[int] = (), to_end: bool = False) -> Run:
     """Run ``script`` with ``python`` in one process, in ``directory``.
 
     ``steps`` 0: to the end of the script, else stop after that many optimizer
     steps. ``sampler``: shuffled DataLoaders visit samples in DistributedSampler's
     order. ``instrument`` False: no records (a script that starts its own worker
-    processes, e.g. with mp.spawn; then ``sampler`` should be False too).
+    processes, e.g. with mp.spawn; then ``sampler`` should be False too). ``epochs``:
+    the epochs of the shuffled passes, in order (sampler_epochs of the distributed
+    run's record); by default each sampler counts its passes from 0.
     """
-    env = _child_env(directory, steps, "single", instrument=instrument, sampler=sampler)
+    env = _child_env(directory, steps, "single", instrument=instrument, sampler=sampler, epochs=epochs,
+                     to_end=to_end)
     cmd = [python, str(Path(script).resolve()), *args]
     return run_script(cmd, directory, env, 1, timeout, what or f"single-process run of {script}", steps=steps,
-                      instrument=instrument)
+                      instrument=instrument, to_end=to_end)
 
 
 def launch_distributed(script: Path, args: Sequence[str], directory: Path, *, nproc: int = DEFAULT_NPROC,
                        steps: int = 0, python: str = sys.executable, timeout: float = DEFAULT_TIMEOUT_S,
-                       extra_path: Sequence[str] = (), what: str = "") -> Run:
+                       extra_path: Sequence[str] = (), what: str = "", to_end: bool = False) -> Run:
     """Run ``script`` under ``torchrun --standalone --nproc_per_node nproc`` (the
     entry point of ``python``, so the workers use its torch), in ``directory``;
     ``steps`` as for launch_single."""
-    env = _child_env(directory, steps, "dist", extra_path)
+    env = _child_env(directory, steps, "dist", extra_path, to_end=to_end)
     cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(Path(script).resolve()), *args]
     return run_script(cmd, directory, env, nproc, timeout, what or f"distributed run of {script} ({nproc} ranks)",
-                      steps=steps)
+                      steps=steps, to_end=to_end)
 
 
 def reference_record(run: Run) -> dict:
@@ -889,12 +989,19 @@ def verify(settings: VerifySettings, console=None) -> int:
             shutil.rmtree(root, ignore_errors=True)
 
 
+RUN_FOLDERS = ("single", "dist", "retrofitted")  # what verify writes in its work directory
+
+
 def _work_root(settings: VerifySettings) -> Tuple[Path, bool]:
     if settings.keep_runs is None:
         return Path(tempfile.mkdtemp(prefix="fsdp2-verify-")), True
     root = settings.keep_runs.resolve()
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise VerifyError(f"--keep-runs {root}: not an empty directory")
+    if root.exists() and not root.is_dir():
+        raise VerifyError(f"--keep-runs {root}: not a directory")
+    # Other entries may be there: inputs a script reads at ../data from its run folder
+    earlier = [name for name in RUN_FOLDERS if (root / name).exists()]
+    if earlier:
+        raise VerifyError(f"--keep-runs {root}: holds {', '.join(earlier)} of an earlier run (use a new directory)")
     root.mkdir(parents=True, exist_ok=True)
     return root, False
 
@@ -911,18 +1018,36 @@ def _run_and_compare(settings: VerifySettings, root: Path) -> Verdict:
     else:
         dist_script, import_root = settings.retrofitted.resolve(), []
 
+    # The distributed run first: the single run's sampler replays the epochs its
+    # DistributedSamplers were set to (a script counting epochs from 1 passes 1, 2, ...).
+    _progress(f"running {dist_script.name} under torchrun --nproc_per_node {settings.nproc}...")
+    try:
+        dist = run_distributed(settings, dist_script, root / "dist", import_root)
+    except VerifyError:
+        # the original may fail on its own (missing data, a bad argument): that is what to say
+        if settings.reuse_single is None:
+            _progress(f"running {settings.script} in one process ({settings.steps} steps at most)...")
+            run_single(settings, args, root / "single")
+        raise
+    epochs = sampler_epochs(dist)
     if settings.reuse_single is not None:
-        single = reuse_single(settings, args)
+        single = reuse_single(settings, args, epochs)
     else:
         _progress(f"running {settings.script} in one process ({settings.steps} steps at most)...")
-        single = run_single(settings, args, root / "single")
-    _progress(f"running {dist_script.name} under torchrun --nproc_per_node {settings.nproc}...")
-    dist = run_distributed(settings, dist_script, root / "dist", import_root)
+        single = run_single(settings, args, root / "single", epochs)
 
     verdict = compare_runs(single, dist, tolerance=settings.tolerance, loss_rtol=settings.loss_rtol,
                            loss_atol=settings.loss_atol, python=settings.python)
     verdict.rank_weights = compare_rank_weight_files(settings.python, dist, settings.nproc)
     verdict.initial = compare_initial_weights(settings.python, single, dist, settings.tolerance)
+    if single.ranks:
+        verdict.global_batch = global_batch_problem(reference_record(single), dist.ranks)
+    if single.epilogue is not None:
+        verdict.notes.append(f"the original itself failed after training ({single.epilogue}): not the retrofit's doing")
+    elif dist.epilogue is not None:
+        verdict.epilogue = dist.epilogue
+    elif settings.to_end:
+        verdict.notes.append("both scripts ran to their end after the recorded steps")
     if verdict.same_data_on_every_rank:
         verdict.notes.append("every rank recorded the same loss at every step: the ranks read the same data")
     return verdict
@@ -961,6 +1086,10 @@ def report_json(verdict: Verdict, settings: VerifySettings) -> dict:
                           "problem": verdict.rank_weights.problem or None} if verdict.rank_weights else None),
         "initial_weights": verdict.initial.as_json(settings.tolerance) if verdict.initial else None,
         "same_data_on_every_rank": verdict.same_data_on_every_rank,
+        "global_batch": verdict.global_batch,
+        "epilogue": verdict.epilogue,
+        "to_end": settings.to_end,
+        "sampler_epochs": [int(e) for e in (verdict.ranks[0].get("sampler_epochs") or [])] if verdict.ranks else [],
         "within_noise": _noise_json(verdict, settings),
         "notes": verdict.notes,
     }
@@ -1025,6 +1154,8 @@ def render(verdict: Verdict, settings: VerifySettings, console) -> None:
     if verdict.rank_weights is not None:
         r = verdict.rank_weights
         console.print("ranks: every rank ended with the same weights" if r.ok else f"ranks: {r.problem}", markup=False)
+    if verdict.global_batch is not None:
+        console.print(f"global batch: differs at {verdict.global_batch}", markup=False)
     for note in verdict.notes:
         console.print(f"note: {note}", markup=False)
     style = "bold green" if verdict.equivalent else "bold red"

@@ -29,11 +29,23 @@ shadows). With it:
 * A script that ends before K steps is recorded when it calls
   ``destroy_process_group`` (all ranks still together: weights gathered) or
   at exit (weights gathered only while a process group is still up).
+* Each step records the samples it trained on: the first dimension of the last
+  DataLoader batch drawn before each backward, summed over the step's backwards
+  (verify compares the single run's with the ranks' sum: the global batch).
+  Under torchrun, the epoch of every shuffled ``DistributedSampler`` pass is
+  recorded in order (``sampler_epochs``).
 * With FSDP2_RETROFIT_VERIFY_SAMPLER=1 (the single-process run), every
   ``RandomSampler`` yields the permutation ``DistributedSampler(shuffle=True,
   seed=0)`` draws at epoch e before it splits it between ranks, so batch k of
   the single run holds exactly the samples of batch k on all ranks together
-  (the dataset length must divide by the number of ranks). The sampler is
+  (the dataset length must divide by the number of ranks). e is the pass's
+  number from 0, or with FSDP2_RETROFIT_VERIFY_EPOCHS ("1,2,3") the epochs the
+  distributed run's samplers were at, pass by pass.
+* With FSDP2_RETROFIT_VERIFY_TO_END=1 the run records after K steps as usual
+  and then goes on: the loaders a backward trained on end their passes (they
+  yield nothing more; evaluation loaders still yield), so the script reaches
+  what it does after training (final evaluation, generation, the last save)
+  and its exit record says whether that ended cleanly. The sampler is
   installed on its own too, without FSDP2_RETROFIT_VERIFY_DIR (a reference run
   that should not be instrumented).
 
@@ -84,6 +96,9 @@ def _install():
 
     out_dir = os.environ["FSDP2_RETROFIT_VERIFY_DIR"]
     max_steps = int(os.environ.get("FSDP2_RETROFIT_VERIFY_STEPS", "10"))
+    # after max_steps: record, then let the script go on to its end (its training loaders
+    # yield nothing more), so what it does after training runs too
+    to_end = os.environ.get("FSDP2_RETROFIT_VERIFY_TO_END") == "1"
     main_pid = os.getpid()
 
     state = {
@@ -93,6 +108,13 @@ def _install():
         "losses": [],
         "grad_norms": [],
         "micro_steps": [],
+        "pending_samples": 0,  # samples of the batches this step's backwards were computed on
+        "last_batch": 0,  # the size of the last DataLoader batch drawn, until a backward uses it
+        "last_loader": None,  # the batch sampler of the loader that drew it
+        "training_loaders": set(),  # ids of the batch samplers of loaders a backward trained on
+        "stopped": False,  # to_end: the steps are done, training loaders end their passes
+        "samples": [],  # per step: the samples this process read for it
+        "sampler_epochs": [],  # the epoch of each shuffled DistributedSampler pass, in order
         "optimizers": [],  # every optimizer that stepped, first to step first
         "initial": [],  # their parameters before their first step (gathered)
         "seen": set(),  # ids of the parameters already in "initial"
@@ -141,6 +163,13 @@ def _install():
                 value = float(value.float().item())
                 state["pending_loss"] = value if state["pending_loss"] is None else state["pending_loss"] + value
                 state["pending_micro"] += 1
+                # the batch drawn last is the one this backward trains on (an evaluation pass
+                # draws its batches before the next training batch is drawn); a second backward
+                # on the same batch (a GAN's) adds nothing
+                state["pending_samples"] += state["last_batch"]
+                state["last_batch"] = 0
+                if state["last_loader"] is not None:
+                    state["training_loaders"].add(state["last_loader"])
         except Exception:
             pass
         return original_backward(self, *args, **kwargs)
@@ -199,9 +228,13 @@ def _install():
         state["step"] += 1
         state["losses"].append(state["pending_loss"])
         state["micro_steps"].append(state["pending_micro"])
-        state["pending_loss"], state["pending_micro"] = None, 0
+        state["samples"].append(state["pending_samples"])
+        state["pending_loss"], state["pending_micro"], state["pending_samples"] = None, 0, 0
         if max_steps and state["step"] >= max_steps:
             finish("steps", gather=True)
+            if to_end:
+                state["stopped"] = True
+                return
             dist = _dist()
             if dist is not None:
                 dist.barrier()
@@ -210,6 +243,53 @@ def _install():
             os._exit(0)
 
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    # -- the samples each step read, and the epochs the samplers were at ------
+
+    def _leading_size(batch, depth=0):
+        """The first dimension of the batch's first tensor (a tuple, list or dict of them)."""
+        if isinstance(batch, torch.Tensor):
+            return int(batch.shape[0]) if batch.dim() > 0 else None
+        if depth > 3:
+            return None
+        items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+        for item in items:
+            size = _leading_size(item, depth + 1)
+            if size is not None:
+                return size
+        return None
+
+    try:
+        from torch.utils.data import DistributedSampler
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+        original_next = _BaseDataLoaderIter.__next__
+
+        def counting_next(self):
+            key = id(getattr(self, "_index_sampler", None))
+            if state["stopped"] and key in state["training_loaders"]:
+                raise StopIteration  # to_end: the training passes end here; evaluation loaders go on
+            batch = original_next(self)
+            if not state["done"]:
+                try:
+                    state["last_loader"] = key
+                    state["last_batch"] = _leading_size(batch) or 0
+                except Exception:
+                    pass
+            return batch
+
+        _BaseDataLoaderIter.__next__ = counting_next
+
+        original_dist_iter = DistributedSampler.__iter__
+
+        def recording_iter(self):
+            if self.shuffle and not state["done"]:
+                state["sampler_epochs"].append(int(self.epoch))
+            return original_dist_iter(self)
+
+        DistributedSampler.__iter__ = recording_iter
+    except Exception:
+        pass
 
     register_optimizer_step_pre_hook(pre_hook)  # global: every optimizer, every rank
     register_optimizer_step_post_hook(post_hook)
@@ -267,6 +347,8 @@ def _install():
             "losses": state["losses"],
             "grad_norms": state["grad_norms"][: state["step"]],
             "micro_steps": state["micro_steps"],
+            "samples": state["samples"],
+            "sampler_epochs": state["sampler_epochs"],
             "weights": weights is not None,
             "memory_kind": kind,
             "peak_memory_bytes": peak,
@@ -350,6 +432,11 @@ def _install_reference_sampler():
     from torch.utils.data import RandomSampler
 
     original_iter = RandomSampler.__iter__
+    # FSDP2_RETROFIT_VERIFY_EPOCHS: the epochs the distributed run's shuffled samplers were at,
+    # pass by pass ("1,2,3" for a script that counts epochs from 1); the single run's shuffled
+    # passes take them in the same order. Without it, each sampler counts its passes from 0.
+    given = [int(e) for e in os.environ.get("FSDP2_RETROFIT_VERIFY_EPOCHS", "").split(",") if e.strip()]
+    passes = [0]
 
     def reference_iter(self):
         n = len(self.data_source)
@@ -357,6 +444,10 @@ def _install_reference_sampler():
             return original_iter(self)
         epoch = getattr(self, "_fsdp2_verify_epoch", 0)
         self._fsdp2_verify_epoch = epoch + 1
+        if given:
+            i = passes[0]
+            passes[0] += 1
+            epoch = given[i] if i < len(given) else given[-1] + 1 + i - len(given)
         generator = torch.Generator()
         generator.manual_seed(0 + epoch)  # DistributedSampler: seed + epoch
         return iter(torch.randperm(n, generator=generator).tolist())

@@ -32,7 +32,7 @@ VERDICTS = ("parity", "trains", "flagged", "refused", "crash", "silently-wrong")
 DEFAULTS = {
     "extra_files": [], "data": [], "args": [], "per_rank_args": [], "steps": 5, "compare": "parity",
     "tolerance": 1e-4, "noise_rtol": 0.1, "seed": 0, "timeout": 300, "env": {}, "patches": [], "notes": "",
-    "split_data": None, "stubs": {}, "pythonpath": [],
+    "split_data": None, "stubs": {}, "pythonpath": [], "to_end": True,
 }
 KEYS = set(DEFAULTS) | {"id", "path"}
 
@@ -264,6 +264,8 @@ def verify_step(script: Script, src: Path, work: Path, run_files: Optional[Path]
             "--keep-runs", str(keep), "--timeout", str(script.timeout), "--tolerance", str(script.tolerance)]
     if run_files is not None:
         args += ["--run-files", str(run_files)]
+    if script.to_end:
+        args.append("--to-end")
     for name in script.per_rank_args:
         args += ["--per-rank-arg", name]
     args += ["--", *script.args]
@@ -319,6 +321,12 @@ def _judge(script: Script, rw: dict, vf: Optional[dict]) -> tuple:
                 "")
     if script.split_data and vf.get("same_data_on_every_rank"):
         return "silently-wrong", "data not split: every rank recorded the same loss at every step", ""
+    if vf.get("epilogue"):
+        return "crash", f"after training (verify --to-end): {vf['epilogue']}", vf["epilogue"]
+    if vf.get("global_batch"):
+        # not a training defect verify saw: the retrofit trains on another global batch than the
+        # single run (--keep-global-batch not applied to a batch size); the report may say so
+        return "silently-wrong", f"global batch not kept: {vf['global_batch']}", ""
     if vf.get("equivalent"):
         return "parity", vf.get("summary", ""), ""
     noise = vf.get("within_noise") or {}

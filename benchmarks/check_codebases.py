@@ -58,8 +58,95 @@ class Verdict:
     why: str
 
 
-# (repo, path, line, code) -> verdict. Filled by reading each finding at the pinned commit.
-FINDINGS: Dict[Tuple[str, str, int, str], Verdict] = {}
+_FSDP1_BRANCH = "FSDP1 in a branch beside the FSDP2 one (a strategy switch): not reached under fully_shard"
+_FSDP1_TEST = "a test or example of FSDP1 itself: it never runs with fully_shard"
+_VENDORED = "vendored torch code that handles FSDP1 modules on purpose, behind isinstance checks"
+_DEVICE_SET = "the device is set before any CUDA work elsewhere: "
+
+# (repo, path, line, code) -> verdict, from reading each finding at the pinned commit. Findings of
+# earlier versions of the rules stay listed (the table shows the ones no longer reported).
+FINDINGS: Dict[Tuple[str, str, int, str], Verdict] = {
+    ("allenai/OLMo-core", "src/olmo_core/nn/transformer/block.py", 848, "FSD104"): Verdict(
+        False, "the two fully_shard calls of the submodules are in exclusive branches; the root is sharded after both"),
+    ("allenai/OLMo-core", "src/test/distributed/checkpoint_test.py", 32, "FSD111"): Verdict(False, _FSDP1_TEST),
+    ("allenai/OLMo-core", "src/test/distributed/checkpoint_test.py", 44, "FSD111"): Verdict(False, _FSDP1_TEST),
+    ("allenai/OLMo-core", "src/test/distributed/checkpoint_test.py", 49, "FSD111"): Verdict(False, _FSDP1_TEST),
+    ("axolotl-ai-cloud/axolotl", "src/axolotl/monkeypatch/accelerate/fsdp2.py", 444, "FSD111"): Verdict(
+        False, "the FSDP1 branch of a distributed-type switch (`elif ... == DistributedType.FSDP`)"),
+    ("pytorch/torchtitan", "scripts/checkpoint_conversion/numerical_tests_qwen3_5_shard.py", 46, "FSD106"): Verdict(
+        False, _DEVICE_SET + "set_device on the line after init_process_group"),
+    ("pytorch/torchtune", "recipes/dev/early_exit_finetune_distributed.py", 185, "FSD106"): Verdict(
+        False, _DEVICE_SET + "utils.get_device() in __init__ sets the local rank's device"),
+    ("pytorch/torchtune", "recipes/dev/grpo_full_finetune_distributed.py", 55, "FSD106"): Verdict(
+        False, _DEVICE_SET + "utils.get_device() in __init__ sets the local rank's device"),
+    ("pytorch/torchtune", "recipes/dev/grpo_full_finetune_distributed.py", 876, "FSD107"): Verdict(
+        True, "the clip_grad_norm_ total of the sharded model goes to the metric logger without .full_tensor() "
+        "(the main distributed recipe gathers it first)"),
+    ("pytorch/torchtune", "recipes/full_dpo_distributed.py", 156, "FSD106"): Verdict(
+        False, _DEVICE_SET + "utils.get_device() in __init__ sets the local rank's device"),
+    ("pytorch/torchtune", "recipes/full_finetune_distributed.py", 151, "FSD106"): Verdict(
+        False, _DEVICE_SET + "utils.get_device() in __init__ sets the local rank's device"),
+    ("pytorch/torchtune", "recipes/full_finetune_single_device.py", 660, "FSD107"): Verdict(
+        False, "a single-device recipe: its model is never sharded, the norm is a plain tensor"),
+    ("pytorch/torchtune", "recipes/qat_distributed.py", 160, "FSD106"): Verdict(
+        False, _DEVICE_SET + "utils.get_device() in __init__ sets the local rank's device"),
+    ("pytorch/torchtune", "torchtune/modules/embedding_utils.py", 116, "FSD114"): Verdict(
+        False, "the single-device resize helper; the sharded model takes another path"),
+    ("pytorch/torchtune", "torchtune/modules/embedding_utils.py", 131, "FSD114"): Verdict(
+        False, "the single-device resize helper; the sharded model takes another path"),
+    ("pytorch/torchtune", "torchtune/training/_distributed.py", 280, "FSD106"): Verdict(
+        False, _DEVICE_SET + "a library helper; its callers set the device"),
+    ("volcengine/verl", "tests/models/test_tiled_mlp_accuracy.py", 27, "FSD106"): Verdict(
+        False, _DEVICE_SET + "set_device right after init_process_group"),
+    ("volcengine/verl", "tests/special_distributed/test_fsdp_ckpt.py", 70, "FSD111"): Verdict(False, _FSDP1_BRANCH),
+    ("volcengine/verl", "tests/utils/test_activation_offload.py", 54, "FSD106"): Verdict(
+        False, _DEVICE_SET + "set_device(rank) through the device helper just before it"),
+    ("volcengine/verl", "tests/utils/test_activation_offload.py", 75, "FSD111"): Verdict(False, _FSDP1_BRANCH),
+    ("volcengine/verl", "tests/workers/rollout/rollout_vllm/run_fsdp_vllm.py", 97, "FSD111"): Verdict(
+        False, _FSDP1_TEST),
+    ("volcengine/verl", "tests/workers/rollout/rollout_vllm/run_fsdp_vllm.py", 109, "FSD111"): Verdict(
+        False, _FSDP1_TEST),
+    ("volcengine/verl", "tests/workers/rollout/test_hf_rollout.py", 82, "FSD111"): Verdict(False, _FSDP1_TEST),
+    ("volcengine/verl", "tests/workers/rollout/test_hf_rollout.py", 94, "FSD111"): Verdict(False, _FSDP1_TEST),
+    ("volcengine/verl", "verl/experimental/fully_async_policy/fsdp_workers.py", 209, "FSD111"): Verdict(
+        False, _FSDP1_BRANCH),
+    ("volcengine/verl", "verl/experimental/one_step_off_policy/fsdp_workers.py", 151, "FSD111"): Verdict(
+        False, _FSDP1_BRANCH),
+    ("volcengine/verl", "verl/experimental/vla/fsdp_workers.py", 76, "FSD111"): Verdict(False, _FSDP1_BRANCH),
+    ("volcengine/verl", "verl/experimental/vla/fsdp_workers.py", 82, "FSD111"): Verdict(False, _FSDP1_BRANCH),
+    ("volcengine/verl", "verl/third_party/torch/distributed/checkpoint/state_dict.py", 409, "FSD111"): Verdict(
+        False, _VENDORED),
+    ("volcengine/verl", "verl/third_party/torch/distributed/checkpoint/state_dict.py", 440, "FSD111"): Verdict(
+        False, _VENDORED),
+    ("volcengine/verl", "verl/third_party/torch/distributed/checkpoint/state_dict.py", 833, "FSD111"): Verdict(
+        False, _VENDORED),
+    ("volcengine/verl", "verl/third_party/torch/distributed/checkpoint/state_dict.py", 1008, "FSD111"): Verdict(
+        False, _VENDORED),
+    ("volcengine/verl", "verl/trainer/fsdp_sft_trainer.py", 312, "FSD111"): Verdict(False, _FSDP1_BRANCH),
+    ("volcengine/verl", "verl/utils/fsdp_utils.py", 410, "FSD111"): Verdict(False, _FSDP1_BRANCH),
+    ("volcengine/verl", "verl/utils/fsdp_utils.py", 597, "FSD111"): Verdict(
+        False, "guarded by the module's FSDP version; on a fully_shard module it gathers nothing and the "
+        "parameters are gathered with .full_tensor() right after"),
+    ("volcengine/verl", "verl/utils/fsdp_utils.py", 629, "FSD111"): Verdict(False, _FSDP1_BRANCH),
+    ("volcengine/verl", "verl/workers/actor/dp_actor.py", 96, "FSD111"): Verdict(
+        False, "ShardedGradScaler all-reduces found_inf over the ranks: correct under fully_shard too"),
+    ("volcengine/verl", "verl/workers/engine/fsdp/transformer_impl.py", 324, "FSD111"): Verdict(False, _FSDP1_BRANCH),
+    ("volcengine/verl", "verl/workers/engine/fsdp/transformer_impl.py", 368, "FSD111"): Verdict(False, _FSDP1_BRANCH),
+    ("volcengine/verl", "verl/workers/engine/fsdp/transformer_impl.py", 374, "FSD111"): Verdict(False, _FSDP1_BRANCH),
+    ("volcengine/verl", "verl/workers/fsdp_workers.py", 155, "FSD106"): Verdict(
+        False, _DEVICE_SET + "the base Worker class sets the local rank's device"),
+    ("volcengine/verl", "verl/workers/fsdp_workers.py", 529, "FSD111"): Verdict(False, _FSDP1_BRANCH),
+    ("volcengine/verl", "verl/workers/fsdp_workers.py", 656, "FSD111"): Verdict(False, _FSDP1_BRANCH),
+    ("volcengine/verl", "verl/workers/fsdp_workers.py", 662, "FSD111"): Verdict(False, _FSDP1_BRANCH),
+    ("volcengine/verl", "verl/workers/fsdp_workers.py", 1194, "FSD106"): Verdict(
+        False, _DEVICE_SET + "the base Worker class sets the local rank's device"),
+    ("volcengine/verl", "verl/workers/fsdp_workers.py", 1430, "FSD111"): Verdict(False, _FSDP1_BRANCH),
+    ("volcengine/verl", "verl/workers/fsdp_workers.py", 1651, "FSD106"): Verdict(
+        False, _DEVICE_SET + "the base Worker class sets the local rank's device"),
+    ("volcengine/verl", "verl/workers/fsdp_workers.py", 1747, "FSD111"): Verdict(False, _FSDP1_BRANCH),
+    ("volcengine/verl", "verl/workers/rollout/hf_rollout.py", 110, "FSD111"): Verdict(
+        False, "behind `isinstance(self.module, FSDP)`: only FSDP1 modules reach it"),
+}
 
 
 @dataclass(frozen=True)
@@ -242,6 +329,16 @@ def report_lines(results: Sequence[CodebaseResult]) -> List[str]:
             v = "unclassified" if verdict is None else ("true" if verdict.true else "**false**")
             why = (verdict.why if verdict else message).replace("|", "\\|")
             lines.append(f"| {res.codebase.repo} | `{path}:{line}` | {code} | {'yes' if fsdp2 else 'no'} | {v} | {why} |")
+    reported = {(res.codebase.repo, r[0], r[1], r[2]) for res in results for r in res.findings}
+    ran = {res.codebase.repo for res in results if not res.error}
+    gone = [(k, v) for k, v in FINDINGS.items() if k[0] in ran and k not in reported]
+    if gone:
+        lines += ["", f"### Classified findings of earlier rule versions, no longer reported ({len(gone)}: "
+                  f"{sum(1 for _, v in gone if v.true)} true, {sum(1 for _, v in gone if not v.true)} false)", "",
+                  "| codebase | file:line | rule | verdict | why |", "|---|---|---|---|---|"]
+        for (repo, path, line, code), v in gone:
+            lines.append(f"| {repo} | `{path}:{line}` | {code} | {'true (a miss now)' if v.true else 'false'} | "
+                         f"{v.why.replace('|', chr(92) + '|')} |")
     lines += ["", "### Planted defects in real files", "", "| case | file | defect | expected | reported | caught |",
               "|---|---|---|---|---|---|"]
     for res in results:

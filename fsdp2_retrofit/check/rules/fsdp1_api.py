@@ -27,7 +27,9 @@ class Fsdp1Api(Rule):
     file shards with `fully_shard` and wraps nothing with FSDP1. An FSDP1 call inside the body of an
     `if` whose test asks whether the module is an FSDP1 one (`isinstance(m, FSDP)`, or
     a function of the script or the project that does: `fsdp_version(m) == 1`) is
-    never flagged.
+    never flagged. (The rule stays on by default rather than opt-in: an FSDP1-only or
+    half-migrated script is what `rewrite` migrates, and code that keeps FSDP1 beside
+    FSDP2 on purpose is left alone by the conditions above.)
 
     ## Why is this bad?
     FSDP1 flattens parameters into one FlatParameter per unit, which breaks per-parameter

@@ -20,8 +20,10 @@ class LocalGradNorm(Rule):
 
     ## What it does
     Flags reads of the value `clip_grad_norm_` returns for a sharded module's
-    parameters as a number: `.item()`, `float(...)`, an f-string, `print`, a logger
-    or metrics call.
+    parameters as a number: `.item()`, `float(...)` (also of the call itself:
+    `float(clip_grad_norm_(...))`), an f-string, `print`, a logger or metrics call, a
+    metrics dict (`{"grad_norm": norm}`, `metrics["grad_norm"] = norm`). A test
+    `norm is not None` reads no value.
 
     ## Why is this bad?
     With DTensor parameters the returned norm is a DTensor. The clipping itself is

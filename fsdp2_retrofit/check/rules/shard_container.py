@@ -21,8 +21,10 @@ class ShardContainer(Rule):
 
     ## What it does
     Flags `fully_shard(x)` where `x` is a `ModuleList` or `ModuleDict`: built as one in
-    the same script, or an attribute that the model's class (in the script or a
-    sibling module) assigns one to.
+    the same script, an attribute that the model's class (in the script or a
+    sibling module) assigns one to (any `ModuleDict`/`ModuleList`, or an instance of a
+    class of the project built on one), or the value of a function of a project module
+    whose every `return` builds one.
 
     ## Why is this bad?
     FSDP2 all-gathers a unit's parameters in a hook on the unit's `forward`. Containers

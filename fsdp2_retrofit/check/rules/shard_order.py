@@ -13,7 +13,9 @@ class ShardOrder(Rule):
 
     ## What it does
     Flags `fully_shard(model)` when a `fully_shard` of one of `model`'s parts (its
-    blocks) comes after it in the same function.
+    blocks) comes after it in the same function. Not when the two are on the two sides
+    of one `if`/`else` (`if fine: fully_shard(self.moe) else: fully_shard(self.moe.shared)`):
+    alternatives, never both run.
 
     ## Why is this bad?
     `fully_shard` groups every parameter not already in a unit below it into one unit.

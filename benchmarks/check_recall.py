@@ -269,6 +269,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
 
 # --- cross-module: the sharding helper in another module of the project (fixtures/check/projects)
 _TITAN, _TUNE, _LINGUA = "projects/titan/train.py", "projects/tune/recipes/full_finetune.py", "projects/lingua/train.py"
+_MOE = "projects/moe/train.py"
 _TITAN_SAVE = "    dcp.save(state, checkpoint_id=args.out)\n"
 _TUNE_SAVE = '        dcp.save(state, checkpoint_id=os.path.join(self._cfg.output_dir, f"epoch_{epoch}"))\n'
 CROSS_MODULE: Tuple[Mutation, ...] = (
@@ -334,6 +335,13 @@ CROSS_MODULE: Tuple[Mutation, ...] = (
     Mutation("xmod-star-batchnorm", "BatchNorm in the model a star-imported helper shards", _LINGUA,
              "        self.head = nn.Linear(dim, vocab)\n",
              "        self.head = nn.Sequential(nn.BatchNorm1d(16), nn.Linear(dim, vocab))\n", "FSD118"),
+    # issue 31: misses found on expert FSDP2 codebases
+    Mutation("xmod-shard-moduledict", "`fully_shard` of an nn.ModuleDict of experts whose class (the model's) is in "
+             "model.py", _MOE, "    for expert in model.experts.values():\n        fully_shard(expert, mesh=mesh)\n",
+             "    fully_shard(model.experts, mesh=mesh)\n", "FSD109"),
+    Mutation("xmod-local-grad-norm-float", "`float(clip_grad_norm_(...))`: the norm read as a number at once",
+             _MOE, "        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n        norm = norm.full_tensor()\n",
+             "        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))\n", "FSD107"),
 )
 MUTATIONS = MUTATIONS + CROSS_MODULE
 

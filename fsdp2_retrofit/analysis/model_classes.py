@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import libcst as cst
 
@@ -158,6 +158,41 @@ class ClassRegistry:
             for c in self.block_containers(sub, depth - 1):
                 found.append(Container((attr,) + c.path, c.block_class, c.kind, c.node))
         return found
+
+    def container_kind(self, name: Optional[str], path: Sequence[str], depth: int = 4) -> Optional[str]:
+        """"ModuleList" or "ModuleDict" when `self.<path>` of an instance of class `name` is one:
+        built as `nn.ModuleDict(...)`/`nn.ModuleList(...)` by an assignment in the class's
+        methods (whatever it holds: unlike block_containers, which keeps repeated blocks
+        only), or built from a class of the project that subclasses one. The class may be in
+        the script or a sibling module (read by its own file's imports); a path through a
+        submodule (`self.moe.experts`) follows that submodule's class."""
+        info = self.get(name)
+        if info is None or not path or depth == 0:
+            return None
+        if len(path) > 1:
+            return self.container_kind(info.submodules.get(path[0]), path[1:], depth - 1)
+        for method in info.methods.values() if info.methods else ():
+            for assign in (n for n in walk(method) if isinstance(n, cst.Assign)):
+                if not (len(assign.targets) == 1 and tuple(attr_path(assign.targets[0].target) or ()) == ("self", path[0])):
+                    continue
+                if not isinstance(assign.value, cst.Call) or info.namer is None:
+                    continue
+                built = info.namer.of(assign.value)
+                kind = self.container_class_kind(built, depth - 1)
+                if kind:
+                    return kind
+        return None
+
+    def container_class_kind(self, name: Optional[str], depth: int = 4) -> Optional[str]:
+        """"ModuleList"/"ModuleDict" for those torch.nn classes and the project's classes built on them."""
+        if not name or depth == 0:
+            return None
+        if name in BARE_CONTAINERS:
+            return name.rsplit(".", 1)[-1]
+        info = self.get(name)
+        if info is None:
+            return None
+        return next(filter(None, (self.container_class_kind(b, depth - 1) for b in info.bases)), None)
 
     def mentions(self, name: Optional[str], word: str, depth: int = 4) -> bool:
         """`word` occurs in the source of the class or of a class it is built from."""

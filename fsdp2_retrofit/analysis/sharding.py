@@ -664,7 +664,8 @@ class _Collector:
             root = f.sharded_module(arg, call)
             if root is not None:
                 changed |= _receive(f, callee, param, _received_site(f, root, call))
-        return self._bind_returns(call, self._sharded_returns(callee)) or changed
+        legacy: Dict[Optional[int], bool] = {}
+        return self._bind_returns(call, self._sharded_returns(callee, legacy), legacy) or changed
 
     def _constructed(self, call: cst.Call, cls: cst.ClassDef) -> bool:
         """`Trainer(model)` of a class of the script whose __init__ stores the sharded
@@ -708,9 +709,11 @@ class _Collector:
                                  target=arg))
         return True
 
-    def _bind_returns(self, call: cst.Call, returns: Dict[Optional[int], bool]) -> bool:
+    def _bind_returns(self, call: cst.Call, returns: Dict[Optional[int], bool],
+                      legacy: Optional[Dict[Optional[int], bool]] = None) -> bool:
         """`model = setup(model)`, `model, opt = build(cfg)`, `self.model = shard(...)`:
-        the names bound to what a function returns sharded."""
+        the names bound to what a function returns sharded (`legacy`: the positions the
+        function wraps with FSDP1 only)."""
         f = self.facts
         parent = self.r.parent(call)
         if not returns or not (isinstance(parent, cst.Assign) and len(parent.targets) == 1):
@@ -720,22 +723,53 @@ class _Collector:
             name = _target_at(parent.targets[0].target, position)
             if name is None or any(s.call is call and s.root == name for s in f.sites):
                 continue
-            f.sites.append(ShardSite(call, name, whole, f.scope_of(call), f.order(call), target=call))
+            f.sites.append(ShardSite(call, name, whole, f.scope_of(call), f.order(call),
+                                     bool(legacy and legacy.get(position)), target=call))
             changed = True
         return changed
+
+    def _resharding(self, site: ShardSite) -> bool:
+        """The site runs only for a module FSDP2 already shards: inside the body of an `if`
+        whose test is `isinstance(<its root>, FSDPModule)` (directly, or a name bound to it:
+        `is_fsdp = isinstance(model, FSDPModule)`), as a helper that swaps a submodule of a
+        sharded model shards the new one. It shards no plain module handed to the function."""
+        if not isinstance(site.call, cst.Call):
+            return False
+        child = site.call
+        for above in self.r.ancestors(site.call):
+            if isinstance(above, (cst.FunctionDef, cst.ClassDef)):
+                return False
+            if isinstance(above, cst.If) and child is above.body and self._tests_fsdp2(above.test, site):
+                return True
+            child = above
+        return False
+
+    def _tests_fsdp2(self, test, site: ShardSite) -> bool:
+        tests = [test]
+        if isinstance(test, cst.Name):
+            tests = self.facts.bound_values(test.value, test)
+        for t in tests:
+            if (isinstance(t, cst.Call) and isinstance(t.func, cst.Name) and t.func.value == "isinstance"
+                    and len(t.args) == 2 and isinstance(t.args[0].value, cst.Name)
+                    and t.args[0].value.value == site.root.split(".", 1)[0]
+                    and any(q.rsplit(".", 1)[-1] == "FSDPModule" for q in self.r.qnames(t.args[1].value))):
+                return True
+        return False
 
     def _sharded_by_callee(self, callee: cst.FunctionDef, param: str, arg, call: cst.Call) -> bool:
         """`apply_fsdp(model, mesh)`: a function that shards its parameter shards the
         caller's module from that call on."""
-        inside = [s for s in self.facts.sites if s.scope is callee and s.root == param]
+        inside = [s for s in self.facts.sites if s.scope is callee and s.root == param and not self._resharding(s)]
         if not inside:
             return False
         return self._add_call_site(call, arg, any(s.whole for s in inside), all(s.legacy for s in inside))
 
-    def _sharded_returns(self, fn: cst.FunctionDef) -> Dict[Optional[int], bool]:
+    def _sharded_returns(self, fn: cst.FunctionDef,
+                         legacy: Optional[Dict[Optional[int], bool]] = None) -> Dict[Optional[int], bool]:
         """Positions of the returned values that are sharded modules (None for the whole
         return value, i for the i-th element of a returned tuple), each with whether the
-        module itself is a unit (not only its blocks)."""
+        module itself is a unit (not only its blocks). `legacy`, when given, is filled with
+        whether every site of each position is an FSDP1 wrap."""
         f = self.facts
         out: Dict[Optional[int], bool] = {}
 
@@ -743,8 +777,11 @@ class _Collector:
             root = f.sharded_module(value, ret)
             if root is not None:
                 found = f.part(value, ret) or _base(value)
-                whole = found[1] and any(s.whole for s in f.sites_for(root, ret))
+                sites = f.sites_for(root, ret)
+                whole = found[1] and any(s.whole for s in sites)
                 out[position] = out.get(position, False) or whole
+                if legacy is not None:
+                    legacy[position] = legacy.get(position, True) and bool(sites) and all(s.legacy for s in sites)
 
         for ret in self.r.nodes(cst.Return):
             if self.r.enclosing_function(ret) is not fn or ret.value is None:
@@ -766,7 +803,7 @@ class _Collector:
             params = parameter_names(fn)
             shards: Dict[str, Tuple[bool, bool]] = {}
             for s in self.facts.sites:
-                if s.scope is fn and s.root in params:
+                if s.scope is fn and s.root in params and not self._resharding(s):
                     whole, legacy = shards.get(s.root, (False, True))
                     shards[s.root] = (whole or s.whole, legacy and s.legacy)
             returns = self._sharded_returns(fn)

@@ -7,6 +7,7 @@ import libcst as cst
 
 from fsdp2_retrofit.analysis.closures import sharded_here
 from fsdp2_retrofit.analysis.sharding import part_root
+from fsdp2_retrofit.syntax.names import bind_args
 from fsdp2_retrofit.syntax.torch_api import TORCH_LOAD
 from . import Invalid, Rule, Valid
 
@@ -36,7 +37,9 @@ class ChangeAfterShard(Rule):
       `state_dict()` of a module that is not sharded, a `safetensors` file
       (`torch.load` is FSD112's); this one after the sharding of any of its blocks too.
     A part added or a cast between the blocks' `fully_shard` and the root's is not
-    flagged: the root's `fully_shard` takes the parameters as they are then.
+    flagged: the root's `fully_shard` takes the parameters as they are then. Neither is a
+    new submodule sharded in turn: `fully_shard(model.head)` after it in the same function,
+    or, for a helper handed the model, after the helper's call in its caller.
     Nor is `m.register_parameter(name, p)` putting back a parameter the same function
     took out of fully_shard's way before it (`m.register_parameter(name, None)`: a
     0-dim one, which fully_shard cannot split) when `p` gets a gradient hook there
@@ -81,6 +84,11 @@ class ChangeAfterShard(Rule):
     )
     VALID = (
         Valid(_HEAD + "model.head = nn.Linear(4, 2)\nmodel.to(torch.bfloat16)\nfully_shard(model)\n"),
+        Valid(_HEAD + "fully_shard(model)\nmodel.head = nn.Linear(4, 2)\nfully_shard(model.head)\n"),  # sharded in turn
+        Valid(  # a helper swaps the submodule, its caller shards the new one (torchtune's embedding resize)
+            _HEAD + "def swap(m):\n    m.head = nn.Linear(4, 2)\ndef resize(model):\n    swap(model)\n"
+            "    fully_shard(model.head)\ndef main():\n    model = Net()\n    fully_shard(model)\n    resize(model)\n"
+        ),
         Valid(_HEAD + "fully_shard(model)\nmodel.to('cuda')\nout = model(x).float()\n"),  # device moves are fine
         Valid(_HEAD + "fully_shard(model)\nw = model.head.weight.float()\nmodel.history = []\n"),  # tensors, plain data
         Valid(_HEAD + "fully_shard(model)\nstate = get_model_state_dict(model)\ndcp.load(state, checkpoint_id=p)\n"
@@ -94,6 +102,11 @@ class ChangeAfterShard(Rule):
     )
     INVALID = (
         Invalid(_HEAD + "fully_shard(model)\nmodel.head = nn.Linear(4, 2)\n", line=6),
+        Invalid(  # the caller shards another submodule than the one swapped in
+            _HEAD + "def swap(m):\n    m.head = nn.Linear(4, 2)\ndef resize(model):\n    swap(model)\n"
+            "    fully_shard(model.embed)\ndef main():\n    model = Net()\n    fully_shard(model)\n    resize(model)\n",
+            line=6,
+        ),
         Invalid(_HEAD + "fully_shard(model)\nmodel.to(torch.bfloat16)\n", line=6),
         Invalid(_HEAD + "scale = model.scale\nmodel.register_parameter('scale', None)\nfully_shard(model)\n"
                 "model.register_parameter('scale', scale)\n", line=8),  # put back, but no hook syncs its gradient
@@ -118,7 +131,7 @@ class ChangeAfterShard(Rule):
                 target = t.target
                 if isinstance(target, cst.Attribute) and _builds_module(ctx, assign.value, classes):
                     found = sharded_here(shards, target.value, assign, root_sharded=True)
-                    if found is not None:
+                    if found is not None and not _sharded_later(ctx, assign, target):
                         yield assign, self._new_part(ctx, found, f"`{_code(target)} = {_code(assign.value.func)}(...)`"), None
                         break
         for call in ctx.nodes(cst.Call):
@@ -182,6 +195,38 @@ class ChangeAfterShard(Rule):
             if len(values) == 1:
                 return self._plain(ctx, values[0], at, depth - 1)
         return None
+
+
+def _sharded_later(ctx, assign: cst.Assign, target: cst.Attribute) -> bool:
+    """The new submodule is sharded in turn: `fully_shard(model.head)` after
+    `model.head = nn.Linear(...)` in the same function, or, where `model` is a parameter of
+    that function, after a call of it in a function of this file that hands it the module
+    (`_swap(model, n)` then `fully_shard(model.head)`: a helper that swaps a submodule
+    of a sharded model, the caller shards the new one)."""
+    shards = ctx.shards
+    attr = target.attr.value
+    sites = [s for s in shards.sites if s.direct and not s.legacy and isinstance(s.call, cst.Call) and s.call.args]
+
+    def sharded_after(owner: str, scope, order: int) -> bool:
+        for s in sites:
+            arg = s.call.args[0].value
+            if (shards.scope_of(s.call) is scope and shards.order(s.call) > order
+                    and isinstance(arg, cst.Attribute) and arg.attr.value == attr and _code(arg.value) == owner):
+                return True
+        return False
+
+    fn = shards.scope_of(assign)
+    if sharded_after(_code(target.value), fn, shards.order(assign)):
+        return True
+    if not (isinstance(fn, cst.FunctionDef) and isinstance(target.value, cst.Name)):
+        return False
+    for call in ctx.nodes(cst.Call):
+        if not (isinstance(call.func, cst.Name) and call.func.value == fn.name.value):
+            continue
+        for param, arg in bind_args(fn, call, 0):
+            if param == target.value.value and sharded_after(_code(arg), shards.scope_of(call), shards.order(call)):
+                return True
+    return False
 
 
 def _put_back(ctx, call: cst.Call) -> bool:

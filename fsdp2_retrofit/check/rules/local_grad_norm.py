@@ -20,8 +20,10 @@ class LocalGradNorm(Rule):
 
     ## What it does
     Flags reads of the value `clip_grad_norm_` returns for a sharded module's
-    parameters as a number: `.item()`, `float(...)`, an f-string, `print`, a logger
-    or metrics call.
+    parameters as a number: `.item()`, `float(...)` (also of the call itself:
+    `float(clip_grad_norm_(...))`), an f-string, `print`, a logger or metrics call, a
+    metrics dict (`{"grad_norm": norm}`, `metrics["grad_norm"] = norm`). A test
+    `norm is not None` reads no value.
 
     ## Why is this bad?
     With DTensor parameters the returned norm is a DTensor. The clipping itself is
@@ -56,6 +58,8 @@ class LocalGradNorm(Rule):
         Valid(_HEAD + "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"),
         Valid("import torch\nnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\nprint(norm.item())\n"),
         Valid(_HEAD + _CLIP + "print(norm.full_tensor().item())\n"),
+        Valid(_HEAD + _CLIP + "if norm is not None:\n    norm = norm.full_tensor()\n    print(float(norm))\n"),
+        Valid(_HEAD + "g = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor())\n"),
     )
     INVALID = (
         Invalid(_HEAD + _CLIP + "print(f'norm {norm.item():.3f}')\n", line=5,
@@ -66,6 +70,10 @@ class LocalGradNorm(Rule):
                 fixed=_HEAD + _CLIP + _FULL + "if rank == 0:\n    print(f'norm {norm}')\n"),
         Invalid(_HEAD + "g = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()\n", line=4,
                 fixed=_HEAD + "g = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor().item()\n"),
+        Invalid(_HEAD + "g = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))\n", line=4,
+                fixed=_HEAD + "g = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor())\n"),
+        Invalid(_HEAD + _CLIP + "metrics = {}\nif norm is not None:\n    metrics['grad_norm'] = norm\n", line=7,
+                fixed=_HEAD + _CLIP + _FULL + "metrics = {}\nif norm is not None:\n    metrics['grad_norm'] = norm\n"),
     )
 
     def check(self, ctx):
@@ -79,6 +87,12 @@ class LocalGradNorm(Rule):
             gated = shards.rank_zero_branch(clip) is not None
             parent = ctx.resolver.parent(clip)
             if isinstance(parent, cst.Attribute) and parent.attr.value in _NUMBER_METHODS:
+                new = parent.with_changes(value=cst.Call(cst.Attribute(clip, cst.Name("full_tensor"))))
+                fix = None if gated else Fix("Read it with `.full_tensor()`", [Edit(parent, new)])
+                yield clip, {"name": "clip_grad_norm_(...)"}, fix
+                continue
+            if isinstance(parent, cst.Arg) and parent.value is clip and _number_call(ctx.resolver.parent(parent)):
+                # `float(clip_grad_norm_(...))`: read as a number straight away
                 new = parent.with_changes(value=cst.Call(cst.Attribute(clip, cst.Name("full_tensor"))))
                 fix = None if gated else Fix("Read it with `.full_tensor()`", [Edit(parent, new)])
                 yield clip, {"name": "clip_grad_norm_(...)"}, fix
@@ -128,19 +142,35 @@ def _numeric_reads(ctx, name: str, clip: cst.Call):
             yield node
             continue
         if isinstance(parent, cst.Arg):
-            call = r.parent(parent)
-            func = call.func if isinstance(call, cst.Call) else None
-            if isinstance(func, cst.Name) and func.value in _NUMBER_FUNCS:
-                yield node
-            elif isinstance(func, cst.Attribute) and func.attr.value in _LOG_METHODS:
-                yield node
-            elif isinstance(func, cst.Attribute) and "math." in _dotted(func):
+            if _number_call(r.parent(parent)):
                 yield node
             continue
         if isinstance(parent, cst.DictElement) and parent.value is node:
             yield node  # wandb.log({"grad_norm": norm}) and friends
+        elif (isinstance(parent, cst.Assign) and parent.value is node and len(parent.targets) == 1
+              and isinstance(parent.targets[0].target, cst.Subscript)):
+            yield node  # metrics["grad_norm"] = norm: a dict a logger reads
+        elif isinstance(parent, cst.Comparison) and all(_identity(c) for c in parent.comparisons):
+            continue  # `norm is not None`: no value read
+        elif isinstance(parent, cst.ComparisonTarget) and _identity(parent):
+            continue
         elif isinstance(parent, (cst.FormattedStringExpression, cst.Comparison, cst.ComparisonTarget)):
             yield node
+
+
+def _identity(target: cst.ComparisonTarget) -> bool:
+    return isinstance(target.operator, (cst.Is, cst.IsNot))
+
+
+def _number_call(call) -> bool:
+    """`float(x)`, `print(x)`, `logger.info(..., x)`, `math.isfinite(x)`: x read as a number."""
+    if not isinstance(call, cst.Call):
+        return False
+    func = call.func
+    return (
+        (isinstance(func, cst.Name) and func.value in _NUMBER_FUNCS)
+        or (isinstance(func, cst.Attribute) and (func.attr.value in _LOG_METHODS or "math." in _dotted(func)))
+    )
 
 
 def _dotted(node) -> str:

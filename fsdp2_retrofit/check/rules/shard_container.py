@@ -21,8 +21,10 @@ class ShardContainer(Rule):
 
     ## What it does
     Flags `fully_shard(x)` where `x` is a `ModuleList` or `ModuleDict`: built as one in
-    the same script, or an attribute that the model's class (in the script or a
-    sibling module) assigns one to.
+    the same script, an attribute that the model's class (in the script or a
+    sibling module) assigns one to (any `ModuleDict`/`ModuleList`, or an instance of a
+    class of the project built on one), or the value of a function of a project module
+    whose every `return` builds one.
 
     ## Why is this bad?
     FSDP2 all-gathers a unit's parameters in a hook on the unit's `forward`. Containers
@@ -73,6 +75,10 @@ class ShardContainer(Rule):
                 names = ctx.resolver.qnames(value) if isinstance(value, cst.Call) else set()
                 if names & _BARE:
                     return sorted(names & _BARE)[0].rsplit(".", 1)[-1]
+                for q in sorted(names):
+                    kind = ctx.classes().container_class_kind(q) or _returned_kind(ctx, q)
+                    if kind:
+                        return kind
             return None
         path = attr_path(target)
         if not path or len(path) < 2:
@@ -83,7 +89,8 @@ class ShardContainer(Rule):
         for container in ctx.classes().block_containers(owner_class):
             if container.path == tuple(path[1:]) and container.kind in ("ModuleList", "ModuleDict"):
                 return container.kind
-        return None
+        # any ModuleDict/ModuleList attribute (not only repeated blocks), its class in any module read
+        return ctx.classes().container_kind(owner_class, path[1:])
 
     def _class_of(self, ctx, name: str, at):
         for value in ctx.shards.bound_values(name, at):
@@ -95,6 +102,23 @@ class ShardContainer(Rule):
                     if ctx.classes().is_module_class(q):
                         return q
         return None
+
+
+def _returned_kind(ctx, qname: str):
+    """"ModuleDict"/"ModuleList" when every `return` of the project function `qname` (the
+    script's or a sibling module's, through re-exports) builds one (or a class built on one)."""
+    from fsdp2_retrofit.analysis.module_values import ModuleValues
+    from fsdp2_retrofit.analysis.returns import own_returns
+
+    registry = ctx.classes()
+    bound = ModuleValues(registry).bound(qname)
+    if bound is None or bound.function is None or bound.namer is None:
+        return None
+    kinds = set()
+    for ret in own_returns(bound.namer.resolver, bound.function):
+        value = ret.value
+        kinds.add(registry.container_class_kind(bound.namer.of(value)) if isinstance(value, cst.Call) else None)
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def _code(node) -> str:

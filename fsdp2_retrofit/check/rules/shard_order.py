@@ -1,6 +1,8 @@
 """FSD104 shard-order."""
 from __future__ import annotations
 
+import libcst as cst
+
 from . import Invalid, Rule, Valid
 
 _HEAD = "from torch.distributed.fsdp import fully_shard\nmodel = Net()\n"
@@ -11,7 +13,9 @@ class ShardOrder(Rule):
 
     ## What it does
     Flags `fully_shard(model)` when a `fully_shard` of one of `model`'s parts (its
-    blocks) comes after it in the same function.
+    blocks) comes after it in the same function. Not when the two are on the two sides
+    of one `if`/`else` (`if fine: fully_shard(self.moe) else: fully_shard(self.moe.shared)`):
+    alternatives, never both run.
 
     ## Why is this bad?
     `fully_shard` groups every parameter not already in a unit below it into one unit.
@@ -43,6 +47,9 @@ class ShardOrder(Rule):
     VALID = (
         Valid(_HEAD + "for block in model.blocks:\n    fully_shard(block)\nfully_shard(model)\n"),
         Valid(_HEAD + "fully_shard(model)\n"),
+        Valid(  # two alternatives: the root (moe) in one branch, its part in the other
+            _HEAD + "if fine:\n    fully_shard(model.moe)\nelse:\n    fully_shard(model.moe.shared)\nfully_shard(model)\n"
+        ),
     )
     INVALID = (
         Invalid(_HEAD + "fully_shard(model)\nfor block in model.blocks:\n    fully_shard(block)\n", line=3),
@@ -62,7 +69,25 @@ class ShardOrder(Rule):
             parts = [
                 s for s in sites
                 if s.root == root_site.root and not s.whole and s.scope is root_site.scope and s.order > root_site.order
+                and not _exclusive(ctx.resolver, s.call, root_site.call)
             ]
             if parts:
                 first = min(parts, key=lambda s: s.order)
                 yield root_site.call, {"root": root_site.root, "line": str(ctx.resolver.line(first.call))}, None
+
+
+def _sides(resolver, node):
+    """{id(if): "body" | "orelse"} for each `if` (and conditional expression) around `node`."""
+    out = {}
+    child = node
+    for above in resolver.ancestors(node):
+        if isinstance(above, (cst.If, cst.IfExp)):
+            out[id(above)] = "body" if child is above.body else "orelse" if child is above.orelse else "test"
+        child = above
+    return out
+
+
+def _exclusive(resolver, a, b) -> bool:
+    """`a` and `b` are on the two sides of one `if`/`else` (or `x if c else y`): never both run."""
+    sa, sb = _sides(resolver, a), _sides(resolver, b)
+    return any(side != sb[key] and "test" not in (side, sb[key]) for key, side in sa.items() if key in sb)

@@ -131,12 +131,14 @@ def _ensure_newline(lines: Iterable[str]) -> Iterable[str]:
 
 
 class InputError(Exception):
-    """The input cannot be read or parsed: reported as `path:line: message`, exit 2."""
+    """The input cannot be read or parsed: reported as `path:line: message`, exit 2 (`check`
+    adds the column of a syntax error, `path:line:col:`, as ruff does)."""
 
-    def __init__(self, message: str, line: int = 0):
+    def __init__(self, message: str, line: int = 0, col: int = 0):
         super().__init__(message)
         self.message = message
         self.line = line
+        self.col = col
 
 
 # Rendering for the terminal. rich is imported inside the functions: `--help`,

@@ -352,10 +352,54 @@ def test_errors_exit_2_with_file_and_line_and_leave_the_file_alone(tmp_path):
     before = broken.read_bytes()
     result = _invoke([str(broken), "--fix"])
     assert result.exit_code == 2
-    assert result.output.startswith(f"{broken}:2: error: syntax error")
+    assert result.output.startswith(f"{broken}:2:7: error: syntax error: invalid syntax")
     assert broken.read_bytes() == before
     missing = _invoke([str(tmp_path / "nope.py")])
     assert missing.exit_code == 2 and "nope.py: error: no such file or directory" in missing.output
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_syntax_error_is_an_error_also_in_a_file_the_prefilter_skips(tmp_path, monkeypatch, workers):
+    """No FSDP text: no rule can fire, libcst never parses it, but the file cannot run: exit 2 at
+    line:col (as ruff reports it), next to a clean file and a file with findings."""
+    from fsdp2_retrofit.check import checker
+
+    monkeypatch.setattr(checker, "PARALLEL_MIN_FILES", 1 if workers > 1 else 10**6)
+    (tmp_path / "bad.py").write_text(BAD)
+    (tmp_path / "clean.py").write_text("x = 1\n")
+    broken = tmp_path / "broken.py"
+    broken.write_text("import os\n\nif os.sep:\n    print(os.sep\n")
+    result = _invoke([str(tmp_path)])
+    assert result.exit_code == 2
+    assert f"{broken}:4:10: error: syntax error: '(' was never closed" in result.output.splitlines()
+    assert "FSD101" in result.output and "clean.py" not in result.output
+    broken.write_text("import os\n")
+    assert _invoke([str(tmp_path)]).exit_code == 1  # the findings of bad.py remain
+
+
+def test_stdin_with_a_syntax_error_and_no_fsdp_text_exits_2():
+    result = CliRunner().invoke(cli.main, ["check", "-", "--stdin-filename", "x.py"], input="def f(:\n")
+    assert result.exit_code == 2 and result.output.startswith("x.py:1:7: error: syntax error")
+
+
+@pytest.mark.parametrize("text", [
+    b"# caf\xe9\nimport torch\nfrom torch.distributed.fsdp import fully_shard\nfully_shard(m).forward(x)\n",
+    b"import os\nname = 'caf\xe9'\n",  # no FSDP text: the prefilter skips it
+    b"import os\n# caf\xe9 (Python's compile() accepts this comment; python itself refuses the file)\n",
+], ids=["fsdp_text", "no_fsdp_text", "comment_only"])
+def test_bytes_that_do_not_decode_get_the_message_rewrite_gives(tmp_path, text):
+    path = tmp_path / "latin.py"
+    path.write_bytes(text)
+    result = _invoke([str(path)])
+    assert result.exit_code == 2
+    line = result.output.strip()
+    rewrite = CliRunner().invoke(cli.main, ["rewrite", str(path), "--diff"])
+    assert rewrite.exit_code == 2
+    message = rewrite.output.strip().split(": ", 1)[1]  # `path:line: message`
+    assert message.startswith("cannot decode byte 0xe9 as utf-8")
+    number = text[:text.index(b"\xe9")].count(b"\n") + 1
+    assert line == f"{path}:{number}: error: {message}"
+    assert "internal error" not in line
 
 
 def test_options_come_from_pyproject_and_the_command_line_wins(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from fsdp2_retrofit.check.rules import all_rules
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_FIXTURES = sorted((ROOT / "fixtures" / "check").glob("*.py"))
 REWRITE_FIXTURES = sorted((ROOT / "fixtures" / "rewrite").glob("*/*.py"))
-SHARED = ROOT / "fixtures" / "examples"  # the team's example pair, in the repository
+EXAMPLES = ROOT / "fixtures" / "examples"  # the example pair (single-GPU script, hand-written FSDP2 twin)
 EXPECT = re.compile(r"#\s*expect:\s*(FSD\d{3})")
 # Findings on rewrite goldens that are real defects of the golden, not false positives:
 # (fixture, code) pairs a golden is allowed to be flagged for, when the rewrite has a known
@@ -66,7 +66,7 @@ def test_pitfall_fixtures_cover_every_rule():
 
 
 @pytest.mark.parametrize(
-    "path", REWRITE_FIXTURES + sorted(SHARED.glob("*.py")), ids=lambda p: f"{p.parent.name}/{p.name}"
+    "path", REWRITE_FIXTURES + sorted(EXAMPLES.glob("*.py")), ids=lambda p: f"{p.parent.name}/{p.name}"
 )
 def test_rewrite_fixtures_inputs_and_outputs_have_no_findings(path):
     if path.name == "input.py" and path.parent.name.startswith("fsdp1_"):
@@ -80,18 +80,18 @@ def test_rewrite_fixtures_inputs_and_outputs_have_no_findings(path):
 # Each mutation puts one pitfall back into the correct FSDP2 example: the cross-check
 # above would pass for a linter that never looks, this shows it looks.
 MUTATIONS = [
-    ("F.cross_entropy(model(x), y)", "F.cross_entropy(model.forward(x), y)", "FSD101"),
+    ("F.cross_entropy(model(inputs), targets)", "F.cross_entropy(model.forward(inputs), targets)", "FSD101"),
     ("dcp.save(get_model_state_dict(model), checkpoint_id=args.out)", "torch.save(model.state_dict(), args.out)", "FSD102"),
     ("torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
      "gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); print(gn.item())", "FSD107"),
-    ("loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)",
-     "loader = DataLoader(data, batch_size=args.batch_size)", "FSD108"),
+    ("loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)",
+     "loader = DataLoader(dataset, batch_size=args.batch_size)", "FSD108"),
 ]
 
 
 @pytest.mark.parametrize("before,after,code", MUTATIONS, ids=[m[2] for m in MUTATIONS])
 def test_a_pitfall_put_back_into_the_fsdp2_example_is_found(tmp_path, before, after, code):
-    text = (SHARED / "train_fsdp2.py").read_text()
+    text = (EXAMPLES / "train_fsdp2.py").read_text()
     assert before in text
     path = tmp_path / "train.py"
     path.write_text(text.replace(before, after))

@@ -293,7 +293,7 @@ def terminal(monkeypatch):
 
     drawn = io.StringIO()
     monkeypatch.setattr(progress, "stderr_is_terminal", lambda: True)
-    monkeypatch.setattr(progress, "stderr_console", lambda: Console(file=drawn, force_terminal=True, width=100))
+    monkeypatch.setattr(progress, "stderr_console", lambda: Console(file=drawn, force_terminal=True, width=400))
     monkeypatch.setattr(progress, "AFTER_S", 0.0)
     return drawn
 

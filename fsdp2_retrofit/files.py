@@ -63,7 +63,7 @@ def read_source(path: PathLike) -> Source:
         raise InputError("binary file (contains NUL bytes), not a Python script", _line_at(data, nul))
     if not data.lstrip(codecs.BOM_UTF8).strip():
         raise InputError("empty file: nothing to retrofit")
-    encoding = _check_encoding(data)
+    encoding = check_encoding(data)
     return Source(str(path), data, encoding)
 
 
@@ -80,8 +80,9 @@ def decode(data: bytes, like: Optional[bytes] = None) -> str:
         return data.decode("utf-8", errors="replace")
 
 
-def _check_encoding(data: bytes) -> str:
-    """The encoding `data` declares, after checking that all of it decodes."""
+def check_encoding(data: bytes) -> str:
+    """The encoding `data` declares, after checking that all of it decodes (InputError, one
+    line, otherwise: `rewrite` and `check` give the same message)."""
     try:
         encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
     except SyntaxError as exc:

@@ -131,12 +131,14 @@ def _ensure_newline(lines: Iterable[str]) -> Iterable[str]:
 
 
 class InputError(Exception):
-    """The input cannot be read or parsed: reported as `path:line: message`, exit 2."""
+    """The input cannot be read or parsed: reported as `path:line: message`, exit 2 (`check`
+    adds the column of a syntax error, `path:line:col:`, as ruff does)."""
 
-    def __init__(self, message: str, line: int = 0):
+    def __init__(self, message: str, line: int = 0, col: int = 0):
         super().__init__(message)
         self.message = message
         self.line = line
+        self.col = col
 
 
 # Rendering for the terminal. rich is imported inside the functions: `--help`,
@@ -151,14 +153,15 @@ def launch_command(target: str) -> str:
     return single_node(target)
 
 
-def render_text(result: RewriteResult, console, *, target: Optional[str] = None, applied: bool = True,
-                targets: Optional[Dict[str, str]] = None) -> None:
+def render_text(result: RewriteResult, console, *, target: Optional[str] = None,
+                targets: Optional[Dict[str, str]] = None, unwritten: str = "") -> None:
     """The human report of one rewrite, on `console` (a rich Console).
 
     `target` is where the result goes (default: in place), `targets` where each other file
-    of the project it edits goes (default: in place); `applied` says whether they were
-    written or only checked/shown. A refused file's first refusal is the error
-    line the CLI prints, so only the further ones are listed here.
+    of the project it edits goes (default: in place); `unwritten` is the flag (`--diff`,
+    `--check`) that kept them from being written, empty when they were written. A refused
+    file's first refusal is the error line the CLI prints, so only the further ones are
+    listed here.
     """
     from rich.table import Table
     from rich.text import Text
@@ -180,12 +183,18 @@ def render_text(result: RewriteResult, console, *, target: Optional[str] = None,
         return
 
     targets = targets or {}
+    applied = not unwritten
     _render_file(result, console, target, applied)
     for sibling in result.siblings:
         if sibling.code != sibling.original:
             _render_file(sibling, console, targets.get(sibling.path, sibling.path), applied)
 
-    if result.changed:
+    if result.changed and unwritten:
+        # the file on disk is still the single-GPU script: launching it now would not be the rewrite
+        console.print(Text.assemble(
+            f"nothing written ({unwritten}): to write {target}, run the same command without {unwritten}; "
+            "then launch with: ", (launch_command(target), "bold")), soft_wrap=True)
+    elif result.changed:
         from fsdp2_retrofit.rewrite.launch_commands import multi_node
 
         console.print(Text.assemble("launch with: ", (launch_command(target), "bold")), soft_wrap=True)

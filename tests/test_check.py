@@ -18,7 +18,7 @@ from fsdp2_retrofit.check.rules import all_rules
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_FIXTURES = sorted((ROOT / "fixtures" / "check").glob("*.py"))
 REWRITE_FIXTURES = sorted((ROOT / "fixtures" / "rewrite").glob("*/*.py"))
-SHARED = ROOT / "fixtures" / "examples"  # the team's example pair, in the repository
+EXAMPLES = ROOT / "fixtures" / "examples"  # the example pair (single-GPU script, hand-written FSDP2 twin)
 EXPECT = re.compile(r"#\s*expect:\s*(FSD\d{3})")
 # Findings on rewrite goldens that are real defects of the golden, not false positives:
 # (fixture, code) pairs a golden is allowed to be flagged for, when the rewrite has a known
@@ -66,7 +66,7 @@ def test_pitfall_fixtures_cover_every_rule():
 
 
 @pytest.mark.parametrize(
-    "path", REWRITE_FIXTURES + sorted(SHARED.glob("*.py")), ids=lambda p: f"{p.parent.name}/{p.name}"
+    "path", REWRITE_FIXTURES + sorted(EXAMPLES.glob("*.py")), ids=lambda p: f"{p.parent.name}/{p.name}"
 )
 def test_rewrite_fixtures_inputs_and_outputs_have_no_findings(path):
     if path.name == "input.py" and path.parent.name.startswith("fsdp1_"):
@@ -80,18 +80,18 @@ def test_rewrite_fixtures_inputs_and_outputs_have_no_findings(path):
 # Each mutation puts one pitfall back into the correct FSDP2 example: the cross-check
 # above would pass for a linter that never looks, this shows it looks.
 MUTATIONS = [
-    ("F.cross_entropy(model(x), y)", "F.cross_entropy(model.forward(x), y)", "FSD101"),
+    ("F.cross_entropy(model(inputs), targets)", "F.cross_entropy(model.forward(inputs), targets)", "FSD101"),
     ("dcp.save(get_model_state_dict(model), checkpoint_id=args.out)", "torch.save(model.state_dict(), args.out)", "FSD102"),
     ("torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
      "gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); print(gn.item())", "FSD107"),
-    ("loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)",
-     "loader = DataLoader(data, batch_size=args.batch_size)", "FSD108"),
+    ("loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)",
+     "loader = DataLoader(dataset, batch_size=args.batch_size)", "FSD108"),
 ]
 
 
 @pytest.mark.parametrize("before,after,code", MUTATIONS, ids=[m[2] for m in MUTATIONS])
 def test_a_pitfall_put_back_into_the_fsdp2_example_is_found(tmp_path, before, after, code):
-    text = (SHARED / "train_fsdp2.py").read_text()
+    text = (EXAMPLES / "train_fsdp2.py").read_text()
     assert before in text
     path = tmp_path / "train.py"
     path.write_text(text.replace(before, after))
@@ -352,10 +352,54 @@ def test_errors_exit_2_with_file_and_line_and_leave_the_file_alone(tmp_path):
     before = broken.read_bytes()
     result = _invoke([str(broken), "--fix"])
     assert result.exit_code == 2
-    assert result.output.startswith(f"{broken}:2: error: syntax error")
+    assert result.output.startswith(f"{broken}:2:7: error: syntax error: invalid syntax")
     assert broken.read_bytes() == before
     missing = _invoke([str(tmp_path / "nope.py")])
     assert missing.exit_code == 2 and "nope.py: error: no such file or directory" in missing.output
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_syntax_error_is_an_error_also_in_a_file_the_prefilter_skips(tmp_path, monkeypatch, workers):
+    """No FSDP text: no rule can fire, libcst never parses it, but the file cannot run: exit 2 at
+    line:col (as ruff reports it), next to a clean file and a file with findings."""
+    from fsdp2_retrofit.check import checker
+
+    monkeypatch.setattr(checker, "PARALLEL_MIN_FILES", 1 if workers > 1 else 10**6)
+    (tmp_path / "bad.py").write_text(BAD)
+    (tmp_path / "clean.py").write_text("x = 1\n")
+    broken = tmp_path / "broken.py"
+    broken.write_text("import os\n\nif os.sep:\n    print(os.sep\n")
+    result = _invoke([str(tmp_path)])
+    assert result.exit_code == 2
+    assert f"{broken}:4:10: error: syntax error: '(' was never closed" in result.output.splitlines()
+    assert "FSD101" in result.output and "clean.py" not in result.output
+    broken.write_text("import os\n")
+    assert _invoke([str(tmp_path)]).exit_code == 1  # the findings of bad.py remain
+
+
+def test_stdin_with_a_syntax_error_and_no_fsdp_text_exits_2():
+    result = CliRunner().invoke(cli.main, ["check", "-", "--stdin-filename", "x.py"], input="def f(:\n")
+    assert result.exit_code == 2 and result.output.startswith("x.py:1:7: error: syntax error")
+
+
+@pytest.mark.parametrize("text", [
+    b"# caf\xe9\nimport torch\nfrom torch.distributed.fsdp import fully_shard\nfully_shard(m).forward(x)\n",
+    b"import os\nname = 'caf\xe9'\n",  # no FSDP text: the prefilter skips it
+    b"import os\n# caf\xe9 (Python's compile() accepts this comment; python itself refuses the file)\n",
+], ids=["fsdp_text", "no_fsdp_text", "comment_only"])
+def test_bytes_that_do_not_decode_get_the_message_rewrite_gives(tmp_path, text):
+    path = tmp_path / "latin.py"
+    path.write_bytes(text)
+    result = _invoke([str(path)])
+    assert result.exit_code == 2
+    line = result.output.strip()
+    rewrite = CliRunner().invoke(cli.main, ["rewrite", str(path), "--diff"])
+    assert rewrite.exit_code == 2
+    message = rewrite.output.strip().split(": ", 1)[1]  # `path:line: message`
+    assert message.startswith("cannot decode byte 0xe9 as utf-8")
+    number = text[:text.index(b"\xe9")].count(b"\n") + 1
+    assert line == f"{path}:{number}: error: {message}"
+    assert "internal error" not in line
 
 
 def test_options_come_from_pyproject_and_the_command_line_wins(tmp_path, monkeypatch):

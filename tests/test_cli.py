@@ -267,6 +267,79 @@ def test_text_report_lists_changes_attention_and_launch(tmp_path, fake):
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize("flag", ["--diff", "--check"])
+def test_a_run_that_writes_nothing_says_how_to_apply_before_launching(tmp_path, fake, flag):
+    """The file on disk is still the single-GPU script: the last line must not tell the user to
+    launch it as it is."""
+    path = script(tmp_path)
+    last = rewrite(path, flag).stderr.strip().splitlines()[-1]
+    assert last.startswith(f"nothing written ({flag}): to write {path}, run the same command without {flag}; ")
+    assert last.endswith(f"then launch with: torchrun --nproc_per_node=<gpus> {path}")
+    assert "on several nodes" not in rewrite(path, flag).stderr
+    out = tmp_path / "out.py"
+    assert f"to write {out}," in rewrite(path, flag, "-o", out).stderr and not out.exists()
+    written = rewrite(path).stderr.strip().splitlines()
+    assert written[-2] == f"launch with: torchrun --nproc_per_node=<gpus> {path}"  # after a write: launch it
+
+
+@pytest.fixture
+def terminal(monkeypatch):
+    """stderr as a terminal (rich forced to draw), progress due at once; yields what the display drew."""
+    import io
+
+    from rich.console import Console
+
+    from fsdp2_retrofit.cli import progress
+
+    drawn = io.StringIO()
+    monkeypatch.setattr(progress, "stderr_is_terminal", lambda: True)
+    monkeypatch.setattr(progress, "stderr_console", lambda: Console(file=drawn, force_terminal=True, width=400))
+    monkeypatch.setattr(progress, "AFTER_S", 0.0)
+    return drawn
+
+
+def slow(monkeypatch, seconds: float = 0.3, until=None):
+    """The stand-in pipeline, taking `seconds` a file, or with `until`, as long as it takes
+    `until(path)` to hold (10 s at most: a loaded machine can be slow to draw)."""
+    import time
+
+    def rewrite(source, path, options):
+        deadline = time.monotonic() + (10.0 if until else seconds)
+        while time.monotonic() < deadline and not (until and until(path)):
+            time.sleep(0.01)
+        return fake_rewrite(source, path, options)
+
+    monkeypatch.setattr(rewrite_cli, "rewrite_source", rewrite)
+
+
+def test_a_long_rewrite_shows_progress_on_a_terminal_and_erases_it(tmp_path, monkeypatch, terminal):
+    slow(monkeypatch, until=lambda path: f"rewriting {path}" in terminal.getvalue())  # each file: until drawn
+    paths = [script(tmp_path, name=f"train_{i}.py") for i in range(2)]
+    result = rewrite(*paths, "--diff")
+    assert result.exit_code == 0
+    drawn = terminal.getvalue()
+    assert f"rewriting {paths[0]}" in drawn and f"rewriting {paths[1]}" in drawn
+    assert "0/2" in drawn and "1/2" in drawn  # the second file's display counts the first one
+    assert "\x1b[2K" in drawn  # transient: the lines are erased when each file's work ends
+    assert "rewriting" not in result.stdout and "\x1b[" not in result.stdout  # the diff stays clean
+    assert "rewriting" not in result.stderr  # the report's own stream gets none of it
+
+
+def test_no_progress_when_the_run_is_quick_piped_or_quiet(tmp_path, monkeypatch, terminal):
+    from fsdp2_retrofit.cli import progress
+
+    slow(monkeypatch, 0.05)
+    path = script(tmp_path)
+    monkeypatch.setattr(progress, "AFTER_S", 5.0)
+    assert rewrite(path, "--diff").exit_code == 0 and terminal.getvalue() == ""  # under the threshold
+    monkeypatch.setattr(progress, "AFTER_S", 0.0)
+    assert rewrite(path, "--diff", "-q").exit_code == 0 and terminal.getvalue() == ""  # --quiet
+    monkeypatch.setattr(progress, "stderr_is_terminal", lambda: False)
+    assert rewrite(path, "--diff").exit_code == 0 and terminal.getvalue() == ""  # stderr piped
+    monkeypatch.setattr(progress, "stderr_is_terminal", lambda: True)
+    assert rewrite(path, "--diff").exit_code == 0 and "rewriting" in terminal.getvalue()  # the knobs work
+
+
 def test_json_report_on_stdout(tmp_path, fake):
     path = script(tmp_path)
     result = rewrite(path, "--report", "json")

@@ -2,7 +2,7 @@
 
 The unit tests (no torch, no processes) cover the argument scaling, the per-step
 and weight comparison, the verdict and the chart. The e2e tests run real scripts:
-one single-process reference of the shared example is recorded once
+one single-process reference of the example pair is recorded once
 (`--keep-runs`) and reused (`--reuse-single`) by the broken twins, which are
 made from the in-memory retrofit of that example by one small edit each.
 `pytest -s` prints the figures each run produced.
@@ -45,7 +45,7 @@ from fsdp2_retrofit.verify import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO / "fixtures" / "examples"
+EXAMPLES = REPO / "fixtures" / "examples"  # the example pair: train_single.py, its hand-written FSDP2 twin
 FIXTURE = REPO / "fixtures" / "rewrite" / "main_modulelist" / "input.py"
 STEPS = 6
 
@@ -386,14 +386,13 @@ def _figures(name: str, report: dict) -> str:
 
 @pytest.fixture(scope="module")
 def shared_pass(tmp_path_factory):
-    """The shared pair (per-rank batch 32 on 2 ranks vs 64 in one process), runs kept for reuse."""
+    """The example pair (fixtures/examples) (per-rank batch 32 on 2 ranks vs 64 in one process), runs kept for reuse."""
     if importlib.util.find_spec("torch") is None:
         pytest.skip("the verify runs need torch")
-    if not (SHARED / "train_single.py").is_file():
-        pytest.skip(f"shared examples not found at {SHARED}")
+    assert (EXAMPLES / "train_single.py").is_file(), f"the example pair is missing from {EXAMPLES}"
     root = tmp_path_factory.mktemp("shared")
     code, output, report = _verify(
-        SHARED / "train_single.py", "--retrofitted", SHARED / "train_fsdp2.py", "--per-rank-arg", "--batch-size",
+        EXAMPLES / "train_single.py", "--retrofitted", EXAMPLES / "train_fsdp2.py", "--per-rank-arg", "--batch-size",
         "--steps", STEPS, "--keep-runs", root / "runs", "--json", root / "report.json", "--", "--batch-size", "32",
     )
     return code, output, report, root / "runs" / "single"
@@ -421,8 +420,8 @@ def test_an_in_memory_retrofit_of_a_shuffled_fixture_is_equivalent(tmp_path: Pat
     assert not list(FIXTURE.parent.glob("*.pt"))  # the runs wrote into their own folders
 
 
-def _twin(tmp_path: Path, old: str, new: str, name: str, base: Path = SHARED / "train_single.py") -> Path:
-    """The in-memory retrofit of `base` (the shared example; keep-global-batch), with one edit."""
+def _twin(tmp_path: Path, old: str, new: str, name: str, base: Path = EXAMPLES / "train_single.py") -> Path:
+    """The in-memory retrofit of `base` (the example; keep-global-batch), with one edit."""
     from fsdp2_retrofit.verify import retrofit_in_memory
 
     code = retrofit_in_memory(base, tmp_path / "retrofit").read_text()
@@ -434,7 +433,7 @@ def _twin(tmp_path: Path, old: str, new: str, name: str, base: Path = SHARED / "
 
 def _verify_twin(shared_pass, twin: Path, tmp_path: Path):
     *_, single_dir = shared_pass
-    return _verify(SHARED / "train_single.py", "--retrofitted", twin, "--steps", STEPS, "--reuse-single", single_dir,
+    return _verify(EXAMPLES / "train_single.py", "--retrofitted", twin, "--steps", STEPS, "--reuse-single", single_dir,
                    "--json", tmp_path / "r.json", "--", "--batch-size", "64")
 
 
@@ -455,7 +454,7 @@ def test_a_twin_without_the_distributed_sampler_diverges(shared_pass, tmp_path: 
 @pytest.mark.xdist_group("verify_shared")
 def test_a_twin_with_the_optimizer_built_before_sharding_diverges(shared_pass, tmp_path: Path):
     optimizer = "    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)\n"
-    build = "    model = Net().to(device)\n"
+    build = "    model = Classifier().to(device)\n"
     source = _twin(tmp_path, optimizer, "", "tmp.py").read_text()
     twin = tmp_path / "optimizer_first.py"
     twin.write_text(source.replace(build, build + optimizer))
@@ -472,7 +471,7 @@ def test_a_twin_whose_ranks_build_their_own_weights_starts_apart(shared_pass, tm
     """Each rank builds the model under its own seed and shards the mix: caught before
     the first step, from the weights each optimizer starts from (also where the steps
     themselves could not be compared)."""
-    build = "    model = Net().to(device)\n"
+    build = "    model = Classifier().to(device)\n"
     twin = _twin(tmp_path, build, "    torch.manual_seed(dist.get_rank())\n" + build, "own_weights.py")
     code, output, report = _verify_twin(shared_pass, twin, tmp_path)
     print(_figures("twin whose ranks build their own weights", report))
@@ -506,11 +505,11 @@ LOCAL_CLIP = """\
 
 @e2e
 def test_a_twin_clipping_on_local_norms_diverges(tmp_path: Path):
-    """At max_norm 1.0 the shared example clips only its first step, barely (norm 1.003), and
-    each rank's local norm (~0.7) stays under it; at 0.25 both runs clip every step, the twin
-    with a different factor on each rank."""
+    """At max_norm 1.0 the example clips every step in one process (whole-gradient norms 1.17 to
+    1.47 over the first 6 steps) while each rank's local norm (0.88 and 0.92 at step 1) stays
+    under it; at 0.25 both runs clip every step, the twin with a different factor on each rank."""
     clip = "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"
-    original = (SHARED / "train_single.py").read_text()
+    original = (EXAMPLES / "train_single.py").read_text()
     assert original.count(clip) == 1
     script = tmp_path / "train_clip.py"
     script.write_text(original.replace(clip, clip.replace("1.0)", "0.25)")))

@@ -87,7 +87,8 @@ def run(
     on_result: Optional[Callable[[FileResult], None]] = None,
 ) -> List[FileResult]:
     """Lint every path; results in the order of `paths`. Files that no selected rule
-    can apply to (the text prefilter) are not parsed, and never sent to a worker. A file
+    can apply to (the text prefilter) are only compiled by Python (a syntax error or bytes
+    that do not decode are errors, exit 2), not parsed, and never sent to a worker. A file
     whose classes or functions another file of the run hands a sharded module
     (`Trainer(model, ...)` after `fully_shard(model)` in train.py) is linted (again) knowing
     it: its `self.model.forward(x)` is a forward call on a sharded module."""
@@ -103,8 +104,8 @@ def run(
             continue
         if applicable(data, job.rules, path):
             candidates.append(i)
-        else:
-            results[i] = FileResult(path)
+        else:  # not parsed by libcst; a syntax error is still reported (compiled: lint.compiled)
+            results[i] = FileResult(path, error=_compile_error(data, path))
         if on_result is not None and results[i] is not None:
             on_result(results[i])
     workers = workers if workers is not None else (os.cpu_count() or 1)
@@ -125,6 +126,16 @@ def run(
                 on_result(results[i])
     _lint_receivers(job, paths, results, on_result)
     return [r for r in results if r is not None]
+
+
+def _compile_error(data: bytes, path: str) -> Optional[InputError]:
+    from .lint import compiled
+
+    try:
+        compiled(data, path)
+    except InputError as exc:
+        return exc
+    return None
 
 
 def _lint_receivers(job: CheckJob, paths: Sequence[str], results: list, on_result) -> None:

@@ -1,7 +1,7 @@
 """Lint one source: prefilter, parse, analyse once, run the rules, honour noqa, apply fixes.
 
-Cheap first: a file whose text contains none of the selected rules' triggers is not
-parsed at all; the scope and qualified-name metadata are computed only for files
+Cheap first: a file whose text contains none of the selected rules' triggers is only
+compiled by Python (to report a syntax error, as ruff does), not parsed by libcst; the scope and qualified-name metadata are computed only for files
 that pass. Nothing here imports torch or runs the user's code.
 """
 from __future__ import annotations
@@ -125,14 +125,14 @@ def lint_source(
     result = LintResult(path, [], original=data)
     elsewhere = bool(received) or sharded_elsewhere(data, path, rules)
     rules = [r for r in rules if r.may_apply(data, elsewhere)]
-    if not rules:
-        return result
     try:
-        names = code_names(data, path)
+        code = compiled(data, path)  # also where no rule applies: a syntax error is reported, as ruff does
     except InputError as exc:
         result.error = exc
         return result
-    rules = [r for r in rules if r.may_apply_to_names(names, elsewhere)]
+    if not rules:
+        return result
+    rules = [r for r in rules if r.may_apply_to_names(code_names(code), elsewhere)]
     if not rules:
         return result
     try:
@@ -167,15 +167,24 @@ def lint_source(
     return result
 
 
-def code_names(data: bytes, path: str) -> Set[str]:
-    """Every name the compiled code uses (globals, attributes, imports, locals), from
-    Python's own compiler: a mention in a comment or a docstring does not count."""
+def compiled(data: bytes, path: str):
+    """The source compiled by Python itself (about a tenth of libcst's parse): InputError, one
+    line, when it cannot run. Bytes that do not decode get the message `rewrite` gives
+    (files.check_encoding); Python's compile() would accept them in a comment."""
+    from fsdp2_retrofit.files import check_encoding
+
+    check_encoding(data)
     try:
-        top = compile(data, path, "exec", dont_inherit=True)
+        return compile(data, path, "exec", dont_inherit=True)
     except SyntaxError as exc:
-        raise InputError(f"syntax error: {exc.msg}", exc.lineno or 0) from None
+        raise InputError(f"syntax error: {exc.msg}", exc.lineno or 0, exc.offset or 0) from None
     except ValueError as exc:  # NUL bytes and friends
         raise InputError(f"cannot compile: {exc}") from None
+
+
+def code_names(top) -> Set[str]:
+    """Every name the compiled code `top` uses (globals, attributes, imports, locals), from
+    Python's own compiler: a mention in a comment or a docstring does not count."""
     names: Set[str] = set()
     stack = [top]
     while stack:
@@ -192,14 +201,14 @@ def _findings(data: bytes, path: str, rules: Sequence[Type[Rule]], received=(), 
     try:
         module = cst.parse_module(data)
     except cst.ParserSyntaxError as exc:
-        line, message = exc.raw_line, exc.message
+        line, col, message = exc.raw_line, exc.raw_column + 1, exc.message
         try:  # Python's own parser names the line people expect
             compile(data, path, "exec", dont_inherit=True)
         except SyntaxError as py:
-            line, message = py.lineno or line, py.msg
+            line, col, message = py.lineno or line, py.offset or 0, py.msg
         except ValueError:
             pass
-        raise InputError(f"syntax error: {message}", line) from None
+        raise InputError(f"syntax error: {message}", line, col) from None
     except (UnicodeDecodeError, LookupError) as exc:
         raise InputError(f"cannot decode: {exc}") from None
     ctx = LintContext(module, path, received=received)

@@ -161,7 +161,7 @@ class CheckRun:
 
     def _error(self, path: str, exc: InputError) -> None:
         self.errors += 1
-        where = f"{path}:{exc.line}" if exc.line else path
+        where = f"{path}:{exc.line}:{exc.col}" if exc.line and exc.col else f"{path}:{exc.line}" if exc.line else path
         click.echo(f"{where}: error: {exc.message}", err=True)
 
 

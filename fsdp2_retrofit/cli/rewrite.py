@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -201,6 +202,10 @@ def rewrite_command(
         report_format=report_format,
         use_cache=not no_cache,
     )
+    from fsdp2_retrofit.cli import progress
+
+    # a run longer than progress.AFTER_S shows a transient display on a terminal's stderr
+    run.progress = progress.DelayedProgress(len(paths), enabled=not quiet and progress.stderr_is_terminal())
     for path in paths:
         run.process(path)
     if emit_slurm is not None and run.exit_code != EXIT_ERROR:
@@ -251,6 +256,7 @@ class _Run:
         self.counts = {"changed": 0, "unchanged": 0, "failed": 0}
         self._stderr = None
         self._stdout = None
+        self.progress = None  # cli.progress.DelayedProgress, set by the command
 
     @property
     def text_report(self) -> bool:
@@ -265,8 +271,9 @@ class _Run:
             for line in files.finish_interrupted(os.path.dirname(os.path.abspath(path))):
                 click.echo(line, err=True)
         try:
-            source = files.read_source(path)
-            result = cached_rewrite(source.data, path, self.options, self.use_cache)
+            with self.progress.working(path) if self.progress is not None else nullcontext():
+                source = files.read_source(path)
+                result = cached_rewrite(source.data, path, self.options, self.use_cache)
         except InputError as exc:
             return self._fail(path, exc)
         except Exception as exc:  # a bug in a stage: report it, carry on with the next file
@@ -363,7 +370,8 @@ class _Run:
         return self._stdout
 
     def _render(self, result: RewriteResult, targets: Dict[str, str], applied: bool) -> None:
-        render_text(result, self.stderr, target=targets.get(result.path), applied=applied, targets=targets)
+        unwritten = "" if applied else "--diff" if self.diff else "--check"
+        render_text(result, self.stderr, target=targets.get(result.path), targets=targets, unwritten=unwritten)
 
     def _fail(self, path: str, exc: InputError) -> None:
         self._error(path, exc.line, exc.message)

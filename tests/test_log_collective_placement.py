@@ -112,3 +112,32 @@ def test_the_report_says_why_the_all_reduce_runs_on_every_step():
     _, result = rewritten("if loss.item() < best:\n    print(loss.item())\n")
     assert any("on every pass" in c.what and "`if loss.item() < best` is not known" in c.what
                for c in result.changes)
+
+
+def test_rank_tests_and_the_environment_are_never_rank_uniform():
+    import libcst as cst
+
+    from fsdp2_retrofit.analysis.rank_uniform import RankUniform
+    from fsdp2_retrofit.syntax.names import Resolver
+
+    source = dedent('''\
+        import os
+        import argparse
+        import torch.distributed as dist
+        args = argparse.ArgumentParser().parse_args()
+        rank = dist.get_rank()
+        env_rank = int(os.environ["LOCAL_RANK"])
+        steps = 0
+        if rank == 0: pass
+        if dist.get_rank() == 0 and steps % 2 == 0: pass
+        if args.local_rank == 0: pass
+        if int(os.environ["RANK"]) == 0: pass
+        if env_rank == 0: pass
+        if master_process: pass
+        if steps % args.every == 0: pass
+    ''')
+    module = cst.parse_module(source)
+    resolver = Resolver(module)
+    ifs = list(resolver.nodes(cst.If))
+    uniform = RankUniform(resolver)
+    assert [uniform.condition(i.test, i) for i in ifs] == [False] * 6 + [True]

@@ -16,7 +16,8 @@ config dataclass); attributes, subscripts and arithmetic of uniform values; `len
 `int`, `float`, `min`, `max`, `abs`, `round`, `bool` of them, `len` of a DataLoader
 (DistributedSampler pads every rank to the same length). Not proven: a function's
 parameters (its callers are not followed), tensors and their reads (`loss.item()`),
-clocks, random numbers, ranks, anything else.
+clocks, random numbers, anything naming a rank or the main process (`args.local_rank`,
+`master_process`), the environment (`os.environ`), anything else.
 """
 from __future__ import annotations
 
@@ -26,10 +27,13 @@ import libcst as cst
 
 from fsdp2_retrofit.analysis.rank_bindings import binding_targets
 from fsdp2_retrofit.syntax.names import parameter_names
+from fsdp2_retrofit.syntax.rank import mentions_rank
 
 _CALLS = frozenset({"len", "int", "float", "min", "max", "abs", "round", "bool", "str"})
 # `__name__`: every rank runs the script as `__main__`
 _CONSTANTS = frozenset({"True", "False", "None", "__name__"})
+# module attributes that differ between the processes of one run (`os.environ["LOCAL_RANK"]`)
+_PER_PROCESS = frozenset({"environ", "pid"})
 _PARSE = frozenset({"parse_args", "parse_known_args"})
 _LITERALS = (cst.Integer, cst.Float, cst.SimpleString, cst.FormattedString, cst.ConcatenatedString)
 
@@ -56,13 +60,15 @@ class RankUniform:
         return self._bindings
 
     def _uniform(self, expr, scope) -> bool:
+        if mentions_rank(expr):
+            return False  # `args.local_rank`, `master_process`: one value per rank by design
         kind = type(expr)
         if kind in _LITERALS:
             return True
         if kind is cst.Name:
             return expr.value in _CONSTANTS or self._name(expr.value, scope)
         if kind is cst.Attribute:
-            return self._uniform(expr.value, scope)
+            return expr.attr.value not in _PER_PROCESS and self._uniform(expr.value, scope)
         if kind is cst.Subscript:
             return self._uniform(expr.value, scope) and all(
                 type(s.slice) is cst.Index and self._uniform(s.slice.value, scope) for s in expr.slice)

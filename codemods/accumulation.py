@@ -62,25 +62,16 @@ class SyncGradientsOncePerStepCommand(RetrofitStage):
                     TRADE,
                     "DDP's no_sync()/require_backward_grad_sync do nothing on an FSDP2 module",
                 )
-            if self.options.accumulation_params == "hold":
-                lines.append(f"{model}.set_reshard_after_backward({condition})\n")
-                self.change(
-                    backward,
-                    f"`{model}.set_reshard_after_backward({condition})` before backward(): gathered parameters "
-                    "held between the micro-batches of one optimizer step",
-                    HOLD,
-                    "parameters still gathered when the optimizer steps would be stale in the next forward: "
-                    "the last micro-batch reshards",
-                )
-            else:
+            held = hold_parameters(self, backward, model, condition)
+            if not held:
                 self.change(
                     backward,
                     f"gradient accumulation ({how}) frees the gathered parameters after every backward "
                     "(--accumulation-params reshard)",
                     HOLD,
                 )
-            if lines:
-                editor.insert_before(backward, [self.stmt(line) for line in lines])
+            if lines or held:
+                editor.insert_before(backward, [self.stmt(line) for line in lines] + held)
 
     def _model(self, loop: LoopSite, facts: ScriptFacts) -> Optional[str]:
         names = sorted(facts.trained_names.get(loop.function, set()))  # not an EMA copy or a teacher
@@ -150,6 +141,23 @@ class SyncGradientsOncePerStepCommand(RetrofitStage):
             "call set_requires_gradient_sync(<last micro-batch>) before backward() to reduce once per step",
         )
         return None
+
+
+def hold_parameters(stage: RetrofitStage, node, model: str, condition: str) -> list:
+    """`<model>.set_reshard_after_backward(<condition>)` (the statements to put before the
+    backward whose gradient sync follows `condition`), recorded in the report; nothing under
+    --accumulation-params reshard. The accumulation stage and the DDP migration share it."""
+    if stage.options.accumulation_params != "hold":
+        return []
+    stage.change(
+        node,
+        f"`{model}.set_reshard_after_backward({condition})` before backward(): gathered parameters "
+        "held between the micro-batches of one optimizer step",
+        HOLD,
+        "parameters still gathered when the optimizer steps would be stale in the next forward: "
+        "the last micro-batch reshards",
+    )
+    return [stage.stmt(f"{model}.set_reshard_after_backward({condition})\n")]
 
 
 def _skip_gate(backward, step, r) -> Optional[cst.If]:

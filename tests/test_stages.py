@@ -571,6 +571,10 @@ def test_accumulation_holds_gathered_parameters_until_the_last_micro_batch_unles
     assert "set_requires_gradient_sync" not in every
     assert "    model.set_reshard_after_backward((i + 1) % 4 == 0)\n    loss.backward()\n" in every
     assert out(every) == every
+    # FSDPModule.set_reshard_after_backward is on the torch.distributed._composable.fsdp path too
+    old_torch = out(ACCUMULATION, torch_version="2.4")
+    assert "torch.distributed._composable.fsdp import" in old_torch
+    assert "    model.set_reshard_after_backward((i + 1) % 4 == 0)\n    loss.backward()\n" in old_torch
     reshard = rewrite(ACCUMULATION, accumulation_params="reshard")
     assert "set_reshard_after_backward" not in reshard.code.decode()
     assert "set_requires_gradient_sync((i + 1) % 4 == 0)" in reshard.code.decode()

@@ -141,3 +141,22 @@ def test_rank_tests_and_the_environment_are_never_rank_uniform():
     ifs = list(resolver.nodes(cst.If))
     uniform = RankUniform(resolver)
     assert [uniform.condition(i.test, i) for i in ifs] == [False] * 6 + [True]
+
+
+def test_a_log_under_a_rank_test_and_a_step_test_gets_no_collective_under_either():
+    """The script's own `if rank == 0 and step % 2 == 0:` keeps rank 0's loss (as the script
+    printed it); no all_reduce lands under that test, nor under a rank test anywhere."""
+    code, _ = rewritten("rank = 0\nif rank == 0 and step % 2 == 0:\n    print(loss.item())\n"
+                        "if step % 2 == 0:\n    print(f'all {loss.item()}')\n")
+    lines = code.splitlines()
+    for n, line in enumerate(lines):
+        if "dist.all_reduce(" in line:
+            indent = len(line) - len(line.lstrip())
+            opened = [l for l in lines[:n] if l.strip().startswith("if ") and len(l) - len(l.lstrip()) < indent]
+            enclosing = []
+            for l in reversed(opened):
+                depth = len(l) - len(l.lstrip())
+                if not enclosing or depth < enclosing[-1][0]:
+                    enclosing.append((depth, l.strip()))
+            assert not any("rank" in test for _, test in enclosing), (line, enclosing)
+    assert code.count("dist.all_reduce(") == 1

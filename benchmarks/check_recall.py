@@ -146,7 +146,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
              "torch.optim.AdamW(model.parameters(), lr=1e-2)", "torch.optim.LBFGS(model.parameters(), lr=1e-2)",
              "FSD115"),
     Mutation("ddp-no-sync", "DDP's `model.no_sync()` on an FSDP2 module (AttributeError)", "accumulation_modulo",
-             "        model.set_requires_gradient_sync((i + 1) % args.accum == 0)\n        loss.backward()\n",
+             "        model.set_requires_gradient_sync((i + 1) % args.accum == 0)\n"
+             "        model.set_reshard_after_backward((i + 1) % args.accum == 0)\n        loss.backward()\n",
              "        with model.no_sync():\n            loss.backward()\n", "FSD105"),
     Mutation("gradient-sync-off", "`set_requires_gradient_sync(False)` never turned back on (gradients never reduced)",
              "accumulation_modulo", "model.set_requires_gradient_sync((i + 1) % args.accum == 0)",

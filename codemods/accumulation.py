@@ -15,6 +15,14 @@ TRADE = (
     "optimizer step instead of one per micro-batch, at the cost of holding unsharded gradients); "
     "--accumulation-sync every keeps reducing each micro-batch (sharded gradients, less memory, more communication)"
 )
+HOLD = (
+    "the micro-batches before the last keep their gathered parameters after backward, so the next "
+    "micro-batch's forward starts without all-gathering them again (one all-gather per unit fewer "
+    "per held micro-batch); the cost: each rank holds the model's unsharded parameters from one "
+    "backward to the next forward (until each unit's forward frees them), and the last micro-batch "
+    "frees them, so the optimizer steps on shards and the next step gathers fresh values; "
+    "--accumulation-params reshard frees them after every backward (less memory, more all-gathers)"
+)
 
 
 class SyncGradientsOncePerStepCommand(RetrofitStage):
@@ -37,22 +45,33 @@ class SyncGradientsOncePerStepCommand(RetrofitStage):
                     "call <model>.set_requires_gradient_sync(<last micro-batch>) before backward() for each model",
                 )
                 continue
-            if _already_synced(backward, facts) or "set_requires_gradient_sync" in code(loop.node):
+            if _already_synced(backward, facts) or any(m in code(loop.node) for m in _DECIDED):
                 continue  # the script (or the migration from DDP's no_sync) decides already
+            lines = []
             if self.options.accumulation_sync == "every":
                 self.change(
                     backward,
                     f"gradient accumulation ({how}) reduces every micro-batch (--accumulation-sync every)",
                     TRADE,
                 )
-                continue
-            editor.insert_before(backward, [self.stmt(f"{model}.set_requires_gradient_sync({condition})\n")])
-            self.change(
-                backward,
-                f"`{model}.set_requires_gradient_sync({condition})` before backward() ({how})",
-                TRADE,
-                "DDP's no_sync()/require_backward_grad_sync do nothing on an FSDP2 module",
-            )
+            else:
+                lines.append(f"{model}.set_requires_gradient_sync({condition})\n")
+                self.change(
+                    backward,
+                    f"`{model}.set_requires_gradient_sync({condition})` before backward() ({how})",
+                    TRADE,
+                    "DDP's no_sync()/require_backward_grad_sync do nothing on an FSDP2 module",
+                )
+            held = hold_parameters(self, backward, model, condition)
+            if not held:
+                self.change(
+                    backward,
+                    f"gradient accumulation ({how}) frees the gathered parameters after every backward "
+                    "(--accumulation-params reshard)",
+                    HOLD,
+                )
+            if lines or held:
+                editor.insert_before(backward, [self.stmt(line) for line in lines] + held)
 
     def _model(self, loop: LoopSite, facts: ScriptFacts) -> Optional[str]:
         names = sorted(facts.trained_names.get(loop.function, set()))  # not an EMA copy or a teacher
@@ -122,6 +141,23 @@ class SyncGradientsOncePerStepCommand(RetrofitStage):
             "call set_requires_gradient_sync(<last micro-batch>) before backward() to reduce once per step",
         )
         return None
+
+
+def hold_parameters(stage: RetrofitStage, node, model: str, condition: str) -> list:
+    """`<model>.set_reshard_after_backward(<condition>)` (the statements to put before the
+    backward whose gradient sync follows `condition`), recorded in the report; nothing under
+    --accumulation-params reshard. The accumulation stage and the DDP migration share it."""
+    if stage.options.accumulation_params != "hold":
+        return []
+    stage.change(
+        node,
+        f"`{model}.set_reshard_after_backward({condition})` before backward(): gathered parameters "
+        "held between the micro-batches of one optimizer step",
+        HOLD,
+        "parameters still gathered when the optimizer steps would be stale in the next forward: "
+        "the last micro-batch reshards",
+    )
+    return [stage.stmt(f"{model}.set_reshard_after_backward({condition})\n")]
 
 
 def _skip_gate(backward, step, r) -> Optional[cst.If]:
@@ -215,4 +251,8 @@ def _already_synced(backward, facts: ScriptFacts) -> bool:
     block = facts.resolver.block_of(backward)
     body = list(block.body) if block is not None else []
     i = body.index(backward) if backward in body else 0
-    return i > 0 and "set_requires_gradient_sync" in code(body[i - 1])
+    return i > 0 and any(m in code(body[i - 1]) for m in _DECIDED)
+
+
+# FSDP2 calls that show the script (or an earlier rewrite) already handles accumulation
+_DECIDED = ("set_requires_gradient_sync", "set_reshard_after_backward")

@@ -11,7 +11,7 @@ from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.analysis.wrappers import DATA_PARALLEL, DDP, WrapSite, context_withs, reads_of, wrappers
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
-from .accumulation import TRADE, _negate
+from .accumulation import TRADE, _negate, hold_parameters
 
 # DDP/DataParallel arguments that have no FSDP2 counterpart, and why dropping them is safe
 DROPPED = {
@@ -76,6 +76,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
             editor.replace(stmt, stmt.with_changes(body=[cst.Expr(self.expr(
                 f"{model}.set_requires_gradient_sync({code(assign.value)})"
             ))]))
+            editor.insert_after(stmt, hold_parameters(self, stmt, model, code(assign.value)))
             self.change(
                 stmt,
                 f"`{model}.require_backward_grad_sync = ...` -> `{model}.set_requires_gradient_sync(...)`",
@@ -204,7 +205,8 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
                     )
                     tail = list(other.body[len(body):])
                     after = [cst.If(test=self.expr(last), body=other.with_changes(body=tail))] if tail else []
-                    editor.insert_before(the_if, [first] + body + after)
+                    held = hold_parameters(self, the_if, model, last)
+                    editor.insert_before(the_if, [first] + held + body + after)
                     editor.replace(the_if, None)
                     self.change(
                         the_if,
@@ -217,7 +219,9 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
                     return
         off = self.stmt(f"{model}.set_requires_gradient_sync(False)\n").with_changes(leading_lines=w.leading_lines)
         on = self.stmt(f"{model}.set_requires_gradient_sync(True)\n")
-        editor.insert_before(w, [off] + inner + [on])
+        held = hold_parameters(self, w, model, "False")
+        editor.insert_before(w, [off] + held + inner + [on] + [self.stmt(f"{model}.set_reshard_after_backward(True)\n")
+                                                             for _ in held])
         editor.replace(w, None)
         self.change(
             w,
@@ -245,6 +249,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
         model = code(call.func.value)
         sync = _negate(test) if negated else code(test)
         editor.replace(stmt, stmt.with_changes(body=[cst.Expr(self.expr(f"{model}.set_requires_gradient_sync({sync})"))]))
+        editor.insert_after(stmt, hold_parameters(self, stmt, model, sync))
         for w in withs:
             rest = [i for i in w.items if not (isinstance(i.item, cst.Name) and i.item.value == name)]
             if rest:

@@ -8,6 +8,7 @@ from typing import List, Optional
 import libcst as cst
 
 from fsdp2_retrofit.analysis import LogSite, ScriptFacts, code
+from fsdp2_retrofit.analysis.rank_uniform import RankUniform, bound_inside, ranks_part_at
 from fsdp2_retrofit.rewrite.edit import with_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 from fsdp2_retrofit.syntax.names import calls_in, names_read, walk
@@ -26,6 +27,7 @@ class GateRankZeroCommand(RetrofitStage):
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         if facts.distributed_init is None:
             return
+        self._uniform = None
         runs: List[List[LogSite]] = []
         for site in facts.logs:
             test = self.rank_zero_test(site.stmt, facts)
@@ -51,16 +53,18 @@ class GateRankZeroCommand(RetrofitStage):
         for run in runs:
             test = self.rank_zero_test(run[0].stmt, facts)
             first = run[0].stmt
-            reduce, logged = self._averaged_losses(run, facts)
+            reduce, logged, anchor = self._averaged_losses(run, facts)
             if not reduce and self._join_enclosing_if(run, test, facts, editor):
                 continue
-            if reduce:
+            if reduce and anchor is first:
                 editor.insert_before(first, [reduce[0].with_changes(leading_lines=first.leading_lines)] + reduce[1:])
+            elif reduce:
+                editor.insert_before(anchor, reduce)
             inner = [logged[0].with_changes(leading_lines=[])] + logged[1:]
             gate = cst.If(
                 test=self.expr(test),
                 body=cst.IndentedBlock(body=inner),
-                leading_lines=[] if reduce else first.leading_lines,
+                leading_lines=[] if reduce and anchor is first else first.leading_lines,
             )
             editor.replace(first, gate)
             if test.startswith("dist."):
@@ -121,7 +125,7 @@ class GateRankZeroCommand(RetrofitStage):
         (see `_accumulation`). A read of a loss that cannot be averaged is flagged."""
         stmts = [site.stmt for site in run]
         if not self.options.reduce_logs:
-            return [], stmts
+            return [], stmts, None
         r = facts.resolver
         function = r.enclosing_function(run[0].stmt)
         scope = function or facts.module
@@ -157,7 +161,10 @@ class GateRankZeroCommand(RetrofitStage):
                         "(`x += loss.item()` or `x += loss.item() * n`), so it is not combined over the ranks",
                     )
         if not tensors and not floats:
-            return [], stmts
+            return [], stmts, None
+        anchor = self._reduce_at(run[0].stmt, function, tensors + [n for n, _ in floats], facts)
+        if anchor is None:
+            return [], stmts, None
         mapping, reduce = {}, []
         for name in tensors:
             kind = _accumulation(name, function, facts)
@@ -203,7 +210,39 @@ class GateRankZeroCommand(RetrofitStage):
                 "DistributedSampler repeats up to world_size - 1 samples, which are counted too; "
                 "--no-reduce-logs prints rank 0's own)",
             )
-        return reduce, [s.visit(_ReadAverages(mapping)) for s in stmts]
+        if anchor is not run[0].stmt:
+            self.change(
+                run[0].stmt,
+                f"the logged values are combined over the ranks on every pass (before line {r.line(anchor)}), "
+                f"not only when this line prints: `{_test_text(anchor)}` is not known to be the same on every rank",
+                "a collective runs on every rank or on none: under a condition each rank decides for itself "
+                "(a loss, a clock, a function parameter), the ranks that enter it would wait for the others",
+            )
+        return reduce, [s.visit(_ReadAverages(mapping)) for s in stmts], anchor
+
+    def _reduce_at(self, first, function, values, facts: ScriptFacts):
+        """The statement to put the all_reduce/all_gather of `values` before: the log line itself
+        when every condition around it is rank-uniform (the collective runs on the steps that
+        log), else the outermost statement whose condition is not (it runs on every pass).
+        None (with an attention item) when that statement changes a value the log line reads."""
+        r = facts.resolver
+        if self._uniform is None:
+            self._uniform = RankUniform(r, {l.name for l in facts.loaders})
+        outer = ranks_part_at(first, function, r, self._uniform)
+        if outer is None:
+            return first
+        roots = {v.split(".", 1)[0] for v in values}
+        changed = sorted(roots & bound_inside(outer, r))
+        if changed:
+            self.attention(
+                first,
+                f"the logged {', '.join(f'`{v}`' for v in values)} is rank 0's own value (of its part of the batch)",
+                f"the line sits under `{_test_text(outer)}` (line {r.line(outer)}), not known to be the same on every "
+                f"rank, which also changes {', '.join(changed)}: an all_reduce inside could hang and one before it "
+                "would read another value; average it yourself on every rank",
+            )
+            return None
+        return outer
 
     def _take(self, wanted: str, function) -> str:
         name = self.fresh_name(wanted, function)
@@ -436,6 +475,15 @@ def _all_reduced_names(scope, facts: ScriptFacts) -> set:
             if isinstance(node.args[0].value, cst.Name):
                 found.add(node.args[0].value.value)
     return found
+
+
+def _test_text(stmt) -> str:
+    """`if <test>` of an `if`/`while`, `try` of a `try`: how the report names the statement."""
+    if type(stmt) is cst.If:
+        return f"if {code(stmt.test)}"
+    if type(stmt) is cst.While:
+        return f"while {code(stmt.test)}"
+    return "try: ... except"
 
 
 def _next_statement(stmt, block):

@@ -17,6 +17,10 @@ class RetrofitOptions:
     # "last": with gradient accumulation, reduce once per optimizer step
     # (set_requires_gradient_sync); "every": reduce each micro-batch.
     accumulation_sync: str = "last"
+    # "hold": with gradient accumulation, the micro-batches before the last keep their gathered
+    # parameters after backward (set_reshard_after_backward), so the next forward does not
+    # all-gather them again; "reshard": free them after every backward (less memory)
+    accumulation_params: str = "hold"
     # divide each training DataLoader's batch size by the world size (the run is
     # then numerically the single-process run at the same arguments)
     keep_global_batch: bool = False

@@ -136,7 +136,8 @@ def test_no_sync_in_one_branch_of_identical_branches_becomes_one_sync_call():
             loss.backward()'''
     code = out(script(BASE, accum=accum))
     assert_no_ddp_api(code)
-    assert "        model.set_requires_gradient_sync((i + 1) % 2 == 0)\n        loss.backward()\n" in code
+    assert ("        model.set_requires_gradient_sync((i + 1) % 2 == 0)\n"
+            "        model.set_reshard_after_backward((i + 1) % 2 == 0)\n        loss.backward()\n") in code
     assert code.count("set_requires_gradient_sync") == 1
 
 
@@ -147,7 +148,8 @@ def test_a_context_chosen_by_a_conditional_expression():
             loss.backward()'''
     code = out(script(BASE, accum=accum))
     assert_no_ddp_api(code)
-    assert "model.set_requires_gradient_sync((i + 1) % 2 == 0)\n        loss = loss * 1.0\n        loss.backward()" in code
+    assert ("model.set_requires_gradient_sync((i + 1) % 2 == 0)\n        model.set_reshard_after_backward((i + 1) % 2 == 0)\n"
+            "        loss = loss * 1.0\n        loss.backward()") in code
     assert code.count("set_requires_gradient_sync") == 1
     assert "contextlib" not in code  # the unused import goes
 
@@ -156,13 +158,16 @@ def test_require_backward_grad_sync_and_a_with_holding_another_context():
     accum = '''        model.require_backward_grad_sync = (i + 1) % 2 == 0
         loss.backward()'''
     code = out(script(BASE, accum=accum))
-    assert "model.set_requires_gradient_sync((i + 1) % 2 == 0)\n        loss.backward()" in code
+    assert ("model.set_requires_gradient_sync((i + 1) % 2 == 0)\n        model.set_reshard_after_backward((i + 1) % 2 == 0)\n"
+            "        loss.backward()") in code
     accum = '''        with model.no_sync(), torch.autograd.set_detect_anomaly(False):
             loss.backward()'''
     code = out(script(BASE, accum=accum))
     assert_no_ddp_api(code)
-    assert ("model.set_requires_gradient_sync(False)\n        with torch.autograd.set_detect_anomaly(False):\n"
-            "            loss.backward()\n        model.set_requires_gradient_sync(True)") in code
+    assert ("model.set_requires_gradient_sync(False)\n        model.set_reshard_after_backward(False)\n"
+            "        with torch.autograd.set_detect_anomaly(False):\n"
+            "            loss.backward()\n        model.set_requires_gradient_sync(True)\n"
+            "        model.set_reshard_after_backward(True)\n") in code
 
 
 def test_rank0_save_of_module_state_becomes_a_collective_dcp_save():
@@ -301,5 +306,10 @@ def test_no_sync_in_an_elif_branch_takes_the_generic_form():
             loss.backward()'''
     code = out(script(BASE, accum=accum))
     assert_no_ddp_api(code)
+    assert ("            model.set_requires_gradient_sync(False)\n            model.set_reshard_after_backward(False)\n"
+            "            loss.backward()\n"
+            "            model.set_requires_gradient_sync(True)\n            model.set_reshard_after_backward(True)\n") in code
+    reshard = out(script(BASE, accum=accum), accumulation_params="reshard")
+    assert "set_reshard_after_backward" not in reshard
     assert ("            model.set_requires_gradient_sync(False)\n            loss.backward()\n"
-            "            model.set_requires_gradient_sync(True)\n") in code
+            "            model.set_requires_gradient_sync(True)\n") in reshard

@@ -111,7 +111,8 @@ def test_a_gated_wrapper_step_is_the_accumulation_step():
                 opt.zero_grad()
         """)
     out = rewrite(HEAD + "model = Net()\nopt = Scheduled(optim.Adam(model.parameters()), 4000)\n" + loop).code.decode()
-    assert "    model.set_requires_gradient_sync((i + 1) % 2 == 0)\n    loss.backward()" in out
+    assert ("    model.set_requires_gradient_sync((i + 1) % 2 == 0)\n"
+            "    model.set_reshard_after_backward((i + 1) % 2 == 0)\n    loss.backward()") in out
 
 
 def test_a_torch_scheduler_around_an_inline_optimizer_is_no_wrapper():

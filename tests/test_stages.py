@@ -555,11 +555,30 @@ for i, x in enumerate(batches):
 
 
 def test_accumulation_syncs_on_the_last_micro_batch_by_default_and_every_one_on_request():
-    default = out(ACCUMULATION)
+    default = out(ACCUMULATION, accumulation_params="reshard")
     assert "    model.set_requires_gradient_sync((i + 1) % 4 == 0)\n    loss.backward()\n" in default
     every = rewrite(ACCUMULATION, accumulation_sync="every")
     assert "set_requires_gradient_sync" not in every.code.decode()
     assert any(c.code == "accumulation" and "--accumulation-sync every" in c.what for c in every.changes)
+
+
+def test_accumulation_holds_gathered_parameters_until_the_last_micro_batch_unless_asked_to_reshard():
+    default = out(ACCUMULATION)
+    assert ("    model.set_requires_gradient_sync((i + 1) % 4 == 0)\n"
+            "    model.set_reshard_after_backward((i + 1) % 4 == 0)\n    loss.backward()\n") in default
+    assert out(default) == default  # a second rewrite adds nothing
+    every = rewrite(ACCUMULATION, accumulation_sync="every").code.decode()
+    assert "set_requires_gradient_sync" not in every
+    assert "    model.set_reshard_after_backward((i + 1) % 4 == 0)\n    loss.backward()\n" in every
+    assert out(every) == every
+    # FSDPModule.set_reshard_after_backward is on the torch.distributed._composable.fsdp path too
+    old_torch = out(ACCUMULATION, torch_version="2.4")
+    assert "torch.distributed._composable.fsdp import" in old_torch
+    assert "    model.set_reshard_after_backward((i + 1) % 4 == 0)\n    loss.backward()\n" in old_torch
+    reshard = rewrite(ACCUMULATION, accumulation_params="reshard")
+    assert "set_reshard_after_backward" not in reshard.code.decode()
+    assert "set_requires_gradient_sync((i + 1) % 4 == 0)" in reshard.code.decode()
+    assert any(c.code == "accumulation" and "--accumulation-params reshard" in c.what for c in reshard.changes)
 
 
 def test_accumulation_whose_condition_changes_after_backward_is_reported_not_guessed():

@@ -89,6 +89,12 @@ Examples:
     "unsharded gradients held meanwhile), or on every micro-batch (less memory, more communication).",
 )
 @click.option(
+    "--accumulation-params", type=click.Choice(["hold", "reshard"]), default="hold", show_default=True,
+    help="With gradient accumulation: keep the gathered parameters between the micro-batches of one optimizer "
+    "step (set_reshard_after_backward; no all-gather before the next forward, unsharded parameters held "
+    "meanwhile), or free them after every backward (reshard: less memory, more all-gathers).",
+)
+@click.option(
     "--mixed-precision", type=click.Choice(["none", "auto", "bf16", "fp16"]), default="none", show_default=True,
     help="Give every fully_shard a MixedPrecisionPolicy: parameters in bf16/fp16, gradients reduced in float32. "
     "auto takes the dtype of the script's autocast.",
@@ -160,6 +166,7 @@ def rewrite_command(
     shard: Tuple[str, ...],
     keep_global_batch: bool,
     accumulation_sync: str,
+    accumulation_params: str,
     mixed_precision: str,
     cpu_offload: bool,
     hsdp: Optional[int],
@@ -184,6 +191,7 @@ def rewrite_command(
             shard=tuple(shard),
             keep_global_batch=keep_global_batch,
             accumulation_sync=accumulation_sync,
+            accumulation_params=accumulation_params,
             mixed_precision=mixed_precision,
             cpu_offload=cpu_offload,
             hsdp=hsdp or 0,

@@ -249,6 +249,9 @@ def _print_collectives(args, timed, programs) -> None:
               f"{mib(p['reduce-scatter'][1]):>12} {p['all-reduce'][0]:>12.0f} {seconds[kind]:>8.3f} "
               f"{seconds[kind] / seconds['expert']:>6.2f}")
     print("    (step s: the lowest of the runs' medians; ratio: to expert)")
+    for kind in programs:
+        runs = sorted(statistics.median(r["per_step"]["seconds"] for r in ranks) for ranks in timed[kind])
+        print(f"    {kind:<12} each run's median step s: {' '.join(f'{x:.3f}' for x in runs)}")
 
 
 def _print_memory(args, memory, programs) -> None:

@@ -98,3 +98,18 @@ def test_reshard_never_and_always():
     assert "    fully_shard(model.tok_emb, mesh=mesh, reshard_after_forward=False)\n" in never
     always = _rewrite(SOURCE, reshard_after_forward="always")
     assert EMBEDDING in always and "    fully_shard([model.norm, model.head], mesh=mesh)\n" in always
+
+
+def test_the_benchmark_gpt_gets_the_expert_layout():
+    """benchmarks/collectives.py compares the rewrite of its GPT with a hand-written torchtitan
+    layout (benchmarks/expert_gpt.py): the rewrite gives the same units, at both sizes it runs."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from expert_gpt import WORKLOAD
+
+    for dim, vocab in ((256, 4096), (1024, 32768)):
+        sizes = f"DIM = {dim}\nVOCAB = {vocab}\nDEPTH = 6\nSEQ = 64\nBATCH = 8\nSTEPS = 3"
+        out = _rewrite(WORKLOAD.replace("# SIZES", sizes))
+        assert EMBEDDING in out and NORM_HEAD in out
+        assert "    for block in model.blocks:\n        fully_shard(block, mesh=mesh)\n" in out

@@ -1,6 +1,11 @@
 """Memory per rank of the rewritten script, as ratios to the single-process run, measured in one run.
 
     python benchmarks/memory.py [--dim 1024] [--depth 24] [--steps 2] [--nproc 2] [--glibc-defaults]
+    python benchmarks/memory.py --versus-expert
+
+The second form compares the generated code with a hand-written expert FSDP2 version of a
+GPT (torchtitan's unit layout) on state and peak RSS per rank: benchmarks/collectives.py
+--memory-only, which also counts the collectives per step of each (see there).
 
 Writes a single-device training script (an MLP-block model, AdamW, a DataLoader)
 into a temporary folder, rewrites it with this tool's own CLI twice — as is, and
@@ -218,7 +223,15 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--glibc-defaults", action="store_true",
                         help="also run --meta-init under glibc's malloc defaults (see the allocator note)")
     parser.add_argument("--timeout", type=float, default=240, help="seconds allowed per run (default 240)")
+    parser.add_argument("--versus-expert", action="store_true",
+                        help="the GPT against a hand-written expert version instead (benchmarks/collectives.py)")
     args = parser.parse_args(argv)
+    if args.versus_expert:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import collectives
+
+        collectives.main(["--memory-only"])
+        return
 
     tool = console_script()
     work = Path(tempfile.mkdtemp(prefix="fsdp2-retrofit-memory-"))

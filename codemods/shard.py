@@ -6,6 +6,7 @@ import libcst as cst
 from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.batchnorm import batchnorm_layer, converted_already
 from fsdp2_retrofit.analysis.copies import unsafe_state_copies
+from fsdp2_retrofit.analysis.leaf_units import model_leaf_layout
 from fsdp2_retrofit.analysis.model_classes import first_submodule, parameter_reads
 from fsdp2_retrofit.analysis.no_model import no_model_blocker, unrecognised_trained_model
 from fsdp2_retrofit.analysis.optimizers import FLATTENING_OPTIMIZERS, whole_tensor_operation
@@ -753,9 +754,11 @@ class ShardModelCommand(RetrofitStage):
                     model.stmt, f"`{model.name}` is {model.library.why}",
                     "a library builds it: its layout comes from a table of known library models (never imported)",
                 )
+            leaves = self._leaf_layout(model, facts, forward_only)
+            head_keeps = leaves is not None and any(u.last for u in leaves.units)
             for n, container in enumerate(model.containers):
                 path = ".".join((model.name,) + container.path)
-                if policy == "default" and n == len(model.containers) - 1 and not forward_only:
+                if policy == "default" and n == len(model.containers) - 1 and not forward_only and not head_keeps:
                     index = self.fresh_name("index", model.scope)
                     out.append(self.stmt(
                         f"for {index}, {var} in enumerate({path}):\n"
@@ -776,6 +779,8 @@ class ShardModelCommand(RetrofitStage):
                     "a unit per repeated block: only one block's parameters are gathered at a time",
                     "a ModuleList passed to fully_shard itself has no forward: its hooks never fire",
                 )
+            if leaves is not None:
+                out.extend(self._leaf_statements(model, leaves, mesh))
             for container in model.tied_containers:
                 path = ".".join((model.name,) + container.path)
                 self.attention(
@@ -800,6 +805,46 @@ class ShardModelCommand(RetrofitStage):
             "the root unit holds what no block holds (embeddings, head); bottom-up order",
             "sharding the root first takes every parameter into one unit",
         )
+        return out
+
+    def _leaf_layout(self, model: ModelSite, facts: ScriptFacts, forward_only: bool):
+        """Large leaves of a trained model outside its blocks (analysis/leaf_units.py), for the
+        default unit choice only (--shard names the units itself)."""
+        if forward_only or self.options.shard:
+            return None
+        version = self.options.torch_version
+        lists = not version or tuple(int(p) for p in version.split(".")[:2]) >= (2, 5)
+        return model_leaf_layout(facts, model, lists)
+
+    def _leaf_statements(self, model: ModelSite, layout, mesh: str) -> list:
+        """fully_shard each leaf unit (an embedding, `[final norm, head]`), after the blocks,
+        before the root; the unit that runs last in forward keeps its parameters gathered."""
+        out = []
+        policy = self.options.reshard_after_forward
+        for unit in layout.units:
+            names = [".".join((model.name,) + p) for p in unit.paths]
+            target = names[0] if len(names) == 1 else f"[{', '.join(names)}]"
+            keep = ""
+            if policy == "never" or policy == "default" and unit.last:
+                keep = ", reshard_after_forward=False"
+            out.append(self.stmt(f"fully_shard({target}{mesh}{keep})\n"))
+            self.change(
+                model.shard_anchor,
+                f"fully_shard {' and '.join(f'`{n}`' for n in names)} as a unit of {'their' if len(names) > 1 else 'its'} own "
+                f"({unit.what}; one block: {layout.block_params:,})",
+                "left in the root it would stay gathered through forward and backward; as a unit it is gathered "
+                "only while it runs (torchtitan's layout: embeddings, blocks, final norm with the head, root)"
+                + (": it runs last in forward, so it keeps its parameters for backward, and the last block "
+                   "reshards" if keep and policy == "default" else ""),
+                "the root unit holds it whole on every rank for the whole step",
+            )
+        for path, why in layout.kept:
+            self.attention(
+                model.stmt,
+                f"`{'.'.join((model.name,) + path)}` stays in the root unit although it holds at least one block's "
+                f"parameters ({layout.block_params:,}): {why}",
+                "a unit of its own would be gathered only while it runs; here that is not safe or not known",
+            )
         return out
 
     def _no_split_statements(self, model: ModelSite, mesh: str) -> list:

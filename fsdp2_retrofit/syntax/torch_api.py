@@ -18,6 +18,18 @@ SEQUENTIAL = frozenset({"torch.nn.Sequential"})
 BARE_CONTAINERS = MODULE_LIST | MODULE_DICT
 CONTAINERS = BARE_CONTAINERS | SEQUENTIAL
 NN_PARAMETER = frozenset({"torch.nn.Parameter", "torch.nn.parameter.Parameter"})
+# leaf modules whose parameter count analysis/leaf_units.py reads from their constructor's arguments
+NN_NORMS = frozenset({"torch.nn.LayerNorm", "torch.nn.RMSNorm"})
+NN_SIZED_LEAVES = NN_NORMS | {"torch.nn.Embedding", "torch.nn.Linear"}
+# torch.nn classes without parameters (0 in a block's parameter count)
+NN_NO_PARAMETERS = frozenset({
+    f"torch.nn.{c}" for c in (
+        "GELU", "ReLU", "SiLU", "Tanh", "Sigmoid", "Dropout", "Identity", "Softmax", "LeakyReLU", "Mish",
+        "Flatten", "Unflatten", "ReLU6", "ELU", "Hardswish", "Softplus",
+    )
+})
+# tensor factories whose positional arguments are the shape (`nn.Parameter(torch.zeros(a, b))`)
+TENSOR_FACTORIES = frozenset({"torch.zeros", "torch.ones", "torch.randn", "torch.rand", "torch.empty"})
 TORCH_COMPILE = frozenset({"torch.compile"})
 TORCH_DEVICE = frozenset({"torch.device"})
 MANUAL_SEED = frozenset({"torch.manual_seed", "torch.random.manual_seed", "torch.cuda.manual_seed_all"})

@@ -47,7 +47,7 @@ from typing import Dict, List
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from expert_gpt import EXPERT, WORKLOAD  # noqa: E402  (the two scripts, as text)
+from expert_gpt import EXPERT, EXPERT_ACCUM, WORKLOAD, WORKLOAD_ACCUM  # noqa: E402  (the scripts, as text)
 
 RETURN_FREED = {"MALLOC_MMAP_THRESHOLD_": "1048576"}  # see benchmarks/memory.py
 
@@ -128,21 +128,32 @@ def run(cmd: List[str], cwd: Path, timeout: float, extra_env: Dict[str, str]) ->
         sys.exit(f"`{' '.join(cmd)}` exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
-def sizes(dim: int, vocab: int, depth: int, seq: int, batch: int, steps: int) -> Dict[str, int]:
-    return dict(DIM=dim, VOCAB=vocab, DEPTH=depth, SEQ=seq, BATCH=batch, STEPS=steps)
+def sizes(dim: int, vocab: int, depth: int, seq: int, batch: int, steps: int, accum: int = 0) -> Dict[str, int]:
+    values = dict(DIM=dim, VOCAB=vocab, DEPTH=depth, SEQ=seq, BATCH=batch, STEPS=steps)
+    if accum > 1:
+        values["ACCUM"] = accum
+    return values
 
 
 def write_scripts(folder: Path, values: Dict[str, int], tool: str) -> Dict[str, Path]:
-    """single.py (the user's script), generated.py (its rewrite), expert.py (hand-written)."""
+    """single.py (the user's script), generated.py (its rewrite), expert.py (hand-written); with
+    ACCUM in `values` (gradient accumulation) also generated-reshard.py, the rewrite with
+    `--accumulation-params reshard` (parameters freed after every micro-batch's backward)."""
     consts = "\n".join(f"{k} = {v}" for k, v in values.items())
+    accum = "ACCUM" in values
     single = folder / "single.py"
-    single.write_text(WORKLOAD.replace("# SIZES", consts))
+    single.write_text((WORKLOAD_ACCUM if accum else WORKLOAD).replace("# SIZES", consts))
     generated = folder / "generated.py"
     run([tool, "rewrite", str(single), "-o", str(generated), "--quiet", "--no-cache"], folder, 120, {})
     expert = folder / "expert.py"
-    expert.write_text(EXPERT.replace("# SIZES", consts))
+    expert.write_text((EXPERT_ACCUM if accum else EXPERT).replace("# SIZES", consts))
     (folder / "counter.py").write_text(COUNTER)
-    return {"single": single, "generated": generated, "expert": expert, "blocks+root": expert}
+    scripts = {"single": single, "generated": generated, "expert": expert, "blocks+root": expert}
+    if accum:
+        scripts["generated-reshard"] = folder / "generated-reshard.py"
+        run([tool, "rewrite", str(single), "-o", str(scripts["generated-reshard"]), "--quiet", "--no-cache",
+             "--accumulation-params", "reshard"], folder, 120, {})
+    return scripts
 
 
 def measure(kind: str, scripts: Dict[str, Path], folder: Path, timeout: float) -> List[dict]:
@@ -202,15 +213,21 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--memory-only", action="store_true",
                         help="only the larger model: state and peak RSS (benchmarks/memory.py --versus-expert)")
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--accumulate", type=int, default=0, metavar="N",
+                        help="N micro-batches per optimizer step (gradient accumulation): the programs are the "
+                        "generated code (parameters held between micro-batches), the generated code with "
+                        "--accumulation-params reshard, and the expert version holding them too")
     args = parser.parse_args(argv)
 
     tool = console_script()
     work = Path(tempfile.mkdtemp(prefix="fsdp2-retrofit-collectives-"))
-    programs = ["generated", "expert", "blocks+root"]
+    accum = args.accumulate if args.accumulate > 1 else 0
+    programs = ["generated", "generated-reshard", "expert"] if accum else ["generated", "expert", "blocks+root"]
     try:
         small = work / "small"
         small.mkdir()
-        scripts = write_scripts(small, sizes(args.time_dim, args.time_vocab, args.depth, 64, 8, args.steps), tool)
+        scripts = write_scripts(small, sizes(args.time_dim, args.time_vocab, args.depth, 64, 8, args.steps, accum),
+                                tool)
         units = [line.strip() for line in scripts["generated"].read_text().splitlines() if "fully_shard(" in line
                  and not line.lstrip().startswith(("from", "import"))]
         timed: Dict[str, List[List[dict]]] = {k: [] for k in programs}
@@ -221,13 +238,14 @@ def main(argv: List[str] = None) -> None:
         if not args.quick or args.memory_only:
             big = work / "big"
             big.mkdir()
-            scripts = write_scripts(big, sizes(args.memory_dim, args.memory_vocab, args.depth, 32, 4, 3), tool)
+            scripts = write_scripts(big, sizes(args.memory_dim, args.memory_vocab, args.depth, 32, 4, 3, accum), tool)
             for kind in ["single"] + programs:
                 memory[kind] = measure(kind, scripts, big, args.timeout)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"GPT of {args.depth} blocks; CPU/gloo, 2 ranks; load average {os.getloadavg()[0]:.1f} at the end")
+    print(f"GPT of {args.depth} blocks; CPU/gloo, 2 ranks; load average {os.getloadavg()[0]:.1f} at the end"
+          + (f"; {accum} micro-batches per optimizer step" if accum else ""))
     print("generated fully_shard calls: " + "; ".join(units))
     if not args.memory_only:
         _print_collectives(args, timed, programs)
@@ -239,19 +257,19 @@ def _print_collectives(args, timed, programs) -> None:
     print()
     print(f"(a) collectives per optimizer step, per rank (width {args.time_dim}, vocabulary {args.time_vocab}: "
           f"{one['n_params'] / 1e6:.2f}M parameters; median over steps 2..{args.steps})")
-    print(f"    {'':<12} {'all-gathers':>12} {'bytes':>12} {'reduce-scatters':>16} {'bytes':>12} {'all-reduces':>12} "
+    print(f"    {'':<18} {'all-gathers':>12} {'bytes':>12} {'reduce-scatters':>16} {'bytes':>12} {'all-reduces':>12} "
           f"{'step s':>8} {'ratio':>6}")
     seconds = {k: min(statistics.median(r["per_step"]["seconds"] for r in ranks) for ranks in timed[k])
                for k in programs}
     for kind in programs:
         p = timed[kind][0][0]["per_step"]
-        print(f"    {kind:<12} {p['all-gather'][0]:>12.0f} {mib(p['all-gather'][1]):>12} {p['reduce-scatter'][0]:>16.0f} "
+        print(f"    {kind:<18} {p['all-gather'][0]:>12.0f} {mib(p['all-gather'][1]):>12} {p['reduce-scatter'][0]:>16.0f} "
               f"{mib(p['reduce-scatter'][1]):>12} {p['all-reduce'][0]:>12.0f} {seconds[kind]:>8.3f} "
               f"{seconds[kind] / seconds['expert']:>6.2f}")
     print("    (step s: the lowest of the runs' medians; ratio: to expert)")
     for kind in programs:
         runs = sorted(statistics.median(r["per_step"]["seconds"] for r in ranks) for ranks in timed[kind])
-        print(f"    {kind:<12} each run's median step s: {' '.join(f'{x:.3f}' for x in runs)}")
+        print(f"    {kind:<18} each run's median step s: {' '.join(f'{x:.3f}' for x in runs)}")
 
 
 def _print_memory(args, memory, programs) -> None:
@@ -260,12 +278,12 @@ def _print_memory(args, memory, programs) -> None:
         print()
         print(f"(b) memory per rank (width {args.memory_dim}, vocabulary {args.memory_vocab}: "
               f"{single['n_params'] / 1e6:.1f}M parameters), ratios to the single process")
-        print(f"    {'':<12} {'state':>12} {'ratio':>7} {'peak RSS':>12} {'ratio':>7}")
-        print(f"    {'single':<12} {mib(state(single)):>12} {1:>7.3f} {mib(single['peak_rss']):>12} {1:>7.3f}")
+        print(f"    {'':<18} {'state':>12} {'ratio':>7} {'peak RSS':>12} {'ratio':>7}")
+        print(f"    {'single':<18} {mib(state(single)):>12} {1:>7.3f} {mib(single['peak_rss']):>12} {1:>7.3f}")
         for kind in programs:
             worst = max(memory[kind], key=lambda f: f["peak_rss"])
             most = worst["state"]
-            print(f"    {kind:<12} {mib(most):>12} {most / state(single):>7.3f} "
+            print(f"    {kind:<18} {mib(most):>12} {most / state(single):>7.3f} "
                   f"{mib(worst['peak_rss']):>12} {worst['peak_rss'] / single['peak_rss']:>7.3f}")
         print("    (state: the most any rank reports; peak RSS: the highest rank's, from ru_maxrss at exit)")
 

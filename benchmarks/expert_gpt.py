@@ -9,6 +9,7 @@ switches to the layout this tool generated before (each block, the last kept gat
 the root). Data: each rank reads its own part of the same batches (DistributedSampler), the
 per-rank batch as in the single-device script, as the generated code does by default.
 """
+import textwrap
 
 MODEL = '''\
 class Attention(nn.Module):
@@ -88,6 +89,28 @@ def report(model, optimizer, folder):
         json.dump(figures, f)
 '''
 
+# Gradient accumulation over ACCUM micro-batches per optimizer step (collectives.py --accumulate):
+# the user's loop, and the expert's, which keeps the parameters gathered and the gradients local
+# between the non-last micro-batches (set_requires_gradient_sync / set_reshard_after_backward).
+_PLAIN_LOOP = '''\
+    step = 0
+    for x, y in loader:
+'''
+_LOSS = "        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())"
+_UPDATE = "optimizer.step()\n{zero}step += 1\nif step == STEPS:\n    break\n"
+_WORKLOAD_STEP = (_LOSS + "\n        optimizer.zero_grad()\n        loss.backward()\n"
+                  + textwrap.indent(_UPDATE.format(zero=""), " " * 8))
+_ACCUM_LOOP = _PLAIN_LOOP.replace("for x, y in loader:", "for i, (x, y) in enumerate(loader):")
+_ACCUM_STEP = (_LOSS + " / ACCUM\n        loss.backward()\n        if (i + 1) % ACCUM == 0:\n"
+               + textwrap.indent(_UPDATE.format(zero="optimizer.zero_grad()\n"), " " * 12))
+_EXPERT_HOLD = '''\
+        last = (i + 1) % ACCUM == 0
+        model.set_requires_gradient_sync(last)  # reduce-scatter on the last micro-batch only
+        model.set_reshard_after_backward(last)  # keep the parameters gathered until then
+'''
+
+
+
 WORKLOAD = '''\
 """Benchmark workload: a GPT trained with AdamW on random tokens for a few steps; reports its memory."""
 import argparse
@@ -118,17 +141,8 @@ def main():
     model = GPT(VOCAB, DIM, DEPTH, SEQ).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    step = 0
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        step += 1
-        if step == STEPS:
-            break
-    report(model, optimizer, args.report_dir)
+''' + _PLAIN_LOOP + '''        x, y = x.to(device), y.to(device)
+''' + _WORKLOAD_STEP + '''    report(model, optimizer, args.report_dir)
 
 
 if __name__ == "__main__":
@@ -186,19 +200,25 @@ def main():
     parallelize(model, mesh, args.blocks_and_root)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    step = 0
-    for x, y in loader:
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        step += 1
-        if step == STEPS:
-            break
-    report(model, optimizer, args.report_dir)
+''' + _PLAIN_LOOP + _WORKLOAD_STEP + '''    report(model, optimizer, args.report_dir)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
 '''
+
+
+def _replace_once(text: str, old: str, new: str) -> str:
+    assert text.count(old) == 1, old
+    return text.replace(old, new)
+
+
+def accumulating(script: str, expert: bool) -> str:
+    """WORKLOAD or EXPERT with ACCUM micro-batches per optimizer step."""
+    script = _replace_once(script, _PLAIN_LOOP, _ACCUM_LOOP + (_EXPERT_HOLD if expert else ""))
+    return _replace_once(script, _WORKLOAD_STEP, _ACCUM_STEP)
+
+
+WORKLOAD_ACCUM = accumulating(WORKLOAD, expert=False)
+EXPERT_ACCUM = accumulating(EXPERT, expert=True)

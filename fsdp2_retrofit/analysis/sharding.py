@@ -611,8 +611,10 @@ class _Collector:
         """Functions receiving a sharded module as an argument, classes storing one on
         self, and names bound to functions' sharded return values: for the script's
         functions, its classes' methods (`self.setup(...)`) and the functions of project
-        modules it imports (`imported`, a Sharder each)."""
+        modules it imports (`imported`, a Sharder each); attributes a method binds to a
+        sharded module (`self.fsdp_model = self.model`, see _stored_sharded)."""
         classes = {s.name.value: s for s in self.module.body if isinstance(s, cst.ClassDef)}
+        stores = self._attribute_stores()
         for _ in range(3):
             changed = False
             for call in self.r.nodes(cst.Call):
@@ -627,8 +629,46 @@ class _Collector:
                 sharder = self._imported_sharder(call)
                 if sharder is not None:
                     changed |= self._called_sharder(call, sharder)
+            for assign in stores:
+                changed |= self._stored_sharded(assign)
             if not changed:
                 break
+
+    def _attribute_stores(self) -> List[cst.Assign]:
+        """`self.<attr> = <module>` in a method, the value a name or an attribute (a module held
+        elsewhere that the attribute now names too)."""
+        out = []
+        for assign in self.r.nodes(cst.Assign):
+            if len(assign.targets) != 1 or self.r.enclosing_class(assign) is None:
+                continue
+            found = part_root(assign.targets[0].target)
+            if found is None or not found[1] or not found[0].startswith("self."):
+                continue
+            if type(module_itself(assign.value)) in (cst.Name, cst.Attribute):
+                out.append(assign)
+        return out
+
+    def _stored_sharded(self, assign: cst.Assign) -> bool:
+        """`self.fsdp_model = self.model` after `self.model` was sharded (whole): the attribute
+        holds that sharded module from there on, in every method of the class (a site at the
+        assignment; FSDP1's or FSDP2's as the module's sites are)."""
+        f = self.facts
+        value = module_itself(assign.value)
+        found = f.part(value, assign)
+        if found is None or not found[1]:
+            return False
+        root = part_root(assign.targets[0].target)[0]
+        sites = [s for s in f.sites_for(found[0], assign) if s.call is not assign]
+        if not sites or root == found[0]:
+            return False
+        whole, legacy = any(s.whole for s in sites), all(s.legacy for s in sites)
+        known = next((s for s in f.sites if s.call is assign and s.root == root), None)
+        if known is not None:  # sites found later (a later round) may change what it holds
+            changed = (known.whole, known.legacy) != (whole, legacy)
+            known.whole, known.legacy = whole, legacy
+            return changed
+        f.sites.append(ShardSite(assign, root, whole, f.scope_of(assign), f.order(assign), legacy, target=value))
+        return True
 
     def _callee(self, call: cst.Call) -> Optional[Tuple[cst.FunctionDef, int]]:
         """(the function a call runs, how many of its parameters the call does not pass):

@@ -47,9 +47,32 @@ class Table:
         self.modules: Dict[str, Path] = {}  # `import parallel as par`, `from pkg import parallel`
         self.stars: List[Path] = []  # `from parallel import *`
         self.all: Optional[set] = None  # a literal `__all__` of the module
+        # its classes whose methods shard `self`: class -> {method: (whole, legacy)} (_Collector.shard_methods)
+        self.classes: Dict[str, Dict[str, Tuple[bool, bool]]] = {}
 
     def __bool__(self) -> bool:
-        return bool(self.own or self.names or self.modules or self.stars)
+        return bool(self.own or self.classes or self.names or self.modules or self.stars)
+
+    def shard_methods(self, name: str) -> Optional[Dict[str, Tuple[bool, bool]]]:
+        """The methods sharding `self` of the class a name spells (`Transformer`, `nn.Transformer`),
+        its own or imported (as get() finds a function); None when the class is not the project's."""
+        if name in self.classes:
+            return self.classes[name]
+        if name in self.names:
+            path, inner = self.names[name]
+            return self.tables.table_of(path, self.depth).shard_methods(inner)
+        head = name.rpartition(".")[0]
+        while head:
+            if head in self.modules:
+                return self.tables.table_of(self.modules[head], self.depth).shard_methods(name[len(head) + 1:])
+            head = head.rpartition(".")[0]
+        for path in reversed(self.stars):
+            table = self.tables.table_of(path, self.depth)
+            if "." not in name and (name in table.all if table.all is not None else not name.startswith("_")):
+                found = table.shard_methods(name)
+                if found is not None:
+                    return found
+        return None
 
     def where(self, name: str) -> Optional[Tuple[Path, str]]:
         """(the project file, the name there) a name a call spells reaches through an import of
@@ -133,6 +156,7 @@ class _Tables:
         collector = _Collector(SiteAnalysis(module, resolver, path=str(path)), table)
         collector.run()
         table.own.update(collector.sharders())
+        table.classes.update(collector.shard_methods())
         table.all = _all_names(module) if b"__all__" in data else None
         return table
 

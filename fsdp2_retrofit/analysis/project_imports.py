@@ -34,6 +34,7 @@ _READ: Dict[str, Tuple[Tuple[int, int], bytes]] = {}
 _ROOTS: Dict[str, Optional[str]] = {}
 _PACKAGE_BASES: Dict[str, Optional[str]] = {}
 _PACKAGE_DEPTH = 8  # nested packages followed up, at most
+_INSTALLED = ("site-packages", "dist-packages")
 _LOCATED: Dict[Tuple[str, int, str], Optional[str]] = {}
 # path -> ((mtime_ns, size), the project files it imports)
 _IMPORTED: Dict[str, Tuple[Tuple[int, int], Tuple[str, ...]]] = {}
@@ -90,6 +91,8 @@ def package_base(folder: str) -> Optional[str]:
             if parent == current:
                 break
             found, current = parent, parent
+        if found is not None and os.path.basename(found) in _INSTALLED:
+            found = None  # an installed package: the others installed beside it are libraries
         _PACKAGE_BASES[folder] = found
     return _PACKAGE_BASES[folder]
 

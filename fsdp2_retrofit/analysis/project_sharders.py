@@ -12,7 +12,10 @@ function of a project module (analysis.project_imports.locate) that shards one o
 parameters, itself or its parts, directly or through another project function (the
 imported module's own ShardFacts, computed the same way, with its own imports), or
 returns a sharded module. analysis.sharding then treats each call of one like a
-`fully_shard` of its argument and of the name bound to its result.
+`fully_shard` of its argument and of the name bound to its result. A table also lists the
+module's classes whose methods shard `self` (`Transformer.apply_fsdp`: `fully_shard(self)`),
+so that `model.apply_fsdp(mesh)` shards `model` where its class is known
+(_Collector._method_call).
 
 Modules are parsed on demand, never imported, and only when their text (or a module
 they import, see project_imports.imports_sharding) names a sharding API; their tables

@@ -271,6 +271,9 @@ MUTATIONS: Tuple[Mutation, ...] = (
 # --- cross-module: the sharding helper in another module of the project (fixtures/check/projects)
 _TITAN, _TUNE, _LINGUA = "projects/titan/train.py", "projects/tune/recipes/full_finetune.py", "projects/lingua/train.py"
 _MOE = "projects/moe/train.py"
+_NESTED, _STRATEGY = "projects/nested_pkg/apps/lm/train.py", "projects/strategy/trainer.py"
+_METHOD, _METHOD_EVAL = "projects/method_shard/train/module.py", "projects/method_shard/train/evaluate.py"
+_METHOD_PROBE = "projects/method_shard/train/probe.py"
 _TITAN_SAVE = "    dcp.save(state, checkpoint_id=args.out)\n"
 _TUNE_SAVE = '        dcp.save(state, checkpoint_id=os.path.join(self._cfg.output_dir, f"epoch_{epoch}"))\n'
 CROSS_MODULE: Tuple[Mutation, ...] = (
@@ -343,6 +346,45 @@ CROSS_MODULE: Tuple[Mutation, ...] = (
     Mutation("xmod-local-grad-norm-float", "`float(clip_grad_norm_(...))`: the norm read as a number at once",
              _MOE, "        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n        norm = norm.full_tensor()\n",
              "        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))\n", "FSD107"),
+    # a script of a nested package (`apps.lm`) of a project with no root marker, importing the
+    # sharding helper from a package beside `apps/` (lingua's layout)
+    Mutation("xmod-pkg-forward-call", "`model.forward(x)` on the model sharded by a helper of a package beside the "
+             "script's outermost package", _NESTED, "logits = model(ids[:, :-1])", "logits = model.forward(ids[:, :-1])",
+             "FSD101"),
+    Mutation("xmod-pkg-zero-grad", "`model.zero_grad()` between the forward and backward of that model", _NESTED,
+             "        loss.backward()\n", "        model.zero_grad()\n        loss.backward()\n", "FSD113"),
+    Mutation("xmod-pkg-torch-save", "`torch.save(model.state_dict())` of that model", _NESTED,
+             '    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=out)\n',
+             '    torch.save(model.state_dict(), out + ".pt")\n', "FSD102"),
+    # `self.engine = self.model` after a helper of another module sharded `self.model` in place (verl's
+    # SFT trainer), the forward in a method of its own (torchtune's _loss_step)
+    Mutation("xmod-attr-zero-grad", "`self.engine.zero_grad()` before the backward, the forward run by "
+             "`self._loss_of(batch)`", _STRATEGY, "        loss.backward()\n",
+             "        self.engine.zero_grad()\n        loss.backward()\n", "FSD113"),
+    Mutation("xmod-attr-torch-save", "`torch.save(self.engine.state_dict())`, `self.engine` the model sharded in "
+             "place", _STRATEGY, "        dcp.save(state, checkpoint_id=path)\n",
+             "        torch.save(self.engine.state_dict(), path)\n", "FSD102"),
+    Mutation("xmod-attr-no-sync", "`self.engine.no_sync()` (DDP's) on the branch's FSDP2 module", _STRATEGY,
+             "        loss.backward()\n", "        with self.engine.no_sync():\n            loss.backward()\n", "FSD105"),
+    Mutation("xmod-attr-forward-call", "`self.engine.forward(x)` in the loss method", _STRATEGY,
+             "self.engine(x.cuda())", "self.engine.forward(x.cuda())", "FSD101"),
+    # the model's class shards itself in a method (`fully_shard(self)`), called by a helper of another
+    # module on each element of an annotated list of model parts (OLMo-core's apply_fsdp)
+    Mutation("xmod-self-method-forward-call", "`self.model.forward(x)`, the model sharded by its own method "
+             "through parallelize()", _METHOD, "return self.model(ids)", "return self.model.forward(ids)", "FSD101"),
+    Mutation("xmod-self-method-zero-grad", "`self.model.zero_grad()` before the backward, the forward run by "
+             "`self.model_forward(...)`", _METHOD, "            loss.backward()\n",
+             "            self.model.zero_grad()\n            loss.backward()\n", "FSD113"),
+    Mutation("xmod-self-method-torch-save", "`torch.save(self.model.state_dict())` of that model", _METHOD,
+             "        dcp.save(state, checkpoint_id=path)\n", "        torch.save(self.model.state_dict(), path)\n",
+             "FSD102"),
+    Mutation("xmod-self-method-param-forward", "`model.forward(x)` after a helper whose annotated parameter's "
+             "class shards it", _METHOD_EVAL, "F.cross_entropy(model(ids[:, :-1])",
+             "F.cross_entropy(model.forward(ids[:, :-1])", "FSD101"),
+    Mutation("xmod-self-method-built-torch-save", "`torch.save(model.state_dict())` of a model built in the script "
+             "and sharded by its class's own method", _METHOD_PROBE, "        return [model(ids).argmax(-1) for ids in batches]\n",
+             "        out = [model(ids).argmax(-1) for ids in batches]\n    torch.save(model.state_dict(), \"probe.pt\")\n"
+             "    return out\n", "FSD102"),
 )
 MUTATIONS = MUTATIONS + CROSS_MODULE
 

@@ -250,3 +250,19 @@ def test_the_command_line_reports_the_receiving_file(tmp_path):
         os.chdir(old)
     assert out.exit_code == 1, out.output
     assert "trainer.py:12:" in out.output and "FSD101" in out.output
+
+
+def test_a_package_beside_the_scripts_outermost_package_is_the_projects(tmp_path):
+    """`apps/lm/train.py` of package `apps.lm` runs as `python -m apps.lm.train` from the folder above
+    `apps/`: `from core.parallel import ...` is `core/` there, with no root marker (lingua's layout).
+    An installed package's neighbours (site-packages) are libraries, never read."""
+    train = STATEMENT.replace("from parallel import shard_model", "from core.parallel import shard_model")
+    files = {"apps/__init__.py": "", "apps/lm/__init__.py": "", "apps/lm/train.py": train,
+             "core/__init__.py": "", "core/parallel.py": PARALLEL}
+    _project(tmp_path / "lingua", files)
+    assert _codes(tmp_path / "lingua" / "apps" / "lm" / "train.py") == [(8, "FSD101"), (9, "FSD102")]
+    _project(tmp_path / "site-packages", files)
+    assert _codes(tmp_path / "site-packages" / "apps" / "lm" / "train.py") == []
+    # a script outside any package is not given one
+    _project(tmp_path / "loose", {"scripts/train.py": train, "core/__init__.py": "", "core/parallel.py": PARALLEL})
+    assert _codes(tmp_path / "loose" / "scripts" / "train.py") == []

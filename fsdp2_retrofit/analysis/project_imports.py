@@ -4,9 +4,12 @@
 one from its project (`from parallel import shard_model`, where parallel.py calls
 `fully_shard`): only such a file is parsed and given the cross-module facts
 (analysis.project_sharders). A module is the project's when it is a file beside the
-importing one, in its package (relative imports), or under the project's root (the
+importing one, in its package (relative imports), under the project's root (the
 nearest folder above that holds .git, pyproject.toml, setup.py or setup.cfg, within
-three levels). A library is never one: it is not a file there.
+three levels), or beside the file's outermost package (the folder above the last one
+up the path that holds an __init__.py: `apps/main/train.py` of package `apps.main` is
+imported from there, so `from lingua.distributed import ...` finds `lingua/` there, as
+Python would; a `src/` layout likewise). A library is never one: it is not a file there.
 """
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ _IMPORT = re.compile(rb"import[ \t]+([\w., \t]+)")
 _READ: Dict[str, Tuple[Tuple[int, int], bytes]] = {}
 # where modules were found, per process (a check run: whether a file exists is asked once)
 _ROOTS: Dict[str, Optional[str]] = {}
+_PACKAGE_BASES: Dict[str, Optional[str]] = {}
+_PACKAGE_DEPTH = 8  # nested packages followed up, at most
+_INSTALLED = ("site-packages", "dist-packages")
 _LOCATED: Dict[Tuple[str, int, str], Optional[str]] = {}
 # path -> ((mtime_ns, size), the project files it imports)
 _IMPORTED: Dict[str, Tuple[Tuple[int, int], Tuple[str, ...]]] = {}
@@ -73,6 +79,24 @@ def project_root(folder: str) -> Optional[str]:
     return _ROOTS[folder]
 
 
+def package_base(folder: str) -> Optional[str]:
+    """The folder above the outermost package `folder` is part of (the sys.path entry its
+    modules are imported from); None when `folder` holds no __init__.py."""
+    if folder not in _PACKAGE_BASES:
+        found, current = None, folder
+        for _ in range(_PACKAGE_DEPTH):
+            if not os.path.isfile(os.path.join(current, "__init__.py")):
+                break
+            parent = os.path.dirname(current)
+            if parent == current:
+                break
+            found, current = parent, parent
+        if found is not None and os.path.basename(found) in _INSTALLED:
+            found = None  # an installed package: the others installed beside it are libraries
+        _PACKAGE_BASES[folder] = found
+    return _PACKAGE_BASES[folder]
+
+
 def locate(importer, dots: int, module: str) -> Optional[Path]:
     """The project file `from <dots><module> import ...` in `importer` names (a module file
     or a package's __init__.py), or None when it is not one (a library, or nothing)."""
@@ -94,8 +118,10 @@ def _locate(folder: str, dots: int, module: str) -> Optional[str]:
     else:
         if not parts:
             return None
-        root = project_root(folder)
-        bases = [folder] + ([root] if root is not None and root != folder else [])
+        bases = [folder]
+        for base in (project_root(folder), package_base(folder)):
+            if base is not None and base not in bases:
+                bases.append(base)
     for base in bases:
         target = os.path.join(base, *parts)
         for candidate in ((target + ".py") if parts else None, os.path.join(target, "__init__.py")):

@@ -12,7 +12,10 @@ function of a project module (analysis.project_imports.locate) that shards one o
 parameters, itself or its parts, directly or through another project function (the
 imported module's own ShardFacts, computed the same way, with its own imports), or
 returns a sharded module. analysis.sharding then treats each call of one like a
-`fully_shard` of its argument and of the name bound to its result.
+`fully_shard` of its argument and of the name bound to its result. A table also lists the
+module's classes whose methods shard `self` (`Transformer.apply_fsdp`: `fully_shard(self)`),
+so that `model.apply_fsdp(mesh)` shards `model` where its class is known
+(_Collector._method_call).
 
 Modules are parsed on demand, never imported, and only when their text (or a module
 they import, see project_imports.imports_sharding) names a sharding API; their tables
@@ -47,9 +50,32 @@ class Table:
         self.modules: Dict[str, Path] = {}  # `import parallel as par`, `from pkg import parallel`
         self.stars: List[Path] = []  # `from parallel import *`
         self.all: Optional[set] = None  # a literal `__all__` of the module
+        # its classes whose methods shard `self`: class -> {method: (whole, legacy)} (_Collector.shard_methods)
+        self.classes: Dict[str, Dict[str, Tuple[bool, bool]]] = {}
 
     def __bool__(self) -> bool:
-        return bool(self.own or self.names or self.modules or self.stars)
+        return bool(self.own or self.classes or self.names or self.modules or self.stars)
+
+    def shard_methods(self, name: str) -> Optional[Dict[str, Tuple[bool, bool]]]:
+        """The methods sharding `self` of the class a name spells (`Transformer`, `nn.Transformer`),
+        its own or imported (as get() finds a function); None when the class is not the project's."""
+        if name in self.classes:
+            return self.classes[name]
+        if name in self.names:
+            path, inner = self.names[name]
+            return self.tables.table_of(path, self.depth).shard_methods(inner)
+        head = name.rpartition(".")[0]
+        while head:
+            if head in self.modules:
+                return self.tables.table_of(self.modules[head], self.depth).shard_methods(name[len(head) + 1:])
+            head = head.rpartition(".")[0]
+        for path in reversed(self.stars):
+            table = self.tables.table_of(path, self.depth)
+            if "." not in name and (name in table.all if table.all is not None else not name.startswith("_")):
+                found = table.shard_methods(name)
+                if found is not None:
+                    return found
+        return None
 
     def where(self, name: str) -> Optional[Tuple[Path, str]]:
         """(the project file, the name there) a name a call spells reaches through an import of
@@ -133,6 +159,7 @@ class _Tables:
         collector = _Collector(SiteAnalysis(module, resolver, path=str(path)), table)
         collector.run()
         table.own.update(collector.sharders())
+        table.classes.update(collector.shard_methods())
         table.all = _all_names(module) if b"__all__" in data else None
         return table
 

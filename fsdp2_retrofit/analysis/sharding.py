@@ -19,7 +19,9 @@ from .optimizer_factories import returned_optimizer
 from fsdp2_retrofit.syntax.names import Resolver, attr_path, bind_args, code, module_itself, names_in, parameter_names
 from fsdp2_retrofit.syntax.rank import rank_zero_side
 from fsdp2_retrofit.syntax.torch_api import (
+    DDP as DDP_CLASSES,
     FSDP1_CLASSES,
+    FSDP_MODULE,
     FULLY_SHARD,
     GET_MODEL_STATE_DICT,
     GET_OPTIMIZER_STATE_DICT,
@@ -255,7 +257,31 @@ class ShardFacts:
             anchor = fn
 
     def is_fsdp2(self, root: str, at: cst.CSTNode) -> bool:
-        return any(not s.legacy for s in self.sites_for(root, at))
+        return any(not s.legacy for s in self.sites_for(root, at)) and not self._not_fsdp2_here(root, at)
+
+    def _not_fsdp2_here(self, root: str, at: cst.CSTNode) -> bool:
+        """`at` runs only where the module is not FSDP2's: in the branch of `if isinstance(m, DDP)`,
+        or in the other branch of `if isinstance(m, FSDPModule)` (fully_shard makes the module an
+        FSDPModule, never a DDP). OLMo-core's `elif isinstance(self.model, DDP): ... no_sync()`."""
+        child = at
+        for anc in self.resolver.ancestors(at):
+            if type(anc) in (cst.FunctionDef, cst.ClassDef, cst.Lambda):
+                return False
+            if type(anc) is cst.If and (child is anc.body or child is anc.orelse):
+                checked = self._isinstance_of(anc.test, root)
+                if checked and (checked & DDP_CLASSES if child is anc.body else checked & FSDP_MODULE):
+                    return True
+            child = anc
+        return False
+
+    def _isinstance_of(self, test: cst.BaseExpression, root: str) -> Set[str]:
+        """The qualified names of the classes `isinstance(<root>, C)` (or a tuple of classes) tests."""
+        if not (type(test) is cst.Call and len(test.args) == 2 and self.resolver.qnames(test) == {"builtins.isinstance"}):
+            return set()
+        found = part_root(test.args[0].value)
+        if found is None or found != (root, True):
+            return set()
+        return self.resolver.qnames(test.args[1].value)  # a tuple of classes: none (not known to exclude)
 
     def optimizer(self, name: str, at: cst.CSTNode) -> Optional[OptimizerBuild]:
         """The optimizer bound to `name` at `at` when it trains a sharded module."""
@@ -433,10 +459,12 @@ class _Collector:
         f = self.facts
         self._index_bindings()
         self._index_aliases()
+        self.self_shards: Dict[cst.FunctionDef, Tuple[bool, bool]] = {}  # methods sharding `self` (or its parts)
         for call in self.r.nodes(cst.Call):
             qn = self.r.qnames(call)
             if call.args and (qn & FULLY_SHARD or qn & FSDP1):
                 self._add_site(call, legacy=not (qn & FULLY_SHARD))
+                self._shards_self(call, legacy=not (qn & FULLY_SHARD))
         for call in self.r.nodes(cst.Call):
             opt = self._optimizer(call)
             if opt is not None:
@@ -499,6 +527,104 @@ class _Collector:
                 sites = f.sites_for(root, call)
                 f.handed_out.append(Handed(str(found[0]), found[1], key, f"{self.analysis.path}:{self.r.line(call)}",
                                            any(s.whole for s in sites), all(s.legacy for s in sites)))
+    def _shards_self(self, call: cst.Call, legacy: bool) -> None:
+        """`fully_shard(self, ...)` (or of `self.blocks[i]`) in a method of a top-level class: the
+        method shards the object it is called on (OLMo-core's `model.apply_fsdp(mesh)`)."""
+        found = part_root(module_itself(call.args[0].value))
+        fn = self.r.enclosing_function(call)
+        if found is None or not (found[0] == "self" or found[0].startswith("self.")) or fn is None:
+            return
+        cls = self.r.enclosing_class(fn)
+        if cls is None or self.r.enclosing_class(call) is not cls or cls not in self.module.body:
+            return
+        whole = found[0] == "self" and found[1]
+        was = self.self_shards.get(fn, (False, True))
+        self.self_shards[fn] = (was[0] or whole, was[1] and legacy)
+
+    def shard_methods(self) -> Dict[str, Dict[str, Tuple[bool, bool]]]:
+        """class name -> {method: (whole, legacy)} for the top-level classes of this module whose
+        methods shard `self` (see _shards_self), their own or inherited from a class of the module
+        (a method a class overrides is its own: only a sharding override counts)."""
+        classes = {c.name.value: c for c in self.module.body if isinstance(c, cst.ClassDef)}
+
+        def methods(name: str, seen: frozenset) -> Dict[str, Tuple[bool, bool]]:
+            cls = classes.get(name)
+            if cls is None or name in seen:
+                return {}
+            out: Dict[str, Tuple[bool, bool]] = {}
+            for base in reversed(cls.bases):
+                if isinstance(base.value, cst.Name) and base.keyword is None:
+                    out.update(methods(base.value.value, seen | {name}))
+            for m in cls.body.body:
+                if isinstance(m, cst.FunctionDef):
+                    out.pop(m.name.value, None)
+                    if m in self.self_shards:
+                        out[m.name.value] = self.self_shards[m]
+            return out
+
+        found = {name: methods(name, frozenset()) for name in classes}
+        return {name: m for name, m in found.items() if m}
+
+    def _method_call(self, call: cst.Call) -> bool:
+        """`m.apply_fsdp(...)` where `m` is declared an instance of a class of the project (an
+        annotation: a parameter's, or the element type of the annotated sequence a loop runs
+        over) whose method of that name shards `self`: the module `m` holds is sharded there.
+        A loop over `parts: List[C] = [model] if ... else model` shards `model` (an element
+        of the literal) or its parts."""
+        func = call.func
+        if type(func) is not cst.Attribute or type(func.value) is not cst.Name or func.value.value == "self":
+            return False
+        declared = self._declared(func.value)
+        if declared is None:
+            return False
+        cls, receivers = declared
+        if cls in self.own_classes:
+            methods = self.own_methods.get(cls)
+        else:
+            methods = self.imported.shard_methods(cls) if hasattr(self.imported, "shard_methods") else None
+        found = (methods or {}).get(func.attr.value)
+        if found is None:
+            return False
+        changed = False
+        for expr, whole in receivers:
+            changed |= self._add_call_site(call, expr, found[0] and whole, found[1])
+        return changed
+
+    def _declared(self, name: cst.Name) -> Optional[Tuple[str, List[Tuple[cst.BaseExpression, bool]]]]:
+        """(the class `name` holds, [(expression holding it, whether the expression is that object
+        itself)]): every value it can hold made by one call `C(...)` (the flow's origins), or, for
+        a name with one binding, an annotated parameter, or the target of loops over a name with
+        one annotated binding `List[C]`/`Sequence[C]`. A call of something else than a class
+        finds no class (the caller looks the name up among the project's classes)."""
+        flow = self.analysis.flow
+        built = {attr_path(o.func) if type(o) is cst.Call else None for o in flow.values(name)}
+        if len(built) == 1 and None not in built:  # every value it can hold is made by one call: `C(...)`
+            return ".".join(built.pop()), [(name, True)]
+        bindings = flow._lookup(name)
+        if len(bindings) == 1 and bindings[0][0] == "param":
+            node = bindings[0][1]
+            cls = _class_of(node.annotation.annotation) if node.annotation is not None else None
+            return (cls, [(name, True)]) if cls is not None else None
+        # every binding a loop over the same sequence (`for m in parts:` written several times)
+        loops = [_sequence_looped(b[1], name.value) for b in bindings if b[0] == "opaque" and type(b[1]) is cst.For]
+        if not loops or len(loops) != len(bindings) or None in loops:
+            return None
+        seq = flow._lookup(loops[0])
+        if any(flow._lookup(n) != seq for n in loops[1:]):
+            return None
+        if len(seq) != 1 or seq[0][0] != "assign" or type(seq[0][1]) is not cst.AnnAssign or seq[0][3]:
+            return None
+        cls = _element_class(seq[0][1].annotation.annotation)
+        if cls is None:
+            return None
+        receivers: List[Tuple[cst.BaseExpression, bool]] = []
+        for value in _branches(seq[0][2]):
+            if type(value) in (cst.List, cst.Tuple):
+                receivers += [(e.value, True) for e in value.elements if type(e) is cst.Element]
+            else:
+                receivers.append((value, False))  # a sequence of modules: its elements are its parts
+        return cls, receivers
+
     def _add_site(self, call: cst.Call, legacy: bool) -> None:
         f = self.facts
         scope = f.scope_of(call)
@@ -611,8 +737,13 @@ class _Collector:
         """Functions receiving a sharded module as an argument, classes storing one on
         self, and names bound to functions' sharded return values: for the script's
         functions, its classes' methods (`self.setup(...)`) and the functions of project
-        modules it imports (`imported`, a Sharder each)."""
+        modules it imports (`imported`, a Sharder each); attributes a method binds to a
+        sharded module (`self.fsdp_model = self.model`, see _stored_sharded)."""
         classes = {s.name.value: s for s in self.module.body if isinstance(s, cst.ClassDef)}
+        stores = self._attribute_stores()
+        self.own_classes = set(classes)
+        self.own_methods = self.shard_methods() if self.self_shards else {}
+        self._may_shard_methods = bool(self.own_methods) or hasattr(self.imported, "shard_methods")
         for _ in range(3):
             changed = False
             for call in self.r.nodes(cst.Call):
@@ -627,8 +758,48 @@ class _Collector:
                 sharder = self._imported_sharder(call)
                 if sharder is not None:
                     changed |= self._called_sharder(call, sharder)
+                elif type(func) is cst.Attribute and self._may_shard_methods:
+                    changed |= self._method_call(call)
+            for assign in stores:
+                changed |= self._stored_sharded(assign)
             if not changed:
                 break
+
+    def _attribute_stores(self) -> List[cst.Assign]:
+        """`self.<attr> = <module>` in a method, the value a name or an attribute (a module held
+        elsewhere that the attribute now names too)."""
+        out = []
+        for assign in self.r.nodes(cst.Assign):
+            if len(assign.targets) != 1 or self.r.enclosing_class(assign) is None:
+                continue
+            found = part_root(assign.targets[0].target)
+            if found is None or not found[1] or not found[0].startswith("self."):
+                continue
+            if type(module_itself(assign.value)) in (cst.Name, cst.Attribute):
+                out.append(assign)
+        return out
+
+    def _stored_sharded(self, assign: cst.Assign) -> bool:
+        """`self.fsdp_model = self.model` after `self.model` was sharded (whole): the attribute
+        holds that sharded module from there on, in every method of the class (a site at the
+        assignment; FSDP1's or FSDP2's as the module's sites are)."""
+        f = self.facts
+        value = module_itself(assign.value)
+        found = f.part(value, assign)
+        if found is None or not found[1]:
+            return False
+        root = part_root(assign.targets[0].target)[0]
+        sites = [s for s in f.sites_for(found[0], assign) if s.call is not assign]
+        if not sites or root == found[0]:
+            return False
+        whole, legacy = any(s.whole for s in sites), all(s.legacy for s in sites)
+        known = next((s for s in f.sites if s.call is assign and s.root == root), None)
+        if known is not None:  # sites found later (a later round) may change what it holds
+            changed = (known.whole, known.legacy) != (whole, legacy)
+            known.whole, known.legacy = whole, legacy
+            return changed
+        f.sites.append(ShardSite(assign, root, whole, f.scope_of(assign), f.order(assign), legacy, target=value))
+        return True
 
     def _callee(self, call: cst.Call) -> Optional[Tuple[cst.FunctionDef, int]]:
         """(the function a call runs, how many of its parameters the call does not pass):
@@ -861,6 +1032,52 @@ def _stored_as(init: cst.FunctionDef, param: str) -> Iterator[str]:
                         if (isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name)
                                 and target.value.value == "self"):
                             yield target.attr.value
+
+
+_SEQUENCES = {"List", "list", "Sequence", "Iterable", "Tuple", "tuple", "MutableSequence"}
+
+
+def _class_of(annotation: cst.BaseExpression) -> Optional[str]:
+    """`C`, `pkg.C`, `Optional[C]`: the class name an annotation spells; None otherwise."""
+    if type(annotation) is cst.Subscript and type(annotation.value) is cst.Name and annotation.value.value == "Optional":
+        if len(annotation.slice) == 1 and type(annotation.slice[0].slice) is cst.Index:
+            annotation = annotation.slice[0].slice.value
+    path = attr_path(annotation)
+    return ".".join(path) if path is not None else None
+
+
+def _element_class(annotation: cst.BaseExpression) -> Optional[str]:
+    """`C` for `List[C]`, `list[C]`, `Sequence[C]`, `Tuple[C, ...]` (typing's or the builtins')."""
+    if type(annotation) is not cst.Subscript:
+        return None
+    head = attr_path(annotation.value)
+    if head is None or head[-1] not in _SEQUENCES or head[0] not in ("typing", "collections", head[-1]):
+        return None
+    items = annotation.slice
+    if head[-1] in ("Tuple", "tuple"):
+        if not (len(items) == 2 and type(items[1].slice) is cst.Index and type(items[1].slice.value) is cst.Ellipsis):
+            return None
+    elif len(items) != 1:
+        return None
+    if type(items[0].slice) is not cst.Index:
+        return None
+    return _class_of(items[0].slice.value)
+
+
+def _sequence_looped(loop: cst.For, name: str) -> Optional[cst.Name]:
+    """`parts` for `for name in parts:` and `for i, name in enumerate(parts):`."""
+    target, seq = loop.target, loop.iter
+    if type(target) is cst.Tuple and len(target.elements) == 2 and type(seq) is cst.Call and (
+            type(seq.func) is cst.Name and seq.func.value == "enumerate" and len(seq.args) == 1):
+        target, seq = target.elements[1].value, seq.args[0].value
+    return seq if type(target) is cst.Name and target.value == name and type(seq) is cst.Name else None
+
+
+def _branches(value: cst.BaseExpression) -> List[cst.BaseExpression]:
+    """Both sides of `a if c else b` (nested), else the value itself."""
+    if type(value) is cst.IfExp:
+        return _branches(value.body) + _branches(value.orelse)
+    return [value]
 
 
 def _target_names(target) -> List[str]:

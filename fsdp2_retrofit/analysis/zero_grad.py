@@ -27,7 +27,8 @@ ModelOf = Callable[[cst.BaseExpression, cst.CSTNode], Optional[str]]
 class ZeroGradBetween:
     call: cst.Call  # `<model>.zero_grad(...)`
     model: str  # the model's name at the call
-    forward: cst.Call  # a forward of that model before it (directly or through a helper given the model)
+    forward: cst.Call  # a forward of that model before it (directly, through a helper given the model, or
+    # through a method of the class that runs it: `loss = self._loss_step(batch)`)
     backward: cst.Call  # a `.backward()` after it
 
 
@@ -49,7 +50,7 @@ def zero_grads_between(resolver: Resolver, model_of: ModelOf, helpers: Iterable[
         here = resolver.order(call)
         calls = [c for c in resolver.descendants(region, cst.Call) if resolver.enclosing_function(c) is fn]
         forward = next(
-            (c for c in calls if resolver.order(c) < here and _forwards(c, model, model_of, helpers)), None
+            (c for c in calls if resolver.order(c) < here and _forwards(c, model, model_of, helpers, resolver)), None
         )
         backward = next(
             (c for c in calls if resolver.order(c) > here and isinstance(c.func, cst.Attribute)
@@ -72,7 +73,11 @@ def _region(resolver: Resolver, call: cst.CSTNode, fn: Optional[cst.FunctionDef]
     return resolver.module
 
 
-def _forwards(call: cst.Call, model: str, model_of: ModelOf, helpers: set) -> bool:
+_METHOD_DEPTH = 3  # methods calling methods, followed at most
+
+
+def _forwards(call: cst.Call, model: str, model_of: ModelOf, helpers: set, resolver: Optional[Resolver] = None,
+              depth: int = _METHOD_DEPTH) -> bool:
     func = call.func
     if model_of(func, call) == model:
         return True  # model(x)
@@ -80,4 +85,22 @@ def _forwards(call: cst.Call, model: str, model_of: ModelOf, helpers: set) -> bo
         return True  # model.forward(x)
     if isinstance(func, cst.Name) and func.value in helpers:  # loss = compute_loss(model, batch)
         return any(model_of(arg.value, call) == model for arg in call.args)
+    # loss = self._loss_step(batch), whose body runs `self._model(...)` (only a model held on
+    # `self`: a local name of another method is another variable)
+    method = _own_method(resolver, call) if resolver is not None and depth > 0 and model.startswith("self.") else None
+    if method is not None:
+        return any(_forwards(c, model, model_of, helpers, resolver, depth - 1)
+                   for c in resolver.descendants(method.body, cst.Call) if resolver.enclosing_function(c) is method)
     return False
+
+
+def _own_method(resolver: Resolver, call: cst.Call) -> Optional[cst.FunctionDef]:
+    """The method `self.<name>(...)` runs: one the class around the call defines (a model held
+    on `self` is the same attribute there)."""
+    func = call.func
+    if not (type(func) is cst.Attribute and type(func.value) is cst.Name and func.value.value == "self"):
+        return None
+    cls = resolver.enclosing_class(call)
+    if cls is None:
+        return None
+    return next((m for m in cls.body.body if type(m) is cst.FunctionDef and m.name.value == func.attr.value), None)

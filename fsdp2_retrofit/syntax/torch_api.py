@@ -135,6 +135,14 @@ FSDP1_CLASSES = frozenset({FSDP1_CLASS, "torch.distributed.fsdp.fully_sharded_da
 SHARDED_GRAD_SCALER = frozenset({
     "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler", "torch.distributed.fsdp.ShardedGradScaler",
 })
+# FSDP2's module class: every module fully_shard shards becomes an instance of it
+FSDP_MODULE = frozenset({
+    "torch.distributed.fsdp.FSDPModule",
+    "torch.distributed._composable.fsdp.FSDPModule",
+    "torch.distributed._composable.fsdp.fully_shard.FSDPModule",
+    "torch.distributed.fsdp._fully_shard.FSDPModule",
+    "torch.distributed.fsdp._fully_shard._fully_shard.FSDPModule",
+})
 DDP = frozenset({
     "torch.nn.parallel.DistributedDataParallel",
     "torch.nn.parallel.distributed.DistributedDataParallel",

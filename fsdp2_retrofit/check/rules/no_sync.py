@@ -47,6 +47,13 @@ class NoSync(Rule):
     VALID = (
         Valid(_HEAD + "model.set_requires_gradient_sync(step % 4 == 3)\n"),
         Valid("import torch\nddp = torch.nn.parallel.DistributedDataParallel(net)\nwith ddp.no_sync():\n    pass\n"),
+        Valid(  # a branch that runs only where the module is not FSDP2's (DDP chosen elsewhere)
+            "from torch.distributed.fsdp import FSDPModule, fully_shard\nfrom torch.nn.parallel import "
+            "DistributedDataParallel as DDP\nmodel = Net()\nif sharded:\n    fully_shard(model)\nelse:\n    model = DDP(model)\n"
+            "if isinstance(model, FSDPModule):\n    model.set_requires_gradient_sync(last)\n"
+            "elif isinstance(model, DDP):\n    with model.no_sync():\n        loss.backward()\n"
+            "if isinstance(model, DDP):\n    model.require_backward_grad_sync = last\n"
+        ),
     )
     INVALID = (
         Invalid(_HEAD + "with model.no_sync():\n    loss.backward()\n", line=4),

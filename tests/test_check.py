@@ -377,6 +377,23 @@ def test_a_syntax_error_is_an_error_also_in_a_file_the_prefilter_skips(tmp_path,
     assert _invoke([str(tmp_path)]).exit_code == 1  # the findings of bad.py remain
 
 
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="needs a Python older than the syntax (3.12 f-strings)")
+@pytest.mark.parametrize("fsdp", [False, True], ids=["no FSDP text", "with FSDP text"])
+def test_syntax_of_a_newer_python_is_not_an_error(tmp_path, fsdp):
+    """A project on Python 3.12 checked by a hook running 3.11: a nested-quote f-string does not
+    compile here, but libcst parses it. It is not an error, and the rules still run on the file."""
+    head = BAD if fsdp else "import os\n"
+    newer = tmp_path / "newer.py"
+    newer.write_text(head + 'print(f"{os.path.join("a", "b")}")\n')
+    with pytest.raises(SyntaxError):
+        compile(newer.read_bytes(), str(newer), "exec")
+    result = _invoke([str(newer)])
+    assert "syntax error" not in result.output
+    assert result.exit_code == (1 if fsdp else 0), result.output
+    if fsdp:
+        assert "FSD101" in result.output
+
+
 def test_stdin_with_a_syntax_error_and_no_fsdp_text_exits_2():
     result = CliRunner().invoke(cli.main, ["check", "-", "--stdin-filename", "x.py"], input="def f(:\n")
     assert result.exit_code == 2 and result.output.startswith("x.py:1:7: error: syntax error")

@@ -132,7 +132,8 @@ def lint_source(
         return result
     if not rules:
         return result
-    rules = [r for r in rules if r.may_apply_to_names(code_names(code), elsewhere)]
+    if code is not None:  # else newer syntax than this Python's: the text prefilter alone decides
+        rules = [r for r in rules if r.may_apply_to_names(code_names(code), elsewhere)]
     if not rules:
         return result
     try:
@@ -170,16 +171,30 @@ def lint_source(
 def compiled(data: bytes, path: str):
     """The source compiled by Python itself (about a tenth of libcst's parse): InputError, one
     line, when it cannot run. Bytes that do not decode get the message `rewrite` gives
-    (files.check_encoding); Python's compile() would accept them in a comment."""
+    (files.check_encoding); Python's compile() would accept them in a comment. None for a
+    source this interpreter cannot compile but libcst parses: syntax of a newer Python (a
+    3.12 f-string under 3.11), not an error of the file."""
     from fsdp2_retrofit.files import check_encoding
 
     check_encoding(data)
     try:
         return compile(data, path, "exec", dont_inherit=True)
     except SyntaxError as exc:
+        if _parses_as_newer_python(data):
+            return None
         raise InputError(f"syntax error: {exc.msg}", exc.lineno or 0, exc.offset or 0) from None
     except ValueError as exc:  # NUL bytes and friends
         raise InputError(f"cannot compile: {exc}") from None
+
+
+def _parses_as_newer_python(data: bytes) -> bool:
+    import libcst as cst
+
+    try:
+        cst.parse_module(data)
+    except Exception:
+        return False
+    return True
 
 
 def code_names(top) -> Set[str]:

@@ -101,6 +101,8 @@ FINDINGS: Dict[Tuple[str, str, int, str], Verdict] = {
         False, "the single-device resize helper; the sharded model takes another path"),
     ("pytorch/torchtune", "torchtune/modules/embedding_utils.py", 131, "FSD114"): Verdict(
         False, "the single-device resize helper; the sharded model takes another path"),
+    ("pytorch/torchtune", "torchtune/dev/rl/workers/trainers/training.py", 79, "FSD106"): Verdict(
+        False, _DEVICE_SET + "a Ray actor (one visible GPU each); utils.get_device() sets it in __init__"),
     ("pytorch/torchtune", "torchtune/training/_distributed.py", 280, "FSD106"): Verdict(
         False, _DEVICE_SET + "a library helper; its callers set the device"),
     ("volcengine/verl", "tests/models/test_tiled_mlp_accuracy.py", 27, "FSD106"): Verdict(

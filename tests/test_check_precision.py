@@ -60,6 +60,32 @@ def test_fsdp1_behind_a_project_version_test_is_not_flagged(tmp_path):
     assert [c for _, c in _codes(tmp_path / "worker.py")] == ["FSD111"]
 
 
+DEEP_ENGINE = """\
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType, ShardedStateDictConfig
+from proj.utils.fsdp_utils import fsdp_version, shard
+
+
+def build(module, strategy):
+    if strategy == "fsdp":
+        module = FSDP(module)
+    else:
+        shard(module)
+    if fsdp_version(module) == 1:
+        FSDP.set_state_dict_type(module, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig())
+    return module
+"""
+
+
+def test_the_version_test_is_found_from_a_script_four_packages_deep_with_no_root_marker(tmp_path):
+    """verl's engine module (proj/workers/engine/fsdp/impl.py): no pyproject.toml within three
+    folders, the version test in proj/utils, found from the folder above the outermost package
+    (where `python -m proj.workers...` imports from), as the sharding analysis finds the sharder."""
+    init = {f"{d}/__init__.py": "" for d in ("proj", "proj/utils", "proj/workers", "proj/workers/engine",
+                                             "proj/workers/engine/fsdp")}
+    _project(tmp_path, {**init, "proj/utils/fsdp_utils.py": FSDP_UTILS, "proj/workers/engine/fsdp/impl.py": DEEP_ENGINE})
+    assert _codes(tmp_path / "proj/workers/engine/fsdp/impl.py") == []
+
+
 def test_a_function_returning_an_fsdp1_wrap_is_no_fully_shard_path(tmp_path):
     # prepare() wraps with FSDP1: the caller's name is an FSDP1 module, not an FSDP2 one
     text = (

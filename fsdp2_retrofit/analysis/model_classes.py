@@ -445,17 +445,26 @@ def _project_root(folder: Path) -> Optional[Path]:
     return None
 
 
+def _package_base(folder: Path) -> Optional[Path]:
+    from .project_imports import package_base
+
+    found = package_base(str(folder))
+    return Path(found) if found is not None else None
+
+
 def _collect_project_packages(module, resolver, folder: Path, registry) -> None:
     """`from mingpt.model import GPT` in a script below the project's root: the package is
     the project's own (installed with `pip install -e .`) when the root holds `mingpt/`.
-    Only imports the script's folder does not resolve are looked up there."""
+    Without a root marker within reach, the folder above the script's outermost package
+    (where `python -m pkg.sub.script` imports from: project_imports.package_base). Only
+    imports the script's folder does not resolve are looked up there."""
     heads = {_dotted(s.module).split(".")[0] for s in resolver.nodes(cst.ImportFrom)
              if s.module is not None and not s.relative}
     heads |= {_dotted(a.name).split(".")[0] for s in resolver.nodes(cst.Import) for a in s.names}
     heads -= {n.split(".")[0] for n in registry.namespaces}
     if not heads:
         return
-    root = _remembered(("root", folder), lambda: _project_root(folder))
+    root = _remembered(("root", folder), lambda: _project_root(folder) or _package_base(folder))
     if root is None:
         return
     if not _remembered(("heads", root, frozenset(heads)), lambda: any((root / h).is_dir() for h in heads)):

@@ -470,10 +470,11 @@ TEARDOWN_RETRIES = 2
 
 
 def _child_env(record_dir: Path, steps: int, mode: str, extra_path: Sequence[str] = (),
-               instrument: bool = True, sampler: Optional[bool] = None) -> dict:
+               instrument: bool = True, sampler: Optional[bool] = None, timing: bool = False) -> dict:
     """The child's environment. ``mode``: "single" (one process) or "dist" (torchrun:
     only the workers record). ``sampler`` defaults to on for "single"; a run with
-    neither instrumentation nor sampler gets no verify variable at all."""
+    neither instrumentation nor sampler gets no verify variable at all. ``timing``:
+    records made to time steps (no gradient norms, no weights; see _site/sitecustomize.py)."""
     env = dict(os.environ)
     for key in list(env):
         if key.startswith("FSDP2_RETROFIT_VERIFY_"):
@@ -484,6 +485,8 @@ def _child_env(record_dir: Path, steps: int, mode: str, extra_path: Sequence[str
         env["FSDP2_RETROFIT_VERIFY_DIR"] = str(record_dir)
         env["FSDP2_RETROFIT_VERIFY_STEPS"] = str(steps)
         env["FSDP2_RETROFIT_VERIFY_MODE"] = mode
+        if timing:
+            env["FSDP2_RETROFIT_VERIFY_TIMING"] = "1"
     if sampler:
         env["FSDP2_RETROFIT_VERIFY_SAMPLER"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -655,15 +658,16 @@ def run_distributed(settings: VerifySettings, script: Path, directory: Path, imp
 
 def launch_single(script: Path, args: Sequence[str], directory: Path, *, steps: int = 0, python: str = sys.executable,
                   timeout: float = DEFAULT_TIMEOUT_S, instrument: bool = True, sampler: bool = True,
-                  what: str = "") -> Run:
+                  what: str = "", timing: bool = False) -> Run:
     """Run ``script`` with ``python`` in one process, in ``directory``.
 
     ``steps`` 0: to the end of the script, else stop after that many optimizer
     steps. ``sampler``: shuffled DataLoaders visit samples in DistributedSampler's
     order. ``instrument`` False: no records (a script that starts its own worker
-    processes, e.g. with mp.spawn; then ``sampler`` should be False too).
+    processes, e.g. with mp.spawn; then ``sampler`` should be False too). ``timing``:
+    the records time each step and hold no gradient norms or weights (benchmarks/gpu).
     """
-    env = _child_env(directory, steps, "single", instrument=instrument, sampler=sampler)
+    env = _child_env(directory, steps, "single", instrument=instrument, sampler=sampler, timing=timing)
     cmd = [python, str(Path(script).resolve()), *args]
     return run_script(cmd, directory, env, 1, timeout, what or f"single-process run of {script}", steps=steps,
                       instrument=instrument)
@@ -671,11 +675,11 @@ def launch_single(script: Path, args: Sequence[str], directory: Path, *, steps: 
 
 def launch_distributed(script: Path, args: Sequence[str], directory: Path, *, nproc: int = DEFAULT_NPROC,
                        steps: int = 0, python: str = sys.executable, timeout: float = DEFAULT_TIMEOUT_S,
-                       extra_path: Sequence[str] = (), what: str = "") -> Run:
+                       extra_path: Sequence[str] = (), what: str = "", timing: bool = False) -> Run:
     """Run ``script`` under ``torchrun --standalone --nproc_per_node nproc`` (the
     entry point of ``python``, so the workers use its torch), in ``directory``;
-    ``steps`` as for launch_single."""
-    env = _child_env(directory, steps, "dist", extra_path)
+    ``steps`` and ``timing`` as for launch_single."""
+    env = _child_env(directory, steps, "dist", extra_path, timing=timing)
     cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(Path(script).resolve()), *args]
     return run_script(cmd, directory, env, nproc, timeout, what or f"distributed run of {script} ({nproc} ranks)",

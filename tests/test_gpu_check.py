@@ -86,6 +86,10 @@ def test_variants_that_need_no_run(gpu, tmp_path):
     assert na.status == "n/a" and "no rewrite option" in na.error
     spent = gpu.run_variant(meta, "bf16", tmp_path, 3, gpu.Budget(0, 60))
     assert spent.status == "skipped" and "budget" in spent.error
+    hsdp = gpu.load_cases(FIXTURES, ["hsdp_four_ranks"])[0]
+    for variant in ("golden", "bf16"):
+        one_rank = gpu.run_variant(hsdp, variant, tmp_path, 3, budget)
+        assert one_rank.status == "n/a" and "needs a multiple of 2 ranks" in one_rank.error, one_rank
     assert not any(tmp_path.iterdir())  # nothing was rewritten or run
 
 

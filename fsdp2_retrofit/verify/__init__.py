@@ -506,13 +506,14 @@ TEARDOWN_RETRIES = 2
 
 def _child_env(record_dir: Path, steps: int, mode: str, extra_path: Sequence[str] = (),
                instrument: bool = True, sampler: Optional[bool] = None, epochs: Sequence[int] = (),
-               to_end: bool = False) -> dict:
+               to_end: bool = False, timing: bool = False) -> dict:
     """The child's environment. ``mode``: "single" (one process) or "dist" (torchrun:
     only the workers record). ``sampler`` defaults to on for "single"; a run with
     neither instrumentation nor sampler gets no verify variable at all. ``epochs``: the
     epoch of each shuffled pass, in order, for the single run's sampler (the values the
     distributed run's DistributedSamplers were set to). ``to_end``: after the steps the
-    script goes on to its end."""
+    script goes on to its end. ``timing``: records made to time steps (no gradient norms,
+    no weights; see _site/sitecustomize.py)."""
     env = dict(os.environ)
     for key in list(env):
         if key.startswith("FSDP2_RETROFIT_VERIFY_"):
@@ -525,6 +526,8 @@ def _child_env(record_dir: Path, steps: int, mode: str, extra_path: Sequence[str
         env["FSDP2_RETROFIT_VERIFY_MODE"] = mode
         if to_end:
             env["FSDP2_RETROFIT_VERIFY_TO_END"] = "1"
+        if timing:
+            env["FSDP2_RETROFIT_VERIFY_TIMING"] = "1"
     if sampler:
         env["FSDP2_RETROFIT_VERIFY_SAMPLER"] = "1"
         if epochs:
@@ -752,7 +755,7 @@ def run_distributed(settings: VerifySettings, script: Path, directory: Path, imp
 
 def launch_single(script: Path, args: Sequence[str], directory: Path, *, steps: int = 0, python: str = sys.executable,
                   timeout: float = DEFAULT_TIMEOUT_S, instrument: bool = True, sampler: bool = True,
-                  what: str = "", epochs: Sequence[int] = (), to_end: bool = False) -> Run:
+                  what: str = "", epochs: Sequence[int] = (), to_end: bool = False, timing: bool = False) -> Run:
     """Run ``script`` with ``python`` in one process, in ``directory``.
 
     ``steps`` 0: to the end of the script, else stop after that many optimizer
@@ -760,10 +763,11 @@ def launch_single(script: Path, args: Sequence[str], directory: Path, *, steps: 
     order. ``instrument`` False: no records (a script that starts its own worker
     processes, e.g. with mp.spawn; then ``sampler`` should be False too). ``epochs``:
     the epochs of the shuffled passes, in order (sampler_epochs of the distributed
-    run's record); by default each sampler counts its passes from 0.
+    run's record); by default each sampler counts its passes from 0. ``timing``: the
+    records time each step and hold no gradient norms or weights (benchmarks/gpu).
     """
     env = _child_env(directory, steps, "single", instrument=instrument, sampler=sampler, epochs=epochs,
-                     to_end=to_end)
+                     to_end=to_end, timing=timing)
     cmd = [python, str(Path(script).resolve()), *args]
     return run_script(cmd, directory, env, 1, timeout, what or f"single-process run of {script}", steps=steps,
                       instrument=instrument, to_end=to_end)
@@ -771,11 +775,12 @@ def launch_single(script: Path, args: Sequence[str], directory: Path, *, steps: 
 
 def launch_distributed(script: Path, args: Sequence[str], directory: Path, *, nproc: int = DEFAULT_NPROC,
                        steps: int = 0, python: str = sys.executable, timeout: float = DEFAULT_TIMEOUT_S,
-                       extra_path: Sequence[str] = (), what: str = "", to_end: bool = False) -> Run:
+                       extra_path: Sequence[str] = (), what: str = "", to_end: bool = False,
+                       timing: bool = False) -> Run:
     """Run ``script`` under ``torchrun --standalone --nproc_per_node nproc`` (the
     entry point of ``python``, so the workers use its torch), in ``directory``;
     ``steps`` as for launch_single."""
-    env = _child_env(directory, steps, "dist", extra_path, to_end=to_end)
+    env = _child_env(directory, steps, "dist", extra_path, to_end=to_end, timing=timing)
     cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(Path(script).resolve()), *args]
     return run_script(cmd, directory, env, nproc, timeout, what or f"distributed run of {script} ({nproc} ranks)",

@@ -29,6 +29,11 @@ shadows). With it:
 * A script that ends before K steps is recorded when it calls
   ``destroy_process_group`` (all ranks still together: weights gathered) or
   at exit (weights gathered only while a process group is still up).
+* Every step's end is timed (``step_seconds``: the wall time between one step's
+  post-hook and the next's). With FSDP2_RETROFIT_VERIFY_TIMING=1 (benchmarks/gpu)
+  the record is made for timing: CUDA is synchronized before each time is taken,
+  and nothing is measured that costs a sync or a collective of its own (no
+  gradient norm, no weights gathered at the start or the end).
 * Each step records the samples it trained on: the first dimension of the last
   DataLoader batch drawn before each backward, summed over the step's backwards
   (verify compares the single run's with the ranks' sum: the global batch).
@@ -96,6 +101,7 @@ def _install():
 
     out_dir = os.environ["FSDP2_RETROFIT_VERIFY_DIR"]
     max_steps = int(os.environ.get("FSDP2_RETROFIT_VERIFY_STEPS", "10"))
+    timing = os.environ.get("FSDP2_RETROFIT_VERIFY_TIMING") == "1"
     # after max_steps: record, then let the script go on to its end (its training loaders
     # yield nothing more), so what it does after training runs too
     to_end = os.environ.get("FSDP2_RETROFIT_VERIFY_TO_END") == "1"
@@ -108,6 +114,7 @@ def _install():
         "losses": [],
         "grad_norms": [],
         "micro_steps": [],
+        "step_ends": [],  # time.perf_counter() at the end of each step
         "pending_samples": 0,  # samples of the batches this step's backwards were computed on
         "last_batch": 0,  # the size of the last DataLoader batch drawn, until a backward uses it
         "last_loader": None,  # the batch sampler of the loader that drew it
@@ -210,6 +217,8 @@ def _install():
             return
         if state["primary"] is None:
             state["primary"] = optimizer
+        if timing:  # the step is counted and timed (post_hook), nothing gathered or reduced here
+            return
         if all(o is not optimizer for o in state["optimizers"]):
             state["optimizers"].append(optimizer)
             # the weights this optimizer starts from, before its first update, of the
@@ -226,6 +235,9 @@ def _install():
         if state["done"] or optimizer is not state["primary"] or _state_init_step():
             return
         state["step"] += 1
+        if timing and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        state["step_ends"].append(time.perf_counter())
         state["losses"].append(state["pending_loss"])
         state["micro_steps"].append(state["pending_micro"])
         state["samples"].append(state["pending_samples"])
@@ -322,7 +334,7 @@ def _install():
         state["done"] = True
         rank = _rank()
         weights = None
-        if gather:
+        if gather and not timing:
             try:
                 weights = _gather()
             except Exception as exc:  # e.g. the process group is gone
@@ -339,6 +351,11 @@ def _install():
             torch.save(state["initial"], tmp)
             os.replace(tmp, os.path.join(out_dir, "initial.pt"))
         kind, peak = _peak_memory()
+        group = _dist()
+        try:
+            backend = str(group.get_backend()) if group is not None else None
+        except Exception:
+            backend = None
         record = {
             "rank": rank,
             "world_size": int(os.environ.get("WORLD_SIZE", "1")),
@@ -347,11 +364,13 @@ def _install():
             "losses": state["losses"],
             "grad_norms": state["grad_norms"][: state["step"]],
             "micro_steps": state["micro_steps"],
+            "step_seconds": [b - a for a, b in zip(state["step_ends"], state["step_ends"][1:])],
             "samples": state["samples"],
             "sampler_epochs": state["sampler_epochs"],
             "weights": weights is not None,
             "memory_kind": kind,
             "peak_memory_bytes": peak,
+            "backend": backend,  # the default process group's ("nccl", "cpu:gloo,cuda:nccl"), None without one
             "failed": state["failed"],
             "seconds": time.time() - state["started"],
         }

@@ -273,7 +273,7 @@ class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
         is given it (analysis.loader_kwargs)."""
         size = _batch_size(loader.call)
         if size is not None:
-            return self._divide(loader, facts, size, loader.stmt, new), True
+            return self._divide(loader.name, facts, size, loader.stmt, new), True
         through = batch_size_through(facts.module, facts.resolver, loader.call)
         early = next((s.stmt for s in through.sets if self._before_group(s.stmt, facts)), None) if through else None
         if early is not None:  # no world size to divide by there yet
@@ -286,7 +286,7 @@ class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
                 continue  # a dict shared by two loaders: divided once
             self._divided.add(id(found.value))
             here = new if found.stmt is loader.stmt else []
-            value = self._divide(loader, facts, found.value, found.stmt, here)
+            value = self._divide(loader.name, facts, found.value, found.stmt, here)
             if value is not None:
                 editor.replace_expression(found.value, lambda _old, value=value: value)
             if here is not new:
@@ -330,24 +330,25 @@ class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
             differs=True,
         )
 
-    def _divide(self, loader: LoaderSite, facts: ScriptFacts, size: cst.BaseExpression, stmt: cst.CSTNode,
+    def _divide(self, loader: str, facts: ScriptFacts, size: cst.BaseExpression, stmt: cst.CSTNode,
                 new: list) -> Optional[cst.BaseExpression]:
-        """The per-rank value of the batch size `size` (read in `stmt`), with its assert added to
-        `new`, the statements that go before `stmt`; None where a name (or attribute) the script
+        """The per-rank value of the batch size `size` of `loader` (its name, or the function that
+        builds it), read in `stmt`, with its assert added to `new`, the statements that go before
+        `stmt`; None where a name (or attribute) the script
         also reads to size batch tensors is rebound once to the per-rank size instead."""
         same_scope = facts.resolver.enclosing_function(stmt) is facts.resolver.enclosing_function(
             facts.models[0].stmt
         )
         world = "world_size" if same_scope else "dist.get_world_size()"
         text = code(size)
-        operand = text if isinstance(size, (cst.Name, cst.Attribute, cst.Integer)) else f"({text})"
+        operand = text if isinstance(size, (cst.Name, cst.Attribute, cst.Subscript, cst.Integer)) else f"({text})"
         readers = batch_size_readers(facts.resolver, stmt, size, [loop.node for loop in facts.loops])
         if readers is not None and readers.problem is not None:
             node, why = readers.problem
             self.refuse(
                 "FSR903",
                 node,
-                f"--keep-global-batch: `{readers.key}`, the batch size of `{loader.name}`, also sizes batch tensors "
+                f"--keep-global-batch: `{readers.key}`, the batch size of `{loader}`, also sizes batch tensors "
                 f"(line {', '.join(str(self.line(n)) for n in readers.shape)}); {why}",
                 "divided in the DataLoader only, the other reads would keep the global size and disagree with the "
                 "per-rank batch (a shape error, or a silent broadcast)",
@@ -361,7 +362,7 @@ class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
         new.append(self.stmt(f"{text} = {text} // {world}  # per rank from here on\n"))
         self.change(
             stmt,
-            f"`{text}` is rebound to the per-rank size before `{loader.name}`: its reads at line "
+            f"`{text}` is rebound to the per-rank size before `{loader}`: its reads at line "
             f"{', '.join(str(self.line(n)) for n in readers.shape)} size tensors of one batch",
             "those tensors must match the per-rank batch the loader now yields",
             "dividing only the loader's argument leaves them at the global size: a shape error or a silent "

@@ -51,6 +51,8 @@ class SiblingLoaderEdits:
                 continue
             self._sample_there(found, unit, flag)
             for c in training:
+                if self.options.keep_global_batch:
+                    self._keep_batch_at_call(found, c, facts, editor)
                 if flag is not None:
                     editor.replace_expression(c.call, lambda call: with_keyword(call, flag, cst.Name("True")))
                     self.change(c.call, f"`{flag}=True`: the loader {found.function}() returns here trains, so it "
@@ -118,11 +120,47 @@ class SiblingLoaderEdits:
             "each rank must see its own part of the data",
             "without a sampler every rank trains on the same batches",
         )
-        if self.options.keep_global_batch:
-            unit.note(self.CODE, built, f"--keep-global-batch: the batch size of the DataLoader "
-                      f"{found.function}() builds is not divided (it is built in {found.file})",
-                      "divide it by dist.get_world_size() there, or run without --keep-global-batch",
-                      differs=True)
+
+    def _keep_batch_at_call(self, found, call, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """--keep-global-batch for a training loader a sibling function builds: the value the
+        script's call passes for the parameter that is the DataLoader's batch size there is
+        divided by the world size at the call (checked at run time, as a DataLoader's own
+        batch_size= is); where it cannot be, the call gets an attention item (verify refuses)."""
+        param, how = _batch_size_parameter(found)
+        value = None
+        if param is not None:
+            value, how = _argument_for(found.function_def.params, param, call.call)
+        stmt = facts.resolver.statement_of(call.call)
+        if value is not None and self._before_group(stmt, facts):
+            value, how = None, "the call comes before the process group starts (no world size to divide by there)"
+        if value is None:
+            self.attention(
+                call.call,
+                f"--keep-global-batch: the batch size of the DataLoader {found.function}() builds ({found.file}, "
+                f"its line {found.line}) {how}: not divided, so the global batch is world_size x larger than the "
+                "single-process run's",
+                f"pass the batch size to {found.function}() as the argument of a parameter its DataLoader reads "
+                "as batch_size= and nothing else, so the rewrite can divide it at the call; or divide it yourself",
+                differs=True,
+            )
+            return
+        new: list = []
+        divided = self._divide(found.function + "()", facts, value, stmt, new)
+        if divided is not None:
+            editor.replace_expression(value, lambda _old, divided=divided: divided)
+        moved = self.__dict__.setdefault("_relead", set())
+        if id(stmt) not in moved:  # the comments above the statement go above its assert
+            moved.add(id(stmt))
+            new[0] = new[0].with_changes(leading_lines=list(stmt.leading_lines))
+            editor.set_leading_lines(stmt, [])
+        editor.insert_before(stmt, new)
+        self.change(
+            stmt,
+            f"`{code(value)}`, passed to {found.function}() for `{param}`, the batch size of the DataLoader it "
+            f"builds ({found.file}), is divided by the world size here",
+            "--keep-global-batch: each rank reads 1/world_size of the batch; the global batch stays as written",
+            f"the DataLoader is built in {found.file}, from the value this call passes",
+        )
 
     def _set_epoch_received(self, found, facts: ScriptFacts, editor: StatementEditor) -> None:
         """`<loader>.sampler.set_epoch(epoch)` for the loader a call of the script receives
@@ -167,6 +205,59 @@ class SiblingLoaderEdits:
             "DistributedSampler reshuffles from its epoch number",
             "without set_epoch every epoch repeats the same order",
         )
+
+
+def _batch_size_parameter(found) -> tuple:
+    """(the parameter of the sibling function that is its DataLoader's batch size, "") when the
+    DataLoader reads it as `batch_size=` and the function reads or binds it nowhere else; else
+    (None, how the batch size is set instead)."""
+    built, fn = found.built, found.function_def
+    size = _keyword(built, "batch_size")
+    positional = [a.value for a in built.args if a.keyword is None and not a.star]
+    if size is None and len(positional) > 1:
+        size = positional[1]  # DataLoader(dataset, batch_size, ...)
+    if size is None:
+        return None, "is not an argument of its call there (the DataLoader default, 1)"
+    params = fn.params
+    named = {p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)}
+    if not isinstance(size, cst.Name) or size.value not in named:
+        return None, f"is `{code(size)}` there, not a parameter of {found.function}()"
+    if _other_uses(found.resolver, fn, size):
+        return None, f"is its parameter `{size.value}`, which {found.function}() also uses otherwise"
+    return size.value, ""
+
+
+def _other_uses(resolver, fn: cst.FunctionDef, read: cst.Name) -> bool:
+    """`fn` names its parameter `read.value` other than in `read` (a read elsewhere, a binding,
+    a nested function's use): a value the call divides would change those too."""
+    uses = 0
+    for name in resolver.descendants(fn.body, cst.Name):
+        if name.value != read.value or name is read:
+            continue
+        parent = resolver.parent(name)
+        if isinstance(parent, cst.Attribute) and parent.attr is name:
+            continue  # `x.batch_size`: an attribute, not the parameter
+        if isinstance(parent, cst.Arg) and parent.keyword is name:
+            continue  # `f(batch_size=...)`: a keyword, not the parameter
+        uses += 1
+    return uses > 0
+
+
+def _argument_for(params: cst.Parameters, param: str, call: cst.Call) -> tuple:
+    """(the value `call` passes for `param`, "") or (None, why it cannot be told or there is none)."""
+    explicit = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == param), None)
+    if explicit is not None:
+        return explicit, ""
+    order = [p.name.value for p in (*params.posonly_params, *params.params)]
+    positional = []
+    for arg in call.args:
+        if arg.star:
+            return None, f"is its parameter `{param}`, which the call may set through `{arg.star}{code(arg.value)}`"
+        if arg.keyword is None:
+            positional.append(arg.value)
+    if param in order and order.index(param) < len(positional):
+        return positional[order.index(param)], ""
+    return None, f"is its parameter `{param}`, which the call does not pass (its default is used)"
 
 
 def _with_param(params: cst.Parameters, new: cst.Param) -> cst.Parameters:

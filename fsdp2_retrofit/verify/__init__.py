@@ -922,9 +922,11 @@ def retrofit_in_memory(script: Path, into: Path) -> Path:
     if result.refusals:
         first = result.refusals[0]
         raise VerifyError(f"{script}:{first.line}: cannot retrofit: {first.what}: {first.why}")
-    kept = next((a for a in result.attention if a.differs and a.what.startswith("--keep-global-batch:")), None)
+    # the script's items, then those of the modules it edits (a loader built there)
+    items = [*result.attention, *(a for sibling in result.siblings for a in sibling.attention)]
+    kept = next((a for a in items if a.differs and a.what.startswith("--keep-global-batch:")), None)
     if kept is not None:  # the runs would train on different global batches: nothing fair to compare
-        raise VerifyError(f"{script}:{kept.line}: cannot keep the global batch: {kept.what}",
+        raise VerifyError(f"{kept.path or script}:{kept.line}: cannot keep the global batch: {kept.what}",
                           "divide it yourself and pass the result with --retrofitted FILE (or a retrofit that keeps "
                           "the per-rank batch with --per-rank-arg NAME)")
     into.mkdir(parents=True, exist_ok=True)

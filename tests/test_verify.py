@@ -815,3 +815,35 @@ def test_keep_runs_may_hold_the_inputs_a_script_reads_beside_its_run_folder(tmp_
     (tmp_path / "file").write_text("")
     with pytest.raises(VerifyError, match="not a directory"):
         _work_root(VerifySettings(script=tmp_path / "file", keep_runs=tmp_path / "file"))
+
+
+@pytest.mark.parametrize("epochs", [[0, 1, 2], [1, 2, 3]], ids=["epochs from 0", "epochs from 1"])
+def test_the_single_run_goes_first_and_again_only_at_other_epochs(tmp_path: Path, monkeypatch, epochs):
+    """The original runs before its retrofit: a retrofit may write into inputs both runs read
+    (kuangliu's --resume: its DCP save replaced the linked checkpoint file with a directory, and
+    the single run after it failed to load it). Only where the retrofit's samplers were set to
+    other epochs than 0, 1, 2, ... does the single run run again, drawing those."""
+    import fsdp2_retrofit.verify as v
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    calls = []
+
+    def single(settings, args, directory, epochs=()):
+        calls.append(("single", directory.name, list(epochs)))
+        return Run(directory, [{"losses": [], "grad_norms": []}], None)
+
+    def distributed(settings, script, directory, import_root=()):
+        calls.append(("dist", directory.name, []))
+        return Run(directory, [{"sampler_epochs": epochs, "losses": [], "grad_norms": []}], None)
+
+    monkeypatch.setattr(v, "run_single", single)
+    monkeypatch.setattr(v, "run_distributed", distributed)
+    monkeypatch.setattr(v, "compare_runs", lambda *a, **k: Verdict([], None, {}, []))
+    monkeypatch.setattr(v, "compare_rank_weight_files", lambda *a: None)
+    monkeypatch.setattr(v, "compare_initial_weights", lambda *a: None)
+    v._run_and_compare(v.VerifySettings(script=script, retrofitted=script), tmp_path / "runs")
+    expected = [("single", "single", []), ("dist", "dist", [])]
+    if epochs[0] != 0:
+        expected.append(("single", "single-epochs", epochs))
+    assert calls == expected

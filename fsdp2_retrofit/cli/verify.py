@@ -77,9 +77,9 @@ Examples:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
               help="Also write the report as JSON to FILE.")
 @click.option("--keep-runs", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
-              help="Run in DIR (new, or without the single/, dist/ and retrofitted/ folders of an earlier run) and "
-              "keep the records, logs and in-memory retrofit there; other entries stay (inputs the script reads at "
-              "../data from its run folder).")
+              help="Run in DIR (new, or without the single/, dist/, retrofitted/ and single-epochs/ folders of an "
+              "earlier run) and keep the records, logs and in-memory retrofit there; other entries stay (inputs the "
+              "script reads at ../data from its run folder).")
 @click.option("--reuse-single", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
               help="Skip the single run: use the one recorded in DIR (a --keep-runs DIR/single) with the same "
               "script, arguments and steps.")

@@ -996,7 +996,7 @@ def verify(settings: VerifySettings, console=None) -> int:
             shutil.rmtree(root, ignore_errors=True)
 
 
-RUN_FOLDERS = ("single", "dist", "retrofitted")  # what verify writes in its work directory
+RUN_FOLDERS = ("single", "dist", "retrofitted", "single-epochs")  # what verify writes in its work directory
 
 
 def _work_root(settings: VerifySettings) -> Tuple[Path, bool]:
@@ -1025,23 +1025,25 @@ def _run_and_compare(settings: VerifySettings, root: Path) -> Verdict:
     else:
         dist_script, import_root = settings.retrofitted.resolve(), []
 
-    # The distributed run first: the single run's sampler replays the epochs its
-    # DistributedSamplers were set to (a script counting epochs from 1 passes 1, 2, ...).
-    _progress(f"running {dist_script.name} under torchrun --nproc_per_node {settings.nproc}...")
-    try:
-        dist = run_distributed(settings, dist_script, root / "dist", import_root)
-    except VerifyError:
-        # the original may fail on its own (missing data, a bad argument): that is what to say
-        if settings.reuse_single is None:
-            _progress(f"running {settings.script} in one process ({settings.steps} steps at most)...")
-            run_single(settings, args, root / "single")
-        raise
-    epochs = sampler_epochs(dist)
+    # The single run first, then the retrofit (a retrofit may write into inputs both runs read:
+    # a DCP save over a checkpoint file of --run-files). Where the retrofit's samplers were set
+    # to other epochs than 0, 1, 2, ... (a script counting epochs from 1), the single run runs
+    # again, its sampler drawing those epochs' permutations.
     if settings.reuse_single is not None:
-        single = reuse_single(settings, args, epochs)
+        single = reuse_single(settings, args)
     else:
         _progress(f"running {settings.script} in one process ({settings.steps} steps at most)...")
-        single = run_single(settings, args, root / "single", epochs)
+        single = run_single(settings, args, root / "single")
+    _progress(f"running {dist_script.name} under torchrun --nproc_per_node {settings.nproc}...")
+    dist = run_distributed(settings, dist_script, root / "dist", import_root)
+    epochs = sampler_epochs(dist)
+    if epochs:
+        if settings.reuse_single is not None:
+            single = reuse_single(settings, args, epochs)
+        else:
+            _progress(f"running {settings.script} in one process again, at the epochs the retrofit's samplers "
+                      f"were set to ({', '.join(map(str, epochs[:4]))}{', ...' if len(epochs) > 4 else ''})...")
+            single = run_single(settings, args, root / "single-epochs", epochs)
 
     verdict = compare_runs(single, dist, tolerance=settings.tolerance, loss_rtol=settings.loss_rtol,
                            loss_atol=settings.loss_atol, python=settings.python)

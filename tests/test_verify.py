@@ -302,14 +302,26 @@ def test_within_noise_accepts_random_draw_differences_and_rejects_divergence():
     assert not within_noise(short)[0]
 
 
-def test_run_files_are_linked_into_each_run_directory(tmp_path: Path):
+def test_run_files_are_copied_into_each_run_directory_or_linked_when_large(tmp_path: Path, monkeypatch):
+    """Each run gets its own copy of small inputs: kuangliu's --resume saves its checkpoint where it
+    loaded it from, and through a link the single run's save became the retrofit's start."""
+    import fsdp2_retrofit.verify as v
+
     files = tmp_path / "files"
     (files / "data").mkdir(parents=True)
     (files / "data" / "train.txt").write_text("a b c")
     (files / "vocab.pkl").write_bytes(b"x")
-    run = tmp_path / "runs" / "single"
+    run, other = tmp_path / "runs" / "single", tmp_path / "runs" / "dist"
     link_run_files(files, run)
-    assert (run / "data" / "train.txt").read_text() == "a b c" and (run / "vocab.pkl").is_symlink()
+    link_run_files(files, other)
+    assert (run / "data" / "train.txt").read_text() == "a b c" and not (run / "vocab.pkl").is_symlink()
+    (run / "data" / "train.txt").write_text("written by the single run")
+    assert (other / "data" / "train.txt").read_text() == "a b c"
+    assert (files / "data" / "train.txt").read_text() == "a b c"
+    monkeypatch.setattr(v, "RUN_FILES_COPY_LIMIT", 3)  # large inputs are linked, not copied
+    linked = tmp_path / "runs" / "linked"
+    link_run_files(files, linked)
+    assert (linked / "vocab.pkl").is_symlink() and (linked / "data").is_symlink()
     link_run_files(None, tmp_path / "none")
     assert not (tmp_path / "none").exists()
     with pytest.raises(VerifyError, match="not a directory"):

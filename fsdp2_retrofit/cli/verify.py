@@ -88,8 +88,8 @@ Examples:
 @click.option("--timeout", type=click.FloatRange(min=1), default=600, show_default=True,
               help="Seconds each run may take (then it is killed: a deadlock).")
 @click.option("--run-files", type=click.Path(file_okay=False, exists=True, path_type=Path), metavar="DIR",
-              help="Link each entry of DIR into both runs' working directories (input files the script opens "
-              "by a relative path).")
+              help="Put each entry of DIR into both runs' working directories (input files the script opens "
+              "by a relative path): copied, each run its own, up to 64 MiB in all; linked above that.")
 @click.pass_context
 def verify_command(ctx: click.Context, script, script_args, retrofitted, nproc, steps, to_end, tolerance,
                    per_rank_args, json_path, keep_runs, reuse_single, python, timeout, run_files) -> None:

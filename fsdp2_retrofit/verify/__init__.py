@@ -573,17 +573,39 @@ def _read_ranks(directory: Path, nproc: int, what: str, stderr: str) -> List[dic
     return ranks
 
 
+# --run-files up to this size are copied into each run's directory, larger ones linked: a run
+# that writes into its inputs (a resumed script saving its checkpoint where it loaded it from)
+# must not hand the other run what it wrote.
+RUN_FILES_COPY_LIMIT = 64 * 2**20
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def link_run_files(run_files: Optional[Path], directory: Path) -> None:
-    """Link each entry of ``run_files`` into a run's working directory (relative input paths resolve there)."""
+    """Put each entry of ``run_files`` into a run's working directory (relative input paths
+    resolve there): copies while they are small (RUN_FILES_COPY_LIMIT in all), so each run has
+    its own, else links."""
     if run_files is None:
         return
     if not run_files.is_dir():
         raise VerifyError(f"--run-files {run_files}: not a directory")
     directory.mkdir(parents=True, exist_ok=True)
-    for entry in sorted(run_files.iterdir()):
-        link = directory / entry.name
-        if not link.exists():
-            link.symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+    entries = sorted(run_files.iterdir())
+    copy = sum(_size(e) for e in entries) <= RUN_FILES_COPY_LIMIT
+    for entry in entries:
+        target = directory / entry.name
+        if target.exists() or target.is_symlink():
+            continue
+        if not copy:
+            target.symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+        elif entry.is_dir():
+            shutil.copytree(entry, target)
+        else:
+            shutil.copy2(entry, target)
 
 
 def _restore(directory: Path, snapshot: Path) -> None:

@@ -11,7 +11,7 @@ from fsdp2_retrofit.analysis.model_classes import first_submodule, parameter_rea
 from fsdp2_retrofit.analysis.no_model import no_model_blocker, unrecognised_trained_model
 from fsdp2_retrofit.analysis.optimizers import FLATTENING_OPTIMIZERS, whole_tensor_operation
 from fsdp2_retrofit.syntax.names import root_name
-from fsdp2_retrofit.syntax.torch_api import AUTOGRAD_GRAD, ZERO_REDUNDANCY_OPTIMIZER
+from fsdp2_retrofit.syntax.torch_api import AUTOGRAD_GRAD, GRAD_SCALER, ZERO_REDUNDANCY_OPTIMIZER
 from fsdp2_retrofit.analysis.same_start import broadcast_reason
 from fsdp2_retrofit.analysis.scalar_params import model_scalar_parameters
 from fsdp2_retrofit.analysis.shared_modules import shared_module
@@ -359,6 +359,25 @@ class ShardModelCommand(RetrofitStage):
             )
         return wanted
 
+    def _refuse_old_grad_scaler(self, facts: ScriptFacts) -> None:
+        """A GradScaler unscales FSDP2's DTensor gradients and reduces its inf/NaN check over
+        their mesh from torch 2.5 on (pytorch#132816): before that, --torch-version 2.4 output
+        would fail at the first `scaler.step` (or skip steps on some ranks only)."""
+        version = self.options.torch_version
+        if not version or tuple(int(p) for p in version.split(".")[:2]) >= (2, 5):
+            return
+        r = facts.resolver
+        for call in r.nodes(cst.Call):
+            if r.qnames(call) & GRAD_SCALER:
+                self.refuse(
+                    "FSR643",
+                    call,
+                    f"a GradScaler with --torch-version {version}",
+                    "torch 2.4's GradScaler cannot unscale FSDP2's DTensor gradients (its inf/NaN check is reduced "
+                    "over the ranks from torch 2.5 on)",
+                    "target torch 2.5 or newer (--torch-version 2.5), or train in bfloat16 without a scaler",
+                )
+
     def _refuse_unsafe(self, facts: ScriptFacts) -> None:
         for line, wrapper in facts.wrappers:
             if "FSDP1" not in wrapper:  # the migrate_ddp stage removes these before this stage runs
@@ -377,6 +396,7 @@ class ShardModelCommand(RetrofitStage):
                 "run the migrate_fsdp1 stage first (the composite `rewrite` does)",
             )
         self._refuse_double_backward(facts)
+        self._refuse_old_grad_scaler(facts)
         for call in facts.compiled_builds:
             if self._compiled_model(call, facts) is not None:
                 continue  # `model = torch.compile(Net())`: split, see _split_compile

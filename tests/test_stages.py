@@ -1180,3 +1180,28 @@ opt = optim.SGD(model.parameters(), lr=0.1)
     result = rewrite(code, shard=("Head",))
     assert not result.refusals
     assert any("--shard Head: not a class the rewrite reads" in a.what for a in result.attention)
+
+
+@pytest.mark.parametrize("version, refused", [("2.4", True), ("2.5", False), ("2.6", False), ("", False)])
+@pytest.mark.parametrize("build", [
+    "torch.amp.GradScaler('cuda')", "torch.cuda.amp.GradScaler()", "GradScaler('cuda', init_scale=1024)",
+])
+def test_a_grad_scaler_needs_torch_2_5(version, refused, build):
+    """GradScaler unscales fully_shard's DTensor gradients (and reduces its inf check over the
+    ranks) from torch 2.5 on: --torch-version 2.4 output would fail at scaler.step."""
+    script = MODEL.replace("import torch\n", "import torch\nfrom torch.amp import GradScaler\n", 1) + f'''
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+scaler = {build}
+for x in torch.randn(4, 8, 4):
+    scaler.scale(model(x).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+'''
+    result = rewrite(script, torch_version=version)
+    if refused:
+        assert [(r.code, r.line) for r in result.refusals] == [("FSR643", MODEL.count("\n") + 5)]  # + the import line
+        assert result.code == dedent(script).encode()
+    else:
+        assert not result.refusals, result.refusals
+        assert f"scaler = {build}\n" in result.code.decode()

@@ -322,6 +322,11 @@ _RULES = [
                 "the root, one unit holding every parameter: the option would do nothing, without a word.",
                 "Name one of the classes the message lists (the model's repeated block); a model built from a "
                 "library's classes is not checked (its classes are matched when the script runs)."),
+    RefusalRule("FSR643", "shard-grad-scaler-before-torch-2-5",
+                "A GradScaler in a script retrofitted for torch 2.4 (--torch-version 2.4).",
+                "fully_shard's gradients are DTensors; GradScaler unscales them and reduces its inf/NaN check over "
+                "every rank's shards only from torch 2.5 on: on 2.4 the first scaler.step fails.",
+                "Target torch 2.5 or newer, or train in bfloat16 without a loss scaler."),
     # -- 7xx checkpoint and library saves ------------------------------------------------
     RefusalRule("FSR701", "checkpoint-unsplittable-rank-branch",
                 "A checkpoint save inside a rank-0 branch that cannot be split (an else branch, an `or`).",

@@ -135,6 +135,12 @@ FSDP1_CLASSES = frozenset({FSDP1_CLASS, "torch.distributed.fsdp.fully_sharded_da
 SHARDED_GRAD_SCALER = frozenset({
     "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler", "torch.distributed.fsdp.ShardedGradScaler",
 })
+# amp's loss scalers (the cuda one is a deprecated subclass of torch.amp.GradScaler)
+GRAD_SCALER = frozenset({
+    "torch.amp.GradScaler", "torch.amp.grad_scaler.GradScaler",
+    "torch.cuda.amp.GradScaler", "torch.cuda.amp.grad_scaler.GradScaler",
+    "torch.cpu.amp.GradScaler", "torch.cpu.amp.grad_scaler.GradScaler",
+}) | SHARDED_GRAD_SCALER
 # FSDP2's module class: every module fully_shard shards becomes an instance of it
 FSDP_MODULE = frozenset({
     "torch.distributed.fsdp.FSDPModule",

@@ -859,3 +859,33 @@ def test_the_single_run_goes_first_and_again_only_at_other_epochs(tmp_path: Path
     if epochs[0] != 0:
         expected.append(("single", "single-epochs", epochs))
     assert calls == expected
+
+
+SCALED_SCRIPT = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+for _ in range(2):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    print(f"loss {loss.item():.6f}")
+"""
+
+
+@e2e
+def test_the_loss_a_grad_scaler_scaled_is_recorded_not_the_scaled_one(tmp_path: Path):
+    """`scaler.scale(loss).backward()`: the record holds loss, not loss * 1024 (an overflowing
+    step's scaled loss is inf, which compares with nothing)."""
+    from fsdp2_retrofit.verify import launch_single
+
+    script = tmp_path / "scaled.py"
+    script.write_text(SCALED_SCRIPT, encoding="utf-8")
+    run = launch_single(script, [], tmp_path / "run")
+    printed = [float(v) for v in run.stdout.split()[1::2]]
+    assert len(printed) == 2 and run.ranks[0]["losses"] == pytest.approx(printed, abs=1e-6), (run.ranks[0]["losses"],
+                                                                                              printed)

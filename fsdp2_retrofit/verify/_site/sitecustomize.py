@@ -11,7 +11,9 @@ shadows). With it:
   next optimizer step. One step's loss is the SUM over its micro-steps: with
   gradient accumulation the single run and every rank run the same number of
   micro-steps, each on the matching slice of the global batch, so the mean
-  over ranks of the per-rank sums equals the single run's sum.
+  over ranks of the per-rank sums equals the single run's sum. For the output
+  of a loss scaler (``torch.amp.GradScaler.scale``) the loss it scaled is
+  recorded: the scale is the scaler's, and an overflowing step's is inf.
 * A global optimizer step pre-hook records the total gradient norm the
   optimizer is about to use (after any clipping). Sharded gradients are
   DTensors: each parameter's norm is taken as a DTensor and made whole with
@@ -164,7 +166,9 @@ def _install():
     def backward(self, *args, **kwargs):
         try:
             if self.numel() == 1:
-                value = self.detach()
+                scaled = state.pop("scaled", None)
+                # a loss scaler's output: record the loss it scaled (the scale is not the model's)
+                value = scaled[1] if scaled is not None and scaled[0] is self else self.detach()
                 if _is_dtensor(value):
                     value = value.full_tensor()
                 value = float(value.float().item())
@@ -182,6 +186,21 @@ def _install():
         return original_backward(self, *args, **kwargs)
 
     torch.Tensor.backward = backward
+
+    try:
+        from torch.amp import GradScaler
+
+        original_scale = GradScaler.scale
+
+        def scale(self, outputs):
+            result = original_scale(self, outputs)
+            if isinstance(outputs, torch.Tensor) and result is not outputs and outputs.numel() == 1:
+                state["scaled"] = (result, outputs.detach())
+            return result
+
+        GradScaler.scale = scale
+    except Exception:  # an older torch without torch.amp.GradScaler
+        pass
 
     # -- the gradient norm and the step count ---------------------------------
 

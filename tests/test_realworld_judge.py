@@ -78,3 +78,17 @@ def test_the_harness_runs_verify_to_the_end_unless_the_manifest_says_not(run, tm
         with pytest.raises(RuntimeError):
             run.verify_step(script(run, **spec), src, tmp_path, None, sys.executable)
         assert ("--to-end" in seen[-1]) is expected
+
+
+def test_each_trains_row_gets_a_deterministic_twin_and_the_summary_counts_parity_by_either(run):
+    rows = [script(run), script(run, compare="trains"), script(run, compare="trains", twin=False)]
+    rows[1].id, rows[2].id = "o/gan", "o/bn"
+    out = run.twins(rows)
+    assert [s.id for s in out] == ["o/r-train", "o/gan", "o/gan~det", "o/bn"]
+    assert out[2].env == {"REALWORLD_DETERMINISTIC": "1"} and out[1].env == {}
+    results = [{"id": "o/r-train", "verdict": "parity"}, {"id": "o/gan", "verdict": "trains"},
+               {"id": "o/gan~det", "verdict": "parity"}, {"id": "o/bn", "verdict": "trains"},
+               {"id": "o/x", "verdict": "refused"}]
+    assert run.summary_line(results) == (
+        "4 scripts: 1 parity, 2 trains, 0 flagged, 1 refused, 0 crash, 0 silently-wrong; deterministic twins of "
+        "the trains rows: 1/1 parity; at parity (as given or by the twin): 2/3 runnable scripts")

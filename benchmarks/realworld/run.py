@@ -32,9 +32,25 @@ VERDICTS = ("parity", "trains", "flagged", "refused", "crash", "silently-wrong")
 DEFAULTS = {
     "extra_files": [], "data": [], "args": [], "per_rank_args": [], "steps": 5, "compare": "parity",
     "tolerance": 1e-4, "noise_rtol": 0.1, "seed": 0, "timeout": 300, "env": {}, "patches": [], "notes": "",
-    "split_data": None, "stubs": {}, "pythonpath": [], "to_end": True,
+    "split_data": None, "stubs": {}, "pythonpath": [], "to_end": True, "twin": True,
 }
 KEYS = set(DEFAULTS) | {"id", "path"}
+TWIN = "~det"  # a `trains` row's deterministic twin: its id is the row's plus this
+TWIN_ENV = {"REALWORLD_DETERMINISTIC": "1"}
+
+
+def twins(scripts: List["Script"]) -> List["Script"]:
+    """Each `trains` row followed by its deterministic twin: the same recipe with the shim's
+    REALWORLD_DETERMINISTIC (dropout off, noise drawn for the global batch and sliced, items
+    seeded by index, one seed on every rank). The twin should reach parity; where it only
+    trains, what is left random (or per rank) is what keeps the row from parity."""
+    out = []
+    for s in scripts:
+        out.append(s)
+        if s.compare == "trains" and s.spec.get("twin", True):
+            spec = dict(s.spec, env=dict(s.spec["env"], **TWIN_ENV))
+            out.append(Script(s.repo, s.commit, s.id + TWIN, s.path, spec, s.manifest))
+    return out
 
 
 class RecipeError(Exception):
@@ -394,10 +410,20 @@ def run_one(script: Script, mirrors: Path, work_root: Path, python: str) -> dict
 
 
 def summary_line(rows: List[dict]) -> str:
-    count = {v: sum(1 for r in rows if r["verdict"] == v) for v in VERDICTS}
-    return (f"{len(rows)} scripts: {count['parity']} parity, {count['trains']} trains, {count['flagged']} flagged, "
+    own = [r for r in rows if not r.get("id", "").endswith(TWIN)]
+    count = {v: sum(1 for r in own if r["verdict"] == v) for v in VERDICTS}
+    line = (f"{len(own)} scripts: {count['parity']} parity, {count['trains']} trains, {count['flagged']} flagged, "
             f"{count['refused']} refused, "
             f"{count['crash']} crash, {count['silently-wrong']} silently-wrong")
+    twin = {r["id"][: -len(TWIN)]: r for r in rows if r.get("id", "").endswith(TWIN)}
+    if not twin:
+        return line
+    at_parity = [r for r in own if r["verdict"] == "parity" or twin.get(r.get("id"), {}).get("verdict") == "parity"]
+    runnable = [r for r in own if r["verdict"] in ("parity", "trains", "flagged", "silently-wrong")]
+    wrong = sum(1 for r in twin.values() if r["verdict"] == "silently-wrong")
+    return (line + f"; deterministic twins of the trains rows: {sum(1 for r in twin.values() if r['verdict'] == 'parity')}"
+            f"/{len(twin)} parity" + (f", {wrong} silently-wrong" if wrong else "")
+            + f"; at parity (as given or by the twin): {len(at_parity)}/{len(runnable)} runnable scripts")
 
 
 def _cell(text) -> str:
@@ -444,9 +470,13 @@ def main(argv=None) -> int:
     parser.add_argument("--manifest", type=Path, default=HERE / "manifest")
     parser.add_argument("--work", type=Path, default=HERE / "work")
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--no-twins", action="store_true",
+                        help="skip the deterministic twins of the trains rows (id~det)")
     opts = parser.parse_args(argv)
 
     scripts = load_manifests(opts.manifest)
+    if not opts.no_twins:
+        scripts = twins(scripts)
     if opts.only:
         scripts = [s for s in scripts if any(s.id == o or s.id.startswith(o) for o in opts.only)]
         if not scripts:
@@ -467,7 +497,7 @@ def main(argv=None) -> int:
     if opts.only and previous.is_file():
         # a partial run updates its rows of the last full run; the rest stay as they were
         ran = {r["id"]: r for r in rows}
-        order = [s.id for s in load_manifests(opts.manifest)]
+        order = [s.id for s in twins(load_manifests(opts.manifest))]
         old = {r["id"]: r for r in json.loads(previous.read_text(encoding="utf-8"))["scripts"]}
         merged = dict(old, **ran)
         rows = [merged[i] for i in order if i in merged]

@@ -92,3 +92,13 @@ def test_each_trains_row_gets_a_deterministic_twin_and_the_summary_counts_parity
     assert run.summary_line(results) == (
         "4 scripts: 1 parity, 2 trains, 0 flagged, 1 refused, 0 crash, 0 silently-wrong; deterministic twins of "
         "the trains rows: 1/1 parity; at parity (as given or by the twin): 2/3 runnable scripts")
+
+
+def test_a_twin_that_only_trains_quotes_what_the_report_says_differs(run):
+    twin = run.twins([script(run, compare="trains")])[1]
+    flagged = dict(REWRITTEN, differs=[{"line": 41, "what": "each rank's BatchNorm normalises its own part"}])
+    noisy = {"exit_code": 1, "equivalent": False, "summary": "diverged", "rank_weights": {"ok": True},
+             "within_noise": {"ok": True, "why": "mean |loss difference| 1e-05"}, "weights": {"max_abs_diff": 1e-3}}
+    verdict, detail, _ = run.judge(twin, flagged, noisy)
+    assert verdict == "trains" and detail.endswith("the report says: line 41: each rank's BatchNorm normalises its own part")
+    assert "the report says" not in run.judge(script(run, compare="trains"), flagged, noisy)[1]

@@ -322,6 +322,21 @@ _RULES = [
                 "the root, one unit holding every parameter: the option would do nothing, without a word.",
                 "Name one of the classes the message lists (the model's repeated block); a model built from a "
                 "library's classes is not checked (its classes are matched when the script runs)."),
+    RefusalRule("FSR635", "shared-name-before-process-group",
+                "A path every rank uses is named from the clock or a uuid before the process group starts "
+                "(at module level, in a function called before init_process_group, or read before it).",
+                "Each rank reads its own clock and gets another name: each would write into a path of its own "
+                "(a collective DCP save split over folders, logs scattered). Rank 0's value can be broadcast only "
+                "once the process group runs.",
+                "Name the run after the process group starts, in the function that starts it, or pass the name "
+                "in as an argument.", stage_name="shared_names"),
+    RefusalRule("FSR636", "shared-name-unnamed",
+                "A path every rank uses is made from the clock or a uuid without a name to hand over: inline in "
+                "the call, stored in `self.attr`, a function's result used in place.",
+                "Each rank reads its own clock and gets another name; the rewrite broadcasts rank 0's value by "
+                "binding a plain name (or `obj.attr`) again right after it is made, and here there is none.",
+                "Bind the value to a name first (`run_dir = ...`) in the function that uses it.",
+                stage_name="shared_names"),
     # -- 7xx checkpoint and library saves ------------------------------------------------
     RefusalRule("FSR701", "checkpoint-unsplittable-rank-branch",
                 "A checkpoint save inside a rank-0 branch that cannot be split (an else branch, an `or`).",

@@ -7,6 +7,7 @@ from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.syntax.names import assigned_names, calls_in, is_main_guard, names_in, walk
 from fsdp2_retrofit.analysis.frameworks import training_framework
 from fsdp2_retrofit.analysis.process_group import process_group
+from fsdp2_retrofit.analysis.downloads import download_sites
 from fsdp2_retrofit.analysis.rank_local import every_rank_binds, rank_local_names
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
@@ -355,6 +356,8 @@ class LaunchDistributedCommand(RetrofitStage):
         # `run_dir = ...time.strftime(...)` reaching a path every rank uses: rank 0's value is
         # broadcast right after it (codemods/shared_names.py), so the group starts before it
         named = {id(rec.binding) for rec in rank_local_names(facts) if every_rank_binds(rec, facts)}
+        # a `download=True` dataset: rank 0 downloads first, behind a barrier (codemods/shared_downloads.py)
+        named |= {id(site.stmt) for site in download_sites(facts)}
         for stmt in block.body:
             if isinstance(stmt, (cst.Import, cst.ImportFrom, cst.FunctionDef, cst.ClassDef)):
                 continue

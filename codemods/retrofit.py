@@ -41,6 +41,7 @@ from .resume import ConvertLoadsCommand
 from .resume_init import SplitResumeInitCommand
 from .returned_builds import NameReturnedBuildsCommand
 from .shard import ShardModelCommand
+from .shared_downloads import DownloadOnRankZeroCommand
 from .shared_names import ShareRankLocalNamesCommand
 from .zero_grad import ClearThroughOptimizerCommand
 
@@ -75,6 +76,7 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
         CreateFoldersOnceCommand,
     ],
     [ShareRankLocalNamesCommand],  # after the saves run on every rank: a clock-made path they read is rank 0's
+    [DownloadOnRankZeroCommand],  # `download=True` datasets: rank 0 first, a barrier, then the others
 ]
 
 

@@ -337,6 +337,14 @@ _RULES = [
                 "binding a plain name (or `obj.attr`) again right after it is made, and here there is none.",
                 "Bind the value to a name first (`run_dir = ...`) in the function that uses it.",
                 stage_name="shared_names"),
+    RefusalRule("FSR637", "download-before-process-group",
+                "A dataset built with `download=True` where no rank test can go: before the process group "
+                "starts (module level, a function called before init_process_group).",
+                "Every rank finds the files missing and downloads into the same folder at once (a truncated "
+                "archive, a rank reading a file still being written). Rank 0 can download first, the others "
+                "waiting at a barrier, only once the process group runs.",
+                "Build the dataset after the process group starts, in the function that starts it, or download "
+                "it before the run and pass download=False.", stage_name="shared_downloads"),
     # -- 7xx checkpoint and library saves ------------------------------------------------
     RefusalRule("FSR701", "checkpoint-unsplittable-rank-branch",
                 "A checkpoint save inside a rank-0 branch that cannot be split (an else branch, an `or`).",

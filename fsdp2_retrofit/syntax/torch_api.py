@@ -75,6 +75,7 @@ PLAIN_SAMPLERS = {
 }
 DISTRIBUTED_SAMPLERS = frozenset({"torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler"})
 ITERABLE_DATASETS = frozenset({"torch.utils.data.IterableDataset", "torch.utils.data.dataset.IterableDataset"})
+DATASET_BASES = ITERABLE_DATASETS | frozenset({"torch.utils.data.Dataset", "torch.utils.data.dataset.Dataset"})
 
 # -- precision and gradients -------------------------------------------------
 

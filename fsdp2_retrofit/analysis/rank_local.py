@@ -31,7 +31,9 @@ CLOCKS = frozenset({
     "time.time", "time.time_ns", "time.strftime", "time.localtime", "time.gmtime", "time.ctime", "time.asctime",
     "datetime.datetime.now", "datetime.datetime.today", "datetime.datetime.utcnow", "datetime.date.today",
 })
-IDS = frozenset({"uuid.uuid1", "uuid.uuid4", "os.getpid", "tempfile.mkdtemp", "secrets.token_hex", "secrets.token_urlsafe"})
+# (not `os.getpid()` nor `tempfile.mkdtemp()`: a path made from those is usually meant to be
+# the process's own, a scratch folder or a per-process log)
+IDS = frozenset({"uuid.uuid1", "uuid.uuid4", "secrets.token_hex", "secrets.token_urlsafe"})
 # these take the moment as an optional argument: with one given, that argument is the source
 _TIME_ARGUMENT = {"time.strftime": 1, "time.localtime": 0, "time.gmtime": 0, "time.ctime": 0, "time.asctime": 0}
 
@@ -50,7 +52,7 @@ class RankLocalName:
     """A value each rank computes for itself that reaches a path every rank uses."""
 
     source: cst.Call  # `time.strftime(...)`
-    what: str  # "the clock" / "a random id" / "the process id"
+    what: str  # "the clock" / "a random id"
     binding: Optional[cst.SimpleStatementLine]  # `run_dir = ...`: broadcast rank 0's value right after it
     target: Optional[cst.BaseExpression]  # the name or `obj.attr` it binds
     sinks: List[cst.Call] = field(default_factory=list)  # the calls it reaches
@@ -87,7 +89,7 @@ def rank_local_names(facts) -> List[RankLocalName]:
 
 
 def source_kind(call: cst.Call, r) -> Optional[str]:
-    """"the clock", "a random id" or "the process id" for a call of such a source (a
+    """"the clock" or "a random id" for a call of such a source (a
     clock function handed its moment is not one: the moment is), else None."""
     for name in r.qnames(call):
         if name in CLOCKS:
@@ -96,8 +98,7 @@ def source_kind(call: cst.Call, r) -> Optional[str]:
                 return None
             return "the clock"
         if name in IDS:
-            return "the process id" if name == "os.getpid" else (
-                "a new temporary folder" if name == "tempfile.mkdtemp" else "a random id")
+            return "a random id"
     return None
 
 

@@ -7,6 +7,8 @@ from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.syntax.names import assigned_names, calls_in, is_main_guard, names_in, walk
 from fsdp2_retrofit.analysis.frameworks import training_framework
 from fsdp2_retrofit.analysis.process_group import process_group
+from fsdp2_retrofit.analysis.downloads import download_sites
+from fsdp2_retrofit.analysis.rank_local import every_rank_binds, rank_local_names
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 # Under torchrun (RANK, LOCAL_RANK, WORLD_SIZE and the rendezvous address in the
@@ -351,6 +353,11 @@ class LaunchDistributedCommand(RetrofitStage):
     def _first_torch_statement(self, block, facts: ScriptFacts):
         """The first statement of the entry block that touches torch or builds the model."""
         model_names = {m.name for m in facts.models + facts.copies + facts.frozen_models}
+        # `run_dir = ...time.strftime(...)` reaching a path every rank uses: rank 0's value is
+        # broadcast right after it (codemods/shared_names.py), so the group starts before it
+        named = {id(rec.binding) for rec in rank_local_names(facts) if every_rank_binds(rec, facts)}
+        # a `download=True` dataset: rank 0 downloads first, behind a barrier (codemods/shared_downloads.py)
+        named |= {id(site.stmt) for site in download_sites(facts)}
         for stmt in block.body:
             if isinstance(stmt, (cst.Import, cst.ImportFrom, cst.FunctionDef, cst.ClassDef)):
                 continue
@@ -361,6 +368,8 @@ class LaunchDistributedCommand(RetrofitStage):
             if _is_docstring(stmt) or is_main_guard(stmt):
                 continue
             if _touches_torch(stmt, facts) or names_in(stmt) & model_names:
+                return stmt
+            if named and any(id(node) in named for node in walk(stmt)):
                 return stmt
             if facts.entry_call is not None and any(c is facts.entry_call for c in calls_in(stmt)):
                 return stmt  # `model, optimizer = build(cfg)`

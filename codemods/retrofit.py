@@ -41,6 +41,8 @@ from .resume import ConvertLoadsCommand
 from .resume_init import SplitResumeInitCommand
 from .returned_builds import NameReturnedBuildsCommand
 from .shard import ShardModelCommand
+from .shared_downloads import DownloadOnRankZeroCommand
+from .shared_names import ShareRankLocalNamesCommand
 from .zero_grad import ClearThroughOptimizerCommand
 
 # Stages in one group plan their edits on the same analysis and are applied in one
@@ -73,6 +75,8 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
         ScaleSummedLossCommand,
         CreateFoldersOnceCommand,
     ],
+    [ShareRankLocalNamesCommand],  # after the saves run on every rank: a clock-made path they read is rank 0's
+    [DownloadOnRankZeroCommand],  # `download=True` datasets: rank 0 first, a barrier, then the others
 ]
 
 

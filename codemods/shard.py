@@ -778,6 +778,10 @@ class ShardModelCommand(RetrofitStage):
             head_keeps = leaves is not None and any(u.last for u in leaves.units)
             for n, container in enumerate(model.containers):
                 path = ".".join((model.name,) + container.path)
+                if container.units_inside:
+                    last = policy == "default" and n == len(model.containers) - 1 and not forward_only and not head_keeps
+                    out.append(self._inner_units(model, container, path, mesh, last))
+                    continue
                 if policy == "default" and n == len(model.containers) - 1 and not forward_only and not head_keeps:
                     index = self.fresh_name("index", model.scope)
                     out.append(self.stmt(
@@ -826,6 +830,37 @@ class ShardModelCommand(RetrofitStage):
             "sharding the root first takes every parameter into one unit",
         )
         return out
+
+    def _inner_units(self, model: ModelSite, container, path: str, mesh: str, last: bool):
+        """Blocks that are containers whose forward never runs (an inner ModuleList or
+        ModuleDict, or a Sequential the model takes apart): a unit per child of each block,
+        the modules the forward calls."""
+        layer = self.fresh_name("layer", model.scope)
+        var = self.fresh_name("block", model.scope)
+        children = f"{layer}.values()" if container.inner == "ModuleDict" else layer
+        keep = ""
+        if self.options.reshard_after_forward == "never":
+            keep = ", reshard_after_forward=False"
+        elif last and container.inner != "ModuleDict":
+            keep = f", reshard_after_forward={var} is not {path}[-1][-1]"
+        classes = ", ".join(dict.fromkeys(c.rsplit(".", 1)[-1] for c in container.inner_classes))
+        self.change(
+            model.shard_anchor,
+            f"fully_shard each module inside each inner {container.inner} of `{path}` ({classes})",
+            "the modules the forward calls are the units: an inner "
+            + (f"{container.inner} has no forward of its own"
+               if container.inner != "Sequential" else "Sequential that forward takes apart never runs its forward")
+            + ", so FSDP2's pre-forward hook on it would never gather its parameters"
+            + (f"; the last module of `{path}[-1]` keeps its gathered parameters after forward (backward starts "
+               "there)" if "is not" in keep else ""),
+            "fully_shard(inner ModuleList) raises (a container without forward) or, on older torch, leaves its "
+            "parameters sharded when its children run",
+        )
+        return self.stmt(
+            f"for {layer} in {path}:\n"
+            f"    for {var} in {children}:\n"
+            f"        fully_shard({var}{mesh}{keep})\n"
+        )
 
     def _leaf_layout(self, model: ModelSite, facts: ScriptFacts, forward_only: bool):
         """Large leaves of a trained model outside its blocks (analysis/leaf_units.py), for the

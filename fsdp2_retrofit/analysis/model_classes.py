@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -35,6 +35,14 @@ class Container:
     block_class: Optional[str]
     kind: str  # ModuleList, Sequential
     node: cst.CSTNode  # the assignment in __init__ (of the script or of a sibling module)
+    # blocks that are containers themselves (`nn.ModuleList([nn.ModuleList([Attn(), FF()]) for ...])`):
+    # the inner kind ("ModuleList", "ModuleDict", "Sequential") and the classes of the first block's children
+    inner: Optional[str] = None
+    inner_classes: Tuple[str, ...] = ()
+    # the units are the children of each block, not the blocks: an inner ModuleList/ModuleDict has no
+    # forward (fully_shard's hooks on it never fire); an inner Sequential whose forward the class does
+    # not call (`for attn, ff in self.layers`) neither
+    units_inside: bool = False
 
 
 @dataclass
@@ -156,7 +164,7 @@ class ClassRegistry:
         found = list(info.containers)
         for attr, sub in info.submodules.items():
             for c in self.block_containers(sub, depth - 1):
-                found.append(Container((attr,) + c.path, c.block_class, c.kind, c.node))
+                found.append(replace(c, path=(attr,) + c.path))
         return found
 
     def container_kind(self, name: Optional[str], path: Sequence[str], depth: int = 4) -> Optional[str]:
@@ -596,7 +604,11 @@ def _read_init(init: cst.FunctionDef, namer: _Namer, info: ClassInfo) -> None:
     for attr, calls in appended.items():
         for c in info.containers:
             if c.path == (attr,) and c.block_class is None:
-                c.block_class = namer.of(calls[0]) or "?"
+                _set_blocks(c, calls[:1], namer, unknown="?")
+    for c in info.containers:
+        c.units_inside = c.inner in ("ModuleList", "ModuleDict") or (
+            c.inner == "Sequential" and not blocks_called(info, c.path)
+        )
 
 
 def _read_self_assign(path, value, node, namer: _Namer, info: ClassInfo) -> None:
@@ -640,10 +652,107 @@ def _read_container(path, call: cst.Call, kind_name: str, namer: _Namer, info: C
     elements = _repeated_elements(call)
     if elements is None:
         return
-    classes = {namer.of(e) for e in elements} if elements else set()
+    container = Container(path, None, kind, node)
+    if _set_blocks(container, elements, namer):
+        info.containers.append(container)
+
+
+def _set_blocks(container: Container, calls: List[cst.Call], namer: _Namer, unknown: Optional[str] = None) -> bool:
+    """Fill in the block class (and, for blocks that are containers, their children's
+    classes) from the calls that build the blocks; False when they are not repeated
+    blocks: calls of several classes, or inner containers whose children are containers
+    again (three levels deep: not read)."""
+    classes = {namer.of(e) for e in calls}
     if len(classes) > 1:
-        return
-    info.containers.append(Container(path, classes.pop() if classes else None, kind, node))
+        return False
+    if not classes:
+        return True  # `nn.ModuleList()`: the blocks are appended later
+    container.block_class = classes.pop() or unknown
+    if container.block_class not in CONTAINERS:
+        return True
+    container.inner = container.block_class.rsplit(".", 1)[-1]
+    children = [v for _, v in _dict_items(calls[0], namer)] if container.inner == "ModuleDict" else (
+        _repeated_elements(calls[0]) if len(calls[0].args) != 1 else _inner_elements(calls[0])
+    )
+    if not children or not all(isinstance(c, cst.Call) for c in children):
+        return False
+    inner = [namer.of(c) or "?" for c in children]
+    if any(c in CONTAINERS for c in inner):
+        return False
+    container.inner_classes = tuple(inner)
+    return True
+
+
+def _inner_elements(call: cst.Call) -> Optional[list]:
+    """The children of an inner `nn.ModuleList([Attn(), FF()])` / `nn.Sequential(Block())`: one
+    call or a list of calls of any classes (they are not repeated blocks)."""
+    value = call.args[0].value
+    if isinstance(value, (cst.List, cst.Tuple)):
+        return [e.value for e in value.elements]
+    if isinstance(value, (cst.ListComp, cst.GeneratorExp)):
+        return [value.elt]
+    return [value] if isinstance(value, cst.Call) and not call.args[0].star else None
+
+
+def blocks_called(info: ClassInfo, path: Path_) -> bool:
+    """Whether the class's methods call the blocks of its container `self.<path>` as
+    modules (their forward runs): `for layer in self.layers: x = layer(x)`,
+    `self.layers[i](x)`, or `self.layers(x)` of a Sequential (its forward calls each block).
+    False when a method takes a block apart (`for attn, ff in self.layers`), hands one on,
+    or uses the container any other way (`len(...)` aside), or never uses it."""
+    resolver = info.namer.resolver if info.namer is not None else None
+    if resolver is None:
+        return False
+    target = ("self",) + tuple(path)
+    called = False
+    for name, method in info.methods.items():
+        if name == "__init__":
+            continue
+        for node in resolver.descendants(method, cst.Attribute):
+            if attr_path(node) != target:
+                continue
+            parent = resolver.parent(node)
+            if isinstance(parent, cst.Call) and parent.func is node:
+                called = True
+                continue
+            if isinstance(parent, cst.Arg):
+                call = resolver.parent(parent)
+                if isinstance(call, cst.Call) and isinstance(call.func, cst.Name) and call.func.value == "len":
+                    continue
+                if isinstance(call, cst.Call) and isinstance(call.func, cst.Name) and (
+                    call.func.value in ("enumerate", "reversed") and len(call.args) == 1
+                ):
+                    loop = resolver.parent(call)
+                    if isinstance(loop, cst.For) and loop.iter is call:
+                        element = loop.target
+                        if call.func.value == "enumerate":
+                            element = element.elements[1].value if (
+                                isinstance(element, cst.Tuple) and len(element.elements) == 2
+                            ) else None
+                        if _only_called(element, loop.body, resolver):
+                            called = True
+                            continue
+                return False
+            if isinstance(parent, cst.For) and parent.iter is node and _only_called(parent.target, parent.body, resolver):
+                called = True
+                continue
+            if isinstance(parent, cst.Subscript) and parent.value is node:
+                outer = resolver.parent(parent)
+                if isinstance(outer, cst.Call) and outer.func is parent:
+                    called = True
+                    continue
+            return False
+    return called
+
+
+def _only_called(element, body, resolver: Resolver) -> bool:
+    """`element` is a name the loop body reads only as a callee: `x = layer(x)`."""
+    if not isinstance(element, cst.Name):
+        return False
+    uses = [n for n in resolver.descendants(body, cst.Name) if n.value == element.value]
+    return bool(uses) and all(
+        isinstance(resolver.parent(n), cst.Call) and resolver.parent(n).func is n for n in uses
+    )
 
 
 def _repeated_elements(call: cst.Call) -> Optional[List[cst.Call]]:
@@ -661,6 +770,8 @@ def _repeated_elements(call: cst.Call) -> Optional[List[cst.Call]]:
             return [value.elt] if isinstance(value.elt, cst.Call) else None
         if isinstance(value, (cst.List, cst.Tuple)):
             calls = [e.value for e in value.elements]
+            if not calls:
+                return []  # `nn.ModuleList([])`: the blocks are appended later
             return calls if len(calls) >= 2 and all(isinstance(c, cst.Call) for c in calls) else None
         return None
     calls = [a.value for a in call.args]

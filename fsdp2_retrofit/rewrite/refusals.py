@@ -322,6 +322,29 @@ _RULES = [
                 "the root, one unit holding every parameter: the option would do nothing, without a word.",
                 "Name one of the classes the message lists (the model's repeated block); a model built from a "
                 "library's classes is not checked (its classes are matched when the script runs)."),
+    RefusalRule("FSR635", "shared-name-before-process-group",
+                "A path every rank uses is named from the clock or a uuid before the process group starts "
+                "(at module level, in a function called before init_process_group, or read before it).",
+                "Each rank reads its own clock and gets another name: each would write into a path of its own "
+                "(a collective DCP save split over folders, logs scattered). Rank 0's value can be broadcast only "
+                "once the process group runs.",
+                "Name the run after the process group starts, in the function that starts it, or pass the name "
+                "in as an argument.", stage_name="shared_names"),
+    RefusalRule("FSR636", "shared-name-unnamed",
+                "A path every rank uses is made from the clock or a uuid without a name to hand over: inline in "
+                "the call, stored in `self.attr`, a function's result used in place.",
+                "Each rank reads its own clock and gets another name; the rewrite broadcasts rank 0's value by "
+                "binding a plain name (or `obj.attr`) again right after it is made, and here there is none.",
+                "Bind the value to a name first (`run_dir = ...`) in the function that uses it.",
+                stage_name="shared_names"),
+    RefusalRule("FSR637", "download-before-process-group",
+                "A dataset built with `download=True` where no rank test can go: before the process group "
+                "starts (module level, a function called before init_process_group).",
+                "Every rank finds the files missing and downloads into the same folder at once (a truncated "
+                "archive, a rank reading a file still being written). Rank 0 can download first, the others "
+                "waiting at a barrier, only once the process group runs.",
+                "Build the dataset after the process group starts, in the function that starts it, or download "
+                "it before the run and pass download=False.", stage_name="shared_downloads"),
     RefusalRule("FSR643", "shard-grad-scaler-before-torch-2-5",
                 "A GradScaler in a script retrofitted for torch 2.4 (--torch-version 2.4).",
                 "fully_shard's gradients are DTensors; GradScaler unscales them and reduces its inf/NaN check over "

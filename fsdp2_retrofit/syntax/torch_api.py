@@ -75,6 +75,7 @@ PLAIN_SAMPLERS = {
 }
 DISTRIBUTED_SAMPLERS = frozenset({"torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler"})
 ITERABLE_DATASETS = frozenset({"torch.utils.data.IterableDataset", "torch.utils.data.dataset.IterableDataset"})
+DATASET_BASES = ITERABLE_DATASETS | frozenset({"torch.utils.data.Dataset", "torch.utils.data.dataset.Dataset"})
 
 # -- precision and gradients -------------------------------------------------
 
@@ -108,6 +109,9 @@ INIT_DEVICE_MESH = frozenset({"torch.distributed.device_mesh.init_device_mesh"})
 # does not take a class from these for a model when an optimizer's tensors trace back to it
 NOT_MODULE_LIBRARIES = ("torchvision.transforms.", "torchvision.datasets.")
 BROADCAST = frozenset({"torch.distributed.broadcast", "torch.distributed.distributed_c10d.broadcast"})
+BROADCAST_OBJECT_LIST = frozenset({
+    "torch.distributed.broadcast_object_list", "torch.distributed.distributed_c10d.broadcast_object_list",
+})
 COLLECTIVES = frozenset(
     "torch.distributed." + name
     for name in (
@@ -174,6 +178,10 @@ DCP_CALLS = frozenset({
     "torch.distributed.checkpoint.state_dict_saver.save",
     "torch.distributed.checkpoint.state_dict_saver.async_save",
     "torch.distributed.checkpoint.state_dict_loader.load",
+})
+# torch calls writing at a path they are handed (analysis/rank_local.py: a path every rank uses)
+TORCH_PATH_WRITERS = TORCH_SAVE | DCP_CALLS | frozenset({
+    "torch.utils.tensorboard.SummaryWriter", "torch.utils.tensorboard.writer.SummaryWriter",
 })
 STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"  # the getters' and setters' public home
 GET_MODEL_STATE_DICT = frozenset({"torch.distributed.checkpoint.state_dict.get_model_state_dict"})

@@ -4,7 +4,7 @@ from __future__ import annotations
 import libcst as cst
 
 from fsdp2_retrofit.analysis.model_classes import runs_self
-from fsdp2_retrofit.syntax.rank import TEXT_TRIGGERS as RANK_TEXT
+from fsdp2_retrofit.syntax.rank import TEXT_TRIGGERS as RANK_TEXT, rank_zero_side
 from fsdp2_retrofit.syntax.torch_api import CLIP_GRAD_NORM, COLLECTIVES, DCP_CALLS, STATE_DICT_GETTERS, STATE_DICT_SETTERS
 from fsdp2_retrofit.syntax.names import bind_args
 from fsdp2_retrofit.syntax.torch_api import DESTROY_PROCESS_GROUP as DESTROY
@@ -43,7 +43,9 @@ class RankGatedCollective(Rule):
     A branch is not flagged when the other side of its `if` (the `else` of a rank-0
     `if`, or the body of `if rank != 0:`) runs the same collective: a broadcast sent
     from rank 0 and received by the others (`broadcast(t, src=0)` on both sides,
-    `scatter` with and without its list) is every rank joining.
+    `scatter` with and without its list) is every rank joining. Nor is a barrier of a
+    rank-0 `if` paired with the same barrier in an `if rank != 0:` of the same block
+    (rank 0 downloads a dataset first, the others wait): each rank reaches one of them.
 
     ## Why is this bad?
     Each of these is a collective: every rank must join. Inside a rank-0 branch the
@@ -83,6 +85,9 @@ class RankGatedCollective(Rule):
             "else:\n    objs = [None]\n    dist.broadcast_object_list(objs, src=0)\n"
         ),
         Valid(_HEAD + "if rank != 0:\n    dist.scatter(t, src=0)\nelse:\n    dist.scatter(t, chunks, src=0)\n"),
+        Valid(  # rank 0 downloads first, the others wait: each rank reaches one barrier
+            _HEAD + "if rank != 0:\n    dist.barrier()\nds = load(download=True)\nif rank == 0:\n    dist.barrier()\n"
+        ),
         Valid(  # a method of the model's class that runs no forward
             _HEAD.replace("model = Net()", _GPT + "model = GPT()") + "if rank == 0:\n    print(model.describe())\n"
         ),
@@ -92,6 +97,7 @@ class RankGatedCollective(Rule):
     )
     INVALID = (
         Invalid(_HEAD + "if rank == 0:\n    dcp.save(get_model_state_dict(model), checkpoint_id='ckpt')\n", line=10),
+        Invalid(_HEAD + "if rank != 0:\n    dist.all_reduce(t)\nif rank == 0:\n    dist.barrier()\n", line=12),
         Invalid(_HEAD + "if dist.get_rank() == 0:\n    full = get_model_state_dict(model, "
                 "options=StateDictOptions(full_state_dict=True))\n    torch.save(full, 'model.pt')\n", line=10),
         Invalid(_HEAD + "if master_process and step % 100 == 0:\n    val_loss = model(x_val).mean()\n", line=10),
@@ -138,6 +144,8 @@ class RankGatedCollective(Rule):
         key = self._key(ctx, call)
         inside_body = any(a is branch.body for a in ctx.resolver.ancestors(call))
         other = branch.orelse if inside_body else branch.body
+        if key is not None and other is None and self._paired(ctx, call, branch, key):
+            return True
         if key is None or other is None:
             return False
         for candidate in ctx.resolver.descendants(other, cst.Call):
@@ -146,6 +154,22 @@ class RankGatedCollective(Rule):
                 continue
             if self._collective(ctx, candidate) and self._key(ctx, candidate) == key:
                 return True
+        return False
+
+    def _paired(self, ctx, call: cst.Call, branch: cst.If, key) -> bool:
+        """`if rank != 0: dist.barrier()` ... `if rank == 0: dist.barrier()` in one block (rank 0
+        goes first, a download): another `if` of the block, without an else, runs its body on
+        every rank but 0 and the same collective there, so each rank joins it once."""
+        block = ctx.resolver.block_of(branch)
+        for sibling in getattr(block, "body", ()):
+            if sibling is branch or not isinstance(sibling, cst.If) or sibling.orelse is not None:
+                continue
+            if rank_zero_side(sibling.test) != "else":
+                continue
+            for candidate in ctx.resolver.descendants(sibling.body, cst.Call):
+                if ctx.resolver.enclosing_function(candidate) is ctx.resolver.enclosing_function(call) and \
+                        self._collective(ctx, candidate) and self._key(ctx, candidate) == key:
+                    return True
         return False
 
     def _key(self, ctx, call: cst.Call):

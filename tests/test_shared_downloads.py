@@ -1,0 +1,84 @@
+"""shared_downloads (issue 32 B2): a dataset built with `download=True` is built by rank 0
+first and by the other ranks after a barrier; each rank calls barrier once. The fixture
+download_dataset runs it (an offline stand-in that fails when two ranks download at once)."""
+from __future__ import annotations
+
+from textwrap import dedent, indent
+
+from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+
+HEAD = dedent('''\
+    import torch
+    import torch.nn as nn
+    from torchvision import datasets
+    {top}
+
+    def main(download=True):
+        torch.manual_seed(0)
+    {body}
+        model = nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            loss = model(torch.randn(2, 4)).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+    main()
+    ''')
+
+PAIR = ("    if rank != 0:\n        dist.barrier()  # rank 0 downloads first\n"
+        "{stmts}"
+        "    if rank == 0:\n        dist.barrier()  # the files are there: the other ranks read them\n")
+
+
+def _rewrite(body: str, top: str = ""):
+    source = HEAD.format(top=top, body=indent(dedent(body), "    "))
+    return rewrite_source(source.encode(), "/tmp/shared_downloads_case.py")
+
+
+def test_consecutive_downloads_share_one_barrier_pair():
+    stmts = ('train = datasets.MNIST("data", train=True, download=True)\n'
+             'test = datasets.MNIST("data", train=False, download=True)\n')
+    result = _rewrite(stmts)
+    assert not result.refusals
+    code = result.code.decode()
+    assert PAIR.format(stmts=indent(stmts, "    ")) in code
+    assert code.count("dist.barrier()") == 2
+    assert code.index("dist.init_process_group(") < code.index("if rank != 0:")
+
+
+def test_a_download_flag_handed_on_is_followed():
+    result = _rewrite('cifar = datasets.CIFAR10("data", download=download)\n')
+    assert "dist.barrier()  # rank 0 downloads first" in result.code.decode()
+
+
+def test_download_false_by_value_is_left_alone():
+    result = _rewrite('fetch = False\nds = datasets.MNIST("data", download=fetch)\n')
+    assert "barrier" not in result.code.decode()
+    assert not result.refusals
+
+
+def test_a_class_with_a_download_parameter_that_is_no_dataset_is_left_alone():
+    top = "\nclass Fetcher:\n    def __init__(self, root, download=False):\n        self.root = root\n"
+    result = _rewrite('f = Fetcher("data", download=True)\n', top=top)
+    assert "barrier" not in result.code.decode()
+
+
+def test_a_project_dataset_class_with_download_is_one():
+    top = ("\nclass Digits(torch.utils.data.Dataset):\n"
+           "    def __init__(self, root, download=False):\n        self.root = root\n")
+    result = _rewrite('d = Digits("data", download=True)\n', top=top)
+    assert "dist.barrier()  # rank 0 downloads first" in result.code.decode()
+
+
+def test_a_module_level_download_is_refused_at_its_line():
+    result = _rewrite("pass\n", top='\nTRAIN = datasets.MNIST("data", download=True)\n')
+    assert [r.code for r in result.refusals] == ["FSR637"]
+    assert result.refusals[0].line == 5
+
+
+def test_a_second_rewrite_adds_no_second_pair():
+    first = _rewrite('train = datasets.MNIST("data", download=True)\n')
+    assert rewrite_source(first.code, "/tmp/shared_downloads_case.py").code == first.code

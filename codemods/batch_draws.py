@@ -6,6 +6,7 @@ from typing import List
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
+from fsdp2_retrofit.analysis.batch_size import shaped_in_scope, short_code
 from fsdp2_retrofit.analysis.batch_draws import BatchCall, PositionCounter, RandomDraw, hand_drawn_batches
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
@@ -29,7 +30,9 @@ class SplitDrawnBatchesCommand(RetrofitStage):
         keep = self.options.keep_global_batch
         for draw in found.draws:
             calls = self._training_calls(draw, found.calls)
-            if calls is None:
+            if calls is None or self._before_group(draw, found.calls, facts):
+                continue
+            if keep and self._shaped_by_global_batch(draw, calls, facts):
                 continue
             if found.seeds:
                 node, why = found.seeds[0]
@@ -59,7 +62,7 @@ class SplitDrawnBatchesCommand(RetrofitStage):
                 self._keep_rows(call, facts, editor, keep)
         for counter in found.counters:
             calls = self._training_calls(counter, found.calls)
-            if calls is None:
+            if calls is None or self._before_group(counter, found.calls, facts):
                 continue
             if keep:
                 for call in calls:
@@ -81,6 +84,36 @@ class SplitDrawnBatchesCommand(RetrofitStage):
                 differs=True,
             )
         return mine if mine and not loose else None
+
+    def _shaped_by_global_batch(self, draw: RandomDraw, calls: List[BatchCall], facts: ScriptFacts) -> bool:
+        """--keep-global-batch: code that trains on the batch also shapes tensors by the draw's size,
+        the global batch, where each rank now holds 1/world_size of the rows (flagged, left as is)."""
+        size = code(draw.size)
+        shaped = [c for call in calls for c in shaped_in_scope(facts.resolver, call.stmt, size)]
+        for call in shaped[:1]:
+            self.attention(
+                call,
+                f"no DataLoader: --keep-global-batch: `{short_code(call)}` is shaped by `{size}`, the size of the "
+                f"batch `{code(draw.draw)}` draws (line {self.line(draw.draw)}), the global batch where each rank "
+                f"would hold 1/world_size of the rows; {SAME_DATA}",
+                "shape by the batch's own size (`x.size(0)`), or run without --keep-global-batch (each rank then "
+                "keeps a batch of the size as written)",
+                differs=True,
+            )
+        return bool(shaped)
+
+    def _before_group(self, source, calls: List[BatchCall], facts: ScriptFacts) -> bool:
+        """A call of `source` runs before the process group exists (flagged): its rank is not known there."""
+        early = [c for c in calls if c.source is source and self.before_group(c.stmt, facts)]
+        for call in early[:1]:
+            self.attention(
+                call.call,
+                f"no DataLoader: `{code(call.call)}` draws a batch before the process group starts, where the "
+                f"rank is not known; {SAME_DATA}",
+                "draw the first batch after the model is built (the process group starts before the build)",
+                differs=True,
+            )
+        return bool(early)
 
     def _keep_rows(self, call: BatchCall, facts: ScriptFacts, editor: StatementEditor, keep: bool) -> None:
         """After `x, y = get_batch(...)`: each rank keeps its rows of the batch every rank drew."""

@@ -61,7 +61,7 @@ class SplitDrawnBatchesCommand(RetrofitStage):
             for call in calls:
                 self._keep_rows(call, facts, editor, keep)
         for counter in found.counters:
-            calls = self._training_calls(counter, found.calls)
+            calls = self._training_calls(counter, found.calls, at_calls=keep)
             if calls is None or self._before_group(counter, found.calls, facts):
                 continue
             if keep:
@@ -70,9 +70,13 @@ class SplitDrawnBatchesCommand(RetrofitStage):
             else:
                 self._stride(counter, editor)
 
-    def _training_calls(self, source, calls: List[BatchCall]):
-        """The training calls of `source`; None (flagged) where one does not bind its tensors to names, or none trains."""
+    def _training_calls(self, source, calls: List[BatchCall], at_calls: bool = True):
+        """The training calls of `source`; None where none trains or, when the split is made at the
+        calls (`at_calls`), where one call does not bind its tensors to names or may be either
+        training or evaluation (each such call flagged at its line)."""
         mine = [c for c in calls if c.source is source and c.training]
+        if not at_calls:
+            return mine or None
         loose = [c for c in mine if not c.targets]
         for call in loose:
             self.attention(
@@ -83,7 +87,17 @@ class SplitDrawnBatchesCommand(RetrofitStage):
                 "each rank's rows of the batch every rank draws",
                 differs=True,
             )
-        return mine if mine and not loose else None
+        unknown = [c for c in calls if c.source is source and c.training is None]
+        for call in unknown:
+            self.attention(
+                call.call,
+                f"no DataLoader: the rewrite cannot tell whether `{code(call.call)}` draws a batch for training "
+                f"(no backward() in its function) or for evaluation (no torch.no_grad() around it); {SAME_DATA}",
+                "call it where the training step calls backward(), or under `torch.no_grad()` for evaluation: the "
+                "rewrite then keeps each rank's rows of a training batch and the whole batch for evaluation",
+                differs=True,
+            )
+        return mine if mine and not loose and not unknown else None
 
     def _shaped_by_global_batch(self, draw: RandomDraw, calls: List[BatchCall], facts: ScriptFacts) -> bool:
         """--keep-global-batch: code that trains on the batch also shapes tensors by the draw's size,

@@ -247,3 +247,16 @@ def test_keep_global_batch_with_tensors_shaped_by_the_batch_size_is_flagged():
     assert [(line, differs) for line, differs, _ in flags] == [(_line_of(source, "reshape(batch_size, -1"), True)]
     # by default each rank keeps a batch of the size as written: the reshape still fits
     assert "xb = xb.chunk(" in _rewrite(source).code.decode()
+
+
+def test_a_call_neither_training_nor_evaluation_is_flagged():
+    # the training loop reads the batch through a helper of its own: the draw's only caller has no
+    # backward() and no torch.no_grad(); split nowhere, the retrofit would train on W x B identical rows
+    source = dedent(SCRIPT).replace("def get_batch():", "def train_batch():\n    return get_batch()\n\n\ndef get_batch():")
+    source = source.replace("    xb, yb = get_batch()\n    loss =", "    xb, yb = train_batch()\n    loss =")
+    result = _rewrite(source)
+    out = result.code.decode()
+    assert "dist.get_world_size()," not in out and "chunk(" not in out
+    flags = _flags(result)
+    assert [(line, differs) for line, differs, _ in flags] == [(_line_of(source, "return get_batch()"), True)]
+    assert "cannot tell whether" in flags[0][2]

@@ -63,7 +63,7 @@ class BatchCall:
     call: cst.Call
     stmt: cst.CSTNode  # the statement binding its result
     targets: List[str]  # the names it binds, in order ([] where it is not bound to names)
-    training: bool
+    training: Optional[bool]  # None: neither a training step (backward()) nor evaluation (torch.no_grad()) is seen
     source: Source
 
 
@@ -311,23 +311,26 @@ class _Finder:
                     targets = [e.value.value for e in elements]
             self.out.calls.append(BatchCall(call, stmt, targets, self._training(call), source))
 
-    def _training(self, call: cst.Call) -> bool:
-        """The call draws a training batch: its function (or the module) calls backward() and
-        it runs outside `torch.no_grad()` / `torch.inference_mode()`."""
+    def _training(self, call: cst.Call) -> Optional[bool]:
+        """True: the call draws a training batch (its function, or the module, calls backward(),
+        and it runs outside `torch.no_grad()` / `torch.inference_mode()`); False: evaluation (under
+        one of them, or in a function decorated with one); None: neither is seen."""
         fn = self.r.enclosing_function(call)
         for node in self.r.ancestors(call):
-            if isinstance(node, cst.With) and any(
-                    self.r.qnames(item.item) & _NO_GRAD or
-                    (isinstance(item.item, cst.Call) and self.r.qnames(item.item.func) & _NO_GRAD)
-                    for item in node.items):
+            if isinstance(node, cst.With) and any(self._no_grad(item.item) for item in node.items):
                 return False
-        if fn is not None and any(self.r.qnames(d.decorator) & _NO_GRAD or (
-                isinstance(d.decorator, cst.Call) and self.r.qnames(d.decorator.func) & _NO_GRAD)
-                for d in fn.decorators):
-            return False
+            if isinstance(node, cst.FunctionDef) and any(self._no_grad(d.decorator) for d in node.decorators):
+                return False
         scope = fn.body if fn is not None else self.facts.module
-        return any(isinstance(n, cst.Call) and isinstance(n.func, cst.Attribute) and n.func.attr.value == "backward"
-                   and self.r.enclosing_function(n) is fn for n in walk(scope))
+        if any(isinstance(n, cst.Call) and isinstance(n.func, cst.Attribute) and n.func.attr.value == "backward"
+               and self.r.enclosing_function(n) is fn for n in walk(scope)):
+            return True
+        return None
+
+    def _no_grad(self, expr) -> bool:
+        """`torch.no_grad()`, `torch.inference_mode()` (or the bare name, as a decorator)."""
+        return bool(self.r.qnames(expr) & _NO_GRAD
+                    or (isinstance(expr, cst.Call) and self.r.qnames(expr.func) & _NO_GRAD))
 
     def _unclear(self, node, why: str) -> None:
         self.out.unclear.append((node, why))

@@ -15,6 +15,7 @@ from fsdp2_retrofit.analysis.batch_size import (
     short_code,
 )
 from fsdp2_retrofit.analysis.closures import functions_reading
+from fsdp2_retrofit.analysis.batch_draws import hand_drawn_batches
 from fsdp2_retrofit.analysis.data import pass_in_while, unfollowed_loaders
 from fsdp2_retrofit.analysis.loader_kwargs import KwargsBatchSize, batch_size_through
 from fsdp2_retrofit.analysis.loops import steps_outside_loops
@@ -58,7 +59,8 @@ class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
                 "and call `loader.sampler.set_epoch(epoch)` at the start of each epoch",
                 differs=True,
             )
-        if not training and facts.loops and not facts.loaders and not elsewhere:
+        # batches the script draws itself (torch.randint, a position counter): the batch_draws stage's
+        if not training and facts.loops and not facts.loaders and not elsewhere and not hand_drawn_batches(facts).found:
             self.attention(
                 facts.loops[0].node,
                 "no DataLoader: the batches do not come from a sampler this tool can shard",

@@ -22,6 +22,7 @@ from fsdp2_retrofit.rewrite.stage import (
 from fsdp2_retrofit.syntax.names import Origins
 
 from .accumulation import SyncGradientsOncePerStepCommand
+from .batch_draws import SplitDrawnBatchesCommand
 from .checkpoint import ConvertSavesCommand
 from .checkpoint_files import UseCheckpointPathsCommand
 from .clipping import ReadGlobalGradNormCommand
@@ -65,6 +66,7 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
         MoveOptimizerCommand,
         ReplaceForwardCallsCommand,
         DistributeDataCommand,
+        SplitDrawnBatchesCommand,
         ConvertSavesCommand,
         GatherLibrarySavesCommand,
         ConvertLoadsCommand,

@@ -271,6 +271,15 @@ def batch_shaped_calls(resolver: Resolver, loops: Sequence[cst.For], loader: str
     return out
 
 
+def shaped_in_scope(resolver: Resolver, node: cst.CSTNode, name: str) -> List[cst.Call]:
+    """The calls of the function around `node` (or of the module's own code) that shape a tensor
+    by the expression `name`, as batch_shaped_calls does for a loop."""
+    fn = resolver.enclosing_function(node)
+    scope = fn if fn is not None else resolver.module
+    return [call for call in resolver.descendants(scope, cst.Call)
+            if resolver.enclosing_function(call) is fn and _shaped_by(resolver, call, name)]
+
+
 def _shaped_by(resolver: Resolver, call: cst.Call, name: str) -> bool:
     func = call.func
     shaper = isinstance(func, cst.Attribute) and func.attr.value in _SHAPERS

@@ -242,6 +242,13 @@ MEANS = frozenset({"torch.mean"})
 # tensors built from a list (of losses already reduced, per head or per scale)
 STACKS = frozenset({"torch.stack", "torch.cat", "torch.tensor", "torch.as_tensor"})
 
+# -- batches a script draws itself (analysis/batch_draws.py) ---------------------------
+RANDINT = frozenset({"torch.randint"})
+# calls that build a batch from rows made one per index, keeping their order
+ROW_STACKS = frozenset({"torch.stack", "numpy.stack", "torch.from_numpy", "torch.as_tensor", "torch.tensor"})
+# contexts (and decorators) under which no gradient is recorded: evaluation
+NO_GRAD = frozenset({"torch.no_grad", "torch.inference_mode"})
+
 # -- batch norm (analysis/batchnorm.py) ------------------------------------------------
 
 _BN_CLASSES = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "LazyBatchNorm1d", "LazyBatchNorm2d", "LazyBatchNorm3d")

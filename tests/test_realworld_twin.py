@@ -1,6 +1,6 @@
 """The corpus harness's deterministic twin (benchmarks/realworld/shim, REALWORLD_DETERMINISTIC=1):
-a script with dropout, noise drawn per batch in the training step (numpy and torch) and random
-augmentation in its dataset only `trains` as it is, and reaches parity as a twin."""
+a script with dropout, BatchNorm, noise drawn per batch in the training step (numpy and torch) and
+random augmentation in its dataset only `trains` as it is, and reaches parity as a twin."""
 from __future__ import annotations
 
 import json
@@ -40,11 +40,12 @@ class Jittered(Dataset):
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
-        self.fc = nn.Linear(6, 6)
+        self.fc = nn.Linear(6, 6, bias=False)  # a bias before BatchNorm has a zero gradient: Adam amplifies its noise
+        self.norm = nn.BatchNorm1d(6)  # each rank's half of the batch on CPU: synchronised in the twin
         self.drop = nn.Dropout(0.2)
 
     def forward(self, x):
-        return x + self.drop(F.relu(self.fc(x)))
+        return x + self.drop(F.relu(self.norm(self.fc(x))))
 
 
 class Net(nn.Module):

@@ -25,7 +25,9 @@ It does three things, each switched by the environment, and nothing else:
   the whole global batch and this rank keeps rows rank, rank + world_size, ...
   -- the rows of the single run's draw that belong to this rank's samples (verify
   hands the single run the ranks' samples interleaved that way). A draw that
-  is not batch-shaped is made as written, on every rank alike.
+  is not batch-shaped is made as written, on every rank alike. BatchNorm in
+  training mode normalises with the global batch's statistics (all-reduced, as
+  the retrofit's SyncBatchNorm does on GPUs; the single run uses the same sums).
 """
 import os
 import sys
@@ -149,6 +151,7 @@ def _deterministic():
 
     fetch._MapDatasetFetcher.fetch = fetch_by_index
 
+    _synchronised_batch_norm(torch, F, world, last)
     if world <= 1:
         return
 
@@ -225,6 +228,47 @@ def _deterministic():
 
         np.random.randn = dims(np.random.randn)
         np.random.rand = dims(np.random.rand)
+
+
+def _synchronised_batch_norm(torch, F, world, last):
+    """BatchNorm in training mode normalises with the statistics of the global batch, as the
+    retrofit's SyncBatchNorm does on GPUs (SyncBatchNorm runs on GPUs only: on CPU each rank
+    would use its own half of the batch). The sums are all-reduced with autograd (the
+    gradient of each rank's loss reaches every rank's inputs, as SyncBatchNorm's backward
+    does); the single run uses the same formula, so both compute alike."""
+    original = F.batch_norm
+
+    def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
+                   eps=1e-5):
+        if not training or input.dim() < 2:
+            return original(input, running_mean, running_var, weight, bias, training, momentum, eps)
+        channels = input.shape[1]
+        dims = [0, *range(2, input.dim())]
+        count = torch.tensor([input.numel() / channels], dtype=input.dtype, device=input.device)
+        stats = torch.cat([input.sum(dims), (input * input).sum(dims), count])
+        if world > 1 and last["batch"] is not None and input.shape[0] == last["batch"]:
+            import torch.distributed as dist
+            from torch.distributed.nn.functional import all_reduce
+
+            if dist.is_initialized():
+                stats = all_reduce(stats)
+        n = stats[-1]
+        mean = stats[:channels] / n
+        var = stats[channels:2 * channels] / n - mean * mean
+        shape = (1, channels) + (1,) * (input.dim() - 2)
+        out = (input - mean.view(shape)) / torch.sqrt(var.view(shape) + eps)
+        if weight is not None:
+            out = out * weight.view(shape)
+        if bias is not None:
+            out = out + bias.view(shape)
+        if running_mean is not None and running_var is not None:
+            with torch.no_grad():
+                m = 0.1 if momentum is None else momentum
+                running_mean.mul_(1 - m).add_(mean.detach() * m)
+                running_var.mul_(1 - m).add_(var.detach() * (n / (n - 1)) * m)
+        return out
+
+    F.batch_norm = batch_norm
 
 
 def _randint(torch, batch_rows, mine, world):

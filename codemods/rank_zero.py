@@ -8,7 +8,12 @@ from typing import List, Optional
 import libcst as cst
 
 from fsdp2_retrofit.analysis import LogSite, ScriptFacts, code
+from fsdp2_retrofit.analysis.loop_sums import KEEPS as _KEEPS
+from fsdp2_retrofit.analysis.loop_sums import dotted as _dotted
+from fsdp2_retrofit.analysis.loop_sums import reduced_after_loop, term_kind
+from fsdp2_retrofit.analysis.loop_sums import tensor_read as _tensor_read
 from fsdp2_retrofit.analysis.rank_uniform import RankUniform, bound_inside, ranks_part_at
+from fsdp2_retrofit.rewrite.gather_sums import gather_sums
 from fsdp2_retrofit.rewrite.edit import with_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 from fsdp2_retrofit.syntax.names import calls_in, names_read, walk
@@ -150,6 +155,8 @@ class GateRankZeroCommand(RetrofitStage):
             for name in dict.fromkeys(n.value for n in walk(stmt) if type(n) is cst.Name and n.value in read):
                 if name in reduced or name in tensors or any(name == f[0] for f in floats):
                     continue
+                if reduced_after_loop(facts, function, name, stmt):
+                    continue  # combined over the ranks after its loop (codemods/loop_sums.py)
                 kind = _accumulation(name, function, facts)
                 if kind in ("mean", "sum"):
                     floats.append((name, kind))
@@ -178,17 +185,9 @@ class GateRankZeroCommand(RetrofitStage):
                 reduce.append(self.stmt(f"{avg} /= dist.get_world_size()\n"))
         if floats:  # one gather for them all: a collective per value is a wait per value
             ranks = self._take(f"{floats[0][0]}_ranks" if len(floats) == 1 else "logged_ranks", function)
-            reduce += [
-                self.stmt(f"{ranks} = [None] * dist.get_world_size()\n"),
-                self.stmt(f"dist.all_gather_object({ranks}, {floats[0][0] if len(floats) == 1 else '(' + ', '.join(n for n, _ in floats) + ')'})"
-                          f"  # every rank's own {'sum' if len(floats) == 1 else 'sums'}\n"),
-            ]
-            for i, (name, kind) in enumerate(floats):
-                avg = self._take(f"{name}_{'avg' if kind == 'mean' else 'all'}", function)
-                mapping[name] = avg
-                each = ranks if len(floats) == 1 else f"r[{i}] for r in {ranks}"
-                reduce.append(self.stmt(f"{avg} = sum({each}) / dist.get_world_size()\n" if kind == "mean"
-                                        else f"{avg} = sum({each})\n"))
+            for name, kind in floats:
+                mapping[name] = self._take(f"{name}_{'avg' if kind == 'mean' else 'all'}", function)
+            reduce += [self.stmt(line) for line in gather_sums(ranks, floats, mapping)]
         self.add_import("torch.distributed", asname="dist")
         if tensors:
             self.change(
@@ -342,32 +341,6 @@ class _ReadAverages(cst.CSTTransformer):
         return updated_node.with_changes(keyword=original_node.keyword)
 
 
-# calls and attributes between a loss and its read that keep its value
-_KEEPS = frozenset({"detach", "cpu", "clone", "float", "double"})
-_READS = frozenset({"item", "numpy", "tolist"})
-
-
-def _chain_base(node):
-    """`loss` of `loss.data`, `loss.detach().cpu()`, `loss.cpu()`."""
-    while True:
-        if type(node) is cst.Call and type(node.func) is cst.Attribute and node.func.attr.value in _KEEPS \
-                and not node.args:
-            node = node.func.value
-        elif type(node) is cst.Attribute and node.attr.value == "data":
-            node = node.value
-        else:
-            return node
-
-
-def _tensor_read(call) -> Optional[str]:
-    """The dotted tensor a read chain reads: `loss` of `loss.item()`, `loss.data.numpy()`,
-    `loss.detach().cpu().numpy()`, `loss.cpu().item()`; `trainer.loss` of `trainer.loss.item()`."""
-    if type(call) is not cst.Call or type(call.func) is not cst.Attribute or call.func.attr.value not in _READS \
-            or call.args:
-        return None
-    return _dotted(_chain_base(call.func.value)) or None
-
-
 def _with_base(node, name: str):
     """`node` (a chain of _KEEPS calls and `.data` over a tensor) reading `name` instead."""
     if type(node) is cst.Call and type(node.func) is cst.Attribute and node.func.attr.value in _KEEPS \
@@ -378,49 +351,10 @@ def _with_base(node, name: str):
     return cst.Name(name)
 
 
-def _dotted(node) -> str:
-    """`loss` for a name, `trainer.loss` for an attribute of names; "" otherwise."""
-    if type(node) is cst.Name:
-        return node.value
-    if type(node) is cst.Attribute:
-        head = _dotted(node.value)
-        return f"{head}.{node.attr.value}" if head else ""
-    return ""
-
-
 def _backward_on(base: str, scope, r) -> bool:
     """`<base>.backward()` runs in `scope`: the tensor is a scalar."""
     return any(type(c.func) is cst.Attribute and c.func.attr.value == "backward" and _dotted(c.func.value) == base
                for c in r.descendants(scope, cst.Call))
-
-
-def _loss_term(expr) -> Optional[str]:
-    """The loss a term reads whole: `loss.item()`, `float(loss)`, `loss` (a tensor), `loss.detach()`."""
-    if type(expr) is cst.Call and type(expr.func) is cst.Name and expr.func.value == "float" and len(expr.args) == 1:
-        expr = expr.args[0].value
-    base = _tensor_read(expr) if type(expr) is cst.Call and type(expr.func) is cst.Attribute \
-        and expr.func.attr.value == "item" else _dotted(_chain_base(expr))
-    return base if base and "loss" in base.lower() else None
-
-
-def _is_count(expr) -> bool:
-    """A number of samples or a per-sample sum: `y.size(0)`, `y.shape[0]`, `len(y)`, `y.numel()`,
-    `(pred == y).sum().item()`."""
-    if type(expr) is cst.Subscript and type(expr.value) is cst.Attribute and expr.value.attr.value == "shape":
-        return True
-    if type(expr) is not cst.Call:
-        return False
-    f = expr.func
-    if type(f) is cst.Name:
-        return f.value == "len"
-    if type(f) is not cst.Attribute:
-        return False
-    if f.attr.value in ("size", "numel"):
-        return True
-    if f.attr.value == "item":
-        inner = f.value
-        return type(inner) is cst.Call and type(inner.func) is cst.Attribute and inner.func.attr.value == "sum"
-    return False
 
 
 def _accumulation(name: str, function, facts: ScriptFacts) -> Optional[str]:
@@ -441,24 +375,9 @@ def _accumulation(name: str, function, facts: ScriptFacts) -> Optional[str]:
     for node in r.nodes(cst.AugAssign):
         if type(node.target) is not cst.Name or node.target.value != name or r.enclosing_function(node) is not function:
             continue
-        term = node.value
         if not any(id(a) in loops for a in r.ancestors(node)):
             return None  # summed over data every rank reads whole (an evaluation), or not over a loader at all
-        if type(node.operator) is not cst.AddAssign:
-            kinds.add("unknown")
-        elif type(term) in (cst.Integer, cst.Float):
-            kinds.add("steps")
-        elif _loss_term(term):
-            kinds.add("mean")
-        elif type(term) is cst.BinaryOperation and type(term.operator) is cst.Multiply and \
-                (_loss_term(term.left) or _loss_term(term.right)):
-            kinds.add("sum")
-        elif _is_count(term):
-            kinds.add("sum")
-        elif any(_tensor_read(c) and "loss" in _tensor_read(c).lower() for c in calls_in(term)):
-            kinds.add("unknown-loss")
-        else:
-            kinds.add("unknown")
+        kinds.add(term_kind(node.value) if type(node.operator) is cst.AddAssign else "unknown")
     if not kinds:
         return None
     if len(kinds) == 1:

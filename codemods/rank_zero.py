@@ -34,21 +34,31 @@ class GateRankZeroCommand(RetrofitStage):
             return
         self._uniform = None
         runs: List[List[LogSite]] = []
+        hoisted = {}  # id(log statement) -> the indices of the calls it hands to a local first
         for site in facts.logs:
             test = self.rank_zero_test(site.stmt, facts)
             if site.gated or test is None:
                 continue
             if self._may_be_collective(site.stmt, facts):
-                self.attention(
-                    site.stmt,
-                    "this log line computes with the model: left on every rank",
-                    "a forward or collective inside a rank-0 branch deadlocks the other ranks",
-                )
+                calls = _hoistable(site.stmt, facts.model_names.get(facts.resolver.enclosing_function(site.stmt), set()),
+                                   facts.resolver)
+                if calls is None:
+                    self.attention(
+                        site.stmt,
+                        "this log line computes with the model: left on every rank",
+                        "a forward or collective inside a rank-0 branch deadlocks the other ranks; the call cannot "
+                        "be taken out of the line first without changing what runs when (other calls with effects, "
+                        "a condition or comprehension around it)",
+                    )
+                    continue
+                hoisted[id(site.stmt)] = calls
+                runs.append([site])  # a run of its own: the computation stays where it was, on every rank
                 continue
             block = facts.resolver.block_of(site.stmt)
             prev = runs[-1][-1] if runs else None
             if (
                 prev is not None
+                and id(prev.stmt) not in hoisted
                 and facts.resolver.block_of(prev.stmt) is block
                 and _next_statement(prev.stmt, block) is site.stmt
             ):
@@ -59,7 +69,10 @@ class GateRankZeroCommand(RetrofitStage):
             test = self.rank_zero_test(run[0].stmt, facts)
             first = run[0].stmt
             reduce, logged, anchor = self._averaged_losses(run, facts)
-            if not reduce and self._join_enclosing_if(run, test, facts, editor):
+            hoist = hoisted.get(id(first))
+            if hoist is not None:
+                logged = self._hoist(first, logged[0], hoist, facts, editor)
+            elif not reduce and self._join_enclosing_if(run, test, facts, editor):
                 continue
             if reduce and anchor is first:
                 editor.insert_before(first, [reduce[0].with_changes(leading_lines=first.leading_lines)] + reduce[1:])
@@ -69,7 +82,7 @@ class GateRankZeroCommand(RetrofitStage):
             gate = cst.If(
                 test=self.expr(test),
                 body=cst.IndentedBlock(body=inner),
-                leading_lines=[] if reduce and anchor is first else first.leading_lines,
+                leading_lines=[] if (reduce and anchor is first) or hoist is not None else first.leading_lines,
             )
             editor.replace(first, gate)
             if test.startswith("dist."):
@@ -85,6 +98,28 @@ class GateRankZeroCommand(RetrofitStage):
             )
         self._gate_progress_bars(facts, editor)
         self._flag_gated_collectives(facts)
+
+    def _hoist(self, stmt, logged, calls, facts: ScriptFacts, editor) -> list:
+        """`print(f"best val {evaluate(model, x, y):.4f}")` -> `logged_value = evaluate(model, x, y)`
+        on every rank, before the line, and the line (gated by the caller) reads the local."""
+        function = facts.resolver.enclosing_function(stmt)
+        every = calls_in(stmt)
+        names = {}
+        assigns = []
+        for index in calls:
+            name = self._take("logged_value", function)
+            names[index] = name
+            assigns.append(self.stmt(f"{name} = {code(every[index])}\n"))
+        assigns[0] = assigns[0].with_changes(leading_lines=stmt.leading_lines)
+        editor.insert_before(stmt, assigns)
+        self.change(
+            stmt,
+            f"{', '.join(f'`{code(every[i])}`' for i in calls)} of this log line is computed on every rank first "
+            f"({', '.join(names[i] for i in calls)}); only the print is on rank 0",
+            "it runs the sharded model (a collective every rank must join), and printed on every rank the lines "
+            "of the ranks interleave in a shared log",
+        )
+        return [logged.visit(_ReadLocals(names))]
 
     def _flag_gated_collectives(self, facts: ScriptFacts) -> None:
         """A rank-0 `if` of the script itself (a DDP-aware script's `if master_process:`)
@@ -314,6 +349,77 @@ class GateRankZeroCommand(RetrofitStage):
             if negated.startswith("dist."):
                 self.add_import("torch.distributed", asname="dist")
             self.change(bar, f"progress bar shown on rank 0 only (`disable={negated}`)", "one bar, not world_size bars")
+
+
+# calls a log line may make besides the one it hands to a local: reads without effects
+_PURE_CALLS = frozenset({"len", "float", "int", "round", "str", "abs", "min", "max", "repr", "format"})
+_PURE_METHODS = frozenset({"item", "format", "tolist", "numpy", "detach", "cpu", "mean", "sum"})
+# what a call inside must not sit in: taking it out would run it when it did not run, or once for many
+_CONDITIONAL = (cst.Lambda, cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp, cst.IfExp,
+                cst.BooleanOperation)
+
+
+def _hoistable(stmt, models, r) -> Optional[List[int]]:
+    """The indices (in calls_in order) of the calls of a log line that run the model, when each can
+    be computed before the line without changing what runs or in what order: the line is one call
+    (the print or log), its other calls are reads without effects, and no call to take out sits in
+    a lambda, comprehension, `a if c else b` or `and`/`or`. None otherwise."""
+    if type(stmt) is not cst.SimpleStatementLine or len(stmt.body) != 1 or type(stmt.body[0]) is not cst.Expr \
+            or type(stmt.body[0].value) is not cst.Call:
+        return None
+    every = calls_in(stmt)
+    outer = stmt.body[0].value
+    taken: List[int] = []
+    inside: set = set()
+    for index, call in enumerate(every):
+        if call is outer or id(call) in inside:
+            continue
+        if _runs_model(call, models):
+            for a in r.ancestors(call):
+                if a is outer:
+                    break
+                if isinstance(a, _CONDITIONAL):
+                    return None
+            taken.append(index)
+            inside.update(id(c) for c in calls_in(call))
+        elif not (type(call.func) is cst.Name and call.func.value in _PURE_CALLS) and not (
+                type(call.func) is cst.Attribute and call.func.attr.value in _PURE_METHODS):
+            return None
+    return taken or None
+
+
+def _runs_model(call, models) -> bool:
+    func = call.func
+    if type(func) is cst.Name and func.value in models:
+        return True
+    if type(func) is cst.Attribute and type(func.value) is cst.Name and func.value.value in models \
+            and func.attr.value not in LOCAL_METHODS:
+        return True
+    if any(type(a.value) is cst.Name and a.value.value in models for a in call.args):
+        return True
+    return type(func) is cst.Attribute and func.attr.value == "full_tensor"
+
+
+class _ReadLocals(cst.CSTTransformer):
+    """The calls at the given indices (in calls_in order) replaced by the locals that hold their values."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.names = names
+        self.index = -1
+        self.replace = {}
+
+    def visit_Call(self, node: cst.Call) -> bool:
+        self.index += 1
+        if self.index not in self.names:
+            return True
+        self.replace[id(node)] = self.names[self.index]
+        self.index += len(calls_in(node)) - 1  # its inner calls go with it
+        return False
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
+        name = self.replace.get(id(original_node))
+        return cst.Name(name) if name else updated_node
 
 
 class _ReadAverages(cst.CSTTransformer):

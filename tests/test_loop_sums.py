@@ -250,3 +250,30 @@ def test_the_printed_test_loss_and_accuracy_are_the_single_runs(tmp_path: Path):
             # 4 decimals printed: a sum in another order may round the last digit the other way
             assert len(x) == len(y) and all(abs(p - q) <= 1.01e-4 for p, q in zip(x, y)), (a, b)
     assert len([l for l in single.stdout.splitlines() if l.startswith("best acc ")]) >= 2
+
+
+# --- a log line that runs the model: computed on every rank, printed on rank 0 -----
+
+def test_a_log_line_that_evaluates_the_model_computes_first_and_prints_on_rank_zero():
+    result = _rewrite("""\
+        run_epoch(model, train_loader, optimizer)
+        print(f"epoch {epoch} acc {test(model, test_loader):.4f} of {len(test_loader.dataset)}")
+        """)
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert ("        logged_value = test(model, test_loader)\n"
+            "        if rank == 0:\n"
+            '            print(f"epoch {epoch} acc {logged_value:.4f} of {len(test_loader.dataset)}")\n') in code
+    assert not [a for a in result.attention if "left on every rank" in a.what]
+
+
+@pytest.mark.parametrize("line", [
+    'print(f"acc {test(model, test_loader):.4f}", open("log.txt", "a").write("x"))',  # another call with effects
+    'print(epoch > 0 and test(model, test_loader))',  # runs only when epoch > 0
+    'print([test(model, test_loader) for _ in range(2)])',  # runs twice
+])
+def test_a_log_line_whose_order_would_change_stays_on_every_rank(line):
+    result = _rewrite("run_epoch(model, train_loader, optimizer)\n" + line + "\n")
+    code = result.code.decode()
+    assert "logged_value" not in code and "        " + line + "\n" in code
+    assert [a for a in result.attention if "left on every rank" in a.what]

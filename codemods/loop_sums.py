@@ -19,8 +19,8 @@ class CombineLoopSumsCommand(RetrofitStage):
     CODE = "loop_sums"
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
-        if facts.distributed_init is None or not self.options.reduce_logs:
-            return
+        if facts.distributed_init is None:
+            return  # (not skipped by --no-reduce-logs: decisions read these sums, not only prints)
         r = facts.resolver
         uniform = RankUniform(r, {l.name for l in facts.loaders})
         for found in loop_sums(facts):
@@ -57,7 +57,17 @@ class CombineLoopSumsCommand(RetrofitStage):
                 "DistributedSampler repeats up to world_size - 1 samples to even the ranks out, counted too)",
             )
         for found in loop_sums(facts):
-            if found.unknown and not found.reduced:
+            if found.mixed:
+                self.attention(
+                    found.loop,
+                    f"{', '.join(f'`{n}`' for n in found.unknown)}, summed in this loop, stays each rank's own figure "
+                    "where the loop reads a split DataLoader",
+                    "the loop is handed a loader the DistributedSampler splits at one call and one every rank reads "
+                    "whole at another: summed over the ranks, the whole loader's figures would count world_size "
+                    "times; give the loaders one treatment (or all_reduce the split one's sums yourself)",
+                    differs=True,
+                )
+            elif found.unknown and not found.reduced:
                 self.attention(
                     found.loop,
                     f"{', '.join(f'`{n}`' for n in found.unknown)}, added to in this loop over a split DataLoader, "

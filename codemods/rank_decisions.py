@@ -65,7 +65,9 @@ def _collectives(facts: ScriptFacts):
                 type(n) is cst.Name and n.value in held for n in walk(call.args[0].value)):
             yield call, "a checkpoint save (a DCP save after the retrofit, which every rank joins)"
         elif _forward(call, facts.model_names.get(scope, set())):
-            yield call, f"a forward of the sharded model (`{_short(call)}`)"
+            handed = type(call.func) is cst.Name and call.func.value not in facts.model_names.get(scope, set())
+            yield call, (f"a call handed the sharded model (`{_short(call)}`: its forward or state, collectives)"
+                         if handed else f"a forward of the sharded model (`{_short(call)}`)")
     for brk in r.nodes(cst.Break):
         loop = _loop_of(brk, r)
         if loop is not None and any(_forward(c, facts.model_names.get(r.enclosing_function(c), set()))

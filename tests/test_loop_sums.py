@@ -208,7 +208,8 @@ def test_a_split_loop_under_a_ranks_own_condition_is_refused():
     result = _rewrite(body)
     codes = [r.code for r in result.refusals]
     assert codes and set(codes) <= {"FSR639", "FSR640"}, codes
-    assert any(r.code == "FSR640" and "forward of the sharded model" in r.what for r in result.refusals)
+    assert any(r.code == "FSR640" and "a call handed the sharded model (`run_epoch(model, test_loader)`" in r.what
+               for r in result.refusals)
 
 
 def test_a_figure_returned_through_a_helper_is_rank_uniform():
@@ -277,3 +278,36 @@ def test_a_log_line_whose_order_would_change_stays_on_every_rank(line):
     code = result.code.decode()
     assert "logged_value" not in code and "        " + line + "\n" in code
     assert [a for a in result.attention if "left on every rank" in a.what]
+
+
+def test_sums_of_a_split_loop_under_a_ranks_own_condition_are_refused_at_the_loop():
+    body = """\
+        for x, y in train_loader:
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        if loss.item() > 0.1:
+            seen = 0
+            for xb, yb in train_loader:
+                seen += yb.size(0)
+            print(seen)
+        """
+    result = _rewrite(body)
+    line = _source(body).splitlines().index("            for xb, yb in train_loader:") + 1
+    assert [(r.code, r.line) for r in result.refusals][:1] == [("FSR639", line)]
+    assert "`if loss.item() > 0.1`" in result.refusals[0].what
+
+
+def test_a_loop_handed_a_split_loader_and_a_whole_one_is_flagged_not_combined():
+    result = _rewrite("""\
+        for x, y in train_loader:
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        print(test(model, train_loader), test(model, test_loader))
+        """)
+    assert not result.refusals, result.refusals
+    assert "all_gather_object" not in _function(result.code.decode(), "test")
+    assert [a for a in result.attention if a.code == "loop_sums" and "`correct`" in a.what and a.differs]

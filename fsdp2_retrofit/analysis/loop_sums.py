@@ -51,6 +51,9 @@ class LoopSums:
     # names added to in the loop from terms not recognised (each rank's own, not combined)
     unknown: List[str] = field(default_factory=list)
     reduced: bool = False  # the gather after the loop is there already (a second rewrite)
+    # the loop reads a split loader at one call and a loader every rank reads whole at another:
+    # its sums (in `unknown`) are left each rank's own
+    mixed: bool = False
 
 
 def chain_base(node):
@@ -152,14 +155,23 @@ def iterated(expr):
     return expr
 
 
-def over_split_data(loop: cst.For, facts) -> bool:
-    """Every DataLoader the loop's iterable can hold is split by the data stage (and it holds one)."""
+def split_state(loop: cst.For, facts) -> Optional[str]:
+    """"split": every DataLoader the loop's iterable can hold is split by the data stage (and it
+    holds one, and nothing else); "mixed": it can hold a split one and one every rank reads whole
+    (a helper handed the training loader at one call and the test loader at another); None."""
     if facts.analysis is None:
-        return False
+        return None
     values = facts.analysis.flow.values(iterated(loop.iter))
     split, loaders = split_loader_calls(facts), loader_calls(facts)
     held = [v for v in values if id(v) in loaders]
-    return bool(held) and len(held) == len(values) and all(id(v) in split for v in held)
+    if not held or len(held) != len(values) or not any(id(v) in split for v in held):
+        return None
+    return "split" if all(id(v) in split for v in held) else "mixed"
+
+
+def over_split_data(loop: cst.For, facts) -> bool:
+    """Every DataLoader the loop's iterable can hold is split by the data stage (and it holds one)."""
+    return split_state(loop, facts) == "split"
 
 
 def _inside(node, outer, r) -> bool:
@@ -231,7 +243,8 @@ def loop_sums(facts) -> List[LoopSums]:
     r = facts.resolver
     out: List[LoopSums] = []
     for loop in r.nodes(cst.For):
-        if not over_split_data(loop, facts):
+        state = split_state(loop, facts)
+        if state is None:
             continue
         function = r.enclosing_function(loop)
         kinds: Dict[str, set] = {}
@@ -256,6 +269,10 @@ def loop_sums(facts) -> List[LoopSums]:
                 reads += after
             else:
                 unknown.append(name)
+        if state == "mixed":
+            if sums:  # summed over the ranks they would count the whole loader's samples world_size times
+                out.append(LoopSums(loop, function, [], [n for n, _ in sums], mixed=True))
+            continue
         if sums and _left_to_the_logs(loop, reads, facts):
             continue
         if sums or unknown:

@@ -311,3 +311,30 @@ def test_a_loop_handed_a_split_loader_and_a_whole_one_is_flagged_not_combined():
     assert not result.refusals, result.refusals
     assert "all_gather_object" not in _function(result.code.decode(), "test")
     assert [a for a in result.attention if a.code == "loop_sums" and "`correct`" in a.what and a.differs]
+
+
+def test_a_save_decided_by_an_epoch_sum_is_made_uniform_not_refused():
+    """`epoch_loss += loss.item()` over the split training loader, then `if epoch_loss < best:`
+    around a save: the sum is combined after the loop (a sum of batch means: divided by the world
+    size), so the decision is every rank's alike."""
+    body = """\
+        epoch_loss = 0.0
+        for x, y in train_loader:
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            epoch_loss += loss.item()
+        if epoch_loss < best:
+            best = epoch_loss
+            torch.save(model.state_dict(), "best.pt")
+        else:
+            break
+        """
+    result = _rewrite(body)
+    assert not result.refusals, result.refusals
+    assert ("            epoch_loss += loss.item()\n"
+            "        epoch_loss_ranks = [None] * dist.get_world_size()\n"
+            "        dist.all_gather_object(epoch_loss_ranks, epoch_loss)  # every rank's own sum\n"
+            "        epoch_loss = sum(epoch_loss_ranks) / dist.get_world_size()\n"
+            "        if epoch_loss < best:\n") in result.code.decode()

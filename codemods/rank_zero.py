@@ -8,7 +8,12 @@ from typing import List, Optional
 import libcst as cst
 
 from fsdp2_retrofit.analysis import LogSite, ScriptFacts, code
+from fsdp2_retrofit.analysis.loop_sums import KEEPS as _KEEPS
+from fsdp2_retrofit.analysis.loop_sums import dotted as _dotted
+from fsdp2_retrofit.analysis.loop_sums import reduced_after_loop, term_kind
+from fsdp2_retrofit.analysis.loop_sums import tensor_read as _tensor_read
 from fsdp2_retrofit.analysis.rank_uniform import RankUniform, bound_inside, ranks_part_at
+from fsdp2_retrofit.rewrite.gather_sums import gather_sums
 from fsdp2_retrofit.rewrite.edit import with_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 from fsdp2_retrofit.syntax.names import calls_in, names_read, walk
@@ -29,21 +34,31 @@ class GateRankZeroCommand(RetrofitStage):
             return
         self._uniform = None
         runs: List[List[LogSite]] = []
+        hoisted = {}  # id(log statement) -> the indices of the calls it hands to a local first
         for site in facts.logs:
             test = self.rank_zero_test(site.stmt, facts)
             if site.gated or test is None:
                 continue
             if self._may_be_collective(site.stmt, facts):
-                self.attention(
-                    site.stmt,
-                    "this log line computes with the model: left on every rank",
-                    "a forward or collective inside a rank-0 branch deadlocks the other ranks",
-                )
+                calls = _hoistable(site.stmt, facts.model_names.get(facts.resolver.enclosing_function(site.stmt), set()),
+                                   facts.resolver)
+                if calls is None:
+                    self.attention(
+                        site.stmt,
+                        "this log line computes with the model: left on every rank",
+                        "a forward or collective inside a rank-0 branch deadlocks the other ranks; the call cannot "
+                        "be taken out of the line first without changing what runs when (other calls with effects, "
+                        "a condition or comprehension around it)",
+                    )
+                    continue
+                hoisted[id(site.stmt)] = calls
+                runs.append([site])  # a run of its own: the computation stays where it was, on every rank
                 continue
             block = facts.resolver.block_of(site.stmt)
             prev = runs[-1][-1] if runs else None
             if (
                 prev is not None
+                and id(prev.stmt) not in hoisted
                 and facts.resolver.block_of(prev.stmt) is block
                 and _next_statement(prev.stmt, block) is site.stmt
             ):
@@ -54,7 +69,10 @@ class GateRankZeroCommand(RetrofitStage):
             test = self.rank_zero_test(run[0].stmt, facts)
             first = run[0].stmt
             reduce, logged, anchor = self._averaged_losses(run, facts)
-            if not reduce and self._join_enclosing_if(run, test, facts, editor):
+            hoist = hoisted.get(id(first))
+            if hoist is not None:
+                logged = self._hoist(first, logged[0], hoist, facts, editor)
+            elif not reduce and self._join_enclosing_if(run, test, facts, editor):
                 continue
             if reduce and anchor is first:
                 editor.insert_before(first, [reduce[0].with_changes(leading_lines=first.leading_lines)] + reduce[1:])
@@ -64,7 +82,7 @@ class GateRankZeroCommand(RetrofitStage):
             gate = cst.If(
                 test=self.expr(test),
                 body=cst.IndentedBlock(body=inner),
-                leading_lines=[] if reduce and anchor is first else first.leading_lines,
+                leading_lines=[] if (reduce and anchor is first) or hoist is not None else first.leading_lines,
             )
             editor.replace(first, gate)
             if test.startswith("dist."):
@@ -80,6 +98,28 @@ class GateRankZeroCommand(RetrofitStage):
             )
         self._gate_progress_bars(facts, editor)
         self._flag_gated_collectives(facts)
+
+    def _hoist(self, stmt, logged, calls, facts: ScriptFacts, editor) -> list:
+        """`print(f"best val {evaluate(model, x, y):.4f}")` -> `logged_value = evaluate(model, x, y)`
+        on every rank, before the line, and the line (gated by the caller) reads the local."""
+        function = facts.resolver.enclosing_function(stmt)
+        every = calls_in(stmt)
+        names = {}
+        assigns = []
+        for index in calls:
+            name = self._take("logged_value", function)
+            names[index] = name
+            assigns.append(self.stmt(f"{name} = {code(every[index])}\n"))
+        assigns[0] = assigns[0].with_changes(leading_lines=stmt.leading_lines)
+        editor.insert_before(stmt, assigns)
+        self.change(
+            stmt,
+            f"{', '.join(f'`{code(every[i])}`' for i in calls)} of this log line is computed on every rank first "
+            f"({', '.join(names[i] for i in calls)}); only the print is on rank 0",
+            "it runs the sharded model (a collective every rank must join), and printed on every rank the lines "
+            "of the ranks interleave in a shared log",
+        )
+        return [logged.visit(_ReadLocals(names))]
 
     def _flag_gated_collectives(self, facts: ScriptFacts) -> None:
         """A rank-0 `if` of the script itself (a DDP-aware script's `if master_process:`)
@@ -150,6 +190,8 @@ class GateRankZeroCommand(RetrofitStage):
             for name in dict.fromkeys(n.value for n in walk(stmt) if type(n) is cst.Name and n.value in read):
                 if name in reduced or name in tensors or any(name == f[0] for f in floats):
                     continue
+                if reduced_after_loop(facts, function, name, stmt):
+                    continue  # combined over the ranks after its loop (codemods/loop_sums.py)
                 kind = _accumulation(name, function, facts)
                 if kind in ("mean", "sum"):
                     floats.append((name, kind))
@@ -178,17 +220,9 @@ class GateRankZeroCommand(RetrofitStage):
                 reduce.append(self.stmt(f"{avg} /= dist.get_world_size()\n"))
         if floats:  # one gather for them all: a collective per value is a wait per value
             ranks = self._take(f"{floats[0][0]}_ranks" if len(floats) == 1 else "logged_ranks", function)
-            reduce += [
-                self.stmt(f"{ranks} = [None] * dist.get_world_size()\n"),
-                self.stmt(f"dist.all_gather_object({ranks}, {floats[0][0] if len(floats) == 1 else '(' + ', '.join(n for n, _ in floats) + ')'})"
-                          f"  # every rank's own {'sum' if len(floats) == 1 else 'sums'}\n"),
-            ]
-            for i, (name, kind) in enumerate(floats):
-                avg = self._take(f"{name}_{'avg' if kind == 'mean' else 'all'}", function)
-                mapping[name] = avg
-                each = ranks if len(floats) == 1 else f"r[{i}] for r in {ranks}"
-                reduce.append(self.stmt(f"{avg} = sum({each}) / dist.get_world_size()\n" if kind == "mean"
-                                        else f"{avg} = sum({each})\n"))
+            for name, kind in floats:
+                mapping[name] = self._take(f"{name}_{'avg' if kind == 'mean' else 'all'}", function)
+            reduce += [self.stmt(line) for line in gather_sums(ranks, floats, mapping)]
         self.add_import("torch.distributed", asname="dist")
         if tensors:
             self.change(
@@ -317,6 +351,77 @@ class GateRankZeroCommand(RetrofitStage):
             self.change(bar, f"progress bar shown on rank 0 only (`disable={negated}`)", "one bar, not world_size bars")
 
 
+# calls a log line may make besides the one it hands to a local: reads without effects
+_PURE_CALLS = frozenset({"len", "float", "int", "round", "str", "abs", "min", "max", "repr", "format"})
+_PURE_METHODS = frozenset({"item", "format", "tolist", "numpy", "detach", "cpu", "mean", "sum"})
+# what a call inside must not sit in: taking it out would run it when it did not run, or once for many
+_CONDITIONAL = (cst.Lambda, cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp, cst.IfExp,
+                cst.BooleanOperation)
+
+
+def _hoistable(stmt, models, r) -> Optional[List[int]]:
+    """The indices (in calls_in order) of the calls of a log line that run the model, when each can
+    be computed before the line without changing what runs or in what order: the line is one call
+    (the print or log), its other calls are reads without effects, and no call to take out sits in
+    a lambda, comprehension, `a if c else b` or `and`/`or`. None otherwise."""
+    if type(stmt) is not cst.SimpleStatementLine or len(stmt.body) != 1 or type(stmt.body[0]) is not cst.Expr \
+            or type(stmt.body[0].value) is not cst.Call:
+        return None
+    every = calls_in(stmt)
+    outer = stmt.body[0].value
+    taken: List[int] = []
+    inside: set = set()
+    for index, call in enumerate(every):
+        if call is outer or id(call) in inside:
+            continue
+        if _runs_model(call, models):
+            for a in r.ancestors(call):
+                if a is outer:
+                    break
+                if isinstance(a, _CONDITIONAL):
+                    return None
+            taken.append(index)
+            inside.update(id(c) for c in calls_in(call))
+        elif not (type(call.func) is cst.Name and call.func.value in _PURE_CALLS) and not (
+                type(call.func) is cst.Attribute and call.func.attr.value in _PURE_METHODS):
+            return None
+    return taken or None
+
+
+def _runs_model(call, models) -> bool:
+    func = call.func
+    if type(func) is cst.Name and func.value in models:
+        return True
+    if type(func) is cst.Attribute and type(func.value) is cst.Name and func.value.value in models \
+            and func.attr.value not in LOCAL_METHODS:
+        return True
+    if any(type(a.value) is cst.Name and a.value.value in models for a in call.args):
+        return True
+    return type(func) is cst.Attribute and func.attr.value == "full_tensor"
+
+
+class _ReadLocals(cst.CSTTransformer):
+    """The calls at the given indices (in calls_in order) replaced by the locals that hold their values."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.names = names
+        self.index = -1
+        self.replace = {}
+
+    def visit_Call(self, node: cst.Call) -> bool:
+        self.index += 1
+        if self.index not in self.names:
+            return True
+        self.replace[id(node)] = self.names[self.index]
+        self.index += len(calls_in(node)) - 1  # its inner calls go with it
+        return False
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call):
+        name = self.replace.get(id(original_node))
+        return cst.Name(name) if name else updated_node
+
+
 class _ReadAverages(cst.CSTTransformer):
     """`loss.item()` -> `loss_avg.item()` (and `loss.data.numpy()` -> `loss_avg.data.numpy()`)
     for the tensors in the mapping; `running_loss` -> `running_loss_avg` for the floats."""
@@ -342,32 +447,6 @@ class _ReadAverages(cst.CSTTransformer):
         return updated_node.with_changes(keyword=original_node.keyword)
 
 
-# calls and attributes between a loss and its read that keep its value
-_KEEPS = frozenset({"detach", "cpu", "clone", "float", "double"})
-_READS = frozenset({"item", "numpy", "tolist"})
-
-
-def _chain_base(node):
-    """`loss` of `loss.data`, `loss.detach().cpu()`, `loss.cpu()`."""
-    while True:
-        if type(node) is cst.Call and type(node.func) is cst.Attribute and node.func.attr.value in _KEEPS \
-                and not node.args:
-            node = node.func.value
-        elif type(node) is cst.Attribute and node.attr.value == "data":
-            node = node.value
-        else:
-            return node
-
-
-def _tensor_read(call) -> Optional[str]:
-    """The dotted tensor a read chain reads: `loss` of `loss.item()`, `loss.data.numpy()`,
-    `loss.detach().cpu().numpy()`, `loss.cpu().item()`; `trainer.loss` of `trainer.loss.item()`."""
-    if type(call) is not cst.Call or type(call.func) is not cst.Attribute or call.func.attr.value not in _READS \
-            or call.args:
-        return None
-    return _dotted(_chain_base(call.func.value)) or None
-
-
 def _with_base(node, name: str):
     """`node` (a chain of _KEEPS calls and `.data` over a tensor) reading `name` instead."""
     if type(node) is cst.Call and type(node.func) is cst.Attribute and node.func.attr.value in _KEEPS \
@@ -378,49 +457,10 @@ def _with_base(node, name: str):
     return cst.Name(name)
 
 
-def _dotted(node) -> str:
-    """`loss` for a name, `trainer.loss` for an attribute of names; "" otherwise."""
-    if type(node) is cst.Name:
-        return node.value
-    if type(node) is cst.Attribute:
-        head = _dotted(node.value)
-        return f"{head}.{node.attr.value}" if head else ""
-    return ""
-
-
 def _backward_on(base: str, scope, r) -> bool:
     """`<base>.backward()` runs in `scope`: the tensor is a scalar."""
     return any(type(c.func) is cst.Attribute and c.func.attr.value == "backward" and _dotted(c.func.value) == base
                for c in r.descendants(scope, cst.Call))
-
-
-def _loss_term(expr) -> Optional[str]:
-    """The loss a term reads whole: `loss.item()`, `float(loss)`, `loss` (a tensor), `loss.detach()`."""
-    if type(expr) is cst.Call and type(expr.func) is cst.Name and expr.func.value == "float" and len(expr.args) == 1:
-        expr = expr.args[0].value
-    base = _tensor_read(expr) if type(expr) is cst.Call and type(expr.func) is cst.Attribute \
-        and expr.func.attr.value == "item" else _dotted(_chain_base(expr))
-    return base if base and "loss" in base.lower() else None
-
-
-def _is_count(expr) -> bool:
-    """A number of samples or a per-sample sum: `y.size(0)`, `y.shape[0]`, `len(y)`, `y.numel()`,
-    `(pred == y).sum().item()`."""
-    if type(expr) is cst.Subscript and type(expr.value) is cst.Attribute and expr.value.attr.value == "shape":
-        return True
-    if type(expr) is not cst.Call:
-        return False
-    f = expr.func
-    if type(f) is cst.Name:
-        return f.value == "len"
-    if type(f) is not cst.Attribute:
-        return False
-    if f.attr.value in ("size", "numel"):
-        return True
-    if f.attr.value == "item":
-        inner = f.value
-        return type(inner) is cst.Call and type(inner.func) is cst.Attribute and inner.func.attr.value == "sum"
-    return False
 
 
 def _accumulation(name: str, function, facts: ScriptFacts) -> Optional[str]:
@@ -441,24 +481,9 @@ def _accumulation(name: str, function, facts: ScriptFacts) -> Optional[str]:
     for node in r.nodes(cst.AugAssign):
         if type(node.target) is not cst.Name or node.target.value != name or r.enclosing_function(node) is not function:
             continue
-        term = node.value
         if not any(id(a) in loops for a in r.ancestors(node)):
             return None  # summed over data every rank reads whole (an evaluation), or not over a loader at all
-        if type(node.operator) is not cst.AddAssign:
-            kinds.add("unknown")
-        elif type(term) in (cst.Integer, cst.Float):
-            kinds.add("steps")
-        elif _loss_term(term):
-            kinds.add("mean")
-        elif type(term) is cst.BinaryOperation and type(term.operator) is cst.Multiply and \
-                (_loss_term(term.left) or _loss_term(term.right)):
-            kinds.add("sum")
-        elif _is_count(term):
-            kinds.add("sum")
-        elif any(_tensor_read(c) and "loss" in _tensor_read(c).lower() for c in calls_in(term)):
-            kinds.add("unknown-loss")
-        else:
-            kinds.add("unknown")
+        kinds.add(term_kind(node.value) if type(node.operator) is cst.AddAssign else "unknown")
     if not kinds:
         return None
     if len(kinds) == 1:

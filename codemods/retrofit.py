@@ -29,6 +29,7 @@ from .clipping import ReadGlobalGradNormCommand
 from .data import DistributeDataCommand
 from .forward_calls import ReplaceForwardCallsCommand
 from .launch import LaunchDistributedCommand
+from .loop_sums import CombineLoopSumsCommand
 from .loss_scale import ScaleSummedLossCommand
 from .make_dirs import CreateFoldersOnceCommand
 from .library_saves import GatherLibrarySavesCommand
@@ -37,6 +38,7 @@ from .migrate_ddp import MigrateDistributedWrappersCommand
 from .migrate_fsdp1 import MigrateFsdp1Command
 from .migrate_spawn import MigrateSpawnCommand
 from .optimizer import MoveOptimizerCommand
+from .rank_decisions import CheckRankDecisionsCommand
 from .rank_zero import GateRankZeroCommand
 from .resume import ConvertLoadsCommand
 from .resume_init import SplitResumeInitCommand
@@ -73,6 +75,8 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
         ReadGlobalGradNormCommand,
         SyncGradientsOncePerStepCommand,
         GateRankZeroCommand,
+        CombineLoopSumsCommand,
+        CheckRankDecisionsCommand,
         ClearThroughOptimizerCommand,
         ScaleSummedLossCommand,
         CreateFoldersOnceCommand,

@@ -345,6 +345,25 @@ _RULES = [
                 "waiting at a barrier, only once the process group runs.",
                 "Build the dataset after the process group starts, in the function that starts it, or download "
                 "it before the run and pass download=False.", stage_name="shared_downloads"),
+    RefusalRule("FSR639", "loop-sums-under-rank-local-condition",
+                "Figures summed in a loop over a split DataLoader (an evaluation's loss and correct count) and read "
+                "after it, where the loop runs under a condition not known to be the same on every rank.",
+                "After the retrofit each rank sums over its own part of the data; the sums are combined over the "
+                "ranks after the loop (a collective every rank must join). Under a condition each rank decides "
+                "for itself, the ranks that enter would wait for the others: a hang.",
+                "Make the condition one every rank decides alike (a step or epoch count, an argument), or combine "
+                "the sums yourself (all_reduce) where every rank runs.",
+                stage_name="loop_sums"),
+    RefusalRule("FSR640", "rank-local-decision-gates-collective",
+                "A condition (an `if`, a `break`) that reads a value of one rank's own part of the data (its "
+                "loss, a sum over its part of a split DataLoader) decides whether a collective runs: a checkpoint "
+                "save, a forward of the sharded model, the training loop's next step.",
+                "Each rank decides from its own value: some ranks enter the collective (or leave the loop) and the "
+                "others do not, and the run hangs. A figure the rewrite combines over the ranks (a loop's sums, "
+                "codemods/loop_sums.py) is the same on every rank and is not refused.",
+                "Decide from a value every rank shares: average it over the ranks first (dist.all_reduce, then "
+                "divide by the world size), or broadcast rank 0's decision (dist.broadcast_object_list).",
+                stage_name="rank_decisions"),
     RefusalRule("FSR643", "shard-grad-scaler-before-torch-2-5",
                 "A GradScaler in a script retrofitted for torch 2.4 (--torch-version 2.4).",
                 "fully_shard's gradients are DTensors; GradScaler unscales them and reduces its inf/NaN check over "

@@ -1,0 +1,113 @@
+"""rank_decisions: a condition that decides whether a collective runs must come out the same on
+every rank. `if acc > best: save(...)` where `acc` is a figure of one rank's own part of the data
+(its loss, a sum the rewrite does not combine over the ranks), an early-stopping `break` on a
+rank's own loss: some ranks enter the DCP save, the forward or the next training step, the others
+do not, and the run hangs. Refused at the condition's line (FSR640); a figure the rewrite combines
+over the ranks (codemods/loop_sums.py) is the same on every rank and passes."""
+from __future__ import annotations
+
+from typing import Optional
+
+import libcst as cst
+
+from fsdp2_retrofit.analysis import ScriptFacts, code
+from fsdp2_retrofit.analysis.rank_uniform import RankLocal, RankUniform
+from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
+from fsdp2_retrofit.syntax.names import walk
+from fsdp2_retrofit.syntax.torch_api import TORCH_SAVE
+
+
+class CheckRankDecisionsCommand(RetrofitStage):
+    DESCRIPTION = "Refuse a collective whose condition each rank decides from its own part of the data."
+    CODE = "rank_decisions"
+
+    def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
+        if facts.distributed_init is None:
+            return
+        r = facts.resolver
+        uniform = RankUniform(r, {l.name for l in facts.loaders}, facts=facts)
+        local = RankLocal(uniform, facts)
+        refused = set()
+        for site, what in _collectives(facts):
+            stop = _loop_of(site, r) if type(site) is cst.Break else r.enclosing_function(site)
+            child = site
+            for parent in r.ancestors(site):
+                if parent is stop or isinstance(parent, cst.FunctionDef):
+                    break
+                if type(parent) in (cst.If, cst.While) and child is not parent.test and id(parent) not in refused:
+                    read = None if uniform.condition(parent.test, parent) else _local_read(parent.test, parent, local)
+                    if read is not None:
+                        name, source = read
+                        refused.add(id(parent))
+                        self.refuse(
+                            "FSR640", parent,
+                            f"`{_head(parent)}` decides whether {what} (line {r.line(site)}) runs, and `{name}` is "
+                            f"each rank's own value (from its part of the data: `{_short(source)}`, line "
+                            f"{r.line(source)})",
+                            "after the retrofit each rank reads its own part of the split DataLoader and decides "
+                            "for itself: the ranks that take the branch wait in the collective for the others, "
+                            "which never come (a hang)",
+                            "decide from a value every rank shares: average it over the ranks first "
+                            "(dist.all_reduce, then divide by the world size), or broadcast rank 0's decision",
+                        )
+                child = parent
+
+
+def _collectives(facts: ScriptFacts):
+    """(node, what) for the statements that are collectives after the retrofit: a save of model or
+    optimizer state (a DCP save), a forward of a sharded model, a `break` out of a loop that runs
+    the model (the ranks that stay run its next all-gather alone)."""
+    r = facts.resolver
+    for call in r.nodes(cst.Call):
+        scope = r.enclosing_function(call)
+        held = set(facts.model_names.get(scope, set())) | set(facts.optimizer_names.get(scope, {}))
+        if r.is_call_to(call, TORCH_SAVE) and call.args and any(
+                type(n) is cst.Name and n.value in held for n in walk(call.args[0].value)):
+            yield call, "a checkpoint save (a DCP save after the retrofit, which every rank joins)"
+        elif _forward(call, facts.model_names.get(scope, set())):
+            handed = type(call.func) is cst.Name and call.func.value not in facts.model_names.get(scope, set())
+            yield call, (f"a call handed the sharded model (`{_short(call)}`: its forward or state, collectives)"
+                         if handed else f"a forward of the sharded model (`{_short(call)}`)")
+    for brk in r.nodes(cst.Break):
+        loop = _loop_of(brk, r)
+        if loop is not None and any(_forward(c, facts.model_names.get(r.enclosing_function(c), set()))
+                                    for c in r.descendants(loop, cst.Call)):
+            yield brk, f"the `break` out of the loop at line {r.line(loop)} (the model's collectives)"
+
+
+def _local_read(test, at, local: RankLocal):
+    """(the name, where its rank's own value comes from) of the first name of `test` that holds one."""
+    for node in walk(test):
+        if type(node) is cst.Name:
+            source = local.source(node, at)
+            if source is not None:
+                return node.value, source
+    return None
+
+
+def _forward(call: cst.Call, models) -> bool:
+    """`model(x)`, `evaluate(model, ...)`: runs the sharded model (its all-gathers)."""
+    if type(call.func) is cst.Name and call.func.value in models:
+        return True
+    return type(call.func) is cst.Name and any(type(a.value) is cst.Name and a.value.value in models
+                                               for a in call.args)
+
+
+def _loop_of(node, r) -> Optional[cst.CSTNode]:
+    for a in r.ancestors(node):
+        if type(a) in (cst.For, cst.While):
+            return a
+        if isinstance(a, cst.FunctionDef):
+            return None
+    return None
+
+
+def _head(stmt) -> str:
+    return f"{'if' if type(stmt) is cst.If else 'while'} {code(stmt.test)}"
+
+
+def _short(node) -> str:
+    if type(node) is cst.For:
+        return f"for {code(node.target)} in {code(node.iter)}"
+    text = code(node).strip().splitlines()[0]
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -493,8 +493,8 @@ def summary_line(rows: List[dict]) -> str:
             + f"; at parity (as given or by the twin): {len(at_parity)}/{len(runnable)} runnable scripts" + part)
 
 
-def _cell(text) -> str:
-    return str(text if text is not None else "").replace("|", "\\|").replace("\n", " ")[:220]
+def _cell(text, limit: int = 220) -> str:
+    return str(text if text is not None else "").replace("|", "\\|").replace("\n", " ")[:limit]
 
 
 def markdown(rows: List[dict]) -> str:
@@ -521,7 +521,7 @@ def markdown(rows: List[dict]) -> str:
         diff = weights.get("max_abs_diff")
         steps = f"{vf.get('steps_recorded', 0)}/{r['steps']}" if vf else f"-/{r['steps']}"
         out.append(f"| {r['id']} | {_cell(r['repo'].split('/')[1] + ':' + r['path'])} | **{r['verdict']}** | "
-                   f"{_cell(r['detail'])} | {_cell(judgement_cell(r.get('refusal_judgement')))} | {_cell(rw_cell)} | {steps} | "
+                   f"{_cell(r['detail'])} | {_cell(judgement_cell(r.get('refusal_judgement')), 500)} | {_cell(rw_cell)} | {steps} | "
                    f"{'-' if diff is None else f'{diff:.2e}'} | {_cell(r['first_error'])} | "
                    f"{_cell('; '.join(r['patches']))} |")
     out += ["", summary_line(rows), ""]

@@ -102,3 +102,55 @@ def test_a_twin_that_only_trains_quotes_what_the_report_says_differs(run):
     verdict, detail, _ = run.judge(twin, flagged, noisy)
     assert verdict == "trains" and detail.endswith("the report says: line 41: each rank's BatchNorm normalises its own part")
     assert "the report says" not in run.judge(script(run, compare="trains"), flagged, noisy)[1]
+def refused_row(code, verdict="refused", rid="o/r-train"):
+    return {"id": rid, "verdict": verdict, "detail": f"{code} line 3: ...",
+            "rewrite": {"refusal": {"code": code, "line": 3, "what": "w", "why": "y"}}}
+
+
+def test_a_refusal_is_judged_only_for_the_refusal_the_manifest_names(run):
+    judged = script(run, refusal="avoidable: a hand conversion keeps the second backward", refusal_code="FSR624")
+    assert run.refusal_judgement(judged, refused_row("FSR624")) == {
+        "status": "avoidable", "code": "FSR624", "why": "a hand conversion keeps the second backward"}
+    # the rewrite now gives another refusal: the old judgement does not count, it must be judged again
+    stale = run.refusal_judgement(judged, refused_row("FSR605"))
+    assert stale["status"] == "stale" and stale["code"] == "FSR605" and stale["judged_code"] == "FSR624"
+    assert "RE-JUDGE: judged FSR624 (avoidable), now FSR605" == run.judgement_cell(stale)
+    # no longer refused: the judgement is stale too; a row never judged says so
+    assert run.refusal_judgement(judged, refused_row("FSR624", verdict="parity"))["status"] == "stale"
+    assert run.refusal_judgement(script(run), refused_row("FSR624")) == {"status": "unjudged", "code": "FSR624"}
+    assert run.refusal_judgement(script(run), refused_row("FSR624", verdict="parity")) is None
+    # a refusal verify reports (no rewrite refusal) is read from its message
+    verify_refused = {"id": "o/r-train", "verdict": "refused", "detail": "cannot retrofit: FSR612 line 9: x"}
+    assert run.refusal_judgement(script(run, refusal="justified: no model", refusal_code="FSR612"),
+                                 verify_refused)["status"] == "justified"
+
+
+def test_summary_line_counts_avoidable_refusals_after_its_other_parts(run):
+    scripts = [script(run, refusal="avoidable: one optimizer would do", refusal_code="FSR950"),
+               script(run, refusal="justified: shared submodule", refusal_code="FSR626"),
+               script(run, refusal="avoidable: x", refusal_code="FSR624"), script(run)]
+    for s, rid in zip(scripts, ("o/a", "o/b", "o/c", "o/d")):
+        s.id = rid
+    rows = [refused_row("FSR950", rid="o/a"), refused_row("FSR626", rid="o/b"),
+            refused_row("FSR605", rid="o/c"), {"id": "o/d", "verdict": "parity"}]
+    run.attach_judgements(rows, scripts)
+    assert run.summary_line(rows) == ("4 scripts: 1 parity, 0 trains, 0 flagged, 3 refused, 0 crash, "
+                                      "0 silently-wrong; refusals judged: 1 avoidable, 1 justified, "
+                                      "1 not judged or stale")
+    rows += [{"id": "o/g", "verdict": "trains"}, {"id": "o/g~det", "verdict": "parity"}]
+    assert run.summary_line(rows).endswith(
+        "0 silently-wrong; deterministic twins of the trains rows: 1/1 parity; at parity (as given or by "
+        "the twin): 2/2 runnable scripts; refusals judged: 1 avoidable, 1 justified, 1 not judged or stale")
+    table = run.markdown([dict({"detail": ""}, **r, repo="o/r", path="t.py", steps=5, patches=[], first_error="") for r in rows])
+    assert "| avoidable: one optimizer would do |" in table and "| justified: shared submodule |" in table
+
+
+def test_a_malformed_refusal_judgement_is_a_manifest_error(run, tmp_path):
+    head = '[repo]\nname = "o/r"\ncommit = "' + "0" * 40 + '"\n[[script]]\nid = "o/x"\npath = "t.py"\n'
+    for bad in ('refusal = "maybe: x"\nrefusal_code = "FSR624"\n', 'refusal = "avoidable: x"\n',
+                'refusal = "justified:"\nrefusal_code = "FSR624"\n'):
+        (tmp_path / "m.toml").write_text(head + bad, encoding="utf-8")
+        with pytest.raises(SystemExit, match="refusal must read"):
+            run.load_manifests(tmp_path)
+    (tmp_path / "m.toml").write_text(head + 'refusal = "justified: x"\nrefusal_code = "FSR624"\n', encoding="utf-8")
+    assert run.load_manifests(tmp_path)[0].refusal_code == "FSR624"

@@ -45,6 +45,27 @@ def mnist(path, spec):
             f.write(labels.tobytes())
 
 
+@kind("mnist-gz")
+def mnist_gz(path, spec):
+    """The four gzipped MNIST idx files as yann.lecun.com served them, ``path/<name>.gz``
+    (scripts that unpack them themselves, some with the full sizes 60000/10000 written into
+    their reshapes: ``n`` and ``n_test`` default to those). Pixels are random but compress
+    (few levels), so the files stay small."""
+    import gzip
+
+    rng = _rng(spec)
+    os.makedirs(path, exist_ok=True)
+    for prefix, n in (("train", int(spec.get("n", 60000))), ("t10k", int(spec.get("n_test", 10000)))):
+        images = (rng.integers(0, 4, size=(n, 28, 28), dtype=np.uint8) * 85).astype(np.uint8)
+        labels = rng.integers(0, 10, size=(n,), dtype=np.uint8)
+        with gzip.open(os.path.join(path, f"{prefix}-images-idx3-ubyte.gz"), "wb", compresslevel=1) as f:
+            f.write(struct.pack(">IIII", 0x00000803, n, 28, 28))
+            f.write(images.tobytes())
+        with gzip.open(os.path.join(path, f"{prefix}-labels-idx1-ubyte.gz"), "wb", compresslevel=1) as f:
+            f.write(struct.pack(">II", 0x00000801, n))
+            f.write(labels.tobytes())
+
+
 @kind("cifar10")
 def cifar10(path, spec):
     """torchvision CIFAR10 python pickles: 5 training batches, a test batch, the meta file."""
@@ -85,6 +106,25 @@ def images(path, spec):
                 pixels = rng.integers(0, 256, size=(height, width, channels), dtype=np.uint8)
                 image = Image.fromarray(pixels[:, :, 0] if channels == 1 else pixels, mode)
                 image.save(os.path.join(folder, f"{i:05d}.{ext}"))
+
+
+@kind("isic")
+def isic(path, spec):
+    """ISIC-2018-style segmentation pairs: ``path/<split>/ISIC_<i>.jpg`` (RGB) and
+    ``path/<split>_GT/ISIC_<i>_segmentation.png`` (a binary mask, mode L) for each split."""
+    from PIL import Image
+
+    rng = _rng(spec)
+    n = int(spec.get("n", 8))
+    width, height = spec.get("size", [64, 48])
+    for split in spec.get("splits", ["train", "valid", "test"]):
+        os.makedirs(os.path.join(path, split), exist_ok=True)
+        os.makedirs(os.path.join(path, f"{split}_GT"), exist_ok=True)
+        for i in range(n):
+            pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+            Image.fromarray(pixels, "RGB").save(os.path.join(path, split, f"ISIC_{i:07d}.jpg"))
+            mask = (rng.random((height, width)) > 0.5).astype(np.uint8) * 255
+            Image.fromarray(mask, "L").save(os.path.join(path, f"{split}_GT", f"ISIC_{i:07d}_segmentation.png"))
 
 
 def _words(rng, vocab):

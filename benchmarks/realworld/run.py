@@ -33,10 +33,12 @@ DEFAULTS = {
     "extra_files": [], "data": [], "args": [], "per_rank_args": [], "steps": 5, "compare": "parity",
     "tolerance": 1e-4, "noise_rtol": 0.1, "seed": 0, "timeout": 300, "env": {}, "patches": [], "notes": "",
     "split_data": None, "stubs": {}, "pythonpath": [], "to_end": True, "twin": True,
+    "refusal": "", "refusal_code": "",
 }
 KEYS = set(DEFAULTS) | {"id", "path"}
 TWIN = "~det"  # a `trains` row's deterministic twin: its id is the row's plus this
 TWIN_ENV = {"REALWORLD_DETERMINISTIC": "1"}
+JUDGEMENTS = ("justified", "avoidable")  # a refused row: would an FSDP2 engineer agree with the refusal?
 
 
 def twins(scripts: List["Script"]) -> List["Script"]:
@@ -97,6 +99,11 @@ def load_manifests(directory: Path) -> List[Script]:
                 spec["split_data"] = bool(spec["data"])
             if spec["compare"] not in ("parity", "trains"):
                 raise SystemExit(f"{path}: {entry['id']}: compare must be parity or trains")
+            if spec["refusal"] or spec["refusal_code"]:
+                kind, _, why = spec["refusal"].partition(":")
+                if kind not in JUDGEMENTS or not why.strip() or not re.fullmatch(r"FS[RD]\d{3}", spec["refusal_code"]):
+                    raise SystemExit(f"{path}: {entry['id']}: refusal must read 'justified: <why>' or "
+                                     f"'avoidable: <why>', with refusal_code the code it judges (FSR605)")
             scripts.append(Script(name, commit, entry["id"], entry["path"], spec, path.name))
     return scripts
 
@@ -409,6 +416,58 @@ def run_one(script: Script, mirrors: Path, work_root: Path, python: str) -> dict
     return row
 
 
+# -- refusal judgements ----------------------------------------------------------------
+
+
+def refusal_code(row: dict) -> Optional[str]:
+    """The code of a refused row's refusal: the rewrite's, else the one verify's message names."""
+    refusal = (row.get("rewrite") or {}).get("refusal") or {}
+    if refusal.get("code"):
+        return refusal["code"]
+    m = re.search(r"\b(FS[RD]\d{3})\b", row.get("detail") or "")
+    return m.group(1) if m else None
+
+
+def refusal_judgement(script: Optional[Script], row: dict) -> Optional[dict]:
+    """What the manifest says of a refused row (`refusal`, checked against `refusal_code`):
+    status `justified` or `avoidable` when it judges the refusal the rewrite gives now;
+    `unjudged` when it says nothing; `stale` when it judged another refusal (or the rewrite no
+    longer refuses): a changed refusal must be judged again."""
+    given = (script.spec.get("refusal") or "") if script is not None else ""
+    judged = (script.spec.get("refusal_code") or "") if script is not None else ""
+    kind, _, why = given.partition(":")
+    if row.get("verdict") != "refused":
+        if not given:
+            return None
+        return {"status": "stale", "code": None, "judged_code": judged, "kind": kind, "why": why.strip()}
+    code = refusal_code(row)
+    if not given:
+        return {"status": "unjudged", "code": code}
+    if judged != code:
+        return {"status": "stale", "code": code, "judged_code": judged, "kind": kind, "why": why.strip()}
+    return {"status": kind, "code": code, "why": why.strip()}
+
+
+def judgement_cell(judgement: Optional[dict]) -> str:
+    if not judgement:
+        return "-"
+    status = judgement["status"]
+    if status in JUDGEMENTS:
+        return f"{status}: {judgement['why']}"
+    if status == "unjudged":
+        return "NOT JUDGED"
+    now = judgement["code"] or "no refusal"
+    return f"RE-JUDGE: judged {judgement['judged_code']} ({judgement['kind']}), now {now}"
+
+
+def attach_judgements(rows: List[dict], scripts: List[Script]) -> None:
+    """Every row's refusal judgement from the manifests as they are now (rows merged from an
+    earlier run included, so a judgement edited in a manifest shows without rerunning its row)."""
+    by_id = {s.id: s for s in scripts}
+    for r in rows:
+        r["refusal_judgement"] = refusal_judgement(by_id.get(r.get("id")), r)
+
+
 # -- output ------------------------------------------------------------------------
 
 
@@ -418,27 +477,35 @@ def summary_line(rows: List[dict]) -> str:
     line = (f"{len(own)} scripts: {count['parity']} parity, {count['trains']} trains, {count['flagged']} flagged, "
             f"{count['refused']} refused, "
             f"{count['crash']} crash, {count['silently-wrong']} silently-wrong")
+    refused = [r for r in own if r["verdict"] == "refused"]
+    judged = {s: sum(1 for r in refused if (r.get("refusal_judgement") or {}).get("status") == s)
+              for s in JUDGEMENTS}
+    part = ""
+    if any(r.get("refusal_judgement") for r in refused):
+        left = len(refused) - sum(judged.values())
+        part = (f"; refusals judged: {judged['avoidable']} avoidable, {judged['justified']} justified"
+                + (f", {left} not judged or stale" if left else ""))
     twin = {r["id"][: -len(TWIN)]: r for r in rows if r.get("id", "").endswith(TWIN)}
     if not twin:
-        return line
+        return line + part
     at_parity = [r for r in own if r["verdict"] == "parity" or twin.get(r.get("id"), {}).get("verdict") == "parity"]
     runnable = [r for r in own if r["verdict"] in ("parity", "trains", "flagged", "silently-wrong")]
     wrong = sum(1 for r in twin.values() if r["verdict"] == "silently-wrong")
     return (line + f"; deterministic twins of the trains rows: {sum(1 for r in twin.values() if r['verdict'] == 'parity')}"
             f"/{len(twin)} parity" + (f", {wrong} silently-wrong" if wrong else "")
-            + f"; at parity (as given or by the twin): {len(at_parity)}/{len(runnable)} runnable scripts")
+            + f"; at parity (as given or by the twin): {len(at_parity)}/{len(runnable)} runnable scripts" + part)
 
 
-def _cell(text) -> str:
-    return str(text if text is not None else "").replace("|", "\\|").replace("\n", " ")[:220]
+def _cell(text, limit: int = 220) -> str:
+    return str(text if text is not None else "").replace("|", "\\|").replace("\n", " ")[:limit]
 
 
 def markdown(rows: List[dict]) -> str:
     out = ["# Real-world corpus results", "",
            "Generated by `benchmarks/realworld/run.py`; see README.md for the verdicts.", "",
            summary_line(rows), "",
-           "| id | repo:path | verdict | detail | rewrite ok / idempotent / check | steps | max weight diff | first error | patches |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| id | repo:path | verdict | detail | refusal judged | rewrite ok / idempotent / check | steps | max weight diff | first error | patches |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rw = r.get("rewrite") or {}
         if rw.get("refusal"):
@@ -457,7 +524,7 @@ def markdown(rows: List[dict]) -> str:
         diff = weights.get("max_abs_diff")
         steps = f"{vf.get('steps_recorded', 0)}/{r['steps']}" if vf else f"-/{r['steps']}"
         out.append(f"| {r['id']} | {_cell(r['repo'].split('/')[1] + ':' + r['path'])} | **{r['verdict']}** | "
-                   f"{_cell(r['detail'])} | {_cell(rw_cell)} | {steps} | "
+                   f"{_cell(r['detail'])} | {_cell(judgement_cell(r.get('refusal_judgement')), 500)} | {_cell(rw_cell)} | {steps} | "
                    f"{'-' if diff is None else f'{diff:.2e}'} | {_cell(r['first_error'])} | "
                    f"{_cell('; '.join(r['patches']))} |")
     out += ["", summary_line(rows), ""]
@@ -504,6 +571,7 @@ def main(argv=None) -> int:
         old = {r["id"]: r for r in json.loads(previous.read_text(encoding="utf-8"))["scripts"]}
         merged = dict(old, **ran)
         rows = [merged[i] for i in order if i in merged]
+    attach_judgements(rows, twins(load_manifests(opts.manifest)))
     (opts.out / "results.json").write_text(json.dumps({"summary": summary_line(rows), "python": opts.python,
                                                        "scripts": rows}, indent=1) + "\n", encoding="utf-8")
     (opts.out / "RESULTS.md").write_text(markdown(rows), encoding="utf-8")

@@ -94,14 +94,14 @@ def test_each_trains_row_gets_a_deterministic_twin_and_the_summary_counts_parity
         "the trains rows: 1/1 parity; at parity (as given or by the twin): 2/3 runnable scripts")
 
 
-def test_a_twin_that_only_trains_quotes_what_the_report_says_differs(run):
+def test_a_twin_that_only_trains_says_what_verify_measured_first(run):
     twin = run.twins([script(run, compare="trains")])[1]
-    flagged = dict(REWRITTEN, differs=[{"line": 41, "what": "each rank's BatchNorm normalises its own part"}])
-    noisy = {"exit_code": 1, "equivalent": False, "summary": "diverged", "rank_weights": {"ok": True},
+    noisy = {"exit_code": 1, "equivalent": False, "rank_weights": {"ok": True},
+             "summary": "diverged: final weights differ by 1.1e-03 > 0.0001 (parameter 2, shape (8,))",
              "within_noise": {"ok": True, "why": "mean |loss difference| 1e-05"}, "weights": {"max_abs_diff": 1e-3}}
-    verdict, detail, _ = run.judge(twin, flagged, noisy)
-    assert verdict == "trains" and detail.endswith("the report says: line 41: each rank's BatchNorm normalises its own part")
-    assert "the report says" not in run.judge(script(run, compare="trains"), flagged, noisy)[1]
+    verdict, detail, _ = run.judge(twin, REWRITTEN, noisy)
+    assert verdict == "trains" and detail.startswith("not at parity: diverged: final weights differ by 1.1e-03")
+    assert "not at parity" not in run.judge(script(run, compare="trains"), REWRITTEN, noisy)[1]
 def refused_row(code, verdict="refused", rid="o/r-train"):
     return {"id": rid, "verdict": verdict, "detail": f"{code} line 3: ...",
             "rewrite": {"refusal": {"code": code, "line": 3, "what": "w", "why": "y"}}}

@@ -244,3 +244,34 @@ def test_the_rewrite_of_the_output_scales_nothing_again():
     second = rewrite_source(first.code, "train.py", RetrofitOptions())
     assert second.code == first.code and second.changes == []
 
+
+# -- whether the data is split between the ranks (analysis/data_split.py) --------
+
+FULL_BATCH = SCRIPT.replace(
+    "    loader = DataLoader(TensorDataset(torch.randn(24, 4)), batch_size=8)\n    for (x,) in loader:\n",
+    "    x = torch.randn(8, 4)\n    for step in range(3):\n",
+)
+
+
+def test_a_summed_loss_on_data_no_rank_splits_is_left_unscaled_and_reported():
+    assert FULL_BATCH != SCRIPT
+    code = FULL_BATCH.format(body="loss = F.mse_loss(out, x, reduction='sum')\n        loss.backward()")
+    result = rewrite_source(dedent(code).encode(), "train.py", RetrofitOptions())
+    assert not result.refusals, result.refusals
+    assert backward_lines(result) == ["loss.backward()"]
+    assert not [c for c in result.changes if c.code == "loss_scale"]
+    [item] = [a for a in result.attention if a.code == "loss_scale"]
+    assert item.line == 25 and item.what.startswith("FSD119: ") and "left unscaled" in item.what and "line 24" in item.what
+    assert "not split between the ranks" in item.what and "no DataLoader" in item.what
+
+
+def test_a_loader_no_training_loop_reads_keeps_the_scale_and_says_it_is_not_known():
+    code = FULL_BATCH.replace(
+        "    x = torch.randn(8, 4)\n",
+        "    x = torch.randn(8, 4)\n    val = DataLoader(TensorDataset(torch.randn(24, 4)), batch_size=8)\n",
+    ).format(body="loss = F.mse_loss(out, x, reduction='sum')\n        loss.backward()")
+    result = rewrite_source(dedent(code).encode(), "train.py", RetrofitOptions())
+    assert not result.refusals, result.refusals
+    assert backward_lines(result) == ["(loss * world_size).backward()"]
+    change = next(c for c in result.changes if c.code == "loss_scale")
+    assert "is not known" in change.what and "scaled as if" in change.what

@@ -1,9 +1,11 @@
-"""loss_scale: scale the backward of a sum-reduced loss by the world size."""
+"""loss_scale: scale the backward of a sum-reduced loss by the world size, where the rewrite splits the
+training batches between the ranks (analysis/data_split.py); left unscaled, and reported, where it does not."""
 from __future__ import annotations
 
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
+from fsdp2_retrofit.analysis.data_split import training_data_split
 from fsdp2_retrofit.analysis.loss_reduction import MEAN, MIXED, SUM, LossReduction, loss_reductions
 from fsdp2_retrofit.analysis.process_group import world_size_name
 from fsdp2_retrofit.syntax.names import assigned_names
@@ -25,16 +27,31 @@ class ScaleSummedLossCommand(RetrofitStage):
         if not facts.models:
             return
         r = facts.resolver
+        split = None
         for found in loss_reductions(r):
             kind = found.kind
             if kind == MIXED:
                 self._refuse_mixed(found)
             if kind != SUM:
                 continue
+            split = split or training_data_split(facts)
+            lines = ", ".join(f"line {r.line(t.node)}" for t in found.of_kind(SUM))
+            if split.split is False:
+                self.attention(
+                    found.backward,
+                    f"FSD119: `{code(found.backward)}` left unscaled although every term of the loss is a sum over the "
+                    f"batch ({lines}): the training data is not split between the ranks: {split.why} (`check`, which "
+                    "does not follow the data, still reports its sum-reduced-loss here)",
+                    "FSDP2 averages the ranks' gradients: where every rank's loss covers the whole batch, that "
+                    "average is the single-process gradient already, and scaling by the world size would make it "
+                    "world_size times too large; split the data (a DataLoader with DistributedSampler) and scale "
+                    "the backward by dist.get_world_size() together",
+                )
+                continue
             world = self._world_size(found, facts)
             receiver = found.loss is found.backward.func.value
             editor.replace_expression(found.loss, lambda updated, w=world, p=receiver: self._scaled(updated, w, p))
-            lines = ", ".join(f"line {r.line(t.node)}" for t in found.of_kind(SUM))
+            unsure = "" if split.split else f"; scaled as if each rank's loss covers its part of the batch: {split.why}"
             before = code(found.backward.func.value)
             after = f"({code(found.loss)} * {world})" if receiver else before.replace(
                 code(found.loss), f"{code(found.loss)} * {world}", 1
@@ -42,7 +59,7 @@ class ScaleSummedLossCommand(RetrofitStage):
             self.change(
                 found.backward,
                 f"`{before}.backward()` -> `{after}.backward()`: every term of the loss is a sum over the batch "
-                f"({lines})",
+                f"({lines}){unsure}",
                 WHY.format(loss=code(found.loss)),
                 "left as is, the gradients are world_size times too small: training as with the learning rate "
                 "divided by the number of ranks (no error)",

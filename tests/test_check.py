@@ -27,7 +27,8 @@ EXPECT = re.compile(r"#\s*expect:\s*(FSD\d{3})")
 # FSD121 findings of old (no set_epoch for passes counted by a `while`) were fixed in the
 # rewrite; param_numpy_logging keeps a `.numpy()` of parameters no stage can fix, and the
 # rewrite's report names it (tests/test_output_check.py).
-KNOWN_GOLDEN_DEFECTS: set = {("param_numpy_logging", "FSD117"), ("batch_size_shaped_tensors", "FSD120")}
+KNOWN_GOLDEN_DEFECTS: set = {("param_numpy_logging", "FSD117"), ("batch_size_shaped_tensors", "FSD120"),
+                             ("sum_loss_full_batch", "FSD119")}
 
 BAD = """\
 import torch

@@ -1,7 +1,10 @@
 """How the loss that reaches backward() is reduced (fsdp2_retrofit/analysis/loss_reduction.py)
 and the loss_scale stage that reads it: a loss summed over the batch gets its backward
 scaled by the world size, a sum mixed with a mean is refused (FSR960), the rest is left
-alone. The execution proof is fixtures/rewrite/sum_reduced_loss."""
+alone; where the rewrite splits no training data (a full-batch tensor) the backward is left
+unscaled and reported (analysis/data_split.py). The execution proofs are
+fixtures/rewrite/sum_reduced_loss, sum_loss_global_criterion, sum_loss_legacy_criterion
+and sum_loss_full_batch."""
 from __future__ import annotations
 
 from textwrap import dedent
@@ -40,6 +43,9 @@ import torch.nn.functional as F
     "F.mse_loss(out, y, reduction='none').sum()",
     "-0.5 * torch.sum(1 + out - y.pow(2))",
     "F.l1_loss(out, y, reduction='sum') / 2",
+    "torch.sum(1 + out - y.pow(2)).mul_(-0.5)",
+    "(out - y).pow(2).sum().div(2)",
+    "torch.sum(out - y).neg()",
 ])
 def test_a_loss_summed_over_the_batch_is_sum(loss):
     assert kinds(HEAD + f"loss = {loss}\nloss.backward()\n") == [SUM]
@@ -111,6 +117,33 @@ def train(model, loader, optimizer, scaler):
     assert terms(source) == [[("sum", 8), ("sum", 9), ("sum", 17)]]
 
 
+@pytest.mark.parametrize("built", ['nn.MSELoss(reduction="sum")', "nn.MSELoss(size_average=False)"])
+def test_a_module_level_criterion_read_in_the_scripts_function_plus_a_scaled_sum_is_sum(built):
+    source = HEAD + f"""\
+reconstruction_function = {built}
+
+
+def loss_function(recon_x, x, mu, logvar):
+    rec = reconstruction_function(recon_x, x)
+    element = mu.pow(2).add_(logvar.exp()).mul_(-1).add_(1).add_(logvar)
+    kld = torch.sum(element).mul_(-0.5)
+    return rec + kld
+
+
+for x in loader:
+    recon, mu, logvar = model(x)
+    loss = loss_function(recon, x, mu, logvar)
+    loss.backward()
+"""
+    assert kinds(source) == [SUM]
+    assert terms(source) == [[("sum", 8), ("sum", 10)]]
+
+
+@pytest.mark.parametrize("factor", ["n", "out.size(0)"])
+def test_a_sum_divided_by_a_value_not_known_by_a_method_is_unknown(factor):
+    assert kinds(HEAD + f"torch.sum(out - y).div({factor}).backward()\n") == [UNKNOWN]
+
+
 def test_a_criterion_with_the_default_reduction_is_mean_and_a_parameter_is_unknown():
     source = HEAD + """\
 criterion = nn.CrossEntropyLoss()
@@ -125,7 +158,7 @@ def step(out, y, loss_fn):
 
 # -- the loss_scale stage -------------------------------------------------------
 
-SCRIPT = '''
+SCRIPT = '''from torch.utils.data import DataLoader, TensorDataset
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -145,8 +178,8 @@ def main():
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler()
-    for step in range(3):
-        x = torch.randn(8, 4)
+    loader = DataLoader(TensorDataset(torch.randn(24, 4)), batch_size=8)
+    for (x,) in loader:
         out = model(x)
         {body}
         opt.step()
@@ -210,3 +243,35 @@ def test_the_rewrite_of_the_output_scales_nothing_again():
     first = rewrite("loss = F.mse_loss(out, x, reduction='sum')\n        loss.backward()")
     second = rewrite_source(first.code, "train.py", RetrofitOptions())
     assert second.code == first.code and second.changes == []
+
+
+# -- whether the data is split between the ranks (analysis/data_split.py) --------
+
+FULL_BATCH = SCRIPT.replace(
+    "    loader = DataLoader(TensorDataset(torch.randn(24, 4)), batch_size=8)\n    for (x,) in loader:\n",
+    "    x = torch.randn(8, 4)\n    for step in range(3):\n",
+)
+
+
+def test_a_summed_loss_on_data_no_rank_splits_is_left_unscaled_and_reported():
+    assert FULL_BATCH != SCRIPT
+    code = FULL_BATCH.format(body="loss = F.mse_loss(out, x, reduction='sum')\n        loss.backward()")
+    result = rewrite_source(dedent(code).encode(), "train.py", RetrofitOptions())
+    assert not result.refusals, result.refusals
+    assert backward_lines(result) == ["loss.backward()"]
+    assert not [c for c in result.changes if c.code == "loss_scale"]
+    [item] = [a for a in result.attention if a.code == "loss_scale"]
+    assert item.line == 25 and item.what.startswith("FSD119: ") and "left unscaled" in item.what and "line 24" in item.what
+    assert "not split between the ranks" in item.what and "no DataLoader" in item.what
+
+
+def test_a_loader_no_training_loop_reads_keeps_the_scale_and_says_it_is_not_known():
+    code = FULL_BATCH.replace(
+        "    x = torch.randn(8, 4)\n",
+        "    x = torch.randn(8, 4)\n    val = DataLoader(TensorDataset(torch.randn(24, 4)), batch_size=8)\n",
+    ).format(body="loss = F.mse_loss(out, x, reduction='sum')\n        loss.backward()")
+    result = rewrite_source(dedent(code).encode(), "train.py", RetrofitOptions())
+    assert not result.refusals, result.refusals
+    assert backward_lines(result) == ["(loss * world_size).backward()"]
+    change = next(c for c in result.changes if c.code == "loss_scale")
+    assert "is not known" in change.what and "scaled as if" in change.what

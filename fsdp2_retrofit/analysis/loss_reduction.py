@@ -4,7 +4,8 @@ FSDP2 (like DDP) averages the gradients over the ranks. A loss averaged over eac
 rank's part of the batch then has the gradient of the loss averaged over the whole
 global batch: what the single-process run computes. A loss summed over each rank's
 part gives 1/world_size of the gradient of the sum over the global batch, so its
-backward must be scaled by the world size; when summed and averaged terms are added
+backward must be scaled by the world size (where each rank's loss covers its own part of
+the batch: analysis/data_split.py); when summed and averaged terms are added
 in one loss, no one factor makes both right.
 
 The loss is read from the script's text, never run: each additive term of the
@@ -22,8 +23,8 @@ functions that return a loss (`def loss_function(...): return bce + kld`). A ter
 * ``unknown``: anything else (a model's own loss, a method, a division by a batch size,
   a sum over the model's weights, a sum of a list of losses).
 
-A constant factor (`-0.5 * torch.sum(...)`, `beta * kld`, a division by a number) keeps
-a term's kind; a product with the world size (`loss * world_size`, what the rewrite
+A constant factor (`-0.5 * torch.sum(...)`, `beta * kld`, a division by a number, also
+as a tensor method: `torch.sum(...).mul_(-0.5)`, `.div(2)`, `.neg()`) keeps a term's kind; a product with the world size (`loss * world_size`, what the rewrite
 writes) is unknown: it is scaled already. The whole loss is ``sum`` when every term that is not a constant is a
 sum, ``mean`` when every one is a mean, ``mixed`` when both occur, else ``unknown``.
 """
@@ -44,6 +45,10 @@ MIXED = "mixed"
 
 _WEIGHT_READS = (".parameters(", ".named_parameters(", ".weight", ".bias")
 _MAX_DEPTH = 12
+# a tensor's methods that multiply (divide) it by their one argument, or negate it
+_MULTIPLIES = frozenset({"mul", "mul_", "multiply", "multiply_"})
+_DIVIDES = frozenset({"div", "div_", "divide", "divide_", "true_divide", "true_divide_"})
+_NEGATES = frozenset({"neg", "neg_", "negative", "negative_"})
 
 
 @dataclass
@@ -236,6 +241,10 @@ class _Reader:
             if call.args and any(a.keyword is None or a.keyword.value == "dim" for a in call.args):
                 return [Term(NONE, call)]
             return self._reduced(call, func.value, SUM if func.attr.value == "sum" else MEAN, depth)
+        if isinstance(func, cst.Attribute) and func.attr.value in _MULTIPLIES | _DIVIDES | _NEGATES:
+            scaled = self._scaled(call, func, depth)
+            if scaled is not None:
+                return scaled
         if isinstance(func, cst.Name):
             built = self._criterion(func, depth)
             if built is not None:
@@ -243,6 +252,19 @@ class _Reader:
             if func.value in self.top_functions:
                 return self._returned(self.top_functions[func.value], call, depth)
         return [Term(UNKNOWN, call)]
+
+    def _scaled(self, call: cst.Call, func: cst.Attribute, depth: int) -> Optional[List[Term]]:
+        """`x.mul_(-0.5)`, `x.div(2)`, `x.neg()`: a constant factor keeps the terms of `x`, as
+        `-0.5 * x` does (a weight by name only for a product, as in _binary); else None."""
+        if func.attr.value in _NEGATES:
+            return self.terms(func.value, depth + 1) if not call.args else None
+        if len(call.args) != 1 or call.args[0].keyword is not None or call.args[0].star:
+            return None
+        operand = call.args[0].value
+        factor = self.terms(operand, depth + 1)
+        if _constant(factor) or (func.attr.value in _MULTIPLIES and self._scalar_factor(operand, factor)):
+            return self.terms(func.value, depth + 1)
+        return None
 
     def _reduced(self, call: cst.Call, operand: cst.BaseExpression, kind: str, depth: int) -> List[Term]:
         """`operand.sum()` / `torch.mean(operand)`: the reduction of `operand` over the batch,

@@ -152,10 +152,20 @@ class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
             # the dict's shuffle, whatever the statements before the loader made it, goes to the sampler
             shuffle = f'{loader.shuffle_set_later}.pop("shuffle", False)'
         extra = f", drop_last={code(loader.drop_last)}" if loader.drop_last is not None else ""
+        early = self._before_group(loader.stmt, facts)
         new = []
         if hoisted is not None:
             new.append(self.stmt(f"{dataset} = {code(loader.dataset)}\n"))
-        new.append(self.stmt(f"{sampler} = DistributedSampler({dataset}, shuffle={shuffle}{extra})\n"))
+        if early:  # built before the group starts (when the file loads): torchrun's environment says the same
+            self.add_import("os")
+            new.append(self.stmt(
+                f"{sampler} = DistributedSampler(\n    {dataset},\n"
+                '    num_replicas=int(os.environ.get("WORLD_SIZE", 1)),  # built before the process group starts\n'
+                '    rank=int(os.environ.get("RANK", 0)),\n'
+                f"    shuffle={shuffle}{extra},\n)\n"
+            ))
+        else:
+            new.append(self.stmt(f"{sampler} = DistributedSampler({dataset}, shuffle={shuffle}{extra})\n"))
         batch, keep = (self._keep_global_batch(loader, facts, editor, new) if self.options.keep_global_batch
                        else (None, False))
         leading = list(loader.stmt.leading_lines)
@@ -178,6 +188,14 @@ class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
             "each rank must see its own part of the data",
             "without a sampler every rank trains on the same batches",
         )
+        if early:
+            self.change(
+                loader.stmt,
+                f"`{loader.name}`'s DistributedSampler takes the rank and the number of ranks from torchrun's "
+                "environment (RANK, WORLD_SIZE; 0 and 1 for a plain run)",
+                "it is built before the process group starts (at module level, the model in a function): "
+                "asked of the group, it fails with 'Default process group has not been initialized'",
+            )
         self._set_epoch(loader, sampler, facts, editor)
         if not keep:
             self._shaped_by_batch_size(loader, facts)

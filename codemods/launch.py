@@ -75,7 +75,7 @@ class LaunchDistributedCommand(RetrofitStage):
             self._reuse(facts, editor)
             return
         block = facts.entry_block
-        anchor = self._first_torch_statement(block, facts)
+        anchor = self._loaded_before_entry(facts) or self._first_torch_statement(block, facts)
         names = {
             key: self.fresh_name(key, facts.entry_scope)
             for key in ("local_rank", "rank", "world_size", "mesh")
@@ -86,7 +86,7 @@ class LaunchDistributedCommand(RetrofitStage):
         in_helper = facts.entry_call is not None  # the mesh goes where the helper shards the model
         text = (PREAMBLE + ("" if in_helper else mesh)).format(backend=backend, replicas=self.options.hsdp, **names)
         preamble = cst.parse_module(text, config=self.config).body
-        editor.insert_paragraph_before(anchor, preamble, first_in_block=anchor is block.body[0])
+        editor.insert_paragraph_before(anchor, preamble, first_in_block=anchor is facts.resolver.block_of(anchor).body[0])
         if in_helper:
             self._mesh_in_helper(facts, editor, "dist.get_world_size()")
         self._teardown(block, "dist", facts, editor)
@@ -350,6 +350,29 @@ class LaunchDistributedCommand(RetrofitStage):
             "every rank on GPU 0 (hang or OOM) when set_device is missing",
         )
 
+    def _loaded_before_entry(self, facts: ScriptFacts):
+        """Where the group starts when the model is built under the main guard but a training
+        DataLoader is built at module level above it (`loader = DataLoader(...)` then `if __name__
+        == "__main__": model = Net()`): the data stage gives that loader a DistributedSampler,
+        which asks the group for the rank and world size when it is built, so the group starts
+        at module level, before the first statement there that touches torch. Both are module
+        scope: the names the preamble binds reach the main guard. None otherwise."""
+        module, block = facts.resolver.module, facts.entry_block
+        if isinstance(facts.entry_scope, cst.FunctionDef) or block is module or block is None:
+            return None
+        body = list(module.body)
+        guard = next((i for i, stmt in enumerate(body) if _holds(stmt, block, facts)), None)
+        sites = [
+            _ancestor_in_body(loader.stmt, body, facts)
+            for loader in facts.loaders
+            if loader.trains and not (loader.sampler is not None and loader.sampler.kind in ("distributed", "per_rank"))
+        ]
+        early = [body.index(s) for s in sites if s is not None and guard is not None and body.index(s) < guard]
+        if not early:
+            return None
+        first = self._first_torch_statement(module, facts)
+        return first if first in body and body.index(first) <= min(early) else body[min(early)]
+
     def _first_torch_statement(self, block, facts: ScriptFacts):
         """The first statement of the entry block that touches torch or builds the model."""
         model_names = {m.name for m in facts.models + facts.copies + facts.frozen_models}
@@ -374,6 +397,22 @@ class LaunchDistributedCommand(RetrofitStage):
             if facts.entry_call is not None and any(c is facts.entry_call for c in calls_in(stmt)):
                 return stmt  # `model, optimizer = build(cfg)`
         return facts.models[0].stmt if facts.entry_call is None else facts.resolver.statement_of(facts.entry_call)
+
+
+def _ancestor_in_body(stmt, body, facts: ScriptFacts):
+    """The statement of the module's `body` that holds `stmt`, or None."""
+    node = stmt
+    while node is not None and not any(node is b for b in body):
+        node = facts.resolver.parent(node)
+    return node
+
+
+def _holds(stmt, block, facts: ScriptFacts) -> bool:
+    """`block` is `stmt`'s own or one nested in it."""
+    node = block
+    while node is not None and node is not stmt:
+        node = facts.resolver.parent(node)
+    return node is stmt
 
 
 def _environment_reads(between, holder):

@@ -12,9 +12,15 @@ import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.analysis.rank_uniform import RankLocal, RankUniform
+from fsdp2_retrofit.analysis.random_forward import random_forward_flow
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 from fsdp2_retrofit.syntax.names import walk
 from fsdp2_retrofit.syntax.torch_api import TORCH_SAVE
+
+
+_GENERATOR_NAMES = {"random": "Python's `random`", "numpy": "numpy's random generator",
+                    "torch": "torch's default generator"}
+_SEEDS = {"random": "`random.seed(0)`", "numpy": "`np.random.seed(0)`", "torch": "`torch.manual_seed(0)`"}
 
 
 class CheckRankDecisionsCommand(RetrofitStage):
@@ -22,6 +28,20 @@ class CheckRankDecisionsCommand(RetrofitStage):
     CODE = "rank_decisions"
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
+        drawn = random_forward_flow(facts)
+        if drawn is not None:
+            r, head = facts.resolver, _short(drawn.test).rstrip(":")
+            self.refuse(
+                "FSR641", drawn.test,
+                f"the forward of {drawn.class_name} decides `{head}` from `{_short(drawn.draw)}` "
+                f"(line {r.line(drawn.draw)}), a draw of {_GENERATOR_NAMES[drawn.generator]}, which the script does "
+                "not seed with a value every rank shares",
+                "after the retrofit each rank draws its own number and runs its own layers: the all-gathers and "
+                "reduce-scatters of the sharded layers no longer pair up between the ranks (a size mismatch "
+                "error on gloo, a hang on NCCL)",
+                f"seed it the same on every rank before training ({_SEEDS[drawn.generator]}), or draw the number "
+                "on rank 0 and broadcast it (dist.broadcast_object_list) before the forward",
+            )
         if facts.distributed_init is None:
             return
         r = facts.resolver

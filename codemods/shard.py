@@ -8,7 +8,7 @@ from fsdp2_retrofit.analysis.batchnorm import batchnorm_layer, converted_already
 from fsdp2_retrofit.analysis.copies import unsafe_state_copies
 from fsdp2_retrofit.analysis.leaf_units import model_leaf_layout
 from fsdp2_retrofit.analysis.model_classes import first_submodule, parameter_reads
-from fsdp2_retrofit.analysis.no_model import no_model_blocker, unrecognised_trained_model
+from fsdp2_retrofit.analysis.no_model import no_model_blocker, nothing_found_at, unrecognised_trained_model
 from fsdp2_retrofit.analysis.optimizers import FLATTENING_OPTIMIZERS, whole_tensor_operation
 from fsdp2_retrofit.syntax.names import root_name
 from fsdp2_retrofit.syntax.torch_api import AUTOGRAD_GRAD, GRAD_SCALER, ZERO_REDUNDANCY_OPTIMIZER
@@ -475,8 +475,8 @@ class ShardModelCommand(RetrofitStage):
                     f"build the optimizer as one call on the model {cls} is handed, or build the model and "
                     f"optimizer in a function and pass them to {cls}",
                 )
-            blocker = no_model_blocker(facts)
-            where, detail = (blocker.at, f": {blocker.detail}") if blocker else (1, "")
+            blocker = no_model_blocker(facts) or nothing_found_at(facts)
+            where, detail = blocker.at, (f": {blocker.detail}" if blocker.detail else "")
             if not facts.module_ctor_names:
                 self.refuse(
                     "FSR611",

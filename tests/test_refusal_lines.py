@@ -59,9 +59,45 @@ def test_no_model_refusal_points_at_the_blocker(tmp_path, monkeypatch, source, l
     assert fragment in message
 
 
-def test_no_optimizer_at_all_still_refuses_at_line_one(tmp_path, monkeypatch):
-    source = "import torch\nimport torch.nn as nn\n\nmodel = nn.Linear(2, 2)\nmodel(torch.ones(2)).sum().backward()\n"
-    assert refused(tmp_path, monkeypatch, source)[:2] == (1, "FSR612")
+def test_no_optimizer_at_all_refuses_at_the_model_it_builds(tmp_path, monkeypatch):
+    """A module updated by hand (no optimizer): FSR612 names the line that builds it (it was line 1)."""
+    source = dedent("""\
+        import torch
+        import torch.nn as nn
+
+        x, y = torch.randn(8, 4), torch.randn(8, 2)
+        net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        for step in range(3):
+            loss = (net(x) - y).pow(2).sum()
+            net.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for p in net.parameters():
+                    p -= 1e-3 * p.grad
+        """)
+    line, code, message = refused(tmp_path, monkeypatch, source)
+    assert (line, code) == (5, "FSR612"), message
+    assert "`net` is built here" in message
+
+
+def test_no_module_refuses_at_the_training_of_raw_tensors(tmp_path, monkeypatch):
+    """No nn.Module and no optimizer (FSR611, raw tensors updated by hand): the first backward()
+    is named (it was line 1)."""
+    source = dedent("""\
+        import torch
+
+        x, y = torch.randn(8, 4), torch.randn(8, 2)
+        w = torch.randn(4, 2, requires_grad=True)
+        for step in range(3):
+            loss = (x @ w - y).pow(2).sum()
+            loss.backward()
+            with torch.no_grad():
+                w -= 1e-3 * w.grad
+                w.grad.zero_()
+        """)
+    line, code, message = refused(tmp_path, monkeypatch, source)
+    assert (line, code) == (7, "FSR611"), message
+    assert "`loss.backward()` trains tensors here" in message
 
 
 def test_an_annotated_model_and_optimizer_are_found():

@@ -104,7 +104,7 @@ def test_cli_refusal_line_and_json_carry_the_code(tmp_path, monkeypatch):
     path.write_text(NO_OPTIMIZER)
     result = CliRunner().invoke(cli.main, ["rewrite", str(path)])
     assert result.exit_code == 2
-    assert result.stderr.splitlines()[0].startswith(f"{path}:1: FSR612 no optimizer trains a model")
+    assert result.stderr.splitlines()[0].startswith(f"{path}:4: FSR612 no optimizer trains a model")
     report = CliRunner().invoke(cli.main, ["rewrite", "--report", "json", str(path)])
     assert [r["code"] for r in json.loads(report.stdout)[0]["refusals"]] == ["FSR612"]
     assert path.read_text() == NO_OPTIMIZER

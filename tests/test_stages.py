@@ -266,7 +266,11 @@ main()
     "script, where, what",
     [
         ("import torch\nx = torch.ones(3)\nprint(x)\n", 1, "no nn.Module is built in this script"),
-        (MODEL + "\nmodel = Net()\n", 1, "no optimizer trains a model built in this script"),
+        (  # the model's own line (it was line 1)
+            MODEL + "\nmodel = Net()\n", 24,
+            "no optimizer trains a model built in this script: `model` is built here, and no torch.optim optimizer "
+            "is built from its parameters",
+        ),
         (
             MODEL.replace(
                 "self.blocks = nn.Sequential(*[Block() for _ in range(3)])",

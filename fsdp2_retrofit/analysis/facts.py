@@ -63,6 +63,8 @@ class ScriptFacts:
     # models no optimizer trains that the script freezes (requires_grad_(False), a loop setting
     # requires_grad = False, eval()): a distillation teacher
     frozen_models: List[ModelSite] = field(default_factory=list)
+    # (name, statement) of every `name = SomeModule(...)` outside classes, trained or not
+    module_builds: List[tuple] = field(default_factory=list)
     # `ema = copy.deepcopy(model)` statements made in the model's block before it is sharded
     # (ModelSite.copy_of names the model); other deep copies stay in deep_copies only
     copies: List[ModelSite] = field(default_factory=list)
@@ -189,6 +191,7 @@ class _Analyser(ModelAnalysis, OptimizerAnalysis, DataAnalysis, LogAnalysis, Lau
             ],
             trainer_classes=self._trainer_classes(calls, model_names, bindings),
             frozen_models=frozen,
+            module_builds=[(b[0], b[1]) for b in bindings],
             copies=copies,
             hidden_copies=self._hidden_copies(calls, trained_names),
             trained_names=trained_names,

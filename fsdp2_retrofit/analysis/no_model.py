@@ -301,3 +301,31 @@ def _in_returned_tuple(r, call: cst.Call) -> bool:
 
 
 __all__ = ["NoModelBlocker", "no_model_blocker", "unrecognised_trained_model"]
+
+
+def nothing_found_at(facts) -> NoModelBlocker:
+    """Where a refusal that found no trained model points when no_model_blocker names no
+    construct: the first module the script builds, which no optimizer is built from (FSR612:
+    `model = nn.Sequential(...)` updated by hand, `param.data -= lr * param.grad`); with no
+    module, the first optimizer (it trains tensors, not a module's parameters), else the first
+    `.backward()` (FSR611: raw tensors trained by hand); line 1 only when none of them is there."""
+    r = facts.resolver
+    if facts.module_builds:
+        name, stmt = min(facts.module_builds, key=lambda b: r.line(b[1]))
+        return NoModelBlocker(
+            stmt, f"`{name}` is built here, and no torch.optim optimizer is built from its parameters"
+        )
+    calls = sorted(r.nodes(cst.Call), key=r.line)
+    optimizer = next((c for c in calls if is_optimizer_call(r, c)), None)
+    if optimizer is not None:
+        return NoModelBlocker(
+            optimizer, f"`{_short(optimizer)}` trains tensors that are not the parameters of an nn.Module"
+        )
+    backward = next(
+        (c for c in calls if isinstance(c.func, cst.Attribute) and c.func.attr.value == "backward"), None
+    )
+    if backward is not None:
+        return NoModelBlocker(
+            backward, f"`{_short(backward)}` trains tensors here, not the parameters of an nn.Module"
+        )
+    return NoModelBlocker(1, "")

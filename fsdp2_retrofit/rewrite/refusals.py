@@ -364,6 +364,17 @@ _RULES = [
                 "Decide from a value every rank shares: average it over the ranks first (dist.all_reduce, then "
                 "divide by the world size), or broadcast rank 0's decision (dist.broadcast_object_list).",
                 stage_name="rank_decisions"),
+    RefusalRule("FSR641", "random-control-flow-in-forward",
+                "The forward of the sharded model decides its control flow (a loop's length, an `if`) from a "
+                "random draw (`random.*`, `numpy.random.*`, `torch.rand*`) of a generator the script does not "
+                "seed with a value every rank shares.",
+                "Each rank draws its own number: the ranks run different layers (or the same layer a different "
+                "number of times), so the all-gathers and reduce-scatters fully_shard issues per layer no longer "
+                "pair up between the ranks: a size mismatch error (gloo) or a hang (NCCL).",
+                "Seed that generator with the same value on every rank before training (`random.seed(0)`, "
+                "`np.random.seed(0)`, `torch.manual_seed(0)`), or draw the number on rank 0 and broadcast it "
+                "(dist.broadcast_object_list) before the forward.",
+                stage_name="rank_decisions"),
     RefusalRule("FSR643", "shard-grad-scaler-before-torch-2-5",
                 "A GradScaler in a script retrofitted for torch 2.4 (--torch-version 2.4).",
                 "fully_shard's gradients are DTensors; GradScaler unscales them and reduces its inf/NaN check over "

@@ -545,9 +545,9 @@ def main(argv=None) -> int:
                         help="skip the deterministic twins of the trains rows (id~det)")
     opts = parser.parse_args(argv)
 
-    scripts = load_manifests(opts.manifest)
-    if not opts.no_twins:
-        scripts = twins(scripts)
+    # read once, at the start: a manifest edited while the corpus runs must not stop the results being written
+    manifests = twins(load_manifests(opts.manifest))
+    scripts = manifests if not opts.no_twins else [s for s in manifests if not s.id.endswith(TWIN)]
     if opts.only:
         scripts = [s for s in scripts if any(s.id == o or s.id.startswith(o) for o in opts.only)]
         if not scripts:
@@ -555,9 +555,14 @@ def main(argv=None) -> int:
     mirrors, work = opts.mirrors.resolve(), opts.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
 
+    opts.out.mkdir(parents=True, exist_ok=True)
+    partial = opts.out / "rows.partial.jsonl"  # each row as it ends (kept if the run dies before the end)
+
     def one(script: Script) -> dict:
         row = run_one(script, mirrors, work, opts.python)
         print(f"{row['id']}: {row['verdict']} ({row['seconds']} s) {row['detail'][:160]}", flush=True)
+        with open(partial, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
         return row
 
     with ThreadPoolExecutor(max_workers=max(1, opts.jobs)) as pool:
@@ -568,14 +573,15 @@ def main(argv=None) -> int:
     if opts.only and previous.is_file():
         # a partial run updates its rows of the last full run; the rest stay as they were
         ran = {r["id"]: r for r in rows}
-        order = [s.id for s in twins(load_manifests(opts.manifest))]
+        order = [s.id for s in manifests]
         old = {r["id"]: r for r in json.loads(previous.read_text(encoding="utf-8"))["scripts"]}
         merged = dict(old, **ran)
         rows = [merged[i] for i in order if i in merged]
-    attach_judgements(rows, twins(load_manifests(opts.manifest)))
+    attach_judgements(rows, manifests)
     (opts.out / "results.json").write_text(json.dumps({"summary": summary_line(rows), "python": opts.python,
                                                        "scripts": rows}, indent=1) + "\n", encoding="utf-8")
     (opts.out / "RESULTS.md").write_text(markdown(rows), encoding="utf-8")
+    partial.unlink(missing_ok=True)
     print(summary_line(rows))
     return 0
 

@@ -428,10 +428,6 @@ GOLDEN_DEFECTS: Dict[Tuple[str, str], str] = {  # (fixture, code) -> why the gol
     "loop; after the split a rank's last batch can be partial where the single run's were full, and which tensor "
     "of the batch gives the right size needs a person, so the rewrite leaves the lines and names them in its "
     "report (the data stage's FSD120 attention items)",
-    ("sum_loss_full_batch", "FSD119"): "a false positive of the rule, kept as a known finding: the fixture sums its "
-    "loss over one full-batch tensor that every rank holds whole (no DataLoader), so the rewrite leaves the "
-    "backward unscaled (FSDP2's average of identical gradients is the single run's; the run is at parity, 0.0); "
-    "FSD119 does not follow where the data comes from, and the loss_scale stage's attention item names it",
 }
 
 

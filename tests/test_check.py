@@ -27,8 +27,11 @@ EXPECT = re.compile(r"#\s*expect:\s*(FSD\d{3})")
 # FSD121 findings of old (no set_epoch for passes counted by a `while`) were fixed in the
 # rewrite; param_numpy_logging keeps a `.numpy()` of parameters no stage can fix, and the
 # rewrite's report names it (tests/test_output_check.py).
-KNOWN_GOLDEN_DEFECTS: set = {("param_numpy_logging", "FSD117"), ("batch_size_shaped_tensors", "FSD120"),
-                             ("sum_loss_full_batch", "FSD119")}
+KNOWN_GOLDEN_DEFECTS: set = {("param_numpy_logging", "FSD117"), ("batch_size_shaped_tensors", "FSD120")}
+# a false positive, counted as one in benchmarks/check_recall.py: the fixture sums its loss over one
+# full-batch tensor every rank holds whole, so the backward is rightly unscaled (parity 0.0); FSD119
+# does not follow where the data comes from
+KNOWN_FALSE_POSITIVES: set = {("sum_loss_full_batch", "FSD119")}
 
 BAD = """\
 import torch
@@ -74,7 +77,8 @@ def test_rewrite_fixtures_inputs_and_outputs_have_no_findings(path):
         # an FSDP1 input is the FSDP1 API the rewrite removes: check finds that and only that
         assert {f.code for f in _lint(path)} == {"FSD111"}
         return
-    known = {code for name, code in KNOWN_GOLDEN_DEFECTS if path.name == "expected.py" and path.parent.name == name}
+    known = {code for name, code in KNOWN_GOLDEN_DEFECTS | KNOWN_FALSE_POSITIVES
+             if path.name == "expected.py" and path.parent.name == name}
     assert [f for f in _lint(path) if f.code not in known] == []
 
 

@@ -65,8 +65,12 @@ def test_mutate_refuses_an_edit_that_does_not_apply_once():
 
 
 def test_goldens_have_no_unexplained_findings():
+    from test_check import KNOWN_FALSE_POSITIVES
+
     found = recall.run_goldens()
-    unexplained = [(name, f.code, f.line) for name, fs in found for f in fs if (name, f.code) not in recall.GOLDEN_DEFECTS]
+    # a known false positive is counted as one in the table; any other finding must be a documented defect
+    unexplained = [(name, f.code, f.line) for name, fs in found for f in fs
+                   if (name, f.code) not in set(recall.GOLDEN_DEFECTS) | KNOWN_FALSE_POSITIVES]
     assert unexplained == []
     # a documented defect of a golden that is no longer reported is stale: remove it from the table
     reported = {(name, f.code) for name, fs in found for f in fs}

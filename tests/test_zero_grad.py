@@ -112,3 +112,59 @@ def test_no_one_optimizer_over_the_whole_model_is_refused(opts, why):
     assert refusal.what.startswith("`model.zero_grad()` between the forward")
     assert refusal.why.startswith(why), refusal.why
     assert result.code == dedent(code).encode()
+
+
+TWO = '''
+import torch
+from torch import nn
+
+
+def main():
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    dec = nn.Linear(4, 2)
+    params = list(enc.parameters()) + list({dec_params}.parameters())
+    opt = torch.optim.Adam(params, lr=0.1)
+    for step in range(3):
+        loss = dec(enc(torch.randn(8, 4))).sum()
+        {clear}
+        loss.backward()
+        opt.step()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_zero_grads_of_every_model_one_optimizer_trains_clear_through_it():
+    code = TWO.format(dec_params="dec", clear="enc.zero_grad()\n        dec.zero_grad()")
+    result = rewrite(code)
+    assert not result.refusals, result.refusals
+    assert zero_grad_lines(result) == ["opt.zero_grad()"]
+    change = next(c for c in result.changes if c.code == "zero_grad")
+    assert change.line == dedent(code).splitlines().index("        enc.zero_grad()") + 1
+    assert "`enc.zero_grad()` + `dec.zero_grad()` -> `opt.zero_grad()`" in change.what
+
+
+@pytest.mark.parametrize(
+    "dec_params, clear",
+    [
+        ("dec", "enc.zero_grad()"),  # dec's gradients: the original keeps them, opt.zero_grad() would clear them
+        ("dec", "enc.zero_grad(); dec.zero_grad()"),  # one line: not two statements to merge
+    ],
+    ids=["one-of-two", "one-line"],
+)
+def test_zero_grads_that_do_not_clear_exactly_what_the_optimizer_trains_are_refused(dec_params, clear):
+    code = TWO.format(dec_params=dec_params, clear=clear)
+    result = rewrite(code)
+    assert result.refusals and result.refusals[0].code == "FSR950", (result.refusals, result.changes)
+    assert result.code == dedent(code).encode()
+
+
+@pytest.mark.parametrize("part", ["enc[0]", "enc.head"])
+def test_part_of_a_model_in_the_shared_optimizer_is_refused(part):
+    code = TWO.replace("list(enc.parameters())", f"list({part}.parameters())").format(
+        dec_params="dec", clear="enc.zero_grad()\n        dec.zero_grad()")
+    result = rewrite(code)
+    assert result.refusals and result.refusals[0].code == "FSR950", (result.refusals, result.changes)

@@ -79,6 +79,18 @@ class ConvertSavesCommand(RetrofitStage):
                     "trains; left as state_dict() the checkpoint holds numbered state the resume cannot read",
                     "hand the function the same optimizer and its model at every call, or save where they are built",
                 )
+        for site in every:
+            for model, node in site.held_models:
+                self.refuse(
+                    "FSR707",
+                    node,
+                    f"the state saved on line {self.line(site.call)} holds the sharded module `{model}` itself, "
+                    "pickled whole",
+                    "a pickled sharded module is one rank's DTensor shards (every rank writing the same file); "
+                    "no code can load it back as the model",
+                    f"save `{model}.state_dict()` instead (and load_state_dict it back into a built model): "
+                    "the rewrite turns that into DCP",
+                )
         sites = [s for s in every if s.state_calls or s.whole_model]
         async_ok = self.options.async_checkpoint and self._async_possible(sites, facts)
         for site in sites:

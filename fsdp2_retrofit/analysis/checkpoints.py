@@ -39,6 +39,8 @@ class SaveSite:
     path_key: str
     state_calls: List[StateCall] = field(default_factory=list)
     whole_model: Optional[str] = None  # torch.save(model, path)
+    # `torch.save({"net": net, ...}, path)`: models saved whole inside a dict, list or tuple literal
+    held_models: List[Tuple[str, cst.CSTNode]] = field(default_factory=list)
     dict_keys: Tuple[str, ...] = ()  # the keys of a saved dict literal
     # (node, why) for each optimizer state_dict() whose optimizer or model was lost on the way
     lost: List[Tuple[cst.CSTNode, str]] = field(default_factory=list)
@@ -199,6 +201,9 @@ def saves(facts: ScriptFacts) -> List[SaveSite]:
                 site.state_calls.append(StateCall(sd, "optimizer", key, optimizers[key]))
             elif key in models:
                 site.state_calls.append(StateCall(sd, "model", key, key))
+        if isinstance(state, (cst.Dict, cst.List, cst.Tuple)):
+            values = [e.value for e in state.elements if isinstance(e, (cst.DictElement, cst.Element))]
+            site.held_models = [(v.value, v) for v in values if isinstance(v, cst.Name) and v.value in models]
         if isinstance(state, cst.Dict):
             site.dict_keys = tuple(
                 e.key.evaluated_value

@@ -411,6 +411,13 @@ _RULES = [
                 "cannot read.",
                 "Hand the helper the same optimizer (and its model) at every call, or save where the optimizer is "
                 "built."),
+    RefusalRule("FSR707", "checkpoint-module-pickled-in-state",
+                "A saved dict, list or tuple holds a sharded model itself (`{\"net\": net}`), not its state dict.",
+                "Pickling a sharded module writes one rank's DTensor shards with FSDP2's hooks, every rank to the "
+                "same file; nothing can load it back as the model (and the script's reload of it would unpickle "
+                "those shards).",
+                "Save the model's state dict (`\"net\": net.state_dict()`) and reload it into a built model with "
+                "load_state_dict; the rewrite then turns both into DCP."),
     # -- 8xx resume ---------------------------------------------------------------------
     RefusalRule("FSR801", "resume-load-before-build", "A checkpoint is read before the model or optimizer it fills is built.",
                 "dcp.load fills the state dicts of the sharded model, its optimizer and scheduler: they must exist.",

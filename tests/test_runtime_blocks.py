@@ -151,3 +151,53 @@ def test_a_table_of_a_sibling_module_is_read(tmp_path: Path):
 def test_the_report_says_the_blocks_are_found_at_run_time():
     found = [c.what for c in rewrite_case(FIXTURES / "model_choice_if_elif").changes]
     assert any("one of ResidualNet, MLP, chosen at run time" in what for what in found), found
+
+
+ZOO_PACKAGE = {
+    "__init__": "from .small import *\nfrom .deep import *\n",
+    "small": """\
+        import torch.nn as nn
+
+        class Small(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+
+        def _private():
+            return 3
+        """,
+    "deep": """\
+        import torch.nn as nn
+
+        class Deep(nn.Module):
+            def __init__(self, depth=3):
+                super().__init__()
+                self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(depth)])
+
+        def deep2():
+            return Deep(depth=2)
+        """,
+}
+
+
+def _zoo(tmp_path: Path) -> None:
+    (tmp_path / "zoo").mkdir()
+    for name, body in ZOO_PACKAGE.items():
+        (tmp_path / "zoo" / f"{name}.py").write_text(textwrap.dedent(body))
+
+
+@pytest.mark.parametrize("build", ["model = zoo.__dict__[kind]()", "model = getattr(zoo, kind)()"])
+def test_a_model_picked_by_name_from_a_package_of_the_project(tmp_path: Path, build: str):
+    _zoo(tmp_path)
+    text = TRAIN.replace("{build}", build).replace("import torch\n", "import torch\n    import zoo\n", 1)
+    result = _rewrite(tmp_path, text)
+    assert not result.refusals, result.refusals
+    assert "for container in model.modules():" in result.code.decode()
+    assert any("one of Small, Deep, chosen at run time" in c.what for c in result.changes), result.changes
+
+
+def test_a_namespace_outside_the_project_is_not_a_model(tmp_path: Path):
+    """`json.__dict__[kind]()`: no module of the project, nothing is guessed."""
+    text = TRAIN.replace("{build}", "model = json.__dict__[kind]()").replace("import torch\n", "import json\n    import torch\n", 1)
+    result = _rewrite(tmp_path, text)
+    assert [r.code for r in result.refusals] == ["FSR611"], result.refusals

@@ -108,18 +108,23 @@ class LibraryModel:
     refusal_at: Optional[cst.CSTNode] = None  # the node the refusal points at (default: the build)
 
 
+def namespace_base(resolver: Resolver, call: cst.Call) -> Optional[cst.BaseExpression]:
+    """`models` of `models.__dict__[name](...)` or `getattr(models, name)(...)`: a callable
+    picked by name from a module's namespace at run time; None for any other call."""
+    func = call.func
+    if type(func) is cst.Subscript and type(func.value) is cst.Attribute and func.value.attr.value == "__dict__":
+        return func.value.value
+    if type(func) is cst.Call and resolver.is_call_to(func, {"builtins.getattr"}) and len(func.args) == 2:
+        return func.args[0].value
+    return None
+
+
 def namespace_builder(resolver: Resolver, call: cst.Call) -> Optional[str]:
     """`torchvision.models.get_model` for a model picked by name from a library's namespace
     at run time, `models.__dict__[args.arch](...)` or `getattr(models, args.arch)(...)` with
     `models` torchvision's: the same run-time choice as `get_model(args.arch)`; None otherwise."""
-    func = call.func
-    if type(func) is cst.Subscript and type(func.value) is cst.Attribute and func.value.attr.value == "__dict__":
-        base = func.value.value
-    elif resolver.is_call_to(func, {"builtins.getattr"}) and len(func.args) == 2:
-        base = func.args[0].value
-    else:
-        return None
-    for qname in resolver.qnames(base):
+    base = namespace_base(resolver, call)
+    for qname in resolver.qnames(base) if base is not None else ():
         if qname == "torchvision.models":
             return "torchvision.models.get_model"
     return None

@@ -121,6 +121,36 @@ class ClassRegistry:
             out += [c for c in found if c not in out]
         return out
 
+    def namespace_classes(self, namespace: str) -> List[str]:
+        """The module classes a call of `namespace.__dict__[name]` can build, for a module of
+        the project read here: its public classes and top-level functions that build one
+        (`def resnet18(): return ResNet(...)`), its own and those of the modules its
+        `__init__` star-imports (`from .resnet import *`); [] when it is not such a module."""
+        if namespace not in self.namespaces:
+            return []
+        found = self.top_level.get(namespace)
+        sources = [namespace]
+        package = _package_of(namespace, self.files[namespace])
+        for stmt in found[1].resolver.module.body if found is not None else ():
+            for imp in stmt.body if isinstance(stmt, cst.SimpleStatementLine) else ():
+                if isinstance(imp, cst.ImportFrom) and isinstance(imp.names, cst.ImportStar):
+                    source = _absolute(imp, package)
+                    if source in self.namespaces and source not in sources:
+                        sources.append(source)
+        out: List[str] = []
+        for source in sources:
+            prefix = f"{source}."
+            names = [c for c in self.classes if c.startswith(prefix) and "." not in c[len(prefix):]]
+            names += [f"{source}.{f}" for f in self.top_level_functions.get(source, {})]
+            namer = self.top_level.get(source, (None, None))[1]
+            for name in sorted(names):
+                if name.rpartition(".")[2].startswith("_"):
+                    continue
+                built = [name] if self.is_module_class(name) else (
+                    self.classes_built_by(cst.Name(name.rpartition(".")[2]), namer) if namer is not None else [])
+                out += [c for c in built if c not in out]
+        return out
+
     def _built_by_call(self, value, namer: "_Namer", depth: int) -> List[str]:
         """The classes `Net(...)` / `make(...)` (also `.to(device)` after it) builds."""
         while isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) and (

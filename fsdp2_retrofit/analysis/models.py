@@ -12,7 +12,8 @@ import libcst as cst
 from .closures import closure_propagate, nested_functions
 from .held_values import held_models
 from .init_branches import branch_initialises, initialised_name, initialised_names
-from .library_models import PEFT_WRAPPERS, LibraryModel, is_library_builder, library_model, namespace_builder
+from .library_models import PEFT_WRAPPERS, LibraryModel, is_library_builder, library_model, namespace_base, \
+    namespace_builder
 from .model_classes import ClassRegistry, Container, build_registry
 from .flow import innermost_call
 from .returns import names_out
@@ -145,8 +146,14 @@ class ModelAnalysis(SiteAnalysis):
     def _table_classes(self, call: cst.Call) -> List[str]:
         """`MODELS[args.arch](...)`: the module classes of the one top-level dict literal
         `MODELS` (of the script or a sibling module) whose values are classes or functions
-        building one; [] unless every value is read."""
+        building one; [] unless every value is read. `models.__dict__[args.arch]()` or
+        `getattr(models, args.arch)()` of a package of the project: the module classes
+        its namespace offers (ClassRegistry.namespace_classes)."""
         func = call.func
+        base = namespace_base(self.r, call)
+        if base is not None:
+            return next((found for q in sorted(self.r.qnames(base))
+                         for found in [self.classes.namespace_classes(q)] if found), [])
         if not isinstance(func, cst.Subscript):
             return []
         found = None

@@ -88,7 +88,7 @@ def test_each_trains_row_gets_a_deterministic_twin_and_the_summary_counts_parity
     assert out[2].env == {"REALWORLD_DETERMINISTIC": "1"} and out[1].env == {}
     results = [{"id": "o/r-train", "verdict": "parity"}, {"id": "o/gan", "verdict": "trains"},
                {"id": "o/gan~det", "verdict": "parity"}, {"id": "o/bn", "verdict": "trains"},
-               {"id": "o/x", "verdict": "refused"}]
+               {"id": "o/x", "verdict": "refused"}, {"id": "o/x~det", "verdict": "refused"}]
     assert run.summary_line(results) == (
         "4 scripts: 1 parity, 2 trains, 0 flagged, 1 refused, 0 crash, 0 silently-wrong; deterministic twins of "
         "the trains rows: 1/1 parity; at parity (as given or by the twin): 2/3 runnable scripts")

@@ -486,7 +486,9 @@ def summary_line(rows: List[dict]) -> str:
         left = len(refused) - sum(judged.values())
         part = (f"; refusals judged: {judged['avoidable']} avoidable, {judged['justified']} justified"
                 + (f", {left} not judged or stale" if left else ""))
-    twin = {r["id"][: -len(TWIN)]: r for r in rows if r.get("id", "").endswith(TWIN)}
+    ran = {r.get("id") for r in own if r["verdict"] not in ("refused", "crash")}
+    # a refused or crashed row's twin is refused or crashed too: it says nothing about determinism
+    twin = {r["id"][: -len(TWIN)]: r for r in rows if r.get("id", "").endswith(TWIN) and r["id"][: -len(TWIN)] in ran}
     if not twin:
         return line + part
     at_parity = [r for r in own if r["verdict"] == "parity" or twin.get(r.get("id"), {}).get("verdict") == "parity"]

@@ -376,6 +376,19 @@ class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
                 f"{readers.key} // world_size`) read by the DataLoader and the batch tensors, or run without "
                 "--keep-global-batch",
             )
+        one = _one_sample(size, facts)
+        if one is not None:
+            self.refuse(
+                "FSR905",
+                size,
+                f"--keep-global-batch: the batch size of `{loader}` is 1 (`{code(size)}`"
+                + (f", line {self.line(one)}" if one is not size else "") + "): one sample a step cannot be split "
+                "over the ranks",
+                "the global batch stays as written with this option, and a batch of one sample has no part for a "
+                "second rank (the generated assert would stop the run at its start)",
+                "run without --keep-global-batch: each rank then reads one sample a step, the global batch "
+                "world_size samples",
+            )
         new.append(self.stmt(f'assert {operand} % {world} == 0, "the batch size must divide by the number of ranks"\n'))
         if readers is None or not readers.shape:
             return self.expr(f"{operand} // {world}")
@@ -581,3 +594,12 @@ def _replace_dataset(call: cst.Call, dataset: cst.Name) -> cst.Call:
             args[i] = a.with_changes(value=dataset)
             break
     return call.with_changes(args=args)
+
+
+def _one_sample(size: cst.BaseExpression, facts: ScriptFacts) -> Optional[cst.CSTNode]:
+    """The literal 1 a batch size holds (`batch_size=1`, `BATCH_SIZE = 1` followed by value),
+    or None where it may hold anything else."""
+    flow = facts.analysis.flow if facts.analysis is not None else None
+    values = flow.values(size) if flow is not None else frozenset({size})
+    ones = [v for v in values if isinstance(v, cst.Integer) and v.evaluated_value == 1]
+    return ones[0] if ones and len(ones) == len(values) else None

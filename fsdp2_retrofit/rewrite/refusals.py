@@ -473,6 +473,12 @@ _RULES = [
                 "and the project's own modules.",
                 "Build the DataLoader in the script or a module of the project, or give it its DistributedSampler "
                 "there by hand."),
+    RefusalRule("FSR905", "data-global-batch-of-one",
+                "--keep-global-batch with a training batch size of 1.",
+                "The option keeps the global batch as written and divides it between the ranks: one sample has no "
+                "part for a second rank.",
+                "Run without --keep-global-batch (each rank reads one sample a step; the global batch is "
+                "world_size samples)."),
     # -- 95x zero_grad (a stage of its own, numbered among the 9xx) ---------------------
     RefusalRule("FSR950", "zero-grad-between-forward-and-backward",
                 "`model.zero_grad()` between the model's forward and backward() with no one optimizer to clear "

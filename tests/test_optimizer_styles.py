@@ -404,7 +404,7 @@ def test_an_if_else_picking_the_optimizer_after_the_build_is_sharded_before():
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-''').replace('    torch.save({"model": model, "optimizer": optimizer}, "ckpt.pt")\\n', "")
+''').replace('    torch.save({"model": model, "optimizer": optimizer}, "ckpt.pt")\n', "")
     result = rewrite_source(text.encode(), "train.py")
     assert not result.refusals, result.refusals
     out = result.code.decode()

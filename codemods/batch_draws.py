@@ -7,22 +7,31 @@ import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.analysis.batch_size import shaped_in_scope, short_code
-from fsdp2_retrofit.analysis.batch_draws import BatchCall, PositionCounter, RandomDraw, hand_drawn_batches
+from fsdp2_retrofit.analysis.batch_draws import BatchCall, PositionCounter, RandomDraw, SliceLoop, hand_drawn_batches
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 SAME_DATA = "left as is, so after the retrofit every rank trains on the same batches"
 HINT = ("draw the batch in a function that binds `ix = torch.randint(high, (B,))` and returns tensors indexed by "
         "it (`torch.stack([data[i:i + T] for i in ix])`), or split the batches by dist.get_rank() / "
         "dist.get_world_size() yourself, or use a DataLoader with DistributedSampler")
+SLICE_HINT = ("cut the batches as `data[k * B:(k + 1) * B]` in `for k in range(rows // B):` and read k nowhere "
+              "else, or split the batches by dist.get_rank() / dist.get_world_size() yourself, or use a DataLoader "
+              "with DistributedSampler")
+KEEP_NOTE = "# --keep-global-batch: each rank keeps 1/world_size of every batch; the global batch stays as written."
 SLICE_NOTE = ("# every rank drew the same {batch} batch: each trains on its 1/world_size of the rows")
 
 
 class SplitDrawnBatchesCommand(RetrofitStage):
-    DESCRIPTION = "Give each rank its part of the batches a script draws itself (torch.randint, a position counter)."
+    DESCRIPTION = ("Give each rank its part of the batches a script draws itself (torch.randint, a position counter, "
+                   "slices in a counted loop).")
     CODE = "batch_draws"
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         found = hand_drawn_batches(facts)
+        for node, why, _ in found.slice_flags:
+            self.attention(node, f"no DataLoader: {why}; {SAME_DATA}", SLICE_HINT, differs=True)
+        for loop in found.slice_loops:
+            self._split_loop(loop, facts, editor)
         if not found.found:
             return
         for node, why in found.unclear:
@@ -32,7 +41,8 @@ class SplitDrawnBatchesCommand(RetrofitStage):
             calls = self._training_calls(draw, found.calls)
             if calls is None or self._before_group(draw, found.calls, facts):
                 continue
-            if keep and self._shaped_by_global_batch(draw, calls, facts):
+            if keep and self._shaped_by_global_batch(
+                    draw.size, [c.stmt for c in calls], f"`{code(draw.draw)}` draws (line {self.line(draw.draw)})"):
                 continue
             if found.seeds:
                 node, why = found.seeds[0]
@@ -99,17 +109,17 @@ class SplitDrawnBatchesCommand(RetrofitStage):
             )
         return mine if mine and not loose and not unknown else None
 
-    def _shaped_by_global_batch(self, draw: RandomDraw, calls: List[BatchCall], facts: ScriptFacts) -> bool:
-        """--keep-global-batch: code that trains on the batch also shapes tensors by the draw's size,
-        the global batch, where each rank now holds 1/world_size of the rows (flagged, left as is)."""
-        size = code(draw.size)
-        shaped = [c for call in calls for c in shaped_in_scope(facts.resolver, call.stmt, size)]
+    def _shaped_by_global_batch(self, size, stmts, source: str) -> bool:
+        """--keep-global-batch: code that trains on the batch (in the functions of `stmts`) also shapes
+        tensors by `size`, the global batch, where each rank now holds 1/world_size of the rows
+        (flagged, left as is)."""
+        text = code(size)
+        shaped = [c for stmt in stmts for c in shaped_in_scope(self.facts.resolver, stmt, text)]
         for call in shaped[:1]:
             self.attention(
                 call,
-                f"no DataLoader: --keep-global-batch: `{short_code(call)}` is shaped by `{size}`, the size of the "
-                f"batch `{code(draw.draw)}` draws (line {self.line(draw.draw)}), the global batch where each rank "
-                f"would hold 1/world_size of the rows; {SAME_DATA}",
+                f"no DataLoader: --keep-global-batch: `{short_code(call)}` is shaped by `{text}`, the size of the "
+                f"batch {source}, the global batch where each rank would hold 1/world_size of the rows; {SAME_DATA}",
                 "shape by the batch's own size (`x.size(0)`), or run without --keep-global-batch (each rank then "
                 "keeps a batch of the size as written)",
                 differs=True,
@@ -120,14 +130,16 @@ class SplitDrawnBatchesCommand(RetrofitStage):
         """A call of `source` runs before the process group exists (flagged): its rank is not known there."""
         early = [c for c in calls if c.source is source and self.before_group(c.stmt, facts)]
         for call in early[:1]:
-            self.attention(
-                call.call,
-                f"no DataLoader: `{code(call.call)}` draws a batch before the process group starts, where the "
-                f"rank is not known; {SAME_DATA}",
-                "draw the first batch after the model is built (the process group starts before the build)",
-                differs=True,
-            )
+            self._early(call.call, f"`{code(call.call)}` draws a batch")
         return bool(early)
+
+    def _early(self, node, what: str) -> None:
+        self.attention(
+            node,
+            f"no DataLoader: {what} before the process group starts, where the rank is not known; {SAME_DATA}",
+            "draw the first batch after the model is built (the process group starts before the build)",
+            differs=True,
+        )
 
     def _keep_rows(self, call: BatchCall, facts: ScriptFacts, editor: StatementEditor, keep: bool) -> None:
         """After `x, y = get_batch(...)`: each rank keeps its rows of the batch every rank drew."""
@@ -180,6 +192,75 @@ class SplitDrawnBatchesCommand(RetrofitStage):
             f"{cls} read their rank's part too)",
             "without it every rank trains on the same batch",
         )
+
+    def _split_loop(self, found: SliceLoop, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """`for k in range(N):` slicing `data[k * B:(k + 1) * B]`: by default each rank runs the
+        batches k = rank, rank + W, ... (every rank N // W of them); with --keep-global-batch
+        every rank runs every k and keeps its 1/world_size of each batch's rows."""
+        loop = found.loop
+        index, size, count = code(loop.target), code(found.size), code(found.count)
+        if self.before_group(loop, facts):
+            self._early(loop, f"`for {index} in {code(loop.iter)}` slices the batches")
+            return
+        keep = self.options.keep_global_batch
+        where = f"the batches `for {index} in {code(loop.iter)}` slices ({index} * {size} up to ({index} + 1) * {size})"
+        if keep and self._shaped_by_global_batch(found.size, [loop], where):
+            return
+        self.add_import("torch.distributed", asname="dist")
+        world, rank = "dist.get_world_size()", "dist.get_rank()"
+        b = size if _product(found.size) else f"({size})"
+        if not keep:
+            n = count if _floor_chain(found.count) else f"({count})"
+            func = code(loop.iter.func)
+            strided = f"{func}({rank}, {n} // {world} * {world}, {world})"
+            editor.replace_expression(loop.iter, lambda _old: self.expr(strided))
+            self.change(
+                loop,
+                f"`for {index} in {code(loop.iter)}` runs the batches {index} = rank, rank + world_size, ... on each "
+                f"rank, every rank {count} // world_size of them",
+                "the per-rank batch stays as written: a step of the ranks together is world_size consecutive batches, "
+                f"the single run's batch at world_size x {size}; every rank runs the same number of steps (FSDP2's "
+                "collectives pair them)",
+                "without it every rank trains on the same batches",
+            )
+        else:
+            guard = self.stmt(f'assert {b} % {world} == 0, "the batch size must divide by the number of ranks"\n')
+            note = cst.EmptyLine(comment=cst.Comment(KEEP_NOTE))
+            editor.insert_before(loop, [guard.with_changes(leading_lines=[note])])
+            for stmt, lower, upper in found.named:
+                part = f"{lower} + {b} * {rank} // {world}, {lower} + {b} * ({rank} + 1) // {world}"
+                editor.insert_after(stmt, [self.stmt(f"{lower}, {upper} = {part}\n")])
+            for piece in found.inline:
+                low = code(piece.lower)
+                editor.replace_expression(piece.lower, lambda _old, t=f"{low} + {b} * {rank} // {world}": self.expr(t))
+                editor.replace_expression(piece.upper,
+                                          lambda _old, t=f"{low} + {b} * ({rank} + 1) // {world}": self.expr(t))
+            self.change(
+                loop,
+                f"each batch `for {index} in {code(loop.iter)}` slices keeps the rank's 1/world_size of its rows "
+                f"({size} stays the global batch; it must divide by the world size)",
+                "every rank runs every batch; its rows, split by rank, are the single run's batch",
+                "without it every rank trains on the same batches",
+            )
+        for total in found.sums:
+            name = code(total.target)
+            mine = ("this rank's part of each batch" if keep
+                    else f"the batches of this rank only ({count} // world_size of them)")
+            self.attention(
+                total,
+                f"`{name}` adds up {mine}: read after the loop it is this rank's figure, not the single run's",
+                "the training is the single run's; to print the single run's figure, all_reduce it over the ranks "
+                "(and divide by the world size where it is a mean of batch losses)",
+            )
+
+
+def _floor_chain(expr) -> bool:
+    """`expr // W * W` reads as `(expr // W) * W`: a name, a call, a number, or `*`, `/`, `//`, `%` of them."""
+    if isinstance(expr, (cst.Name, cst.Attribute, cst.Integer, cst.Call, cst.Subscript)) or expr.lpar:
+        return True
+    return (isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, (cst.Multiply, cst.Divide,
+                                                                                  cst.FloorDivide, cst.Modulo))
+            and _floor_chain(expr.left) and _floor_chain(expr.right))
 
 
 def _product(expr) -> bool:

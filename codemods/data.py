@@ -59,10 +59,13 @@ class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
                 "and call `loader.sampler.set_epoch(epoch)` at the start of each epoch",
                 differs=True,
             )
-        # batches the script draws itself (torch.randint, a position counter): the batch_draws stage's
-        if not training and facts.loops and not facts.loaders and not elsewhere and not hand_drawn_batches(facts).found:
+        # batches the script draws itself (torch.randint, a position counter, slices in a counted loop): the
+        # batch_draws stage's, which splits them or says why not
+        drawn = hand_drawn_batches(facts)
+        loops = [l for l in facts.loops if not drawn.handles(l.node)]
+        if not training and loops and not facts.loaders and not elsewhere and not drawn.found:
             self.attention(
-                facts.loops[0].node,
+                loops[0].node,
                 "no DataLoader: the batches do not come from a sampler this tool can shard",
                 "after the retrofit every rank trains on the same data; split the batches by "
                 "dist.get_rank() / dist.get_world_size() or use a DataLoader with DistributedSampler",

@@ -13,7 +13,12 @@ Two shapes are recognised, each only where the analysis sees the whole draw:
   `data[self.pos:self.pos + ...]`, advances `self.pos += K` once, and resets it to 0 under
   an `if` that tests whether the next read fits; `self.pos` is read nowhere else. The
   counter can stay the global position: rank r reads at `self.pos + r * K`, the counter
-  advances by `W * K`, and the test asks about the last rank's read.
+  advances by `W * K`, and the test asks about the last rank's read;
+- a *slice loop*: a training loop `for K in range(N):` cuts the batches out of whole tensors
+  by hand, `data[K * B:(K + 1) * B]` (the bounds inline or bound to names in the loop's body:
+  `start, end = K * B, (K + 1) * B`, `end = start + B`), N is `rows // B` (every batch full),
+  and nothing else reads K: rank r can run the batches K = r, r + W, ... (each rank the same
+  number of them), or keep its part of each batch.
 
 The calls of these functions are sorted into training calls (in a function, or the
 module, that calls backward(), outside `torch.no_grad()`) and the others (evaluation).
@@ -27,6 +32,7 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import libcst as cst
 
+from fsdp2_retrofit.analysis.batch_size import short_code
 from fsdp2_retrofit.analysis.rank_uniform import RankUniform
 from fsdp2_retrofit.syntax.names import code, walk
 from fsdp2_retrofit.syntax.torch_api import GET_RANK, GET_WORLD_SIZE, NO_GRAD as _NO_GRAD, RANDINT, ROW_STACKS
@@ -55,6 +61,20 @@ class PositionCounter:
     outputs: int
 
 
+@dataclass
+class SliceLoop:
+    loop: cst.For  # `for K in range(N):`, the loop that trains
+    count: cst.BaseExpression  # N
+    size: cst.BaseExpression  # B, as the first slice spells it
+    # the slices `data[L:U]` whose bounds are K * B and (K + 1) * B
+    slices: List[cst.Slice]
+    # (the last loop-body statement binding them, L, U) for bounds read through names bound in
+    # the loop's body (`start, end = k * B, (k + 1) * B`), each pair once
+    named: List[Tuple[cst.CSTNode, str, str]]
+    inline: List[cst.Slice]  # the slices whose bounds are not such a pair of names
+    sums: List[cst.AugAssign]  # `cost += ...` in the loop's body: each rank adds up its own batches
+
+
 Source = Union[RandomDraw, PositionCounter]
 
 
@@ -71,6 +91,9 @@ class BatchCall:
 class HandBatches:
     draws: List[RandomDraw] = field(default_factory=list)
     counters: List[PositionCounter] = field(default_factory=list)
+    slice_loops: List[SliceLoop] = field(default_factory=list)
+    # (node, why, loop): a loop that slices batches by hand in a way the rewrite cannot split
+    slice_flags: List[Tuple[cst.CSTNode, str, cst.For]] = field(default_factory=list)
     calls: List[BatchCall] = field(default_factory=list)
     # (node, why): a draw the rewrite sees but cannot split, with its reason
     unclear: List[Tuple[cst.CSTNode, str]] = field(default_factory=list)
@@ -79,7 +102,16 @@ class HandBatches:
 
     @property
     def found(self) -> bool:
+        """A draw or a counter: the batches of the script's training loops come from it."""
         return bool(self.draws or self.counters or self.unclear)
+
+    def splits(self, loop) -> bool:
+        """`loop` is a slice loop the rewrite splits between the ranks."""
+        return any(s.loop is loop for s in self.slice_loops)
+
+    def handles(self, loop) -> bool:
+        """`loop` is a slice loop: split, or flagged with its reason."""
+        return self.splits(loop) or any(f[2] is loop for f in self.slice_flags)
 
 
 def hand_drawn_batches(facts) -> HandBatches:
@@ -107,6 +139,9 @@ class _Finder:
         for cls in self.r.nodes(cst.ClassDef):
             if self.r.enclosing_function(cls) is None and not self.facts.classes.is_module_class(cls.name.value):
                 self._position_counter(cls)
+        for site in self.facts.loops:
+            if isinstance(site.node, cst.For):
+                self._slice_loop(site.node)
         if self.out.draws:
             self._seeds()
         for source in [*self.out.draws, *self.out.counters]:
@@ -156,10 +191,12 @@ class _Finder:
         """`node` asks for the rank or the world size (`dist.get_rank()`, `dist.get_world_size()`)."""
         return any(isinstance(n, cst.Call) and self.r.qnames(n) & (GET_RANK | GET_WORLD_SIZE) for n in walk(node))
 
-    def _bindings(self, fn: cst.FunctionDef, name: str) -> List[Tuple[cst.CSTNode, Optional[cst.BaseExpression]]]:
-        """(statement, value) for each binding of `name` in `fn` (None: a value not seen element by element)."""
+    def _bindings(self, fn: Optional[cst.FunctionDef], name: str, within=None
+                  ) -> List[Tuple[cst.CSTNode, Optional[cst.BaseExpression]]]:
+        """(statement, value) for each binding of `name` in `fn` (None: a value not seen element by
+        element); `within`: only those inside that node, `fn`'s parameters left out."""
         found = []
-        for node in walk(fn.body):
+        for node in walk(within if within is not None else fn.body):
             if self.r.enclosing_function(node) is not fn:
                 continue
             if isinstance(node, cst.Assign):
@@ -173,6 +210,8 @@ class _Finder:
                 found.append((node, None))
             elif isinstance(node, (cst.WithItem,)) and node.asname is not None and name in _target_names(node.asname.name):
                 found.append((node, None))
+        if within is not None or fn is None:
+            return found
         params = {p.name.value for p in [*fn.params.params, *fn.params.kwonly_params, *fn.params.posonly_params]}
         if name in params:
             found.append((fn, None))
@@ -288,6 +327,203 @@ class _Finder:
                     return name
         return None
 
+    # -- slice loops -------------------------------------------------------
+
+    def _slice_loop(self, loop: cst.For) -> None:
+        """`for K in range(N):` training on `data[K * B:(K + 1) * B]` (see the module's docstring)."""
+        it = loop.iter
+        if not (isinstance(loop.target, cst.Name) and isinstance(it, cst.Call) and "builtins.range" in self.r.qnames(it)
+                and len(it.args) == 1 and it.args[0].keyword is None and not it.args[0].star):
+            return
+        matched = self._bounded_slices(loop)
+        if not matched:
+            return  # no batch cut by the index: not this shape (the data stage's flag)
+        if self._under_no_grad(loop) or self._reads_rank(loop, matched):
+            return  # evaluation; or a loop that splits by rank already (a retrofitted script)
+        index = loop.target.value
+        where = f"`for {index} in {code(it)}` (line {self.r.line(loop)})"
+        size = matched[0][1]
+        for piece, b, _ in matched[1:]:
+            if not self._same(b, size):
+                self._slice_flag(piece, loop, f"{where} cuts batches of `{code(size)}` and of `{code(b)}` rows: the "
+                                              "rewrite splits only batches of one size")
+                return
+        late = self._bound_in(loop, size)
+        if late is not None:
+            self._slice_flag(loop, loop, f"`{code(size)}`, the batch size of {where}, reads `{late}`, bound in the "
+                                         "loop: the rewrite splits only batches of one size")
+            return
+        exempt = {id(n) for _, _, through in matched for expr in through for n in walk(expr)}
+        for read in self._index_reads(loop):
+            if id(read) not in exempt:
+                stmt = self.r.statement_of(read)
+                self._slice_flag(read, loop, f"`{index}`, the batch index of {where}, is also read at line "
+                                             f"{self.r.line(read)} (`{short_code(stmt)}`), not only in the bounds "
+                                             f"`{index} * {code(size)}`, `({index} + 1) * {code(size)}`: split "
+                                             "between the ranks, it would change")
+                return
+        count = it.args[0].value
+        whole = self.flow.values(count)
+        if not whole or not all(isinstance(v, cst.BinaryOperation) and isinstance(v.operator, cst.FloorDivide)
+                                and self._same(v.right, size) for v in whole):
+            self._slice_flag(count, loop, f"{where} counts `{code(count)}` batches, not `rows // {code(size)}`: a "
+                                          "last batch shorter than the others would fall to one rank")
+            return
+        named: List[Tuple[cst.CSTNode, str, str]] = []
+        inline: List[cst.Slice] = []
+        for piece, _, _ in matched:
+            pair = self._named_pair(loop, piece)
+            if pair is None:
+                inline.append(piece)
+            elif all(p[1:] != pair[1:] for p in named):
+                named.append(pair)
+        if any(n in {name for p in named for name in p[1:]} for piece in inline for n in _target_names(piece)):
+            named, inline = [], [m[0] for m in matched]  # `x[start:start + B]` beside `y[start:end]`: rebound
+            # names would move the inline bounds twice (--keep-global-batch): every slice is edited in place
+        sums = [n for n in walk(loop.body) if isinstance(n, cst.AugAssign) and isinstance(n.target, cst.Name)
+                and self.r.enclosing_function(n) is self.r.enclosing_function(loop)]
+        self.out.slice_loops.append(SliceLoop(loop, count, size, [m[0] for m in matched], named, inline, sums))
+
+    def _bounded_slices(self, loop: cst.For) -> List[Tuple[cst.Slice, cst.BaseExpression, List[cst.CSTNode]]]:
+        """(slice, B, the expressions its bounds were found in) for each `data[L:U]` of the loop's body
+        whose bounds are K * B and (K + 1) * B (K the loop's index), by value."""
+        fn = self.r.enclosing_function(loop)
+        found = []
+        for piece in walk(loop.body):
+            if not isinstance(piece, cst.Slice) or piece.lower is None or piece.upper is None \
+                    or piece.step is not None or self.r.enclosing_function(piece) is not fn:
+                continue
+            lower = self._bound_form(loop, piece.lower, 0)
+            upper = self._bound_form(loop, piece.upper, 0)
+            if lower and upper and lower[0] == "lower" and upper[0] == "upper" and self._same(lower[1], upper[1]):
+                found.append((piece, lower[1], lower[2] + upper[2]))
+        return found
+
+    def _bound_form(self, loop: cst.For, expr, depth: int):
+        """("lower", B, through) for K * B or B * K; ("upper", B, through) for (K + 1) * B,
+        B * (K + 1) or L + B (L a lower bound); through a name bound once in the loop's body
+        before it is read; `through`: the expressions read on the way. None otherwise."""
+        if depth > 4:
+            return None
+        if isinstance(expr, cst.Name) and not self._is_index(loop, expr):
+            value = self._bound_before(loop, expr)
+            found = self._bound_form(loop, value, depth + 1) if value is not None else None
+            return (found[0], found[1], [expr, *found[2]]) if found else None
+        if not isinstance(expr, cst.BinaryOperation) or expr.lpar:
+            return None
+        left, right = expr.left, expr.right
+        if isinstance(expr.operator, cst.Multiply):
+            for k, b in ((left, right), (right, left)):
+                if self._is_index(loop, k) and self._size(loop, b):
+                    return ("lower", b, [expr])
+                if self._index_plus_one(loop, k) and self._size(loop, b):
+                    return ("upper", b, [expr])
+        if isinstance(expr.operator, cst.Add):
+            for low, b in ((left, right), (right, left)):
+                found = self._bound_form(loop, low, depth + 1)
+                if found and found[0] == "lower" and self._same(found[1], b):
+                    return ("upper", b, [expr, *found[2]])
+        return None
+
+    def _is_index(self, loop: cst.For, expr) -> bool:
+        return isinstance(expr, cst.Name) and self.flow.values(expr) == frozenset([loop])
+
+    def _index_plus_one(self, loop: cst.For, expr) -> bool:
+        """`(K + 1)` or `(1 + K)`."""
+        if not (isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Add)):
+            return False
+        return any(self._is_index(loop, k) and isinstance(one, cst.Integer) and one.value == "1"
+                   for k, one in ((expr.left, expr.right), (expr.right, expr.left)))
+
+    def _size(self, loop: cst.For, expr) -> bool:
+        """A batch size: a number, a name or an attribute of names, or a product of them, not the index."""
+        if isinstance(expr, cst.Integer) or (isinstance(expr, cst.Name) and not self._is_index(loop, expr)):
+            return True
+        if isinstance(expr, cst.Attribute):  # args.batch_size, self.cfg.batch_size
+            return isinstance(expr.value, (cst.Name, cst.Attribute)) and self._size(loop, expr.value)
+        return (isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Multiply)
+                and self._size(loop, expr.left) and self._size(loop, expr.right))
+
+    def _same(self, a, b) -> bool:
+        """`a` and `b` are the same batch size: spelled alike in one scope, or holding the same values."""
+        return code(a) == code(b) or (isinstance(a, cst.Name) and isinstance(b, cst.Name)
+                                      and self.flow.values(a) == self.flow.values(b))
+
+    def _bound_before(self, loop: cst.For, name: cst.Name):
+        """The value of `name`'s one binding in the loop's body, a statement of the body itself that
+        runs before the one reading `name` (None where it is bound otherwise or elsewhere in the loop)."""
+        fn = self.r.enclosing_function(loop)
+        bindings = [node for node, _ in self._bindings(fn, name.value, within=loop.body)]
+        if len(bindings) != 1:
+            return None
+        stmt = self.r.statement_of(bindings[0])
+        reader = self._body_statement(loop, name)
+        body = list(loop.body.body)
+        if stmt not in body or reader is None or body.index(stmt) >= body.index(reader):
+            return None
+        values = [v for _, v in self._bindings(fn, name.value, within=stmt)]
+        return values[0] if len(values) == 1 else None
+
+    def _body_statement(self, loop: cst.For, node):
+        """The statement of the loop's body that holds `node`."""
+        for up in [node, *self.r.ancestors(node)]:
+            if self.r.parent(up) is loop.body:
+                return up
+        return None
+
+    def _named_pair(self, loop: cst.For, piece: cst.Slice) -> Optional[Tuple[cst.CSTNode, str, str]]:
+        """(the later statement binding them, L, U) for `data[L:U]` with both bounds names."""
+        if not (isinstance(piece.lower, cst.Name) and isinstance(piece.upper, cst.Name)):
+            return None
+        fn = self.r.enclosing_function(loop)
+        stmts = [self.r.statement_of(node) for n in (piece.lower, piece.upper)
+                 for node, _ in self._bindings(fn, n.value, within=loop.body)]
+        last = max(stmts, key=self.r.order)
+        return last, piece.lower.value, piece.upper.value
+
+    def _bound_in(self, loop: cst.For, expr) -> Optional[str]:
+        """A name `expr` reads that the loop binds (its index included)."""
+        fn = self.r.enclosing_function(loop)
+        for name in sorted(_target_names(expr)):
+            if name in _target_names(loop.target) or self._bindings(fn, name, within=loop.body):
+                return name
+        return None
+
+    def _index_reads(self, loop: cst.For) -> List[cst.Name]:
+        """The reads of the loop's index, wherever they are in its function (by value)."""
+        fn = self.r.enclosing_function(loop)
+        scope = fn.body if fn is not None else self.facts.module
+        index = loop.target.value
+        reads = []
+        for node in walk(scope):
+            if not isinstance(node, cst.Name) or node.value != index or node is loop.target:
+                continue
+            parent = self.r.parent(node)
+            if isinstance(parent, cst.Attribute) and parent.attr is node or isinstance(parent, cst.Arg) \
+                    and parent.keyword is node:
+                continue
+            if loop in self.flow.values(node):  # a read, or a binding of the same name
+                reads.append(node)
+        return reads
+
+    def _reads_rank(self, loop: cst.For, matched) -> bool:
+        """The loop, or a value the data it slices can hold, asks for the rank or the world size."""
+        if self._splits_by_rank(loop) or any(self._rank_value(n) for n in walk(loop) if isinstance(n, cst.Name)):
+            return True
+        for piece, _, _ in matched:
+            sub = next((up for up in self.r.ancestors(piece) if isinstance(up, cst.Subscript)), None)
+            if sub is not None and any(isinstance(v, cst.CSTNode) and self._splits_by_rank(v)
+                                       for v in self.flow.values(sub.value)):
+                return True
+        return False
+
+    def _rank_value(self, name: cst.Name) -> bool:
+        return any(isinstance(v, cst.Call) and self.r.qnames(v) & (GET_RANK | GET_WORLD_SIZE)
+                   for v in self.flow.values(name))
+
+    def _slice_flag(self, node, loop: cst.For, why: str) -> None:
+        self.out.slice_flags.append((node, why, loop))
+
     # -- calls -------------------------------------------------------------
 
     def _calls(self, source: Source) -> None:
@@ -316,16 +552,22 @@ class _Finder:
         and it runs outside `torch.no_grad()` / `torch.inference_mode()`); False: evaluation (under
         one of them, or in a function decorated with one); None: neither is seen."""
         fn = self.r.enclosing_function(call)
-        for node in self.r.ancestors(call):
-            if isinstance(node, cst.With) and any(self._no_grad(item.item) for item in node.items):
-                return False
-            if isinstance(node, cst.FunctionDef) and any(self._no_grad(d.decorator) for d in node.decorators):
-                return False
+        if self._under_no_grad(call):
+            return False
         scope = fn.body if fn is not None else self.facts.module
         if any(isinstance(n, cst.Call) and isinstance(n.func, cst.Attribute) and n.func.attr.value == "backward"
                and self.r.enclosing_function(n) is fn for n in walk(scope)):
             return True
         return None
+
+    def _under_no_grad(self, node) -> bool:
+        """`node` runs under `torch.no_grad()` / `torch.inference_mode()` (a `with`, or a decorated function)."""
+        for up in self.r.ancestors(node):
+            if isinstance(up, cst.With) and any(self._no_grad(item.item) for item in up.items):
+                return True
+            if isinstance(up, cst.FunctionDef) and any(self._no_grad(d.decorator) for d in up.decorators):
+                return True
+        return False
 
     def _no_grad(self, expr) -> bool:
         """`torch.no_grad()`, `torch.inference_mode()` (or the bare name, as a decorator)."""
@@ -402,4 +644,4 @@ def _reset_test(node, attr: str, r) -> Optional[cst.If]:
     return None
 
 
-__all__ = ["BatchCall", "HandBatches", "PositionCounter", "RandomDraw", "hand_drawn_batches"]
+__all__ = ["BatchCall", "HandBatches", "PositionCounter", "RandomDraw", "SliceLoop", "hand_drawn_batches"]

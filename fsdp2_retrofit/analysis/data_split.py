@@ -11,7 +11,8 @@ The answer follows what the data and batch_draws stages split:
 
 * ``True``: a training DataLoader (the data stage gives it a DistributedSampler, or it has
   one), a DataLoader of a sibling module the data stage distributes, a position counter
-  the batch_draws stage strides, or a random draw it splits (every rank seeds alike);
+  the batch_draws stage strides, a random draw it splits (every rank seeds alike), or
+  hand-sliced batches of counted loops it splits (every training loop one of them);
 * ``False``: none of these, and no DataLoader and no batch draw at all: every rank
   computes its loss on the data it holds;
 * ``None``: it cannot tell (a DataLoader no training loop is traced to, a batch draw it
@@ -46,7 +47,11 @@ def training_data_split(facts) -> DataSplit:
     if drawn.counters or (drawn.draws and not drawn.seeds):
         return DataSplit(True, "the training batches are drawn by the script and split between the ranks "
                                "(batch_draws)")
-    if not facts.loaders and not drawn.found:
+    sliced = [l for l in facts.loops if drawn.splits(l.node)]
+    if sliced and not facts.loaders and len(sliced) == len(facts.loops):
+        return DataSplit(True, "the training batches are sliced by the script in counted loops and split between "
+                               "the ranks (batch_draws)")
+    if not facts.loaders and not drawn.found and not sliced:
         return DataSplit(False, "no DataLoader and no batch draw the rewrite splits: every rank computes the "
                                 "loss on the data it holds (the whole batch where it is the same tensor on "
                                 "every rank)")

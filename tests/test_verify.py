@@ -352,7 +352,7 @@ def test_a_refused_retrofit_exits_2_with_its_reason(tmp_path: Path):
     script.write_text("import torch\nprint(torch.ones(2))\n")
     result = CliRunner().invoke(cli.main, ["verify", str(script)])
     assert result.exit_code == EXIT_ERROR
-    assert "cannot retrofit" in result.output and "no_model.py:" in result.output
+    assert "cannot retrofit: FSR611 " in result.output and "no_model.py:" in result.output
     assert list(tmp_path.iterdir()) == [script]  # nothing written next to the user's file
 
 

@@ -943,7 +943,7 @@ def retrofit_in_memory(script: Path, into: Path) -> Path:
         raise VerifyError(f"{where}: {exc.message}") from None
     if result.refusals:
         first = result.refusals[0]
-        raise VerifyError(f"{script}:{first.line}: cannot retrofit: {first.what}: {first.why}")
+        raise VerifyError(f"{script}:{first.line}: cannot retrofit: {first.code} {first.what}: {first.why}")
     # the script's items, then those of the modules it edits (a loader built there)
     items = [*result.attention, *(a for sibling in result.siblings for a in sibling.attention)]
     kept = next((a for a in items if a.differs and a.what.startswith("--keep-global-batch:")), None)

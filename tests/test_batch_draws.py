@@ -305,3 +305,62 @@ def test_a_join_that_is_not_one_row_per_window_is_flagged():
         flags = _flags(result)
         assert flags and all(differs for _, differs, _ in flags), new
         assert "is not made of rows picked by the draw" in flags[0][2], new
+
+
+# the seed read from a parameter: go(arg) called once with the parsed command line (pbloem/former's
+# generate.py). Every call passes a value every rank shares, so every rank draws alike.
+FROM_MAIN = '''
+import argparse
+
+import torch
+import torch.nn as nn
+
+batch_size, block = 8, 4
+data = torch.arange(500) % 13
+
+
+def get_batch():
+    ix = torch.randint(len(data) - block, (batch_size,))
+    x = torch.stack([data[i:i + block] for i in ix])
+    y = torch.stack([data[i + 1:i + 1 + block] for i in ix])
+    return x, y
+
+
+def go(arg):
+    torch.manual_seed(arg.seed)
+    model = nn.Sequential(nn.Embedding(13, 16), nn.Linear(16, 13))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(10):
+        xb, yb = get_batch()
+        loss = nn.functional.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, default=1)
+    options = parser.parse_args()
+    go(options)
+'''
+
+
+def test_a_seed_passed_down_from_the_parsed_command_line_is_split():
+    result = _rewrite(FROM_MAIN)
+    assert "xb = xb.chunk(dist.get_world_size())[dist.get_rank()]" in result.code.decode()
+    assert not _flags(result)
+
+
+def test_a_seed_parameter_the_rewrite_cannot_follow_everywhere_is_flagged():
+    for old, new in [
+        ("    go(options)", "    go(options.seed + int(__import__('os').environ.get('RANK', 0)))"),  # per rank
+        ("    go(options)", "    runner = go\n    runner(options)"),  # the function escapes: calls not seen
+        ("    go(options)", "    go(options)\n    go(argparse.Namespace(seed=__import__('random').random()))"),
+    ]:
+        source = FROM_MAIN.replace(old, new)
+        assert source != FROM_MAIN
+        result = _rewrite(source)
+        assert "chunk(" not in result.code.decode(), new
+        flags = _flags(result)
+        assert flags and "may differ between ranks" in flags[0][2], (new, flags)

@@ -237,7 +237,7 @@ class _Finder:
 
     def _seeds(self) -> None:
         """Seed calls whose value may differ between ranks (then the ranks draw different batches)."""
-        uniform = RankUniform(self.r)
+        uniform = RankUniform(self.r, facts=self.facts)
         for call in self.r.nodes(cst.Call):
             func = call.func
             name = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else None

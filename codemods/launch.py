@@ -6,6 +6,7 @@ import libcst as cst
 from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.syntax.names import assigned_names, calls_in, is_main_guard, names_in, walk
 from fsdp2_retrofit.analysis.frameworks import training_framework
+from fsdp2_retrofit.analysis.taken_names import foreign_binding
 from fsdp2_retrofit.analysis.process_group import process_group
 from fsdp2_retrofit.analysis.downloads import download_sites
 from fsdp2_retrofit.analysis.rank_local import every_rank_binds, rank_local_names
@@ -55,6 +56,17 @@ class LaunchDistributedCommand(RetrofitStage):
                 f"{name} starts the process group and wraps the model itself; a torchrun process group and "
                 "fully_shard on top fail at start-up (the default process group is initialised twice)",
                 f"shard with {name}'s own sharding: {how}",
+            )
+        taken = foreign_binding(facts.resolver)
+        if taken is not None:
+            node, name, what, module = taken
+            self.refuse(
+                "FSR405",
+                node,
+                f"the script binds `{name}` to {what}; the rewrite's lines call {module} as `{name}`",
+                f"the rewrite adds `import {module} as {name}`: one of the two bindings replaces the other, and "
+                f"either the process group or the script's own `{name}.` calls raise AttributeError at run time",
+                f"bind the script's value to another name (e.g. `import torch.distributions as D`), then rewrite again",
             )
         if facts.unfollowed_return is not None:
             helper = facts.unfollowed_return.name.value

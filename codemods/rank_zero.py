@@ -336,7 +336,7 @@ class GateRankZeroCommand(RetrofitStage):
         bars = [
             node
             for node in facts.resolver.nodes(cst.Call)
-            if any(q.split(".")[0] == "tqdm" for q in facts.resolver.qnames(node))
+            if any(q.split(".")[0] == "tqdm" and q.split(".")[-1] in TQDM_BARS for q in facts.resolver.qnames(node))
             and not any(a.keyword is not None and a.keyword.value == "disable" for a in node.args)
         ]
         for bar in bars:
@@ -350,6 +350,10 @@ class GateRankZeroCommand(RetrofitStage):
                 self.add_import("torch.distributed", asname="dist")
             self.change(bar, f"progress bar shown on rank 0 only (`disable={negated}`)", "one bar, not world_size bars")
 
+
+# what makes a tqdm progress bar (tqdm.tqdm, tqdm.auto.tqdm, tqdm.trange, tqdm.contrib.tenumerate ...): these take
+# `disable=`; tqdm's other functions do not (`tqdm.write(s)`, a log line, raises TypeError with it)
+TQDM_BARS = frozenset({"tqdm", "trange", "tqdm_notebook", "tnrange", "tenumerate", "tzip", "tmap"})
 
 # calls a log line may make besides the one it hands to a local: reads without effects
 _PURE_CALLS = frozenset({"len", "float", "int", "round", "str", "abs", "min", "max", "repr", "format"})

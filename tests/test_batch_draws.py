@@ -260,3 +260,107 @@ def test_a_call_neither_training_nor_evaluation_is_flagged():
     flags = _flags(result)
     assert [(line, differs) for line, differs, _ in flags] == [(_line_of(source, "return get_batch()"), True)]
     assert "cannot tell whether" in flags[0][2]
+
+
+# the windows sliced into a list first, then joined along a new leading axis (pbloem/former's
+# experiments/generate.py): row k of the batch is still the window at ix[k]
+LISTED = dedent(SCRIPT).replace(
+    "    x = torch.stack([data[i:i + block] for i in ix])\n    y = torch.stack([data[i + 1:i + 1 + block] for i in ix])\n",
+    "    xs = [data[i:i + block] for i in ix]\n    ys = [data[i + 1:i + 1 + block] for i in ix]\n"
+    "    x = torch.cat([s[None, :] for s in xs], dim=0).to(torch.long)\n"
+    "    y = torch.stack(ys)\n",
+)
+
+
+def test_windows_listed_then_concatenated_with_a_leading_axis_are_split():
+    assert "torch.cat([s[None, :] for s in xs], dim=0)" in LISTED
+    result = _rewrite(LISTED)
+    out = result.code.decode()
+    assert "(batch_size * dist.get_world_size(),))" in out
+    training = out.split("for step in range(10):")[1]
+    assert "xb = xb.chunk(dist.get_world_size())[dist.get_rank()]" in training
+    assert not _flags(result)
+
+
+def test_a_leading_axis_by_unsqueeze_is_split_too():
+    source = LISTED.replace("torch.cat([s[None, :] for s in xs], dim=0)", "torch.cat([s.unsqueeze(0) for s in xs])")
+    assert source != LISTED
+    result = _rewrite(source)
+    assert "xb = xb.chunk(dist.get_world_size())[dist.get_rank()]" in result.code.decode()
+    assert not _flags(result)
+
+
+def test_a_join_that_is_not_one_row_per_window_is_flagged():
+    # along dim 1, without the leading axis (windows end to end), or a list reordered before the join
+    for old, new in [
+        ("torch.cat([s[None, :] for s in xs], dim=0)", "torch.cat([s[None, :] for s in xs], dim=1)"),
+        ("torch.cat([s[None, :] for s in xs], dim=0)", "torch.cat([s for s in xs], dim=0)"),
+        ("    x = torch.cat(", "    xs.reverse()\n    x = torch.cat("),
+        ("    y = torch.stack(ys)", "    ys = ys[::-1]\n    y = torch.stack(ys)"),
+    ]:
+        source = LISTED.replace(old, new)
+        assert source != LISTED
+        result = _rewrite(source)
+        assert "chunk(" not in result.code.decode(), new
+        flags = _flags(result)
+        assert flags and all(differs for _, differs, _ in flags), new
+        assert "is not made of rows picked by the draw" in flags[0][2], new
+
+
+# the seed read from a parameter: go(arg) called once with the parsed command line (pbloem/former's
+# generate.py). Every call passes a value every rank shares, so every rank draws alike.
+FROM_MAIN = '''
+import argparse
+
+import torch
+import torch.nn as nn
+
+batch_size, block = 8, 4
+data = torch.arange(500) % 13
+
+
+def get_batch():
+    ix = torch.randint(len(data) - block, (batch_size,))
+    x = torch.stack([data[i:i + block] for i in ix])
+    y = torch.stack([data[i + 1:i + 1 + block] for i in ix])
+    return x, y
+
+
+def go(arg):
+    torch.manual_seed(arg.seed)
+    model = nn.Sequential(nn.Embedding(13, 16), nn.Linear(16, 13))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(10):
+        xb, yb = get_batch()
+        loss = nn.functional.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, default=1)
+    options = parser.parse_args()
+    go(options)
+'''
+
+
+def test_a_seed_passed_down_from_the_parsed_command_line_is_split():
+    result = _rewrite(FROM_MAIN)
+    assert "xb = xb.chunk(dist.get_world_size())[dist.get_rank()]" in result.code.decode()
+    assert not _flags(result)
+
+
+def test_a_seed_parameter_the_rewrite_cannot_follow_everywhere_is_flagged():
+    for old, new in [
+        ("    go(options)", "    go(options.seed + int(__import__('os').environ.get('RANK', 0)))"),  # per rank
+        ("    go(options)", "    runner = go\n    runner(options)"),  # the function escapes: calls not seen
+        ("    go(options)", "    go(options)\n    go(argparse.Namespace(seed=__import__('random').random()))"),
+    ]:
+        source = FROM_MAIN.replace(old, new)
+        assert source != FROM_MAIN
+        result = _rewrite(source)
+        assert "chunk(" not in result.code.decode(), new
+        flags = _flags(result)
+        assert flags and "may differ between ranks" in flags[0][2], (new, flags)

@@ -292,3 +292,35 @@ def test_the_written_files_are_the_single_runs(tmp_path: Path):
     assert len(a) == len(b) == 8  # each step's line once
     assert max(abs(x - y) for x, y in zip(_numbers(a), _numbers(b))) < 1e-5
     assert (ours / "epochs.npy").read_bytes() == (theirs / "epochs.npy").read_bytes()
+
+
+def test_tqdm_write_under_a_rank_zero_test_gets_no_disable_keyword():
+    """Only tqdm's bars take `disable=`; `tqdm.write(s)` is a log line (its signature has no
+    `disable`: TypeError). It came up rewriting uoguelph-mlrg/Cutout's output again: the
+    first pass gates `tqdm.write(...)` under `if rank == 0:`, the second added
+    `disable=rank != 0` to it (the rewrite was not idempotent, and the output would raise)."""
+    source = dedent('''\
+        import torch
+        import torch.nn as nn
+        from torch.utils.data import DataLoader, TensorDataset
+        from tqdm import tqdm
+
+        model = nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=8)
+        for epoch in range(2):
+            for x, y in tqdm(loader):
+                loss = nn.functional.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            tqdm.write('epoch %d' % epoch)
+        ''')
+    once = rewrite_source(source.encode(), "train.py", RetrofitOptions())
+    assert not once.refusals, once.refusals
+    first = once.code.decode()
+    assert "tqdm(loader, disable=rank != 0)" in first
+    assert "    if rank == 0:\n        tqdm.write('epoch %d' % epoch)\n" in first
+    twice = rewrite_source(once.code, "train.py", RetrofitOptions())
+    assert "disable" not in [line for line in twice.code.decode().splitlines() if "tqdm.write" in line][0]
+    assert twice.code == once.code

@@ -169,3 +169,53 @@ def test_an_accelerate_helper_alone_is_not_a_framework(tmp_path):
     source = "import torch\nfrom torch import nn\nfrom accelerate.utils import set_seed\n\nset_seed(0)\n" \
         "model = nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + LOOP
     assert not rewrite_source(source.encode(), "train.py", RetrofitOptions()).refusals
+
+
+# `dist` bound by the script to something other than torch.distributed: every line the rewrite
+# writes calls torch.distributed as `dist` (pbloem/former's generate.py imports torch.distributions
+# as dist; rewritten, its process group start raised AttributeError: module 'torch.distributions'
+# has no attribute 'init_process_group')
+SAMPLER = "    cd = dist.Categorical(logits=model(torch.randn(1, 4)))\n"
+DIST_TAKEN = {
+    "distributions-import": (
+        "import torch\nimport torch.distributions as dist\nfrom torch import nn\n\nmodel = nn.Linear(4, 3)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + LOOP,
+        2, "`dist` to `torch.distributions`",
+    ),
+    "from-import": (
+        "import torch\nfrom torch import distributions as dist\nfrom torch import nn\n\nmodel = nn.Linear(4, 3)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + LOOP,
+        2, "`dist` to `torch.distributions`",
+    ),
+    "import-in-a-function": (
+        "import torch\nfrom torch import nn\n\n\ndef sample(model):\n    import torch.distributions as dist\n" + SAMPLER
+        + "    return cd.sample()\n\n\nmodel = nn.Linear(4, 3)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        + LOOP,
+        6, "`dist` to `torch.distributions`",
+    ),
+    "assignment": (
+        "import torch\nfrom torch import nn\n\ndist = torch.distributions\nmodel = nn.Linear(4, 3)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + LOOP,
+        4, "`dist` to a value of its own (`dist = torch.distributions`)",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DIST_TAKEN))
+def test_a_script_binding_dist_to_something_else_is_refused_at_the_binding(tmp_path, monkeypatch, name):
+    source, line, fragment = DIST_TAKEN[name]
+    got = refused(tmp_path, monkeypatch, source)
+    assert got[:2] == (line, "FSR405"), got
+    assert fragment in got[2], got[2]
+
+
+@pytest.mark.parametrize("spelling", ["import torch.distributed as dist", "from torch import distributed as dist"])
+def test_dist_bound_to_torch_distributed_is_not_refused(spelling):
+    from fsdp2_retrofit.options import RetrofitOptions
+    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+
+    source = f"import torch\n{spelling}\nfrom torch import nn\n\nmodel = nn.Linear(4, 1)\n" \
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + LOOP
+    out = rewrite_source(source.encode(), "train.py", RetrofitOptions())
+    assert not out.refusals, out.refusals
+    assert b"dist.init_process_group" in out.code and spelling.encode() in out.code

@@ -5,7 +5,9 @@ Two shapes are recognised, each only where the analysis sees the whole draw:
 - a *random draw*: a function binds `ix = torch.randint(high, (B,) ...)` (one draw, the
   global RNG or a `generator=`) and returns tensors whose rows are picked by `ix`
   (`torch.stack([data[i:i + T] for i in ix])`, `data[ix]`, then `.to(device)`,
-  `.pin_memory()` ...): row k of every returned tensor depends on `ix[k]` alone, so a rank
+  `.pin_memory()` ...; the slices may first be bound to a list, `seqs = [data[i:i + T] for i
+  in ix]`, then stacked, `torch.stack(seqs)`, or joined along dim 0 with a leading axis,
+  `torch.cat([s[None, :] for s in seqs])`): row k of every returned tensor depends on `ix[k]` alone, so a rank
   that keeps rows [rank * B // W, (rank + 1) * B // W) of the batch every rank drew trains
   on its part of the single run's batch. Every rank draws the same batch only where
   every seed call of the script takes a rank-uniform value (analysis/rank_uniform.py);
@@ -35,7 +37,7 @@ import libcst as cst
 from fsdp2_retrofit.analysis.batch_size import short_code
 from fsdp2_retrofit.analysis.rank_uniform import RankUniform
 from fsdp2_retrofit.syntax.names import code, walk
-from fsdp2_retrofit.syntax.torch_api import GET_RANK, GET_WORLD_SIZE, NO_GRAD as _NO_GRAD, RANDINT, ROW_STACKS
+from fsdp2_retrofit.syntax.torch_api import GET_RANK, GET_WORLD_SIZE, NO_GRAD as _NO_GRAD, RANDINT, ROW_CONCATS, ROW_STACKS
 
 # methods of a tensor that keep its rows where they are
 _ROW_KEEPING = frozenset({"to", "pin_memory", "cuda", "cpu", "long", "float", "int", "contiguous", "astype",
@@ -240,14 +242,41 @@ class _Finder:
             first = expr.args[0].value
             if isinstance(first, (cst.ListComp, cst.GeneratorExp)):  # [data[i:i + T] for i in ix]
                 comp = first.for_in
-                return (comp.inner_for_in is None and not comp.ifs and isinstance(comp.iter, cst.Name)
-                        and comp.iter.value == ix)
+                return comp.inner_for_in is None and not comp.ifs and self._one_per_index(fn, comp.iter, ix)
+            if isinstance(first, cst.Name) and first.value != ix and self._one_per_index(fn, first, ix):
+                return True  # torch.stack(seqs), seqs = [data[i:i + T] for i in ix]
             return self._rows(fn, first, ix, seen)
+        if self.r.qnames(expr) & ROW_CONCATS and expr.args and not expr.args[0].keyword and _along_rows(expr):
+            first = expr.args[0].value  # torch.cat([s[None, :] for s in seqs], dim=0): one row per element
+            if isinstance(first, (cst.ListComp, cst.GeneratorExp)):
+                comp = first.for_in
+                return (comp.inner_for_in is None and not comp.ifs and isinstance(comp.target, cst.Name)
+                        and _one_row_of(first.elt, comp.target.value) and self._one_per_index(fn, comp.iter, ix))
         return False
+
+    def _one_per_index(self, fn, items, ix: str) -> bool:
+        """`items` is the draw `ix` itself, or a list `fn` binds once to `[f(i) for i in ix]` and
+        only reads whole (a comprehension over it, a stack): element k belongs to `ix[k]`."""
+        if not isinstance(items, cst.Name):
+            return False
+        if items.value == ix:
+            return True
+        bindings = self._bindings(fn, items.value)
+        if len(bindings) != 1 or not isinstance(bindings[0][1], cst.ListComp):
+            return False
+        comp = bindings[0][1].for_in
+        if not (comp.inner_for_in is None and not comp.ifs and isinstance(comp.iter, cst.Name)
+                and comp.iter.value == ix):
+            return False
+        for node in walk(fn.body):  # `seqs.sort()`, `seqs[0] = ...`, `seqs[::-1]`: the order may change
+            if isinstance(node, (cst.Attribute, cst.Subscript)) and isinstance(node.value, cst.Name) \
+                    and node.value.value == items.value and self.r.enclosing_function(node) is fn:
+                return False
+        return True
 
     def _seeds(self) -> None:
         """Seed calls whose value may differ between ranks (then the ranks draw different batches)."""
-        uniform = RankUniform(self.r)
+        uniform = RankUniform(self.r, facts=self.facts)
         for call in self.r.nodes(cst.Call):
             func = call.func
             name = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else None
@@ -592,6 +621,31 @@ def _draw_size(call: cst.Call) -> Optional[cst.BaseExpression]:
             and isinstance(size.elements[0], cst.Element):
         return size.elements[0].value
     return None
+
+
+def _along_rows(call: cst.Call) -> bool:
+    """A join along dim 0: no dim (the default), `dim=0`, or 0 as the second positional argument."""
+    dims = [a.value for a in call.args[1:] if a.keyword is None or a.keyword.value in ("dim", "axis")]
+    return not dims or (len(dims) == 1 and isinstance(dims[0], cst.Integer) and dims[0].value == "0")
+
+
+def _one_row_of(elt, var: str) -> bool:
+    """`var[None]`, `var[None, :]`, `var[None, ...]` or `var.unsqueeze(0)`: `var` with a leading axis of 1."""
+    if isinstance(elt, cst.Subscript) and isinstance(elt.value, cst.Name) and elt.value.value == var:
+        first, rest = elt.slice[0].slice, elt.slice[1:]
+        if not (isinstance(first, cst.Index) and isinstance(first.value, cst.Name) and first.value.value == "None"):
+            return False
+        return all(
+            (isinstance(e.slice, cst.Slice) and e.slice.lower is None and e.slice.upper is None and e.slice.step is None)
+            or (isinstance(e.slice, cst.Index) and isinstance(e.slice.value, cst.Ellipsis))
+            for e in rest
+        )
+    if isinstance(elt, cst.Call) and isinstance(elt.func, cst.Attribute) and elt.func.attr.value == "unsqueeze" \
+            and isinstance(elt.func.value, cst.Name) and elt.func.value.value == var and len(elt.args) == 1:
+        arg = elt.args[0]
+        return (arg.keyword is None or arg.keyword.value == "dim") and isinstance(arg.value, cst.Integer) \
+            and arg.value.value == "0"
+    return False
 
 
 def _bound_values(target, value, name: str):

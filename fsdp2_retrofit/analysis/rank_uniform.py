@@ -23,7 +23,11 @@ evaluate(model, loader)`), element by element for `a, b = f(...)` where every re
 tuple; `len(p)` and `len(p.dataset)` of a parameter that holds DataLoaders only (followed by
 value, analysis/flow.py: every rank builds the same dataset).
 
-Not proven: a function's other parameters (its callers are not followed), tensors and their
+Given the facts, also: a parameter of a top-level function of the script whose name is only
+ever called, where every call passes a uniform value (`def go(arg)` called as `go(options)`,
+`options = parser.parse_args()`), followed by value through analysis/flow.py.
+
+Not proven: a function's other parameters, tensors and their
 reads (`loss.item()`), clocks, random numbers, anything naming a rank or the main process
 (`args.local_rank`, `master_process`), the environment (`os.environ`), anything else.
 """
@@ -178,7 +182,7 @@ class RankUniform:
 
     def _name_in(self, name: str, scope) -> bool:
         if scope is not None and name in parameter_names(scope):
-            return False
+            return self._parameter(scope, name)
         nodes = self._scope_bindings().get((id(scope), name))
         if not nodes:
             if scope is None:
@@ -186,6 +190,35 @@ class RankUniform:
             outer = self.r.enclosing_function(scope)
             return self._name(name, outer)  # a closure or global read
         return all(self._binding(node, name, scope) for node in nodes)
+
+    def _parameter(self, fn, name: str) -> bool:
+        """A parameter of one of the script's top-level functions that every call passes a uniform
+        value (`go(args)` under `if __name__ == "__main__":`, `args = parser.parse_args()`): the
+        arguments are followed by value (analysis/flow.py) and judged where they are passed. Only
+        where the function's name is never read but to call it (no callback, no thread target,
+        whose calls would not be seen)."""
+        if self.facts is None or self.facts.analysis is None or type(fn) is not cst.FunctionDef:
+            return False
+        if self.r.enclosing_function(fn) is not None or self.r.enclosing_class(fn) is not None:
+            return False
+        if self._script_function(fn.name.value) is not fn or not self._only_called(fn):
+            return False
+        flow = self.facts.analysis.flow
+        if not flow.bound_calls(fn):
+            return False
+        origins = flow.parameter_values(fn, name)
+        return bool(origins) and all(
+            isinstance(o, cst.BaseExpression) and self._uniform(o, self.r.enclosing_function(o)) for o in origins)
+
+    def _only_called(self, fn: cst.FunctionDef) -> bool:
+        """Every read of `fn`'s name is the callee of a call."""
+        for node in self.r.nodes(cst.Name):
+            if node.value != fn.name.value or node is fn.name:
+                continue
+            parent = self.r.parent(node)
+            if not (type(parent) is cst.Call and parent.func is node):
+                return False
+        return True
 
     def _binding(self, node, name: str, scope) -> bool:
         kind = type(node)

@@ -167,6 +167,14 @@ _RULES = [
                 "`model, optimizer = build(...)`.",
                 "Return plain names and call the helper once, as `model = build(...)` or "
                 "`model, optimizer = build(...)`."),
+    RefusalRule("FSR405", "launch-dist-name-taken",
+                "The script binds the name `dist` to something other than torch.distributed.",
+                "Every line the rewrite writes calls torch.distributed as `dist` (`dist.init_process_group`, "
+                "`dist.get_rank()`) and imports it as `import torch.distributed as dist`; with the script's own "
+                "`dist` (`import torch.distributions as dist`) one import rebinds the other and the process group "
+                "or the script's own `dist.<name>` raises AttributeError at run time.",
+                "Give the script's value another name (`import torch.distributions as D`, and `D.Categorical` "
+                "where it is used), then rewrite again."),
     # -- 5xx meta_init -------------------------------------------------------------------
     RefusalRule("FSR501", "meta-init-library-model", "--meta-init with a model built by a library (transformers, timm, ...).",
                 "Its initialisation or pretrained weights live in the library, which the rewrite never reads.",

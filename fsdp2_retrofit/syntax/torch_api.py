@@ -246,6 +246,8 @@ STACKS = frozenset({"torch.stack", "torch.cat", "torch.tensor", "torch.as_tensor
 RANDINT = frozenset({"torch.randint"})
 # calls that build a batch from rows made one per index, keeping their order
 ROW_STACKS = frozenset({"torch.stack", "numpy.stack", "torch.from_numpy", "torch.as_tensor", "torch.tensor"})
+# joins along dim 0 (the default): rows of the parts, in order (`torch.cat([s[None] for s in rows])`)
+ROW_CONCATS = frozenset({"torch.cat", "torch.concat", "torch.concatenate"})
 # contexts (and decorators) under which no gradient is recorded: evaluation
 NO_GRAD = frozenset({"torch.no_grad", "torch.inference_mode"})
 

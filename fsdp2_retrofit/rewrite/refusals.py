@@ -381,6 +381,18 @@ _RULES = [
                 "every rank's shards only from torch 2.5 on: on 2.4 the first scaler.step fails.",
                 "Target torch 2.5 or newer, or train in bfloat16 without a loss scaler."),
     # -- 7xx checkpoint and library saves ------------------------------------------------
+    RefusalRule("FSR644", "shard-forward-writes-parameter-data",
+                "The forward of a trained model (or a method its forward calls on self) writes into one of its "
+                "module's parameters through `.data`: an in-place call (`self.conv.weight.data[:, :, -1].zero_()`) "
+                "or an assignment to `P.data` / `P.data[...]`.",
+                "After fully_shard the forward runs on a copy FSDP2 all-gathered from the shards, and the write "
+                "lands in that copy only: the backward gathers the parameter again from the shards and computes "
+                "the gradients with the unwritten values, and the shards (what the optimizer steps and the "
+                "checkpoint saves) never hold the write. The run trains differently from one process, silently.",
+                "Apply the change without writing the parameter (multiply the weight by a mask buffer in the "
+                "forward: `F.conv2d(x, self.conv.weight * self.mask, ...)`), or write the parameter outside the "
+                "forward, after optimizer.step(), where the write reaches the shards.",
+                stage_name="shard"),
     RefusalRule("FSR701", "checkpoint-unsplittable-rank-branch",
                 "A checkpoint save inside a rank-0 branch that cannot be split (an else branch, an `or`).",
                 "The save is collective now: other ranks would never join it and the run would hang.",

@@ -367,7 +367,8 @@ _RULES = [
     RefusalRule("FSR641", "random-control-flow-in-forward",
                 "The forward of the sharded model decides its control flow (a loop's length, an `if`) from a "
                 "random draw (`random.*`, `numpy.random.*`, `torch.rand*`) of a generator the script does not "
-                "seed with a value every rank shares.",
+                "seed with a value every rank shares, directly or through a parameter the training loop binds "
+                "under an `if` on such a draw (`if np.random.random() < 0.1: labels = None`).",
                 "Each rank draws its own number: the ranks run different layers (or the same layer a different "
                 "number of times), so the all-gathers and reduce-scatters fully_shard issues per layer no longer "
                 "pair up between the ranks: a size mismatch error (gloo) or a hang (NCCL).",

@@ -4,8 +4,10 @@ from __future__ import annotations
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts
-from fsdp2_retrofit.analysis.model_classes import parameter_reads, runs_self
+from fsdp2_retrofit.analysis.flow import innermost_call
+from fsdp2_retrofit.analysis.model_classes import handed_submodules, parameter_reads, runs_self
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
+
 
 class ReplaceForwardCallsCommand(RetrofitStage):
     DESCRIPTION = "Replace model.forward(x) with model(x); register other entry points of sharded models."
@@ -44,8 +46,18 @@ class ReplaceForwardCallsCommand(RetrofitStage):
         info = facts.classes.get(model.class_name)
         if info is None:
             return []
+        handed = handed_submodules(info, _build_call(model), facts.resolver, facts.classes)
         return [m for m in facts.methods_called_on(model, info)
-                if runs_self(info.methods[m], info) or parameter_reads(info.methods[m], info)]
+                if runs_self(info.methods[m], info, handed) or parameter_reads(info.methods[m], info)]
+
+
+def _build_call(model):
+    """The call that builds the model in its statement (`DDPM(eps_model=NaiveUnet(...))` of
+    `ddpm = DDPM(...).to(device)`), or None."""
+    small = model.stmt.body[0] if model.stmt.body else None
+    if isinstance(small, (cst.Assign, cst.AnnAssign)) and small.value is not None:
+        return innermost_call(small.value)
+    return None
 
 
 def _after(stmt, facts: ScriptFacts):

@@ -10,6 +10,7 @@ from fsdp2_retrofit.analysis.taken_names import foreign_binding
 from fsdp2_retrofit.analysis.process_group import process_group
 from fsdp2_retrofit.analysis.downloads import download_sites
 from fsdp2_retrofit.analysis.rank_local import every_rank_binds, rank_local_names
+from fsdp2_retrofit.analysis.sibling_loaders import sibling_loaders
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 # Under torchrun (RANK, LOCAL_RANK, WORLD_SIZE and the rendezvous address in the
@@ -393,6 +394,9 @@ class LaunchDistributedCommand(RetrofitStage):
         named = {id(rec.binding) for rec in rank_local_names(facts) if every_rank_binds(rec, facts)}
         # a `download=True` dataset: rank 0 downloads first, behind a barrier (codemods/shared_downloads.py)
         named |= {id(site.stmt) for site in download_sites(facts)}
+        # `loader = get_data(args)`: a helper of a sibling module builds the DataLoader, and the data
+        # stage gives it a DistributedSampler there, which asks the group for the rank when it is built
+        named |= {id(found.call) for found in sibling_loaders(facts.resolver, facts.classes)}
         for stmt in block.body:
             if isinstance(stmt, (cst.Import, cst.ImportFrom, cst.FunctionDef, cst.ClassDef)):
                 continue

@@ -12,7 +12,7 @@ import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.analysis.rank_uniform import RankLocal, RankUniform
-from fsdp2_retrofit.analysis.random_forward import random_forward_flow
+from fsdp2_retrofit.analysis.random_forward import random_forward_argument, random_forward_flow
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 from fsdp2_retrofit.syntax.names import walk
 from fsdp2_retrofit.syntax.torch_api import TORCH_SAVE
@@ -40,6 +40,26 @@ class CheckRankDecisionsCommand(RetrofitStage):
                 "reduce-scatters of the sharded layers no longer pair up between the ranks (a size mismatch "
                 "error on gloo, a hang on NCCL)",
                 f"seed it the same on every rank before training ({_SEEDS[drawn.generator]}), or draw the number "
+                "on rank 0 and broadcast it (dist.broadcast_object_list) before the forward",
+            )
+        handed = random_forward_argument(facts)
+        if handed is not None:
+            r, head = facts.resolver, _short(handed.test).rstrip(":")
+            owner = facts.classes.get(handed.class_name)
+            line = owner.namer.resolver.line(handed.branch) if owner is not None and owner.namer is not None else 0
+            where = (f"{facts.classes.shown_file(owner.namespace)}:{line}" if owner is not None and owner.namespace
+                     else f"line {line}")
+            self.refuse(
+                "FSR641", handed.test,
+                f"`{head}` decides `{handed.name}` from `{_short(handed.draw)}`, a draw of "
+                f"{_GENERATOR_NAMES[handed.generator]}, which the script does not seed with a value every rank shares; "
+                f"`{_short(handed.call)}` (line {r.line(handed.call)}) hands it to the forward of "
+                f"{handed.class_name.rsplit('.', 1)[-1]} as `{handed.param}`, which decides "
+                f"`{_short(handed.branch).rstrip(':')}` ({where})",
+                "after the retrofit each rank draws its own number and runs its own layers: the all-gathers and "
+                "reduce-scatters of the sharded layers no longer pair up between the ranks (a size mismatch "
+                "error on gloo, a hang on NCCL)",
+                f"seed it the same on every rank before training ({_SEEDS[handed.generator]}), or draw the number "
                 "on rank 0 and broadcast it (dist.broadcast_object_list) before the forward",
             )
         if facts.distributed_init is None:

@@ -6,6 +6,7 @@ import libcst as cst
 from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.batchnorm import batchnorm_layer, converted_already
 from fsdp2_retrofit.analysis.copies import unsafe_state_copies
+from fsdp2_retrofit.analysis.forward_data_writes import forward_data_write
 from fsdp2_retrofit.analysis.leaf_units import model_leaf_layout
 from fsdp2_retrofit.analysis.model_classes import first_submodule, parameter_reads
 from fsdp2_retrofit.analysis.no_model import no_model_blocker, nothing_found_at, unrecognised_trained_model
@@ -573,6 +574,7 @@ class ShardModelCommand(RetrofitStage):
                         f"use nn.ModuleList for self.{attr}",
                     )
                 self._refuse_block_parameter_reads(model, info, facts)
+                self._refuse_forward_data_writes(model, info, facts)
                 if info.optimizer_in_init:
                     self.refuse(
                         "FSR619",
@@ -601,6 +603,31 @@ class ShardModelCommand(RetrofitStage):
                         "built from one leaks a DTensor into forward",
                         "take dtype and device from a parameter of the root (an embedding, the head), or pass them in",
                     )
+
+    def _refuse_forward_data_writes(self, model: ModelSite, info, facts: ScriptFacts) -> None:
+        """A forward that writes a parameter through `.data` (analysis/forward_data_writes.py):
+        after fully_shard the write lands in the gathered copy, not in the shards."""
+        if model.copy_of is not None or any(model is f for f in facts.frozen_models):
+            return  # forward only: each forward gathers and writes again, no gradient reads it
+        found = forward_data_write(info.name, facts.classes)
+        if found is None:
+            return
+        owner = facts.classes.get(found.class_name)
+        line = owner.namer.resolver.line(found.node) if owner.namer is not None else 0
+        where = (f"{facts.classes.shown_file(owner.namespace)}:{line}" if owner.namespace else f"line {line}")
+        self.refuse(
+            "FSR644",
+            self._class_line(found.node, model),
+            f"{found.class_name.rsplit('.', 1)[-1]}.{found.method}() ({where}) writes `{found.parameter}` through "
+            f"`.data` in the forward of `{model.name}`: `{code(found.node).strip()}`",
+            "after fully_shard the forward runs on a copy all-gathered from the shards and the write lands in that "
+            "copy only: the backward gathers the parameter again from the shards, so it computes the gradients "
+            "with the unwritten values, and the shards the optimizer steps and the checkpoint saves never hold "
+            "the write",
+            "apply the change without writing the parameter (multiply by a mask buffer: "
+            "`F.conv2d(x, self.conv.weight * self.mask, ...)`), or write the parameter outside the forward, "
+            "after optimizer.step(), where the write reaches the shards",
+        )
 
     def _refuse_double_backward(self, facts: ScriptFacts) -> None:
         """A gradient penalty (autograd.grad with create_graph) needs a second backward

@@ -364,3 +364,39 @@ def test_a_seed_parameter_the_rewrite_cannot_follow_everywhere_is_flagged():
         assert "chunk(" not in result.code.decode(), new
         flags = _flags(result)
         assert flags and "may differ between ranks" in flags[0][2], (new, flags)
+
+
+DIFFUSION = """\
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def sample_timesteps(n):
+    return torch.randint(low=1, high=1000, size=(n,))
+
+
+model = nn.Linear(9, 8)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=16, shuffle=True)
+for (x,) in loader:
+    t = sample_timesteps(x.shape[0])
+    noise = torch.randn_like(x)
+    loss = (model(torch.cat([x + noise, t[:, None] / 1000], dim=1)) - noise).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+"""
+
+
+def test_a_draw_beside_a_training_dataloader_is_not_read_as_a_batch():
+    """A diffusion step's timesteps (`return torch.randint(..., size=(n,))` in a helper) while the
+    batches come from a DataLoader: no "no DataLoader ... every rank trains on the same batches"
+    flag (minDiffusion, dome272/Diffusion-Models-pytorch; was a differs item at the draw)."""
+    result = _rewrite(DIFFUSION)
+    assert _flags(result) == []
+    assert "DistributedSampler" in result.code.decode()
+    # without the DataLoader the same draw is still reported
+    no_loader = DIFFUSION.replace("loader = DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=16, shuffle=True)",
+                                  "loader = [(torch.randn(16, 8),) for _ in range(4)]")
+    assert [differs for _, differs, _ in _flags(_rewrite(no_loader))] == [True]

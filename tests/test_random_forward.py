@@ -90,3 +90,67 @@ def test_random_control_flow_in_forward_is_refused_at_its_line(seed, forward, at
 def test_draws_alike_on_every_rank_are_not_refused(seed, forward):
     _, result = rewrite(seed, forward)
     assert not [r for r in result.refusals if r.code == "FSR641"], result.refusals
+
+
+HANDED = """\
+import random
+
+import numpy as np
+import torch
+from torch import nn
+{seed}
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(8, 16)
+        self.label = nn.Embedding(4, 16)
+        self.last = nn.Linear(16, 2)
+
+    def forward(self, x, y):
+        h = self.first(x)
+{use}
+        return self.last(h.relu())
+
+
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y, target = torch.randn(32, 8), torch.randint(0, 4, (32,)), torch.randn(32, 2)
+for step in range(3):
+    labels = y
+    if {draw} < 0.1:
+        labels = None
+    loss = (model(x, labels) - target).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+BRANCHED = "        if y is not None:\n            h = h + self.label(y)"
+
+
+def test_a_model_argument_chosen_by_a_draw_the_forward_branches_on_is_refused_at_the_draw():
+    """dome272's ddpm_conditional: `if np.random.random() < 0.1: labels = None` then
+    `model(x_t, t, labels)`, whose forward runs the label embedding only `if y is not None`:
+    each rank drops its labels on its own steps, the label layer's collectives stop pairing up
+    (measured: gloo 'Received data size doesn't match expected size' at step 3)."""
+    source = HANDED.format(seed="", use=BRANCHED, draw="np.random.random()")
+    result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
+    assert [r.code for r in result.refusals] == ["FSR641"], result.refusals
+    assert result.refusals[0].line == line_of(source, "if np.random.random() < 0.1")
+    assert "`labels`" in result.refusals[0].what and "as `y`" in result.refusals[0].what
+
+
+@pytest.mark.parametrize(
+    "seed, use, draw",
+    [
+        ("np.random.seed(0)", BRANCHED, "np.random.random()"),  # every rank draws alike
+        ("", "        h = h + self.label(y if y is not None else torch.zeros_like(x[:, 0]).long())",
+         "torch.rand(1).item()"),  # torch's default generator: alike on every rank
+        ("", "        h = h + 0.0", "random.random()"),  # the forward does not branch on it
+    ],
+    ids=["numpy-seeded", "torch-default", "no-branch-on-it"],
+)
+def test_a_model_argument_drawn_alike_or_not_branched_on_is_not_refused(seed, use, draw):
+    source = HANDED.format(seed=seed, use=use, draw=draw)
+    result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
+    assert not [r for r in result.refusals if r.code == "FSR641"], result.refusals

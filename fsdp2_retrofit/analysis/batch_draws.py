@@ -36,6 +36,7 @@ import libcst as cst
 
 from fsdp2_retrofit.analysis.batch_size import short_code
 from fsdp2_retrofit.analysis.rank_uniform import RankUniform
+from fsdp2_retrofit.analysis.sibling_loaders import sibling_loaders
 from fsdp2_retrofit.syntax.names import code, walk
 from fsdp2_retrofit.syntax.torch_api import GET_RANK, GET_WORLD_SIZE, NO_GRAD as _NO_GRAD, RANDINT, ROW_CONCATS, ROW_STACKS
 
@@ -148,7 +149,19 @@ class _Finder:
             self._seeds()
         for source in [*self.out.draws, *self.out.counters]:
             self._calls(source)
+        if self.out.unclear and self._loader_trains():
+            # the training batches come from a DataLoader (the data stage splits it): a draw the
+            # rewrite cannot read as a batch is then something else (a diffusion model's timesteps)
+            self.out.unclear = []
         return self.out
+
+    def _loader_trains(self) -> bool:
+        """A DataLoader of the script, or one a helper of a sibling module builds for a call of
+        the script, feeds a training loop."""
+        if any(loader.trains for loader in self.facts.loaders):
+            return True
+        return any(self.facts.analysis.loop_fed_by(found.call) is not None
+                   for found in sibling_loaders(self.r, self.facts.classes))
 
     # -- random draws ------------------------------------------------------
 

@@ -903,12 +903,13 @@ def first_submodule(info: ClassInfo) -> Optional[str]:
     return None
 
 
-def runs_self(method: cst.FunctionDef, info) -> bool:
+def runs_self(method: cst.FunctionDef, info, handed: Iterable[str] = ()) -> bool:
     """The method runs the model's computation: it calls `self(...)`, `self.forward(...)`
-    or one of its submodules (`self.blocks[0](x)`, `self.head(x)`), or a block of a
+    or one of its submodules (`self.blocks[0](x)`, `self.head(x)`; `handed`: attributes that
+    hold a module the build handed `__init__`, see handed_submodules), or a block of a
     repeated container in a loop. Methods that only read parameters
     (`configure_optimizers`) do not count."""
-    submodules = set(info.submodules) | {c.path[0] for c in info.containers}
+    submodules = set(info.submodules) | {c.path[0] for c in info.containers} | set(handed)
     found = []
 
     class _V(cst.CSTVisitor):
@@ -930,6 +931,40 @@ def runs_self(method: cst.FunctionDef, info) -> bool:
 
     method.body.visit(_V())
     return bool(found)
+
+
+def handed_submodules(info: ClassInfo, build: Optional[cst.Call], resolver: Resolver, registry) -> Set[str]:
+    """The attributes of `info`'s instance that hold a module the build call handed its
+    `__init__`: `self.eps_model = eps_model` in `__init__(self, eps_model, ...)`, built as
+    `DDPM(eps_model=NaiveUnet(...), ...)` (`resolver` resolves the build's names). A module
+    class of the project or of torch.nn counts; anything else (a loss function handed in, a
+    value) does not."""
+    init = info.methods.get("__init__")
+    if init is None or build is None:
+        return set()
+    params = [p.name.value for p in init.params.params]
+    if params and params[0] == "self":
+        params = params[1:]
+    handed: Dict[str, cst.CSTNode] = {}
+    for position, arg in enumerate(build.args):
+        if arg.star:
+            break
+        if arg.keyword is not None:
+            handed[arg.keyword.value] = arg.value
+        elif position < len(params):
+            handed[params[position]] = arg.value
+    out: Set[str] = set()
+    for node in walk(init.body):
+        if type(node) is not cst.Assign or type(node.value) is not cst.Name or node.value.value not in handed:
+            continue
+        value = handed[node.value.value]
+        if type(value) is not cst.Call or not any(registry.is_module_class(q) for q in resolver.qnames(value)):
+            continue
+        for target in node.targets:
+            t = target.target
+            if isinstance(t, cst.Attribute) and isinstance(t.value, cst.Name) and t.value.value == "self":
+                out.add(t.attr.value)
+    return out
 
 
 # nn.Module's own API: calling these on a sharded model needs no forward hooks.

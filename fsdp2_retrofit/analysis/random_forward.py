@@ -144,3 +144,83 @@ def _in_forward(forward: cst.FunctionDef, r, seeded: Set[str]):
             if found is not None:
                 return (node, *found)
     return None
+
+
+@dataclass(frozen=True)
+class RandomArgument:
+    """`if np.random.random() < 0.1: labels = None` before `model(x, t, labels)`, where the
+    forward branches on that parameter (`if y is not None: t += self.label_emb(y)`): each rank
+    draws for itself whether its forward runs the layer."""
+
+    test: cst.CSTNode  # the `if` whose test reads the draw
+    draw: cst.Call
+    name: str  # the name the branch binds and the model call hands the forward
+    call: cst.Call  # the model call
+    class_name: str
+    param: str  # the forward's parameter it becomes
+    branch: cst.CSTNode  # the forward's control flow that reads the parameter (a node of its class's file)
+    generator: str
+
+
+def random_forward_argument(facts) -> Optional[RandomArgument]:
+    """The first call of a trained model whose argument a branch on an unseeded random draw
+    binds, where the model's forward decides its control flow from that parameter."""
+    r = facts.resolver
+    seeded = _seeded(facts)
+    for model in facts.models:
+        info = facts.classes.get(model.class_name) if model.class_name else None
+        forward = info.methods.get("forward") if info is not None else None
+        if forward is None:
+            continue
+        params = [p.name.value for p in forward.params.params][1:]
+        branched = _branched_params(forward, set(params))
+        if not branched:
+            continue
+        for function, names in model.names.items():
+            scope = function.body if function is not None else r.module
+            for call in walk(scope):
+                if type(call) is not cst.Call or type(call.func) is not cst.Name or call.func.value not in names:
+                    continue
+                if r.enclosing_function(call) is not function:
+                    continue
+                for position, arg in enumerate(call.args):
+                    if arg.star or type(arg.value) is not cst.Name:
+                        continue
+                    param = arg.keyword.value if arg.keyword is not None else (
+                        params[position] if position < len(params) else None)
+                    if param not in branched:
+                        continue
+                    found = _drawn_branch_binding(scope, arg.value.value, function, r, seeded)
+                    if found is not None:
+                        test, draw, generator = found
+                        return RandomArgument(test, draw, arg.value.value, call, model.class_name, param,
+                                              branched[param], generator)
+    return None
+
+
+def _branched_params(forward: cst.FunctionDef, params: Set[str]) -> Dict[str, cst.CSTNode]:
+    """The forward's parameters an `if`, `while` or conditional expression tests (`if y is not None`)."""
+    out: Dict[str, cst.CSTNode] = {}
+    for node in walk(forward.body):
+        if type(node) in (cst.If, cst.While, cst.IfExp):
+            for name in walk(node.test):
+                if type(name) is cst.Name and name.value in params and name.value not in out:
+                    out[name.value] = node
+    return out
+
+
+def _drawn_branch_binding(scope, name: str, function, r, seeded: Set[str]):
+    """(test, draw, generator) of an `if` in `scope` whose test reads an unseeded draw and whose
+    branches bind `name`."""
+    for node in walk(scope):
+        if type(node) is not cst.If or r.enclosing_function(node) is not function:
+            continue
+        draw = next((c for c in walk(node.test) if type(c) is cst.Call and _generator(c, r) is not None
+                     and _generator(c, r) not in seeded), None)
+        if draw is None:
+            continue
+        bound = [t for s in walk(node.body) if type(s) is cst.Assign for t in s.targets
+                 if type(t.target) is cst.Name and t.target.value == name]
+        if bound:
+            return node, draw, _generator(draw, r)
+    return None

@@ -375,7 +375,8 @@ _RULES = [
     RefusalRule("FSR641", "random-control-flow-in-forward",
                 "The forward of the sharded model decides its control flow (a loop's length, an `if`) from a "
                 "random draw (`random.*`, `numpy.random.*`, `torch.rand*`) of a generator the script does not "
-                "seed with a value every rank shares.",
+                "seed with a value every rank shares, directly or through a parameter the training loop binds "
+                "under an `if` on such a draw (`if np.random.random() < 0.1: labels = None`).",
                 "Each rank draws its own number: the ranks run different layers (or the same layer a different "
                 "number of times), so the all-gathers and reduce-scatters fully_shard issues per layer no longer "
                 "pair up between the ranks: a size mismatch error (gloo) or a hang (NCCL).",
@@ -389,6 +390,18 @@ _RULES = [
                 "every rank's shards only from torch 2.5 on: on 2.4 the first scaler.step fails.",
                 "Target torch 2.5 or newer, or train in bfloat16 without a loss scaler."),
     # -- 7xx checkpoint and library saves ------------------------------------------------
+    RefusalRule("FSR644", "shard-forward-writes-parameter-data",
+                "The forward of a trained model (or a method its forward calls on self) writes into one of its "
+                "module's parameters through `.data`: an in-place call (`self.conv.weight.data[:, :, -1].zero_()`) "
+                "or an assignment to `P.data` / `P.data[...]`.",
+                "After fully_shard the forward runs on a copy FSDP2 all-gathered from the shards, and the write "
+                "lands in that copy only: the backward gathers the parameter again from the shards and computes "
+                "the gradients with the unwritten values, and the shards (what the optimizer steps and the "
+                "checkpoint saves) never hold the write. The run trains differently from one process, silently.",
+                "Apply the change without writing the parameter (multiply the weight by a mask buffer in the "
+                "forward: `F.conv2d(x, self.conv.weight * self.mask, ...)`), or write the parameter outside the "
+                "forward, after optimizer.step(), where the write reaches the shards.",
+                stage_name="shard"),
     RefusalRule("FSR701", "checkpoint-unsplittable-rank-branch",
                 "A checkpoint save inside a rank-0 branch that cannot be split (an else branch, an `or`).",
                 "The save is collective now: other ranks would never join it and the run would hang.",

@@ -641,6 +641,7 @@ def test_the_single_run_replays_the_epochs_the_distributed_samplers_were_at(tmp_
     assert sampler_epochs(run([0, 1, 2])) == []  # what the single run's sampler does anyway
     assert sampler_epochs(run([1, 2, 3])) == [1, 2, 3]
     assert sampler_epochs(run([0, 0, 1, 1])) == [0, 0, 1, 1]  # two shuffled loaders
+    assert sampler_epochs(run([-1, 0, 1])) == [-1, 0, 1]  # a shuffled pass left to a RandomSampler first
     env = _child_env(tmp_path, 4, "single", epochs=[1, 2])
     assert env["FSDP2_RETROFIT_VERIFY_EPOCHS"] == "1,2"
     assert "FSDP2_RETROFIT_VERIFY_EPOCHS" not in _child_env(tmp_path, 4, "dist", epochs=[1, 2])
@@ -712,6 +713,50 @@ def test_a_script_counting_epochs_from_one_is_equivalent(tmp_path: Path):
     assert report["sampler_epochs"][:3] == [1, 2, 3]
     assert code == EXIT_EQUIVALENT, output
     assert report["global_batch"] is None
+
+
+EVAL_SHUFFLED_FIRST = '''
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def main():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)
+    val_loader = DataLoader(TensorDataset(x[:16], y[:16]), batch_size=8, shuffle=True)
+    first, _ = next(iter(val_loader))  # a shuffled pass of a loader the retrofit does not split
+    print(f"a look at the data: mean {first.mean().item():.3f}")
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
+    for epoch in range(2):
+        for xb, yb in loader:
+            loss = F.cross_entropy(model(xb), yb)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+@e2e
+def test_a_shuffled_pass_the_retrofit_leaves_unsplit_draws_as_in_the_original(tmp_path: Path):
+    """An evaluation loader shuffled before the build: its RandomSampler takes a seed from the global
+    generator in both scripts; the single run's reference sampler replaced that pass too and skipped
+    the draw, so the model was built from another point of the stream and verify reported weights
+    differing before the first step (pytorch-vqvae's vqvae.py). That pass is now recorded (-1) and
+    drawn as the original draws it."""
+    script = tmp_path / "train.py"
+    script.write_text(EVAL_SHUFFLED_FIRST)
+    code, output, report = _verify(script, "--steps", "6", "--json", tmp_path / "r.json")
+    print(_figures("a shuffled evaluation pass before the build", report))
+    assert report["sampler_epochs"][:2] == [-1, 0]
+    assert code == EXIT_EQUIVALENT, output
 
 
 @e2e

@@ -27,7 +27,8 @@ Both runs record per optimizer step the loss (the sum of the losses
 `backward()` is called on since the previous step: all micro-batches) and the
 gradient norm, and stop after --steps optimizer steps. A shuffled DataLoader of
 the single run visits samples in DistributedSampler's order (seed 0, at the
-epochs the retrofit's samplers were set to). Equivalent: each step read the
+epochs the retrofit's samplers were set to); one the retrofit left unsplit
+shuffles as in the original. Equivalent: each step read the
 same number of samples in both runs (the global batch), every step's loss
 (single vs mean over ranks) and gradient norm agree within rel 1e-4 / abs 1e-5,
 and the final weights within --tolerance.

@@ -735,7 +735,8 @@ def run_single(settings: VerifySettings, args: List[str], directory: Path, epoch
 
 def sampler_epochs(run: Run) -> List[int]:
     """The epoch of each shuffled DistributedSampler pass of a distributed run (rank 0's
-    record); empty where they are 0, 1, 2, ... (what the single run's sampler does anyway)."""
+    record), -1 for a shuffled pass the retrofit left to a RandomSampler (a loader it did not
+    split); empty where they are 0, 1, 2, ... (what the single run's sampler does anyway)."""
     epochs = [int(e) for e in (run.ranks[0].get("sampler_epochs") or [])] if run.ranks else []
     return [] if epochs == list(range(len(epochs))) else epochs
 

@@ -47,7 +47,10 @@ shadows). With it:
   the single run holds exactly the samples of batch k on all ranks together
   (the dataset length must divide by the number of ranks). e is the pass's
   number from 0, or with FSDP2_RETROFIT_VERIFY_EPOCHS ("1,2,3") the epochs the
-  distributed run's samplers were at, pass by pass.
+  distributed run's samplers were at, pass by pass; a -1 there is a shuffled pass
+  the distributed run left to a RandomSampler (a loader the retrofit did not
+  split): the single run's pass at that place draws as the original does (its
+  seed from the global generator, which keeps the two runs' streams in step).
 * With FSDP2_RETROFIT_VERIFY_TO_END=1 the run records after K steps as usual
   and then goes on: the loaders a backward trained on end their passes (they
   yield nothing more; evaluation loaders still yield), so the script reaches
@@ -123,7 +126,7 @@ def _install():
         "training_loaders": set(),  # ids of the batch samplers of loaders a backward trained on
         "stopped": False,  # to_end: the steps are done, training loaders end their passes
         "samples": [],  # per step: the samples this process read for it
-        "sampler_epochs": [],  # the epoch of each shuffled DistributedSampler pass, in order
+        "sampler_epochs": [],  # the epoch of each shuffled DistributedSampler pass, in order (-1: a RandomSampler's)
         "optimizers": [],  # every optimizer that stepped, first to step first
         "initial": [],  # their parameters before their first step (gathered)
         "seen": set(),  # ids of the parameters already in "initial"
@@ -319,6 +322,21 @@ def _install():
             return original_dist_iter(self)
 
         DistributedSampler.__iter__ = recording_iter
+
+        if os.environ.get("FSDP2_RETROFIT_VERIFY_MODE") == "dist":
+            from torch.utils.data import RandomSampler
+
+            original_random_iter = RandomSampler.__iter__
+
+            def recording_random_iter(self):
+                # a shuffled pass the retrofit left to a RandomSampler (a loader it did not split,
+                # e.g. an evaluation loader): recorded as -1 in the order of the passes, so the
+                # single run's reference sampler lets that pass draw as the original does
+                if not state["done"] and not self.replacement and self.num_samples == len(self.data_source):
+                    state["sampler_epochs"].append(-1)
+                return original_random_iter(self)
+
+            RandomSampler.__iter__ = recording_random_iter
     except Exception:
         pass
 
@@ -485,7 +503,11 @@ def _install_reference_sampler():
         if given:
             i = passes[0]
             passes[0] += 1
-            epoch = given[i] if i < len(given) else given[-1] + 1 + i - len(given)
+            if i < len(given) and given[i] < 0:
+                return original_iter(self)  # the distributed run left this pass to a RandomSampler too
+            split = [e for e in given if e >= 0]
+            later = sum(1 for e in given if e >= 0) + i - len(given)  # passes after the recorded ones
+            epoch = given[i] if i < len(given) else (split[-1] + 1 + later if split else later)
         generator = torch.Generator()
         generator.manual_seed(0 + epoch)  # DistributedSampler: seed + epoch
         return iter(torch.randperm(n, generator=generator).tolist())

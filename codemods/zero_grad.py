@@ -2,7 +2,6 @@
 between the model's forward and its backward()."""
 from __future__ import annotations
 
-import re
 from typing import List, Optional
 
 import libcst as cst
@@ -11,6 +10,7 @@ from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.analysis.closures import closure_reads, free_reads
 from fsdp2_retrofit.analysis.zero_grad import ZeroGradBetween, zero_grads_between
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
+from fsdp2_retrofit.syntax.names import root_name
 
 WHY = (
     "after the forward FSDP2 keeps the root's (and the last block's) parameters gathered until backward: "
@@ -118,13 +118,14 @@ def _clears_all_it_trains(facts: ScriptFacts, found: ZeroGradBetween, founds: Li
     r = facts.resolver
     opt, fn = shared[0], _scope(facts, found.model, found.call)
     sites = [o for o in facts.optimizers if o.name == opt and r.enclosing_function(o.stmt) is fn]
-    if not sites and fn is not None and opt in free_reads(fn) and {found.model, opt} <= free_reads(fn):
+    if not sites and fn is not None and {found.model, opt} <= free_reads(fn):
         # a function of the module reading the module's optimizer and models (`def train(...)`)
         sites = [o for o in facts.optimizers if o.name == opt and r.enclosing_function(o.stmt) is None]
     if len(sites) != 1 or len(sites[0].models) < 2 or _reads_part(r, sites) is not None:
         return None
-    group = [f for f in founds if f.backward is found.backward and f.model in sites[0].models]
-    if sorted({f.model for f in group}) != sorted(set(sites[0].models)) or len(group) != len(sites[0].models):
+    trained = set(sites[0].models)
+    group = [f for f in founds if f.backward is found.backward and f.model in trained]
+    if {f.model for f in group} != trained or len(group) != len(trained):  # each model cleared, once
         return None
     for f in group:
         stmt = r.statement_of(f.call)
@@ -152,7 +153,7 @@ def _reads_part(r, sites) -> Optional[str]:
                 f = call.func
                 if not (isinstance(f, cst.Attribute) and f.attr.value in ("parameters", "named_parameters")):
                     continue
-                if isinstance(f.value, (cst.Attribute, cst.Subscript)) and \
-                        re.split(r"[.\[]", code(f.value))[0] in site.models:  # model.head, model.blocks[0]
+                if isinstance(f.value, (cst.Attribute, cst.Subscript)) and root_name(f.value) in site.models:
+                    # model.head, model.blocks[0]
                     return code(call)
     return None

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Opti
 import libcst as cst
 
 from fsdp2_retrofit.syntax.names import (
-    CONTAINERS, SELF_RETURNING_METHODS, TORCH_MODULE_BASES, Resolver, attr_path, walk,
+    CONTAINERS, SELF_RETURNING_METHODS, TORCH_MODULE_BASES, Resolver, attr_path, bind_args, walk,
 )
 from fsdp2_retrofit.syntax.torch_api import BARE_CONTAINERS, NN_PARAMETER, is_optimizer_call
 
@@ -942,17 +942,7 @@ def handed_submodules(info: ClassInfo, build: Optional[cst.Call], resolver: Reso
     init = info.methods.get("__init__")
     if init is None or build is None:
         return set()
-    params = [p.name.value for p in init.params.params]
-    if params and params[0] == "self":
-        params = params[1:]
-    handed: Dict[str, cst.CSTNode] = {}
-    for position, arg in enumerate(build.args):
-        if arg.star:
-            break
-        if arg.keyword is not None:
-            handed[arg.keyword.value] = arg.value
-        elif position < len(params):
-            handed[params[position]] = arg.value
+    handed: Dict[str, cst.CSTNode] = dict(bind_args(init, build, skip=1))
     out: Set[str] = set()
     for node in walk(init.body):
         if type(node) is not cst.Assign or type(node.value) is not cst.Name or node.value.value not in handed:

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Set
 import libcst as cst
 
 from .rank_uniform import RankUniform
-from fsdp2_retrofit.syntax.names import walk
+from fsdp2_retrofit.syntax.names import bind_args, walk
 
 # generator -> (qualified-name prefixes of its draws, its seeding calls)
 _GENERATORS = {
@@ -183,17 +183,13 @@ def random_forward_argument(facts) -> Optional[RandomArgument]:
                     continue
                 if r.enclosing_function(call) is not function:
                     continue
-                for position, arg in enumerate(call.args):
-                    if arg.star or type(arg.value) is not cst.Name:
+                for param, value in bind_args(forward, call, skip=1):
+                    if type(value) is not cst.Name or param not in branched:
                         continue
-                    param = arg.keyword.value if arg.keyword is not None else (
-                        params[position] if position < len(params) else None)
-                    if param not in branched:
-                        continue
-                    found = _drawn_branch_binding(scope, arg.value.value, function, r, seeded)
+                    found = _drawn_branch_binding(scope, value.value, function, r, seeded)
                     if found is not None:
                         test, draw, generator = found
-                        return RandomArgument(test, draw, arg.value.value, call, model.class_name, param,
+                        return RandomArgument(test, draw, value.value, call, model.class_name, param,
                                               branched[param], generator)
     return None
 

@@ -1,6 +1,7 @@
 """Rewrite one source text: parse, run the stages in order, render the result."""
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Optional
 
@@ -35,18 +36,75 @@ def parse(source: bytes, path: str = "<input>") -> cst.Module:
 
 def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] = None,
                    _spliced: bool = False) -> RewriteResult:
-    """Rewrite `source` (the bytes of the file at `path`) into FSDP2.
+    """Rewrite `source` (the bytes of the file at `path`) into FSDP2, with the project modules it
+    reaches (the program: rewrite/link.py).
 
     Never raises for a script it cannot convert: the refusal is in the result and
     `code` is the original. Raises InputError for input that cannot be parsed.
     """
-    from codemods.retrofit import RetrofitCommand
-    from fsdp2_retrofit.analysis.model_classes import recording_reads
-
     options = options or RetrofitOptions()
     if not source.strip():
         raise InputError("empty file: nothing to retrofit")
     module = parse(source, path)
+    result = _rewrite_module(source, path, options, module, _spliced)
+    if _spliced:
+        return result
+    return _whole_program(result, source, path, options, module)
+
+
+# refusals that say the analysis did not see the model, its optimizer or its trainer class: where the
+# program's training step is in another module, the linked program is the truer account
+_NOT_SEEN = ("FSR605", "FSR610", "FSR611", "FSR612")
+
+
+def _whole_program(result: RewriteResult, source: bytes, path: str, options: RetrofitOptions,
+                   module: cst.Module) -> RewriteResult:
+    """The coverage rule: a training step the script reaches in another module is converted with the
+    program linked into one analysis (rewrite/link.py), or the rewrite is refused at that step (FSR970);
+    never "converted" with that loop left as it was."""
+    from fsdp2_retrofit.analysis.program import Program, unreached_step
+    from . import link
+
+    if b"import" not in source:
+        return result
+    program = Program.read(path, module, source)
+    if not program.modules:
+        return result
+    steps = program.training_steps()
+    if not steps:
+        return result
+    if result.refusals:
+        if result.refusals[0].code not in _NOT_SEEN:
+            return result
+    else:
+        edited = {os.path.realpath(s.path) for s in result.siblings if s.code != s.original}
+        if all(os.path.realpath(step.path) in edited for step in steps):
+            return result  # the modules holding the steps were converted where they live
+    linked = link.plan(path, source, module, program)
+    why = linked if isinstance(linked, str) else "the program cannot be linked"
+    if isinstance(linked, link.Linked):
+        inner = rewrite_source(linked.text.encode(module.encoding), path, options, _spliced=True)
+        if inner.refusals:
+            inputs = sorted(set(inner.inputs) | set(program.files))
+            return RewriteResult(path, source, source, [], [], link.refusal_records(linked, inner), inputs)
+        taken_apart = link.split(linked, inner, source)
+        if isinstance(taken_apart, RewriteResult):
+            return taken_apart
+        why = taken_apart
+    if result.refusals:
+        return result
+    step = steps[0]
+    shown = os.path.abspath(step.path) if os.path.isabs(path) else os.path.relpath(step.path)
+    return RewriteResult(path, source, source, [], [], [unreached_step(step, shown, why)],
+                         sorted(set(result.inputs) | set(program.files)))
+
+
+def _rewrite_module(source: bytes, path: str, options: RetrofitOptions, module: cst.Module,
+                    _spliced: bool) -> RewriteResult:
+    """One module through the stages (a trainer class of a sibling module spliced in on FSR605)."""
+    from codemods.retrofit import RetrofitCommand
+    from fsdp2_retrofit.analysis.model_classes import recording_reads
+
     context = RewriteContext(filename=path)
     context.scratch[OPTIONS_KEY] = options
     # every record names a line of `source`

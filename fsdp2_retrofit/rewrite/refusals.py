@@ -519,6 +519,16 @@ _RULES = [
                 "Reduce every term the same way (divide the summed term by the batch size, or sum the averaged "
                 "one), or scale the summed term by dist.get_world_size() yourself.",
                 stage_name="loss_scale"),
+    # -- 97x program (the entry and the project modules it reaches) ---------------------
+    RefusalRule("FSR970", "training-step-not-reached",
+                "A training step (`loss.backward()`) in a project module the script reaches, which the rewrite "
+                "cannot take into its analysis (the program cannot be linked: the reason is named).",
+                "Converting the script alone would shard the model while the loop elsewhere keeps its plain "
+                "DataLoader, its saves and its logging: every rank would train on the same batches and write its "
+                "shards into one file, and the rewrite would call that converted.",
+                "Remove what the reason names (a top-level name bound in two modules, a module used as a value, "
+                "an import renamed with `as`), or run rewrite on the module that holds the training loop.",
+                stage_name="program"),
 ]
 
 CATALOGUE: Dict[str, RefusalRule] = {r.code: r for r in _RULES}

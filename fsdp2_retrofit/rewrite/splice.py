@@ -304,6 +304,10 @@ def _without_unused_new_imports(module: cst.Module, original: cst.Module) -> cst
         def visit_ImportFrom(self, node) -> bool:
             return False
 
+        def visit_Attribute(self, node: cst.Attribute) -> bool:
+            node.value.visit(self)  # `torch.nn.Linear` reads `torch`, not a name `nn`
+            return False
+
         def visit_Name(self, node: cst.Name) -> None:
             read.add(node.value)
 

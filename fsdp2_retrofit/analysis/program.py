@@ -1,0 +1,182 @@
+"""The program: the entry script and every project module its top-level imports reach.
+
+A project is rarely one file: `train.py` imports `engine` (the loop), `data_setup` (the
+loaders), `utils` (the save) and `model_builder` (the classes); a thin entry calls
+`train(config)` of a package; a Solver class in `solver.py` owns the model, the optimizer and
+the loader. `Program.read` follows the top-level imports of the entry and of every project
+module they reach (`import a, b`, `import pkg.mod as m`, `from pkg import mod`, `from mod import
+X`, `from mod import *`, relative imports inside a package), each module parsed once; a module
+is the project's when `project_imports.locate` finds it as a file (never a library).
+
+`training_steps` lists every `<loss>.backward()` of the program's modules: the sites from which
+the rewrite works outward. A step outside the entry is one that converting the entry alone can
+never reach (rewrite/link.py takes the whole program in; the pipeline's coverage rule refuses a
+"converted" that leaves one behind).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from fsdp2_retrofit.syntax.names import dotted
+
+from . import project_imports
+
+# how many modules a program takes in at the most (a guard against a whole library tree in the project)
+MAX_MODULES = 64
+
+
+@dataclass
+class ProjectImport:
+    """One name of a top-level import statement that binds a project module or a name of one."""
+
+    local: str  # the name bound in the importing module
+    path: str  # the project file it comes from
+    obj: Optional[str]  # the name imported from that module (`from mod import obj`), None for the module itself
+    star: bool = False  # `from mod import *`
+
+
+@dataclass
+class ModuleFile:
+    path: str  # normalised absolute path
+    module: cst.Module
+    data: bytes
+    # top-level statement index -> the project imports it makes
+    imports: Dict[int, List[ProjectImport]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Step:
+    """A `<x>.backward()` call of the program: a training step."""
+
+    path: str
+    line: int
+    code: str
+
+
+@dataclass
+class Program:
+    entry: str
+    files: Dict[str, ModuleFile]  # path -> module, the entry first
+    order: List[str]  # the modules other than the entry, each after the modules it imports
+    problems: List[Tuple[str, int, str]] = field(default_factory=list)  # (path, line, why) of imports not followed
+
+    @classmethod
+    def read(cls, entry_path: str, module: cst.Module, data: bytes) -> "Program":
+        entry = _norm(entry_path)
+        files: Dict[str, ModuleFile] = {}
+        order: List[str] = []
+        program = cls(entry, files, order)
+        program._visit(entry, module, data, [])
+        return program
+
+    def _visit(self, path: str, module: cst.Module, data: bytes, stack: List[str]) -> None:
+        here = ModuleFile(path, module, data)
+        self.files[path] = here
+        for index, stmt in enumerate(module.body):
+            found = list(self._project_imports(path, stmt))
+            if not found:
+                continue
+            here.imports[index] = found
+            for imp in found:
+                if imp.path in self.files or imp.path in stack:
+                    continue
+                if len(self.files) >= MAX_MODULES:
+                    self.problems.append((path, 0, f"more than {MAX_MODULES} project modules"))
+                    return
+                text = project_imports.read(imp.path)
+                if text is None:
+                    continue
+                try:
+                    parsed = cst.parse_module(text)
+                except (cst.ParserSyntaxError, UnicodeDecodeError, LookupError, SyntaxError):
+                    self.problems.append((imp.path, 0, "the module does not parse"))
+                    continue
+                self._visit(imp.path, parsed, text, stack + [path])
+        if path != self.entry:
+            self.order.append(path)
+
+    def _project_imports(self, importer: str, stmt) -> Iterator[ProjectImport]:
+        if not isinstance(stmt, cst.SimpleStatementLine):
+            return
+        for small in stmt.body:
+            if isinstance(small, cst.Import):
+                for alias in small.names:
+                    full = dotted(alias.name)
+                    found = project_imports.locate(importer, 0, full)
+                    if found is not None:
+                        local = dotted(alias.asname.name) if alias.asname is not None else full
+                        yield ProjectImport(local, _norm(str(found)), None)
+            elif isinstance(small, cst.ImportFrom):
+                dots = len(small.relative)
+                base = dotted(small.module) if small.module is not None else ""
+                found = project_imports.locate(importer, dots, base) if (base or dots) else None
+                if isinstance(small.names, cst.ImportStar):
+                    if found is not None:
+                        yield ProjectImport("*", _norm(str(found)), None, star=True)
+                    continue
+                for alias in small.names:
+                    name = dotted(alias.name)
+                    local = dotted(alias.asname.name) if alias.asname is not None else name
+                    inner = None
+                    if found is None or found.name == "__init__.py":  # `from pkg import mod`
+                        inner = project_imports.locate(importer, dots, f"{base}.{name}" if base else name)
+                    if inner is not None:
+                        yield ProjectImport(local, _norm(str(inner)), None)
+                    elif found is not None:
+                        yield ProjectImport(local, _norm(str(found)), name)
+
+    @property
+    def modules(self) -> List[ModuleFile]:
+        """The modules other than the entry, each after the modules it imports."""
+        return [self.files[p] for p in self.order]
+
+    def training_steps(self, outside_entry: bool = True) -> List[Step]:
+        """Every `<x>.backward(...)` of the program's modules (only those outside the entry by default)."""
+        out: List[Step] = []
+        for path, mod in self.files.items():
+            if outside_entry and path == self.entry:
+                continue
+            if b".backward(" not in mod.data:
+                continue
+            out.extend(_steps(path, mod.module))
+        return out
+
+
+def _steps(path: str, module: cst.Module) -> List[Step]:
+    found: List[cst.Call] = []
+
+    class _Find(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            if isinstance(node.func, cst.Attribute) and node.func.attr.value == "backward":
+                found.append(node)
+
+    module.visit(_Find())
+    if not found:
+        return []
+    positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
+    return [Step(path, positions[call].start.line, module.code_for_node(call)) for call in found]
+
+
+def _norm(path: str) -> str:
+    return os.path.normpath(os.path.abspath(path))
+
+
+def unreached_step(step: Step, shown: str, why: str):
+    """The refusal of a training step outside the entry that the rewrite could not take in (FSR970)."""
+    from fsdp2_retrofit.report import Refusal
+
+    return Refusal(
+        step.line,
+        f"the training step `{step.code}` is in {shown}, a module the script reaches, and the rewrite cannot "
+        "take that module into its analysis",
+        f"{why}; converting the script alone would leave that loop's DataLoader, saves and logging as they are "
+        "(every rank on the same batches), so nothing is converted",
+        "make the program linkable as the reason says, or run rewrite on the module that holds the loop",
+        "FSR970",
+        path=shown,
+    )

@@ -1,0 +1,468 @@
+"""The program linked into one text for one analysis, and taken apart again file by file.
+
+A project's training step is rarely in the entry: `engine.train(model, loaders, ...)`, a
+`Solver(config).train()` of `solver.py`, `train(config)` of a package. The stages follow values
+through one module's functions, classes and `self.` attributes; `link` gives them the whole
+program as one module, so a loader returned by `data_setup.create_dataloaders()`, the loop of
+`engine.train`, the save in `utils.save_model` and the model built in `Solver.__init__` are
+sites of one analysis, and each edit lands in the file that holds its site:
+
+    entry:   imports ... import engine, utils ................ rest of the entry
+    linked:  imports ... +their imports  [engine's body] [utils' body] ... rest of the entry
+
+Each module's body sits between two marker statements (`__fsdp2_link__("begin", k)` and
+`("end", k)`); its import statements, and an `if __name__ == "__main__":` block that never runs
+on import, wait behind `("keep", j)` markers, while the imports are hoisted to the entry's (the
+names they bind are the same in every module, or the program is not linked). An access through
+a module (`engine.train(...)`) reads the name itself (`train(...)`), and is put back when the
+text is taken apart. Every line of the linked text maps to a line of one file, so each record
+names its own file and line.
+
+Taking it apart: the statements between a module's markers are its new body, its kept
+statements go back in their places, and it gets the imports its new code reads (from the linked
+text's own imports); the entry keeps its own imports and those its new code reads. A program is
+linked only where that is sound: one encoding and newline style, no top-level name bound by two
+files to different things, modules used only as `module.name`; `plan` says why otherwise.
+"""
+from __future__ import annotations
+
+import builtins
+import os
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Set, Tuple, Union
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from fsdp2_retrofit.analysis.program import ModuleFile, Program
+from fsdp2_retrofit.report import RewriteResult
+from fsdp2_retrofit.syntax.names import _module_bindings, dotted, import_bindings
+
+from .imports import add_imports
+from .splice import _import_targets, _without_unused_new_imports
+
+MARKER = "__fsdp2_link__"
+
+
+@dataclass
+class Linked:
+    """A linked program and what taking it apart needs."""
+
+    text: str
+    program: Program
+    lines: Dict[int, Tuple[str, int]]  # line of the linked text -> (file, line there)
+    kept: List[cst.BaseStatement]  # the statements standing behind ("keep", j) markers
+    entry_imports: Dict[int, cst.BaseStatement]  # ("import", i): the entry's own statement i
+    restore: Dict[str, Dict[str, str]]  # file -> {name: "module.name" it was read as}
+    shown: Dict[str, str] = field(default_factory=dict)  # file -> its path as the report names it
+
+    def where(self, line: int) -> Tuple[str, int]:
+        return self.lines.get(line, (self.program.entry, 0))
+
+
+def _marker(kind: str, index: int) -> cst.SimpleStatementLine:
+    return cst.SimpleStatementLine([cst.Expr(cst.Call(cst.Name(MARKER), [
+        cst.Arg(cst.SimpleString(f'"{kind}"')), cst.Arg(cst.Integer(str(index)))]))])
+
+
+def _read_marker(stmt) -> Optional[Tuple[str, int]]:
+    if not (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Expr)):
+        return None
+    call = stmt.body[0].value
+    if not (isinstance(call, cst.Call) and isinstance(call.func, cst.Name) and call.func.value == MARKER):
+        return None
+    kind, index = call.args[0].value, call.args[1].value
+    return kind.value.strip('"'), int(index.value)
+
+
+def _is_main_guard(stmt) -> bool:
+    if not isinstance(stmt, cst.If):
+        return False
+    test = stmt.test
+    return (isinstance(test, cst.Comparison) and isinstance(test.left, cst.Name) and test.left.value == "__name__"
+            and len(test.comparisons) == 1 and isinstance(test.comparisons[0].comparator, cst.SimpleString))
+
+
+def _is_import(stmt) -> bool:
+    return isinstance(stmt, cst.SimpleStatementLine) and any(
+        isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body)
+
+
+def _library_imports(mod: ModuleFile) -> Dict[str, Tuple[str, str, int]]:
+    """name -> (what it binds, the import as one canonical statement, line index) of the module's
+    top-level imports that bind no project module."""
+    out: Dict[str, Tuple[str, str, int]] = {}
+    for index, stmt in enumerate(mod.module.body):
+        if not _is_import(stmt):
+            continue
+        project = {imp.local for imp in mod.imports.get(index, [])}
+        for small in stmt.body:
+            if isinstance(small, cst.Import):
+                for alias in small.names:
+                    full = dotted(alias.name)
+                    local = dotted(alias.asname.name) if alias.asname is not None else full.split(".")[0]
+                    if full in project or local in project:
+                        continue
+                    text = f"import {full} as {local}" if alias.asname is not None else f"import {full}"
+                    out[local] = (full if alias.asname is not None else local, text, index)
+            elif isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
+                if small.relative:
+                    continue  # a relative import binds a project module (or names nothing the program has)
+                base = dotted(small.module)
+                for alias in small.names:
+                    obj = dotted(alias.name)
+                    local = dotted(alias.asname.name) if alias.asname is not None else obj
+                    if local in project:
+                        continue
+                    text = f"from {base} import {obj} as {local}" if alias.asname is not None else f"from {base} import {obj}"
+                    out[local] = (f"{base}.{obj}", text, index)
+    return out
+
+
+class _ModuleAccesses(cst.CSTTransformer):
+    """`alias.name` of a linked module read as `name`; what cannot be (the module used as a value,
+    an attribute stored through it) is collected as a problem."""
+
+    def __init__(self, aliases: Dict[str, str], names_of: Dict[str, Set[str]]):
+        self.aliases = aliases  # dotted alias -> module path
+        self.names_of = names_of
+        self.read: Dict[str, str] = {}  # name -> the alias it was read through
+        self.problems: List[str] = []
+        self._targets: List[cst.CSTNode] = []
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        self._targets.extend(t.target for t in node.targets)
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        self._targets.append(node.target)
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
+        alias = _dotted_or_none(original.value)
+        if alias is None or alias not in self.aliases:
+            return updated
+        name = original.attr.value
+        if any(t is original for t in self._targets):
+            self.problems.append(f"`{alias}.{name}` is assigned")
+            return updated
+        if name not in self.names_of[self.aliases[alias]]:
+            self.problems.append(f"`{alias}.{name}` is not a top-level name of the module")
+            return updated
+        if self.read.get(name, alias) != alias:
+            self.problems.append(f"`{name}` is read through two modules")
+            return updated
+        self.read[name] = alias
+        return cst.Name(name)
+
+
+def _dotted_or_none(node) -> Optional[str]:
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        inner = _dotted_or_none(node.value)
+        return None if inner is None else f"{inner}.{node.attr.value}"
+    return None
+
+
+class _Names(cst.CSTVisitor):
+    """Every Name node that reads or binds a name (not an attribute's or a keyword argument's)."""
+
+    def __init__(self):
+        self.names: Dict[str, int] = {}
+
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        node.value.visit(self)
+        return False
+
+    def visit_Arg(self, node: cst.Arg) -> bool:
+        node.value.visit(self)
+        return False
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self.names[node.value] = self.names.get(node.value, 0) + 1
+
+
+def _names(node: cst.CSTNode) -> Dict[str, int]:
+    visitor = _Names()
+    node.visit(visitor)
+    return visitor.names
+
+
+class _Restore(cst.CSTTransformer):
+    """`name` back to `alias.name` where a module was read through its alias."""
+
+    def __init__(self, restore: Dict[str, str]):
+        self.restore = restore
+
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        return True
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
+        return updated.with_changes(attr=original.attr)
+
+    def leave_Arg(self, original: cst.Arg, updated: cst.Arg):
+        return updated.with_changes(keyword=original.keyword)
+
+    def leave_Name(self, original: cst.Name, updated: cst.Name):
+        alias = self.restore.get(original.value)
+        if alias is None:
+            return updated
+        return cst.parse_expression(f"{alias}.{original.value}")
+
+
+def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[Program] = None
+         ) -> Union[Linked, str, None]:
+    """The linked program of the entry at `entry_path` (`program`, read when not given), or why it
+    cannot be linked (a sentence), or None when the entry imports no project module."""
+    program = program or Program.read(entry_path, module, source)
+    mods = program.modules
+    if not mods:
+        return None
+    files = [program.files[program.entry]] + mods
+    for mod in mods:
+        m = mod.module
+        if (m.encoding, m.default_newline) != (module.encoding, module.default_newline):
+            return f"{_rel(mod.path)} is written in another encoding or newline style than the script"
+    # the names each module binds at its top level, and the library names the program imports
+    own: Dict[str, Set[str]] = {}
+    owner: Dict[str, str] = {}
+    libraries: Dict[str, Dict[str, Tuple[str, str, int]]] = {}
+    for mod in files:
+        bound = set(_module_bindings(mod.module.body))
+        libraries[mod.path] = _library_imports(mod)
+        own[mod.path] = bound | set(libraries[mod.path])
+        for name in bound:
+            if name in owner and owner[name] != mod.path:
+                return (f"`{name}` is bound at the top level of both {_rel(owner[name])} and {_rel(mod.path)}: "
+                        "one analysis of the program would take one for the other")
+            owner[name] = mod.path
+    imported: Dict[str, str] = {}
+    for mod in files:
+        for name, (target, _, _) in libraries[mod.path].items():
+            if name in owner:
+                return (f"`{name}` is an import in {_rel(mod.path)} and bound by the code of {_rel(owner[name])}: "
+                        "one analysis of the program would take one for the other")
+            if imported.setdefault(name, target) != target:
+                return f"`{name}` names two different imports in the program's modules"
+    # names imported from project modules under another name, and modules read through an alias
+    restore: Dict[str, Dict[str, str]] = {}
+    bodies: Dict[str, List[cst.BaseStatement]] = {}
+    for mod in files:
+        aliases = {}
+        for imps in mod.imports.values():
+            for imp in imps:
+                if imp.star:
+                    continue
+                if imp.obj is None:
+                    aliases[imp.local] = imp.path
+                elif imp.local != imp.obj:
+                    return f"{_rel(mod.path)} imports `{imp.obj}` as `{imp.local}` from {_rel(imp.path)}"
+        body = list(mod.module.body)
+        if aliases:
+            counts = _names(mod.module)
+            transformer = _ModuleAccesses(aliases, own)
+            body = [s.visit(transformer) for s in body]
+            if transformer.problems:
+                return f"in {_rel(mod.path)}: {transformer.problems[0]}"
+            for name in transformer.read:
+                if counts.get(name):
+                    return f"`{name}` is read in {_rel(mod.path)} both as a name and through a module"
+            left = _names(cst.Module(body=[s for i, s in enumerate(body) if i not in mod.imports]))
+            for alias in aliases:
+                if alias.split(".")[0] in left:
+                    return f"in {_rel(mod.path)}: the module `{alias}` is used as a value, not only as `{alias}.name`"
+            restore[mod.path] = dict(transformer.read)
+        bodies[mod.path] = body
+    # the linked body: the entry, with the hoisted imports and every module's body at its first project import
+    entry = files[0]
+    kept: List[cst.BaseStatement] = []
+    entry_imports: Dict[int, cst.BaseStatement] = {}
+    origin: List[Tuple[str, Optional[cst.CSTNode]]] = []  # per linked statement: (file, the statement it stands for)
+    linked: List[cst.BaseStatement] = []
+    have = {text for _, text, _ in libraries[entry.path].values()}
+    hoisted = []
+    for mod in mods:
+        for _, text, _ in libraries[mod.path].values():
+            if text not in have:
+                have.add(text)
+                hoisted.append(text)
+    placed = False
+    for index, stmt in enumerate(bodies[entry.path]):
+        if index not in entry.imports:
+            linked.append(stmt)
+            origin.append((entry.path, entry.module.body[index]))
+            continue
+        entry_imports[index] = entry.module.body[index]
+        if not placed:
+            for text in hoisted:
+                linked.append(cst.parse_statement(text))
+                origin.append((entry.path, None))
+        linked.append(_marker("import", index))
+        origin.append((entry.path, entry.module.body[index]))
+        if placed:
+            continue
+        placed = True
+        for k, mod in enumerate(mods):
+            linked.append(_marker("begin", k))
+            origin.append((mod.path, None))
+            for i, stmt in enumerate(bodies[mod.path]):
+                if i in mod.imports or _is_import(stmt) or _is_main_guard(stmt):
+                    kept.append(mod.module.body[i])
+                    linked.append(_marker("keep", len(kept) - 1))
+                else:
+                    linked.append(stmt)
+                origin.append((mod.path, mod.module.body[i]))
+            linked.append(_marker("end", k))
+            origin.append((mod.path, None))
+    if not placed:
+        return None
+    linked_module = module.with_changes(body=linked)
+    text = linked_module.code
+    lines = _line_map(linked_module, origin, {m.path: m.module for m in files})
+    shown = {m.path: (os.path.abspath(m.path) if os.path.isabs(entry_path) else os.path.relpath(m.path))
+             for m in mods}
+    shown[entry.path] = entry_path
+    return Linked(text, program, lines, kept, entry_imports, restore, shown)
+
+
+def _line_map(linked: cst.Module, origin, modules: Dict[str, cst.Module]) -> Dict[int, Tuple[str, int]]:
+    here = MetadataWrapper(linked, unsafe_skip_copy=True).resolve(PositionProvider)
+    there = {path: MetadataWrapper(m, unsafe_skip_copy=True).resolve(PositionProvider) for path, m in modules.items()}
+    out: Dict[int, Tuple[str, int]] = {}
+    for stmt, (path, node) in zip(linked.body, origin):
+        pos = here[stmt]
+        if node is None:
+            for line in range(pos.start.line, pos.end.line + 1):
+                out[line] = (path, 0)
+            continue
+        start = there[path][node].start.line
+        span = there[path][node].end.line - start
+        for i in range(pos.end.line - pos.start.line + 1):
+            out[pos.start.line + i] = (path, start + min(i, span))
+    return out
+
+
+def split(linked: Linked, result: RewriteResult, source: bytes) -> Union[RewriteResult, str]:
+    """The result of the linked program taken apart: the entry's own result, with every module it
+    changed (or has records for) as a sibling; or why it cannot be taken apart (a sentence)."""
+    program = linked.program
+    out = cst.parse_module(result.code)
+    entry = program.entry
+    parts: Dict[str, List[cst.BaseStatement]] = {entry: []}
+    stack = [entry]
+    mods = program.modules
+    for stmt in out.body:
+        marker = _read_marker(stmt)
+        if marker is None:
+            parts.setdefault(stack[-1], []).append(stmt)
+            continue
+        kind, index = marker
+        if kind == "begin":
+            stack.append(mods[index].path)
+            parts.setdefault(mods[index].path, [])
+        elif kind == "end":
+            if len(stack) < 2 or stack[-1] != mods[index].path:
+                return "the converted program's module markers were moved"
+            stack.pop()
+        elif kind == "keep":
+            parts[stack[-1]].append(linked.kept[index])
+        elif kind == "import":
+            parts[stack[-1]].append(linked.entry_imports[index])
+    if stack != [entry]:
+        return "the converted program's module markers were moved"
+    table = _import_targets(out)
+    if table is None:
+        return "the converted program has a relative import at its top level"
+    results: Dict[str, bytes] = {}
+    for path, body in parts.items():
+        original = program.files[path].module
+        new = original.with_changes(body=body)
+        if linked.restore.get(path):
+            new = new.visit(_Restore(linked.restore[path]))
+        if path == entry:
+            new = _without_unused_new_imports(new, original)
+        wanted = _imports_needed(new, original, table)
+        if isinstance(wanted, str):
+            return f"the converted {_rel(path)} {wanted}"
+        if wanted:
+            new = add_imports(new, wanted)
+        code = new.bytes
+        try:
+            compile(code, path, "exec", dont_inherit=True)
+        except SyntaxError as err:
+            return f"the converted {_rel(path)} does not compile ({err.msg})"
+        results[path] = code
+    records: Dict[str, Tuple[list, list, list]] = {p: ([], [], []) for p in program.files}
+    for i, group in enumerate((result.changes, result.attention, result.refusals)):
+        for record in group:
+            path, line = linked.where(record.line)
+            records[path][i].append(replace(record, line=line, path=linked.shown[path]))
+    siblings = []
+    changes, attention, refusals = records[entry]
+    for mod in mods:
+        code = results.get(mod.path, mod.data)
+        if code != mod.data:
+            siblings.append(RewriteResult(linked.shown[mod.path], mod.data, code, *records[mod.path][:2], []))
+        else:  # a module left as it was: its records (attention items) are the entry's, each at its own path
+            changes.extend(records[mod.path][0])
+            attention.extend(records[mod.path][1])
+        refusals.extend(records[mod.path][2])
+    inputs = sorted(set(result.inputs) | {m.path for m in mods})
+    return RewriteResult(linked.shown[entry], source, results[entry], changes, attention, refusals, inputs,
+                         list(result.siblings) + siblings)
+
+
+def refusal_records(linked: Linked, result: RewriteResult) -> list:
+    """The refusals of a linked run, each at its own file and line."""
+    out = []
+    for record in result.refusals:
+        path, line = linked.where(record.line)
+        out.append(replace(record, line=line, path=linked.shown.get(path, path)))
+    return out
+
+
+def _globals_read(module: cst.Module) -> Set[str]:
+    """Names read anywhere in `module` that no scope of it binds (module-level or builtin)."""
+    from libcst.metadata import ScopeProvider
+
+    scopes = MetadataWrapper(module, unsafe_skip_copy=True).resolve(ScopeProvider)
+    names: Set[str] = set()
+    for scope in set(s for s in scopes.values() if s is not None):
+        for access in scope.accesses:
+            if not isinstance(access.node, cst.Name):
+                continue
+            if all(isinstance(r.scope, (cst.metadata.GlobalScope, cst.metadata.BuiltinScope)) for r in access.referents):
+                names.add(access.node.value)
+    return names
+
+
+def _bound(module: cst.Module) -> Set[str]:
+    out = set(_module_bindings(module.body))
+    for stmt in module.body:
+        if isinstance(stmt, cst.SimpleStatementLine):
+            for small in stmt.body:
+                if isinstance(small, (cst.Import, cst.ImportFrom)):
+                    out.update(local for local, _ in import_bindings(small))
+    return out
+
+
+def _imports_needed(new: cst.Module, original: cst.Module, table: Dict[str, Tuple[str, str]]):
+    """The imports the converted module reads that it lacks (as add_imports wants them), from the
+    linked program's import table; a sentence when a name it reads is bound by another file's code."""
+    fresh = _globals_read(new) - _globals_read(original) - _bound(new)
+    wanted = []
+    for used in sorted(fresh):
+        if hasattr(builtins, used):
+            continue
+        if used not in table:
+            return f"reads `{used}`, bound by the code of another file"
+        _, text = table[used]
+        words = text.split()
+        if words[0] == "import":
+            wanted.append((words[1], None, used if " as " in text else None))
+        else:
+            wanted.append((words[1], words[3], used if " as " in text else None))
+    return wanted
+
+
+def _rel(path: str) -> str:
+    return os.path.relpath(path)

@@ -80,6 +80,20 @@ class ConvertSavesCommand(RetrofitStage):
                     "hand the function the same optimizer and its model at every call, or save where they are built",
                 )
         for site in every:
+            for handing in site.handed_state[:1]:
+                self.refuse(
+                    "FSR708",
+                    site.call,
+                    f"`{code(site.call)}` saves a parameter that the call on line {self.line(handing)} hands a "
+                    "sharded model's (or its optimizer's) state",
+                    "the save is in a helper the state is handed to: converted at its call it would need the helper "
+                    "rewritten to dcp.save on every rank; left as torch.save every rank writes its own DTensor shards "
+                    "into the one file, which nothing can load as the model",
+                    "call torch.save (or the helper's other work) where the state is built, with the state dict "
+                    "inline (`torch.save({\"state_dict\": model.state_dict(), ...}, path)`): the rewrite converts "
+                    "that to DCP",
+                )
+        for site in every:
             for model, node in site.held_models:
                 self.refuse(
                     "FSR707",

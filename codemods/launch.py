@@ -102,7 +102,9 @@ class LaunchDistributedCommand(RetrofitStage):
         editor.insert_paragraph_before(anchor, preamble, first_in_block=anchor is facts.resolver.block_of(anchor).body[0])
         if in_helper:
             self._mesh_in_helper(facts, editor, "dist.get_world_size()")
-        self._teardown(block, "dist", facts, editor)
+        built_in_method = _method_of_a_class(block, facts)
+        if not built_in_method:  # a Solver's __init__ builds the model: the group outlives the method
+            self._teardown(block, "dist", facts, editor)
         self.add_import("os")
         self.add_import("torch")
         self.add_import("torch.distributed", asname="dist")
@@ -117,7 +119,8 @@ class LaunchDistributedCommand(RetrofitStage):
             "torchrun starts one process per GPU; each must pick its own device before any CUDA work",
             "every rank on GPU 0 (hang or OOM) when set_device is missing",
         )
-        self.change(block.body[-1], "destroy the process group at the end", "a clean exit under torchrun")
+        if not built_in_method:
+            self.change(block.body[-1], "destroy the process group at the end", "a clean exit under torchrun")
 
     def _reuse(self, facts: ScriptFacts, editor: StatementEditor) -> None:
         """The script starts its own process group (torchrun style): keep it, make sure
@@ -491,3 +494,10 @@ def _backend(init: cst.Call):
     if init.args and init.args[0].keyword is None:
         return init.args[0].value
     return None
+
+
+def _method_of_a_class(block, facts: ScriptFacts) -> bool:
+    """`block` is the body of a method (a trainer class's __init__ that builds the model into `self.net`):
+    the process group must live on after the method returns, so it is not destroyed there."""
+    fn = facts.resolver.enclosing_function(block)
+    return fn is not None and facts.resolver.enclosing_class(fn) is not None

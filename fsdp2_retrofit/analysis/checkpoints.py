@@ -44,6 +44,9 @@ class SaveSite:
     dict_keys: Tuple[str, ...] = ()  # the keys of a saved dict literal
     # (node, why) for each optimizer state_dict() whose optimizer or model was lost on the way
     lost: List[Tuple[cst.CSTNode, str]] = field(default_factory=list)
+    # `def save_checkpoint(state, filename): torch.save(state, filename)`: the calls that hand the
+    # parameter a model's or optimizer's state (`save_checkpoint({"state_dict": model.state_dict()}, p)`)
+    handed_state: List[cst.Call] = field(default_factory=list)
 
     @property
     def model_only(self) -> bool:
@@ -183,6 +186,11 @@ def saves(facts: ScriptFacts) -> List[SaveSite]:
         if isinstance(obj, cst.Name) and obj.value not in models:
             state = bound_value(obj.value, call, facts)
             if state is None:
+                handed = _calls_handing_state(function, obj.value, facts)
+                if handed:
+                    site = SaveSite(call, facts.resolver.statement_of(call), obj, path, path_key(path, facts))
+                    site.handed_state = handed
+                    out.append(site)
                 continue
         site = SaveSite(call, facts.resolver.statement_of(call), state, path, path_key(path, facts))
         if isinstance(state, cst.Name) and state.value in models:
@@ -212,6 +220,32 @@ def saves(facts: ScriptFacts) -> List[SaveSite]:
             )
         out.append(site)
     return out
+
+
+def _calls_handing_state(function, param: str, facts: ScriptFacts) -> List[cst.Call]:
+    """The calls of the script's function `function` that bind its parameter `param` to an expression
+    holding a model's or an optimizer's `state_dict()` (inline, or through a name bound just before)."""
+    if function is None or param not in parameter_names(function):
+        return []
+    found = []
+    for c in facts.resolver.nodes(cst.Call):
+        func = c.func
+        called = func.value if isinstance(func, cst.Name) else func.attr.value if isinstance(func, cst.Attribute) else None
+        if called != function.name.value:
+            continue
+        arg = dict(bind_args(function, c)).get(param)
+        if isinstance(arg, cst.Name):
+            arg = bound_value(arg.value, c, facts)
+        if arg is None:
+            continue
+        caller = facts.resolver.enclosing_function(c)
+        known = set(facts.model_names.get(caller, set())) | set(facts.optimizer_names.get(caller, {}))
+        for sd in _state_dict_calls(arg):
+            owner = sd.func.value
+            if isinstance(owner, (cst.Name, cst.Attribute)) and dotted(owner) in known:
+                found.append(c)
+                break
+    return found
 
 
 def loads(facts: ScriptFacts) -> List[LoadSite]:

@@ -103,9 +103,16 @@ class LoaderAnalysis(SiteAnalysis):
                 continue
             assign = stmt.body[0]
             call = assign.value
-            if not self.r.is_call_to(call, DATALOADERS) or not isinstance(assign.targets[0].target, cst.Name):
+            target = assign.targets[0].target
+            if not self.r.is_call_to(call, DATALOADERS):
                 continue
-            name = assign.targets[0].target.value
+            if isinstance(target, cst.Name):
+                name = target.value
+            elif (isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name)
+                  and id(call) in fed and self._in_trainer_method(stmt)):
+                name = f"{target.value.value}.{target.attr.value}"  # `self.loader = DataLoader(...)` in a Solver
+            else:
+                continue
             args = {a.keyword.value: a.value for a in call.args if a.keyword is not None}
             kwargs_dict, shuffle_set_later = None, None
             for a in call.args:

@@ -80,7 +80,7 @@ class ModelAnalysis(SiteAnalysis):
         """(name, stmt, class) for every `name = SomeModule(...)[.to(...)]` outside classes,
         also when a function of the script builds and returns it (`model = build_model()`)."""
         calls = []
-        for name, stmt, value in self._named_assignments(stmts):
+        for name, stmt, value in self._named_assignments(stmts, methods=True):
             if self.r.is_call_to(value, TORCH_COMPILE) and value.args:
                 value = value.args[0].value  # `model = torch.compile(Net())`: the shard stage splits it
             ctor = innermost_call(value)
@@ -586,6 +586,11 @@ class ModelAnalysis(SiteAnalysis):
         nested functions that read one of the function around them (a closure)."""
         names: Dict[Optional[cst.FunctionDef], Set[str]] = {}
         for m in models:
+            held = self._built_into_self(m)
+            if held:  # `self.net = Net()` in a trainer class's method: `self.net` in each of its methods
+                for method, name in held:
+                    names.setdefault(method, set()).add(name)
+                continue
             # `ema.module` (an AveragedModel's copy) is sharded; `ema` is the model the script uses
             names.setdefault(self.r.enclosing_function(m.stmt), set()).add(m.name.split(".", 1)[0])
         changed = True
@@ -603,6 +608,21 @@ class ModelAnalysis(SiteAnalysis):
             changed |= closure_propagate(self.r, names)
             changed |= held_models(self.r, self._holders(), names)
         return names
+
+    def _built_into_self(self, m: ModelSite) -> List[tuple]:
+        """(method, `<its self>.<attr>`) for every method of the class whose method builds the model
+        `m` into an attribute of its instance (`self.net = Net()` in a Solver's __init__); [] otherwise."""
+        fn = self.r.enclosing_function(m.stmt)
+        cls = self.r.enclosing_class(fn) if fn is not None else None
+        me = fn.params.params[:1] if fn is not None else []
+        if cls is None or not me or not m.name.startswith(me[0].name.value + "."):
+            return []
+        attr = m.name.split(".", 1)[1]
+        out = []
+        for method in cls.body.body:
+            if isinstance(method, cst.FunctionDef) and method.params.params:
+                out.append((method, f"{method.params.params[0].name.value}.{attr}"))
+        return out
 
     def _add_returns(self, names) -> bool:
         """`model, optimizer = build(cfg)`: a helper that returns its model hands it to
@@ -681,7 +701,9 @@ class ModelAnalysis(SiteAnalysis):
             if not (isinstance(func, cst.Attribute) and func.attr.value == "forward"):
                 continue
             target = func.value
-            if isinstance(target, cst.Name) and target.value in model_names.get(
+            held = (isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name)
+                    and f"{target.value.value}.{target.attr.value}")  # `self.model.forward(x)` in a trainer's method
+            if (isinstance(target, cst.Name) and target.value or held) in model_names.get(
                 self.r.enclosing_function(call), set()
             ):
                 out.append(call)
@@ -735,15 +757,14 @@ class ModelAnalysis(SiteAnalysis):
                     and isinstance(call.args[0].value, cst.Name)
                 ):
                     out[call.args[0].value.value] = stmt
-                elif (  # `fully_shard(ema.module)`: an AveragedModel's copy
+                elif (  # `fully_shard(ema.module)`: an AveragedModel's copy; `fully_shard(self.model)` in a Solver
                     isinstance(call, cst.Call)
                     and self.r.qnames(call) & FULLY_SHARD
                     and call.args
                     and isinstance(call.args[0].value, cst.Attribute)
-                    and call.args[0].value.attr.value == "module"
                     and isinstance(call.args[0].value.value, cst.Name)
                 ):
-                    out[call.args[0].value.value.value + ".module"] = stmt
+                    out[call.args[0].value.value.value + "." + call.args[0].value.attr.value] = stmt
         return out
 
 

@@ -259,6 +259,21 @@ class OptimizerAnalysis(SiteAnalysis):
         feeders.sort(key=lambda s: body.index(s) if s in body else -1)
         return found
 
+    def _held_by_instance(self, opt: OptimizerSite, fn, names) -> None:
+        """`self.optimizer = AdamW(self.model.parameters())` in a method of a trainer class (a Solver's
+        __init__): `self.optimizer` in each of its methods, training `self.model` there."""
+        cls = self.r.enclosing_class(fn) if fn is not None else None
+        me = fn.params.params[:1] if fn is not None else []
+        if cls is None or not me or not opt.name.startswith(me[0].name.value + "."):
+            return
+        model = names[fn][opt.name]
+        for method in cls.body.body:
+            if isinstance(method, cst.FunctionDef) and method.params.params and method is not fn:
+                other = method.params.params[0].name.value
+                names.setdefault(method, {}).setdefault(
+                    other + opt.name[len(me[0].name.value):],
+                    other + model[len(me[0].name.value):] if model and model.startswith(me[0].name.value + ".") else model)
+
     def _optimizer_names(self, optimizers, model_names):
         """Optimizer names per function, following calls; each mapped to its model's name there."""
         names: Dict[Optional[cst.FunctionDef], Dict[str, Optional[str]]] = {}
@@ -269,6 +284,7 @@ class OptimizerAnalysis(SiteAnalysis):
                 names.setdefault(fn, {})[opt.name] = opt.models[0] if len(opt.models) == 1 else None
                 if opt.inner is not None:  # `optimizer._optimizer`: the torch optimizer a wrapper holds
                     names[fn][f"{opt.name}.{opt.inner}"] = names[fn][opt.name]
+                self._held_by_instance(opt, fn, names)
         changed = True
         while changed:
             changed = False
@@ -359,9 +375,15 @@ def whole_tensor_operation(cls: cst.ClassDef) -> Optional[cst.CSTNode]:
 
 
 def _ordered_names(args) -> List[str]:
+    """The names the arguments read, in order; `self.net` read as an attribute of a name is listed
+    as itself too (a model a trainer class builds into `self.net`), before its parts."""
     seen: List[str] = []
     for a in args:
         for n in walk(a.value):
+            if type(n) is cst.Attribute and type(n.value) is cst.Name:
+                held = f"{n.value.value}.{n.attr.value}"
+                if held not in seen:
+                    seen.append(held)
             if type(n) is cst.Name and n.value not in seen:
                 seen.append(n.value)
     return seen

@@ -439,6 +439,14 @@ _RULES = [
                 "those shards).",
                 "Save the model's state dict (`\"net\": net.state_dict()`) and reload it into a built model with "
                 "load_state_dict; the rewrite then turns both into DCP."),
+    RefusalRule("FSR708", "checkpoint-state-through-helper",
+                "A torch.save in a helper saves its parameter, and a call hands that parameter a sharded model's "
+                "or its optimizer's state (`save_checkpoint({\"state_dict\": model.state_dict()}, path)`).",
+                "The rewrite converts a save where it sees the state dict; behind a parameter, the torch.save would "
+                "stay, and every rank would write its own DTensor shards into the one file: a checkpoint nothing "
+                "can load as the model.",
+                "Save where the state is built, with the state dict inline in the torch.save call; the rewrite "
+                "then turns it into DCP on every rank."),
     # -- 8xx resume ---------------------------------------------------------------------
     RefusalRule("FSR801", "resume-load-before-build", "A checkpoint is read before the model or optimizer it fills is built.",
                 "dcp.load fills the state dicts of the sharded model, its optimizer and scheduler: they must exist.",

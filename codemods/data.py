@@ -443,6 +443,11 @@ class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
                     differs=True,
                 )
             return
+        if facts.resolver.enclosing_function(epoch_loop) is not facts.resolver.enclosing_function(loader.stmt) and (
+                "." not in sampler):
+            # the epoch loop is another function's, reading the loader by the same name: through the loader
+            # itself, not a name of the loader's scope (in a project that function may be another module's)
+            sampler = f"{loader.name}.sampler"
         first = epoch_loop.body.body[0]
         call = f"{sampler}.set_epoch({epoch_loop.target.value})"
         if code(first) == call:

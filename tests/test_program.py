@@ -1,0 +1,167 @@
+"""The program: the entry and the project modules it reaches, converted as one (rewrite/link.py).
+
+The same training, restructured as a project, converts to the same training: main_modulelist
+is also written as a course-style project (project_course: model_builder, data_setup, engine,
+utils, a module-level entry), a Solver class that owns the run (project_solver), a thin entry
+into a package (project_thin_entry) and a Trainer whose run() builds the optimizer
+(project_trainer_method_optimizer). Each has its golden and its own execution test
+(test_golden, test_execution); the e2e test below runs each converted project and the
+converted single file under torchrun and finds the same weights. The fast tests pin the
+coverage rule: a training step the entry reaches in another module is converted where it
+lives, or refused at that step (FSR970), never left behind a "converted".
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from textwrap import dedent
+
+import pytest
+
+from fsdp2_retrofit.options import RetrofitOptions
+from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from rewrite_cases import FIXTURES, edits_siblings, project_copy
+
+PROJECTS = ["project_course", "project_solver", "project_thin_entry", "project_trainer_method_optimizer"]
+
+ENGINE = '''
+import torch
+
+
+def train(model, loader, optimizer, epochs):
+    for epoch in range(epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+        print(epoch, loss.item())
+'''
+
+ENTRY = '''
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import engine
+
+model = nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), batch_size=8, shuffle=True)
+engine.train(model, loader, optimizer, 2)
+torch.save(model.state_dict(), "model.pt")
+'''
+
+
+def _project(tmp_path: Path, files: dict) -> Path:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(dedent(text).lstrip())
+    return tmp_path / "train.py"
+
+
+def _rewrite(entry: Path):
+    return rewrite_source(entry.read_bytes(), str(entry), RetrofitOptions())
+
+
+def _by_file(result) -> dict:
+    return {Path(f.path).name: f.code.decode() for f in result.files}
+
+
+def test_a_loop_in_a_sibling_module_gets_its_sampler_and_the_entry_its_shards(tmp_path):
+    result = _rewrite(_project(tmp_path, {"engine.py": ENGINE, "train.py": ENTRY}))
+    assert not result.refusals, result.refusals
+    files = _by_file(result)
+    assert "fully_shard(model, mesh=mesh)" in files["train.py"]
+    assert "DistributedSampler" in files["train.py"]
+    assert "loader.sampler.set_epoch(epoch)" in files["engine.py"]
+    assert "import torch.distributed as dist" in files["engine.py"]  # the imports its new code reads
+    assert "engine.train(model, loader, optimizer, 2)" in files["train.py"]  # read through the module again
+    assert {Path(c.path).name for f in result.files for c in f.changes} == {"train.py", "engine.py"}
+
+
+def test_an_aliased_module_and_a_from_import_convert_the_same(tmp_path):
+    aliased = _rewrite(_project(tmp_path / "a", {"engine.py": ENGINE, "train.py": ENTRY.replace(
+        "import engine\n", "import engine as eng\n").replace("engine.train(", "eng.train(")}))
+    named = _rewrite(_project(tmp_path / "b", {"engine.py": ENGINE, "train.py": ENTRY.replace(
+        "import engine\n", "from engine import train\n").replace("engine.train(", "train(")}))
+    assert not aliased.refusals and not named.refusals
+    assert _by_file(aliased)["engine.py"] == _by_file(named)["engine.py"]
+    assert "eng.train(model, loader, optimizer, 2)" in _by_file(aliased)["train.py"]
+    assert _by_file(aliased)["train.py"].replace("eng.train(", "train(").replace(
+        "import engine as eng", "from engine import train") == _by_file(named)["train.py"]
+
+
+def test_a_step_in_a_module_that_cannot_be_linked_is_refused_at_that_step(tmp_path):
+    # `loader` bound at the top level of both files: one analysis would take one for the other
+    engine = ENGINE + "\nloader = None\n"
+    entry = _project(tmp_path, {"engine.py": engine, "train.py": ENTRY})
+    result = _rewrite(entry)
+    assert [r.code for r in result.refusals] == ["FSR970"]
+    refusal = result.refusals[0]
+    assert Path(refusal.path).name == "engine.py" and refusal.line == 9  # loss.backward()
+    assert "`loader` is bound at the top level of both" in refusal.why
+    assert result.code == result.original and not result.siblings
+
+
+def test_without_the_program_the_same_entry_would_have_been_converted(tmp_path):
+    # what the coverage rule guards against: the entry alone shards and splits its loader, while the
+    # loop that reads it is in engine.py; the linked program is what reaches the loop
+    entry = _project(tmp_path, {"engine.py": ENGINE, "train.py": ENTRY})
+    from fsdp2_retrofit.rewrite.pipeline import _rewrite_module, parse
+
+    alone = _rewrite_module(entry.read_bytes(), str(entry), RetrofitOptions(), parse(entry.read_bytes()), True)
+    assert not alone.refusals and not alone.siblings  # "converted", engine.py never seen
+    assert "set_epoch" not in alone.code.decode()
+
+
+def test_a_module_used_as_a_value_is_not_linked(tmp_path):
+    entry = ENTRY.replace("engine.train(model", "getattr(engine, 'train')(model")
+    result = _rewrite(_project(tmp_path, {"engine.py": ENGINE, "train.py": entry}))
+    assert [r.code for r in result.refusals] == ["FSR970"]
+    assert "`engine` is used as a value" in result.refusals[0].why
+
+
+def test_a_save_helper_handed_the_state_is_refused_at_its_save(tmp_path):
+    entry = _project(tmp_path, {"train.py": ENTRY.replace("import engine\n", "").replace(
+        "engine.train(model, loader, optimizer, 2)\n", "").replace(
+        'torch.save(model.state_dict(), "model.pt")',
+        'def save_checkpoint(state, filename):\n    torch.save(state, filename)\n\n\n'
+        'save_checkpoint({"epoch": 2, "state_dict": model.state_dict()}, "ckpt.pt")')})
+    result = _rewrite(entry)
+    assert [(r.code, r.line) for r in result.refusals] == [("FSR708", 10)]  # the torch.save in the helper
+
+
+def test_a_program_whose_steps_are_all_in_the_entry_is_rewritten_as_before(tmp_path):
+    utils = 'def describe(n):\n    return f"{n} steps"\n'
+    entry = ENTRY.replace("import engine\n", "import utils\n").replace(
+        "engine.train(model, loader, optimizer, 2)\n",
+        "for x, y in loader:\n    optimizer.zero_grad()\n    torch.nn.functional.mse_loss(model(x), y).backward()\n"
+        "    optimizer.step()\nprint(utils.describe(4))\n")
+    result = _rewrite(_project(tmp_path, {"utils.py": utils, "train.py": entry}))
+    assert not result.refusals and not result.siblings
+    assert "utils.describe(4)" in result.code.decode()
+
+
+# --- the same training, restructured ----------------------------------------------------
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("program_restructured")
+def test_each_project_converts_to_the_training_of_the_single_file(tmp_path):
+    from fsdp2_retrofit.verify import compare_saved, launch_distributed
+
+    args = ["--batch-size", "32", "--steps", "6"]
+    single_file = tmp_path / "single_file"
+    launch_distributed(FIXTURES / "main_modulelist" / "expected.py", ["--out", str(single_file / "out.pt"), *args],
+                       single_file, nproc=2, timeout=180)
+    for name in PROJECTS:
+        case = FIXTURES / name
+        assert edits_siblings(case), name  # every restructured shape edits a module beside the entry
+        folder = tmp_path / name
+        entry = project_copy(case, "expected.py", into=folder / "project") / "input.py"
+        launch_distributed(entry, ["--out", str(folder / "out.pt"), *args], folder, nproc=2, timeout=180)
+        same = compare_saved(single_file / "out.pt", folder / "out.pt", (), 1e-6)
+        print(f"\n{name}: saved weights vs the converted single file: {same.max_abs_diff}")
+        assert same.ok, f"{name}: {same.problem}"

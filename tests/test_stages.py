@@ -663,6 +663,19 @@ def test_cpu_offload_and_hsdp_shape_the_launch_and_the_shards():
     assert 'mesh_dim_names=("replicate", "shard")' in text and "(2, world_size // 2)" in text
 
 
+def test_hsdp_replicas_that_do_not_divide_the_ranks_stop_the_run_at_start_up_with_the_counts():
+    """--hsdp 3 launched on 2 ranks (or run as `python train.py`, one rank): the rewrite cannot
+    know the launch, so the script says it before building the mesh, and the report warns."""
+    result = rewrite(PLAIN, hsdp=3)
+    [check] = [line.strip() for line in result.code.decode().splitlines() if line.strip().startswith("assert world_size")]
+    for ranks in (1, 2, 4):
+        with pytest.raises(AssertionError, match=f"^HSDP: {ranks} ranks do not split into 3 replica groups: "
+                                                 "launch a multiple of 3$"):
+            exec(check, {"world_size": ranks})
+    exec(check, {"world_size": 6})
+    assert any("must be a multiple of 3" in c.what for c in result.changes if c.code == "launch")
+
+
 def test_a_model_compiled_where_it_is_built_is_compiled_after_sharding():
     text = out(MODEL + """
 torch.manual_seed(0)

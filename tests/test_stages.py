@@ -676,6 +676,40 @@ def test_hsdp_replicas_that_do_not_divide_the_ranks_stop_the_run_at_start_up_wit
     assert any("must be a multiple of 3" in c.what for c in result.changes if c.code == "launch")
 
 
+ALIGNED_SAVES = """
+import torch
+import torch.nn as nn
+
+
+def main():
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        loss = model(torch.randn(8, 4)).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        torch.save({"model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "step": step}, "ckpt.pt")
+    torch.save({
+        "model": model.state_dict(),
+    }, "final.pt")
+"""
+
+
+@pytest.mark.parametrize("flags, call", [({}, "dcp.save("), ({"async_checkpoint": True}, "checkpoint_future = dcp.async_save(")])
+def test_a_save_aligned_with_its_bracket_stays_aligned(flags, call):
+    """`torch.save({` becomes `dcp.save({` (2 shorter), `future = dcp.async_save({` (longer):
+    the lines aligned with the bracket move with it; a hanging indent stays as written."""
+    lines = out(ALIGNED_SAVES, **flags).splitlines()
+    first = next(i for i, line in enumerate(lines) if line.lstrip().startswith(call + '{"model"'))
+    column = lines[first].index("{") + 1
+    assert lines[first + 1].index('"optimizer"') == column and lines[first + 2].index('"step"') == column
+    hanging = next(i for i, line in enumerate(lines) if line.lstrip() == call + "{")
+    assert lines[hanging + 1] == '        "model": get_model_state_dict(model),'
+
+
 def test_a_model_compiled_where_it_is_built_is_compiled_after_sharding():
     text = out(MODEL + """
 torch.manual_seed(0)

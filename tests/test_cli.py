@@ -22,6 +22,8 @@ from fsdp2_retrofit.cli import rewrite as rewrite_cli
 from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.report import Attention, Change, InputError, Refusal, RewriteResult
 
+pytestmark = pytest.mark.smoke  # the smoke loop: README, "Running the tests"
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "fixtures/examples/train_single.py"
 CONSOLE_SCRIPT = Path(sys.executable).with_name("fsdp2-retrofit")
 

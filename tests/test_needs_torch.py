@@ -11,6 +11,8 @@ from click.testing import CliRunner
 
 from fsdp2_retrofit import cli
 
+pytestmark = pytest.mark.smoke  # the smoke loop: README, "Running the tests"
+
 
 @pytest.fixture(scope="module")
 def python_without_torch(tmp_path_factory):

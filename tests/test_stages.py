@@ -18,6 +18,8 @@ from codemods.shard import ShardModelCommand
 from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.rewrite.pipeline import rewrite_source
 
+pytestmark = pytest.mark.smoke  # the smoke loop: README, "Running the tests"
+
 MODEL = '''
 import torch
 from torch import nn, optim

@@ -678,26 +678,20 @@ def test_hsdp_replicas_that_do_not_divide_the_ranks_stop_the_run_at_start_up_wit
     assert any("must be a multiple of 3" in c.what for c in result.changes if c.code == "launch")
 
 
-ALIGNED_SAVES = """
-import torch
-import torch.nn as nn
-
-
+ALIGNED_SAVES = MODEL + '''
 def main():
-    model = nn.Linear(4, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(3):
-        loss = model(torch.randn(8, 4)).sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    for step, x in enumerate(batches):
+        model(x).sum().backward()
+        opt.step()
         torch.save({"model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
+                    "optimizer": opt.state_dict(),
                     "step": step}, "ckpt.pt")
     torch.save({
         "model": model.state_dict(),
     }, "final.pt")
-"""
+'''
 
 
 @pytest.mark.parametrize("flags, call", [({}, "dcp.save("), ({"async_checkpoint": True}, "checkpoint_future = dcp.async_save(")])

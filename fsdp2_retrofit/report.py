@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Set
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,8 @@ def launch_command(target: str) -> str:
 
 
 def render_text(result: RewriteResult, console, *, target: Optional[str] = None,
-                targets: Optional[Dict[str, str]] = None, unwritten: str = "", explain: bool = False) -> None:
+                targets: Optional[Dict[str, str]] = None, unwritten: str = "", explain: bool = False,
+                said: Optional[Set[str]] = None) -> None:
     """The human report of one rewrite, on `console` (a rich Console).
 
     One line per record, `path:line stage: what`, as ruff and black print theirs: never
@@ -162,7 +163,8 @@ def render_text(result: RewriteResult, console, *, target: Optional[str] = None,
     adds each change's why and pitfall, and each attention item's why, indented below it.
     `target` is where the result goes (default: in place), `targets` where each other file
     of the project it edits goes (default: in place); `unwritten` is the flag (`--diff`,
-    `--check`) that kept them from being written, empty when they were written. A refused
+    `--check`) that kept them from being written, empty when they were written; `said` holds
+    the notes a run printed already (each is printed once a run, then added). A refused
     file's first refusal is the error line the CLI prints, so only the further ones are
     listed here.
     """
@@ -194,7 +196,9 @@ def render_text(result: RewriteResult, console, *, target: Optional[str] = None,
             if explain:
                 _explained(console, "why", a.why)
     if result.changed:
-        for note in run_time_warnings([unit for unit, _ in shown]):
+        said = set() if said is None else said
+        for note in [n for n in run_time_warnings([unit for unit, _ in shown]) if n not in said]:
+            said.add(note)
             console.print(Text(f"note: {note}", style="dim"), soft_wrap=True)
     if not explain and (attention or any(unit.changes for unit, _ in shown)):
         console.print(Text("add --explain for why each change was made and what each attention item asks of you",

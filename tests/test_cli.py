@@ -319,6 +319,14 @@ def test_the_bundled_example_report_fits_a_screen_and_cuts_no_code():
     assert len(notes) == 2 and "returned a view tensor" in notes[0] and "existing checkpoint" in notes[1]
 
 
+@pytest.mark.pipeline
+def test_the_run_time_warnings_are_explained_once_a_run(tmp_path):
+    first, second = example_script(tmp_path), script(tmp_path, EXAMPLE.read_bytes(), "again.py")
+    err = rewrite(first, second, "--diff", "--no-cache").stderr
+    assert err.count("returned a view tensor") == 1 and err.count("existing checkpoint") == 1
+    assert err.count("would rewrite") == 2
+
+
 @pytest.mark.parametrize("flag", ["--diff", "--check"])
 def test_a_run_that_writes_nothing_says_how_to_apply_before_launching(tmp_path, fake, flag):
     """The file on disk is still the single-GPU script: the last line must not tell the user to

@@ -273,6 +273,7 @@ class _Run:
         self._stderr = None
         self._stdout = None
         self.progress = None  # cli.progress.DelayedProgress, set by the command
+        self.said: set = set()  # the report's notes printed so far: each once a run
 
     @property
     def text_report(self) -> bool:
@@ -388,7 +389,7 @@ class _Run:
     def _render(self, result: RewriteResult, targets: Dict[str, str], applied: bool) -> None:
         unwritten = "" if applied else "--diff" if self.diff else "--check"
         render_text(result, self.stderr, target=targets.get(result.path), targets=targets, unwritten=unwritten,
-                    explain=self.explain)
+                    explain=self.explain, said=self.said)
 
     def _fail(self, path: str, exc: InputError) -> None:
         self._error(path, exc.line, exc.message)

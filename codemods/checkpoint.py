@@ -30,8 +30,29 @@ DIRECTORY_NOTE = (
 )
 
 
-def _dcp_save(call: cst.Call, callee: cst.BaseExpression) -> cst.Call:
-    """`torch.save(state, path)` -> `<callee>(state, checkpoint_id=path)`."""
+class _Realign(cst.CSTTransformer):
+    """Move the continuation lines indented past `column` (aligned with an opening bracket
+    of the call's first line) by `shift` columns, so they stay aligned when the text before
+    that bracket changes length (`torch.save({` -> `dcp.save({`)."""
+
+    def __init__(self, column: int, shift: int, block: int):
+        super().__init__()
+        self.column, self.shift, self.block = column, shift, block
+
+    def leave_ParenthesizedWhitespace(self, original, updated):
+        # libcst keeps the block's indentation apart (`indent`); `column` counts from it
+        indent = updated.last_line.value
+        if indent.strip(" ") or len(indent) + (self.block if updated.indent else 0) < self.column:
+            return updated
+        return updated.with_changes(last_line=cst.SimpleWhitespace(" " * max(0, len(indent) - self.shift)))
+
+
+def _dcp_save(call: cst.Call, callee: cst.BaseExpression, align: Optional[Tuple[int, int, int]] = None) -> cst.Call:
+    """`torch.save(state, path)` -> `<callee>(state, checkpoint_id=path)`; `align`: (the column
+    after the call's `(`, how much shorter the text before it got, the block's indentation),
+    see `_Realign`."""
+    if align is not None and align[1]:
+        call = call.with_changes(args=[a.visit(_Realign(*align)) for a in call.args])
     state, path = call.args[0], call.args[1]
     return call.with_changes(
         func=callee,
@@ -164,8 +185,11 @@ class ConvertSavesCommand(RetrofitStage):
             self.future = self.future or self.fresh_name(FUTURE, scope)
             self.group = self.fresh_name(GROUP, scope)
             callee, group, future = self.expr("dcp.async_save"), self.group, self.future
+            assigned = f"{future} = " if isinstance(stmt, cst.SimpleStatementLine) and isinstance(
+                stmt.body[0], cst.Expr) else ""
+            align = self._alignment(call, f"{assigned}dcp.async_save", facts)
             editor.replace_expression(call, lambda updated: with_keyword(
-                _dcp_save(updated, callee), "process_group", cst.Name(group)))
+                _dcp_save(updated, callee, align), "process_group", cst.Name(group)))
             editor.replace_expression(stmt, lambda updated: _assigned_to(updated, future))
             self._async.add(stmt)
             wait = self.stmt(f"if {self.future} is not None:\n    {self.future}.result()\n")
@@ -173,7 +197,8 @@ class ConvertSavesCommand(RetrofitStage):
             how = "dcp.async_save (after waiting for the previous save)"
         else:
             callee = self.expr("dcp.save")
-            editor.replace_expression(call, lambda updated: _dcp_save(updated, callee))
+            align = self._alignment(call, "dcp.save", facts)
+            editor.replace_expression(call, lambda updated: _dcp_save(updated, callee, align))
             how = "dcp.save"
         aside = self._keep_single_gpu_file(site, facts)
         self.change(
@@ -184,6 +209,20 @@ class ConvertSavesCommand(RetrofitStage):
             "torch.save of sharded state writes one rank's DTensor shards, not a loadable model; dcp.save "
             "where a file is fails (FileExistsError) after the training up to it",
         )
+
+    @staticmethod
+    def _alignment(call: cst.Call, callee: str, facts: ScriptFacts) -> Optional[Tuple[int, int, int]]:
+        """For a save written over several lines: the column after its `(`, how much shorter
+        `callee` is than what it replaces, and the indentation of the line it starts on
+        (None on one line: nothing to align)."""
+        if "\n" not in code(call):
+            return None
+        pos = facts.resolver.position(call)
+        if pos is None:
+            return None
+        first = facts.resolver.module.code_for_node(facts.resolver.module).splitlines()[pos.start.line - 1]
+        before = code(call.func)
+        return pos.start.column + len(before) + 1, len(before) - len(callee), len(first) - len(first.lstrip())
 
     def _keep_single_gpu_file(self, site: SaveSite, facts: ScriptFacts) -> str:
         """Before a DCP save: a file at its path (the single-GPU script's checkpoint, left by an

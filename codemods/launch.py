@@ -32,7 +32,7 @@ else:  # plain `python train.py`: a process group of this one process
 MESH = """{mesh} = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", ({world_size},))\n"""
 # HSDP: a named 2-D mesh, replicas x shards; fully_shard replicates over dim 0 and shards over dim 1
 HSDP_MESH = """\
-assert {world_size} % {replicas} == 0, "HSDP: the number of ranks must be a multiple of {replicas} replicas"
+assert {world_size} % {replicas} == 0, f"HSDP: {{{world_size}}} ranks do not split into {replicas} replica groups: launch a multiple of {replicas}"
 {mesh} = init_device_mesh(
     "cuda" if torch.cuda.is_available() else "cpu",
     ({replicas}, {world_size} // {replicas}),
@@ -114,7 +114,8 @@ class LaunchDistributedCommand(RetrofitStage):
             "read LOCAL_RANK, set the CUDA device, init the process group ("
             + ("cpu:gloo,cuda:nccl for CPU offload" if self.options.cpu_offload else "nccl")
             + ", or gloo without CUDA), "
-            + (f"build a 2-D (replicate, shard) device mesh of {self.options.hsdp} replicas for HSDP"
+            + (f"build a 2-D (replicate, shard) device mesh of {self.options.hsdp} replicas for HSDP (the number "
+               f"of ranks must be a multiple of {self.options.hsdp}: an assert says so at start-up)"
                if self.options.hsdp else "build a 1-D device mesh over all ranks"),
             "torchrun starts one process per GPU; each must pick its own device before any CUDA work",
             "every rank on GPU 0 (hang or OOM) when set_device is missing",

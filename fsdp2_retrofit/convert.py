@@ -71,8 +71,8 @@ def convert(src: str, dst: str, *, force: bool = False, trust_pickle: bool = Fal
 def _torch():
     try:
         import torch
-    except ImportError:
-        raise ConvertError("convert needs torch (>= 2.6) in this environment: pip install torch") from None
+    except ImportError as exc:  # found but broken (a missing shared library, a half install)
+        raise ConvertError(f"convert cannot import torch: {exc}") from None
     found = tuple(int(p) for p in re.findall(r"\d+", torch.__version__)[:2])
     if found < MIN_TORCH:
         raise ConvertError(f"convert needs torch >= 2.6 (torch.distributed.checkpoint.format_utils); found {torch.__version__}")

@@ -1,9 +1,9 @@
-"""Change / Refusal records, and how they are shown (rich table, JSON, unified diff)."""
+"""Change / Refusal records, and how they are shown (one line per record, JSON, unified diff)."""
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Set
 
 
 @dataclass(frozen=True)
@@ -154,40 +154,55 @@ def launch_command(target: str) -> str:
 
 
 def render_text(result: RewriteResult, console, *, target: Optional[str] = None,
-                targets: Optional[Dict[str, str]] = None, unwritten: str = "") -> None:
+                targets: Optional[Dict[str, str]] = None, unwritten: str = "", explain: bool = False,
+                said: Optional[Set[str]] = None) -> None:
     """The human report of one rewrite, on `console` (a rich Console).
 
+    One line per record, `path:line stage: what`, as ruff and black print theirs: never
+    wrapped into cells nor cut, so code in it stays whole and `grep` finds it. `explain`
+    adds each change's why and pitfall, and each attention item's why, indented below it.
     `target` is where the result goes (default: in place), `targets` where each other file
     of the project it edits goes (default: in place); `unwritten` is the flag (`--diff`,
-    `--check`) that kept them from being written, empty when they were written. A refused
+    `--check`) that kept them from being written, empty when they were written; `said` holds
+    the notes a run printed already (each is printed once a run, then added). A refused
     file's first refusal is the error line the CLI prints, so only the further ones are
     listed here.
     """
-    from rich.table import Table
     from rich.text import Text
 
     target = target or result.path
     if result.refusals:
         if len(result.refusals) > 1:
-            title = f"{result.path}: further refusals (file left unchanged)"
-            table = Table(title=title, title_justify="left", title_style="bold red", expand=False)
-            table.add_column("line", justify="right", style="cyan", no_wrap=True)
-            table.add_column("what")
-            table.add_column("why")
+            console.print(Text(f"{result.path}: further refusals (file left unchanged)", style="bold red"),
+                          soft_wrap=True)
             for r in result.refusals[1:]:
-                why = Text(r.why)
+                code = f"{r.code} " if r.code else ""
+                _line(console, r.path, r.line, Text(f"{code}{r.what}: {r.why}"))
                 if r.hint:
-                    why.append(f"\nhint: {r.hint}", style="italic")
-                table.add_row(str(r.line), Text(f"{r.code} {r.what}" if r.code else r.what), why)
-            console.print(table)
+                    console.print(Text(f"  hint: {r.hint}", style="italic"), soft_wrap=True)
         return
 
     targets = targets or {}
     applied = not unwritten
-    _render_file(result, console, target, applied)
-    for sibling in result.siblings:
-        if sibling.code != sibling.original:
-            _render_file(sibling, console, targets.get(sibling.path, sibling.path), applied)
+    shown = [(result, target)] + [(s, targets.get(s.path, s.path)) for s in result.siblings if s.code != s.original]
+    for unit, dest in shown:
+        _render_file(unit, console, dest, applied, explain)
+    attention = [a for unit, _ in shown for a in unit.attention]
+    if attention:
+        console.print(Text(f"needs attention ({len(attention)}):", style="bold yellow"), soft_wrap=True)
+        for a in attention:
+            what = Text("training differs: ", style="bold red") + Text(a.what) if a.differs else Text(a.what)
+            _line(console, a.path, a.line, what, a.code)
+            if explain:
+                _explained(console, "why", a.why)
+    if result.changed:
+        said = set() if said is None else said
+        for note in [n for n in run_time_warnings([unit for unit, _ in shown]) if n not in said]:
+            said.add(note)
+            console.print(Text(f"note: {note}", style="dim"), soft_wrap=True)
+    if not explain and (attention or any(unit.changes for unit, _ in shown)):
+        console.print(Text("add --explain for why each change was made and what each attention item asks of you",
+                           style="dim"), soft_wrap=True)
 
     if result.changed and unwritten:
         # the file on disk is still the single-GPU script: launching it now would not be the rewrite
@@ -201,9 +216,41 @@ def render_text(result: RewriteResult, console, *, target: Optional[str] = None,
         console.print(Text.assemble("  on several nodes, on each: ", multi_node(target)), soft_wrap=True)
 
 
-def _render_file(result: RewriteResult, console, target: str, applied: bool) -> None:
-    """The heading and tables of one file of a rewrite."""
-    from rich.table import Table
+# What a rewritten script's run prints on every rank that is no fault, and the text in the
+# output that makes it print it: said once, under the report, so nobody chases it.
+_RUN_TIME_WARNINGS = (
+    (("fully_shard(",),
+     "each rank may warn 'FSDP2-wrapped module (...) returned a view tensor' where a forward returns a view "
+     "(`x.view(...)`, a slice): harmless unless the caller changes that output in place (`out += y`)"),
+    (("dcp.save(", "dcp.async_save("),
+     "each rank warns 'Detected an existing checkpoint in ..., overwriting' when a DCP save writes a directory "
+     "an earlier save or run wrote: expected for a checkpoint saved again at the same path"),
+)
+
+
+def run_time_warnings(units: Sequence[RewriteResult]) -> List[str]:
+    """The notes on the warnings the rewritten files will print when they run."""
+    text = b"\n".join(u.code for u in units)
+    return [note for needles, note in _RUN_TIME_WARNINGS if any(n.encode() in text for n in needles)]
+
+
+def _line(console, path: str, line: int, what, code: str = "") -> None:
+    """One record: `path:line stage: what`, in one line however long (the terminal wraps it)."""
+    from rich.text import Text
+
+    where = Text(f"{path}:{line}" if line else path, style="cyan")
+    console.print(Text.assemble(where, (f" {code}" if code else "", "magenta"), ": ", what), soft_wrap=True)
+
+
+def _explained(console, label: str, text: str) -> None:
+    from rich.text import Text
+
+    if text:
+        console.print(Text(f"    {label}: {text}", style="italic" if label == "pitfall" else ""), soft_wrap=True)
+
+
+def _render_file(result: RewriteResult, console, target: str, applied: bool, explain: bool) -> None:
+    """The heading and change lines of one file of a rewrite."""
     from rich.text import Text
 
     dest = "" if target == result.path else f" -> {target}"
@@ -213,30 +260,11 @@ def _render_file(result: RewriteResult, console, target: str, applied: bool) -> 
         console.print(Text(f"{verb} {result.path}{dest} ({count})", style="bold green"), soft_wrap=True)
     else:
         console.print(Text(f"{result.path}: nothing to change{dest}", style="bold"), soft_wrap=True)
-
-    if result.changes:
-        table = Table(expand=False, show_lines=True)
-        table.add_column("line", justify="right", style="cyan", no_wrap=True)
-        table.add_column("stage", style="magenta", no_wrap=True)
-        table.add_column("what")
-        table.add_column("why")
-        for c in result.changes:
-            why = Text(c.why)
-            if c.pitfall:
-                why.append(f"\npitfall: {c.pitfall}", style="italic")
-            table.add_row(str(c.line), c.code, Text(c.what), why)
-        console.print(table)
-
-    if result.attention:
-        table = Table(title="needs attention", title_justify="left", title_style="bold yellow", expand=False)
-        table.add_column("line", justify="right", style="cyan", no_wrap=True)
-        table.add_column("stage", style="magenta", no_wrap=True)
-        table.add_column("what")
-        table.add_column("why")
-        for a in result.attention:
-            what = Text("training differs: ", style="bold red") + Text(a.what) if a.differs else Text(a.what)
-            table.add_row(str(a.line), a.code, what, Text(a.why))
-        console.print(table)
+    for c in result.changes:
+        _line(console, c.path, c.line, Text(c.what), c.code)
+        if explain:
+            _explained(console, "why", c.why)
+            _explained(console, "pitfall", c.pitfall)
 
 
 def render_diff(diff: str, console) -> None:

@@ -15,6 +15,8 @@ from fsdp2_retrofit import cli
 from fsdp2_retrofit.check.lint import lint_source
 from fsdp2_retrofit.check.rules import all_rules
 
+pytestmark = pytest.mark.smoke  # the smoke loop: README, "Running the tests"
+
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_FIXTURES = sorted((ROOT / "fixtures" / "check").glob("*.py"))
 REWRITE_FIXTURES = sorted((ROOT / "fixtures" / "rewrite").glob("*/*.py"))
@@ -119,6 +121,20 @@ def test_text_output_and_exit_code(tmp_path):
         "[*] 1 fixable with the `--fix` option.",
         "(1 hidden fix can be enabled with the `--unsafe-fixes` option.)",
     ]
+
+
+def test_an_empty_file_is_clean_for_check_and_an_error_for_rewrite(tmp_path):
+    """Deliberately different (README, the exit codes of both): `check` lints whatever files it
+    is given, and an empty `__init__.py` is ordinary in a package, so it has no finding (exit
+    0, like ruff); `rewrite` is asked to convert one training script, and a file with none
+    in it (empty, or with no model) is an error (exit 2), so a wrong path is not mistaken for
+    a converted script."""
+    (tmp_path / "__init__.py").write_text("")
+    result = _invoke([str(tmp_path / "__init__.py")])
+    assert (result.exit_code, result.output) == (0, "All checks passed!\n")
+    rewrite = CliRunner().invoke(cli.main, ["rewrite", str(tmp_path / "__init__.py"), "--no-cache"])
+    assert rewrite.exit_code == 2
+    assert rewrite.stderr == f"{tmp_path / '__init__.py'}: empty file: nothing to retrofit\n"
 
 
 def test_clean_files_exit_0_and_a_run_that_checks_no_file_says_so_and_exits_2(tmp_path):

@@ -8,6 +8,7 @@ error lines, the console script on the example script).
 from __future__ import annotations
 
 import json
+import os
 import stat
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from fsdp2_retrofit import cli
 from fsdp2_retrofit.cli import rewrite as rewrite_cli
 from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.report import Attention, Change, InputError, Refusal, RewriteResult
+
+pytestmark = pytest.mark.smoke  # the smoke loop: README, "Running the tests"
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "fixtures/examples/train_single.py"
 CONSOLE_SCRIPT = Path(sys.executable).with_name("fsdp2-retrofit")
@@ -258,13 +261,70 @@ def test_diff_and_check_show_and_exit_1(tmp_path, fake):
 def test_text_report_lists_changes_attention_and_launch(tmp_path, fake):
     path = script(tmp_path)
     result = rewrite(path)
-    err = result.stderr
-    assert "start the process group" in err
-    assert "torchrun runs one process per GPU" in err
-    assert "pitfall: all ranks on GPU 0" in err
-    assert "needs attention" in err and "torch.save(model[0])" in err  # brackets are not markup
-    assert f"torchrun --nproc_per_node=<gpus> {path}" in err
+    lines = result.stderr.splitlines()
+    assert f"{path}:1 launch: start the process group" in lines  # one line per change, ruff's `file:line`
+    assert "needs attention (1):" in lines
+    assert f"{path}:11 save: torch.save(model[0])" in lines  # brackets are not markup
+    assert "torchrun runs one process per GPU" not in result.stderr  # the why is behind --explain
+    assert "each rank holds a shard" not in result.stderr
+    assert any("--explain" in line for line in lines)
+    assert f"torchrun --nproc_per_node=<gpus> {path}" in result.stderr
     assert result.stdout == ""
+
+
+def test_explain_says_why_and_the_pitfall_under_each_line(tmp_path, fake):
+    path = script(tmp_path)
+    lines = rewrite(path, "--explain").stderr.splitlines()
+    change = lines.index(f"{path}:1 launch: start the process group")
+    assert lines[change + 1:change + 3] == ["    why: torchrun runs one process per GPU", "    pitfall: all ranks on GPU 0"]
+    attention = lines.index(f"{path}:11 save: torch.save(model[0])")
+    assert lines[attention + 1] == "    why: each rank holds a shard"
+    assert not any("--explain" in line for line in lines)  # no hint to pass what was passed
+    data = json.loads(rewrite(script(tmp_path, name="again.py"), "--explain", "--report", "json").stdout)
+    assert data[0]["changes"][0]["why"] == "torchrun runs one process per GPU"  # JSON as ever
+
+
+def test_further_refusals_are_one_line_each(tmp_path, monkeypatch):
+    refusals = [Refusal(2, "first", "a"), Refusal(5, "cannot shard `blocks[0]`", "a long reason " * 12, "pass --shard X",
+                                                    code="FSR101")]
+    monkeypatch.setattr(rewrite_cli, "rewrite_source",
+                        lambda source, path, options: RewriteResult(path, source, source, [], [], refusals))
+    path = script(tmp_path)
+    result = rewrite(path)
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert lines[0] == f"{path}:2: first: a"
+    assert f"{path}:5: FSR101 cannot shard `blocks[0]`: {'a long reason ' * 12}".rstrip() in [l.rstrip() for l in lines]
+    assert "  hint: pass --shard X" in lines
+    assert "…" not in result.stderr
+
+
+@pytest.mark.pipeline
+def test_the_bundled_example_report_fits_a_screen_and_cuts_no_code():
+    """The README's first command: its report is one line per change, at most 50 lines on an
+    80-column terminal, no cell cut with "…"; what the run will warn is said once."""
+    example = "fixtures/rewrite/main_modulelist/input.py"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "fsdp2_retrofit", "rewrite", example, "--diff", "--no-cache"],
+                          cwd=root, capture_output=True, text=True, env={**os.environ, "COLUMNS": "80"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert sum(max(1, -(-len(line) // 80)) for line in lines) <= 50
+    assert "…" not in proc.stderr
+    changes = [line for line in lines if line.startswith(f"{example}:")]
+    assert len(changes) == int(lines[0].rsplit("(", 1)[1].split()[0]) == 10
+    assert f"{example}:63 forward_calls: `model.forward(...)` -> `model(...)`" in changes
+    assert any("get_model_state_dict(...); `args.out` is now a checkpoint directory" in line for line in changes)
+    notes = [line for line in lines if line.startswith("note: ")]
+    assert len(notes) == 2 and "returned a view tensor" in notes[0] and "existing checkpoint" in notes[1]
+
+
+@pytest.mark.pipeline
+def test_the_run_time_warnings_are_explained_once_a_run(tmp_path):
+    first, second = example_script(tmp_path), script(tmp_path, EXAMPLE.read_bytes(), "again.py")
+    err = rewrite(first, second, "--diff", "--no-cache").stderr
+    assert err.count("returned a view tensor") == 1 and err.count("existing checkpoint") == 1
+    assert err.count("would rewrite") == 2
 
 
 @pytest.mark.parametrize("flag", ["--diff", "--check"])

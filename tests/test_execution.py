@@ -128,7 +128,11 @@ def _expected(case: Path, directory: Path) -> Path:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("case", [c for c in _cases() if _mode(c) == "parity"], ids=lambda p: p.name)
+@pytest.mark.parametrize("case", [
+    # the bundled example of the README's first command: the smoke loop's one torchrun run
+    pytest.param(c, marks=pytest.mark.smoke) if c.name == "main_modulelist" else c
+    for c in _cases() if _mode(c) == "parity"
+], ids=lambda p: p.name)
 def test_retrofit_trains_like_the_original(case: Path, tmp_path: Path):
     if not (case / "expected.py").is_file():
         pytest.skip(f"{case.name}: no expected.py yet (the rewriter generates it)")

@@ -15,6 +15,8 @@ import pytest
 from fsdp2_retrofit.report import unified_diff
 from rewrite_cases import FIXTURES, case_config, case_params, rewrite_case, sibling_goldens
 
+pytestmark = pytest.mark.smoke  # the smoke loop: README, "Running the tests"
+
 
 @pytest.mark.parametrize("case", case_params())
 def test_fixture_rewrites_to_expected(case: Path):

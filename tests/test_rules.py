@@ -7,6 +7,8 @@ import pytest
 from fsdp2_retrofit.check.lint import lint_source
 from fsdp2_retrofit.check.rules import all_rules
 
+pytestmark = pytest.mark.smoke  # the smoke loop: README, "Running the tests"
+
 RULES = all_rules()
 VALID = [(r, i, c) for r in RULES for i, c in enumerate(r.VALID)]
 INVALID = [(r, i, c) for r in RULES for i, c in enumerate(r.INVALID)]

@@ -18,6 +18,8 @@ from codemods.shard import ShardModelCommand
 from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.rewrite.pipeline import rewrite_source
 
+pytestmark = pytest.mark.smoke  # the smoke loop: README, "Running the tests"
+
 MODEL = '''
 import torch
 from torch import nn, optim
@@ -661,6 +663,47 @@ def test_cpu_offload_and_hsdp_shape_the_launch_and_the_shards():
     assert "offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())\n" in text
     assert text.count("offload_policy=offload_policy") == 2
     assert 'mesh_dim_names=("replicate", "shard")' in text and "(2, world_size // 2)" in text
+
+
+def test_hsdp_replicas_that_do_not_divide_the_ranks_stop_the_run_at_start_up_with_the_counts():
+    """--hsdp 3 launched on 2 ranks (or run as `python train.py`, one rank): the rewrite cannot
+    know the launch, so the script says it before building the mesh, and the report warns."""
+    result = rewrite(PLAIN, hsdp=3)
+    [check] = [line.strip() for line in result.code.decode().splitlines() if line.strip().startswith("assert world_size")]
+    for ranks in (1, 2, 4):
+        with pytest.raises(AssertionError, match=f"^HSDP: {ranks} ranks do not split into 3 replica groups: "
+                                                 "launch a multiple of 3$"):
+            exec(check, {"world_size": ranks})
+    exec(check, {"world_size": 6})
+    assert any("must be a multiple of 3" in c.what for c in result.changes if c.code == "launch")
+
+
+ALIGNED_SAVES = MODEL + '''
+def main():
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    for step, x in enumerate(batches):
+        model(x).sum().backward()
+        opt.step()
+        torch.save({"model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "step": step}, "ckpt.pt")
+    torch.save({
+        "model": model.state_dict(),
+    }, "final.pt")
+'''
+
+
+@pytest.mark.parametrize("flags, call", [({}, "dcp.save("), ({"async_checkpoint": True}, "checkpoint_future = dcp.async_save(")])
+def test_a_save_aligned_with_its_bracket_stays_aligned(flags, call):
+    """`torch.save({` becomes `dcp.save({` (2 shorter), `future = dcp.async_save({` (longer):
+    the lines aligned with the bracket move with it; a hanging indent stays as written."""
+    lines = out(ALIGNED_SAVES, **flags).splitlines()
+    first = next(i for i, line in enumerate(lines) if line.lstrip().startswith(call + '{"model"'))
+    column = lines[first].index("{") + 1
+    assert lines[first + 1].index('"optimizer"') == column and lines[first + 2].index('"step"') == column
+    hanging = next(i for i, line in enumerate(lines) if line.lstrip() == call + "{")
+    assert lines[hanging + 1] == '        "model": get_model_state_dict(model),'
 
 
 def test_a_model_compiled_where_it_is_built_is_compiled_after_sharding():

@@ -57,7 +57,13 @@ Examples:
 @click.pass_context
 def convert_command(ctx: click.Context, src: str, dst: str, force: bool, trust_pickle: bool, quiet: bool) -> None:
     from fsdp2_retrofit.convert import ConvertError, convert
+    from fsdp2_retrofit.torch_env import install_hint, missing_torch
 
+    missing = missing_torch("convert")  # said first: no other answer helps without it
+    if missing:
+        click.echo(f"error: {missing}", err=True)
+        click.echo(install_hint(), err=True)
+        ctx.exit(EXIT_ERROR)
     try:
         done = convert(src, dst, force=force, trust_pickle=trust_pickle)
     except ConvertError as exc:

@@ -42,7 +42,7 @@ fully_shard (repeated blocks first, then the root), builds the optimizer from
 the sharded parameters, gives the DataLoader a DistributedSampler, and makes
 saving and logging safe on many ranks, keeping your names, comments and
 formatting.
-A report lists every change with the reason for it. A script that cannot be
+A report lists every change, one line each (--explain: with the reason for it). A script that cannot be
 converted safely is refused and left untouched. Run the result with
 `torchrun --nproc_per_node=<gpus> SCRIPT`.
 
@@ -76,7 +76,12 @@ Examples:
 )
 @click.option(
     "--report", "report_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
-    help="Report format: a table per file on stderr, or JSON on stdout (stderr with --diff).",
+    help="Report format: one line per change on stderr, or JSON on stdout (stderr with --diff).",
+)
+@click.option(
+    "--explain", is_flag=True,
+    help="In the text report, say under each change why it was made and the pitfall it avoids, and under each "
+    "attention item why it needs you.",
 )
 @click.option(
     "--keep-global-batch", is_flag=True,
@@ -177,6 +182,7 @@ def rewrite_command(
     emit_slurm: Optional[str],
     meta_init: bool,
     report_format: str,
+    explain: bool,
     export: str,
     async_checkpoint: bool,
     quiet: bool,
@@ -208,6 +214,7 @@ def rewrite_command(
         check=check,
         quiet=quiet,
         report_format=report_format,
+        explain=explain,
         use_cache=not no_cache,
     )
     from fsdp2_retrofit.cli import progress
@@ -256,6 +263,7 @@ class _Run:
     check: bool
     quiet: bool
     report_format: str
+    explain: bool = False
     use_cache: bool = True
 
     def __post_init__(self) -> None:
@@ -265,6 +273,7 @@ class _Run:
         self._stderr = None
         self._stdout = None
         self.progress = None  # cli.progress.DelayedProgress, set by the command
+        self.said: set = set()  # the report's notes printed so far: each once a run
 
     @property
     def text_report(self) -> bool:
@@ -379,7 +388,8 @@ class _Run:
 
     def _render(self, result: RewriteResult, targets: Dict[str, str], applied: bool) -> None:
         unwritten = "" if applied else "--diff" if self.diff else "--check"
-        render_text(result, self.stderr, target=targets.get(result.path), targets=targets, unwritten=unwritten)
+        render_text(result, self.stderr, target=targets.get(result.path), targets=targets, unwritten=unwritten,
+                    explain=self.explain, said=self.said)
 
     def _fail(self, path: str, exc: InputError) -> None:
         self._error(path, exc.line, exc.message)

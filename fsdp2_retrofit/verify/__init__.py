@@ -999,6 +999,7 @@ def verify(settings: VerifySettings, console=None) -> int:
     root, cleanup = None, False
     try:
         try:
+            _needs_torch(settings.python)
             root, cleanup = _work_root(settings)
             verdict = _run_and_compare(settings, root)
         except VerifyError as exc:
@@ -1017,6 +1018,16 @@ def verify(settings: VerifySettings, console=None) -> int:
     finally:
         if cleanup and root is not None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _needs_torch(python: str) -> None:
+    """Both runs import torch (and the instrumentation does, at start-up): without it in
+    `python` nothing else verify could say helps, so it is said first."""
+    from fsdp2_retrofit.torch_env import install_hint, missing_torch
+
+    missing = missing_torch("verify", python)
+    if missing:
+        raise VerifyError(missing, install_hint(python))
 
 
 RUN_FOLDERS = ("single", "dist", "retrofitted", "single-epochs")  # what verify writes in its work directory

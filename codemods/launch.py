@@ -393,6 +393,8 @@ class LaunchDistributedCommand(RetrofitStage):
     def _first_torch_statement(self, block, facts: ScriptFacts):
         """The first statement of the entry block that touches torch or builds the model."""
         model_names = {m.name for m in facts.models + facts.copies + facts.frozen_models}
+        # `self.model = Net()` in a Solver's __init__: the build itself (names_in sees `self`, not `self.model`)
+        builds = {id(node) for m in facts.models + facts.copies + facts.frozen_models for node in (m.stmt, m.top)}
         # `run_dir = ...time.strftime(...)` reaching a path every rank uses: rank 0's value is
         # broadcast right after it (codemods/shared_names.py), so the group starts before it
         named = {id(rec.binding) for rec in rank_local_names(facts) if every_rank_binds(rec, facts)}
@@ -410,7 +412,7 @@ class LaunchDistributedCommand(RetrofitStage):
                 continue
             if _is_docstring(stmt) or is_main_guard(stmt):
                 continue
-            if _touches_torch(stmt, facts) or names_in(stmt) & model_names:
+            if _touches_torch(stmt, facts) or names_in(stmt) & model_names or id(stmt) in builds:
                 return stmt
             if named and any(id(node) in named for node in walk(stmt)):
                 return stmt

@@ -195,7 +195,9 @@ def render_text(result: RewriteResult, console, *, target: Optional[str] = None,
             _line(console, a.path, a.line, what, a.code)
             if explain:
                 _explained(console, "why", a.why)
-    if result.changed:
+    # a thin entry into a package: the entry stays, the modules it reaches change; it is still what is launched
+    changed = bool(result.changed_files)
+    if changed:
         said = set() if said is None else said
         for note in [n for n in run_time_warnings([unit for unit, _ in shown]) if n not in said]:
             said.add(note)
@@ -204,12 +206,13 @@ def render_text(result: RewriteResult, console, *, target: Optional[str] = None,
         console.print(Text("add --explain for why each change was made and what each attention item asks of you",
                            style="dim"), soft_wrap=True)
 
-    if result.changed and unwritten:
+    if changed and unwritten:
         # the file on disk is still the single-GPU script: launching it now would not be the rewrite
+        what = target if result.changed else f"the modules {target} reaches"
         console.print(Text.assemble(
-            f"nothing written ({unwritten}): to write {target}, run the same command without {unwritten}; "
+            f"nothing written ({unwritten}): to write {what}, run the same command without {unwritten}; "
             "then launch with: ", (launch_command(target), "bold")), soft_wrap=True)
-    elif result.changed:
+    elif changed:
         from fsdp2_retrofit.rewrite.launch_commands import multi_node
 
         console.print(Text.assemble("launch with: ", (launch_command(target), "bold")), soft_wrap=True)

@@ -376,16 +376,31 @@ opt = optim.SGD(model.parameters(), lr=0.1)
     assert "model = Net().cuda() if use_cuda else Net()\nfor index, block in enumerate(model.blocks):" in code
 
 
-def test_a_trainer_class_holding_the_optimizer_is_refused_with_the_reason():
-    result = rewrite(MODEL + '''
+def test_a_trainer_class_that_builds_its_model_and_optimizer_is_converted_in_its_method():
+    # was FSR610 (the optimizer's model not followed); a Solver that owns the run is a common project shape
+    code = out(MODEL + '''
 
 class Trainer:
     def __init__(self):
         self.model = Net()
         self.optimizer = optim.SGD(self.model.parameters(), lr=0.1)
 ''')
+    init = code[code.index("class Trainer:"):]
+    assert init.index("dist.init_process_group(") < init.index("mesh = init_device_mesh(") < init.index(
+        "self.model = Net()") < init.index("fully_shard(self.model, mesh=mesh)") < init.index("self.optimizer = optim")
+    assert "destroy_process_group" not in code  # the group outlives __init__
+
+
+def test_a_trainer_class_optimizer_of_a_model_it_cannot_follow_is_refused_with_the_reason():
+    result = rewrite(MODEL + '''
+
+class Trainer:
+    def __init__(self, make):
+        self.model = make()
+        self.optimizer = optim.SGD(self.model.parameters(), lr=0.1)
+''')
     assert result.refusals[0].what == ("the optimizer is built inside class Trainer from parameters the rewrite "
-                                       "cannot follow to a model the script builds")  # the class builds the model
+                                       "cannot follow to a model the script builds")
     assert result.refusals[0].line == 28
 
 

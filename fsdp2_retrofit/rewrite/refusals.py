@@ -4,7 +4,7 @@ A refusal leaves the whole file unchanged (exit 2). Codes are `FSR` + three digi
 the first digit the stage that refuses, in pipeline order: 1 migrate_spawn,
 2 migrate_ddp, 3 migrate_fsdp1, 4 launch, 5 meta_init (--meta-init), 6 shard,
 7 checkpoint and library_saves, 8 resume, 9 data, zero_grad (FSR95x) and loss_scale
-(FSR96x). A code names one kind of refusal; the message names the construct in the
+(FSR96x), 97x the program (a step in a module the entry reaches). A code names one kind of refusal; the message names the construct in the
 script (`fsdp2-retrofit rules FSR101`).
 Codes are never reused for something else.
 """

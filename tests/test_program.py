@@ -116,6 +116,27 @@ def test_without_the_program_the_same_entry_would_have_been_converted(tmp_path):
     assert "set_epoch" not in alone.code.decode()
 
 
+def test_a_project_import_under_the_main_guard_is_linked_and_put_back(tmp_path):
+    entry = ENTRY.replace("import engine\n", "").replace(
+        "engine.train(model, loader, optimizer, 2)\n",
+        'if __name__ == "__main__":\n    from engine import train\n\n    train(model, loader, optimizer, 2)\n')
+    result = _rewrite(_project(tmp_path, {"engine.py": ENGINE, "train.py": entry}))
+    assert not result.refusals, result.refusals
+    files = _by_file(result)
+    assert '    from engine import train\n\n    train(model, loader, optimizer, 2)' in files["train.py"]
+    assert "__fsdp2_link__" not in files["train.py"] + files["engine.py"]
+    assert "loader.sampler.set_epoch(epoch)" in files["engine.py"]
+
+
+def test_a_nested_import_of_a_module_and_a_library_in_one_statement_is_refused_at_the_step(tmp_path):
+    entry = ENTRY.replace("import engine\n", "").replace(
+        "engine.train(model, loader, optimizer, 2)\n",
+        'if __name__ == "__main__":\n    import os, engine\n\n    engine.train(model, loader, optimizer, 2)\n')
+    result = _rewrite(_project(tmp_path, {"engine.py": ENGINE, "train.py": entry}))
+    assert [(r.code, Path(r.path).name) for r in result.refusals] == [("FSR970", "engine.py")]
+    assert "a project module and a library in one statement" in result.refusals[0].why
+
+
 def test_a_module_used_as_a_value_is_not_linked(tmp_path):
     entry = ENTRY.replace("engine.train(model", "getattr(engine, 'train')(model")
     result = _rewrite(_project(tmp_path, {"engine.py": ENGINE, "train.py": entry}))

@@ -47,6 +47,9 @@ class ModuleFile:
     data: bytes
     # top-level statement index -> the project imports it makes
     imports: Dict[int, List[ProjectImport]] = field(default_factory=dict)
+    # (line, import, its statement) of the project imports made inside a function or a block
+    # (`if __name__ == "__main__": from pkg.train import train`)
+    nested: List[Tuple[int, ProjectImport, cst.SimpleStatementLine]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -77,12 +80,20 @@ class Program:
     def _visit(self, path: str, module: cst.Module, data: bytes, stack: List[str]) -> None:
         here = ModuleFile(path, module, data)
         self.files[path] = here
+        reached: List[ProjectImport] = []
+        positions: list = []  # resolved once, on the first nested import
         for index, stmt in enumerate(module.body):
             found = list(self._project_imports(path, stmt))
-            if not found:
-                continue
-            here.imports[index] = found
-            for imp in found:
+            if found:
+                here.imports[index] = found
+                reached.extend(found)
+            elif not isinstance(stmt, cst.SimpleStatementLine) and b"import" in data:
+                for line, inner in _nested_imports(module, stmt, positions):
+                    for imp in self._project_imports(path, inner):
+                        here.nested.append((line, imp, inner))
+                        reached.append(imp)
+        if reached:
+            for imp in reached:
                 if imp.path in self.files or imp.path in stack:
                     continue
                 if len(self.files) >= MAX_MODULES:
@@ -145,6 +156,24 @@ class Program:
                 continue
             out.extend(_steps(path, mod.module))
         return out
+
+
+def _nested_imports(module: cst.Module, stmt, positions: list) -> Iterator[Tuple[int, cst.SimpleStatementLine]]:
+    """(line, statement) of the import statements inside a top-level compound statement."""
+    found: List[cst.SimpleStatementLine] = []
+
+    class _Find(cst.CSTVisitor):
+        def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
+            if any(isinstance(small, (cst.Import, cst.ImportFrom)) for small in node.body):
+                found.append(node)
+
+    stmt.visit(_Find())
+    if not found:
+        return
+    if not positions:
+        positions.append(MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider))
+    for node in found:
+        yield positions[0][node].start.line, node
 
 
 def _steps(path: str, module: cst.Module) -> List[Step]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import re
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Set, Tuple, Union
 
@@ -55,6 +56,7 @@ class Linked:
     entry_imports: Dict[int, cst.BaseStatement]  # ("import", i): the entry's own statement i
     restore: Dict[str, Dict[str, str]]  # file -> {name: "module.name" it was read as}
     shown: Dict[str, str] = field(default_factory=dict)  # file -> its path as the report names it
+    nested: List[cst.SimpleStatementLine] = field(default_factory=list)  # behind ("nested", j) markers
 
     def where(self, line: int) -> Tuple[str, int]:
         return self.lines.get(line, (self.program.entry, 0))
@@ -246,9 +248,15 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
     # names imported from project modules under another name, and modules read through an alias
     restore: Dict[str, Dict[str, str]] = {}
     bodies: Dict[str, List[cst.BaseStatement]] = {}
+    nested: List[cst.SimpleStatementLine] = []  # the statements behind ("nested", j) markers
+    holders: Dict[str, Set[int]] = {}  # file -> the top-level statements holding a nested project import
     for mod in files:
         aliases = {}
-        for imps in mod.imports.values():
+        for line, imp, stmt in mod.nested:
+            if _library_names(stmt, imp):
+                return (f"{_rel(mod.path)} line {line} imports a project module and a library in one statement "
+                        "inside a function or a block")
+        for imps in list(mod.imports.values()) + [[imp for _, imp, _ in mod.nested]]:
             for imp in imps:
                 if imp.star:
                     continue
@@ -257,8 +265,15 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
                 elif imp.local != imp.obj:
                     return f"{_rel(mod.path)} imports `{imp.obj}` as `{imp.local}` from {_rel(imp.path)}"
         body = list(mod.module.body)
+        if mod.nested:  # each nested project import behind a marker, where it stands
+            marking = _MarkNested({id(stmt) for _, _, stmt in mod.nested}, nested)
+            for i, stmt in enumerate(body):
+                before = len(nested)
+                body[i] = stmt.visit(marking)
+                if len(nested) > before:
+                    holders.setdefault(mod.path, set()).add(i)
         if aliases:
-            counts = _names(mod.module)
+            counts = _names(cst.Module(body=body))
             transformer = _ModuleAccesses(aliases, own)
             body = [s.visit(transformer) for s in body]
             if transformer.problems:
@@ -287,7 +302,15 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
                 hoisted.append(text)
     placed = False
     for index, stmt in enumerate(bodies[entry.path]):
-        if index not in entry.imports:
+        if index not in entry.imports and (placed or index not in holders.get(entry.path, ())):
+            linked.append(stmt)
+            origin.append((entry.path, entry.module.body[index]))
+            continue
+        if index not in entry.imports:  # the first project import is inside this statement: the modules go before it
+            linked.extend(cst.parse_statement(text) for text in hoisted)
+            origin.extend((entry.path, None) for _ in hoisted)
+            placed = True
+            _place_blocks(mods, bodies, kept, linked, origin)
             linked.append(stmt)
             origin.append((entry.path, entry.module.body[index]))
             continue
@@ -301,18 +324,7 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
         if placed:
             continue
         placed = True
-        for k, mod in enumerate(mods):
-            linked.append(_marker("begin", k))
-            origin.append((mod.path, None))
-            for i, stmt in enumerate(bodies[mod.path]):
-                if i in mod.imports or _is_import(stmt) or _is_main_guard(stmt):
-                    kept.append(mod.module.body[i])
-                    linked.append(_marker("keep", len(kept) - 1))
-                else:
-                    linked.append(stmt)
-                origin.append((mod.path, mod.module.body[i]))
-            linked.append(_marker("end", k))
-            origin.append((mod.path, None))
+        _place_blocks(mods, bodies, kept, linked, origin)
     if not placed:
         return None
     linked_module = module.with_changes(body=linked)
@@ -321,7 +333,61 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
     shown = {m.path: (os.path.abspath(m.path) if os.path.isabs(entry_path) else os.path.relpath(m.path))
              for m in mods}
     shown[entry.path] = entry_path
-    return Linked(text, program, lines, kept, entry_imports, restore, shown)
+    return Linked(text, program, lines, kept, entry_imports, restore, shown, nested)
+
+
+def _place_blocks(mods: List[ModuleFile], bodies, kept, linked, origin) -> None:
+    """Each module's body between its markers, its imports and `__main__` block behind keep markers."""
+    for k, mod in enumerate(mods):
+        linked.append(_marker("begin", k))
+        origin.append((mod.path, None))
+        for i, stmt in enumerate(bodies[mod.path]):
+            if i in mod.imports or _is_import(stmt) or _is_main_guard(stmt):
+                kept.append(mod.module.body[i])
+                linked.append(_marker("keep", len(kept) - 1))
+            else:
+                linked.append(stmt)
+            origin.append((mod.path, mod.module.body[i]))
+        linked.append(_marker("end", k))
+        origin.append((mod.path, None))
+
+
+class _MarkNested(cst.CSTTransformer):
+    """The nested project import statements `ids` replaced by ("nested", j) markers; the originals go to `kept`."""
+
+    def __init__(self, ids: Set[int], kept: List[cst.SimpleStatementLine]):
+        self.ids = ids
+        self.kept = kept
+
+    def leave_SimpleStatementLine(self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine):
+        if id(original) not in self.ids:
+            return updated
+        self.kept.append(original)
+        return _marker("nested", len(self.kept) - 1).with_changes(leading_lines=original.leading_lines)
+
+
+class _UnmarkNested(cst.CSTTransformer):
+    """("nested", j) markers back to the import statements they stand for."""
+
+    def __init__(self, kept: List[cst.SimpleStatementLine]):
+        self.kept = kept
+
+    def leave_SimpleStatementLine(self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine):
+        marker = _read_marker(updated)
+        if marker is None or marker[0] != "nested":
+            return updated
+        return self.kept[marker[1]]
+
+
+def _library_names(stmt: cst.SimpleStatementLine, imp) -> bool:
+    """The import statement binds names besides the project import `imp` (`import os, engine`)."""
+    count = 0
+    for small in stmt.body:
+        if isinstance(small, cst.Import):
+            count += len(small.names)
+        elif isinstance(small, cst.ImportFrom):
+            count += 1
+    return count > 1
 
 
 def _line_map(linked: cst.Module, origin, modules: Dict[str, cst.Module]) -> Dict[int, Tuple[str, int]]:
@@ -376,6 +442,8 @@ def split(linked: Linked, result: RewriteResult, source: bytes) -> Union[Rewrite
     for path, body in parts.items():
         original = program.files[path].module
         new = original.with_changes(body=body)
+        if linked.nested:
+            new = new.visit(_UnmarkNested(linked.nested))
         if linked.restore.get(path):
             new = new.visit(_Restore(linked.restore[path]))
         if path == entry:
@@ -394,8 +462,7 @@ def split(linked: Linked, result: RewriteResult, source: bytes) -> Union[Rewrite
     records: Dict[str, Tuple[list, list, list]] = {p: ([], [], []) for p in program.files}
     for i, group in enumerate((result.changes, result.attention, result.refusals)):
         for record in group:
-            path, line = linked.where(record.line)
-            records[path][i].append(replace(record, line=line, path=linked.shown[path]))
+            records[linked.where(record.line)[0]][i].append(_mapped(linked, record))
     siblings = []
     changes, attention, refusals = records[entry]
     for mod in mods:
@@ -413,11 +480,33 @@ def split(linked: Linked, result: RewriteResult, source: bytes) -> Union[Rewrite
 
 def refusal_records(linked: Linked, result: RewriteResult) -> list:
     """The refusals of a linked run, each at its own file and line."""
-    out = []
-    for record in result.refusals:
-        path, line = linked.where(record.line)
-        out.append(replace(record, line=line, path=linked.shown.get(path, path)))
-    return out
+    return [_mapped(linked, record) for record in result.refusals]
+
+
+_LINE = re.compile(r"\b(lines?) (\d+)(?:([-–]|, | and | to )(\d+))?")
+
+
+def _mapped(linked: Linked, record):
+    """`record` of the linked text at its own file and line, and the lines its sentences name
+    (`line 40`) as lines of their files (`line 12`, or `engine.py:12` in another file)."""
+    path, line = linked.where(record.line)
+
+    def one(number: str) -> str:
+        there, at = linked.where(int(number))
+        if at == 0:
+            return number
+        return str(at) if there == path else f"{linked.shown.get(there, _rel(there))}:{at}"
+
+    def sub(match) -> str:
+        first = one(match.group(2))
+        word = "" if ":" in first else f"{match.group(1)} "  # `net.py:12` says the line itself
+        if match.group(4) is None:
+            return f"{word}{first}"
+        return f"{word}{first}{match.group(3)}{one(match.group(4))}"
+
+    texts = {name: _LINE.sub(sub, getattr(record, name)) for name in ("what", "why", "hint", "pitfall")
+             if isinstance(getattr(record, name, None), str)}
+    return replace(record, line=line, path=linked.shown.get(path, path), **texts)
 
 
 def _globals_read(module: cst.Module) -> Set[str]:
@@ -465,4 +554,6 @@ def _imports_needed(new: cst.Module, original: cst.Module, table: Dict[str, Tupl
 
 
 def _rel(path: str) -> str:
-    return os.path.relpath(path)
+    """A module's path in a sentence: below the working folder relative, else absolute."""
+    rel = os.path.relpath(path)
+    return os.path.abspath(path) if rel.startswith("..") else rel

@@ -91,8 +91,9 @@ def _whole_program(result: RewriteResult, source: bytes, path: str, options: Ret
         if isinstance(taken_apart, RewriteResult):
             return taken_apart
         why = taken_apart
-    if result.refusals:
+    if result.refusals and not isinstance(linked, str):
         return result
+    # the entry alone said "no model here" (or converted): the step in the other module is the true blocker
     step = steps[0]
     shown = os.path.abspath(step.path) if os.path.isabs(path) else os.path.relpath(step.path)
     return RewriteResult(path, source, source, [], [], [unreached_step(step, shown, why)],

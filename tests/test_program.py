@@ -137,6 +137,24 @@ def test_a_nested_import_of_a_module_and_a_library_in_one_statement_is_refused_a
     assert "a project module and a library in one statement" in result.refusals[0].why
 
 
+def test_a_root_the_entry_adds_to_sys_path_and_a_star_import_of_a_package_module(tmp_path):
+    # apps/run/train.py: sys.path.append("../../lib"); from proj.sub.engine import *  (lib/proj/sub/engine.py)
+    (tmp_path / "pyproject.toml").write_text("")  # the project's root, above apps/ and lib/
+    entry = "import sys\n\nsys.path.append('../../lib')\n" + ENTRY.replace(
+        "import engine\n", "from proj.sub.engine import *\n").replace("engine.train(", "train(")
+    files = {"lib/proj/__init__.py": "", "lib/proj/sub/__init__.py": "", "lib/proj/sub/engine.py": ENGINE,
+             "apps/run/train.py": entry}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(dedent(text).lstrip())
+    result = _rewrite(tmp_path / "apps/run/train.py")
+    assert not result.refusals, result.refusals
+    [engine] = result.siblings
+    assert Path(engine.path).resolve() == (tmp_path / "lib/proj/sub/engine.py").resolve()
+    assert "loader.sampler.set_epoch(epoch)" in engine.code.decode()
+    assert "from proj.sub.engine import *" in result.code.decode()
+
+
 def test_a_module_used_as_a_value_is_not_linked(tmp_path):
     entry = ENTRY.replace("engine.train(model", "getattr(engine, 'train')(model")
     result = _rewrite(_project(tmp_path, {"engine.py": ENGINE, "train.py": entry}))

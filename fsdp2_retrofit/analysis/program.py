@@ -67,6 +67,7 @@ class Program:
     files: Dict[str, ModuleFile]  # path -> module, the entry first
     order: List[str]  # the modules other than the entry, each after the modules it imports
     problems: List[Tuple[str, int, str]] = field(default_factory=list)  # (path, line, why) of imports not followed
+    roots: List[str] = field(default_factory=list)  # folders the entry puts on sys.path, as written
 
     @classmethod
     def read(cls, entry_path: str, module: cst.Module, data: bytes) -> "Program":
@@ -74,6 +75,7 @@ class Program:
         files: Dict[str, ModuleFile] = {}
         order: List[str] = []
         program = cls(entry, files, order)
+        program.roots = _sys_path_roots(entry, module) if b"sys.path" in data else []
         program._visit(entry, module, data, [])
         return program
 
@@ -111,6 +113,18 @@ class Program:
         if path != self.entry:
             self.order.append(path)
 
+    def _locate(self, importer: str, dots: int, module: str):
+        """The project file an import names: as Python finds it beside the importer, in its package or
+        the project's root, or below a folder the entry adds to sys.path (`sys.path.append("../..")`)."""
+        found = project_imports.locate(importer, dots, module)
+        if found is not None or dots:
+            return found
+        for root in self.roots:
+            found = project_imports.locate(os.path.join(root, "__root__.py"), 0, module)
+            if found is not None:
+                return found
+        return None
+
     def _project_imports(self, importer: str, stmt) -> Iterator[ProjectImport]:
         if not isinstance(stmt, cst.SimpleStatementLine):
             return
@@ -118,14 +132,14 @@ class Program:
             if isinstance(small, cst.Import):
                 for alias in small.names:
                     full = dotted(alias.name)
-                    found = project_imports.locate(importer, 0, full)
+                    found = self._locate(importer, 0, full)
                     if found is not None:
                         local = dotted(alias.asname.name) if alias.asname is not None else full
                         yield ProjectImport(local, _norm(str(found)), None)
             elif isinstance(small, cst.ImportFrom):
                 dots = len(small.relative)
                 base = dotted(small.module) if small.module is not None else ""
-                found = project_imports.locate(importer, dots, base) if (base or dots) else None
+                found = self._locate(importer, dots, base) if (base or dots) else None
                 if isinstance(small.names, cst.ImportStar):
                     if found is not None:
                         yield ProjectImport("*", _norm(str(found)), None, star=True)
@@ -135,7 +149,7 @@ class Program:
                     local = dotted(alias.asname.name) if alias.asname is not None else name
                     inner = None
                     if found is None or found.name == "__init__.py":  # `from pkg import mod`
-                        inner = project_imports.locate(importer, dots, f"{base}.{name}" if base else name)
+                        inner = self._locate(importer, dots, f"{base}.{name}" if base else name)
                     if inner is not None:
                         yield ProjectImport(local, _norm(str(inner)), None)
                     elif found is not None:
@@ -156,6 +170,57 @@ class Program:
                 continue
             out.extend(_steps(path, mod.module))
         return out
+
+
+def _sys_path_roots(entry: str, module: cst.Module) -> List[str]:
+    """The folders the entry's top-level statements add to sys.path with a string literal
+    (`sys.path.append("../../")`, `sys.path.insert(0, "src")`), or as the folder of the script or a
+    folder above it (`os.path.dirname(os.path.dirname(os.path.abspath(__file__)))`): taken from the
+    script's folder, where such a script is run from."""
+    here = os.path.dirname(entry)
+    roots: List[str] = []
+    for stmt in module.body:
+        if not (isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], cst.Expr)):
+            continue
+        call = stmt.body[0].value
+        if not (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute)
+                and call.func.attr.value in ("append", "insert") and _dotted_or_none(call.func.value) == "sys.path"):
+            continue
+        arg = call.args[-1].value if call.args else None
+        folder = _folder_of(arg, here)
+        if folder is not None:
+            roots.append(os.path.normpath(folder))
+    return roots
+
+
+def _folder_of(expr, here: str) -> Optional[str]:
+    if isinstance(expr, cst.SimpleString):
+        value = expr.evaluated_value
+        return value if os.path.isabs(value) else os.path.join(here, value)
+    if isinstance(expr, cst.Call) and _dotted_or_none(expr.func) in ("os.path.dirname", "os.path.abspath",
+                                                                      "os.path.realpath") and expr.args:
+        inner = _folder_of(expr.args[0].value, here)
+        if inner is None:
+            return None
+        return os.path.dirname(inner) if _dotted_or_none(expr.func) == "os.path.dirname" else inner
+    if isinstance(expr, cst.Name) and expr.value == "__file__":
+        return os.path.join(here, "__file__")
+    if isinstance(expr, cst.Call) and _dotted_or_none(expr.func) == "os.path.join" and len(expr.args) >= 2:
+        inner = _folder_of(expr.args[0].value, here)
+        parts = [a.value.evaluated_value for a in expr.args[1:] if isinstance(a.value, cst.SimpleString)]
+        if inner is None or len(parts) != len(expr.args) - 1:
+            return None
+        return os.path.join(inner, *parts)
+    return None
+
+
+def _dotted_or_none(node) -> Optional[str]:
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        inner = _dotted_or_none(node.value)
+        return None if inner is None else f"{inner}.{node.attr.value}"
+    return None
 
 
 def _nested_imports(module: cst.Module, stmt, positions: list) -> Iterator[Tuple[int, cst.SimpleStatementLine]]:

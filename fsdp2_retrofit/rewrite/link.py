@@ -463,6 +463,14 @@ def split(linked: Linked, result: RewriteResult, source: bytes) -> Union[Rewrite
     for i, group in enumerate((result.changes, result.attention, result.refusals)):
         for record in group:
             records[linked.where(record.line)[0]][i].append(_mapped(linked, record))
+    from .workspace import Workspace
+
+    project = Workspace(linked.shown[entry])
+    for mod in mods:
+        if results.get(mod.path, mod.data) != mod.data:
+            why = project.not_editable(os.path.realpath(mod.path))
+            if why:
+                return f"the conversion edits {_rel(mod.path)}, {why}"
     siblings = []
     changes, attention, refusals = records[entry]
     for mod in mods:

@@ -91,7 +91,7 @@ def _whole_program(result: RewriteResult, source: bytes, path: str, options: Ret
         if isinstance(taken_apart, RewriteResult):
             return taken_apart
         why = taken_apart
-    if result.refusals and not isinstance(linked, str):
+    if result.refusals and linked is None:
         return result
     # the entry alone said "no model here" (or converted): the step in the other module is the true blocker
     step = steps[0]

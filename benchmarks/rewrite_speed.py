@@ -18,6 +18,11 @@ main_modulelist fixture (a normal training script):
   classes  few large classes: a handful of big nn.Module classes (long __init__
            and forward, many layers) before its main(), which trains the last.
 
+Projects: the four project fixtures (fixtures/rewrite/project_*), each timed as the parse of
+every file of the project against one rewrite from its entry (the program read, linked into one
+analysis, converted and taken apart; the entry is first rewritten alone, so a program costs about
+two analyses).
+
 Prints a Markdown table: lines, shape, parse s, rewrite s, ratio, and rewrite
 microseconds per line (flat across sizes means linear growth). --profile prints
 the cProfile of the largest rewrite (top functions by cumulative time).
@@ -100,12 +105,41 @@ def measure(source: bytes, repeat: int):
     return best_parse, best_rewrite
 
 
+PROJECTS = ("project_course", "project_solver", "project_thin_entry", "project_trainer_method_optimizer")
+
+
+def measure_project(case: Path, repeat: int):
+    """(lines, parse s, rewrite s) of a project fixture: every .py file of the project parsed, against one
+    rewrite of its entry (the program read, linked, converted and taken apart)."""
+    import libcst
+
+    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+
+    files = [p for p in sorted(case.rglob("*.py")) if "expected" not in p.relative_to(case).parts
+             and p.name != "expected.py"]
+    texts = [p.read_bytes() for p in files]
+    entry = case / "input.py"
+    best_parse = best_rewrite = float("inf")
+    for _ in range(repeat):
+        t = time.process_time()
+        for text in texts:
+            libcst.parse_module(text)
+        best_parse = min(best_parse, time.process_time() - t)
+        t = time.process_time()
+        result = rewrite_source(entry.read_bytes(), str(entry))
+        best_rewrite = min(best_rewrite, time.process_time() - t)
+    assert not result.refusals and result.changed_files, (result.refusals, "the project must be rewritten")
+    return sum(t.count(b"\n") for t in texts), best_parse, best_rewrite
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="200,1000,5000,10000,20000")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--example", type=Path, default=EXAMPLE)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--no-projects", dest="projects", action="store_false",
+                        help="leave out the project fixtures (a program of several files rewritten from its entry)")
     args = parser.parse_args()
 
     from fsdp2_retrofit.rewrite.pipeline import rewrite_source
@@ -125,6 +159,12 @@ def main() -> None:
         parse_s, rewrite_s = measure(source, args.repeat)
         print(f"| {n} | {shape} | {parse_s:.3f} | {rewrite_s:.3f} | {rewrite_s / parse_s:.1f} | {1e6 * rewrite_s / n:.0f} |")
         sys.stdout.flush()
+    if args.projects:
+        for name in PROJECTS:  # a program: the parse of every file against the rewrite from its entry
+            n, parse_s, rewrite_s = measure_project(ROOT / "fixtures" / "rewrite" / name, args.repeat)
+            print(f"| {n} | {name} | {parse_s:.3f} | {rewrite_s:.3f} | {rewrite_s / parse_s:.1f} | "
+                  f"{1e6 * rewrite_s / n:.0f} |")
+            sys.stdout.flush()
     if args.profile:
         import cProfile
         import pstats

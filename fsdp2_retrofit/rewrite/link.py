@@ -391,19 +391,44 @@ def _library_names(stmt: cst.SimpleStatementLine, imp) -> bool:
 
 
 def _line_map(linked: cst.Module, origin, modules: Dict[str, cst.Module]) -> Dict[int, Tuple[str, int]]:
-    here = MetadataWrapper(linked, unsafe_skip_copy=True).resolve(PositionProvider)
-    there = {path: MetadataWrapper(m, unsafe_skip_copy=True).resolve(PositionProvider) for path, m in modules.items()}
+    """Line of the linked text -> (file, line there), from the lines each top-level statement's code takes
+    in the linked module and in its own (the same node renders to the same lines in both)."""
+    starts = {path: _statement_lines(m) for path, m in modules.items()}
     out: Dict[int, Tuple[str, int]] = {}
+    at = 1 + _header_lines(linked)
     for stmt, (path, node) in zip(linked.body, origin):
-        pos = here[stmt]
+        text = linked.code_for_node(stmt)
+        count = text.count("\n") or 1
+        lead = len(stmt.leading_lines) if hasattr(stmt, "leading_lines") else 0
+        first = at + lead  # the statement's own first line, after its blank and comment lines
         if node is None:
-            for line in range(pos.start.line, pos.end.line + 1):
+            for line in range(at, at + count):
                 out[line] = (path, 0)
-            continue
-        start = there[path][node].start.line
-        span = there[path][node].end.line - start
-        for i in range(pos.end.line - pos.start.line + 1):
-            out[pos.start.line + i] = (path, start + min(i, span))
+        else:
+            start, span = starts[path][id(node)]
+            for i in range(count - lead):
+                out[first + i] = (path, start + min(i, span))
+            for line in range(at, first):
+                out[line] = (path, start)
+        at += count
+    return out
+
+
+def _header_lines(module: cst.Module) -> int:
+    return len(module.header)  # the blank and comment lines before the first statement, one line each
+
+
+def _statement_lines(module: cst.Module) -> Dict[int, Tuple[int, int]]:
+    """id(top-level statement) -> (its first line, after its leading blank and comment lines; how many lines
+    more it takes)."""
+    out: Dict[int, Tuple[int, int]] = {}
+    at = 1 + _header_lines(module)
+    for stmt in module.body:
+        text = module.code_for_node(stmt)
+        count = text.count("\n") or 1
+        lead = len(stmt.leading_lines) if hasattr(stmt, "leading_lines") else 0
+        out[id(stmt)] = (at + lead, max(0, count - lead - 1))
+        at += count
     return out
 
 
@@ -448,6 +473,9 @@ def split(linked: Linked, result: RewriteResult, source: bytes) -> Union[Rewrite
             new = new.visit(_Restore(linked.restore[path]))
         if path == entry:
             new = _without_unused_new_imports(new, original)
+        if new.code == original.code:  # a module the conversion left as it was
+            results[path] = program.files[path].data
+            continue
         wanted = _imports_needed(new, original, table)
         if isinstance(wanted, str):
             return f"the converted {_rel(path)} {wanted}"
@@ -517,19 +545,66 @@ def _mapped(linked: Linked, record):
     return replace(record, line=line, path=linked.shown.get(path, path), **texts)
 
 
-def _globals_read(module: cst.Module) -> Set[str]:
-    """Names read anywhere in `module` that no scope of it binds (module-level or builtin)."""
-    from libcst.metadata import ScopeProvider
+class _Stores(cst.CSTVisitor):
+    """Every name a module's code binds, in any scope (targets, loop and comprehension variables,
+    parameters, defs, classes, `as` names, imports): read syntactically, no scope analysis."""
 
-    scopes = MetadataWrapper(module, unsafe_skip_copy=True).resolve(ScopeProvider)
-    names: Set[str] = set()
-    for scope in set(s for s in scopes.values() if s is not None):
-        for access in scope.accesses:
-            if not isinstance(access.node, cst.Name):
-                continue
-            if all(isinstance(r.scope, (cst.metadata.GlobalScope, cst.metadata.BuiltinScope)) for r in access.referents):
-                names.add(access.node.value)
-    return names
+    def __init__(self):
+        self.names: Set[str] = set()
+
+    def _target(self, node) -> None:
+        if isinstance(node, cst.Name):
+            self.names.add(node.value)
+        elif isinstance(node, (cst.Tuple, cst.List)):
+            for el in node.elements:
+                self._target(el.value)
+        elif isinstance(node, cst.StarredElement):
+            self._target(node.value)
+
+    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+        self._target(node.target)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        self._target(node.target)
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        self._target(node.target)
+
+    def visit_For(self, node: cst.For) -> None:
+        self._target(node.target)
+
+    def visit_CompFor(self, node: cst.CompFor) -> None:
+        self._target(node.target)
+
+    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
+        self._target(node.target)
+
+    def visit_AsName(self, node: cst.AsName) -> None:
+        self._target(node.name)
+
+    def visit_Param(self, node: cst.Param) -> None:
+        self.names.add(node.name.value)
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.names.add(node.name.value)
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.names.add(node.name.value)
+
+    def visit_Import(self, node: cst.Import) -> None:
+        self.names.update(local for local, _ in import_bindings(node))
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+        if not isinstance(node.names, cst.ImportStar):
+            self.names.update(local for local, _ in import_bindings(node))
+
+
+def _reads_unbound(module: cst.Module) -> Set[str]:
+    """The names `module` reads that none of its code binds (module-level imports and builtins among
+    them): what it takes from its imports, its star imports or the builtins."""
+    stores = _Stores()
+    module.visit(stores)
+    return set(_names(module)) - stores.names
 
 
 def _bound(module: cst.Module) -> Set[str]:
@@ -545,7 +620,7 @@ def _bound(module: cst.Module) -> Set[str]:
 def _imports_needed(new: cst.Module, original: cst.Module, table: Dict[str, Tuple[str, str]]):
     """The imports the converted module reads that it lacks (as add_imports wants them), from the
     linked program's import table; a sentence when a name it reads is bound by another file's code."""
-    fresh = _globals_read(new) - _globals_read(original) - _bound(new)
+    fresh = _reads_unbound(new) - _reads_unbound(original) - _bound(new)
     wanted = []
     for used in sorted(fresh):
         if hasattr(builtins, used):

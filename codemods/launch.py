@@ -11,6 +11,7 @@ from fsdp2_retrofit.analysis.process_group import process_group
 from fsdp2_retrofit.analysis.downloads import download_sites
 from fsdp2_retrofit.analysis.rank_local import every_rank_binds, rank_local_names
 from fsdp2_retrofit.analysis.sibling_loaders import sibling_loaders
+from fsdp2_retrofit.rewrite.link import outside_modules
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 # Under torchrun (RANK, LOCAL_RANK, WORLD_SIZE and the rendezvous address in the
@@ -89,6 +90,7 @@ class LaunchDistributedCommand(RetrofitStage):
             return
         block = facts.entry_block
         anchor = self._loaded_before_entry(facts) or self._first_torch_statement(block, facts)
+        anchor = outside_modules(facts.resolver.module, anchor)  # a linked program: in the entry's own file
         names = {
             key: self.fresh_name(key, facts.entry_scope)
             for key in ("local_rank", "rank", "world_size", "mesh")

@@ -413,11 +413,11 @@ class ShardModelCommand(RetrofitStage):
                 "FSR605",
                 call,
                 f"the training loop lives in class {cls}, which is handed the model",
-                "the class is in another file, where the rewrite converts it only when the script imports it alone "
-                "(`from trainer import Trainer`) and every module-level name the class reads is an import (or a "
-                "builtin): here one is not, so its loop would keep its plain sampler, saves and logging",
-                "import the class on a line of its own and keep the functions and constants it reads out of its "
-                "module (or pass them in), or move the trainer class into the script",
+                "the class is in another file, which the script's own analysis does not convert: the program "
+                "linked into one analysis does, and where it cannot be linked its loop would keep its plain "
+                "sampler, saves and logging",
+                "rewrite from the entry, where the program is linked (FSR970 says what stops it), or move the "
+                "trainer class into the script",
             )
         copied = {id(c.copy_call) for c in facts.copies}
         for call in facts.deep_copies:

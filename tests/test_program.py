@@ -111,7 +111,7 @@ def test_without_the_program_the_same_entry_would_have_been_converted(tmp_path):
     entry = _project(tmp_path, {"engine.py": ENGINE, "train.py": ENTRY})
     from fsdp2_retrofit.rewrite.pipeline import _rewrite_module, parse
 
-    alone = _rewrite_module(entry.read_bytes(), str(entry), RetrofitOptions(), parse(entry.read_bytes()), True)
+    alone = _rewrite_module(entry.read_bytes(), str(entry), RetrofitOptions(), parse(entry.read_bytes()))
     assert not alone.refusals and not alone.siblings  # "converted", engine.py never seen
     assert "set_epoch" not in alone.code.decode()
 

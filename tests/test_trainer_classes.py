@@ -1,7 +1,7 @@
 """A training loop inside a trainer class handed the model: the script's own class is converted
 in its methods (value flow into `self.<attr>`), or refused for the true reason where a part
-cannot be; a sibling module's class is refused (FSR605), naming that file and the line of its
-backward()."""
+cannot be; a sibling module's class is converted in its own file with the program linked into one
+analysis, or refused for the true reason at its own file and line."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -82,7 +82,7 @@ def _rewrite(tmp_path: Path, text: str):
 
 @pytest.mark.parametrize("optimizer", [False, True], ids=["optimizer-in-trainer", "optimizer-in-main"])
 def test_a_sibling_trainer_that_cannot_be_converted_is_refused_for_its_true_reason_in_its_file(tmp_path, optimizer):
-    """A sibling module's trainer is converted where it lives (rewrite/splice.py): what stops the
+    """A sibling module's trainer is converted where it lives (the linked program, rewrite/link.py): what stops the
     conversion is named in trainer.py, at its own line, as for the script's own trainer."""
     (tmp_path / "trainer.py").write_text(TRAINER)
     text = _script(sibling=True, optimizer=optimizer)
@@ -97,8 +97,8 @@ def test_a_sibling_trainer_that_cannot_be_converted_is_refused_for_its_true_reas
 
 
 def test_a_sibling_trainer_reading_a_function_of_its_module_is_refused_for_its_true_reason(tmp_path):
-    """The class calls a function of trainer.py the script does not have: the splice cannot take the
-    class alone (it was FSR605 at the trainer's call), the linked program reads the whole module, and
+    """The class calls a function of trainer.py the script does not have: the class alone could not be
+    taken into the script (it was FSR605 at the trainer's call), the linked program reads the whole module, and
     what really stops the conversion is named where it is, as for the script's own trainer: the
     DataLoader built inline in the `for` (FSR902 at that line of trainer.py)."""
     trainer = TRAINER.replace("        model = self.model\n", "        model = unwrap(self.model)\n") + (
@@ -337,9 +337,9 @@ def test_a_sibling_trainer_is_converted_where_it_lives_and_each_record_names_its
     assert "dcp" not in result.code.decode()  # the imports the class needed went to trainer.py, not the script
 
 
-def test_an_import_spliced_in_for_the_class_stays_in_the_script_when_the_script_reads_it(tmp_path):
+def test_an_import_hoisted_for_the_class_stays_in_the_script_when_the_script_reads_it(tmp_path):
     """trainer.py imports `torch.distributed as dist` (its class reads it), the script does not:
-    it is spliced in, the launch stage then uses that very `dist`, so the script keeps it."""
+    the linked program hoists it, the launch stage then uses that very `dist`, so the script keeps it."""
     text = (SIBLING_CASE / "trainer.py").read_text()
     text = text.replace("import torch\n", "import torch\nimport torch.distributed as dist\n", 1)
     text = text.replace("    def _run_batch(self, source, targets):\n",

@@ -35,12 +35,11 @@ from typing import Dict, List, Optional, Set, Tuple, Union
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from fsdp2_retrofit.analysis.program import ModuleFile, Program
+from fsdp2_retrofit.analysis.program import ModuleFile, Program, _dotted_or_none
 from fsdp2_retrofit.report import RewriteResult
-from fsdp2_retrofit.syntax.names import _module_bindings, dotted, import_bindings
+from fsdp2_retrofit.syntax.names import _module_bindings, dotted, import_bindings, names_read
 
 from .imports import add_imports
-from .splice import _import_targets, _without_unused_new_imports
 
 MARKER = "__fsdp2_link__"
 
@@ -75,6 +74,29 @@ def _read_marker(stmt) -> Optional[Tuple[str, int]]:
         return None
     kind, index = call.args[0].value, call.args[1].value
     return kind.value.strip('"'), int(index.value)
+
+
+def outside_modules(module: cst.Module, stmt):
+    """`stmt` (a top-level statement where a stage would insert the entry's code, the process group's
+    start) or, where it is a statement of a linked module's body, the first statement of the entry
+    after the modules: what the entry starts belongs to the entry's file."""
+    body = list(module.body)
+    if stmt not in body:
+        return stmt
+    depth, last_end = 0, None
+    inside = False
+    for i, node in enumerate(body):
+        marker = _read_marker(node)
+        if marker is not None and marker[0] == "begin":
+            depth += 1
+        elif marker is not None and marker[0] == "end":
+            depth -= 1
+            last_end = i
+        elif node is stmt:
+            inside = depth > 0
+    if not inside or last_end is None or last_end + 1 >= len(body):
+        return stmt
+    return body[last_end + 1]
 
 
 def _is_main_guard(stmt) -> bool:
@@ -156,37 +178,9 @@ class _ModuleAccesses(cst.CSTTransformer):
         return cst.Name(name)
 
 
-def _dotted_or_none(node) -> Optional[str]:
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        inner = _dotted_or_none(node.value)
-        return None if inner is None else f"{inner}.{node.attr.value}"
-    return None
-
-
-class _Names(cst.CSTVisitor):
-    """Every Name node that reads or binds a name (not an attribute's or a keyword argument's)."""
-
-    def __init__(self):
-        self.names: Dict[str, int] = {}
-
-    def visit_Attribute(self, node: cst.Attribute) -> bool:
-        node.value.visit(self)
-        return False
-
-    def visit_Arg(self, node: cst.Arg) -> bool:
-        node.value.visit(self)
-        return False
-
-    def visit_Name(self, node: cst.Name) -> None:
-        self.names[node.value] = self.names.get(node.value, 0) + 1
-
-
-def _names(node: cst.CSTNode) -> Dict[str, int]:
-    visitor = _Names()
-    node.visit(visitor)
-    return visitor.names
+def _names(node: cst.CSTNode) -> Set[str]:
+    """Every name a Name node of `node` reads or binds (not an attribute's or a keyword argument's)."""
+    return names_read(node)
 
 
 class _Restore(cst.CSTTransformer):
@@ -279,7 +273,7 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
             if transformer.problems:
                 return f"in {_rel(mod.path)}: {transformer.problems[0]}"
             for name in transformer.read:
-                if counts.get(name):
+                if name in counts:
                     return f"`{name}` is read in {_rel(mod.path)} both as a name and through a module"
             left = _names(cst.Module(body=[s for i, s in enumerate(body) if i not in mod.imports]))
             for alias in aliases:
@@ -640,3 +634,76 @@ def _rel(path: str) -> str:
     """A module's path in a sentence: below the working folder relative, else absolute."""
     rel = os.path.relpath(path)
     return os.path.abspath(path) if rel.startswith("..") else rel
+
+
+def _import_targets(module: cst.Module) -> Optional[Dict[str, Tuple[str, str]]]:
+    """name -> (what it imports, the statement as written) for the top-level imports of
+    `module`; None when one is relative (the script could not spell it the same way)."""
+    out: Dict[str, Tuple[str, str]] = {}
+    for stmt in module.body:
+        if not isinstance(stmt, cst.SimpleStatementLine):
+            continue
+        for imp in stmt.body:
+            if isinstance(imp, cst.Import):
+                for alias in imp.names:
+                    full = dotted(alias.name)
+                    local = dotted(alias.asname.name) if alias.asname else full.split(".")[0]
+                    target = full if alias.asname else local
+                    text = f"import {full} as {local}" if alias.asname else f"import {full}"
+                    out[local] = (target, text)
+            elif isinstance(imp, cst.ImportFrom):
+                if imp.relative:
+                    return None
+                if isinstance(imp.names, cst.ImportStar) or imp.module is None:
+                    continue
+                source = dotted(imp.module)
+                for alias in imp.names:
+                    obj = dotted(alias.name)
+                    local = dotted(alias.asname.name) if alias.asname else obj
+                    text = f"from {source} import {obj} as {local}" if alias.asname else f"from {source} import {obj}"
+                    out[local] = (f"{source}.{obj}", text)
+    return out
+
+
+def _without_unused_new_imports(module: cst.Module, original: cst.Module) -> cst.Module:
+    """`module` without the names of its top-level imports that `original` did not import and
+    nothing in it reads (those the rewrite added for the class that went back to its file)."""
+    before = {text for _, text in (_import_targets(original) or {}).values()}
+    read = set()
+
+    class _Reads(cst.CSTVisitor):
+        def visit_Import(self, node) -> bool:
+            return False
+
+        def visit_ImportFrom(self, node) -> bool:
+            return False
+
+        def visit_Attribute(self, node: cst.Attribute) -> bool:
+            node.value.visit(self)  # `torch.nn.Linear` reads `torch`, not a name `nn`
+            return False
+
+        def visit_Name(self, node: cst.Name) -> None:
+            read.add(node.value)
+
+    module.visit(_Reads())
+    body = []
+    for stmt in module.body:
+        if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(
+                stmt.body[0], (cst.Import, cst.ImportFrom)) and not isinstance(stmt.body[0].names, cst.ImportStar):
+            one = cst.Module(body=[stmt])
+            targets = _import_targets(one) or {}
+            drop = {local for local, (_, text) in targets.items() if text not in before and local not in read}
+            if drop:
+                kept = [a for a in stmt.body[0].names if _local(a) not in drop]
+                if not kept:
+                    continue
+                kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+                stmt = stmt.with_changes(body=[stmt.body[0].with_changes(names=kept)])
+        body.append(stmt)
+    return module.with_changes(body=body)
+
+
+def _local(alias: cst.ImportAlias) -> str:
+    if alias.asname is not None:
+        return dotted(alias.asname.name)
+    return dotted(alias.name).split(".")[0] if isinstance(alias.name, cst.Attribute) else dotted(alias.name)

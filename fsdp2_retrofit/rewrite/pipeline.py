@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from typing import Optional
 
 import libcst as cst
@@ -35,7 +34,7 @@ def parse(source: bytes, path: str = "<input>") -> cst.Module:
 
 
 def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] = None,
-                   _spliced: bool = False) -> RewriteResult:
+                   _alone: bool = False) -> RewriteResult:
     """Rewrite `source` (the bytes of the file at `path`) into FSDP2, with the project modules it
     reaches (the program: rewrite/link.py).
 
@@ -46,10 +45,9 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
     if not source.strip():
         raise InputError("empty file: nothing to retrofit")
     module = parse(source, path)
-    result = _rewrite_module(source, path, options, module, _spliced)
-    if _spliced:
-        return result
-    return _whole_program(result, source, path, options, module)
+    if _alone:  # one module, as it is (the linked program's text)
+        return _rewrite_module(source, path, options, module)
+    return _whole_program(source, path, options, module)
 
 
 # refusals that say the analysis did not see the model, its optimizer or its trainer class: where the
@@ -57,22 +55,33 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
 _NOT_SEEN = ("FSR605", "FSR610", "FSR611", "FSR612")
 
 
-def _whole_program(result: RewriteResult, source: bytes, path: str, options: RetrofitOptions,
-                   module: cst.Module) -> RewriteResult:
-    """The coverage rule: a training step the script reaches in another module is converted with the
-    program linked into one analysis (rewrite/link.py), or the rewrite is refused at that step (FSR970);
-    never "converted" with that loop left as it was."""
+def _whole_program(source: bytes, path: str, options: RetrofitOptions, module: cst.Module) -> RewriteResult:
+    """The script rewritten, with the coverage rule: a training step the script reaches in another module
+    is converted with the program linked into one analysis (rewrite/link.py), or the rewrite is refused at
+    that step (FSR970); never "converted" with that loop left as it was. A program with such a step is
+    linked first; the script alone is rewritten where it has none, or where the program cannot be linked
+    (its own result stands where it converts every step where it lives)."""
     from fsdp2_retrofit.analysis.program import Program, unreached_step
     from . import link
 
-    if b"import" not in source:
-        return result
-    program = Program.read(path, module, source)
-    if not program.modules:
-        return result
-    steps = program.training_steps()
+    program = Program.read(path, module, source) if b"import" in source else None
+    steps = program.training_steps() if program is not None and program.modules else []
     if not steps:
-        return result
+        return _rewrite_module(source, path, options, module)
+    linked = link.plan(path, source, module, program)
+    why = linked if isinstance(linked, str) else "the program cannot be linked"
+    linked_refusal = None
+    if isinstance(linked, link.Linked):
+        inner = rewrite_source(linked.text.encode(module.encoding), path, options, _alone=True)
+        if inner.refusals:
+            inputs = sorted(set(inner.inputs) | set(program.files))
+            linked_refusal = RewriteResult(path, source, source, [], [], link.refusal_records(linked, inner), inputs)
+        else:
+            taken_apart = link.split(linked, inner, source)
+            if isinstance(taken_apart, RewriteResult):
+                return taken_apart
+            why = taken_apart
+    result = _rewrite_module(source, path, options, module)
     if result.refusals:
         if result.refusals[0].code not in _NOT_SEEN:
             return result
@@ -80,17 +89,8 @@ def _whole_program(result: RewriteResult, source: bytes, path: str, options: Ret
         edited = {os.path.realpath(s.path) for s in result.siblings if s.code != s.original}
         if all(os.path.realpath(step.path) in edited for step in steps):
             return result  # the modules holding the steps were converted where they live
-    linked = link.plan(path, source, module, program)
-    why = linked if isinstance(linked, str) else "the program cannot be linked"
-    if isinstance(linked, link.Linked):
-        inner = rewrite_source(linked.text.encode(module.encoding), path, options, _spliced=True)
-        if inner.refusals:
-            inputs = sorted(set(inner.inputs) | set(program.files))
-            return RewriteResult(path, source, source, [], [], link.refusal_records(linked, inner), inputs)
-        taken_apart = link.split(linked, inner, source)
-        if isinstance(taken_apart, RewriteResult):
-            return taken_apart
-        why = taken_apart
+    if linked_refusal is not None:
+        return linked_refusal  # what stops the program's conversion, at its own file and line
     if result.refusals and linked is None:
         return result
     # the entry alone said "no model here" (or converted): the step in the other module is the true blocker
@@ -100,9 +100,8 @@ def _whole_program(result: RewriteResult, source: bytes, path: str, options: Ret
                          sorted(set(result.inputs) | set(program.files)))
 
 
-def _rewrite_module(source: bytes, path: str, options: RetrofitOptions, module: cst.Module,
-                    _spliced: bool) -> RewriteResult:
-    """One module through the stages (a trainer class of a sibling module spliced in on FSR605)."""
+def _rewrite_module(source: bytes, path: str, options: RetrofitOptions, module: cst.Module) -> RewriteResult:
+    """One module through the stages."""
     from codemods.retrofit import RetrofitCommand
     from fsdp2_retrofit.analysis.model_classes import recording_reads
 
@@ -116,12 +115,6 @@ def _rewrite_module(source: bytes, path: str, options: RetrofitOptions, module: 
         with recording_reads() as looked_at:
             new_module = command.transform_module(module)
     except RefusedError as refused:
-        if refused.refusal.code == "FSR605" and not _spliced:  # a trainer class of a sibling module
-            converted = _with_sibling_trainer(source, path, options, module, context)
-            if isinstance(converted, RewriteResult):
-                return converted
-            if converted:  # what stopped the conversion, for the FSR605 refusal
-                refused.refusal = replace(refused.refusal, why=converted[0], hint=converted[1])
         return RewriteResult(path, source, source, [], [], [refused.refusal], sorted(looked_at))
     new_text = origins.render(new_module)  # rendered once: the bytes and the compile check share it
     _must_compile(new_text, path)
@@ -137,43 +130,6 @@ def _rewrite_module(source: bytes, path: str, options: RetrofitOptions, module: 
         sorted(looked_at),
         project.results(),
     )
-
-
-# refusals that say the analysis found no model or optimizer, rather than naming a construct
-_NOTHING_FOUND = ("FSR611", "FSR612")
-
-
-def _with_sibling_trainer(source: bytes, path: str, options: RetrofitOptions, module: cst.Module,
-                          context: RewriteContext):
-    """The script rewritten with the trainer class of a sibling module converted where it lives
-    (rewrite/splice.py); else what stopped it (a sentence for the FSR605 refusal, or None where
-    the splice is not sound: the refusal stands as it is)."""
-    from . import splice
-    from .stage import FACTS_KEY
-
-    facts = context.scratch.get(FACTS_KEY)
-    if facts is None or len(facts.trainer_classes) != 1:
-        return None
-    _, call = facts.trainer_classes[0]
-    info = next(filter(None, map(facts.classes.get, sorted(facts.resolver.qnames(call.func)))), None)
-    planned = splice.plan(path, source, module, info) if info is not None else None
-    if planned is None:
-        return None
-    inner = rewrite_source(planned.text.encode(module.encoding), path, options, _spliced=True)
-    if inner.refusals:
-        first = inner.refusals[0]
-        where, line = planned.where(first.line)
-        if where != planned.sibling_path and first.code in _NOTHING_FOUND:
-            # no model or optimizer found at all: the trainer class is the likelier blocker (FSR605)
-            return (f"the class is in another file; followed into it, the rewrite still finds {first.code} "
-                    f"({first.what}): the model its optimizer trains cannot be followed back to the model the "
-                    "script builds (an attribute assigned again elsewhere, a model the analysis does not see), and "
-                    "its loop would keep its plain sampler, saves and logging",
-                    "hand the trainer the model the script builds and keep its `self.model` assigned once, or build "
-                    "the optimizer in the script (after the model) and hand it over too")
-        moved = replace(first, path=where or path, line=line)  # the true blocker, at its own file and line
-        return RewriteResult(path, source, source, [], [], [moved], inner.inputs)
-    return splice.split(planned, inner, path, source, module.encoding)
 
 
 def _must_compile(text: str, path: str) -> None:

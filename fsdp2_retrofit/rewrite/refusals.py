@@ -205,13 +205,12 @@ _RULES = [
                 "fully_shard must see the plain module, before torch.compile wraps it.",
                 "Build it first (`model = Net()`), then `model = torch.compile(model)` on its own line."),
     RefusalRule("FSR605", "shard-trainer-class-loop",
-                "The training loop lives in a class of a sibling module that cannot be converted where it lives.",
-                "A trainer class of the script is converted in its methods, and so is one of a sibling module "
-                "(`from trainer import Trainer`), in its own file, when the script imports it alone and every "
-                "module-level name the class reads is an import or a builtin. Otherwise it is named with the file "
-                "and line of its backward(): its loop would keep its plain sampler, saves and logging.",
-                "Import the class on a line of its own, keep the functions and constants it reads out of its module "
-                "(or pass them in), or move the trainer class into the script."),
+                "The training loop lives in a class of a sibling module that the script alone cannot convert.",
+                "A trainer class of the script is converted in its methods, and one of a sibling module in its own "
+                "file, with the program linked into one analysis; the script alone (where the program cannot be "
+                "linked, FSR970 says why at the class's backward()) would leave its loop with its plain sampler, "
+                "saves and logging.",
+                "Make the program linkable as FSR970 says, or move the trainer class into the script."),
     RefusalRule("FSR606", "shard-copy-elsewhere", "A sharded model is copied other than right after its build.",
                 "FSDP2 modules cannot be deep-copied; a copy is sharded like the model only when made as "
                 "`name = copy.deepcopy(model)` in the block that builds it.",

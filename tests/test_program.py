@@ -94,15 +94,29 @@ def test_an_aliased_module_and_a_from_import_convert_the_same(tmp_path):
 
 
 def test_a_step_in_a_module_that_cannot_be_linked_is_refused_at_that_step(tmp_path):
-    # `loader` bound at the top level of both files: one analysis would take one for the other
-    engine = ENGINE + "\nloader = None\n"
-    entry = _project(tmp_path, {"engine.py": engine, "train.py": ENTRY})
-    result = _rewrite(entry)
+    # `train` imported under another name: the linked text would have to rename it throughout
+    entry = ENTRY.replace("import engine\n", "from engine import train as fit\n").replace("engine.train(", "fit(")
+    result = _rewrite(_project(tmp_path, {"engine.py": ENGINE, "train.py": entry}))
     assert [r.code for r in result.refusals] == ["FSR970"]
     refusal = result.refusals[0]
     assert Path(refusal.path).name == "engine.py" and refusal.line == 9  # loss.backward()
-    assert "`loader` is bound at the top level of both" in refusal.why
+    assert "imports `train` as `fit` from " in refusal.why and "engine.py" in refusal.why
     assert result.code == result.original and not result.siblings
+
+
+def test_names_two_modules_bind_to_different_things_are_renamed_apart_and_back(tmp_path):
+    # `loader` at the top level of both files; `F` two different imports (the corpus's Image_Segmentation)
+    engine = ENGINE.replace("import torch\n", "import torch\nimport torch.nn.functional as F\n").replace(
+        "torch.nn.functional.mse_loss(", "F.mse_loss(") + "\nloader = None\n"
+    entry = ENTRY.replace("import torch.nn as nn\n", "import torch.nn as nn\nfrom torchvision.transforms import functional as F\n")
+    result = _rewrite(_project(tmp_path, {"engine.py": engine, "train.py": entry}))
+    assert not result.refusals, result.refusals
+    files = _by_file(result)
+    assert "loader.sampler.set_epoch(epoch)" in files["engine.py"]
+    assert "F.mse_loss(model(x), y)" in files["engine.py"] and "loader = None" in files["engine.py"]
+    assert "__engine" not in files["engine.py"] + files["train.py"]  # no name of the linked text is left
+    assert "from torchvision.transforms import functional as F\n" in files["train.py"]
+    assert "import torch.nn.functional as F\n" not in files["train.py"]
 
 
 def test_without_the_program_the_same_entry_would_have_been_converted(tmp_path):
@@ -153,6 +167,27 @@ def test_a_root_the_entry_adds_to_sys_path_and_a_star_import_of_a_package_module
     assert Path(engine.path).resolve() == (tmp_path / "lib/proj/sub/engine.py").resolve()
     assert "loader.sampler.set_epoch(epoch)" in engine.code.decode()
     assert "from proj.sub.engine import *" in result.code.decode()
+
+
+def test_an_import_of_a_folder_without_init_is_found_from_the_entry_s_folder(tmp_path):
+    # loaders/data.py (no __init__.py beside it) imports `from base import make_loader`: Python finds base/
+    # in the entry's folder (sys.path[0]), so does the program; the entry changes nothing but its own
+    files = {
+        "base/__init__.py": "from .loaders import *\n",
+        "base/loaders.py": "import torch\n\n\ndef make_loader(data):\n"
+                           "    return torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)\n",
+        "loaders/data.py": "import torch\nfrom base import make_loader\n\n\ndef get_loader():\n"
+                           "    return make_loader(torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1)))\n",
+        "engine.py": ENGINE,
+        "train.py": ENTRY.replace("import engine\n", "import engine\nfrom loaders.data import get_loader\n").replace(
+            "loader = DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), batch_size=8, shuffle=True)",
+            "loader = get_loader()"),
+    }
+    result = _rewrite(_project(tmp_path, files))
+    assert not result.refusals, result.refusals
+    edited = {Path(f.path).resolve().relative_to(tmp_path.resolve()).as_posix(): f.code.decode() for f in result.siblings}
+    assert "DistributedSampler(data, shuffle=True)" in edited["base/loaders.py"]
+    assert "loader.sampler.set_epoch(epoch)" in edited["engine.py"]
 
 
 def test_a_module_used_as_a_value_is_not_linked(tmp_path):

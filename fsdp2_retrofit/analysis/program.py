@@ -75,7 +75,9 @@ class Program:
         files: Dict[str, ModuleFile] = {}
         order: List[str] = []
         program = cls(entry, files, order)
-        program.roots = _sys_path_roots(entry, module) if b"sys.path" in data else []
+        # Python looks in the entry's folder first (sys.path[0]): a module of a folder without __init__.py
+        # imports `from base import X` from there
+        program.roots = [os.path.dirname(entry)] + (_sys_path_roots(entry, module) if b"sys.path" in data else [])
         program._visit(entry, module, data, [])
         return program
 

@@ -56,6 +56,7 @@ class Linked:
     restore: Dict[str, Dict[str, str]]  # file -> {name: "module.name" it was read as}
     shown: Dict[str, str] = field(default_factory=dict)  # file -> its path as the report names it
     nested: List[cst.SimpleStatementLine] = field(default_factory=list)  # behind ("nested", j) markers
+    unmangle: Dict[str, str] = field(default_factory=dict)  # a name renamed apart -> the name its file wrote
 
     def where(self, line: int) -> Tuple[str, int]:
         return self.lines.get(line, (self.program.entry, 0))
@@ -147,10 +148,11 @@ class _ModuleAccesses(cst.CSTTransformer):
     """`alias.name` of a linked module read as `name`; what cannot be (the module used as a value,
     an attribute stored through it) is collected as a problem."""
 
-    def __init__(self, aliases: Dict[str, str], names_of: Dict[str, Set[str]]):
+    def __init__(self, aliases: Dict[str, str], names_of: Dict[str, Set[str]], renamed: Dict[str, Dict[str, str]]):
         self.aliases = aliases  # dotted alias -> module path
         self.names_of = names_of
-        self.read: Dict[str, str] = {}  # name -> the alias it was read through
+        self.renamed = renamed  # module path -> {its name: the name it has in the linked text}
+        self.read: Dict[str, str] = {}  # name in the linked text -> the `alias.name` it was read as
         self.problems: List[str] = []
         self._targets: List[cst.CSTNode] = []
 
@@ -171,11 +173,12 @@ class _ModuleAccesses(cst.CSTTransformer):
         if name not in self.names_of[self.aliases[alias]]:
             self.problems.append(f"`{alias}.{name}` is not a top-level name of the module")
             return updated
-        if self.read.get(name, alias) != alias:
+        linked = self.renamed.get(self.aliases[alias], {}).get(name, name)
+        if self.read.get(linked, f"{alias}.{name}") != f"{alias}.{name}":
             self.problems.append(f"`{name}` is read through two modules")
             return updated
-        self.read[name] = alias
-        return cst.Name(name)
+        self.read[linked] = f"{alias}.{name}"
+        return cst.Name(linked)
 
 
 def _names(node: cst.CSTNode) -> Set[str]:
@@ -184,7 +187,8 @@ def _names(node: cst.CSTNode) -> Set[str]:
 
 
 class _Restore(cst.CSTTransformer):
-    """`name` back to `alias.name` where a module was read through its alias."""
+    """A name of the linked text back to what the file wrote: `alias.name` where a module was read
+    through its alias, the module's own name where it was renamed apart from another module's."""
 
     def __init__(self, restore: Dict[str, str]):
         self.restore = restore
@@ -199,10 +203,16 @@ class _Restore(cst.CSTTransformer):
         return updated.with_changes(keyword=original.keyword)
 
     def leave_Name(self, original: cst.Name, updated: cst.Name):
-        alias = self.restore.get(original.value)
-        if alias is None:
+        written = self.restore.get(original.value)
+        if written is None:
             return updated
-        return cst.parse_expression(f"{alias}.{original.value}")
+        return cst.parse_expression(written) if "." in written else cst.Name(written)
+
+
+class _Rename(_Restore):
+    """A module's names that another module binds to something else, renamed apart for the linked text
+    (`F` of `from torchvision.transforms import functional as F` beside another file's
+    `import torch.nn.functional as F`): the same transform as _Restore, the other way."""
 
 
 def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[Program] = None
@@ -220,25 +230,20 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
             return f"{_rel(mod.path)} is written in another encoding or newline style than the script"
     # the names each module binds at its top level, and the library names the program imports
     own: Dict[str, Set[str]] = {}
-    owner: Dict[str, str] = {}
     libraries: Dict[str, Dict[str, Tuple[str, str, int]]] = {}
+    meanings: Dict[str, Dict[object, List[str]]] = {}  # name -> {what it is bound to: the files binding it so}
     for mod in files:
         bound = set(_module_bindings(mod.module.body))
         libraries[mod.path] = _library_imports(mod)
         own[mod.path] = bound | set(libraries[mod.path])
         for name in bound:
-            if name in owner and owner[name] != mod.path:
-                return (f"`{name}` is bound at the top level of both {_rel(owner[name])} and {_rel(mod.path)}: "
-                        "one analysis of the program would take one for the other")
-            owner[name] = mod.path
-    imported: Dict[str, str] = {}
-    for mod in files:
+            meanings.setdefault(name, {}).setdefault(("code", mod.path), []).append(mod.path)
         for name, (target, _, _) in libraries[mod.path].items():
-            if name in owner:
-                return (f"`{name}` is an import in {_rel(mod.path)} and bound by the code of {_rel(owner[name])}: "
-                        "one analysis of the program would take one for the other")
-            if imported.setdefault(name, target) != target:
-                return f"`{name}` names two different imports in the program's modules"
+            if name not in bound:
+                meanings.setdefault(name, {}).setdefault(target, []).append(mod.path)
+    renamed = _renamed_apart(meanings, files, program)
+    if isinstance(renamed, str):
+        return renamed
     # names imported from project modules under another name, and modules read through an alias
     restore: Dict[str, Dict[str, str]] = {}
     bodies: Dict[str, List[cst.BaseStatement]] = {}
@@ -266,9 +271,13 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
                 body[i] = stmt.visit(marking)
                 if len(nested) > before:
                     holders.setdefault(mod.path, set()).add(i)
+        if renamed.get(mod.path):
+            rename = _Rename(renamed[mod.path])
+            body = [stmt.visit(rename) for stmt in body]
+            restore.setdefault(mod.path, {}).update({new: old for old, new in renamed[mod.path].items()})
         if aliases:
             counts = _names(cst.Module(body=body))
-            transformer = _ModuleAccesses(aliases, own)
+            transformer = _ModuleAccesses(aliases, own, renamed)
             body = [s.visit(transformer) for s in body]
             if transformer.problems:
                 return f"in {_rel(mod.path)}: {transformer.problems[0]}"
@@ -279,7 +288,7 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
             for alias in aliases:
                 if alias.split(".")[0] in left:
                     return f"in {_rel(mod.path)}: the module `{alias}` is used as a value, not only as `{alias}.name`"
-            restore[mod.path] = dict(transformer.read)
+            restore.setdefault(mod.path, {}).update(transformer.read)
         bodies[mod.path] = body
     # the linked body: the entry, with the hoisted imports and every module's body at its first project import
     entry = files[0]
@@ -290,7 +299,9 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
     have = {text for _, text, _ in libraries[entry.path].values()}
     hoisted = []
     for mod in mods:
-        for _, text, _ in libraries[mod.path].values():
+        for name, (_, text, _) in libraries[mod.path].items():
+            if name in renamed.get(mod.path, {}):
+                text = _import_as(text, renamed[mod.path][name])
             if text not in have:
                 have.add(text)
                 hoisted.append(text)
@@ -327,7 +338,50 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
     shown = {m.path: (os.path.abspath(m.path) if os.path.isabs(entry_path) else os.path.relpath(m.path))
              for m in mods}
     shown[entry.path] = entry_path
-    return Linked(text, program, lines, kept, entry_imports, restore, shown, nested)
+    unmangle = {new: old for names in renamed.values() for old, new in names.items()}
+    return Linked(text, program, lines, kept, entry_imports, restore, shown, nested, unmangle)
+
+
+def _renamed_apart(meanings, files: List[ModuleFile], program: Program):
+    """{module path: {name: its name in the linked text}} for the top-level names two files bind to
+    different things (`F`, `logger`, `device` in the entry and in engine.py): the entry keeps its own (or,
+    where it binds none, the first module to bind it), each other module gets a name of its own. A
+    sentence where a name cannot be renamed apart: another module imports it by name or with `*`."""
+    out: Dict[str, Dict[str, str]] = {}
+    taken = set()
+    for mod in files:
+        taken |= _names(mod.module)
+    entry = files[0].path
+    for name, by in sorted(meanings.items()):
+        if len(by) < 2:
+            continue
+        groups = sorted(by.values(), key=lambda paths: (entry not in paths, [f.path for f in files].index(paths[0])))
+        for paths in groups[1:]:
+            for path in paths:
+                if path == entry:
+                    continue
+                for other in files:
+                    for imps in list(other.imports.values()) + [[i for _, i, _ in other.nested]]:
+                        for imp in imps:
+                            if imp.path == path and (imp.star or imp.obj == name):
+                                return (f"`{name}` is bound at the top level of both {_rel(groups[0][0])} and "
+                                        f"{_rel(path)}, and {_rel(other.path)} imports it from {_rel(path)}: "
+                                        "one analysis of the program would take one for the other")
+                stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+                new, i = f"{name}__{stem}", 1
+                while new in taken:
+                    new, i = f"{name}__{stem}{i}", i + 1
+                taken.add(new)
+                out.setdefault(path, {})[name] = new
+    return out
+
+
+def _import_as(text: str, local: str) -> str:
+    """A canonical import statement (`import a.b`, `import a.b as c`, `from a import b as c`) binding `local`."""
+    words = text.split()
+    if words[0] == "import":
+        return f"import {words[1]} as {local}"
+    return f"from {words[1]} import {words[3]} as {local}"
 
 
 def _place_blocks(mods: List[ModuleFile], bodies, kept, linked, origin) -> None:
@@ -467,6 +521,7 @@ def split(linked: Linked, result: RewriteResult, source: bytes) -> Union[Rewrite
             new = new.visit(_Restore(linked.restore[path]))
         if path == entry:
             new = _without_unused_new_imports(new, original)
+        new = _first_statement_as_before(new, original)
         if new.code == original.code:  # a module the conversion left as it was
             results[path] = program.files[path].data
             continue
@@ -534,7 +589,13 @@ def _mapped(linked: Linked, record):
             return f"{word}{first}"
         return f"{word}{first}{match.group(3)}{one(match.group(4))}"
 
-    texts = {name: _LINE.sub(sub, getattr(record, name)) for name in ("what", "why", "hint", "pitfall")
+    def plain(text: str) -> str:
+        text = _LINE.sub(sub, text)
+        for mangled, name in linked.unmangle.items():
+            text = re.sub(rf"\b{re.escape(mangled)}\b", name, text)
+        return text
+
+    texts = {name: plain(getattr(record, name)) for name in ("what", "why", "hint", "pitfall")
              if isinstance(getattr(record, name, None), str)}
     return replace(record, line=line, path=linked.shown.get(path, path), **texts)
 
@@ -628,6 +689,20 @@ def _imports_needed(new: cst.Module, original: cst.Module, table: Dict[str, Tupl
         else:
             wanted.append((words[1], words[3], used if " as " in text else None))
     return wanted
+
+
+def _first_statement_as_before(new: cst.Module, original: cst.Module) -> cst.Module:
+    """The blank lines above the first statement as the file had them, where that statement is the file's
+    own first one (an import the rewrite added above it and the file does not need left them behind)."""
+    if not new.body or not original.body:
+        return new
+    first, was = new.body[0], original.body[0]
+    if not hasattr(first, "leading_lines") or first.leading_lines == was.leading_lines:
+        return new
+    if new.code_for_node(first.with_changes(leading_lines=[])) != original.code_for_node(
+            was.with_changes(leading_lines=[])):
+        return new
+    return new.with_changes(body=[first.with_changes(leading_lines=was.leading_lines), *new.body[1:]])
 
 
 def _rel(path: str) -> str:

@@ -95,9 +95,13 @@ def outside_modules(module: cst.Module, stmt):
             last_end = i
         elif node is stmt:
             inside = depth > 0
-    if not inside or last_end is None or last_end + 1 >= len(body):
+    if not inside or last_end is None:
         return stmt
-    return body[last_end + 1]
+    for node in body[last_end + 1:]:  # past the entry's own imports that follow the modules
+        marker = _read_marker(node)
+        if not _is_import(node) and (marker is None or marker[0] != "import"):
+            return node
+    return stmt
 
 
 def _is_main_guard(stmt) -> bool:
@@ -181,6 +185,11 @@ class _ModuleAccesses(cst.CSTTransformer):
         return cst.Name(linked)
 
 
+def _names_outside_imports(mod: ModuleFile) -> Set[str]:
+    """The names a module's code reads or binds, its top-level project imports left out."""
+    return _names(cst.Module(body=[s for i, s in enumerate(mod.module.body) if i not in mod.imports]))
+
+
 def _names(node: cst.CSTNode) -> Set[str]:
     """Every name a Name node of `node` reads or binds (not an attribute's or a keyword argument's)."""
     return names_read(node)
@@ -192,6 +201,12 @@ class _Restore(cst.CSTTransformer):
 
     def __init__(self, restore: Dict[str, str]):
         self.restore = restore
+
+    def visit_Import(self, node: cst.Import) -> bool:
+        return False  # an import statement stays as the file wrote it (its names are what the others mean)
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+        return False
 
     def visit_Attribute(self, node: cst.Attribute) -> bool:
         return True
@@ -251,6 +266,7 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
     holders: Dict[str, Set[int]] = {}  # file -> the top-level statements holding a nested project import
     for mod in files:
         aliases = {}
+        names = dict(renamed.get(mod.path, {}))  # this file's names -> their names in the linked text
         for line, imp, stmt in mod.nested:
             if _library_names(stmt, imp):
                 return (f"{_rel(mod.path)} line {line} imports a project module and a library in one statement "
@@ -261,8 +277,12 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
                     continue
                 if imp.obj is None:
                     aliases[imp.local] = imp.path
-                elif imp.local != imp.obj:
-                    return f"{_rel(mod.path)} imports `{imp.obj}` as `{imp.local}` from {_rel(imp.path)}"
+                elif imp.local != imp.obj:  # `from mingpt.utils import CfgNode as CN`: read as the name itself
+                    linked_name = renamed.get(imp.path, {}).get(imp.obj, imp.obj)
+                    if names.setdefault(imp.local, linked_name) != linked_name or (
+                            linked_name in _names_outside_imports(mod) and linked_name != imp.local):
+                        return (f"{_rel(mod.path)} imports `{imp.obj}` as `{imp.local}` from {_rel(imp.path)}, "
+                                f"and reads `{linked_name}` as another name too")
         body = list(mod.module.body)
         if mod.nested:  # each nested project import behind a marker, where it stands
             marking = _MarkNested({id(stmt) for _, _, stmt in mod.nested}, nested)
@@ -271,10 +291,10 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
                 body[i] = stmt.visit(marking)
                 if len(nested) > before:
                     holders.setdefault(mod.path, set()).add(i)
-        if renamed.get(mod.path):
-            rename = _Rename(renamed[mod.path])
+        if names:
+            rename = _Rename(names)
             body = [stmt.visit(rename) for stmt in body]
-            restore.setdefault(mod.path, {}).update({new: old for old, new in renamed[mod.path].items()})
+            restore.setdefault(mod.path, {}).update({new: old for old, new in names.items()})
         if aliases:
             counts = _names(cst.Module(body=body))
             transformer = _ModuleAccesses(aliases, own, renamed)

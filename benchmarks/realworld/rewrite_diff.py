@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,25 +26,7 @@ import run  # noqa: E402  (the corpus runner: manifests, mirrors, extraction)
 
 def lay_out(script: run.Script, mirrors: Path, into: Path) -> Path:
     """The script and its extra files, patched and stubbed, as run.run_one lays them out."""
-    gdir = run.git_dir(mirrors, script.repo)
-    for path in [script.path, *script.extra_files]:
-        run.extract(gdir, script.commit, path, into)
-    src = into / script.path
-    for patch in script.patches:
-        target = into / patch.get("file", script.path)
-        text = target.read_text(encoding="utf-8")
-        if text.count(patch["find"]) != 1:
-            raise run.RecipeError(f"patch {patch['find'][:40]!r}: found {text.count(patch['find'])} times")
-        target.write_text(text.replace(patch["find"], patch["replace"]), encoding="utf-8")
-    for module, code in script.stubs.items():
-        parts = module.split(".")
-        folder = src.parent
-        for part in parts[:-1]:
-            folder = folder / part
-            folder.mkdir(exist_ok=True)
-            (folder / "__init__.py").touch()
-        (folder / f"{parts[-1]}.py").write_text(code, encoding="utf-8")
-    return src
+    return run.lay_out(script, run.git_dir(mirrors, script.repo), into)
 
 
 def rewrite(code: Path, python: str, src: Path, out: Path, extra: list) -> dict:

@@ -365,6 +365,28 @@ def _judge(script: Script, rw: dict, vf: Optional[dict]) -> tuple:
     return "silently-wrong", f"{vf.get('summary')}" + (f" ({notes})" if notes else ""), ""
 
 
+def lay_out(script: Script, gdir: Path, src_root: Path) -> Path:
+    """The script and its extra files extracted under src_root, patched and stubbed; its path there."""
+    for path in [script.path, *script.extra_files]:
+        extract(gdir, script.commit, path, src_root)
+    src = src_root / script.path
+    for patch in script.patches:
+        target = src_root / patch.get("file", script.path)
+        text = target.read_text(encoding="utf-8")
+        if text.count(patch["find"]) != 1:
+            raise RecipeError(f"patch {patch['find'][:40]!r}: found {text.count(patch['find'])} times")
+        target.write_text(text.replace(patch["find"], patch["replace"]), encoding="utf-8")
+    for module, code in script.stubs.items():  # a dotted name becomes packages with empty __init__.py
+        parts = module.split(".")
+        folder = src.parent
+        for part in parts[:-1]:
+            folder = folder / part
+            folder.mkdir(exist_ok=True)
+            (folder / "__init__.py").touch()
+        (folder / f"{parts[-1]}.py").write_text(code, encoding="utf-8")
+    return src
+
+
 def run_one(script: Script, mirrors: Path, work_root: Path, python: str) -> dict:
     started = time.time()
     work = work_root / script.id
@@ -376,23 +398,7 @@ def run_one(script: Script, mirrors: Path, work_root: Path, python: str) -> dict
            "notes": script.notes, "rewrite": None, "verify": None}
     try:
         gdir = git_dir(mirrors, script.repo)
-        for path in [script.path, *script.extra_files]:
-            extract(gdir, script.commit, path, src_root)
-        src = src_root / script.path
-        for patch in script.patches:
-            target = src_root / patch.get("file", script.path)
-            text = target.read_text(encoding="utf-8")
-            if text.count(patch["find"]) != 1:
-                raise RecipeError(f"patch {patch['find'][:40]!r}: found {text.count(patch['find'])} times")
-            target.write_text(text.replace(patch["find"], patch["replace"]), encoding="utf-8")
-        for module, code in script.stubs.items():  # a dotted name becomes packages with empty __init__.py
-            parts = module.split(".")
-            folder = src.parent
-            for part in parts[:-1]:
-                folder = folder / part
-                folder.mkdir(exist_ok=True)
-                (folder / "__init__.py").touch()
-            (folder / f"{parts[-1]}.py").write_text(code, encoding="utf-8")
+        src = lay_out(script, gdir, src_root)
         rw = rewrite_step(src, work / "rewritten" / src.name)
         row["rewrite"] = rw
         vf = None

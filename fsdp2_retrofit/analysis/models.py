@@ -278,8 +278,8 @@ class ModelAnalysis(SiteAnalysis):
         attrs = {id(a.attr) for a in walk(opt.stmt) if type(a) is cst.Attribute}
         read = next((n for n in walk(opt.stmt) if type(n) is cst.Name and n.value == name and id(n) not in attrs), None)
         if read is None:  # `self.model.parameters()` in a trainer's method: the attribute, followed by value
-            read = next((a for a in walk(opt.stmt) if type(a) is cst.Attribute and a.attr.value == name
-                         and type(a.value) is cst.Name), None)
+            read = next((a for a in walk(opt.stmt) if type(a) is cst.Attribute and type(a.value) is cst.Name
+                         and f"{a.value.value}.{a.attr.value}" == name), None)
         return self._module_binding_of(read, bindings) if read is not None else None
 
     def _scope_body(self, stmt):

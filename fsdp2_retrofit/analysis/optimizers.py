@@ -101,8 +101,13 @@ class OptimizerAnalysis(SiteAnalysis):
         if not wanted:
             return set()
         skip = {id(a.attr) for a in walk(stmt) if type(a) is cst.Attribute}
-        return {n.value for n in walk(stmt) if type(n) is cst.Name and n.value in wanted and id(n) not in skip
+        held = {n.value for n in walk(stmt) if type(n) is cst.Name and n.value in wanted and id(n) not in skip
                 and self._module_binding_of(n, bindings)}
+        # `self.model.parameters()` in a trainer's method: the attribute, followed by value to the build
+        held |= {f"{a.value.value}.{a.attr.value}" for a in walk(stmt) if type(a) is cst.Attribute
+                 and type(a.value) is cst.Name and f"{a.value.value}.{a.attr.value}" in wanted
+                 and self._module_binding_of(a, bindings)}
+        return held
 
     def _is_torch_optimizer(self, call: cst.Call) -> bool:
         return is_optimizer_call(self.r, call)

@@ -200,6 +200,18 @@ def test_an_import_of_a_folder_without_init_is_found_from_the_entry_s_folder(tmp
     assert "loader.sampler.set_epoch(epoch)" in edited["engine.py"]
 
 
+def test_a_module_the_program_cannot_read_is_said(tmp_path):
+    # helpers.py does not parse: whatever loop it holds is unseen, and the report says so at the entry
+    entry = ENTRY.replace("import engine\n", "import helpers\n").replace(
+        "engine.train(model, loader, optimizer, 2)\n",
+        "for x, y in loader:\n    optimizer.zero_grad()\n    torch.nn.functional.mse_loss(model(x), y).backward()\n"
+        "    optimizer.step()\n")
+    result = _rewrite(_project(tmp_path, {"helpers.py": "def broken(:\n", "train.py": entry}))
+    assert not result.refusals, result.refusals
+    [said] = [a for a in result.attention if a.code == "program"]
+    assert said.differs and "helpers.py does not parse" in said.what
+
+
 def test_a_save_helper_handed_the_state_is_refused_at_its_save(tmp_path):
     entry = _project(tmp_path, {"train.py": ENTRY.replace("import engine\n", "").replace(
         "engine.train(model, loader, optimizer, 2)\n", "").replace(

@@ -11,7 +11,8 @@ from .loops import LoopAnalysis, LoopSite
 from .returns import names_out
 from .site_analysis import Block, SiteAnalysis
 from fsdp2_retrofit.syntax.names import (
-    Resolver, assigned_names, bind_args, calls_in, code, iterated_name, last_assignment, names_in, walk,
+    Resolver, assigned_names, bind_args, calls_in, code, instance_attribute, iterated_name, last_assignment, names_in,
+    walk,
 )
 from fsdp2_retrofit.syntax.torch_api import DATALOADERS, DISTRIBUTED_SAMPLERS, GET_RANK, PLAIN_SAMPLERS
 
@@ -108,9 +109,8 @@ class LoaderAnalysis(SiteAnalysis):
                 continue
             if isinstance(target, cst.Name):
                 name = target.value
-            elif (isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name)
-                  and id(call) in fed and self._in_trainer_method(stmt)):
-                name = f"{target.value.value}.{target.attr.value}"  # `self.loader = DataLoader(...)` in a Solver
+            elif instance_attribute(target) and id(call) in fed and self._in_trainer_method(stmt):
+                name = instance_attribute(target)  # `self.loader = DataLoader(...)` in a Solver
             else:
                 continue
             args = {a.keyword.value: a.value for a in call.args if a.keyword is not None}

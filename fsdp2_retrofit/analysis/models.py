@@ -27,6 +27,7 @@ from fsdp2_retrofit.syntax.names import (
     bind_args,
     calls_in,
     code,
+    instance_attribute,
     is_main_guard,
     module_itself,
     names_in,
@@ -278,8 +279,7 @@ class ModelAnalysis(SiteAnalysis):
         attrs = {id(a.attr) for a in walk(opt.stmt) if type(a) is cst.Attribute}
         read = next((n for n in walk(opt.stmt) if type(n) is cst.Name and n.value == name and id(n) not in attrs), None)
         if read is None:  # `self.model.parameters()` in a trainer's method: the attribute, followed by value
-            read = next((a for a in walk(opt.stmt) if type(a) is cst.Attribute and type(a.value) is cst.Name
-                         and f"{a.value.value}.{a.attr.value}" == name), None)
+            read = next((a for a in walk(opt.stmt) if instance_attribute(a) == name), None)
         return self._module_binding_of(read, bindings) if read is not None else None
 
     def _scope_body(self, stmt):
@@ -586,7 +586,7 @@ class ModelAnalysis(SiteAnalysis):
         nested functions that read one of the function around them (a closure)."""
         names: Dict[Optional[cst.FunctionDef], Set[str]] = {}
         for m in models:
-            held = self._built_into_self(m)
+            held = self._in_each_method(self.r.enclosing_function(m.stmt), m.name)
             if held:  # `self.net = Net()` in a trainer class's method: `self.net` in each of its methods
                 for method, name in held:
                     names.setdefault(method, set()).add(name)
@@ -608,21 +608,6 @@ class ModelAnalysis(SiteAnalysis):
             changed |= closure_propagate(self.r, names)
             changed |= held_models(self.r, self._holders(), names)
         return names
-
-    def _built_into_self(self, m: ModelSite) -> List[tuple]:
-        """(method, `<its self>.<attr>`) for every method of the class whose method builds the model
-        `m` into an attribute of its instance (`self.net = Net()` in a Solver's __init__); [] otherwise."""
-        fn = self.r.enclosing_function(m.stmt)
-        cls = self.r.enclosing_class(fn) if fn is not None else None
-        me = fn.params.params[:1] if fn is not None else []
-        if cls is None or not me or not m.name.startswith(me[0].name.value + "."):
-            return []
-        attr = m.name.split(".", 1)[1]
-        out = []
-        for method in cls.body.body:
-            if isinstance(method, cst.FunctionDef) and method.params.params:
-                out.append((method, f"{method.params.params[0].name.value}.{attr}"))
-        return out
 
     def _add_returns(self, names) -> bool:
         """`model, optimizer = build(cfg)`: a helper that returns its model hands it to
@@ -701,9 +686,8 @@ class ModelAnalysis(SiteAnalysis):
             if not (isinstance(func, cst.Attribute) and func.attr.value == "forward"):
                 continue
             target = func.value
-            held = (isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name)
-                    and f"{target.value.value}.{target.attr.value}")  # `self.model.forward(x)` in a trainer's method
-            if (isinstance(target, cst.Name) and target.value or held) in model_names.get(
+            # `model.forward(x)`, `self.model.forward(x)` in a trainer's method
+            if (target.value if isinstance(target, cst.Name) else instance_attribute(target)) in model_names.get(
                 self.r.enclosing_function(call), set()
             ):
                 out.append(call)
@@ -761,10 +745,9 @@ class ModelAnalysis(SiteAnalysis):
                     isinstance(call, cst.Call)
                     and self.r.qnames(call) & FULLY_SHARD
                     and call.args
-                    and isinstance(call.args[0].value, cst.Attribute)
-                    and isinstance(call.args[0].value.value, cst.Name)
+                    and instance_attribute(call.args[0].value)
                 ):
-                    out[call.args[0].value.value.value + "." + call.args[0].value.attr.value] = stmt
+                    out[instance_attribute(call.args[0].value)] = stmt
         return out
 
 

@@ -12,7 +12,9 @@ from .held_values import Lost, disagreeing_calls, global_optimizers, held_optimi
 from .optimizer_factories import changes_tensors, returned_optimizer
 from .returns import names_out
 from .site_analysis import Block, SiteAnalysis
-from fsdp2_retrofit.syntax.names import Resolver, alias_target, assigned_names, bind_args, calls_in, root_name, walk
+from fsdp2_retrofit.syntax.names import (
+    Resolver, alias_target, assigned_names, bind_args, calls_in, instance_attribute, root_name, walk,
+)
 from fsdp2_retrofit.syntax.torch_api import (  # noqa: F401  (FLATTENING_OPTIMIZERS: the shard stage imports it from here)
     FLATTENING_OPTIMIZERS,
     OPTIMIZER_BASES,
@@ -104,9 +106,8 @@ class OptimizerAnalysis(SiteAnalysis):
         held = {n.value for n in walk(stmt) if type(n) is cst.Name and n.value in wanted and id(n) not in skip
                 and self._module_binding_of(n, bindings)}
         # `self.model.parameters()` in a trainer's method: the attribute, followed by value to the build
-        held |= {f"{a.value.value}.{a.attr.value}" for a in walk(stmt) if type(a) is cst.Attribute
-                 and type(a.value) is cst.Name and f"{a.value.value}.{a.attr.value}" in wanted
-                 and self._module_binding_of(a, bindings)}
+        held |= {instance_attribute(a) for a in walk(stmt)
+                 if instance_attribute(a) in wanted and self._module_binding_of(a, bindings)}
         return held
 
     def _is_torch_optimizer(self, call: cst.Call) -> bool:
@@ -266,18 +267,12 @@ class OptimizerAnalysis(SiteAnalysis):
 
     def _held_by_instance(self, opt: OptimizerSite, fn, names) -> None:
         """`self.optimizer = AdamW(self.model.parameters())` in a method of a trainer class (a Solver's
-        __init__): `self.optimizer` in each of its methods, training `self.model` there."""
-        cls = self.r.enclosing_class(fn) if fn is not None else None
-        me = fn.params.params[:1] if fn is not None else []
-        if cls is None or not me or not opt.name.startswith(me[0].name.value + "."):
-            return
+        __init__): `self.optimizer` in each of its other methods, training `self.model` there."""
         model = names[fn][opt.name]
-        for method in cls.body.body:
-            if isinstance(method, cst.FunctionDef) and method.params.params and method is not fn:
-                other = method.params.params[0].name.value
-                names.setdefault(method, {}).setdefault(
-                    other + opt.name[len(me[0].name.value):],
-                    other + model[len(me[0].name.value):] if model and model.startswith(me[0].name.value + ".") else model)
+        models = dict(self._in_each_method(fn, model)) if model else {}
+        for method, name in self._in_each_method(fn, opt.name):
+            if method is not fn:
+                names.setdefault(method, {}).setdefault(name, models.get(method, model))
 
     def _optimizer_names(self, optimizers, model_names):
         """Optimizer names per function, following calls; each mapped to its model's name there."""
@@ -385,10 +380,9 @@ def _ordered_names(args) -> List[str]:
     seen: List[str] = []
     for a in args:
         for n in walk(a.value):
-            if type(n) is cst.Attribute and type(n.value) is cst.Name:
-                held = f"{n.value.value}.{n.attr.value}"
-                if held not in seen:
-                    seen.append(held)
+            held = instance_attribute(n)
+            if held is not None and held not in seen:
+                seen.append(held)
             if type(n) is cst.Name and n.value not in seen:
                 seen.append(n.value)
     return seen

@@ -22,7 +22,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from fsdp2_retrofit.syntax.names import dotted
+from fsdp2_retrofit.syntax.names import attr_path, dotted
 
 from . import project_imports
 
@@ -66,7 +66,7 @@ class Program:
     entry: str
     files: Dict[str, ModuleFile]  # path -> module, the entry first
     order: List[str]  # the modules other than the entry, each after the modules it imports
-    problems: List[Tuple[str, int, str]] = field(default_factory=list)  # (path, line, why) of imports not followed
+    problems: List[str] = field(default_factory=list)  # the project modules it reaches and could not read, and why
     roots: List[str] = field(default_factory=list)  # folders the entry puts on sys.path, as written
 
     @classmethod
@@ -96,22 +96,21 @@ class Program:
                     for imp in self._project_imports(path, inner):
                         here.nested.append((line, imp, inner))
                         reached.append(imp)
-        if reached:
-            for imp in reached:
-                if imp.path in self.files or imp.path in stack:
-                    continue
-                if len(self.files) >= MAX_MODULES:
-                    self.problems.append((path, 0, f"more than {MAX_MODULES} project modules"))
-                    return
-                text = project_imports.read(imp.path)
-                if text is None:
-                    continue
-                try:
-                    parsed = cst.parse_module(text)
-                except (cst.ParserSyntaxError, UnicodeDecodeError, LookupError, SyntaxError):
-                    self.problems.append((imp.path, 0, "the module does not parse"))
-                    continue
-                self._visit(imp.path, parsed, text, stack + [path])
+        for imp in reached:
+            if imp.path in self.files or imp.path in stack:
+                continue
+            if len(self.files) >= MAX_MODULES:
+                self.problems.append(f"{imp.path} is one module more than the {MAX_MODULES} the program reads")
+                break
+            text = project_imports.read(imp.path)
+            if text is None:
+                continue
+            try:
+                parsed = cst.parse_module(text)
+            except (cst.ParserSyntaxError, UnicodeDecodeError, LookupError, SyntaxError):
+                self.problems.append(f"{imp.path} does not parse")
+                continue
+            self._visit(imp.path, parsed, text, stack + [path])
         if path != self.entry:
             self.order.append(path)
 
@@ -162,11 +161,11 @@ class Program:
         """The modules other than the entry, each after the modules it imports."""
         return [self.files[p] for p in self.order]
 
-    def training_steps(self, outside_entry: bool = True) -> List[Step]:
-        """Every `<x>.backward(...)` of the program's modules (only those outside the entry by default)."""
+    def training_steps(self) -> List[Step]:
+        """Every `<x>.backward(...)` of the program's modules outside the entry."""
         out: List[Step] = []
         for path, mod in self.files.items():
-            if outside_entry and path == self.entry:
+            if path == self.entry:
                 continue
             if b".backward(" not in mod.data:
                 continue
@@ -186,7 +185,7 @@ def _sys_path_roots(entry: str, module: cst.Module) -> List[str]:
             continue
         call = stmt.body[0].value
         if not (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute)
-                and call.func.attr.value in ("append", "insert") and _dotted_or_none(call.func.value) == "sys.path"):
+                and call.func.attr.value in ("append", "insert") and _dotted(call.func.value) == "sys.path"):
             continue
         arg = call.args[-1].value if call.args else None
         folder = _folder_of(arg, here)
@@ -199,15 +198,15 @@ def _folder_of(expr, here: str) -> Optional[str]:
     if isinstance(expr, cst.SimpleString):
         value = expr.evaluated_value
         return value if os.path.isabs(value) else os.path.join(here, value)
-    if isinstance(expr, cst.Call) and _dotted_or_none(expr.func) in ("os.path.dirname", "os.path.abspath",
+    if isinstance(expr, cst.Call) and _dotted(expr.func) in ("os.path.dirname", "os.path.abspath",
                                                                       "os.path.realpath") and expr.args:
         inner = _folder_of(expr.args[0].value, here)
         if inner is None:
             return None
-        return os.path.dirname(inner) if _dotted_or_none(expr.func) == "os.path.dirname" else inner
+        return os.path.dirname(inner) if _dotted(expr.func) == "os.path.dirname" else inner
     if isinstance(expr, cst.Name) and expr.value == "__file__":
         return os.path.join(here, "__file__")
-    if isinstance(expr, cst.Call) and _dotted_or_none(expr.func) == "os.path.join" and len(expr.args) >= 2:
+    if isinstance(expr, cst.Call) and _dotted(expr.func) == "os.path.join" and len(expr.args) >= 2:
         inner = _folder_of(expr.args[0].value, here)
         parts = [a.value.evaluated_value for a in expr.args[1:] if isinstance(a.value, cst.SimpleString)]
         if inner is None or len(parts) != len(expr.args) - 1:
@@ -216,13 +215,9 @@ def _folder_of(expr, here: str) -> Optional[str]:
     return None
 
 
-def _dotted_or_none(node) -> Optional[str]:
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        inner = _dotted_or_none(node.value)
-        return None if inner is None else f"{inner}.{node.attr.value}"
-    return None
+def _dotted(node) -> str:
+    """`os.path.join` for a name or an attribute chain; "" for anything else."""
+    return ".".join(attr_path(node) or ())
 
 
 def _nested_imports(module: cst.Module, stmt, positions: list) -> Iterator[Tuple[int, cst.SimpleStatementLine]]:

@@ -99,6 +99,18 @@ class SiteAnalysis:
                       and target.value.value == me[0].name.value):
                     yield f"{target.value.value}.{target.attr.value}", stmt, small.value  # self.optimizer = ...
 
+    def _in_each_method(self, fn: Optional[cst.FunctionDef], name: str) -> List[tuple]:
+        """(method, `name` as that method spells it) for each method of the class `fn` is a method of, where
+        `name` is an attribute of `fn`'s instance (`self.net` built in a Solver's __init__ is `self.net` in
+        train(), and `s.net` in a method whose first parameter is `s`); [] where it is not."""
+        cls = self.r.enclosing_class(fn) if fn is not None else None
+        me = fn.params.params[:1] if fn is not None else []
+        if cls is None or not me or not name.startswith(me[0].name.value + "."):
+            return []
+        rest = name[len(me[0].name.value):]
+        return [(method, method.params.params[0].name.value + rest) for method in cls.body.body
+                if isinstance(method, cst.FunctionDef) and method.params.params]
+
     def _in_trainer_method(self, stmt) -> bool:
         """`stmt` is in a method of a top-level class of the script that is not an nn.Module."""
         fn = self.r.enclosing_function(stmt)

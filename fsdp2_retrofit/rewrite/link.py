@@ -33,13 +33,15 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Set, Tuple, Union
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider
 
-from fsdp2_retrofit.analysis.program import ModuleFile, Program, _dotted_or_none
+from fsdp2_retrofit.analysis.program import ModuleFile, Program
 from fsdp2_retrofit.report import RewriteResult
-from fsdp2_retrofit.syntax.names import _module_bindings, dotted, import_bindings, names_read
+from fsdp2_retrofit.syntax.names import (
+    _module_bindings, attr_path, dotted, import_bindings, is_main_guard, names_read,
+)
 
 from .imports import add_imports
+from .workspace import Workspace
 
 MARKER = "__fsdp2_link__"
 
@@ -104,47 +106,22 @@ def outside_modules(module: cst.Module, stmt):
     return stmt
 
 
-def _is_main_guard(stmt) -> bool:
-    if not isinstance(stmt, cst.If):
-        return False
-    test = stmt.test
-    return (isinstance(test, cst.Comparison) and isinstance(test.left, cst.Name) and test.left.value == "__name__"
-            and len(test.comparisons) == 1 and isinstance(test.comparisons[0].comparator, cst.SimpleString))
-
-
 def _is_import(stmt) -> bool:
     return isinstance(stmt, cst.SimpleStatementLine) and any(
         isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body)
 
 
-def _library_imports(mod: ModuleFile) -> Dict[str, Tuple[str, str, int]]:
-    """name -> (what it binds, the import as one canonical statement, line index) of the module's
-    top-level imports that bind no project module."""
-    out: Dict[str, Tuple[str, str, int]] = {}
+def _library_imports(mod: ModuleFile) -> Dict[str, Tuple[str, str]]:
+    """name -> (what it binds, the import as one canonical statement) of the module's top-level imports
+    that bind no project module (a relative import binds a project module, or nothing the program has)."""
+    out: Dict[str, Tuple[str, str]] = {}
     for index, stmt in enumerate(mod.module.body):
         if not _is_import(stmt):
             continue
-        project = {imp.local for imp in mod.imports.get(index, [])}
+        project = {imp.local.split(".")[0] for imp in mod.imports.get(index, [])}
         for small in stmt.body:
-            if isinstance(small, cst.Import):
-                for alias in small.names:
-                    full = dotted(alias.name)
-                    local = dotted(alias.asname.name) if alias.asname is not None else full.split(".")[0]
-                    if full in project or local in project:
-                        continue
-                    text = f"import {full} as {local}" if alias.asname is not None else f"import {full}"
-                    out[local] = (full if alias.asname is not None else local, text, index)
-            elif isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
-                if small.relative:
-                    continue  # a relative import binds a project module (or names nothing the program has)
-                base = dotted(small.module)
-                for alias in small.names:
-                    obj = dotted(alias.name)
-                    local = dotted(alias.asname.name) if alias.asname is not None else obj
-                    if local in project:
-                        continue
-                    text = f"from {base} import {obj} as {local}" if alias.asname is not None else f"from {base} import {obj}"
-                    out[local] = (f"{base}.{obj}", text, index)
+            targets = _import_targets(cst.Module(body=[cst.SimpleStatementLine([small])])) or {}
+            out.update((local, found) for local, found in targets.items() if local not in project)
     return out
 
 
@@ -167,7 +144,8 @@ class _ModuleAccesses(cst.CSTTransformer):
         self._targets.append(node.target)
 
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
-        alias = _dotted_or_none(original.value)
+        path = attr_path(original.value)
+        alias = ".".join(path) if path else None
         if alias is None or alias not in self.aliases:
             return updated
         name = original.attr.value
@@ -187,17 +165,14 @@ class _ModuleAccesses(cst.CSTTransformer):
 
 def _names_outside_imports(mod: ModuleFile) -> Set[str]:
     """The names a module's code reads or binds, its top-level project imports left out."""
-    return _names(cst.Module(body=[s for i, s in enumerate(mod.module.body) if i not in mod.imports]))
-
-
-def _names(node: cst.CSTNode) -> Set[str]:
-    """Every name a Name node of `node` reads or binds (not an attribute's or a keyword argument's)."""
-    return names_read(node)
+    return names_read(cst.Module(body=[s for i, s in enumerate(mod.module.body) if i not in mod.imports]))
 
 
 class _Restore(cst.CSTTransformer):
     """A name of the linked text back to what the file wrote: `alias.name` where a module was read
-    through its alias, the module's own name where it was renamed apart from another module's."""
+    through its alias, the module's own name where it was renamed apart from another module's (`F` of
+    `from torchvision.transforms import functional as F` beside another file's `import
+    torch.nn.functional as F`); with the map the other way, the file's names to the linked text's."""
 
     def __init__(self, restore: Dict[str, str]):
         self.restore = restore
@@ -224,12 +199,6 @@ class _Restore(cst.CSTTransformer):
         return cst.parse_expression(written) if "." in written else cst.Name(written)
 
 
-class _Rename(_Restore):
-    """A module's names that another module binds to something else, renamed apart for the linked text
-    (`F` of `from torchvision.transforms import functional as F` beside another file's
-    `import torch.nn.functional as F`): the same transform as _Restore, the other way."""
-
-
 def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[Program] = None
          ) -> Union[Linked, str, None]:
     """The linked program of the entry at `entry_path` (`program`, read when not given), or why it
@@ -238,6 +207,8 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
     mods = program.modules
     if not mods:
         return None
+    if program.problems:
+        return f"the program cannot be read whole: {program.problems[0]}"
     files = [program.files[program.entry]] + mods
     for mod in mods:
         m = mod.module
@@ -245,7 +216,7 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
             return f"{_rel(mod.path)} is written in another encoding or newline style than the script"
     # the names each module binds at its top level, and the library names the program imports
     own: Dict[str, Set[str]] = {}
-    libraries: Dict[str, Dict[str, Tuple[str, str, int]]] = {}
+    libraries: Dict[str, Dict[str, Tuple[str, str]]] = {}
     meanings: Dict[str, Dict[object, List[str]]] = {}  # name -> {what it is bound to: the files binding it so}
     for mod in files:
         bound = set(_module_bindings(mod.module.body))
@@ -253,7 +224,7 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
         own[mod.path] = bound | set(libraries[mod.path])
         for name in bound:
             meanings.setdefault(name, {}).setdefault(("code", mod.path), []).append(mod.path)
-        for name, (target, _, _) in libraries[mod.path].items():
+        for name, (target, _) in libraries[mod.path].items():
             if name not in bound:
                 meanings.setdefault(name, {}).setdefault(target, []).append(mod.path)
     renamed = _renamed_apart(meanings, files, program)
@@ -268,7 +239,7 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
         aliases = {}
         names = dict(renamed.get(mod.path, {}))  # this file's names -> their names in the linked text
         for line, imp, stmt in mod.nested:
-            if _library_names(stmt, imp):
+            if _librarynames_read(stmt, imp):
                 return (f"{_rel(mod.path)} line {line} imports a project module and a library in one statement "
                         "inside a function or a block")
         for imps in list(mod.imports.values()) + [[imp for _, imp, _ in mod.nested]]:
@@ -292,11 +263,11 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
                 if len(nested) > before:
                     holders.setdefault(mod.path, set()).add(i)
         if names:
-            rename = _Rename(names)
+            rename = _Restore(names)  # the same transform, the other way
             body = [stmt.visit(rename) for stmt in body]
             restore.setdefault(mod.path, {}).update({new: old for old, new in names.items()})
         if aliases:
-            counts = _names(cst.Module(body=body))
+            counts = names_read(cst.Module(body=body))
             transformer = _ModuleAccesses(aliases, own, renamed)
             body = [s.visit(transformer) for s in body]
             if transformer.problems:
@@ -304,7 +275,7 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
             for name in transformer.read:
                 if name in counts:
                     return f"`{name}` is read in {_rel(mod.path)} both as a name and through a module"
-            left = _names(cst.Module(body=[s for i, s in enumerate(body) if i not in mod.imports]))
+            left = names_read(cst.Module(body=[s for i, s in enumerate(body) if i not in mod.imports]))
             for alias in aliases:
                 if alias.split(".")[0] in left:
                     return f"in {_rel(mod.path)}: the module `{alias}` is used as a value, not only as `{alias}.name`"
@@ -316,10 +287,10 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
     entry_imports: Dict[int, cst.BaseStatement] = {}
     origin: List[Tuple[str, Optional[cst.CSTNode]]] = []  # per linked statement: (file, the statement it stands for)
     linked: List[cst.BaseStatement] = []
-    have = {text for _, text, _ in libraries[entry.path].values()}
+    have = {text for _, text in libraries[entry.path].values()}
     hoisted = []
     for mod in mods:
-        for name, (_, text, _) in libraries[mod.path].items():
+        for name, (_, text) in libraries[mod.path].items():
             if name in renamed.get(mod.path, {}):
                 text = _import_as(text, renamed[mod.path][name])
             if text not in have:
@@ -327,29 +298,25 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
                 hoisted.append(text)
     placed = False
     for index, stmt in enumerate(bodies[entry.path]):
-        if index not in entry.imports and (placed or index not in holders.get(entry.path, ())):
-            linked.append(stmt)
-            origin.append((entry.path, entry.module.body[index]))
-            continue
-        if index not in entry.imports:  # the first project import is inside this statement: the modules go before it
+        imports = index in entry.imports
+        if not placed and (imports or index in holders.get(entry.path, ())):
+            # the first project import (or the statement holding it): the modules go here, after the imports
+            # they need, the entry's own import behind its marker first
             linked.extend(cst.parse_statement(text) for text in hoisted)
             origin.extend((entry.path, None) for _ in hoisted)
-            placed = True
+            if imports:
+                entry_imports[index] = entry.module.body[index]
+                linked.append(_marker("import", index))
+                origin.append((entry.path, entry.module.body[index]))
             _place_blocks(mods, bodies, kept, linked, origin)
-            linked.append(stmt)
-            origin.append((entry.path, entry.module.body[index]))
-            continue
-        entry_imports[index] = entry.module.body[index]
-        if not placed:
-            for text in hoisted:
-                linked.append(cst.parse_statement(text))
-                origin.append((entry.path, None))
-        linked.append(_marker("import", index))
+            placed = True
+            if imports:
+                continue
+        elif imports:
+            entry_imports[index] = entry.module.body[index]
+            stmt = _marker("import", index)
+        linked.append(stmt)
         origin.append((entry.path, entry.module.body[index]))
-        if placed:
-            continue
-        placed = True
-        _place_blocks(mods, bodies, kept, linked, origin)
     if not placed:
         return None
     linked_module = module.with_changes(body=linked)
@@ -370,7 +337,7 @@ def _renamed_apart(meanings, files: List[ModuleFile], program: Program):
     out: Dict[str, Dict[str, str]] = {}
     taken = set()
     for mod in files:
-        taken |= _names(mod.module)
+        taken |= names_read(mod.module)
     entry = files[0].path
     for name, by in sorted(meanings.items()):
         if len(by) < 2:
@@ -410,7 +377,7 @@ def _place_blocks(mods: List[ModuleFile], bodies, kept, linked, origin) -> None:
         linked.append(_marker("begin", k))
         origin.append((mod.path, None))
         for i, stmt in enumerate(bodies[mod.path]):
-            if i in mod.imports or _is_import(stmt) or _is_main_guard(stmt):
+            if i in mod.imports or _is_import(stmt) or is_main_guard(stmt):
                 kept.append(mod.module.body[i])
                 linked.append(_marker("keep", len(kept) - 1))
             else:
@@ -447,7 +414,7 @@ class _UnmarkNested(cst.CSTTransformer):
         return self.kept[marker[1]]
 
 
-def _library_names(stmt: cst.SimpleStatementLine, imp) -> bool:
+def _librarynames_read(stmt: cst.SimpleStatementLine, imp) -> bool:
     """The import statement binds names besides the project import `imp` (`import os, engine`)."""
     count = 0
     for small in stmt.body:
@@ -560,8 +527,6 @@ def split(linked: Linked, result: RewriteResult, source: bytes) -> Union[Rewrite
     for i, group in enumerate((result.changes, result.attention, result.refusals)):
         for record in group:
             records[linked.where(record.line)[0]][i].append(_mapped(linked, record))
-    from .workspace import Workspace
-
     project = Workspace(linked.shown[entry])
     for mod in mods:
         if results.get(mod.path, mod.data) != mod.data:
@@ -679,7 +644,7 @@ def _reads_unbound(module: cst.Module) -> Set[str]:
     them): what it takes from its imports, its star imports or the builtins."""
     stores = _Stores()
     module.visit(stores)
-    return set(_names(module)) - stores.names
+    return set(names_read(module)) - stores.names
 
 
 def _bound(module: cst.Module) -> Set[str]:
@@ -762,25 +727,9 @@ def _import_targets(module: cst.Module) -> Optional[Dict[str, Tuple[str, str]]]:
 
 def _without_unused_new_imports(module: cst.Module, original: cst.Module) -> cst.Module:
     """`module` without the names of its top-level imports that `original` did not import and
-    nothing in it reads (those the rewrite added for the class that went back to its file)."""
+    nothing in it reads (those hoisted or added for another file of the program)."""
     before = {text for _, text in (_import_targets(original) or {}).values()}
-    read = set()
-
-    class _Reads(cst.CSTVisitor):
-        def visit_Import(self, node) -> bool:
-            return False
-
-        def visit_ImportFrom(self, node) -> bool:
-            return False
-
-        def visit_Attribute(self, node: cst.Attribute) -> bool:
-            node.value.visit(self)  # `torch.nn.Linear` reads `torch`, not a name `nn`
-            return False
-
-        def visit_Name(self, node: cst.Name) -> None:
-            read.add(node.value)
-
-    module.visit(_Reads())
+    read = names_read(module.with_changes(body=[s for s in module.body if not _is_import(s)]))
     body = []
     for stmt in module.body:
         if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(

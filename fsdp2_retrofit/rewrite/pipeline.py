@@ -7,7 +7,7 @@ from typing import Optional
 import libcst as cst
 
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.report import InputError, RefusedError, RewriteResult
+from fsdp2_retrofit.report import Attention, InputError, RefusedError, RewriteResult
 from fsdp2_retrofit.syntax.names import Origins
 from .context import RewriteContext
 from .output_check import crashes_in_output
@@ -67,7 +67,13 @@ def _whole_program(source: bytes, path: str, options: RetrofitOptions, module: c
     program = Program.read(path, module, source) if b"import" in source else None
     steps = program.training_steps() if program is not None and program.modules else []
     if not steps:
-        return _rewrite_module(source, path, options, module)
+        result = _rewrite_module(source, path, options, module)
+        if program is not None and program.problems and not result.refusals:
+            result.attention.append(Attention(
+                1, "program", f"a module the script imports was not read: {program.problems[0]}",
+                "a training loop there would keep its plain DataLoader, saves and logging; check it by hand",
+                differs=True, path=path))
+        return result
     linked = link.plan(path, source, module, program)
     why = linked if isinstance(linked, str) else "the program cannot be linked"
     linked_refusal = None

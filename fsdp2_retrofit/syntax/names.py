@@ -842,6 +842,13 @@ def attr_path(expr: cst.BaseExpression) -> Optional[tuple]:
     return None
 
 
+def instance_attribute(expr) -> Optional[str]:
+    """`self.model` for an attribute of a plain name (`self.model`, `solver.net`); None for anything else."""
+    if type(expr) is cst.Attribute and type(expr.value) is cst.Name:
+        return f"{expr.value.value}.{expr.attr.value}"
+    return None
+
+
 def bind_args(fn: cst.FunctionDef, call: cst.Call, skip: int = 0):
     """(parameter, argument) pairs a call of `fn` binds, for plain positional and keyword
     arguments; `skip` leading parameters are not in the call (1: `self` of a constructor)."""

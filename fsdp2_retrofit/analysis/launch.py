@@ -8,7 +8,7 @@ import libcst as cst
 
 from .returns import names_out, returns_any
 from .site_analysis import SiteAnalysis
-from fsdp2_retrofit.syntax.names import Resolver, is_main_guard
+from fsdp2_retrofit.syntax.names import Resolver, instance_attribute, is_main_guard
 from fsdp2_retrofit.syntax.rank import is_rank_value
 from fsdp2_retrofit.syntax.torch_api import DATA_PARALLEL, DDP, FSDP1_CLASSES, INIT_DEVICE_MESH, INIT_PROCESS_GROUP
 
@@ -32,6 +32,9 @@ class LaunchAnalysis(SiteAnalysis):
         rest None). A returned model nothing receives (`main()` as a statement, or no call by
         name) stays where it is built."""
         block, scope, call, names = model.block, model.scope, None, {model.name}
+        caller = self._own_method_call(scope) if isinstance(scope, cst.FunctionDef) and "." in model.name else None
+        if caller is not None:  # `self.build_model()` in the Solver's __init__ builds `self.net`: the launch goes there
+            return self.r.block_of(self.r.statement_of(caller)), self.r.enclosing_function(caller), caller, None
         while isinstance(scope, cst.FunctionDef) and returns_any(self.r, scope, names):
             calls = self._calls_of(scope)
             if not calls or (len(calls) == 1 and type(self.r.parent(calls[0])) is cst.Expr):
@@ -44,6 +47,22 @@ class LaunchAnalysis(SiteAnalysis):
             scope = self.r.enclosing_function(call) or self.module
             names = set(out)
         return block, scope, call, None
+
+    def _own_method_call(self, fn: cst.FunctionDef) -> Optional[cst.Call]:
+        """The one call of the method `fn` by another method of its class on its own instance, as a
+        statement (`self.build_model()` in __init__), or None."""
+        cls = self.r.enclosing_class(fn)
+        if cls is None:
+            return None
+        found = []
+        for method in cls.body.body:
+            if not isinstance(method, cst.FunctionDef) or method is fn or not method.params.params:
+                continue
+            me = method.params.params[0].name.value
+            found += [c for c in self.r.descendants(method, cst.Call) if instance_attribute(c.func) == f"{me}.{fn.name.value}"]
+        if len(found) != 1 or type(self.r.parent(found[0])) is not cst.Expr:
+            return None
+        return found[0]
 
     def _launch_names(self, stmts, entry_scope, mesh_scope=None):
         """The mesh and the rank names of the entry scope (the script's own, e.g.

@@ -15,7 +15,9 @@ from fsdp2_retrofit.rewrite.refusals import CATALOGUE, STAGES, all_refusals, ref
 
 ROOT = Path(__file__).resolve().parent.parent
 # where refusals are raised (codemods) or prepared for a stage to raise (analysis)
-SOURCES = sorted((ROOT / "codemods").glob("*.py")) + sorted((ROOT / "fsdp2_retrofit" / "analysis").glob("*.py"))
+# or found by a blocker family's checks for its stage to raise (rewrite/blockers/, `Blocked(...)`)
+SOURCES = (sorted((ROOT / "codemods").glob("*.py")) + sorted((ROOT / "fsdp2_retrofit" / "analysis").glob("*.py"))
+           + sorted((ROOT / "fsdp2_retrofit" / "rewrite" / "blockers").glob("*.py")))
 CODE = re.compile(r"FSR\d{3}")
 # refusals prepared by the analysis and raised as they come: (file, first argument)
 PASSED_ON = {("migrate_fsdp1.py", "problem.code"), ("shard.py", "kind")}
@@ -35,8 +37,12 @@ def _calls(name_pattern: str):
 def _code_literals():
     found = {}
     for path in SOURCES:
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and CODE.fullmatch(node.value):
+        tree = ast.parse(path.read_text(), str(path))
+        defined = {id(n.value) for n in ast.walk(tree)  # a blocker's own `CODE = "FSR601"`: its catalogue entry
+                   if isinstance(n, ast.Assign) and [getattr(t, "id", "") for t in n.targets] == ["CODE"]}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and CODE.fullmatch(node.value)
+                    and id(node) not in defined):
                 found.setdefault(node.value, []).append(f"{path.name}:{node.lineno}")
     return found
 
@@ -46,7 +52,7 @@ def test_the_sources_are_found():
 
 
 def test_every_refuse_call_names_a_code_of_the_catalogue():
-    calls = list(_calls("refuse|_refuse|Problem"))
+    calls = list(_calls("refuse|_refuse|Problem|Blocked"))
     assert len(calls) > 50
     for file, call in calls:
         first = call.args[0] if call.args else None
@@ -74,7 +80,7 @@ def test_codes_follow_their_stage():
     assert codes == sorted(codes) and len(set(codes)) == len(codes)
     assert len({r.name for r in all_refusals()}) == len(codes)
     raised_in = {}
-    for file, call in _calls("refuse|_refuse|Problem"):
+    for file, call in _calls("refuse|_refuse|Problem|Blocked"):
         if call.args and isinstance(call.args[0], ast.Constant):
             raised_in.setdefault(call.args[0].value, set()).add(file)
     for rule in all_refusals():

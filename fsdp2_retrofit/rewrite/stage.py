@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import List, Optional
+from typing import TYPE_CHECKING, Iterable, List, Optional
 
 import libcst as cst
 
@@ -20,6 +20,9 @@ from .editor import CarryLines, Stmt
 from .editor import CombinedEditor, StatementEditor  # noqa: F401  (the stages import them from here)
 from .imports import add_imports
 from . import workspace
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .blockers import Blocked
 
 CHANGES_KEY = "fsdp2_retrofit.changes"
 ATTENTION_KEY = "fsdp2_retrofit.attention"
@@ -171,6 +174,13 @@ class RetrofitStage:
             raise ValueError(f"refusal code {code!r} is not in the catalogue")
         line = node_or_line if isinstance(node_or_line, int) else self.line(node_or_line)
         raise RefusedError(Refusal(line, what, why, hint, code))
+
+    def refuse_found(self, found: Iterable["Blocked"]) -> None:
+        """Refuse the file with the first refusal a blocker family found (rewrite/blockers/)."""
+        for blocked in found:
+            at = blocked.at if isinstance(blocked.at, tuple) else (blocked.at,)
+            line = next(filter(None, (a if isinstance(a, int) else self.line(a) for a in at)), 0)
+            self.refuse(blocked.code, line, blocked.what, blocked.why, blocked.fix)
 
     def add_import(self, module: str, obj: Optional[str] = None, asname: Optional[str] = None) -> None:
         self.context.scratch.setdefault(IMPORTS_KEY, []).append((module, obj, asname))

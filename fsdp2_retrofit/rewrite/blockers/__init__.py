@@ -1,0 +1,153 @@
+"""The refusal catalogue as blocker classes: one family a file, like `check`'s rules.
+
+A blocker is a construct `rewrite` refuses to convert, with a stable code (`FSR` + three
+digits, the first digit the stage that refuses, in pipeline order: 1 migrate_spawn,
+2 migrate_ddp, 3 migrate_fsdp1, 4 launch, 5 meta_init (--meta-init), 6 shard and the
+stages that run beside it, 7 checkpoint and library_saves, 8 resume, 9 data, zero_grad
+(FSR95x), loss_scale (FSR96x), 97x the program). A refusal leaves every file unchanged
+(exit 2) and names the construct at its own file and line. Codes are never reused.
+
+Each blocker is a `Blocker` subclass whose docstring is its catalogue entry (what is
+refused; `## Why`; `## What to do`), with `CODE`, `NAME` and `INVALID` / `VALID` cases:
+an `Invalid` script is refused with this code at its `line`; a `Valid` one, the same
+construct written the way the rewrite can follow, converts. The cases are both the
+documentation (`fsdp2-retrofit rules FSR101`) and the tests (tests/test_blockers.py).
+A family whose checks read only the stage's analysis also holds them (`find`), so the
+stage keeps its edits and the refusals live here.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Tuple, Type
+
+STAGES = {
+    "1": "migrate_spawn",
+    "2": "migrate_ddp",
+    "3": "migrate_fsdp1",
+    "4": "launch",
+    "5": "meta_init",
+    "6": "shard",
+    "7": "checkpoint",
+    "8": "resume",
+    "9": "data",
+}
+
+
+@dataclass(frozen=True)
+class Invalid:
+    """A script the rewrite refuses with the blocker's code, at `line` of `path` (the entry
+    when empty). `files` are the project's other modules ({relative path: source});
+    `options` are RetrofitOptions fields."""
+
+    source: str
+    line: int
+    files: Mapping[str, str] = field(default_factory=dict)
+    options: Mapping[str, object] = field(default_factory=dict)
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class Valid:
+    """The construct written so the rewrite can follow it: the script converts."""
+
+    source: str
+    files: Mapping[str, str] = field(default_factory=dict)
+    options: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RefusalRule:
+    """One kind of refusal: what is refused, why, and what to do (read from a blocker's docstring)."""
+
+    code: str
+    name: str
+    summary: str  # what is refused, one line
+    why: str
+    fix: str
+    stage_name: str = ""  # where it is not the code's stage (library_saves among the 7xx)
+
+    @property
+    def stage(self) -> str:
+        return self.stage_name or STAGES[self.code[3]]
+
+    def doc(self) -> str:
+        """The documentation `fsdp2-retrofit rules CODE` shows, in ruff's shape."""
+        return "\n".join([
+            f"# {self.code} {self.name}", "",
+            f"Refused by the {self.stage} stage: the file is left unchanged (exit 2).", "",
+            "## What is refused", self.summary, "",
+            "## Why", self.why, "",
+            "## What to do", self.fix,
+        ]) + "\n"
+
+
+class Blocker:
+    """A construct the rewrite refuses; subclasses are the catalogue."""
+
+    CODE = ""
+    NAME = ""
+    STAGE = ""  # where it is not the code's stage (library_saves among the 7xx)
+    INVALID: Tuple[Invalid, ...] = ()
+    VALID: Tuple[Valid, ...] = ()
+
+    @classmethod
+    def rule(cls) -> RefusalRule:
+        summary, why, fix = _sections(cls)
+        return RefusalRule(cls.CODE, cls.NAME, summary, why, fix, cls.STAGE)
+
+
+def _sections(cls: Type[Blocker]) -> Tuple[str, str, str]:
+    """(what is refused, why, what to do) of a blocker's docstring, each as one line."""
+    parts: Dict[str, List[str]] = {"": [], "## Why": [], "## What to do": []}
+    current = ""
+    for line in inspect.cleandoc(cls.__doc__ or "").splitlines():
+        if line.strip() in parts:
+            current = line.strip()
+        elif line.strip():
+            parts[current].append(line.strip())
+    summary, why, fix = (" ".join(parts[k]) for k in ("", "## Why", "## What to do"))
+    if not (summary and why and fix):
+        raise TypeError(f"{cls.__name__}: the docstring needs what is refused, ## Why and ## What to do")
+    return summary, why, fix
+
+
+def family_blockers(module) -> List[Type[Blocker]]:
+    """The blockers a family module defines, in code order."""
+    found = [v for v in vars(module).values()
+             if isinstance(v, type) and issubclass(v, Blocker) and v is not Blocker and v.CODE]
+    return sorted(found, key=lambda b: b.CODE)
+
+
+def all_blockers() -> List[Type[Blocker]]:
+    """Every blocker of every family, in code order."""
+    return sorted((b for m in _family_modules() for b in family_blockers(m)), key=lambda b: b.CODE)
+
+
+FAMILIES = (
+    "spawn", "ddp", "fsdp1", "launch", "meta_init", "shard", "shared_names", "shared_downloads", "loop_sums",
+    "rank_decisions", "checkpoint", "library_saves", "checkpoint_files", "resume", "data", "zero_grad",
+    "loss_scale", "program",
+)
+
+
+def _family_modules() -> list:
+    import importlib
+    return [importlib.import_module(f"{__name__}.{name}") for name in FAMILIES]
+
+
+def blocker_by_code(code: str) -> Optional[Type[Blocker]]:
+    return next((b for b in all_blockers() if b.CODE == code.upper()), None)
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """A refusal a family's checks found, for its stage to raise: `at` is the node (or line) it
+    names, or a tuple of them, the first with a line in the file being rewritten winning (a node
+    of a class read from a sibling module has none there: the statement building the model does)."""
+
+    code: str
+    at: object
+    what: str
+    why: str
+    fix: str = ""

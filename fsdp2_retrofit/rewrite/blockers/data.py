@@ -1,0 +1,186 @@
+"""FSR9.. data: training data the rewrite cannot split between the ranks (FSR901, FSR902, FSR903, FSR904, FSR905)."""
+from __future__ import annotations
+
+from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
+
+
+class DataSamplerNotDistributable(Blocker):
+    """A training DataLoader is given a batch_sampler, or a sampler other than
+    RandomSampler/SequentialSampler.
+
+    ## Why
+    Such a sampler draws indices of the whole dataset on every rank: each rank would train on the
+    same batches, and no DistributedSampler reproduces a subset, weighted or custom order.
+
+    ## What to do
+    Split the indices by rank yourself (indices[rank::world_size]), or use shuffle=True /
+    RandomSampler.
+    """
+
+    CODE = "FSR901"
+    NAME = "data-sampler-not-distributable"
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def main():
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
+    loader = DataLoader(data, batch_sampler=my_batches)
+    for x, y in loader:
+        loss = ((model(x) - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    torch.save(model.state_dict(), "out.pt")
+""",
+        line=19,
+    ),)
+
+class DataLoaderNotFollowed(Blocker):
+    """No training loop reads a named DataLoader, and one is built where it cannot be followed (inline
+    in a `for`, on an attribute, returned by a helper).
+
+    ## Why
+    The rewrite gives the training DataLoader a DistributedSampler; left as is, every rank would
+    train on the same batches.
+
+    ## What to do
+    Bind the training DataLoader to a name in the function that trains, then loop over that name.
+    """
+
+    CODE = "FSR902"
+    NAME = "data-loader-not-followed"
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def main():
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
+    for x, y in DataLoader(data, batch_size=4):
+        loss = ((model(x) - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    torch.save(model.state_dict(), "out.pt")
+""",
+        line=19,
+    ),)
+
+class DataBatchSizeReadElsewhere(Blocker):
+    """--keep-global-batch: the training DataLoader's batch size is a name (or attribute) the script
+    also reads to size batch tensors, and it cannot be rebound once to the per-rank size (bound
+    several times or in another scope, read for something else too, or the loader is built in a
+    loop).
+
+    ## Why
+    Divided in the DataLoader only, the other reads keep the global size and disagree with the
+    per-rank batch: a shape error, or a silent broadcast.
+
+    ## What to do
+    Bind the per-rank size to a name of its own, read by the DataLoader and the batch tensors, or
+    run without --keep-global-batch.
+    """
+
+    CODE = "FSR903"
+    NAME = "data-batch-size-read-elsewhere"
+    INVALID = (Invalid(
+        """\
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+
+batch_size = 8
+
+
+def main():
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(data, batch_size=batch_size)
+    for x in loader:
+        model(x.view(batch_size, -1)).sum().backward()
+        opt.step()
+""",
+        line=7,
+        options={'keep_global_batch': True},
+    ),)
+
+class DataLoaderOutsideProject(Blocker):
+    """The training DataLoader is built in a module outside the project (an installed package, or a
+    folder above the project's root).
+
+    ## Why
+    The DataLoader needs a DistributedSampler where it is built, and the rewrite edits only the
+    script and the project's own modules.
+
+    ## What to do
+    Build the DataLoader in the script or a module of the project, or give it its DistributedSampler
+    there by hand.
+    """
+
+    CODE = "FSR904"
+    NAME = "data-loader-outside-project"
+    INVALID = ()
+
+class DataGlobalBatchOfOne(Blocker):
+    """--keep-global-batch with a training batch size of 1.
+
+    ## Why
+    The option keeps the global batch as written and divides it between the ranks: one sample has no
+    part for a second rank.
+
+    ## What to do
+    Run without --keep-global-batch (each rank reads one sample a step; the global batch is
+    world_size samples).
+    """
+
+    CODE = "FSR905"
+    NAME = "data-global-batch-of-one"
+    INVALID = (Invalid(
+        """\
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+net = nn.Linear(4, 2)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 2)), batch_size=1)
+for x, y in loader:
+    opt.zero_grad()
+    nn.functional.mse_loss(net(x), y).backward()
+    opt.step()
+""",
+        line=9,
+        options={'keep_global_batch': True},
+    ),)

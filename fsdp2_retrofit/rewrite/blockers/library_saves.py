@@ -1,0 +1,73 @@
+"""FSR7.. library_saves: library save calls of sharded models (FSR702, FSR703)."""
+from __future__ import annotations
+
+from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
+
+
+class LibrarySaveOwnStateDict(Blocker):
+    """save_pretrained is given its own state_dict.
+
+    ## Why
+    Which state it writes is for the script to say; a sharded model's state dict holds one rank's
+    shards.
+
+    ## What to do
+    Pass a full state dict gathered on every rank (get_model_state_dict with full_state_dict=True).
+    """
+
+    CODE = "FSR702"
+    NAME = "library-save-own-state-dict"
+    STAGE = "library_saves"
+    INVALID = (Invalid(
+        """\
+from peft import get_peft_model
+from transformers import AutoModelForCausalLM
+import torch
+
+
+def main(name):
+    model = AutoModelForCausalLM.from_pretrained(name)
+    model.save_pretrained(name, state_dict=sd)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for batch in range(3):
+        loss = model(batch).sum()
+        loss.backward()
+        optimizer.step()
+""",
+        line=8,
+    ),)
+
+class LibrarySaveRankGated(Blocker):
+    """save_pretrained of a sharded model under a rank test.
+
+    ## Why
+    Gathering the full state dict is a collective every rank must join (deadlock).
+
+    ## What to do
+    Call save_pretrained outside the rank test; the rewrite gates the write itself.
+    """
+
+    CODE = "FSR703"
+    NAME = "library-save-rank-gated"
+    STAGE = "library_saves"
+    INVALID = (Invalid(
+        """\
+from peft import get_peft_model
+from transformers import AutoModelForCausalLM
+import torch
+
+
+def main(name):
+    model = AutoModelForCausalLM.from_pretrained(name)
+    if rank == 0:
+        model.save_pretrained(name)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for batch in range(3):
+        loss = model(batch).sum()
+        loss.backward()
+        optimizer.step()
+""",
+        line=9,
+    ),)

@@ -1,0 +1,1804 @@
+"""FSR6.. shard: models, optimizers and training steps fully_shard cannot be applied to safely (FSR601, FSR602, FSR603, FSR604, FSR605, FSR606, FSR607, FSR608, FSR609, FSR610, FSR611, FSR612, FSR613, FSR614, FSR615, FSR616, FSR617, FSR618, FSR619, FSR620, FSR621, FSR622, FSR623, FSR624, FSR625, FSR626, FSR627, FSR628, FSR629, FSR630, FSR643, FSR644)."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import libcst as cst
+
+from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
+from fsdp2_retrofit.analysis.forward_data_writes import forward_data_write
+from fsdp2_retrofit.analysis.model_classes import first_submodule, parameter_reads
+from fsdp2_retrofit.analysis.no_model import no_model_blocker, nothing_found_at, unrecognised_trained_model
+from fsdp2_retrofit.analysis.optimizers import FLATTENING_OPTIMIZERS, whole_tensor_operation
+from fsdp2_retrofit.analysis.shared_modules import shared_module
+from fsdp2_retrofit.syntax.names import root_name
+from fsdp2_retrofit.syntax.torch_api import AUTOGRAD_GRAD, GRAD_SCALER
+
+from . import Blocked, Blocker, Invalid, Valid  # noqa: F401
+
+
+class ShardWrapperLeft(Blocker):
+    """The shard stage runs on a script that still uses DDP/FSDP1 wrappers.
+
+    ## Why
+    The wrapper must go before fully_shard.
+
+    ## What to do
+    Run the migrate stages first (the composite `rewrite` does).
+    """
+
+    CODE = "FSR601"
+    NAME = "shard-wrapper-left"
+    INVALID = ()
+
+class ShardAutocastDtypeUnknown(Blocker):
+    """--mixed-precision auto with several or unknown autocast dtypes.
+
+    ## Why
+    FSDP2 takes one parameter dtype per unit.
+
+    ## What to do
+    Name it: --mixed-precision bf16 or fp16.
+    """
+
+    CODE = "FSR602"
+    NAME = "shard-autocast-dtype-unknown"
+    INVALID = ()
+
+class ShardBatchnormLowPrecision(Blocker):
+    """Mixed precision for a model with BatchNorm layers.
+
+    ## Why
+    FSDP2 would cast their parameters and running statistics to the low-precision dtype.
+
+    ## What to do
+    Run without --mixed-precision (autocast alone keeps BatchNorm in float32).
+    """
+
+    CODE = "FSR603"
+    NAME = "shard-batchnorm-low-precision"
+    INVALID = (Invalid(
+        """\
+import timm
+import torchvision
+import torch
+
+
+def main(name):
+    model = torchvision.models.resnet18()
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for batch in range(3):
+        loss = model(batch).sum()
+        loss.backward()
+        optimizer.step()
+""",
+        line=7,
+        options={'mixed_precision': 'bf16'},
+    ),)
+
+class ShardCompiledInBuild(Blocker):
+    """The model is compiled in the expression that builds it.
+
+    ## Why
+    fully_shard must see the plain module, before torch.compile wraps it.
+
+    ## What to do
+    Build it first (`model = Net()`), then `model = torch.compile(model)` on its own line.
+    """
+
+    CODE = "FSR604"
+    NAME = "shard-compiled-in-build"
+    INVALID = (Invalid(
+        """\
+
+import torch
+from torch import nn, optim
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+model = [torch.compile(Net())][0]
+opt = optim.SGD(model.parameters(), lr=0.1)
+""",
+        line=24,
+    ),)
+
+class ShardTrainerClassLoop(Blocker):
+    """The training loop lives in a class of a sibling module that the script alone cannot convert.
+
+    ## Why
+    A trainer class of the script is converted in its methods, and one of a sibling module in its
+    own file, with the program linked into one analysis; the script alone (where the program cannot
+    be linked, FSR970 says why at the class's backward()) would leave its loop with its plain
+    sampler, saves and logging.
+
+    ## What to do
+    Make the program linkable as FSR970 says, or move the trainer class into the script.
+    """
+
+    CODE = "FSR605"
+    NAME = "shard-trainer-class-loop"
+    INVALID = ()
+
+class ShardCopyElsewhere(Blocker):
+    """A sharded model is copied other than right after its build.
+
+    ## Why
+    FSDP2 modules cannot be deep-copied; a copy is sharded like the model only when made as `name =
+    copy.deepcopy(model)` in the block that builds it.
+
+    ## What to do
+    Make the copy right after the model is built (ema = copy.deepcopy(model)).
+    """
+
+    CODE = "FSR606"
+    NAME = "shard-copy-elsewhere"
+    INVALID = (Invalid(
+        """\
+
+import torch
+from torch import nn, optim
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+import copy
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+if opt:
+    ema = copy.deepcopy(model)
+""",
+        line=28,
+    ),)
+
+class ShardAveragedModelInConstructor(Blocker):
+    """`AveragedModel(...)` of a sharded model inside a constructor.
+
+    ## Why
+    Its copy is sharded like the model only when made in the block that builds the model.
+
+    ## What to do
+    Make it right after the model is built.
+    """
+
+    CODE = "FSR607"
+    NAME = "shard-averaged-model-in-constructor"
+    INVALID = (Invalid(
+        """\
+import copy
+
+import torch
+import torch.nn as nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.data import DataLoader
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def main():
+
+    model = Net()
+    if torch.cuda.is_available():
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    loader = DataLoader(list(range(8)), batch_size=2)
+    for x in loader:
+        loss = model(x).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+""",
+        line=34,
+    ),)
+
+class ShardClassCopiesModel(Blocker):
+    """A class deep-copies the model it is handed.
+
+    ## Why
+    The copy is made inside a constructor, where the rewrite cannot shard it with the model's units.
+
+    ## What to do
+    Keep the copy as `ema = copy.deepcopy(model)` right after the build.
+    """
+
+    CODE = "FSR608"
+    NAME = "shard-class-copies-model"
+    INVALID = (Invalid(
+        """\
+import copy
+
+import torch
+import torch.nn as nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.data import DataLoader
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class ModelEMA:
+    def __init__(self, model):
+        self.module = copy.deepcopy(model)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def main():
+    model = Net()
+    ema = ModelEMA(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    loader = DataLoader(list(range(8)), batch_size=2)
+    for x in loader:
+        loss = model(x).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+""",
+        line=37,
+    ),)
+
+class ShardMetaInitWithCopy(Blocker):
+    """--meta-init with a copy of the model.
+
+    ## Why
+    The copy would be made of the model on the meta device, before its re-initialisation.
+
+    ## What to do
+    Run without --meta-init.
+    """
+
+    CODE = "FSR609"
+    NAME = "shard-meta-init-with-copy"
+    INVALID = (Invalid(
+        """\
+import copy
+
+import torch
+import torch.nn as nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.data import DataLoader
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def main():
+
+    model = Net()
+    ema = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    loader = DataLoader(list(range(8)), batch_size=2)
+    for x in loader:
+        loss = model(x).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+""",
+        line=33,
+        options={'meta_init': True},
+    ),)
+
+class ShardOptimizerInClass(Blocker):
+    """The optimizer is built inside a trainer class from parameters that cannot be followed to a
+    model.
+
+    ## Why
+    The rewrite must shard the model before that optimizer is built; one a trainer builds from the
+    model it is handed (`model.configure_optimizers(cfg)` in its run()) is followed.
+
+    ## What to do
+    Build the optimizer as one call on the model the class is handed, or build the model and
+    optimizer in a function and pass them to the class.
+    """
+
+    CODE = "FSR610"
+    NAME = "shard-optimizer-in-class"
+    INVALID = (Invalid(
+        """\
+
+import torch
+from torch import nn, optim
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+class Trainer:
+    def __init__(self, make):
+        self.model = make()
+        self.optimizer = optim.SGD(self.model.parameters(), lr=0.1)
+""",
+        line=28,
+    ),)
+
+class ShardNoModel(Blocker):
+    """No nn.Module is built in the script.
+
+    ## Why
+    There is no model to shard.
+
+    ## What to do
+    Run rewrite on the script that builds the model and its optimizer.
+    """
+
+    CODE = "FSR611"
+    NAME = "shard-no-model"
+    INVALID = (Invalid(
+        """\
+print('hi')
+""",
+        line=1,
+    ),)
+
+class ShardNoOptimizer(Blocker):
+    """No optimizer trains a model built in the script.
+
+    ## Why
+    fully_shard must come before the optimizer is built from the model's parameters.
+
+    ## What to do
+    Build the optimizer from model.parameters() in the same script.
+    """
+
+    CODE = "FSR612"
+    NAME = "shard-no-optimizer"
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.nn as nn
+
+model = nn.Linear(2, 2)
+model(torch.ones(2)).sum().backward()
+""",
+        line=4,
+    ),)
+
+class ShardModelsInDifferentBlocks(Blocker):
+    """Models are built in different blocks.
+
+    ## Why
+    One process group and mesh must cover every model; the rewrite needs them built in one place.
+
+    ## What to do
+    Build all models in the same function.
+    """
+
+    CODE = "FSR613"
+    NAME = "shard-models-in-different-blocks"
+    INVALID = ()
+
+class ShardLibraryPlacementArgument(Blocker):
+    """A library model is loaded with device_map= or quantization (load_in_8bit/4bit,
+    quantization_config).
+
+    ## Why
+    Placed or quantized weights are not plain trainable parameters FSDP2 can shard and reduce.
+
+    ## What to do
+    Drop the argument (train in bf16 with --mixed-precision bf16), or keep the script single-GPU.
+    """
+
+    CODE = "FSR614"
+    NAME = "shard-library-placement-argument"
+    INVALID = (Invalid(
+        """\
+from peft import get_peft_model
+from transformers import AutoModelForCausalLM
+import torch
+
+
+def main(name):
+    model = AutoModelForCausalLM.from_pretrained(name, device_map="auto")
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for batch in range(3):
+        loss = model(batch).sum()
+        loss.backward()
+        optimizer.step()
+""",
+        line=7,
+    ),)
+
+class ShardLibraryPushToHub(Blocker):
+    """push_to_hub of a model the rewrite shards.
+
+    ## Why
+    Each rank holds only its shards: the library would upload one rank's pieces.
+
+    ## What to do
+    Save with save_pretrained(dir) (the rewrite gathers the full state) and upload that folder on
+    rank 0.
+    """
+
+    CODE = "FSR615"
+    NAME = "shard-library-push-to-hub"
+    INVALID = (Invalid(
+        """\
+from peft import get_peft_model
+from transformers import AutoModelForCausalLM
+import torch
+
+
+def main(name):
+    model = AutoModelForCausalLM.from_pretrained(name)
+    model.push_to_hub(name)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for batch in range(3):
+        loss = model(batch).sum()
+        loss.backward()
+        optimizer.step()
+""",
+        line=8,
+    ),)
+
+class ShardLibraryPeft(Blocker):
+    """The model is wrapped by PEFT after it is built.
+
+    ## Why
+    The adapters would stay plain tensors whose gradients no rank reduces: the ranks drift apart.
+
+    ## What to do
+    Train without PEFT, or keep the script single-GPU.
+    """
+
+    CODE = "FSR616"
+    NAME = "shard-library-peft"
+    INVALID = (Invalid(
+        """\
+from peft import get_peft_model
+from transformers import AutoModelForCausalLM
+import torch
+
+
+def main(name):
+    model = AutoModelForCausalLM.from_pretrained(name)
+    model = get_peft_model(model, lora)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for batch in range(3):
+        loss = model(batch).sum()
+        loss.backward()
+        optimizer.step()
+""",
+        line=8,
+    ),)
+
+class ShardGlobalBuiltInFunction(Blocker):
+    """The model is a global built inside a set-up function.
+
+    ## Why
+    The process group would be torn down at the end of the set-up function.
+
+    ## What to do
+    Build the model in the function that trains and saves it, or pass it as an argument.
+    """
+
+    CODE = "FSR617"
+    NAME = "shard-global-built-in-function"
+    INVALID = (Invalid(
+        """\
+
+import torch
+from torch import nn, optim
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+def setup():
+    global model, opt
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+
+setup()
+""",
+        line=26,
+    ),)
+
+class ShardPlainListOfLayers(Blocker):
+    """A model keeps layers in a plain Python list.
+
+    ## Why
+    Their parameters are not registered: they are neither trained nor sharded.
+
+    ## What to do
+    Use nn.ModuleList.
+    """
+
+    CODE = "FSR618"
+    NAME = "shard-plain-list-of-layers"
+    INVALID = (Invalid(
+        """\
+
+import torch
+from torch import nn, optim
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = [Block() for _ in range(3)]
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+""",
+        line=18,
+    ),)
+
+class ShardOptimizerInInit(Blocker):
+    """An optimizer is built inside the model's __init__.
+
+    ## Why
+    It would hold the unsharded parameters; fully_shard replaces them with DTensors.
+
+    ## What to do
+    Build the optimizer in the training script, after the model.
+    """
+
+    CODE = "FSR619"
+    NAME = "shard-optimizer-in-init"
+    INVALID = (Invalid(
+        """\
+
+import torch
+from torch import nn, optim
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
+        self.head = nn.Linear(4, 2)
+        self.opt = optim.SGD(self.parameters(), lr=0.1)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+""",
+        line=20,
+    ),)
+
+class ShardModelReboundToWrapper(Blocker):
+    """The model's name is rebound to an object wrapping it (`model = Wrapper(model)`) after the build.
+
+    ## Why
+    fully_shard must come after the last change to the module, right before the optimizer; calls
+    meant for the sharded module (set_requires_gradient_sync, state dicts) would reach the wrapper
+    instead.
+
+    ## What to do
+    Give the wrapper its own name, or build the wrapped model in one expression (`model =
+    Wrapper(Net())`).
+    """
+
+    CODE = "FSR620"
+    NAME = "shard-model-rebound-to-wrapper"
+    INVALID = (Invalid(
+        """\
+
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.norm(self.fc(x))
+
+
+def main():
+    torch.manual_seed(0)
+    model = Net()
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        loss = model(torch.randn(8, 4)).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+if __name__ == "__main__":
+    main()
+""",
+        line=19,
+    ),)
+
+class ShardFlatteningOptimizer(Blocker):
+    """The model is trained by LBFGS, which flattens every gradient into one vector.
+
+    ## Why
+    After fully_shard gradients are DTensor shards: the flat vector, its line search and curvature
+    pairs would be built from pieces, or gather everything on every rank.
+
+    ## What to do
+    Train without sharding, or use an optimizer that works parameter by parameter.
+    """
+
+    CODE = "FSR621"
+    NAME = "shard-flattening-optimizer"
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def main():
+    model = Net()
+    optimizer = torch.optim.LBFGS(model.parameters())
+    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
+    loader = DataLoader(data, batch_size=4)
+    for x, y in loader:
+        loss = ((model(x) - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    torch.save(model.state_dict(), "out.pt")
+""",
+        line=17,
+    ),)
+
+class ShardOptimizerWholeMatrices(Blocker):
+    """An optimizer class of the script reshapes, transposes or multiplies whole matrices
+    (Newton-Schulz, Muon, Shampoo).
+
+    ## Why
+    After fully_shard each parameter is a DTensor shard: such an operation gathers the whole matrix
+    on every rank or computes on one piece of it.
+
+    ## What to do
+    Gather explicitly (full_tensor), compute, keep this rank's part; or keep the script single-GPU.
+    """
+
+    CODE = "FSR622"
+    NAME = "shard-optimizer-whole-matrices"
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Orthogonal(torch.optim.Optimizer):
+    def __init__(self, params, lr=0.02):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                x = p.grad / (p.grad.norm() + 1e-7)
+                for _ in range(5):
+                    x = 1.5 * x - 0.5 * x @ x.mT @ x
+                p.add_(x, alpha=-group["lr"])
+
+
+def main():
+    model = Net()
+    optimizer = Orthogonal(model.parameters())
+    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
+    loader = DataLoader(data, batch_size=4)
+    for x, y in loader:
+        loss = ((model(x) - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    torch.save(model.state_dict(), "out.pt")
+""",
+        line=25,
+    ),)
+
+class ShardBlockParameterOutsideForward(Blocker):
+    """A method of the model called outside forward reads a parameter of a block that becomes its own
+    FSDP unit.
+
+    ## Why
+    Outside forward that parameter is a DTensor shard; registering the method
+    (register_fsdp_forward_method) gathers only the root unit's, so a tensor built from it leaks a
+    DTensor into forward.
+
+    ## What to do
+    Take dtype and device from a root parameter (embedding, head), or pass them in.
+    """
+
+    CODE = "FSR623"
+    NAME = "shard-block-parameter-outside-forward"
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.nn as nn
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cells = nn.ModuleList([nn.GRUCell(4, 4) for _ in range(2)])
+        self.head = nn.Linear(4, 2)
+
+    def init_hidden(self, batch):
+        return [next(self.parameters()).new_zeros(batch, 4) for _ in self.cells]
+
+    def forward(self, x, hidden):
+        for i, cell in enumerate(self.cells):
+            hidden[i] = x = cell(x, hidden[i])
+        return self.head(x)
+
+
+def main():
+    model = Stack()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(2, 4)
+        loss = model(x, model.init_hidden(2)).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+if __name__ == "__main__":
+    main()
+""",
+        line=12,
+    ),)
+
+class ShardDoubleBackward(Blocker):
+    """`torch.autograd.grad(..., create_graph=True)` (a gradient penalty: WGAN-GP, DRAGAN, R1) in a
+    script whose model is sharded.
+
+    ## Why
+    FSDP2 reshards a unit's parameters after its backward: the graph that create_graph=True keeps
+    for the second backward still reads the gathered parameters, which are freed by then (the run
+    fails in that backward, or reads freed memory).
+
+    ## What to do
+    Keep this model unsharded (DDP), or compute the penalty without a second backward through the
+    sharded model.
+    """
+
+    CODE = "FSR624"
+    NAME = "shard-double-backward"
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def main():
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
+    x = torch.randn(8, 4, requires_grad=True)
+    (penalty,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+    loader = DataLoader(data, batch_size=4)
+    for x, y in loader:
+        loss = ((model(x) - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    torch.save(model.state_dict(), "out.pt")
+""",
+        line=20,
+    ),)
+
+class ShardUnrecognisedTrainedModel(Blocker):
+    """An optimizer trains a module the rewrite does not recognise, beside models it does.
+
+    ## Why
+    Only the recognised models are sharded: this one would stay whole on every rank, its gradients
+    never reduced, and the ranks would drift apart.
+
+    ## What to do
+    Import the class by name (`from models import Generator`, not only `from models import *` of two
+    modules that both define it), or build it with a class of the script or a sibling module.
+    """
+
+    CODE = "FSR625"
+    NAME = "shard-unrecognised-trained-model"
+    INVALID = (Invalid(
+        """\
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from gans import make_generator
+import torch.nn as nn
+
+
+class Critic(nn.Module):
+    def __init__(self, channels=3):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+generator = make_generator(3)
+if torch.cuda.is_available():
+    generator = generator.cuda()
+optimizer = torch.optim.Adam(generator.parameters(), lr=1e-3)
+discriminator = Critic()
+optimizer_D = torch.optim.Adam(discriminator.parameters(), lr=1e-3)
+loader = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 4)), batch_size=4, shuffle=True)
+for x, y in loader:
+    loss = ((generator(x) - y) ** 2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+torch.save(generator.state_dict(), "out.pt")
+""",
+        line=18,
+    ),)
+
+class ShardModuleSharedByModels(Blocker):
+    """One module is handed to the constructors of two models that get sharded (layers shared between
+    two encoders).
+
+    ## Why
+    fully_shard of the first model turns the shared parameters into its DTensor shards; the second
+    model then meets parameters that are already sharded (the rank-0 broadcast before it fails), and
+    FSDP2 lets a unit belong to one root only, so the shared module cannot be its own unit either.
+
+    ## What to do
+    Put both models under one parent module and shard that (one root), or keep the script
+    single-GPU.
+    """
+
+    CODE = "FSR626"
+    NAME = "shard-module-shared-by-models"
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Encoder(nn.Module):
+    def __init__(self, shared_block, width=4):
+        super().__init__()
+        self.inp = nn.Linear(4, width)
+        self.shared = shared_block
+
+    def forward(self, x):
+        return self.shared(self.inp(x))
+
+
+def main():
+    shared = nn.Linear(4, 4)
+    enc_a = Encoder(shared)
+    enc_b = Encoder(shared_block=enc_a)
+    optimizer = torch.optim.SGD([*enc_a.parameters(), *enc_b.parameters()], lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 4)), batch_size=4)
+    for x, y in loader:
+        loss = ((enc_a(x) - y) ** 2).mean() + ((enc_b(x) - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+""",
+        line=28,
+    ),)
+
+class ShardModelReboundInNestedFunction(Blocker):
+    """A function nested in the one that builds the model declares the model's name `nonlocal` and
+    binds it to another object.
+
+    ## Why
+    The rewrite shards the module the enclosing function built; after the nested function runs, the
+    name holds an object fully_shard never saw (unsharded, or a wrapper around the sharded module),
+    and the optimizer, state dicts and gradient sync would follow the wrong one.
+
+    ## What to do
+    Return the new object from the nested function and bind it in the enclosing function before the
+    optimizer is built, or give it its own name.
+    """
+
+    CODE = "FSR627"
+    NAME = "shard-model-rebound-in-nested-function"
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def main():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 4)), batch_size=4)
+
+    def wrap():
+        nonlocal model
+        model = torch.compile(model)
+
+    def train():
+        for x, y in loader:
+            loss = ((model(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    wrap()
+    train()
+    torch.save(model.state_dict(), "out.pt")
+
+
+main()
+""",
+        line=22,
+    ),)
+
+class ShardScalarParameterMetaInit(Blocker):
+    """--meta-init with a model whose classes create a 0-dim parameter
+    (`nn.Parameter(torch.zeros(()))`, a learned temperature or gate).
+
+    ## Why
+    fully_shard splits each parameter along dim 0 and cannot take a 0-dim one, so the rewrite keeps
+    it out of fully_shard, whole on every rank, with a hook that averages its gradient; `to_empty`
+    after the fully_shard calls replaces such a plain tensor with a new, uninitialised one, which
+    the re-initialisation does not know and the hook is not on.
+
+    ## What to do
+    Drop --meta-init: the default rewrite builds the model as written and keeps the 0-dim parameters
+    whole on every rank.
+    """
+
+    CODE = "FSR628"
+    NAME = "shard-scalar-parameter-meta-init"
+    INVALID = (Invalid(
+        """\
+import math
+
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self, dim=4):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(2)])
+        self.gate = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def main():
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+if __name__ == "__main__":
+    main()
+""",
+        line=20,
+        options={'meta_init': True},
+    ),)
+
+class ShardOptimizerBeforeShardInBranch(Blocker):
+    """An optimizer is built from a model's parameters before the model is sharded, inside a branch (an
+    if/else, a try) the rewrite does not move.
+
+    ## Why
+    fully_shard replaces the parameters with DTensor shards: an optimizer built before it keeps the
+    old tensors and the model never updates. The optimizer stage moves optimizers only within the
+    block that shards the model (an if/else that only picks the optimizer, after the model's build,
+    is sharded before).
+
+    ## What to do
+    Build (and place) the model before the if/else that builds its optimizer, or build the optimizer
+    after the model is placed.
+    """
+
+    CODE = "FSR629"
+    NAME = "shard-optimizer-before-shard-in-branch"
+    INVALID = (Invalid(
+        """\
+import argparse
+
+import torch
+import torch.nn as nn
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--resume", default=None)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.resume is None:
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    else:
+        checkpoint = torch.load(args.resume)
+        model = checkpoint["model"]
+        optimizer = checkpoint["optimizer"]
+    model = model.to(device)
+    for step in range(5):
+        loss = model(torch.randn(16, 8, device=device)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    torch.save({"model": model, "optimizer": optimizer}, "ckpt.pt")
+
+
+main()
+""",
+        line=14,
+    ),)
+
+class ShardOptionClassNotFound(Blocker):
+    """--shard names a class that no module of the model is built of.
+
+    ## Why
+    The generated loop shards the modules of the named classes; with none of them it shards only the
+    root, one unit holding every parameter: the option would do nothing, without a word.
+
+    ## What to do
+    Name one of the classes the message lists (the model's repeated block); a model built from a
+    library's classes is not checked (its classes are matched when the script runs).
+    """
+
+    CODE = "FSR630"
+    NAME = "shard-option-class-not-found"
+    INVALID = (Invalid(
+        """\
+
+import torch
+from torch import nn, optim
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+""",
+        line=24,
+        options={'shard': ['NoSuchClass']},
+    ),)
+
+class ShardGradScalerBeforeTorch25(Blocker):
+    """A GradScaler in a script retrofitted for torch 2.4 (--torch-version 2.4).
+
+    ## Why
+    fully_shard's gradients are DTensors; GradScaler unscales them and reduces its inf/NaN check
+    over every rank's shards only from torch 2.5 on: on 2.4 the first scaler.step fails.
+
+    ## What to do
+    Target torch 2.5 or newer, or train in bfloat16 without a loss scaler.
+    """
+
+    CODE = "FSR643"
+    NAME = "shard-grad-scaler-before-torch-2-5"
+    INVALID = (Invalid(
+        """\
+
+import torch
+from torch.amp import GradScaler
+from torch import nn, optim
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+model = Net()
+opt = optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.cuda.amp.GradScaler()
+for x in torch.randn(4, 8, 4):
+    scaler.scale(model(x).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+""",
+        line=27,
+        options={'torch_version': '2.4'},
+    ),)
+
+class ShardForwardWritesParameterData(Blocker):
+    """The forward of a trained model (or a method its forward calls on self) writes into one of its
+    module's parameters through `.data`: an in-place call (`self.conv.weight.data[:, :,
+    -1].zero_()`) or an assignment to `P.data` / `P.data[...]`.
+
+    ## Why
+    After fully_shard the forward runs on a copy FSDP2 all-gathered from the shards, and the write
+    lands in that copy only: the backward gathers the parameter again from the shards and computes
+    the gradients with the unwritten values, and the shards (what the optimizer steps and the
+    checkpoint saves) never hold the write. The run trains differently from one process, silently.
+
+    ## What to do
+    Apply the change without writing the parameter (multiply the weight by a mask buffer in the
+    forward: `F.conv2d(x, self.conv.weight * self.mask, ...)`), or write the parameter outside the
+    forward, after optimizer.step(), where the write reaches the shards.
+    """
+
+    CODE = "FSR644"
+    NAME = "shard-forward-writes-parameter-data"
+    INVALID = (Invalid(
+        """\
+import torch
+from torch import nn
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.scale = nn.Parameter(torch.ones(4))
+        self.register_buffer("mask", torch.ones(4, 4, 3, 3))
+
+    def make_causal(self):
+        self.conv.weight.data[:, :, -1].zero_()
+
+    def forward(self, x):
+        self.make_causal()
+        return self.conv(x) * self.scale[:, None, None]
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Conv2d(2, 4, 1)
+        self.layers = nn.ModuleList()
+        for _ in range(2):
+            self.layers.append(Masked())
+
+    def forward(self, x):
+        x = self.emb(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(8, 2, 6, 6)
+for step in range(3):
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+""",
+        line=13,
+    ),)
+
+
+# -- the checks: run by the shard stage on its analysis, in this order ------------------------
+
+
+def find(facts: ScriptFacts, options) -> Iterator[Blocked]:
+    """The refusals of the shard stage, in the order the stage meets them (the first one is raised)."""
+    for line, wrapper in facts.wrappers:
+        if "FSDP1" not in wrapper:  # the migrate_ddp stage removes these before this stage runs
+            yield Blocked(
+                "FSR601",
+                line,
+                f"the script still uses {wrapper}",
+                "the wrapper must go before fully_shard",
+                "run the migrate_ddp stage first (the composite `rewrite` does)",
+            )
+        yield Blocked(
+            "FSR601",
+            line,
+            f"the script still uses {wrapper}",
+            "the FSDP1 wrap must go before fully_shard",
+            "run the migrate_fsdp1 stage first (the composite `rewrite` does)",
+        )
+    yield from _refuse_double_backward(facts, options)
+    yield from _refuse_old_grad_scaler(facts, options)
+    for call in facts.compiled_builds:
+        if compiled_model(call, facts) is not None:
+            continue  # `model = torch.compile(Net())`: split, see _split_compile
+        yield Blocked(
+            "FSR604",
+            call,
+            "the model is compiled in the expression that builds it",
+            "fully_shard must see the plain module, before torch.compile wraps it",
+            "build it first (`model = Net()`), then `model = torch.compile(model)` on its own line",
+        )
+    for cls, call in facts.trainer_classes:
+        yield Blocked(
+            "FSR605",
+            call,
+            f"the training loop lives in class {cls}, which is handed the model",
+            "the class is in another file, which the script's own analysis does not convert: the program "
+            "linked into one analysis does, and where it cannot be linked its loop would keep its plain "
+            "sampler, saves and logging",
+            "rewrite from the entry, where the program is linked (FSR970 says what stops it), or move the "
+            "trainer class into the script",
+        )
+    copied = {id(c.copy_call) for c in facts.copies}
+    for call in facts.deep_copies:
+        if id(call) in copied:
+            continue  # `ema = copy.deepcopy(model)` after the build: sharded like the model
+        yield Blocked(
+            "FSR606",
+            call,
+            f"`{code(call)}` copies a model that gets sharded",
+            "FSDP2 modules cannot be deep-copied; a copy is sharded like the model only when it is made as "
+            "`name = copy.deepcopy(model)` in the block that builds the model, before the model is rebound, "
+            "sharded or used in a loop",
+            "make the copy right after the model is built (ema = copy.deepcopy(model))",
+        )
+    for what, call in facts.hidden_copies:
+        if id(call) in copied:
+            continue  # `ema = AveragedModel(model, ...)` after the build: its `.module` is sharded
+        if what == "AveragedModel":
+            yield Blocked(
+                "FSR607",
+                call,
+                "`AveragedModel(...)` deep-copies a model that gets sharded, inside its constructor",
+                "its copy (`.module`) is sharded like the model only when it is made as "
+                "`name = AveragedModel(model, ...)` in the block that builds the model, before the model is "
+                "rebound, sharded or used in a loop (FSDP2 modules cannot be deep-copied after sharding)",
+                "make it right after the model is built",
+            )
+        yield Blocked(
+            "FSR608",
+            call,
+            f"class {what} deep-copies the model it is handed",
+            "the copy is made inside a constructor, where the rewrite cannot shard it with the model's units "
+            "(FSDP2 modules cannot be deep-copied after sharding), and its state would be saved unconverted",
+            "keep the average as `ema = copy.deepcopy(model)` right after the build, updated with "
+            "`torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - decay)` under "
+            "torch.no_grad(): it is then sharded like the model",
+        )
+    if options.meta_init and facts.copies:
+        yield Blocked(
+            "FSR609",
+            facts.copies[0].stmt,
+            "--meta-init with a copy of the model",
+            "the copy would be made of the model on the meta device, before its re-initialisation",
+            "run without --meta-init",
+        )
+    if not facts.models:
+        for cls, call in facts.class_optimizers:
+            yield Blocked(
+                "FSR610",
+                call,
+                f"the optimizer is built inside class {cls} from parameters the rewrite cannot follow to a "
+                "model the script builds",
+                "the rewrite must shard that model before the optimizer is built; an optimizer a trainer "
+                "builds from the model it is handed (`self.optimizer = model.configure_optimizers(cfg)`, "
+                "`torch.optim.AdamW(self.model.parameters())`) is followed, this one is not",
+                f"build the optimizer as one call on the model {cls} is handed, or build the model and "
+                f"optimizer in a function and pass them to {cls}",
+            )
+        blocker = no_model_blocker(facts) or nothing_found_at(facts)
+        where, detail = blocker.at, (f": {blocker.detail}" if blocker.detail else "")
+        if not facts.module_ctor_names:
+            yield Blocked(
+                "FSR611",
+                where,
+                f"no nn.Module is built in this script{detail}",
+                "there is no model to shard",
+                "run rewrite on the script that builds the model and its optimizer",
+            )
+        yield Blocked(
+            "FSR612",
+            where,
+            f"no optimizer trains a model built in this script{detail}",
+            "fully_shard must come before the optimizer is built from the model's parameters",
+            "build the optimizer from model.parameters() in the same script",
+        )
+    yield from _refuse_optimizers(facts, options)
+    yield from _refuse_optimizers_built_before_shard(facts, options)
+    unknown = unrecognised_trained_model(facts)
+    if unknown is not None:
+        yield Blocked(
+            "FSR625",
+            unknown.at,
+            f"an optimizer trains a module the rewrite does not recognise: {unknown.detail}",
+            "the rewrite shards the models it recognises; this one would stay a whole module on every rank "
+            "whose gradients no rank reduces, and the ranks would drift apart",
+            "import the class by name (`from models import Generator`), or build the module with a class "
+            "defined in the script or a sibling module",
+        )
+    scopes = {id(m.block) for m in facts.models}
+    if len(scopes) > 1:
+        yield Blocked(
+            "FSR613",
+            facts.models[1].stmt,
+            "models are built in different blocks",
+            "one process group and mesh must cover every model; the rewrite needs them built in one place",
+            "build all models in the same function",
+        )
+    shared = shared_module(facts)
+    if shared is not None:
+        first, second = shared.owners[0], shared.owners[1]
+        yield Blocked(
+            "FSR626",
+            second.stmt,
+            f"`{shared.name}` is a submodule of both `{first.name}` (line {facts.resolver.line(first.stmt)}) "
+            f"and `{second.name}`, which both get sharded",
+            "fully_shard of the first model makes the shared parameters its DTensor shards, and the second "
+            "model would meet them already sharded; FSDP2 lets a unit belong to one root only",
+            f"put `{first.name}` and `{second.name}` under one parent module and shard that, or keep the "
+            "script single-GPU",
+        )
+    for assign, name in facts.closure_rebinds:
+        yield Blocked(
+            "FSR627",
+            assign,
+            f"a nested function rebinds `{name}` (declared nonlocal), a model of the function around it",
+            "the rewrite shards the module the enclosing function built; after this assignment the name holds "
+            "an object fully_shard never saw, and the optimizer, state dicts and gradient sync would follow "
+            "the wrong one",
+            f"return the new object and bind `{name}` in the enclosing function before the optimizer is "
+            "built, or give it its own name",
+        )
+    for model in facts.models:
+        if model.library is not None and model.library.refusal is not None and not model.sharded:
+            kind, what, why, hint = model.library.refusal
+            yield Blocked(kind, model.library.refusal_at or model.stmt, what, why, hint)
+        if model.rebound_by is not None and not model.sharded:
+            yield Blocked(
+                "FSR620",
+                model.rebound_by,
+                f"`{code(model.rebound_by).strip()}` rebinds the model to an object that wraps it",
+                f"fully_shard must see the finished module right before the optimizer, and calls meant for the "
+                f"sharded module (set_requires_gradient_sync, get_model_state_dict) would reach the wrapper "
+                f"under the name `{model.name}`",
+                f"give the wrapper its own name (`wrapped = Wrapper({model.name})`), or build the wrapper "
+                f"around the model in one expression and shard that",
+            )
+        if _declared_global(model, facts):
+            yield Blocked(
+                "FSR617",
+                model.stmt,
+                f"`{model.name}` is a global built inside {model.scope.name.value}()",
+                "set-up, training and saving are spread over functions that share globals; the "
+                "process group would be torn down at the end of the set-up function",
+                "build the model in the function that trains and saves it, or pass it as an argument",
+            )
+        # a class chosen at run time: each class the name may hold
+        for info in filter(None, map(facts.classes.get, model.alternatives or [model.class_name])):
+            for attr, node in info.plain_lists:
+                yield Blocked(
+                    "FSR618",
+                    (node, model.stmt),
+                    f"`self.{attr}` keeps layers in a plain Python list",
+                    "its parameters are not registered: they are neither trained nor sharded",
+                    f"use nn.ModuleList for self.{attr}",
+                )
+            yield from _refuse_block_parameter_reads(model, info, facts, options)
+            yield from _refuse_forward_data_writes(model, info, facts, options)
+            if info.optimizer_in_init:
+                yield Blocked(
+                    "FSR619",
+                    (info.optimizer_in_init, model.stmt),
+                    f"an optimizer is built inside {info.name}.__init__",
+                    "it would hold the unsharded parameters; fully_shard replaces them with DTensors",
+                    "build the optimizer in the training script, after the model",
+                )
+
+
+def _refuse_old_grad_scaler(facts: ScriptFacts, options) -> Iterator[Blocked]:
+    """A GradScaler unscales FSDP2's DTensor gradients and reduces its inf/NaN check over
+    their mesh from torch 2.5 on (pytorch#132816): before that, --torch-version 2.4 output
+    would fail at the first `scaler.step` (or skip steps on some ranks only)."""
+    version = options.torch_version
+    if not version or tuple(int(p) for p in version.split(".")[:2]) >= (2, 5):
+        return
+    r = facts.resolver
+    for call in r.nodes(cst.Call):
+        if r.qnames(call) & GRAD_SCALER:
+            yield Blocked(
+                "FSR643",
+                call,
+                f"a GradScaler with --torch-version {version}",
+                "torch 2.4's GradScaler cannot unscale FSDP2's DTensor gradients (its inf/NaN check is reduced "
+                "over the ranks from torch 2.5 on)",
+                "target torch 2.5 or newer (--torch-version 2.5), or train in bfloat16 without a scaler",
+            )
+
+
+def _refuse_block_parameter_reads(model: ModelSite, info, facts: ScriptFacts, options) -> Iterator[Blocked]:
+    """A method called outside forward that reads a parameter of a block that gets its
+    own unit: register_fsdp_forward_method gathers only the root unit's parameters."""
+    if options.shard:
+        return  # --shard CLASS: the units are found at run time
+    blocks = {c.path[0] for c in (info.containers if model.runtime_blocks else model.containers)}
+    for method in facts.methods_called_on(model, info):
+        for node, sub in parameter_reads(info.methods[method], info):
+            owner = sub if sub is not None else first_submodule(info)
+            if owner in blocks:
+                yield Blocked(
+                    "FSR623",
+                    (node, model.stmt),
+                    f"{info.name.rsplit('.', 1)[-1]}.{method}() reads a parameter of `self.{owner}` outside forward",
+                    f"`self.{owner}` holds blocks that each become an FSDP unit: outside their forward their "
+                    "parameters are DTensor shards, and registering the method gathers only the root's; a tensor "
+                    "built from one leaks a DTensor into forward",
+                    "take dtype and device from a parameter of the root (an embedding, the head), or pass them in",
+                )
+
+def _refuse_forward_data_writes(model: ModelSite, info, facts: ScriptFacts, options) -> Iterator[Blocked]:
+    """A forward that writes a parameter through `.data` (analysis/forward_data_writes.py):
+    after fully_shard the write lands in the gathered copy, not in the shards."""
+    if model.copy_of is not None or any(model is f for f in facts.frozen_models):
+        return  # forward only: each forward gathers and writes again, no gradient reads it
+    found = forward_data_write(info.name, facts.classes)
+    if found is None:
+        return
+    owner = facts.classes.get(found.class_name)
+    line = owner.namer.resolver.line(found.node) if owner.namer is not None else 0
+    where = (f"{facts.classes.shown_file(owner.namespace)}:{line}" if owner.namespace else f"line {line}")
+    yield Blocked(
+        "FSR644",
+        (found.node, model.stmt),
+        f"{found.class_name.rsplit('.', 1)[-1]}.{found.method}() ({where}) writes `{found.parameter}` through "
+        f"`.data` in the forward of `{model.name}`: `{code(found.node).strip()}`",
+        "after fully_shard the forward runs on a copy all-gathered from the shards and the write lands in that "
+        "copy only: the backward gathers the parameter again from the shards, so it computes the gradients "
+        "with the unwritten values, and the shards the optimizer steps and the checkpoint saves never hold "
+        "the write",
+        "apply the change without writing the parameter (multiply by a mask buffer: "
+        "`F.conv2d(x, self.conv.weight * self.mask, ...)`), or write the parameter outside the forward, "
+        "after optimizer.step(), where the write reaches the shards",
+    )
+
+def _refuse_double_backward(facts: ScriptFacts, options) -> Iterator[Blocked]:
+    """A gradient penalty (autograd.grad with create_graph) needs a second backward
+    through parameters FSDP2 has resharded after the first."""
+    if not facts.models:
+        return
+    for call in facts.resolver.nodes(cst.Call):
+        if not facts.resolver.is_call_to(call, AUTOGRAD_GRAD):
+            continue
+        graph = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == "create_graph"),
+                     None)
+        if graph is None or (isinstance(graph, cst.Name) and graph.value == "False"):
+            continue
+        yield Blocked(
+            "FSR624",
+            call,
+            f"`{code(call.func)}(..., create_graph={code(graph)})` takes a second backward through the model",
+            "FSDP2 frees each unit's gathered parameters after its backward; the graph kept for the second "
+            "backward still reads them (the run fails in that backward)",
+            "keep this model unsharded (DDP), or compute the penalty without a second backward through it",
+        )
+
+def _refuse_optimizers(facts: ScriptFacts, options) -> Iterator[Blocked]:
+    """Optimizers whose step cannot work on DTensor shards."""
+    for opt in facts.optimizers:
+        if opt.call is None:
+            continue
+        if facts.resolver.qnames(opt.call.func) & FLATTENING_OPTIMIZERS:
+            yield Blocked(
+                "FSR621",
+                opt.stmt,
+                f"`{opt.name}` is {code(opt.call.func)}, which flattens every gradient into one vector",
+                "after fully_shard each parameter and gradient is a DTensor shard: its line search and "
+                "curvature pairs would be computed on pieces of the vector (or gather all of it on every rank)",
+                "train this model without sharding, or use an optimizer that works parameter by parameter",
+            )
+        if opt.wrapper is not None and opt.inner is None:
+            yield from _unread_wrapper(opt, facts)
+        if opt.method is not None and opt.method_builds & FLATTENING_OPTIMIZERS:
+            yield Blocked(
+                "FSR621",
+                opt.stmt,
+                f"`{opt.name}` is built by {opt.method.name.value}(), which builds "
+                f"{sorted(opt.method_builds & FLATTENING_OPTIMIZERS)[0]}, flattening every gradient into one vector",
+                "after fully_shard each parameter and gradient is a DTensor shard: its line search and "
+                "curvature pairs would be computed on pieces of the vector (or gather all of it on every rank)",
+                "train this model without sharding, or use an optimizer that works parameter by parameter",
+            )
+        if opt.own_class is not None:
+            op = whole_tensor_operation(opt.own_class)
+            if op is not None:
+                yield Blocked(
+                    "FSR622",
+                    op,
+                    f"optimizer class {opt.own_class.name.value} works on whole matrices (`{code(op)}`)",
+                    "after fully_shard each parameter and gradient is a DTensor shard (rows split over the "
+                    "ranks): a reshape, transpose or matrix product of it gathers the whole matrix on every "
+                    "rank or computes on one piece of it",
+                    "gather the gradient explicitly (`g.full_tensor()`), compute, and keep this rank's "
+                    "part (distribute_tensor), or keep the script single-GPU",
+                )
+
+def _refuse_optimizers_built_before_shard(facts: ScriptFacts, options) -> Iterator[Blocked]:
+    """An optimizer of a model built, in the function that shards the model, before the
+    statement fully_shard follows and outside its block (a branch of an if/else, a try): the
+    optimizer stage moves only statements of that block, so it would keep the unsharded
+    parameters and the model would never update."""
+    r = facts.resolver
+    for model in facts.models:
+        anchor = model.shard_anchor
+        fn = r.enclosing_function(anchor)
+        body = list(r.block_of(anchor).body) if r.block_of(anchor) is not None else []
+        names = model.names.get(fn, {model.name})
+        for opt in facts.optimizers:
+            if (r.enclosing_function(opt.stmt) is not fn or not set(opt.models) & names or opt.stmt in body
+                    or r.order(opt.stmt) > r.order(anchor)):
+                continue
+            yield Blocked(
+                "FSR629",
+                opt.stmt,
+                f"`{opt.name}` is built from `{model.name}`'s parameters before `{model.name}` is sharded "
+                f"(fully_shard goes after line {r.line(anchor)}), inside a block the rewrite does not move",
+                "fully_shard replaces the parameters with DTensor shards: an optimizer built before it keeps "
+                "the old tensors and the model never updates; the optimizer stage moves an optimizer only "
+                "within the block that shards the model",
+                "build the model (and place it) before the if/else that builds its optimizer, or build the "
+                "optimizer after the model is placed",
+            )
+
+def _unread_wrapper(opt, facts: ScriptFacts) -> Iterator[Blocked]:
+    """`opt = Wrapper(optim.Adam(...))` whose class is not in the script or a sibling module."""
+    wrapper = code(opt.wrapper.func)
+    for call in facts.resolver.nodes(cst.Call):
+        func = call.func
+        if not (isinstance(func, cst.Attribute) and func.attr.value in ("state_dict", "load_state_dict")
+                and isinstance(func.value, cst.Attribute)):
+            continue
+        names = facts.optimizer_names.get(facts.resolver.enclosing_function(call), {})
+        if root_name(func.value) in names:
+            yield Blocked(
+                "FSR612",
+                call,
+                f"`{code(func.value)}.{func.attr.value}()`: the optimizer is held by `{wrapper}(...)`, whose class "
+                "is not in this script or a sibling module",
+                "the rewrite cannot tell whether that attribute is the torch optimizer, whose state must be "
+                "read and written through get_optimizer_state_dict / set_optimizer_state_dict after fully_shard",
+                f"rewrite the script beside the module that defines {wrapper}",
+            )
+
+
+def compiled_model(call: cst.Call, facts: ScriptFacts):
+    """The model whose whole build statement is `name = torch.compile(<build>, ...)`."""
+    for model in facts.models:
+        small = model.stmt.body[0]
+        if isinstance(small, cst.Assign) and small.value is call and call.args and call.args[0].keyword is None:
+            return model
+    return None
+
+
+def _declared_global(model: ModelSite, facts: ScriptFacts) -> bool:
+    if not isinstance(model.scope, cst.FunctionDef):
+        return False
+    found = [n.name.value for node in facts.resolver.descendants(model.scope.body, cst.Global) for n in node.names]
+    return model.name in found

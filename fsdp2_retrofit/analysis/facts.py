@@ -139,13 +139,13 @@ class _Analyser(ModelAnalysis, OptimizerAnalysis, DataAnalysis, LogAnalysis, Lau
         calls: List[cst.Call] = self.r.nodes(cst.Call)
         stmts: List[cst.SimpleStatementLine] = self.r.nodes(cst.SimpleStatementLine)
         self.calls = calls
-        bindings = self._module_bindings(stmts)
+        bindings = self.builds.bindings(stmts)
         optimizers = self._optimizers(stmts, bindings)
         models = self._trained_models(optimizers, bindings)
-        trained_names = self._model_names(models)
+        trained_names = self.model_holders.of(models)
         copies = self._copies(models, stmts)
         frozen = self._frozen_models(bindings, models, copies)
-        model_names = self._model_names(models + copies + frozen)
+        model_names = self.model_holders.of(models + copies + frozen)
         train_loops = self.train_loops()
         loaders = self._loaders(stmts, train_loops)
         entry_block, entry_scope, entry_call, unfollowed_return = (
@@ -181,7 +181,7 @@ class _Analyser(ModelAnalysis, OptimizerAnalysis, DataAnalysis, LogAnalysis, Lau
                 c for c in calls
                 if self.r.is_call_to(c, TORCH_COMPILE) and c.args
                 and _innermost_call(c.args[0].value) is not None
-                and self._class_of(_innermost_call(c.args[0].value))
+                and self.builds.class_of(_innermost_call(c.args[0].value))
             ],
             deep_copies=[
                 c for c in calls
@@ -202,5 +202,5 @@ class _Analyser(ModelAnalysis, OptimizerAnalysis, DataAnalysis, LogAnalysis, Lau
         )
         for m in models + copies + frozen:
             m.sharded = m.name in facts.root_shard
-            m.names = self._model_names([m])
+            m.names = self.model_holders.of([m])
         return facts

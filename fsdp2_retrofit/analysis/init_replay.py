@@ -114,13 +114,16 @@ def plan_init_replay(
 
 
 class _Planner:
+    """Walks the model's class tree and replays each class's __init__ statement by
+    statement; the expressions they keep become script code through _Translator."""
+
     def __init__(self, classes: ClassRegistry, script: Resolver, model: str, fresh):
         self.classes = classes
         self.script = script
         self.model = model
         self.fresh = fresh
         self.out = InitReplay()
-        self.script_bindings = _top_level_bindings(script)
+        self.translator = _Translator(classes, script, self.out.imports)
         self.visited: Set[str] = set()
         self.instance_var: Optional[str] = None
 
@@ -159,7 +162,7 @@ class _Planner:
         init = self._init_of(info, site, parent)
         if "reset_parameters" in info.methods:  # the generic loop calls it after sharding
             ctx = _Ctx(info, self._instance_var(), {})
-            self._check_pure(info.methods["reset_parameters"], ctx, 2)
+            self.translator.check_pure(info.methods["reset_parameters"], ctx, 2)
         if init is None:
             return
         instance = self.model if root else self._instance_var()
@@ -176,7 +179,7 @@ class _Planner:
         else:
             self.out.statements.append(
                 f"for {instance} in {self.model}.modules():\n"
-                f"    if isinstance({instance}, {self._script_name(info)}):\n"
+                f"    if isinstance({instance}, {self.translator.script_name(info)}):\n"
                 + _indent(text, 8)
             )
 
@@ -242,7 +245,7 @@ class _Planner:
             try:
                 if "self" in _names(arg) and parent.instance != self.model:
                     raise CannotReplay(None, None, "", "")
-                value = self._translate(arg, parent, bound=set())
+                value = self.translator.translate(arg, parent, bound=set())
                 env[param] = value if _plain(value) else None
             except CannotReplay:
                 env[param] = None
@@ -269,14 +272,6 @@ class _Planner:
         if self.instance_var is None:
             self.instance_var = self.fresh("module")
         return self.instance_var
-
-    def _script_name(self, info: ClassInfo) -> str:
-        """How the script names a class: its own, or imported from the sibling module."""
-        short = info.name.rsplit(".", 1)[-1]
-        if not info.namespace:
-            return short
-        self._need_binding(short, f"{info.namespace}.{short}", info.node, info)
-        return short
 
     # -- statements ------------------------------------------------------------
 
@@ -312,7 +307,7 @@ class _Planner:
         self._forget_locals(stmt, ctx)
         if not body and not orelse:
             return []
-        test = self._translate(stmt.test, ctx, bound=set())
+        test = self.translator.translate(stmt.test, ctx, bound=set())
         new = cst.If(
             test=test,
             body=cst.IndentedBlock(body=body or [cst.SimpleStatementLine([cst.Pass()])]),
@@ -364,8 +359,8 @@ class _Planner:
             return []
         if not self._initialises(call, ctx):
             return []  # print(...), logging: nothing to re-create
-        self._check_calls(call, ctx)
-        return [small.with_changes(value=self._translate(call, ctx, bound=set()))]
+        self.translator.check_calls(call, ctx)
+        return [small.with_changes(value=self.translator.translate(call, ctx, bound=set()))]
 
     def _replay_buffer(self, call: cst.Call, ctx: _Ctx) -> List[cst.BaseSmallStatement]:
         args = {a.keyword.value if a.keyword else i: a.value for i, a in enumerate(call.args)}
@@ -382,8 +377,8 @@ class _Planner:
                 "register it under an `if` statement instead, or drop --meta-init for this script",
             )
         try:
-            self._check_calls(value, ctx)
-            new = self._translate(value, ctx, bound=set())
+            self.translator.check_calls(value, ctx)
+            new = self.translator.translate(value, ctx, bound=set())
         except CannotReplay as err:
             raise CannotReplay(
                 call, ctx.info, f"buffer `{name.evaluated_value}` of {ctx.info.name} cannot be re-computed ({err.what})",
@@ -422,9 +417,9 @@ class _Planner:
             calls = _calls(value)
             if not calls:
                 continue  # a plain value (ints, the config): kept by the meta build
-            self._check_calls(value, ctx, what=f"`self.{attr}`")
+            self.translator.check_calls(value, ctx, what=f"`self.{attr}`")
             if any(_is_torch(_global_name(c, ctx.resolver, ctx.info)) for c in calls):
-                new = self._translate(value, ctx, bound=set())
+                new = self.translator.translate(value, ctx, bound=set())
                 return [cst.parse_statement(f"{ctx.instance}.{attr} = {code(new)}\n").body[0]]
         return []
 
@@ -444,12 +439,12 @@ class _Planner:
             self.out.imports.append(("torch", None, None))
             extra = ""
             if scale is not None:
-                self._check_calls(scale, ctx)
-                extra = f", std={code(self._translate(scale, ctx, bound=set()))}"
+                self.translator.check_calls(scale, ctx)
+                extra = f", std={code(self.translator.translate(scale, ctx, bound=set()))}"
             return cst.Expr(cst.parse_expression(f"torch.nn.init.{init}({target}{extra})"))
         if factory == "torch.full" and isinstance(data, cst.Call) and len(data.args) >= 2:
-            self._check_calls(data.args[1].value, ctx)
-            fill = code(self._translate(data.args[1].value, ctx, bound=set()))
+            self.translator.check_calls(data.args[1].value, ctx)
+            fill = code(self.translator.translate(data.args[1].value, ctx, bound=set()))
             self.out.imports.append(("torch", None, None))
             return cst.Expr(cst.parse_expression(f"torch.nn.init.constant_({target}, {fill})"))
         raise CannotReplay(
@@ -515,14 +510,32 @@ class _Planner:
                     "after fully_shard parameters are DTensor shards: storing a whole tensor into them is wrong",
                     "initialise with torch.nn.init functions or in-place methods (normal_, zero_), or drop --meta-init",
                 )
-        self._check_calls(stmt, ctx)
+        self.translator.check_calls(stmt, ctx)
         bound = _bound_in(stmt)
         renames = {n: self.fresh(n) for n in bound}
-        return self._translate(stmt, ctx, bound=bound, renames=renames)
+        return self.translator.translate(stmt, ctx, bound=bound, renames=renames)
 
-    # -- expressions -----------------------------------------------------------
 
-    def _check_calls(self, node, ctx: _Ctx, what: str = "", depth: int = 2) -> None:
+class _Translator:
+    """The class file's code as code of the script that re-runs it: `self` -> the instance,
+    constructor parameters -> their values at the call, locals of __init__ inlined, free
+    names imported into the script (`imports`, shared with the plan); and whether what it
+    calls only computes, so that running it again changes values, never the structure."""
+
+    def __init__(self, classes: ClassRegistry, script: Resolver, imports: list):
+        self.classes = classes
+        self.imports = imports
+        self.script_bindings = _top_level_bindings(script)
+
+    def script_name(self, info: ClassInfo) -> str:
+        """How the script names a class: its own, or imported from the sibling module."""
+        short = info.name.rsplit(".", 1)[-1]
+        if not info.namespace:
+            return short
+        self._need_binding(short, f"{info.namespace}.{short}", info.node, info)
+        return short
+
+    def check_calls(self, node, ctx: _Ctx, what: str = "", depth: int = 2) -> None:
         """Every call in `node` only computes: torch (not its data loaders), math,
         builtins, methods of values, and the class's own pure methods and functions."""
         for call in _calls(node):
@@ -542,7 +555,7 @@ class _Planner:
             if method in MODULE_METHODS:
                 return
             if method in ctx.info.methods:
-                self._check_pure(ctx.info.methods[method], ctx, depth)
+                self.check_pure(ctx.info.methods[method], ctx, depth)
                 return
             raise CannotReplay(call, ctx.info, f"`{code(call)}`", "the analysis cannot tell what it does")
         if isinstance(func, cst.Name) and (func.value in ctx.locals or func.value in ctx.env):
@@ -553,7 +566,7 @@ class _Planner:
                 return
             fn = _top_function(ctx.resolver, name) if isinstance(func, cst.Name) else None
             if fn is not None:
-                self._check_pure(fn, ctx, depth)
+                self.check_pure(fn, ctx, depth)
                 return
             raise CannotReplay(call, ctx.info, f"`{code(call)}`",
                                "it is not a torch or math computation the analysis can re-run")
@@ -565,17 +578,17 @@ class _Planner:
         """What `apply(...)` is given: a method of the class or a function of its module."""
         path = attr_path(value)
         if path and len(path) == 2 and path[0] == "self" and path[1] in ctx.info.methods:
-            self._check_pure(ctx.info.methods[path[1]], ctx, depth)
+            self.check_pure(ctx.info.methods[path[1]], ctx, depth)
             return
         if isinstance(value, cst.Name):
             fn = _top_function(ctx.resolver, value.value)
             if fn is not None:
-                self._check_pure(fn, ctx, depth)
+                self.check_pure(fn, ctx, depth)
                 return
         raise CannotReplay(value, ctx.info, f"`apply({code(value)})` in {ctx.info.name}.__init__",
                            "the analysis cannot read the function it applies")
 
-    def _check_pure(self, fn: cst.FunctionDef, ctx: _Ctx, depth: int) -> None:
+    def check_pure(self, fn: cst.FunctionDef, ctx: _Ctx, depth: int) -> None:
         """A method or function that only computes and initialises (no stores on self, no modules)."""
         if depth == 0:
             raise CannotReplay(fn, ctx.info, f"`{fn.name.value}` calls too deep", "the analysis stops following calls")
@@ -599,12 +612,12 @@ class _Planner:
                 if inner is None:
                     raise CannotReplay(node, ctx.info, f"`{code(node)}` in `{fn.name.value}`",
                                        "it is not a torch or math computation the analysis can re-run")
-                self._check_pure(inner, ctx, depth - 1)
+                self.check_pure(inner, ctx, depth - 1)
 
-    def _translate(self, node, ctx: _Ctx, bound: Set[str], renames: Optional[Dict[str, str]] = None, depth: int = 4):
+    def translate(self, node, ctx: _Ctx, bound: Set[str], renames: Optional[Dict[str, str]] = None, depth: int = 4):
         """`node` as code of the script: self -> the instance, constructor parameters ->
         their values, locals of __init__ inlined; names it needs imported."""
-        planner = self
+        translator = self
         skip = _non_variable_names(node)
         renames = renames or {}
         bound = bound | {n for c in _walk(node, (cst.CompFor,)) for n in _names(c.target)}
@@ -629,9 +642,9 @@ class _Planner:
                     if value is None or depth == 0:
                         raise CannotReplay(original, ctx.info, f"local `{n}` of {ctx.info.name}.__init__",
                                            "it is rebound or built from modules; the analysis cannot re-compute it")
-                    planner._check_calls(value, ctx)
-                    return _paren(planner._translate(value, ctx, bound, renames, depth - 1))
-                planner._need_name(n, original, ctx)
+                    translator.check_calls(value, ctx)
+                    return _paren(translator.translate(value, ctx, bound, renames, depth - 1))
+                translator._need_name(n, original, ctx)
                 return updated
 
         return node.visit(_T())
@@ -660,11 +673,11 @@ class _Planner:
                                "the re-initialisation code would read the wrong object")
         module, _, obj = dotted.rpartition(".")
         if not module:
-            self.out.imports.append((dotted, None, None))
+            self.imports.append((dotted, None, None))
         elif local == obj:
-            self.out.imports.append((module, obj, None))
+            self.imports.append((module, obj, None))
         else:
-            self.out.imports.append((dotted, None, local))
+            self.imports.append((dotted, None, local))
         self.script_bindings[local] = dotted
 
 

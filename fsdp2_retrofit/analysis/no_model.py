@@ -19,7 +19,7 @@ from typing import Optional, Union
 
 import libcst as cst
 
-from .models import _is_placement_chain
+from .shard_anchors import _is_placement_chain
 from fsdp2_retrofit.syntax.names import SELF_RETURNING_METHODS, alias_target, calls_in, code, root_name
 from fsdp2_retrofit.syntax.torch_api import is_optimizer_call
 

@@ -457,8 +457,8 @@ class _Collector:
 
     def run(self) -> ShardFacts:
         f = self.facts
-        self._index_bindings()
-        self._index_aliases()
+        _index_bindings(f, self.r)
+        _index_aliases(f, self.r)
         self.self_shards: Dict[cst.FunctionDef, Tuple[bool, bool]] = {}  # methods sharding `self` (or its parts)
         for call in self.r.nodes(cst.Call):
             qn = self.r.qnames(call)
@@ -469,64 +469,11 @@ class _Collector:
             opt = self._optimizer(call)
             if opt is not None:
                 f.optimizers.append(opt)
-        self._receive_handed()
+        _receive_handed(f, self.module, self.analysis.path, self.received)
         self._propagate()
-        self._hand_out()
+        _hand_out(f, self.r, self.imported, self.analysis.path)
         return f
 
-    def _receive_handed(self) -> None:
-        """Modules other files hand this one's classes and functions, sharded: a class's
-        constructor parameter and the `self.<attr>` it is stored as (in every method), or a
-        function's parameter. The site a rule names is the class or function itself."""
-        path = os.path.realpath(self.analysis.path) if self.received and self.analysis.path else None
-        defs = {s.name.value: s for s in self.module.body if isinstance(s, (cst.ClassDef, cst.FunctionDef))}
-        for handed in self.received:
-            node = defs.get(handed.name)
-            if node is None or os.path.realpath(handed.file) != path:
-                continue
-            fn = node if isinstance(node, cst.FunctionDef) else next(
-                (m for m in node.body.body if isinstance(m, cst.FunctionDef) and m.name.value == "__init__"), None)
-            if fn is None:
-                continue
-            positional = [p.name.value for p in (*fn.params.posonly_params, *fn.params.params)]
-            positional = positional[1 if fn is not node else 0:]  # a constructor's `self` is not passed
-            if isinstance(handed.key, int):
-                param = positional[handed.key] if handed.key < len(positional) else None
-            else:
-                param = handed.key if handed.key in parameter_names(fn) else None
-            if param is None:
-                continue
-            site = ShardSite(node, param, handed.whole, None, -1, handed.legacy)
-            _receive(self.facts, fn, param, site)
-            if fn is not node:
-                for name in ["self." + a for a in _stored_as(fn, param)]:
-                    for method in node.body.body:
-                        if isinstance(method, cst.FunctionDef):
-                            _receive(self.facts, method, name, site)
-
-    def _hand_out(self) -> None:
-        """Each call of a class or function of another project module (reached through an
-        import, not a star) handed a sharded module: a Handed record for that module."""
-        if not self.imported or not hasattr(self.imported, "where"):
-            return
-        f = self.facts
-        for call in self.r.nodes(cst.Call):
-            path = attr_path(call.func)
-            found = self.imported.where(".".join(path)) if path is not None else None
-            if found is None:
-                continue
-            position = 0
-            for arg in call.args:
-                if arg.star:
-                    break
-                key: Union[int, str] = arg.keyword.value if arg.keyword is not None else position
-                position += arg.keyword is None
-                root = f.sharded_module(arg.value, call)
-                if root is None:
-                    continue
-                sites = f.sites_for(root, call)
-                f.handed_out.append(Handed(str(found[0]), found[1], key, f"{self.analysis.path}:{self.r.line(call)}",
-                                           any(s.whole for s in sites), all(s.legacy for s in sites)))
     def _shards_self(self, call: cst.Call, legacy: bool) -> None:
         """`fully_shard(self, ...)` (or of `self.blocks[i]`) in a method of a top-level class: the
         method shards the object it is called on (OLMo-core's `model.apply_fsdp(mesh)`)."""
@@ -638,71 +585,6 @@ class _Collector:
             if bound is not None and bound[1] and (found is None or bound[0] != found[0]):
                 f.sites.append(ShardSite(call, bound[0], True, scope, f.order(call), legacy, found is None, call))
 
-    def _index_bindings(self) -> None:
-        """name -> [(order, value)] per function, for `name = value` and `name[k] = value`."""
-        f = self.facts
-        for assign in self.r.nodes(cst.Assign):
-            fn = f.scope_of(assign)
-            for t in assign.targets:
-                target = t.target
-                whole = not isinstance(target, cst.Subscript)
-                if isinstance(target, cst.Subscript):
-                    target = target.value
-                if isinstance(target, cst.Name):
-                    f._bindings.setdefault(fn, {}).setdefault(target.value, []).append(
-                        (f.order(assign), assign.value, whole)
-                    )
-        for call in self.r.nodes(cst.Call):  # ckpt.update({...}) / ckpt.update(model=...)
-            func = call.func
-            if isinstance(func, cst.Attribute) and func.attr.value == "update" and isinstance(func.value, cst.Name):
-                fn = f.scope_of(call)
-                for arg in call.args:
-                    f._bindings.setdefault(fn, {}).setdefault(func.value.value, []).append(
-                        (f.order(call), arg.value, False)
-                    )
-
-    def _index_aliases(self) -> None:
-        """Loop variables and names bound to parts of a module (`for block in model.layers`,
-        `layer = model.layers[0]`) map to that module, and names bound to the module
-        itself (`m = model`, `m = model.to(device)`) to the module."""
-        f = self.facts
-        for loop in self.r.nodes(cst.For) + self.r.nodes(cst.CompFor):
-            iterated = loop.iter
-            while isinstance(iterated, cst.Call) and isinstance(iterated.func, cst.Name) and (
-                iterated.func.value in _ITERATION_WRAPPERS and iterated.args
-            ):
-                iterated = iterated.args[0].value
-            found = part_root(iterated)
-            if found is None:
-                continue
-            fn = f.scope_of(loop)
-            anchor = loop
-            while isinstance(anchor, cst.CompFor):  # a comprehension binds before its element is read
-                anchor = self.r.parent(anchor)
-            for name in _target_names(loop.target):
-                f._aliases.setdefault(fn, {}).setdefault(name, []).append((f.order(anchor), (found[0], False)))
-        for assign in self.r.nodes(cst.Assign):
-            value = assign.value
-            if isinstance(module_itself(value), cst.Name):
-                value = module_itself(value)  # `m = model.to(device)`: the module itself
-            if isinstance(value, cst.Name) and len(assign.targets) == 1 and isinstance(assign.targets[0].target, cst.Name):
-                if value.value != "self" and assign.targets[0].target.value != value.value:
-                    f._aliases.setdefault(f.scope_of(assign), {}).setdefault(assign.targets[0].target.value, []).append(
-                        (f.order(assign), (value.value, True)))
-                continue
-            if isinstance(value, (cst.Subscript, cst.Attribute)) or (
-                isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute)
-                and value.func.attr.value in _PART_METHODS
-            ):
-                found = part_root(value)
-                if found is not None and not found[1] and len(assign.targets) == 1:
-                    target = assign.targets[0].target
-                    if isinstance(target, cst.Name) and found[0] != "self":
-                        f._aliases.setdefault(f.scope_of(assign), {}).setdefault(target.value, []).append(
-                            (f.order(assign), (found[0], False)))
-        for names in f._aliases.values():
-            for bindings in names.values():
-                bindings.sort(key=lambda b: b[0])
 
     def _optimizer(self, call: cst.Call) -> Optional[OptimizerBuild]:
         """An optimizer built by `call`: a torch optimizer, or a call of a function of the
@@ -993,6 +875,129 @@ class Sharder:
     fn: cst.FunctionDef = field(repr=False)
     shards: Dict[str, Tuple[bool, bool]]
     returns: Dict[Optional[int], bool]
+
+
+def _index_bindings(f: ShardFacts, r: Resolver) -> None:
+    """name -> [(order, value)] per function, for `name = value` and `name[k] = value`."""
+    for assign in r.nodes(cst.Assign):
+        fn = f.scope_of(assign)
+        for t in assign.targets:
+            target = t.target
+            whole = not isinstance(target, cst.Subscript)
+            if isinstance(target, cst.Subscript):
+                target = target.value
+            if isinstance(target, cst.Name):
+                f._bindings.setdefault(fn, {}).setdefault(target.value, []).append(
+                    (f.order(assign), assign.value, whole)
+                )
+    for call in r.nodes(cst.Call):  # ckpt.update({...}) / ckpt.update(model=...)
+        func = call.func
+        if isinstance(func, cst.Attribute) and func.attr.value == "update" and isinstance(func.value, cst.Name):
+            fn = f.scope_of(call)
+            for arg in call.args:
+                f._bindings.setdefault(fn, {}).setdefault(func.value.value, []).append(
+                    (f.order(call), arg.value, False)
+                )
+
+
+def _index_aliases(f: ShardFacts, r: Resolver) -> None:
+    """Loop variables and names bound to parts of a module (`for block in model.layers`,
+    `layer = model.layers[0]`) map to that module, and names bound to the module
+    itself (`m = model`, `m = model.to(device)`) to the module."""
+    for loop in r.nodes(cst.For) + r.nodes(cst.CompFor):
+        iterated = loop.iter
+        while isinstance(iterated, cst.Call) and isinstance(iterated.func, cst.Name) and (
+            iterated.func.value in _ITERATION_WRAPPERS and iterated.args
+        ):
+            iterated = iterated.args[0].value
+        found = part_root(iterated)
+        if found is None:
+            continue
+        fn = f.scope_of(loop)
+        anchor = loop
+        while isinstance(anchor, cst.CompFor):  # a comprehension binds before its element is read
+            anchor = r.parent(anchor)
+        for name in _target_names(loop.target):
+            f._aliases.setdefault(fn, {}).setdefault(name, []).append((f.order(anchor), (found[0], False)))
+    for assign in r.nodes(cst.Assign):
+        value = assign.value
+        if isinstance(module_itself(value), cst.Name):
+            value = module_itself(value)  # `m = model.to(device)`: the module itself
+        if isinstance(value, cst.Name) and len(assign.targets) == 1 and isinstance(assign.targets[0].target, cst.Name):
+            if value.value != "self" and assign.targets[0].target.value != value.value:
+                f._aliases.setdefault(f.scope_of(assign), {}).setdefault(assign.targets[0].target.value, []).append(
+                    (f.order(assign), (value.value, True)))
+            continue
+        if isinstance(value, (cst.Subscript, cst.Attribute)) or (
+            isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute)
+            and value.func.attr.value in _PART_METHODS
+        ):
+            found = part_root(value)
+            if found is not None and not found[1] and len(assign.targets) == 1:
+                target = assign.targets[0].target
+                if isinstance(target, cst.Name) and found[0] != "self":
+                    f._aliases.setdefault(f.scope_of(assign), {}).setdefault(target.value, []).append(
+                        (f.order(assign), (found[0], False)))
+    for names in f._aliases.values():
+        for bindings in names.values():
+            bindings.sort(key=lambda b: b[0])
+
+
+def _receive_handed(f: ShardFacts, module: cst.Module, path: Optional[str],
+                    received: Sequence[Handed]) -> None:
+    """Modules other files hand this one's classes and functions, sharded: a class's
+    constructor parameter and the `self.<attr>` it is stored as (in every method), or a
+    function's parameter. The site a rule names is the class or function itself."""
+    here = os.path.realpath(path) if received and path else None
+    defs = {s.name.value: s for s in module.body if isinstance(s, (cst.ClassDef, cst.FunctionDef))}
+    for handed in received:
+        node = defs.get(handed.name)
+        if node is None or os.path.realpath(handed.file) != here:
+            continue
+        fn = node if isinstance(node, cst.FunctionDef) else next(
+            (m for m in node.body.body if isinstance(m, cst.FunctionDef) and m.name.value == "__init__"), None)
+        if fn is None:
+            continue
+        positional = [p.name.value for p in (*fn.params.posonly_params, *fn.params.params)]
+        positional = positional[1 if fn is not node else 0:]  # a constructor's `self` is not passed
+        if isinstance(handed.key, int):
+            param = positional[handed.key] if handed.key < len(positional) else None
+        else:
+            param = handed.key if handed.key in parameter_names(fn) else None
+        if param is None:
+            continue
+        site = ShardSite(node, param, handed.whole, None, -1, handed.legacy)
+        _receive(f, fn, param, site)
+        if fn is not node:
+            for name in ["self." + a for a in _stored_as(fn, param)]:
+                for method in node.body.body:
+                    if isinstance(method, cst.FunctionDef):
+                        _receive(f, method, name, site)
+
+
+def _hand_out(f: ShardFacts, r: Resolver, imported, source: Optional[str]) -> None:
+    """Each call of a class or function of another project module (reached through an
+    import, not a star) handed a sharded module: a Handed record for that module (`source`:
+    this file's path, as the record's place names it)."""
+    if not imported or not hasattr(imported, "where"):
+        return
+    for call in r.nodes(cst.Call):
+        path = attr_path(call.func)
+        found = imported.where(".".join(path)) if path is not None else None
+        if found is None:
+            continue
+        position = 0
+        for arg in call.args:
+            if arg.star:
+                break
+            key: Union[int, str] = arg.keyword.value if arg.keyword is not None else position
+            position += arg.keyword is None
+            root = f.sharded_module(arg.value, call)
+            if root is None:
+                continue
+            sites = f.sites_for(root, call)
+            f.handed_out.append(Handed(str(found[0]), found[1], key, f"{source}:{r.line(call)}",
+                                       any(s.whole for s in sites), all(s.legacy for s in sites)))
 
 
 def _received_site(f: ShardFacts, root: str, call: cst.Call) -> ShardSite:

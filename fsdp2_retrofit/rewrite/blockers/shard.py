@@ -1409,6 +1409,22 @@ for step in range(3):
 
 def find(facts: ScriptFacts, options) -> Iterator[Blocked]:
     """The refusals of the shard stage, in the order the stage meets them (the first one is raised)."""
+    yield from _wrappers(facts, options)
+    yield from _refuse_double_backward(facts, options)
+    yield from _refuse_old_grad_scaler(facts, options)
+    yield from _compiled_builds(facts, options)
+    yield from _trainer_classes(facts, options)
+    yield from _copies(facts, options)
+    yield from _no_model(facts, options)
+    yield from _refuse_optimizers(facts, options)
+    yield from _refuse_optimizers_built_before_shard(facts, options)
+    yield from _unknown_model(facts, options)
+    yield from _models_apart(facts, options)
+    yield from _each_model(facts, options)
+
+
+def _wrappers(facts: ScriptFacts, options) -> Iterator[Blocked]:
+    """A DDP or FSDP1 wrapper a migration stage left: it must go before fully_shard."""
     for line, wrapper in facts.wrappers:
         if "FSDP1" not in wrapper:  # the migrate_ddp stage removes these before this stage runs
             yield Blocked(
@@ -1425,8 +1441,10 @@ def find(facts: ScriptFacts, options) -> Iterator[Blocked]:
             "the FSDP1 wrap must go before fully_shard",
             "run the migrate_fsdp1 stage first (the composite `rewrite` does)",
         )
-    yield from _refuse_double_backward(facts, options)
-    yield from _refuse_old_grad_scaler(facts, options)
+
+
+def _compiled_builds(facts: ScriptFacts, options) -> Iterator[Blocked]:
+    """A model compiled in the expression that builds it."""
     for call in facts.compiled_builds:
         if compiled_model(call, facts) is not None:
             continue  # `model = torch.compile(Net())`: split, see _split_compile
@@ -1437,6 +1455,10 @@ def find(facts: ScriptFacts, options) -> Iterator[Blocked]:
             "fully_shard must see the plain module, before torch.compile wraps it",
             "build it first (`model = Net()`), then `model = torch.compile(model)` on its own line",
         )
+
+
+def _trainer_classes(facts: ScriptFacts, options) -> Iterator[Blocked]:
+    """A training loop in a class of another file, handed the model."""
     for cls, call in facts.trainer_classes:
         yield Blocked(
             "FSR605",
@@ -1448,6 +1470,10 @@ def find(facts: ScriptFacts, options) -> Iterator[Blocked]:
             "rewrite from the entry, where the program is linked (FSR970 says what stops it), or move the "
             "trainer class into the script",
         )
+
+
+def _copies(facts: ScriptFacts, options) -> Iterator[Blocked]:
+    """Copies of a model that gets sharded, made where the rewrite cannot shard them with it."""
     copied = {id(c.copy_call) for c in facts.copies}
     for call in facts.deep_copies:
         if id(call) in copied:
@@ -1492,6 +1518,10 @@ def find(facts: ScriptFacts, options) -> Iterator[Blocked]:
             "the copy would be made of the model on the meta device, before its re-initialisation",
             "run without --meta-init",
         )
+
+
+def _no_model(facts: ScriptFacts, options) -> Iterator[Blocked]:
+    """No model the rewrite can shard: the refusal names the blocker."""
     if not facts.models:
         for cls, call in facts.class_optimizers:
             yield Blocked(
@@ -1522,8 +1552,10 @@ def find(facts: ScriptFacts, options) -> Iterator[Blocked]:
             "fully_shard must come before the optimizer is built from the model's parameters",
             "build the optimizer from model.parameters() in the same script",
         )
-    yield from _refuse_optimizers(facts, options)
-    yield from _refuse_optimizers_built_before_shard(facts, options)
+
+
+def _unknown_model(facts: ScriptFacts, options) -> Iterator[Blocked]:
+    """A trained module of a class the rewrite does not recognise."""
     unknown = unrecognised_trained_model(facts)
     if unknown is not None:
         yield Blocked(
@@ -1535,6 +1567,10 @@ def find(facts: ScriptFacts, options) -> Iterator[Blocked]:
             "import the class by name (`from models import Generator`), or build the module with a class "
             "defined in the script or a sibling module",
         )
+
+
+def _models_apart(facts: ScriptFacts, options) -> Iterator[Blocked]:
+    """Models built apart, sharing a submodule, or rebound by a nested function."""
     scopes = {id(m.block) for m in facts.models}
     if len(scopes) > 1:
         yield Blocked(
@@ -1568,6 +1604,10 @@ def find(facts: ScriptFacts, options) -> Iterator[Blocked]:
             f"return the new object and bind `{name}` in the enclosing function before the optimizer is "
             "built, or give it its own name",
         )
+
+
+def _each_model(facts: ScriptFacts, options) -> Iterator[Blocked]:
+    """What each model's build and classes keep from sharding it."""
     for model in facts.models:
         if model.library is not None and model.library.refusal is not None and not model.sharded:
             kind, what, why, hint = model.library.refusal
@@ -1612,7 +1652,6 @@ def find(facts: ScriptFacts, options) -> Iterator[Blocked]:
                     "it would hold the unsharded parameters; fully_shard replaces them with DTensors",
                     "build the optimizer in the training script, after the model",
                 )
-
 
 def _refuse_old_grad_scaler(facts: ScriptFacts, options) -> Iterator[Blocked]:
     """A GradScaler unscales FSDP2's DTensor gradients and reduces its inf/NaN check over

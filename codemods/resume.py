@@ -16,7 +16,15 @@ import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.syntax.torch_api import RNG_STATES
-from fsdp2_retrofit.analysis.checkpoints import LoadSite, LoadUse, calls_to, loads, may_be_tensor, path_key, saved_dict_keys
+from fsdp2_retrofit.analysis.checkpoints import (
+    LoadSite,
+    LoadUse,
+    calls_to,
+    loads,
+    may_be_tensor,
+    path_key,
+    saved_dict_keys,
+)
 from fsdp2_retrofit.analysis.resume_loads import (
     COPIES,
     CheckpointSaves,
@@ -200,11 +208,13 @@ class ConvertLoadsCommand(RetrofitStage):
         values: Dict[str, str] = {}
         states: Dict[str, str] = {}
         for use in site.uses:
-            template = self._value_template(use.key, facts, site.stmt) if use.kind == "value" else _template(use)
+            template = _entry_template(self.saved, use, facts, site.stmt)
             (values if use.kind == "value" else states).setdefault(use.key, template)
-        options = self._config_first_options(site, facts)
+        options = self._run_time_options(site, facts)
         new = []
         if options is not None:  # a DCP directory or a single file, told apart at run time
+            self.add_import("os")
+            self.add_import(STATE_DICT_MODULE, "StateDictOptions")
             new.append(self._either_first(site, values, options, facts))
         elif values:
             new.append(self.stmt(f"{var} = {self._dict_text(values, site.stmt)}  # the values read before the model exists\n"))
@@ -215,31 +225,20 @@ class ConvertLoadsCommand(RetrofitStage):
         editor.replace(site.stmt, new[0])
         editor.insert_after(site.stmt, new[1:])
 
-        def setter(use: LoadUse) -> str:
-            state = code(use.node)
-            return _setter(use, state) if options is None else _setter_with(use, state, options)
-
         moved = []
         for use in site.uses:
             if use.kind == "model" and not inside(use.stmt, late, facts):
                 editor.replace(use.stmt, None)
-                moved.append(self.stmt(setter(use)))
+                moved.append(self.stmt(_set_state(use, options)))
             elif use.kind in ("model", "optimizer"):
-                self._replace_load(use, self.stmt(setter(use)), facts, editor)
+                self._replace_load(use, self.stmt(_set_state(use, options)), facts, editor)
         update = f"{var}.update({self._dict_text(states, late.body.body[0])})\n"
         if options is None:
             loads = [self.stmt(update), *self._dcp_load(var, path, site, facts)]
         else:
             loads = [self._either_late(site, update, options, facts)]
         editor.insert_before(late.body.body[0], [*loads, *moved])
-        self.add_import("torch.distributed.checkpoint", asname="dcp")
-        kinds = {u.kind for u in site.uses}
-        for kind in ("model", "optimizer"):
-            if kind in kinds:
-                self.add_import(STATE_DICT_MODULE, f"get_{kind}_state_dict")
-                self.add_import(STATE_DICT_MODULE, f"set_{kind}_state_dict")
-        if any(_strict_option(u.call) for u in site.uses if u.kind in ("model", "optimizer")):
-            self.add_import(STATE_DICT_MODULE, "StateDictOptions")
+        self._load_imports(site)
         self.change(
             site.stmt,
             f"read {', '.join(repr(k) for k in values) or 'nothing'} from `{path}` with dcp.load before the "
@@ -256,52 +255,45 @@ class ConvertLoadsCommand(RetrofitStage):
             "torch.load of a DCP directory fails; a state loaded before fully_shard is not what the shards hold",
         )
 
-    def _config_first_options(self, site: LoadSite, facts: ScriptFacts) -> Optional[str]:
-        """The name of the set_*_state_dict options when the config-first load is told apart
-        at run time (a DCP directory or one torch.save file); None where it stays a
-        dcp.load only (as _file_or_directory decides)."""
+    def _run_time_options(self, site: LoadSite, facts: ScriptFacts) -> Optional[str]:
+        """The name of the set_*_state_dict options when a load kept in a variable is told
+        apart at run time (a DCP directory or one torch.save file); None where it stays a
+        dcp.load only: the loads disagree on `strict`, or the path holds a DCP directory
+        for sure (where this script copies its checkpoint directory, or after a save of it)."""
         states = [u for u in site.uses if u.kind in ("model", "optimizer")]
         if len({_strict_value(u.call) for u in states}) > 1 or site.path_key in self.saved.copy_dests or (
             self.saved.saved_before(site, facts)
         ):
             return None
-        scope = facts.resolver.enclosing_function(site.stmt)
-        options = self._take_name(f"{site.var}_options", scope)
-        self.add_import("os")
-        self.add_import(STATE_DICT_MODULE, "StateDictOptions")
-        return options
+        return self._take_name(f"{site.var}_options", facts.resolver.enclosing_function(site.stmt))
 
     def _either_first(self, site: LoadSite, values: Dict[str, str], options: str, facts: ScriptFacts) -> cst.CSTNode:
         """`if os.path.isdir(path):` the values with dcp.load, `else:` the whole file with
         torch.load on CPU (moved aside when this script saves a DCP directory there)."""
         var, path = site.var, code(site.path)
-        strict = next(iter({_strict_value(u.call) for u in site.uses if u.kind in ("model", "optimizer")}), None)
-        extra = f", strict={strict}" if strict is not None else ""
-        dcp_text = ""
         if values:
             loads = self._dcp_load(var, path, site, facts)
             first = f"{var} = {self._dict_text(values, site.stmt)}  # the values read before the model exists\n"
             dcp_text = _indented(first) + "".join(f"    {code(s).strip()}\n" for s in loads)
         else:
             dcp_text = f"    {var} = {{}}\n"
-        text = (
-            f"if os.path.isdir({path}):  # a DCP checkpoint directory: this script's own save\n"
-            + dcp_text
-            + f"    {options} = StateDictOptions({extra[2:]})\n"
-            "else:  # one torch.save file (a single-GPU run's): every rank reads it, the setters shard it\n"
-            f"    {var} = {code(_on_cpu(site.call))}\n"
-            f"    {options} = StateDictOptions(full_state_dict=True{extra})\n"
-        )
+        text = _isdir_text(site, dcp_text, options)
         if site.path_key in self.saved.dcp_paths:  # dcp.save makes a directory there: the file moves aside once read
-            test = self.rank_zero_test(site.stmt, facts) or "dist.get_rank() == 0"
-            text += (
-                "    dist.barrier()  # every rank has read the file; this script saves a DCP directory there\n"
-                f"    if {test}:\n"
-                f"        os.replace({path}, {aside_path(site.path, path)})\n"
-                "    dist.barrier()\n"
-            )
-            self.add_import("torch.distributed", asname="dist")
+            text += self._move_aside(site, facts)
         return self.stmt(text)
+
+    def _move_aside(self, site: LoadSite, facts: ScriptFacts) -> str:
+        """The end of the `else:` that read a single file where this script saves a DCP
+        directory: once every rank has read it, rank 0 renames it (`path` + ".single-gpu")."""
+        path = code(site.path)
+        test = self.rank_zero_test(site.stmt, facts) or "dist.get_rank() == 0"
+        self.add_import("torch.distributed", asname="dist")
+        return (
+            "    dist.barrier()  # every rank has read the file; this script saves a DCP directory there\n"
+            f"    if {test}:\n"
+            f"        os.replace({path}, {aside_path(site.path, path)})\n"
+            "    dist.barrier()\n"
+        )
 
     def _either_late(self, site: LoadSite, update: str, options: str, facts: ScriptFacts) -> cst.CSTNode:
         """In the later `if`: the states with dcp.load from a directory; from a single file
@@ -363,8 +355,7 @@ class ConvertLoadsCommand(RetrofitStage):
             else:
                 entries: Dict[str, str] = {}
                 for use in site.uses:
-                    entries.setdefault(use.key, self._value_template(use.key, facts, site.stmt) if use.kind == "value"
-                                       else _template(use))
+                    entries.setdefault(use.key, _entry_template(self.saved, use, facts, site.stmt))
                 template = self._dict_text(entries, site.stmt)
             editor.replace(
                 site.stmt, self.stmt(f"{var} = {template}\n").with_changes(leading_lines=site.stmt.leading_lines)
@@ -372,21 +363,11 @@ class ConvertLoadsCommand(RetrofitStage):
             options = self._file_or_directory(site, facts, editor)
             for use in site.uses:
                 if use.kind in ("model", "optimizer"):
-                    setter = _setter(use, code(use.node)) if options is None else _setter_with(use, code(use.node), options)
-                    self._replace_load(use, self.stmt(setter), facts, editor)
-        kinds = {u.kind for u in site.uses}
-        if any(_strict_option(u.call) for u in site.uses if u.kind in ("model", "optimizer")):
-            self.add_import(STATE_DICT_MODULE, "StateDictOptions")
-        self.add_import("torch.distributed.checkpoint", asname="dcp")
-        if "model" in kinds:
-            self.add_import(STATE_DICT_MODULE, "get_model_state_dict")
-            self.add_import(STATE_DICT_MODULE, "set_model_state_dict")
-        if "optimizer" in kinds:
-            self.add_import(STATE_DICT_MODULE, "get_optimizer_state_dict")
-            self.add_import(STATE_DICT_MODULE, "set_optimizer_state_dict")
+                    self._replace_load(use, self.stmt(_set_state(use, options)), facts, editor)
+        self._load_imports(site)
         tensors = sorted(
             {u.key for u in site.uses if u.kind == "value" and may_be_tensor(self.saved.saved_values.get(u.key), facts)
-             and self._value_template(u.key, facts, site.stmt) == "None"}
+             and _value_template(self.saved, u.key, facts, site.stmt) == "None"}
         )
         rng = sorted({u.key for u in site.uses if u.kind == "value" and self.saved.saved_values.get(u.key) is not None
                       and facts.resolver.is_call_to(self.saved.saved_values[u.key], RNG_STATES)})
@@ -420,39 +401,20 @@ class ConvertLoadsCommand(RetrofitStage):
         is where this script copies its checkpoint directory, or a save of it comes first."""
         var, path = site.var, code(site.path)
         states = [u for u in site.uses if u.kind in ("model", "optimizer")]
-        stricts = {_strict_value(u.call) for u in states}
-        # a copy this script makes of its checkpoint directory is one, and so is what it saved before
-        if len(stricts) > 1 or site.path_key in self.saved.copy_dests or self.saved.saved_before(site, facts):
+        options = self._run_time_options(site, facts)
+        if options is None:
             editor.insert_after(site.stmt, self._dcp_load(var, path, site, facts))
             return None
-        strict = stricts.pop() if stricts else None
         scope = facts.resolver.enclosing_function(site.stmt)
-        options = self._take_name(f"{var}_options", scope)
         loads = self._dcp_load(var, path, site, facts)
         before, load = loads[:-1], loads[-1]
-        extra = f", strict={strict}" if strict is not None else ""
-        text = (
-            f"if os.path.isdir({path}):  # a DCP checkpoint directory: this script's own save\n"
-            f"    {code(load).strip()}\n"
-            f"    {options} = StateDictOptions({extra[2:]})\n"
-            "else:  # one torch.save file (a single-GPU run's): every rank reads it, the setters shard it\n"
-            f"    {var} = {code(_on_cpu(site.call))}\n"
-            f"    {options} = StateDictOptions(full_state_dict=True{extra})\n"
-        )
+        text = _isdir_text(site, f"    {code(load).strip()}\n", options)
         for use in states:
             if use.kind == "optimizer":
                 text += _named_optimizer_state(code(use.node), use.model, use.owner, self.fresh_name, scope)
         moved = site.path_key in self.saved.dcp_paths
         if moved:  # dcp.save makes a directory there: the file moves aside once every rank has read it
-            test = self.rank_zero_test(site.stmt, facts) or "dist.get_rank() == 0"
-            aside = aside_path(site.path, path)
-            text += (
-                "    dist.barrier()  # every rank has read the file; this script saves a DCP directory there\n"
-                f"    if {test}:\n"
-                f"        os.replace({path}, {aside})\n"
-                "    dist.barrier()\n"
-            )
-            self.add_import("torch.distributed", asname="dist")
+            text += self._move_aside(site, facts)
         editor.insert_after(site.stmt, [*before, self.stmt(text)])
         self.add_import("os")
         self.add_import(STATE_DICT_MODULE, "StateDictOptions")
@@ -525,6 +487,18 @@ class ConvertLoadsCommand(RetrofitStage):
             "torch.load of a DCP directory fails (IsADirectoryError); dcp.load of a single file fails",
         )
 
+    def _load_imports(self, site: LoadSite) -> None:
+        """dcp, and the get_/set_*_state_dict of the states the load reads (StateDictOptions
+        where a load_state_dict passed `strict`)."""
+        self.add_import("torch.distributed.checkpoint", asname="dcp")
+        kinds = {u.kind for u in site.uses}
+        for kind in ("model", "optimizer"):
+            if kind in kinds:
+                self.add_import(STATE_DICT_MODULE, f"get_{kind}_state_dict")
+                self.add_import(STATE_DICT_MODULE, f"set_{kind}_state_dict")
+        if any(_strict_option(u.call) for u in site.uses if u.kind in ("model", "optimizer")):
+            self.add_import(STATE_DICT_MODULE, "StateDictOptions")
+
     def _replace_load(self, use: LoadUse, new: cst.CSTNode, facts: ScriptFacts, editor: StatementEditor) -> None:
         """`owner.load_state_dict(...)` -> `new`, after a reshard where the model may be unsharded."""
         reshard = self._reshard(use, facts)
@@ -579,26 +553,6 @@ class ConvertLoadsCommand(RetrofitStage):
             return []
         self.add_import("torch.distributed", asname="dist")
         return [self.stmt("dist.barrier()  # rank 0 copies this checkpoint: read it once the copy is complete\n")]
-
-    def _value_template(self, key: str, facts: ScriptFacts, load=None) -> str:
-        """The dcp.load placeholder of a value that is not a model's or optimizer's state:
-        None (DCP restores a plain value as saved); for a dict the save writes with keys
-        fixed in the source, a dict of those keys (DCP flattens saved dicts); a tensor
-        where the value may be one (DCP loads a saved tensor only into a tensor of its
-        shape): for an RNG state the same call (`torch.get_rng_state()`), for a name bound
-        before the load a clone of its value when that is a tensor. A wrong placeholder
-        fails the load loudly (size or type mismatch); a saved plain value replaces a
-        tensor placeholder."""
-        value = self.saved.saved_values.get(key)
-        if value is not None and facts.resolver.is_call_to(value, RNG_STATES) and not value.args:
-            return code(value)
-        keys = saved_dict_keys(value, facts)
-        if keys:
-            return "{" + ", ".join(f'"{k}": None' for k in keys) + "}"
-        if isinstance(value, cst.Name) and load is not None and may_be_tensor(value, facts) and (
-                bound_before(value.value, load, facts)):
-            return f"{value.value}.clone() if torch.is_tensor({value.value}) else None"
-        return "None"
 
     def _dict_text(self, entries: Dict[str, str], stmt) -> str:
         items = [f'"{k}": {v}' for k, v in entries.items()]
@@ -696,6 +650,39 @@ def _template(use: LoadUse) -> str:
     return "None"  # a plain value (step, epoch): DCP restores it as saved
 
 
+def _value_template(saved: CheckpointSaves, key: str, facts: ScriptFacts, load=None) -> str:
+    """The dcp.load placeholder of a value that is not a model's or optimizer's state:
+    None (DCP restores a plain value as saved); for a dict the save writes with keys
+    fixed in the source, a dict of those keys (DCP flattens saved dicts); a tensor
+    where the value may be one (DCP loads a saved tensor only into a tensor of its
+    shape): for an RNG state the same call (`torch.get_rng_state()`), for a name bound
+    before the load a clone of its value when that is a tensor. A wrong placeholder
+    fails the load loudly (size or type mismatch); a saved plain value replaces a
+    tensor placeholder."""
+    value = saved.saved_values.get(key)
+    if value is not None and facts.resolver.is_call_to(value, RNG_STATES) and not value.args:
+        return code(value)
+    keys = saved_dict_keys(value, facts)
+    if keys:
+        return "{" + ", ".join(f'"{k}": None' for k in keys) + "}"
+    if isinstance(value, cst.Name) and load is not None and may_be_tensor(value, facts) and (
+            bound_before(value.value, load, facts)):
+        return f"{value.value}.clone() if torch.is_tensor({value.value}) else None"
+    return "None"
+
+
+def _entry_template(saved: CheckpointSaves, use: LoadUse, facts: ScriptFacts, load) -> str:
+    """What dcp.load fills for one entry of a checkpoint dict."""
+    return _value_template(saved, use.key, facts, load) if use.kind == "value" else _template(use)
+
+
+def _set_state(use: LoadUse, options: Optional[str]) -> str:
+    """The set_*_state_dict that replaces a load_state_dict of what the checkpoint holds,
+    with the options named `options` where the file is told apart at run time."""
+    state = code(use.node)
+    return _setter(use, state) if options is None else _setter_with(use, state, options)
+
+
 def _setter(use: LoadUse, state: str) -> str:
     options = _strict_option(use.call)
     if use.kind == "model":
@@ -707,6 +694,22 @@ def _setter_with(use: LoadUse, state: str, options: str) -> str:
     if use.kind == "model":
         return f"set_model_state_dict({use.owner}, {state}, options={options})\n"
     return f"set_optimizer_state_dict({use.model}, {use.owner}, {state}, options={options})\n"
+
+
+def _isdir_text(site: LoadSite, dcp_text: str, options: str) -> str:
+    """`if os.path.isdir(path):` `dcp_text` (this script's DCP directory), `else:` the whole
+    file read with torch.load on CPU on every rank; each branch sets the options its setters
+    take (full_state_dict=True for the file's full tensors)."""
+    strict = next(iter({_strict_value(u.call) for u in site.uses if u.kind in ("model", "optimizer")}), None)
+    extra = f", strict={strict}" if strict is not None else ""
+    return (
+        f"if os.path.isdir({code(site.path)}):  # a DCP checkpoint directory: this script's own save\n"
+        + dcp_text
+        + f"    {options} = StateDictOptions({extra[2:]})\n"
+        "else:  # one torch.save file (a single-GPU run's): every rank reads it, the setters shard it\n"
+        f"    {site.var} = {code(_on_cpu(site.call))}\n"
+        f"    {options} = StateDictOptions(full_state_dict=True{extra})\n"
+    )
 
 
 def _strict_value(call: Optional[cst.Call]) -> Optional[str]:

@@ -29,7 +29,8 @@ class CheckpointSaves:
     dcp_whole_kinds: Set[str] = field(default_factory=set)  # what a DCP save of a bare state dict writes
     async_saves: List[cst.CSTNode] = field(default_factory=list)  # the DCP saves' statements
     saved_values: Dict[str, cst.BaseExpression] = field(default_factory=dict)  # dict key -> the value a DCP save writes
-    whole_saves: Dict[str, tuple] = field(default_factory=dict)  # path of a torch.save(model, path) -> (model, "dcp" | "full")
+    # path of a torch.save(model, path) -> (model, "dcp" | "full")
+    whole_saves: Dict[str, tuple] = field(default_factory=dict)
     # paths rank 0 copies a checkpoint directory to: every rank reads them only after a barrier
     copy_dests: Set[str] = field(default_factory=set)
 

@@ -223,7 +223,6 @@ class ConvertLoadsCommand(RunTimeFormatLoads, RetrofitStage):
         new[0] = new[0].with_changes(leading_lines=site.stmt.leading_lines)
         editor.replace(site.stmt, new[0])
         editor.insert_after(site.stmt, new[1:])
-
         moved = []
         for use in site.uses:
             if use.kind == "model" and not inside(use.stmt, late, facts):

@@ -15,7 +15,7 @@ from fsdp2_retrofit.syntax.names import assigned_names, code
 from .checkpoints import LoadSite, SaveSite, calls_to, path_key, read_names, save_format, saves, target_names
 from .facts import ScriptFacts
 
-COPIES = {"shutil.copy", "shutil.copyfile", "shutil.copy2"}
+COPIES = {"shutil.copy", "shutil.copyfile", "shutil.copy2"}  # file copies: a DCP save to copy is a directory
 
 
 @dataclass

@@ -214,72 +214,19 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
         m = mod.module
         if (m.encoding, m.default_newline) != (module.encoding, module.default_newline):
             return f"{_rel(mod.path)} is written in another encoding or newline style than the script"
-    # the names each module binds at its top level, and the library names the program imports
-    own: Dict[str, Set[str]] = {}
-    libraries: Dict[str, Dict[str, Tuple[str, str]]] = {}
-    meanings: Dict[str, Dict[object, List[str]]] = {}  # name -> {what it is bound to: the files binding it so}
-    for mod in files:
-        bound = set(_module_bindings(mod.module.body))
-        libraries[mod.path] = _library_imports(mod)
-        own[mod.path] = bound | set(libraries[mod.path])
-        for name in bound:
-            meanings.setdefault(name, {}).setdefault(("code", mod.path), []).append(mod.path)
-        for name, (target, _) in libraries[mod.path].items():
-            if name not in bound:
-                meanings.setdefault(name, {}).setdefault(target, []).append(mod.path)
+    own, libraries, meanings = _top_level_names(files)
     renamed = _renamed_apart(meanings, files, program)
     if isinstance(renamed, str):
         return renamed
-    # names imported from project modules under another name, and modules read through an alias
+    # each file's body as the linked text holds it, and the names taking it apart puts back
     restore: Dict[str, Dict[str, str]] = {}
     bodies: Dict[str, List[cst.BaseStatement]] = {}
     nested: List[cst.SimpleStatementLine] = []  # the statements behind ("nested", j) markers
     holders: Dict[str, Set[int]] = {}  # file -> the top-level statements holding a nested project import
     for mod in files:
-        aliases = {}
-        names = dict(renamed.get(mod.path, {}))  # this file's names -> their names in the linked text
-        for line, imp, stmt in mod.nested:
-            if _librarynames_read(stmt, imp):
-                return (f"{_rel(mod.path)} line {line} imports a project module and a library in one statement "
-                        "inside a function or a block")
-        for imps in list(mod.imports.values()) + [[imp for _, imp, _ in mod.nested]]:
-            for imp in imps:
-                if imp.star:
-                    continue
-                if imp.obj is None:
-                    aliases[imp.local] = imp.path
-                elif imp.local != imp.obj:  # `from mingpt.utils import CfgNode as CN`: read as the name itself
-                    linked_name = renamed.get(imp.path, {}).get(imp.obj, imp.obj)
-                    if names.setdefault(imp.local, linked_name) != linked_name or (
-                            linked_name in _names_outside_imports(mod) and linked_name != imp.local):
-                        return (f"{_rel(mod.path)} imports `{imp.obj}` as `{imp.local}` from {_rel(imp.path)}, "
-                                f"and reads `{linked_name}` as another name too")
-        body = list(mod.module.body)
-        if mod.nested:  # each nested project import behind a marker, where it stands
-            marking = _MarkNested({id(stmt) for _, _, stmt in mod.nested}, nested)
-            for i, stmt in enumerate(body):
-                before = len(nested)
-                body[i] = stmt.visit(marking)
-                if len(nested) > before:
-                    holders.setdefault(mod.path, set()).add(i)
-        if names:
-            rename = _Restore(names)  # the same transform, the other way
-            body = [stmt.visit(rename) for stmt in body]
-            restore.setdefault(mod.path, {}).update({new: old for old, new in names.items()})
-        if aliases:
-            counts = names_read(cst.Module(body=body))
-            transformer = _ModuleAccesses(aliases, own, renamed)
-            body = [s.visit(transformer) for s in body]
-            if transformer.problems:
-                return f"in {_rel(mod.path)}: {transformer.problems[0]}"
-            for name in transformer.read:
-                if name in counts:
-                    return f"`{name}` is read in {_rel(mod.path)} both as a name and through a module"
-            left = names_read(cst.Module(body=[s for i, s in enumerate(body) if i not in mod.imports]))
-            for alias in aliases:
-                if alias.split(".")[0] in left:
-                    return f"in {_rel(mod.path)}: the module `{alias}` is used as a value, not only as `{alias}.name`"
-            restore.setdefault(mod.path, {}).update(transformer.read)
+        body = _module_body(mod, own, renamed, nested, holders, restore)
+        if isinstance(body, str):
+            return body
         bodies[mod.path] = body
     # the linked body: the entry, with the hoisted imports and every module's body at its first project import
     entry = files[0]
@@ -287,15 +234,7 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
     entry_imports: Dict[int, cst.BaseStatement] = {}
     origin: List[Tuple[str, Optional[cst.CSTNode]]] = []  # per linked statement: (file, the statement it stands for)
     linked: List[cst.BaseStatement] = []
-    have = {text for _, text in libraries[entry.path].values()}
-    hoisted = []
-    for mod in mods:
-        for name, (_, text) in libraries[mod.path].items():
-            if name in renamed.get(mod.path, {}):
-                text = _import_as(text, renamed[mod.path][name])
-            if text not in have:
-                have.add(text)
-                hoisted.append(text)
+    hoisted = _hoisted_imports(entry, mods, libraries, renamed)
     placed = False
     for index, stmt in enumerate(bodies[entry.path]):
         imports = index in entry.imports
@@ -327,6 +266,104 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
     shown[entry.path] = entry_path
     unmangle = {new: old for names in renamed.values() for old, new in names.items()}
     return Linked(text, program, lines, kept, entry_imports, restore, shown, nested, unmangle)
+
+
+def _top_level_names(files: List[ModuleFile]):
+    """(own, libraries, meanings): the names each file binds at its top level, its library
+    imports ({name: (what it is bound to, the import's text)}), and for each name the files
+    binding it, by what they bind it to."""
+    own: Dict[str, Set[str]] = {}
+    libraries: Dict[str, Dict[str, Tuple[str, str]]] = {}
+    meanings: Dict[str, Dict[object, List[str]]] = {}  # name -> {what it is bound to: the files binding it so}
+    for mod in files:
+        bound = set(_module_bindings(mod.module.body))
+        libraries[mod.path] = _library_imports(mod)
+        own[mod.path] = bound | set(libraries[mod.path])
+        for name in bound:
+            meanings.setdefault(name, {}).setdefault(("code", mod.path), []).append(mod.path)
+        for name, (target, _) in libraries[mod.path].items():
+            if name not in bound:
+                meanings.setdefault(name, {}).setdefault(target, []).append(mod.path)
+    return own, libraries, meanings
+
+
+def _project_imports(mod: ModuleFile, renamed) -> Union[Tuple[Dict[str, str], Dict[str, str]], str]:
+    """(aliases, names): the project modules `mod` reads through a name ({alias: path}), and its
+    names for project names it imports under another name or that are renamed apart ({name in
+    the file: name in the linked text}); or why the program cannot be linked."""
+    aliases = {}
+    names = dict(renamed.get(mod.path, {}))  # this file's names -> their names in the linked text
+    for line, imp, stmt in mod.nested:
+        if _librarynames_read(stmt, imp):
+            return (f"{_rel(mod.path)} line {line} imports a project module and a library in one statement "
+                    "inside a function or a block")
+    for imps in list(mod.imports.values()) + [[imp for _, imp, _ in mod.nested]]:
+        for imp in imps:
+            if imp.star:
+                continue
+            if imp.obj is None:
+                aliases[imp.local] = imp.path
+            elif imp.local != imp.obj:  # `from mingpt.utils import CfgNode as CN`: read as the name itself
+                linked_name = renamed.get(imp.path, {}).get(imp.obj, imp.obj)
+                if names.setdefault(imp.local, linked_name) != linked_name or (
+                        linked_name in _names_outside_imports(mod) and linked_name != imp.local):
+                    return (f"{_rel(mod.path)} imports `{imp.obj}` as `{imp.local}` from {_rel(imp.path)}, "
+                            f"and reads `{linked_name}` as another name too")
+    return aliases, names
+
+
+def _module_body(mod: ModuleFile, own, renamed, nested: List[cst.SimpleStatementLine],
+                 holders: Dict[str, Set[int]], restore: Dict[str, Dict[str, str]]
+                 ) -> Union[List[cst.BaseStatement], str]:
+    """`mod`'s body as the linked text holds it, or why the program cannot be linked: its nested
+    project imports behind markers (kept in `nested`, the top-level statements holding them in
+    `holders`), its names renamed apart and its reads through a module read as the names
+    themselves (`restore` records both, to put them back)."""
+    found = _project_imports(mod, renamed)
+    if isinstance(found, str):
+        return found
+    aliases, names = found
+    body = list(mod.module.body)
+    if mod.nested:  # each nested project import behind a marker, where it stands
+        marking = _MarkNested({id(stmt) for _, _, stmt in mod.nested}, nested)
+        for i, stmt in enumerate(body):
+            before = len(nested)
+            body[i] = stmt.visit(marking)
+            if len(nested) > before:
+                holders.setdefault(mod.path, set()).add(i)
+    if names:
+        rename = _Restore(names)  # the same transform, the other way
+        body = [stmt.visit(rename) for stmt in body]
+        restore.setdefault(mod.path, {}).update({new: old for old, new in names.items()})
+    if aliases:
+        counts = names_read(cst.Module(body=body))
+        transformer = _ModuleAccesses(aliases, own, renamed)
+        body = [s.visit(transformer) for s in body]
+        if transformer.problems:
+            return f"in {_rel(mod.path)}: {transformer.problems[0]}"
+        for name in transformer.read:
+            if name in counts:
+                return f"`{name}` is read in {_rel(mod.path)} both as a name and through a module"
+        left = names_read(cst.Module(body=[s for i, s in enumerate(body) if i not in mod.imports]))
+        for alias in aliases:
+            if alias.split(".")[0] in left:
+                return f"in {_rel(mod.path)}: the module `{alias}` is used as a value, not only as `{alias}.name`"
+        restore.setdefault(mod.path, {}).update(transformer.read)
+    return body
+
+
+def _hoisted_imports(entry: ModuleFile, mods: List[ModuleFile], libraries, renamed) -> List[str]:
+    """The modules' library imports the entry lacks (under a module's renamed-apart name), once each."""
+    have = {text for _, text in libraries[entry.path].values()}
+    hoisted = []
+    for mod in mods:
+        for name, (_, text) in libraries[mod.path].items():
+            if name in renamed.get(mod.path, {}):
+                text = _import_as(text, renamed[mod.path][name])
+            if text not in have:
+                have.add(text)
+                hoisted.append(text)
+    return hoisted
 
 
 def _renamed_apart(meanings, files: List[ModuleFile], program: Program):

@@ -17,7 +17,60 @@ class DdpWrapInExpression(Blocker):
 
     CODE = "FSR201"
     NAME = "ddp-wrap-in-expression"
-    INVALID = ()
+    INVALID = (Invalid(
+        """\
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def build_model(local_rank):
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).cuda()
+    return DDP(model, device_ids=[local_rank])
+
+
+dist.init_process_group("nccl")
+local_rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local_rank)
+model = build_model(local_rank)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(100):
+    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+""",
+        line=11,
+    ),)
+    VALID = (Valid(
+        """\
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("nccl")
+local_rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local_rank)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).cuda()
+model = DDP(model, device_ids=[local_rank])
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(100):
+    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+if dist.get_rank() == 0:
+    torch.save(model.module.state_dict(), "model.pt")
+dist.destroy_process_group()
+""",
+    ),)
 
 class DdpWrapperClassUsed(Blocker):
     """The script uses the wrapper class itself (isinstance, subclass).
@@ -76,7 +129,90 @@ class DdpNoSyncShape(Blocker):
 
     CODE = "FSR203"
     NAME = "ddp-no-sync-shape"
-    INVALID = ()
+    INVALID = (
+        Invalid(
+            """\
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("nccl")
+local_rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local_rank)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).cuda()
+model = DDP(model, device_ids=[local_rank])
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(100):
+    last = step % 4 == 3
+    with contextlib.nullcontext() if last else model.no_sync():
+        loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
+        loss.backward()
+    if last:
+        opt.step()
+        opt.zero_grad()
+dist.destroy_process_group()
+""",
+            line=17,
+        ),
+        Invalid(
+            """\
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("nccl")
+local_rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local_rank)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).cuda()
+model = DDP(model, device_ids=[local_rank])
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(100):
+    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
+    if step % 4 != 3:
+        with model.no_sync(): loss.backward()
+    else:
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+dist.destroy_process_group()
+""",
+            line=17,
+        ),
+    )
+    VALID = (Valid(
+        """\
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("nccl")
+local_rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local_rank)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).cuda()
+model = DDP(model, device_ids=[local_rank])
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(100):
+    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
+    if step % 4 != 3:
+        with model.no_sync():
+            loss.backward()
+    else:
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+dist.destroy_process_group()
+""",
+    ),)
 
 class DdpRankSeed(Blocker):
     """The random seed of a DDP script depends on the rank.
@@ -91,7 +227,31 @@ class DdpRankSeed(Blocker):
 
     CODE = "FSR204"
     NAME = "ddp-rank-seed"
-    INVALID = ()
+    INVALID = (Invalid(
+        """\
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("nccl")
+local_rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local_rank)
+torch.manual_seed(1234 + dist.get_rank())
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).cuda()
+model = DDP(model, device_ids=[local_rank])
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(100):
+    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+""",
+        line=11,
+    ),)
 
 class DdpAndDataParallel(Blocker):
     """The script uses both DataParallel and DistributedDataParallel.
@@ -105,7 +265,32 @@ class DdpAndDataParallel(Blocker):
 
     CODE = "FSR205"
     NAME = "ddp-and-data-parallel"
-    INVALID = ()
+    INVALID = (Invalid(
+        """\
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).cuda()
+if "LOCAL_RANK" in os.environ:
+    dist.init_process_group("nccl")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    model = DDP(model, device_ids=[local_rank])
+else:
+    model = nn.DataParallel(model)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(100):
+    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+""",
+        line=13,
+    ),)
 
 class DdpUnknownArgument(Blocker):
     """A DDP/DataParallel argument has no FSDP2 counterpart the rewrite knows.
@@ -119,4 +304,28 @@ class DdpUnknownArgument(Blocker):
 
     CODE = "FSR206"
     NAME = "ddp-unknown-argument"
-    INVALID = ()
+    INVALID = (Invalid(
+        """\
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("nccl")
+local_rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local_rank)
+group = dist.new_group(ranks=list(range(dist.get_world_size())))
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).cuda()
+model = DDP(model, device_ids=[local_rank], process_group=group)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(100):
+    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+""",
+        line=13,
+    ),)

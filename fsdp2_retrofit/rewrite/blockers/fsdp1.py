@@ -17,7 +17,61 @@ class Fsdp1WrapShape(Blocker):
 
     CODE = "FSR301"
     NAME = "fsdp1-wrap-shape"
-    INVALID = ()
+    INVALID = (
+        Invalid(
+            """\
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+def build_model(local_rank):
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    return FSDP(model, device_id=local_rank)
+
+
+dist.init_process_group("nccl")
+local_rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local_rank)
+model = build_model(local_rank)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(100):
+    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+""",
+            line=11,
+        ),
+        Invalid(
+            """\
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+dist.init_process_group("nccl")
+local_rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local_rank)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+model = FSDP(model, None, None, None, device_id=local_rank)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(100):
+    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+""",
+            line=12,
+        ),
+    )
 
 class Fsdp1UnknownArgument(Blocker):
     """FSDP(...) is given an argument the rewrite cannot migrate.
@@ -431,7 +485,36 @@ class Fsdp1MixedWrapSettings(Blocker):
 
     CODE = "FSR307"
     NAME = "fsdp1-mixed-wrap-settings"
-    INVALID = ()
+    INVALID = (Invalid(
+        """\
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+
+dist.init_process_group("nccl")
+local_rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local_rank)
+teacher = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).cuda()
+teacher = FSDP(teacher, device_id=local_rank)
+student = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4)).cuda()
+student = FSDP(student, device_id=local_rank, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
+opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
+for step in range(100):
+    x = torch.randn(8, 16, device="cuda")
+    with torch.no_grad():
+        target = teacher(x).softmax(-1)
+    loss = F.cross_entropy(student(x), target)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+""",
+        line=15,
+    ),)
 
 class Fsdp1PrecisionCombination(Blocker):
     """MixedPrecision(...) with a combination of dtypes the rewrite does not map.
@@ -445,7 +528,34 @@ class Fsdp1PrecisionCombination(Blocker):
 
     CODE = "FSR308"
     NAME = "fsdp1-precision-combination"
-    INVALID = ()
+    INVALID = (Invalid(
+        """\
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+
+dist.init_process_group("nccl")
+local_rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local_rank)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+model = FSDP(
+    model,
+    device_id=local_rank,
+    mixed_precision=MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.bfloat16),
+    )
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(100):
+    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+""",
+        line=15,
+    ),)
 
 class Fsdp1HybridWithoutHsdp(Blocker):
     """ShardingStrategy.HYBRID_SHARD without `--hsdp`.
@@ -538,4 +648,86 @@ class Fsdp1StateDictRankGated(Blocker):
 
     CODE = "FSR310"
     NAME = "fsdp1-state-dict-rank-gated"
-    INVALID = ()
+    INVALID = (
+        Invalid(
+            """\
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+dist.init_process_group("nccl")
+local_rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local_rank)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+model = FSDP(model, device_id=local_rank)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(100):
+    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+if dist.get_rank() == 0:
+    state = model.state_dict()
+    torch.save(state, "model.pt")
+dist.destroy_process_group()
+""",
+            line=20,
+        ),
+        Invalid(
+            """\
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+dist.init_process_group("nccl")
+local_rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local_rank)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+model = FSDP(model, device_id=local_rank)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(100):
+    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+if dist.get_rank() == 0:
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        torch.save(model.state_dict(), "model.pt")
+dist.destroy_process_group()
+""",
+            line=21,
+        ),
+    )
+    VALID = (Valid(
+        """\
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+
+dist.init_process_group("nccl")
+local_rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local_rank)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+model = FSDP(model, device_id=local_rank, mixed_precision=bf16)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(100):
+    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+state = model.state_dict()
+if dist.get_rank() == 0:
+    torch.save(state, "model.pt")
+dist.destroy_process_group()
+""",
+    ),)

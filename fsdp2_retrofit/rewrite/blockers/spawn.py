@@ -16,7 +16,34 @@ class SpawnMoreThanOnce(Blocker):
 
     CODE = "FSR101"
     NAME = "spawn-more-than-once"
-    INVALID = ()
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+
+def train(rank, world_size, epochs):
+    dist.init_process_group("nccl", rank=rank, world_size=world_size)
+    torch.cuda.set_device(rank)
+    model = nn.Linear(8, 2).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(epochs):
+        loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world_size = torch.cuda.device_count()
+    mp.spawn(train, args=(world_size, 1), nprocs=world_size)  # smoke test
+    mp.spawn(train, args=(world_size, 10), nprocs=world_size)
+""",
+        line=23,
+    ),)
 
 class SpawnWorkerNotTopLevel(Blocker):
     """The function mp.spawn starts is not a top-level function of the script.
@@ -30,7 +57,35 @@ class SpawnWorkerNotTopLevel(Blocker):
 
     CODE = "FSR102"
     NAME = "spawn-worker-not-top-level"
-    INVALID = ()
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+
+def main(world_size):
+    def train(rank, world_size):
+        dist.init_process_group("nccl", rank=rank, world_size=world_size)
+        torch.cuda.set_device(rank)
+        model = nn.Linear(8, 2).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(10):
+            loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        dist.destroy_process_group()
+
+    mp.spawn(train, args=(world_size,), nprocs=world_size)
+
+
+if __name__ == "__main__":
+    main(torch.cuda.device_count())
+""",
+        line=20,
+    ),)
 
 class SpawnArgsNotLiteral(Blocker):
     """The args of mp.spawn are not a tuple written in the call.
@@ -242,7 +297,33 @@ class SpawnWorkerSignature(Blocker):
 
     CODE = "FSR107"
     NAME = "spawn-worker-signature"
-    INVALID = ()
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+
+def train(rank, world_size, epochs=10):
+    dist.init_process_group("nccl", rank=rank, world_size=world_size)
+    torch.cuda.set_device(rank)
+    model = nn.Linear(8, 2).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(epochs):
+        loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world_size = torch.cuda.device_count()
+    mp.spawn(train, args=(world_size,), nprocs=world_size)
+""",
+        line=7,
+    ),)
 
 class SpawnWorkerWithoutProcessGroup(Blocker):
     """The spawned worker starts no process group.
@@ -256,7 +337,32 @@ class SpawnWorkerWithoutProcessGroup(Blocker):
 
     CODE = "FSR108"
     NAME = "spawn-worker-without-process-group"
-    INVALID = ()
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+LEARNING_RATES = [1e-2, 1e-3, 1e-4, 1e-5]
+
+
+def train(rank, lrs):
+    torch.cuda.set_device(rank)
+    model = nn.Linear(8, 2).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=lrs[rank])
+    for _ in range(10):
+        loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save(model.state_dict(), f"model_lr{lrs[rank]}.pt")
+
+
+if __name__ == "__main__":
+    mp.spawn(train, args=(LEARNING_RATES,), nprocs=len(LEARNING_RATES))
+""",
+        line=8,
+    ),)
 
 class SpawnInitStore(Blocker):
     """init_process_group is given a store.
@@ -270,7 +376,34 @@ class SpawnInitStore(Blocker):
 
     CODE = "FSR109"
     NAME = "spawn-init-store"
-    INVALID = ()
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+
+def train(rank, world_size):
+    store = dist.TCPStore("127.0.0.1", 29500, world_size, is_master=rank == 0)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size)
+    torch.cuda.set_device(rank)
+    model = nn.Linear(8, 2).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(10):
+        loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world_size = torch.cuda.device_count()
+    mp.spawn(train, args=(world_size,), nprocs=world_size)
+""",
+        line=9,
+    ),)
 
 class SpawnComputedRank(Blocker):
     """The worker computes its global rank for init_process_group.
@@ -284,7 +417,68 @@ class SpawnComputedRank(Blocker):
 
     CODE = "FSR110"
     NAME = "spawn-computed-rank"
-    INVALID = ()
+    INVALID = (Invalid(
+        """\
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+
+def train(gpu, node_rank, gpus_per_node, world_size):
+    os.environ["MASTER_ADDR"] = "10.0.0.1"
+    os.environ["MASTER_PORT"] = "29500"
+    dist.init_process_group("nccl", rank=node_rank * gpus_per_node + gpu, world_size=world_size)
+    torch.cuda.set_device(gpu)
+    model = nn.Linear(8, 2).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(10):
+        loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    gpus = torch.cuda.device_count()
+    node_rank, nodes = int(os.environ["NODE_RANK"]), int(os.environ["NODES"])
+    mp.spawn(train, args=(node_rank, gpus, nodes * gpus), nprocs=gpus)
+""",
+        line=12,
+    ),)
+    VALID = (Valid(
+        """\
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+
+def train(rank, world_size):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = "29500"
+    dist.init_process_group("nccl", rank=rank, world_size=world_size)
+    torch.cuda.set_device(rank)
+    model = nn.Linear(8, 2).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(10):
+        loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world_size = torch.cuda.device_count()
+    mp.spawn(train, args=(world_size,), nprocs=world_size)
+""",
+    ),)
 
 class SpawnInitPositional(Blocker):
     """init_process_group takes positional arguments after the backend.
@@ -298,4 +492,30 @@ class SpawnInitPositional(Blocker):
 
     CODE = "FSR111"
     NAME = "spawn-init-positional"
-    INVALID = ()
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+
+def train(rank, world_size):
+    dist.init_process_group("nccl", "tcp://127.0.0.1:29500", rank=rank, world_size=world_size)
+    torch.cuda.set_device(rank)
+    model = nn.Linear(8, 2).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(10):
+        loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world_size = torch.cuda.device_count()
+    mp.spawn(train, args=(world_size,), nprocs=world_size)
+""",
+        line=8,
+    ),)

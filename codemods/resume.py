@@ -271,6 +271,7 @@ class ConvertLoadsCommand(RunTimeFormatLoads, RetrofitStage):
                     site.call,
                     f"`{use.owner}` trains several models",
                     "get_optimizer_state_dict / set_optimizer_state_dict take the one model the optimizer trains",
+                    "give each model its own optimizer, and load each with its model",
                 )
 
     def _load_dcp(self, site: LoadSite, facts: ScriptFacts, editor: StatementEditor) -> None:

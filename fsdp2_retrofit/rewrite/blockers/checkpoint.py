@@ -53,6 +53,35 @@ main(0, True)
 """,
         line=30,
     ),)
+    # the save under a condition every rank shares (an argument)
+    VALID = (Valid(
+        """\
+import torch
+from torch import nn, optim
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def main(final):
+    model = Net()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(4)).sum().backward()
+    opt.step()
+    if final:
+        torch.save(model.state_dict(), "final.pt")
+
+
+if __name__ == "__main__":
+    main(True)
+""",
+    ),)
 
 class CheckpointNameBoundOnRankZero(Blocker):
     """A save that now runs on every rank reads a name bound only under a rank-0 `if` the rewrite

@@ -43,6 +43,27 @@ if __name__ == "__main__":
 """,
         line=15,
     ),)
+    # the state saved by path
+    VALID = (Valid(
+        """\
+import torch
+import torch.nn as nn
+
+
+def main():
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+    torch.save(model.state_dict(), "m.pt")
+
+
+if __name__ == "__main__":
+    main()
+""",
+    ),)
 
 class ResumeFileObject(Blocker):
     """Model or optimizer state loaded from a file object the tool cannot replace by its path.

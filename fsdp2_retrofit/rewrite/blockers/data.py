@@ -149,7 +149,84 @@ class DataLoaderOutsideProject(Blocker):
 
     CODE = "FSR904"
     NAME = "data-loader-outside-project"
-    INVALID = ()
+    # The script is a module of a package (its folder holds __init__.py) with no project marker
+    # above it: the project is the script's folder, and `fsr904_shared` is found beside the
+    # package (where `python -m` imports it from), one folder up: outside the project.
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.nn as nn
+from torch.utils.data import TensorDataset
+
+from fsr904_shared.loaders import make_loader
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def main():
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = make_loader(TensorDataset(torch.randn(16, 4)), 4)
+    for (x,) in loader:
+        loss = model(x).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+""",
+        line=5,
+        files={"__init__.py": "", "../fsr904_shared/loaders.py": """\
+from torch.utils.data import DataLoader
+
+
+def make_loader(dataset, batch_size):
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True)
+"""},
+        path="../fsr904_shared/loaders.py",
+    ),)
+    # the helper module inside the project (beside the script): its DataLoader gets the sampler there
+    VALID = (Valid(
+        """\
+import torch
+import torch.nn as nn
+from torch.utils.data import TensorDataset
+
+from loaders import make_loader
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def main():
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = make_loader(TensorDataset(torch.randn(16, 4)), 4)
+    for (x,) in loader:
+        loss = model(x).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+""",
+        files={"loaders.py": """\
+from torch.utils.data import DataLoader
+
+
+def make_loader(dataset, batch_size):
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True)
+"""},
+    ),)
 
 class DataGlobalBatchOfOne(Blocker):
     """--keep-global-batch with a training batch size of 1.

@@ -71,3 +71,20 @@ def main(name):
 """,
         line=9,
     ),)
+    # save_pretrained on every rank: the rewrite gathers the state and gates the write
+    VALID = (Valid(
+        """\
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def main(name):
+    model = AutoModelForCausalLM.from_pretrained(name)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for batch in range(3):
+        loss = model(batch).sum()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained("out")
+""",
+    ),)

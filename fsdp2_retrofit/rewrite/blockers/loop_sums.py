@@ -77,3 +77,35 @@ if __name__ == "__main__":
 """,
         line=45,
     ),)
+    # the loop under a condition every rank decides alike (the epoch)
+    VALID = (Valid(
+        """\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def main():
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
+    train_loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(3):
+        for xb, yb in train_loader:
+            loss = F.cross_entropy(model(xb), yb)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        if epoch % 2 == 0:
+            seen = 0
+            for xb, yb in train_loader:
+                seen += yb.size(0)
+            print(seen)
+
+
+if __name__ == "__main__":
+    main()
+""",
+    ),)

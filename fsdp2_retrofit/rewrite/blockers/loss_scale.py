@@ -59,3 +59,39 @@ if __name__ == "__main__":
 """,
         line=25,
     ),)
+    # every term averaged over the batch
+    VALID = (Valid(
+        """\
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def main():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(24, 4)), batch_size=8)
+    for (x,) in loader:
+        out = model(x)
+        recon = F.mse_loss(out, x)
+        kl = 0.5 * torch.mean(out.pow(2))
+        loss = recon + kl
+        loss.backward()
+        opt.step()
+
+
+if __name__ == "__main__":
+    main()
+""",
+    ),)

@@ -47,7 +47,62 @@ class MetaInitCompoundBuild(Blocker):
 
     CODE = "FSR502"
     NAME = "meta-init-compound-build"
-    INVALID = ()
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def main(big):
+    if big:
+        model = Net(16)
+    else:
+        model = Net(8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for x in [torch.randn(2, 8)]:
+        loss = model(x).sum()
+        loss.backward()
+        optimizer.step()
+""",
+        line=16,
+        options={'meta_init': True},
+    ),)
+    # the choice made before the build, the model built by one plain statement
+    VALID = (Valid(
+        """\
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def main(big):
+    dim = 16 if big else 8
+    model = Net(dim)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for x in [torch.randn(2, dim)]:
+        loss = model(x).sum()
+        loss.backward()
+        optimizer.step()
+""",
+        options={'meta_init': True},
+    ),)
 
 class MetaInitCannotReplay(Blocker):
     """--meta-init where the model's initialisation cannot be re-created.

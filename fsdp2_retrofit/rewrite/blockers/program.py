@@ -51,3 +51,32 @@ def train(model, loader, optimizer, epochs):
 """},
         path="engine.py",
     ),)
+    # the loop's module called by name (engine.train): the program is linked and both files convert
+    VALID = (Valid(
+        """\
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import engine
+
+model = nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), batch_size=8, shuffle=True)
+engine.train(model, loader, optimizer, 2)
+torch.save(model.state_dict(), "model.pt")
+""",
+        files={"engine.py": """\
+import torch
+
+
+def train(model, loader, optimizer, epochs):
+    for epoch in range(epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+        print(epoch, loss.item())
+"""},
+    ),)

@@ -75,6 +75,37 @@ if __name__ == "__main__":
 """,
         line=43,
     ),)
+    # the loop left on a step count, the same on every rank
+    VALID = (Valid(
+        """\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def main(max_steps=100):
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
+    train_loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = 0
+    for epoch in range(3):
+        for xb, yb in train_loader:
+            loss = F.cross_entropy(model(xb), yb)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step += 1
+            if step >= max_steps:
+                break
+
+
+if __name__ == "__main__":
+    main()
+""",
+    ),)
 
 class RandomControlFlowInForward(Blocker):
     """The forward of the sharded model decides its control flow (a loop's length, an `if`) from a

@@ -69,7 +69,74 @@ class ResumeOptimizerOfSeveralModels(Blocker):
 
     CODE = "FSR802"
     NAME = "resume-optimizer-of-several-models"
-    INVALID = ()
+    # (the script never saves that optimizer's state: a save of it is refused first, FSR706)
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def main(resume):
+    encoder = Net()
+    decoder = Net()
+    params = list(encoder.parameters()) + list(decoder.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    checkpoint = torch.load(resume)
+    encoder.load_state_dict(checkpoint["encoder"])
+    decoder.load_state_dict(checkpoint["decoder"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    for x in [torch.randn(2, 8)]:
+        loss = decoder(encoder(x)).sum()
+        loss.backward()
+        optimizer.step()
+    torch.save({"encoder": encoder.state_dict(), "decoder": decoder.state_dict()}, "last.pt")
+""",
+        line=19,
+    ),)
+    # one optimizer per model, each loaded (and saved) with its model
+    VALID = (Valid(
+        """\
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def main(resume):
+    encoder = Net()
+    decoder = Net()
+    enc_opt = torch.optim.AdamW(encoder.parameters(), lr=1e-3)
+    dec_opt = torch.optim.AdamW(decoder.parameters(), lr=1e-3)
+    checkpoint = torch.load(resume)
+    encoder.load_state_dict(checkpoint["encoder"])
+    decoder.load_state_dict(checkpoint["decoder"])
+    enc_opt.load_state_dict(checkpoint["enc_opt"])
+    dec_opt.load_state_dict(checkpoint["dec_opt"])
+    for x in [torch.randn(2, 8)]:
+        loss = decoder(encoder(x)).sum()
+        loss.backward()
+        enc_opt.step()
+        dec_opt.step()
+    torch.save({"encoder": encoder.state_dict(), "decoder": decoder.state_dict(),
+                "enc_opt": enc_opt.state_dict(), "dec_opt": dec_opt.state_dict()}, "last.pt")
+""",
+    ),)
 
 class ResumePickledModuleReload(Blocker):
     """A pickled module (torch.save(model, path)) is reloaded where the tool cannot load it into the

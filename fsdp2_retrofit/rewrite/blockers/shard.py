@@ -43,7 +43,60 @@ class ShardAutocastDtypeUnknown(Blocker):
 
     CODE = "FSR602"
     NAME = "shard-autocast-dtype-unknown"
-    INVALID = ()
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def main(dtype):
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for x in [torch.randn(2, 8)]:
+        with torch.autocast("cuda", dtype=dtype):
+            loss = model(x).sum()
+        loss.backward()
+        optimizer.step()
+""",
+        line=15,
+        options={'mixed_precision': 'auto'},
+    ),)
+    # the autocast dtype named: --mixed-precision auto reads bf16 from it
+    VALID = (Valid(
+        """\
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def main():
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for x in [torch.randn(2, 8)]:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).sum()
+        loss.backward()
+        optimizer.step()
+""",
+        options={'mixed_precision': 'auto'},
+    ),)
 
 class ShardBatchnormLowPrecision(Blocker):
     """Mixed precision for a model with BatchNorm layers.
@@ -470,7 +523,71 @@ class ShardModelsInDifferentBlocks(Blocker):
 
     CODE = "FSR613"
     NAME = "shard-models-in-different-blocks"
-    INVALID = ()
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def pretrain():
+    teacher = Net()
+    teacher_opt = torch.optim.AdamW(teacher.parameters(), lr=1e-3)
+    for x in [torch.randn(2, 8)]:
+        loss = teacher(x).sum()
+        loss.backward()
+        teacher_opt.step()
+
+
+def main():
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for x in [torch.randn(2, 8)]:
+        loss = model(x).sum()
+        loss.backward()
+        optimizer.step()
+""",
+        line=24,
+    ),)
+    # both models built (and trained) in the one function
+    VALID = (Valid(
+        """\
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def main():
+    teacher = Net()
+    teacher_opt = torch.optim.AdamW(teacher.parameters(), lr=1e-3)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for x in [torch.randn(2, 8)]:
+        loss = teacher(x).sum()
+        loss.backward()
+        teacher_opt.step()
+    for x in [torch.randn(2, 8)]:
+        loss = model(x).sum()
+        loss.backward()
+        optimizer.step()
+""",
+    ),)
 
 class ShardLibraryPlacementArgument(Blocker):
     """A library model is loaded with device_map= or quantization (load_in_8bit/4bit,

@@ -47,3 +47,29 @@ main()
 """,
         line=5,
     ),)
+    # the dataset built in the function that trains: rank 0 downloads first
+    VALID = (Valid(
+        """\
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader
+from torchvision import datasets, transforms
+
+
+def main():
+    torch.manual_seed(0)
+    train = datasets.MNIST("data", download=True, transform=transforms.ToTensor())
+    loader = DataLoader(train, batch_size=8, shuffle=True)
+    model = nn.Linear(784, 10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in loader:
+        loss = nn.functional.cross_entropy(model(x.flatten(1)), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+if __name__ == "__main__":
+    main()
+""",
+    ),)

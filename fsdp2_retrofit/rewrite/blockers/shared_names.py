@@ -96,3 +96,29 @@ main()
 """,
         line=20,
     ),)
+    # the name bound first, in the function that saves: rank 0's value is broadcast
+    VALID = (Valid(
+        """\
+import time
+
+import torch
+import torch.nn as nn
+
+
+def main():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        loss = model(torch.randn(2, 4)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    path = f"ckpt-{time.time()}.pt"
+    torch.save(model.state_dict(), path)
+
+
+if __name__ == "__main__":
+    main()
+""",
+    ),)

@@ -47,3 +47,28 @@ if __name__ == "__main__":
 """,
         line=14,
     ),)
+    # the gradients cleared before the forward
+    VALID = (Valid(
+        """\
+import torch
+from torch import nn
+
+
+def main():
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    dec = nn.Linear(4, 2)
+    params = list(enc.parameters()) + list(dec.parameters())
+    opt = torch.optim.Adam(params, lr=0.1)
+    for step in range(3):
+        enc.zero_grad()
+        dec.zero_grad()
+        loss = dec(enc(torch.randn(8, 4))).sum()
+        loss.backward()
+        opt.step()
+
+
+if __name__ == "__main__":
+    main()
+""",
+    ),)

@@ -224,7 +224,7 @@ def rewrite_command(
     for path in paths:
         run.process(path)
     if emit_slurm is not None and run.exit_code != EXIT_ERROR:
-        from fsdp2_retrofit.rewrite.launch_commands import slurm_script
+        from fsdp2_retrofit.launch_commands import slurm_script
 
         try:
             files.atomic_write(emit_slurm, slurm_script(out or paths[0]).encode())

@@ -16,7 +16,7 @@ from fsdp2_retrofit.report import InputError, RewriteResult, render_diff, render
 
 def rewrite_source(source: bytes, path: str, options: RetrofitOptions) -> RewriteResult:
     """The pipeline, imported on first use (it pulls in libcst and every stage)."""
-    from fsdp2_retrofit.rewrite.pipeline import rewrite_source as run
+    from fsdp2_retrofit.pipeline import rewrite_source as run
 
     return run(source, path, options)
 

@@ -91,7 +91,7 @@ def classes(lines: int) -> str:
 def measure(source: bytes, repeat: int):
     import libcst
 
-    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+    from fsdp2_retrofit.pipeline import rewrite_source
 
     best_parse = best_rewrite = float("inf")
     for _ in range(repeat):
@@ -113,7 +113,7 @@ def measure_project(case: Path, repeat: int):
     rewrite of its entry (the program read, linked, converted and taken apart)."""
     import libcst
 
-    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+    from fsdp2_retrofit.pipeline import rewrite_source
 
     files = [p for p in sorted(case.rglob("*.py")) if "expected" not in p.relative_to(case).parts
              and p.name != "expected.py"]
@@ -142,7 +142,7 @@ def main() -> None:
                         help="leave out the project fixtures (a program of several files rewritten from its entry)")
     args = parser.parse_args()
 
-    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+    from fsdp2_retrofit.pipeline import rewrite_source
 
     scripts = []
     if args.example.is_file():

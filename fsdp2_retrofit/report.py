@@ -148,7 +148,7 @@ class InputError(Exception):
 
 def launch_command(target: str) -> str:
     """The command that runs a rewritten script on every GPU of one machine."""
-    from fsdp2_retrofit.rewrite.launch_commands import single_node
+    from fsdp2_retrofit.launch_commands import single_node
 
     return single_node(target)
 
@@ -213,7 +213,7 @@ def render_text(result: RewriteResult, console, *, target: Optional[str] = None,
             f"nothing written ({unwritten}): to write {what}, run the same command without {unwritten}; "
             "then launch with: ", (launch_command(target), "bold")), soft_wrap=True)
     elif changed:
-        from fsdp2_retrofit.rewrite.launch_commands import multi_node
+        from fsdp2_retrofit.launch_commands import multi_node
 
         console.print(Text.assemble("launch with: ", (launch_command(target), "bold")), soft_wrap=True)
         console.print(Text.assemble("  on several nodes, on each: ", multi_node(target)), soft_wrap=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 try:
     import tomllib

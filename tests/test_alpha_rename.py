@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from alpha_rename import alpha_rename, unrename
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 from rewrite_cases import CASES, case_options, case_params, rewrite_case, sampled, script_path
 
 

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from alpha_rename import alpha_rename, unrename
 from fsdp2_retrofit import cli
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 SCRIPT = '''
 import torch

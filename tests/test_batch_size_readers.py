@@ -10,7 +10,7 @@ import libcst as cst
 from fsdp2_retrofit.analysis.batch_size import batch_size_readers
 from fsdp2_retrofit.analysis.loops import train_loops
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 from fsdp2_retrofit.syntax.names import Resolver
 
 HEAD = '''

@@ -10,7 +10,7 @@ from pathlib import Path
 from textwrap import dedent
 
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 SCRIPT = '''
 {imports}

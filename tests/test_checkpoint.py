@@ -220,7 +220,7 @@ def test_export_full_output_warm_starts_the_original_single_gpu_script(warm_star
     """--export full: the FSDP2 run's --out is one torch.save file the original script
     loads with its own torch.load + load_state_dict."""
     from fsdp2_retrofit.options import RetrofitOptions
-    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+    from fsdp2_retrofit.pipeline import rewrite_source
 
     root = warm_start
     result = rewrite_source((WARM / "input.py").read_bytes(), str(WARM / "input.py"), RetrofitOptions(export="full"))

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 TRAIN = """\
 import io

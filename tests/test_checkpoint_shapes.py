@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "rewrite"
 RELOAD = (FIXTURES / "whole_model_reload" / "input.py").read_text()

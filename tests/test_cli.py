@@ -884,7 +884,7 @@ def test_launch_commands_are_printed_and_emit_slurm_writes_a_script(tmp_path):
 def test_the_slurm_script_trains_under_a_stand_in_srun(tmp_path):
     """The sbatch script, run by bash with stand-ins for srun and scontrol on one
     2-process CPU node, trains the rewritten shared example to the end."""
-    from fsdp2_retrofit.rewrite.launch_commands import slurm_script
+    from fsdp2_retrofit.launch_commands import slurm_script
 
     out = tmp_path / "train_fsdp2.py"
     assert CliRunner().invoke(cli.main, ["rewrite", str(EXAMPLE), "-o", str(out), "-q"]).exit_code == 0

@@ -183,7 +183,7 @@ main()
 
 
 def test_a_nested_function_rebinding_the_model_is_refused():
-    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+    from fsdp2_retrofit.pipeline import rewrite_source
 
     source = REBINDS.format(value="torch.compile(model)")
     result = rewrite_source(source.encode(), "train.py")
@@ -192,7 +192,7 @@ def test_a_nested_function_rebinding_the_model_is_refused():
 
 
 def test_a_nested_function_switching_to_train_mode_is_not_refused():
-    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+    from fsdp2_retrofit.pipeline import rewrite_source
 
     result = rewrite_source(REBINDS.format(value="model.train()").encode(), "train.py")
     assert not result.refusals
@@ -204,7 +204,7 @@ _MODEL_CLEARS = "            model.zero_grad()\n            loss.backward()"
 
 
 def test_model_zero_grad_in_a_closure_with_a_partial_optimizer_is_refused():
-    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+    from fsdp2_retrofit.pipeline import rewrite_source
 
     source = REBINDS.format(value="model.train()").replace(
         "opt = torch.optim.SGD(model.parameters(), lr=0.1)", "opt = torch.optim.SGD(model.fc.parameters(), lr=0.1)"
@@ -215,7 +215,7 @@ def test_model_zero_grad_in_a_closure_with_a_partial_optimizer_is_refused():
 
 
 def test_model_zero_grad_in_a_closure_goes_through_the_optimizer():
-    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+    from fsdp2_retrofit.pipeline import rewrite_source
 
     source = REBINDS.format(value="model.train()").replace(_OPT_CLEARS, _MODEL_CLEARS)
     result = rewrite_source(source.encode(), "train.py")

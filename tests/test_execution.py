@@ -249,7 +249,7 @@ def test_retrofit_runs_as_plain_python(name: str, tmp_path: Path):
 def test_shared_example_rewrite_runs_as_plain_python(shared_reference: Path, tmp_path: Path):
     """The rewrite of the shared single-GPU example, run as `python train.py` at batch 64,
     equals the original at batch 64."""
-    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+    from fsdp2_retrofit.pipeline import rewrite_source
 
     source = SHARED_EXAMPLES / "train_single.py"
     result = rewrite_source(source.read_bytes(), str(source))

@@ -7,8 +7,8 @@ from textwrap import dedent
 import libcst as cst
 
 from fsdp2_retrofit.options import RetrofitOptions
+from fsdp2_retrofit.pipeline import rewrite_source
 from fsdp2_retrofit.rewrite.imports import add_imports
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
 
 SCRIPT = '''
 import torch

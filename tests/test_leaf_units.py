@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 from rewrite_cases import FIXTURES
 
 SOURCE = (FIXTURES / "leaf_units_gpt" / "input.py").read_text()

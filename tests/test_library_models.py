@@ -16,7 +16,7 @@ import pytest
 from fsdp2_retrofit.analysis import analyse
 from fsdp2_retrofit.analysis.library_models import is_library_builder, library_model
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 
 @pytest.mark.parametrize(

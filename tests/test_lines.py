@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "rewrite"
 

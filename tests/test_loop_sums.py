@@ -19,7 +19,7 @@ import libcst as cst
 import pytest
 
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 HEAD = dedent("""\
     import torch

@@ -14,7 +14,7 @@ import pytest
 
 from fsdp2_retrofit.analysis.loss_reduction import MEAN, MIXED, SUM, UNKNOWN, loss_reductions
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 from fsdp2_retrofit.syntax.names import Resolver
 
 

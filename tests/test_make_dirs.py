@@ -8,7 +8,7 @@ from textwrap import dedent
 
 import pytest
 
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 SCRIPT = dedent("""\
     import os

@@ -12,7 +12,7 @@ from codemods.meta_init import InitOnMetaDeviceCommand
 
 from fsdp2_retrofit import cli
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 HEAD = '''\
 import torch

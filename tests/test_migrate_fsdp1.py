@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from fsdp2_retrofit import cli
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 SCRIPT = '''\
 import functools

@@ -15,7 +15,7 @@ import pytest
 from fsdp2_retrofit.analysis.facts import analyse
 from fsdp2_retrofit.check.lint import lint_source
 from fsdp2_retrofit.check.rules import all_rules
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 from fsdp2_retrofit.syntax.names import alias_target
 
 CASE = Path(__file__).parent.parent / "fixtures" / "rewrite" / "alias_generate"

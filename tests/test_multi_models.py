@@ -13,7 +13,7 @@ from fsdp2_retrofit import cli
 from fsdp2_retrofit.analysis import analyse, code
 from fsdp2_retrofit.analysis.copies import unsafe_state_copies
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 CLASSES = '''\
 import copy

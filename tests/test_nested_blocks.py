@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 from rewrite_cases import FIXTURES
 
 HEAD = '''\

@@ -9,7 +9,7 @@ import libcst as cst
 
 from fsdp2_retrofit.analysis.facts import analyse
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 from fsdp2_retrofit.syntax.names import code
 
 HEAD = dedent("""\
@@ -378,7 +378,7 @@ def test_an_optimizer_built_in_a_branch_before_the_model_is_sharded_is_refused_a
     captioning tutorial's shape), the model placed after the if/else, where fully_shard goes: no stage
     moves the optimizer out of the branch, so it would keep the unsharded parameters and the model
     would never update. Refused at the optimizer's line (was: rewritten, silently never training)."""
-    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+    from fsdp2_retrofit.pipeline import rewrite_source
 
     result = rewrite_source(BRANCH_BUILD.encode(), "train.py")
     line = BRANCH_BUILD.splitlines().index("        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)") + 1
@@ -390,7 +390,7 @@ def test_an_optimizer_built_in_a_branch_before_the_model_is_sharded_is_refused_a
 def test_an_if_else_picking_the_optimizer_after_the_build_is_sharded_before():
     """fixtures/rewrite/optimizer_picked_in_branch: the placement after the if/else does not pull
     fully_shard past the optimizer's build."""
-    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+    from fsdp2_retrofit.pipeline import rewrite_source
 
     text = BRANCH_BUILD.replace('''    if args.resume is None:
         model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))

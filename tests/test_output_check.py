@@ -10,7 +10,7 @@ from textwrap import dedent
 
 import pytest
 
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 from fsdp2_retrofit.verify import VerifyError, launch_distributed
 from rewrite_cases import FIXTURES, rewrite_case
 
@@ -46,7 +46,7 @@ def test_output_without_numpy_or_tolist_is_not_analysed(monkeypatch):
     import libcst as cst
 
     from fsdp2_retrofit.check import lint
-    from fsdp2_retrofit.rewrite.output_check import crashes_in_output
+    from fsdp2_retrofit.output_check import crashes_in_output
     from fsdp2_retrofit.syntax.names import Origins
 
     built = []
@@ -66,7 +66,7 @@ def test_a_rewrite_without_numpy_or_tolist_does_not_load_check():
     """The gate comes before the imports: a fresh interpreter rewriting a script that
     cannot hit FSD117 never loads check's modules (start-up cost of every rewrite)."""
     code = (
-        "import sys\nfrom fsdp2_retrofit.rewrite.pipeline import rewrite_source\n"
+        "import sys\nfrom fsdp2_retrofit.pipeline import rewrite_source\n"
         f"rewrite_source(open({str(FIXTURES / 'main_modulelist' / 'input.py')!r}, 'rb').read(), 'train.py')\n"
         "print(sorted(m for m in sys.modules if m.startswith('fsdp2_retrofit.check')))\n"
     )

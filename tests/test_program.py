@@ -20,7 +20,7 @@ from textwrap import dedent
 import pytest
 
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 from rewrite_cases import FIXTURES, edits_siblings, project_copy
 
 PROJECTS = ["project_course", "project_solver", "project_thin_entry", "project_trainer_method_optimizer"]
@@ -133,7 +133,7 @@ def test_without_the_program_the_same_entry_would_have_been_converted(tmp_path):
     # what the coverage rule guards against: the entry alone shards and splits its loader, while the
     # loop that reads it is in engine.py; the linked program is what reaches the loop
     entry = _project(tmp_path, {"engine.py": ENGINE, "train.py": ENTRY})
-    from fsdp2_retrofit.rewrite.pipeline import _rewrite_module, parse
+    from fsdp2_retrofit.pipeline import _rewrite_module, parse
 
     alone = _rewrite_module(entry.read_bytes(), str(entry), RetrofitOptions(), parse(entry.read_bytes()))
     assert not alone.refusals and not alone.siblings  # "converted", engine.py never seen

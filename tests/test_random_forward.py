@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 HEAD = """\
 import os

@@ -8,7 +8,7 @@ from textwrap import dedent
 from fsdp2_retrofit.check.lint import lint_source
 from fsdp2_retrofit.check.rules import all_rules
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 HEAD = dedent("""\
     import os

@@ -9,7 +9,7 @@ from fsdp2_retrofit.analysis import analyse
 from fsdp2_retrofit.analysis.checkpoints import rank_zero_names
 from fsdp2_retrofit.check.lint import lint_source
 from fsdp2_retrofit.check.rules import all_rules
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 SCRIPT = '''\
 import os

@@ -20,7 +20,7 @@ from textwrap import dedent
 import pytest
 
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 SCRIPT = dedent("""\
     import json

@@ -103,7 +103,7 @@ def test_no_module_refuses_at_the_training_of_raw_tensors(tmp_path, monkeypatch)
 def test_an_annotated_model_and_optimizer_are_found():
     """`model: nn.Module = Net()` is a model (it was refused at line 1 as 'no nn.Module')."""
     from fsdp2_retrofit.options import RetrofitOptions
-    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+    from fsdp2_retrofit.pipeline import rewrite_source
 
     source = dedent("""\
         import torch
@@ -164,7 +164,7 @@ def test_scripts_training_through_a_framework_are_refused(tmp_path, monkeypatch,
 def test_an_accelerate_helper_alone_is_not_a_framework(tmp_path):
     """Importing from accelerate for something else does not refuse the script."""
     from fsdp2_retrofit.options import RetrofitOptions
-    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+    from fsdp2_retrofit.pipeline import rewrite_source
 
     source = "import torch\nfrom torch import nn\nfrom accelerate.utils import set_seed\n\nset_seed(0)\n" \
         "model = nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + LOOP
@@ -212,7 +212,7 @@ def test_a_script_binding_dist_to_something_else_is_refused_at_the_binding(tmp_p
 @pytest.mark.parametrize("spelling", ["import torch.distributed as dist", "from torch import distributed as dist"])
 def test_dist_bound_to_torch_distributed_is_not_refused(spelling):
     from fsdp2_retrofit.options import RetrofitOptions
-    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+    from fsdp2_retrofit.pipeline import rewrite_source
 
     source = f"import torch\n{spelling}\nfrom torch import nn\n\nmodel = nn.Linear(4, 1)\n" \
         "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + LOOP

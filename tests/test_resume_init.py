@@ -6,7 +6,7 @@ from __future__ import annotations
 import libcst as cst
 
 from fsdp2_retrofit.analysis.init_branches import init_branch, initialised_name
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 SCRIPT = '''\
 import os

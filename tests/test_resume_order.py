@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 CASE = Path(__file__).resolve().parents[1] / "fixtures" / "rewrite" / "resume_config_first"
 

@@ -9,7 +9,7 @@ import libcst as cst
 import pytest
 
 from fsdp2_retrofit.analysis.returns import names_out, returned_names
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 from fsdp2_retrofit.syntax.names import Resolver
 
 CASE = Path(__file__).parent.parent / "fixtures" / "rewrite" / "helper_returns_model_optimizer"

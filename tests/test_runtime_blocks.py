@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 from rewrite_cases import FIXTURES, rewrite_case
 
 torch = pytest.importorskip("torch", reason="runs the generated discovery on torch modules")

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from fsdp2_retrofit import cli
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 HEAD = '''\
 import torch

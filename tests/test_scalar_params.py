@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from fsdp2_retrofit import cli
 from fsdp2_retrofit.analysis.scalar_params import zero_dim
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 from fsdp2_retrofit.syntax.names import Resolver
 
 HIDE = "        module.register_parameter(name, None)\n"

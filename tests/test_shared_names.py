@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from textwrap import dedent, indent
 
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 HEAD = dedent('''\
     import os

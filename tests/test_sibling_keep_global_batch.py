@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from fsdp2_retrofit import cli
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 from fsdp2_retrofit.verify import EXIT_EQUIVALENT, EXIT_ERROR
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,7 +138,7 @@ def test_verify_refuses_a_global_batch_it_cannot_keep_before_any_run(tmp_path: P
 
 def test_verify_also_reads_the_items_of_the_modules_the_retrofit_edits(tmp_path: Path, monkeypatch):
     """A global batch not kept, said on a sibling module (as the rewrite did before), is refused too."""
-    import fsdp2_retrofit.rewrite.pipeline as pipeline
+    import fsdp2_retrofit.pipeline as pipeline
     from fsdp2_retrofit.report import Attention
 
     rewrite = pipeline.rewrite_source

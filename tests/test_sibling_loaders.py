@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from textwrap import dedent
 
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 from fsdp2_retrofit.rewrite.workspace import Workspace
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import pytest
 from fsdp2_retrofit.analysis.model_classes import build_registry
 from fsdp2_retrofit.check.lint import lint_source
 from fsdp2_retrofit.check.rules import all_rules
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 from fsdp2_retrofit.syntax.names import Resolver
 
 import libcst as cst

@@ -16,7 +16,7 @@ from codemods.forward_calls import ReplaceForwardCallsCommand
 from codemods.launch import LaunchDistributedCommand
 from codemods.shard import ShardModelCommand
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 pytestmark = pytest.mark.smoke  # the smoke loop: README, "Running the tests"
 

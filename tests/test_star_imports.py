@@ -9,7 +9,7 @@ import libcst as cst
 from fsdp2_retrofit.analysis.facts import analyse
 from fsdp2_retrofit.analysis.model_classes import build_registry, recording_reads
 from fsdp2_retrofit.check.lint import LintContext
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 from fsdp2_retrofit.syntax.names import Resolver
 
 NET = '''\

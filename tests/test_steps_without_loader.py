@@ -6,7 +6,7 @@ from __future__ import annotations
 from textwrap import dedent
 
 from fsdp2_retrofit.options import RetrofitOptions
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 
 ONE_STEP = '''
 import torch

@@ -301,7 +301,7 @@ def test_origins_render_writes_what_libcst_writes(newline, part):
     libcst's text of the rewritten tree for every fixture input (also as CRLF), and for
     files whose lines are counted the hard way: a string holding a lone \\r, a backslash
     continuation, a form feed, a BOM, comments after the last statement, mixed newlines."""
-    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+    from fsdp2_retrofit.pipeline import rewrite_source
 
     example = (ROOT / "fixtures" / "examples" / "train_single.py").read_text()
     odd = [

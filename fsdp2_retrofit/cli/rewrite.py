@@ -16,7 +16,7 @@ from fsdp2_retrofit.report import InputError, RewriteResult, render_diff, render
 
 def rewrite_source(source: bytes, path: str, options: RetrofitOptions) -> RewriteResult:
     """The pipeline, imported on first use (it pulls in libcst and every stage)."""
-    from fsdp2_retrofit.rewrite.pipeline import rewrite_source as run
+    from fsdp2_retrofit.pipeline import rewrite_source as run
 
     return run(source, path, options)
 
@@ -224,7 +224,7 @@ def rewrite_command(
     for path in paths:
         run.process(path)
     if emit_slurm is not None and run.exit_code != EXIT_ERROR:
-        from fsdp2_retrofit.rewrite.launch_commands import slurm_script
+        from fsdp2_retrofit.launch_commands import slurm_script
 
         try:
             files.atomic_write(emit_slurm, slurm_script(out or paths[0]).encode())

@@ -930,7 +930,7 @@ def compare_rank_weight_files(python: str, dist: Run, nproc: int) -> Optional[We
 def retrofit_in_memory(script: Path, into: Path) -> Path:
     """Retrofit `script` with keep_global_batch into `into/<same name>`; refusals are errors."""
     from fsdp2_retrofit.options import RetrofitOptions
-    from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+    from fsdp2_retrofit.pipeline import rewrite_source
     from fsdp2_retrofit.report import InputError
 
     try:

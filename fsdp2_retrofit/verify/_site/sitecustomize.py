@@ -97,22 +97,62 @@ def _active():
 
 
 def _install():
+    """Wrap what a training run goes through and record it (the module's docstring says what)."""
     import atexit
-    import json
-    import resource
-    import time
+    import resource  # noqa: F401  (_peak_memory's: where it is missing, as on Windows, nothing is wrapped)
 
     import torch
 
-    out_dir = os.environ["FSDP2_RETROFIT_VERIFY_DIR"]
-    max_steps = int(os.environ.get("FSDP2_RETROFIT_VERIFY_STEPS", "10"))
-    timing = os.environ.get("FSDP2_RETROFIT_VERIFY_TIMING") == "1"
-    # after max_steps: record, then let the script go on to its end (its training loaders
-    # yield nothing more), so what it does after training runs too
-    to_end = os.environ.get("FSDP2_RETROFIT_VERIFY_TO_END") == "1"
-    main_pid = os.getpid()
+    run = _Run()
+    _wrap_backward(torch, run.state)
+    _wrap_grad_scaler(torch, run.state)
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    state = {
+    _wrap_loaders(run.state)
+    register_optimizer_step_pre_hook(run.pre_hook)  # global: every optimizer, every rank
+    register_optimizer_step_post_hook(run.post_hook)
+    _wrap_process_group(run)
+    _wrap_exits(run.state)
+    atexit.register(run.at_exit)
+
+
+# -- what the wrappers and the hooks share ---------------------------------
+
+
+def _dist():
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist
+    except Exception:
+        pass
+    return None
+
+
+def _rank():
+    dist = _dist()
+    if dist is not None:
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _is_dtensor(t):
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:
+        return False
+    return isinstance(t, DTensor)
+
+
+# -- this process's run: its settings and state, the step hooks, the record at the end
+
+
+def _new_state():
+    """What the wrappers and the step hooks add up, until the record is written."""
+    import time
+
+    return {
         "step": 0,
         "pending_loss": None,  # sum of this step's micro-step losses
         "pending_micro": 0,
@@ -139,31 +179,129 @@ def _install():
         "started": time.time(),
     }
 
-    def _dist():
-        try:
-            import torch.distributed as dist
 
-            if dist.is_available() and dist.is_initialized():
-                return dist
-        except Exception:
-            pass
-        return None
+class _Run:
+    """This process's record: the settings from the environment, what the wrappers add up
+    (`state`), the optimizer step hooks, and the record written at the end."""
 
-    def _rank():
-        dist = _dist()
-        if dist is not None:
-            return dist.get_rank()
-        return int(os.environ.get("RANK", "0"))
+    def __init__(self):
+        self.out_dir = os.environ["FSDP2_RETROFIT_VERIFY_DIR"]
+        self.max_steps = int(os.environ.get("FSDP2_RETROFIT_VERIFY_STEPS", "10"))
+        self.timing = os.environ.get("FSDP2_RETROFIT_VERIFY_TIMING") == "1"
+        # after max_steps: record, then let the script go on to its end (its training loaders
+        # yield nothing more), so what it does after training runs too
+        self.to_end = os.environ.get("FSDP2_RETROFIT_VERIFY_TO_END") == "1"
+        self.main_pid = os.getpid()
+        self.state = _new_state()
 
-    def _is_dtensor(t):
-        try:
-            from torch.distributed.tensor import DTensor
-        except Exception:
-            return False
-        return isinstance(t, DTensor)
+    def pre_hook(self, optimizer, args, kwargs):
+        state = self.state
+        if state["done"] or _state_init_step():
+            return
+        if state["primary"] is None:
+            state["primary"] = optimizer
+        if self.timing:  # the step is counted and timed (post_hook), nothing gathered or reduced here
+            return
+        if all(o is not optimizer for o in state["optimizers"]):
+            state["optimizers"].append(optimizer)
+            # the weights this optimizer starts from, before its first update, of the
+            # parameters no earlier optimizer held (those may have been updated already):
+            # a run whose ranks did not start from the single run's weights is caught
+            # even where the steps cannot be compared (random draws differ)
+            fresh = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in state["seen"]]
+            state["seen"].update(id(p) for p in fresh)
+            state["initial"].extend(_gather_params(fresh))
+        if optimizer is state["primary"]:
+            state["grad_norms"].append(_grad_norm(optimizer))
 
-    # -- the loss of each micro-step ------------------------------------------
+    def post_hook(self, optimizer, args, kwargs):
+        import time
 
+        import torch
+
+        state = self.state
+        if state["done"] or optimizer is not state["primary"] or _state_init_step():
+            return
+        state["step"] += 1
+        if self.timing and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        state["step_ends"].append(time.perf_counter())
+        state["losses"].append(state["pending_loss"])
+        state["micro_steps"].append(state["pending_micro"])
+        state["samples"].append(state["pending_samples"])
+        state["pending_loss"], state["pending_micro"], state["pending_samples"] = None, 0, 0
+        if self.max_steps and state["step"] >= self.max_steps:
+            self.finish("steps", gather=True)
+            if self.to_end:
+                state["stopped"] = True
+                return
+            dist = _dist()
+            if dist is not None:
+                dist.barrier()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+    def finish(self, reason, gather):
+        import torch
+
+        state, out_dir = self.state, self.out_dir
+        if state["done"]:
+            return
+        state["done"] = True
+        rank = _rank()
+        weights = None
+        if gather and not self.timing:
+            try:
+                weights = _gather_params([p for optimizer in state["optimizers"] for group in optimizer.param_groups
+                                          for p in group["params"]])
+            except Exception as exc:  # e.g. the process group is gone
+                state["failed"] = state["failed"] or f"could not gather the weights: {exc}"
+        if weights is not None and (rank == 0 or os.environ.get("FSDP2_RETROFIT_VERIFY_MODE") == "dist"):
+            # rank 0 writes the run's weights; under torchrun every other rank writes what it
+            # gathered too, so verify can check that the ranks ended with the same model
+            name = "weights.pt" if rank == 0 else f"weights_rank{rank}.pt"
+            tmp = os.path.join(out_dir, name + ".tmp")
+            torch.save(weights, tmp)
+            os.replace(tmp, os.path.join(out_dir, name))
+        if rank == 0 and state["initial"]:
+            tmp = os.path.join(out_dir, "initial.pt.tmp")
+            torch.save(state["initial"], tmp)
+            os.replace(tmp, os.path.join(out_dir, "initial.pt"))
+        _write_record(state, out_dir, rank, reason, weights is not None)
+
+    def at_exit(self):
+        if os.getpid() != self.main_pid:  # a forked DataLoader worker
+            return
+        import json
+        import multiprocessing
+        import time
+
+        if multiprocessing.parent_process() is not None:  # a spawned one
+            return
+        state = self.state
+        # weights need every rank; a single process or a live group can gather them
+        self.finish("exit", gather=_dist() is not None or "LOCAL_RANK" not in os.environ)
+        # The script's own code has ended: say how, for a rank that gloo aborts from here on.
+        status = state["exit_status"]
+        clean = state["uncaught"] is None and status in (None, 0)
+        exited = os.path.join(self.out_dir, f"exit_rank{_rank()}.json")
+        with open(exited + ".tmp", "w", encoding="utf-8") as f:
+            json.dump({"clean": clean, "uncaught": state["uncaught"], "status": repr(status)}, f)
+        os.replace(exited + ".tmp", exited)
+        grace = float(os.environ.get("FSDP2_RETROFIT_VERIFY_EXIT_GRACE", EXIT_GRACE_S))
+        if grace > 0 and (state["grouped"] or _dist() is not None):
+            # A gloo worker thread may still hold the last collective's work, whose tensors it
+            # releases under the GIL. Once finalization has begun, taking the GIL ends that
+            # thread in the middle of a destructor: std::terminate, SIGABRT, after the script
+            # finished. A short sleep (GIL released) lets it release them first.
+            time.sleep(grace)
+
+
+# -- the loss of each micro-step ------------------------------------------
+
+
+def _wrap_backward(torch, state):
     original_backward = torch.Tensor.backward
 
     def backward(self, *args, **kwargs):
@@ -190,6 +328,8 @@ def _install():
 
     torch.Tensor.backward = backward
 
+
+def _wrap_grad_scaler(torch, state):
     try:
         from torch.amp import GradScaler
 
@@ -205,94 +345,61 @@ def _install():
     except Exception:  # an older torch without torch.amp.GradScaler
         pass
 
-    # -- the gradient norm and the step count ---------------------------------
 
-    def _grad_norm(optimizer):
-        total = 0.0
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                g = p.grad
-                if g is None:
-                    continue
-                n = torch.linalg.vector_norm(g.detach().float(), 2)
-                if _is_dtensor(n):
-                    n = n.full_tensor()
-                total += float(n.item()) ** 2
-        return total ** 0.5
+# -- the gradient norm and the step count ---------------------------------
 
-    def _state_init_step():
-        """True inside torch.distributed.checkpoint's ``_init_optim_state``: the
-        ``step()`` it takes at lr 0 on zero gradients to create the optimizer state
-        (get/set_optimizer_state_dict before the first step, e.g. on resume) is
-        not a training step."""
-        frame = sys._getframe(2)
-        for _ in range(12):
-            if frame is None:
-                return False
-            if frame.f_code.co_name == "_init_optim_state" and "checkpoint" in frame.f_code.co_filename:
-                return True
-            frame = frame.f_back
-        return False
 
-    def pre_hook(optimizer, args, kwargs):
-        if state["done"] or _state_init_step():
-            return
-        if state["primary"] is None:
-            state["primary"] = optimizer
-        if timing:  # the step is counted and timed (post_hook), nothing gathered or reduced here
-            return
-        if all(o is not optimizer for o in state["optimizers"]):
-            state["optimizers"].append(optimizer)
-            # the weights this optimizer starts from, before its first update, of the
-            # parameters no earlier optimizer held (those may have been updated already):
-            # a run whose ranks did not start from the single run's weights is caught
-            # even where the steps cannot be compared (random draws differ)
-            fresh = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in state["seen"]]
-            state["seen"].update(id(p) for p in fresh)
-            state["initial"].extend(_gather_params(fresh))
-        if optimizer is state["primary"]:
-            state["grad_norms"].append(_grad_norm(optimizer))
+def _grad_norm(optimizer):
+    import torch
 
-    def post_hook(optimizer, args, kwargs):
-        if state["done"] or optimizer is not state["primary"] or _state_init_step():
-            return
-        state["step"] += 1
-        if timing and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        state["step_ends"].append(time.perf_counter())
-        state["losses"].append(state["pending_loss"])
-        state["micro_steps"].append(state["pending_micro"])
-        state["samples"].append(state["pending_samples"])
-        state["pending_loss"], state["pending_micro"], state["pending_samples"] = None, 0, 0
-        if max_steps and state["step"] >= max_steps:
-            finish("steps", gather=True)
-            if to_end:
-                state["stopped"] = True
-                return
-            dist = _dist()
-            if dist is not None:
-                dist.barrier()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+    total = 0.0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            n = torch.linalg.vector_norm(g.detach().float(), 2)
+            if _is_dtensor(n):
+                n = n.full_tensor()
+            total += float(n.item()) ** 2
+    return total ** 0.5
 
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    # -- the samples each step read, and the epochs the samplers were at ------
+def _state_init_step():
+    """True inside torch.distributed.checkpoint's ``_init_optim_state``: the
+    ``step()`` it takes at lr 0 on zero gradients to create the optimizer state
+    (get/set_optimizer_state_dict before the first step, e.g. on resume) is
+    not a training step. Called by the step hooks: frame 2 is their caller."""
+    frame = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_init_optim_state" and "checkpoint" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
-    def _leading_size(batch, depth=0):
-        """The first dimension of the batch's first tensor (a tuple, list or dict of them)."""
-        if isinstance(batch, torch.Tensor):
-            return int(batch.shape[0]) if batch.dim() > 0 else None
-        if depth > 3:
-            return None
-        items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-        for item in items:
-            size = _leading_size(item, depth + 1)
-            if size is not None:
-                return size
+
+# -- the samples each step read, and the epochs the samplers were at ------
+
+
+def _leading_size(batch, depth=0):
+    """The first dimension of the batch's first tensor (a tuple, list or dict of them)."""
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() > 0 else None
+    if depth > 3:
         return None
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        size = _leading_size(item, depth + 1)
+        if size is not None:
+            return size
+    return None
 
+
+def _wrap_loaders(state):
     try:
         from torch.utils.data import DistributedSampler
         from torch.utils.data.dataloader import _BaseDataLoaderIter
@@ -340,83 +447,70 @@ def _install():
     except Exception:
         pass
 
-    register_optimizer_step_pre_hook(pre_hook)  # global: every optimizer, every rank
-    register_optimizer_step_post_hook(post_hook)
 
-    # -- writing the record ---------------------------------------------------
+# -- writing the record ---------------------------------------------------
 
-    def _peak_memory():
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            return "cuda", int(torch.cuda.max_memory_allocated())
-        # ru_maxrss: KiB on Linux, bytes on macOS
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return "rss", int(rss if sys.platform == "darwin" else rss * 1024)
 
-    def _gather_params(params):
-        tensors = []
-        for p in params:
-            t = p.detach()
-            if _is_dtensor(t):
-                t = t.full_tensor()
-            tensors.append(t.cpu().clone())
-        return tensors
+def _peak_memory():
+    import resource
 
-    def _gather():
-        return _gather_params([p for optimizer in state["optimizers"] for group in optimizer.param_groups
-                               for p in group["params"]])
+    import torch
 
-    def finish(reason, gather):
-        if state["done"]:
-            return
-        state["done"] = True
-        rank = _rank()
-        weights = None
-        if gather and not timing:
-            try:
-                weights = _gather()
-            except Exception as exc:  # e.g. the process group is gone
-                state["failed"] = state["failed"] or f"could not gather the weights: {exc}"
-        if weights is not None and (rank == 0 or os.environ.get("FSDP2_RETROFIT_VERIFY_MODE") == "dist"):
-            # rank 0 writes the run's weights; under torchrun every other rank writes what it
-            # gathered too, so verify can check that the ranks ended with the same model
-            name = "weights.pt" if rank == 0 else f"weights_rank{rank}.pt"
-            tmp = os.path.join(out_dir, name + ".tmp")
-            torch.save(weights, tmp)
-            os.replace(tmp, os.path.join(out_dir, name))
-        if rank == 0 and state["initial"]:
-            tmp = os.path.join(out_dir, "initial.pt.tmp")
-            torch.save(state["initial"], tmp)
-            os.replace(tmp, os.path.join(out_dir, "initial.pt"))
-        kind, peak = _peak_memory()
-        group = _dist()
-        try:
-            backend = str(group.get_backend()) if group is not None else None
-        except Exception:
-            backend = None
-        record = {
-            "rank": rank,
-            "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-            "reason": reason,
-            "steps": state["step"],
-            "losses": state["losses"],
-            "grad_norms": state["grad_norms"][: state["step"]],
-            "micro_steps": state["micro_steps"],
-            "step_seconds": [b - a for a, b in zip(state["step_ends"], state["step_ends"][1:])],
-            "samples": state["samples"],
-            "sampler_epochs": state["sampler_epochs"],
-            "weights": weights is not None,
-            "memory_kind": kind,
-            "peak_memory_bytes": peak,
-            "backend": backend,  # the default process group's ("nccl", "cpu:gloo,cuda:nccl"), None without one
-            "failed": state["failed"],
-            "seconds": time.time() - state["started"],
-        }
-        tmp = os.path.join(out_dir, f"rank{rank}.json.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(record, f)
-        os.replace(tmp, os.path.join(out_dir, f"rank{rank}.json"))
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return "cuda", int(torch.cuda.max_memory_allocated())
+    # ru_maxrss: KiB on Linux, bytes on macOS
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return "rss", int(rss if sys.platform == "darwin" else rss * 1024)
 
+
+def _gather_params(params):
+    tensors = []
+    for p in params:
+        t = p.detach()
+        if _is_dtensor(t):
+            t = t.full_tensor()
+        tensors.append(t.cpu().clone())
+    return tensors
+
+
+def _write_record(state, out_dir, rank, reason, weights):
+    """rank{rank}.json: what this process recorded (`weights`: whether it gathered them)."""
+    import json
+    import time
+
+    kind, peak = _peak_memory()
+    group = _dist()
+    try:
+        backend = str(group.get_backend()) if group is not None else None
+    except Exception:
+        backend = None
+    record = {
+        "rank": rank,
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "reason": reason,
+        "steps": state["step"],
+        "losses": state["losses"],
+        "grad_norms": state["grad_norms"][: state["step"]],
+        "micro_steps": state["micro_steps"],
+        "step_seconds": [b - a for a, b in zip(state["step_ends"], state["step_ends"][1:])],
+        "samples": state["samples"],
+        "sampler_epochs": state["sampler_epochs"],
+        "weights": weights,
+        "memory_kind": kind,
+        "peak_memory_bytes": peak,
+        "backend": backend,  # the default process group's ("nccl", "cpu:gloo,cuda:nccl"), None without one
+        "failed": state["failed"],
+        "seconds": time.time() - state["started"],
+    }
+    tmp = os.path.join(out_dir, f"rank{rank}.json.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+    os.replace(tmp, os.path.join(out_dir, f"rank{rank}.json"))
+
+
+def _wrap_process_group(run):
     # the script ends before K steps: record while the ranks are still together
+    state = run.state
     try:
         import torch.distributed as _d
 
@@ -425,7 +519,7 @@ def _install():
         def destroy_process_group(*args, **kwargs):
             state["grouped"] = True
             if not state["done"] and not args and not kwargs.get("group"):
-                finish("end", gather=True)
+                run.finish("end", gather=True)
             return original_destroy(*args, **kwargs)
 
         _d.destroy_process_group = destroy_process_group
@@ -440,6 +534,9 @@ def _install():
     except Exception:
         pass
 
+
+def _wrap_exits(state):
+    """The exception that ends the script, and what it gives sys.exit: its exit record says how it ended."""
     original_excepthook = sys.excepthook
 
     def excepthook(kind, value, tb):
@@ -455,32 +552,6 @@ def _install():
         original_exit(status)
 
     sys.exit = recording_exit
-
-    def at_exit():
-        if os.getpid() != main_pid:  # a forked DataLoader worker
-            return
-        import multiprocessing
-
-        if multiprocessing.parent_process() is not None:  # a spawned one
-            return
-        # weights need every rank; a single process or a live group can gather them
-        finish("exit", gather=_dist() is not None or "LOCAL_RANK" not in os.environ)
-        # The script's own code has ended: say how, for a rank that gloo aborts from here on.
-        status = state["exit_status"]
-        clean = state["uncaught"] is None and status in (None, 0)
-        exited = os.path.join(out_dir, f"exit_rank{_rank()}.json")
-        with open(exited + ".tmp", "w", encoding="utf-8") as f:
-            json.dump({"clean": clean, "uncaught": state["uncaught"], "status": repr(status)}, f)
-        os.replace(exited + ".tmp", exited)
-        grace = float(os.environ.get("FSDP2_RETROFIT_VERIFY_EXIT_GRACE", EXIT_GRACE_S))
-        if grace > 0 and (state["grouped"] or _dist() is not None):
-            # A gloo worker thread may still hold the last collective's work, whose tensors it
-            # releases under the GIL. Once finalization has begun, taking the GIL ends that
-            # thread in the middle of a destructor: std::terminate, SIGABRT, after the script
-            # finished. A short sleep (GIL released) lets it release them first.
-            time.sleep(grace)
-
-    atexit.register(at_exit)
 
 
 def _install_reference_sampler():

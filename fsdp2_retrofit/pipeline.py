@@ -6,13 +6,14 @@ from typing import Optional
 
 import libcst as cst
 
+from codemods.retrofit import RetrofitCommand
 from fsdp2_retrofit.options import RetrofitOptions
+from fsdp2_retrofit.output_check import crashes_in_output
 from fsdp2_retrofit.report import Attention, InputError, RefusedError, RewriteResult
+from fsdp2_retrofit.rewrite.context import RewriteContext
+from fsdp2_retrofit.rewrite.stage import ATTENTION_KEY, CHANGES_KEY, OPTIONS_KEY, ORIGINS_KEY, WORKSPACE_KEY
+from fsdp2_retrofit.rewrite.workspace import Workspace
 from fsdp2_retrofit.syntax.names import Origins
-from .context import RewriteContext
-from .output_check import crashes_in_output
-from .stage import ATTENTION_KEY, CHANGES_KEY, OPTIONS_KEY, ORIGINS_KEY, WORKSPACE_KEY
-from .workspace import Workspace
 
 
 def parse(source: bytes, path: str = "<input>") -> cst.Module:
@@ -62,7 +63,7 @@ def _whole_program(source: bytes, path: str, options: RetrofitOptions, module: c
     linked first; the script alone is rewritten where it has none, or where the program cannot be linked
     (its own result stands where it converts every step where it lives)."""
     from fsdp2_retrofit.analysis.program import Program, unreached_step
-    from . import link
+    from fsdp2_retrofit.rewrite import link
 
     program = Program.read(path, module, source) if b"import" in source else None
     steps = program.training_steps() if program is not None and program.modules else []
@@ -108,7 +109,6 @@ def _whole_program(source: bytes, path: str, options: RetrofitOptions, module: c
 
 def _rewrite_module(source: bytes, path: str, options: RetrofitOptions, module: cst.Module) -> RewriteResult:
     """One module through the stages."""
-    from codemods.retrofit import RetrofitCommand
     from fsdp2_retrofit.analysis.model_classes import recording_reads
 
     context = RewriteContext(filename=path)

@@ -8,7 +8,7 @@ import pytest
 
 from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.rewrite.blockers import FAMILIES, Blocker, all_blockers, family_blockers
-from fsdp2_retrofit.rewrite.pipeline import rewrite_source
+from fsdp2_retrofit.pipeline import rewrite_source
 from fsdp2_retrofit.rewrite.refusals import CATALOGUE
 
 BLOCKERS = all_blockers()
@@ -29,7 +29,26 @@ def _rewrite(tmp_path: Path, case):
     entry = tmp_path / "train.py"
     entry.write_text(case.source)
     options = RetrofitOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in case.options.items()})
+    if getattr(case, "stage", ""):
+        return entry, _stage_alone(case.stage, case.source, str(entry), options)
     return entry, rewrite_source(case.source.encode(), str(entry), options)
+
+
+def _stage_alone(name: str, source: str, path: str, options: RetrofitOptions):
+    """The stage called `name` run on its own, as libcst's codemod tool runs it: its refusal (or None)."""
+    import libcst as cst
+    from types import SimpleNamespace
+
+    from codemods.retrofit import GROUPS
+    from fsdp2_retrofit.report import RefusedError
+    from fsdp2_retrofit.rewrite.context import RewriteContext
+
+    stage = next(s for group in GROUPS for s in group if s.CODE == name)
+    try:
+        stage(RewriteContext(filename=path), options).transform_module(cst.parse_module(source))
+    except RefusedError as refused:
+        return SimpleNamespace(refusals=[refused.refusal], code=source, original=source)
+    return SimpleNamespace(refusals=[], code=None, original=source)
 
 
 def test_every_code_has_an_invalid_case():

@@ -1,6 +1,6 @@
 """The layout the README's table describes, kept honest: the packages import each other one
-way only, and libcst's private API is used in one module, whose use a libcst upgrade is
-checked against here.
+way only, libcst's private API is used in one module (whose use a libcst upgrade is
+checked against here), and no class or function grows past the size where it should be split.
 
 Imports are read from the sources with `ast` (those inside functions and under
 TYPE_CHECKING count too): a cycle hidden in a function body is still a cycle.
@@ -226,3 +226,29 @@ def test_names_render_is_libcsts_code(text):
     assert render(module) == module.code
     for stmt in module.body:
         assert render(stmt, module) == module.code_for_node(stmt)
+
+
+# the size a stage, an analysis or a helper may grow to before it is split along its seams
+MAX_CLASS_LINES = 500
+MAX_FUNCTION_LINES = 120
+
+
+def _definitions():
+    for path in sorted(list((ROOT / "fsdp2_retrofit").rglob("*.py")) + list((ROOT / "codemods").rglob("*.py"))):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield path.relative_to(ROOT), node, node.end_lineno - node.lineno + 1
+
+
+def test_no_class_or_function_outgrows_its_limit():
+    too_long = [
+        f"{path}:{node.lineno} {node.name} ({lines} lines)"
+        for path, node, lines in _definitions()
+        if lines > (MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES)
+    ]
+    assert not too_long, "split along their seams:\n" + "\n".join(too_long)
+
+
+def test_the_size_check_sees_the_stages():
+    names = {node.name for path, node, _ in _definitions() if path.parts[0] == "codemods"}
+    assert {"ShardModelCommand", "ConvertLoadsCommand", "RetrofitCommand"} <= names

@@ -167,7 +167,7 @@ class Program:
         for path, mod in self.files.items():
             if path == self.entry:
                 continue
-            if b".backward(" not in mod.data:
+            if b"backward" not in mod.data:  # `loss.backward ()` is a step too
                 continue
             out.extend(_steps(path, mod.module))
         return out

@@ -38,13 +38,15 @@ STAGES = {
 class Invalid:
     """A script the rewrite refuses with the blocker's code, at `line` of `path` (the entry
     when empty). `files` are the project's other modules ({relative path: source});
-    `options` are RetrofitOptions fields."""
+    `options` are RetrofitOptions fields. `stage`: the refusal guards a stage run on its own
+    (`python -m libcst.tool codemod shard.ShardModelCommand train.py`), and the case runs only it."""
 
     source: str
     line: int
     files: Mapping[str, str] = field(default_factory=dict)
     options: Mapping[str, object] = field(default_factory=dict)
     path: str = ""
+    stage: str = ""
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ if __name__ == "__main__":
 """,
     ),)
 
+
 class CheckpointNameBoundOnRankZero(Blocker):
     """A save that now runs on every rank reads a name bound only under a rank-0 `if` the rewrite
     cannot broadcast from (an else branch, another condition, a nested block, after the save).
@@ -127,6 +128,7 @@ if __name__ == "__main__":
 """,
         line=11,
     ),)
+
 
 class CheckpointOptimizerNotFollowed(Blocker):
     """An optimizer's state_dict() is saved where the tool cannot tell which optimizer it is, or which
@@ -234,6 +236,7 @@ save_checkpoint(None, step, args.out)
         line=83,
     ),)
 
+
 class CheckpointModulePickledInState(Blocker):
     """A saved dict, list or tuple holds a sharded model itself (`{"net": net}`), not its state dict.
 
@@ -274,6 +277,7 @@ for epoch in range(3):
 """,
         line=8,
     ),)
+
 
 class CheckpointStateThroughHelper(Blocker):
     """A torch.save in a helper saves its parameter, and a call hands that parameter a sharded model's

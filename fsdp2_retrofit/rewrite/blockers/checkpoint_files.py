@@ -65,6 +65,7 @@ if __name__ == "__main__":
 """,
     ),)
 
+
 class ResumeFileObject(Blocker):
     """Model or optimizer state loaded from a file object the tool cannot replace by its path.
 

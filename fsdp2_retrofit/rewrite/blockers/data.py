@@ -50,6 +50,7 @@ def main():
         line=19,
     ),)
 
+
 class DataLoaderNotFollowed(Blocker):
     """No training loop reads a named DataLoader, and one is built where it cannot be followed (inline
     in a `for`, on an attribute, returned by a helper).
@@ -94,6 +95,7 @@ def main():
         line=19,
     ),)
 
+
 class DataBatchSizeReadElsewhere(Blocker):
     """--keep-global-batch: the training DataLoader's batch size is a name (or attribute) the script
     also reads to size batch tensors, and it cannot be rebound once to the per-rank size (bound
@@ -133,6 +135,7 @@ def main():
         line=7,
         options={'keep_global_batch': True},
     ),)
+
 
 class DataLoaderOutsideProject(Blocker):
     """The training DataLoader is built in a module outside the project (an installed package, or a
@@ -227,6 +230,7 @@ def make_loader(dataset, batch_size):
     return DataLoader(dataset, batch_size=batch_size, shuffle=True)
 """},
     ),)
+
 
 class DataGlobalBatchOfOne(Blocker):
     """--keep-global-batch with a training batch size of 1.

@@ -72,6 +72,7 @@ dist.destroy_process_group()
 """,
     ),)
 
+
 class DdpWrapperClassUsed(Blocker):
     """The script uses the wrapper class itself (isinstance, subclass).
 
@@ -115,6 +116,7 @@ opt = optim.SGD(model.parameters(), lr=0.1)
 """,
         line=25,
     ),)
+
 
 class DdpNoSyncShape(Blocker):
     """`no_sync()` is used in a shape the migration does not convert.
@@ -214,6 +216,7 @@ dist.destroy_process_group()
 """,
     ),)
 
+
 class DdpRankSeed(Blocker):
     """The random seed of a DDP script depends on the rank.
 
@@ -253,6 +256,7 @@ dist.destroy_process_group()
         line=11,
     ),)
 
+
 class DdpAndDataParallel(Blocker):
     """The script uses both DataParallel and DistributedDataParallel.
 
@@ -291,6 +295,7 @@ for step in range(100):
 """,
         line=13,
     ),)
+
 
 class DdpUnknownArgument(Blocker):
     """A DDP/DataParallel argument has no FSDP2 counterpart the rewrite knows.

@@ -73,6 +73,7 @@ dist.destroy_process_group()
         ),
     )
 
+
 class Fsdp1UnknownArgument(Blocker):
     """FSDP(...) is given an argument the rewrite cannot migrate.
 
@@ -151,6 +152,7 @@ if __name__ == "__main__":
 """,
         line=45,
     ),)
+
 
 class Fsdp1UnreadableSetting(Blocker):
     """An FSDP1 setting (auto_wrap_policy, sharding_strategy, MixedPrecision, CPUOffload) cannot be
@@ -237,6 +239,7 @@ def wrap_policy(module, recurse, nonwrapped_numel):
 """},
     ),)
 
+
 class Fsdp1NoShard(Blocker):
     """sharding_strategy=ShardingStrategy.NO_SHARD.
 
@@ -315,6 +318,7 @@ if __name__ == "__main__":
 """,
         line=45,
     ),)
+
 
 class Fsdp1StateDictType(Blocker):
     """A state dict type the rewrite does not convert (set_state_dict_type, LOCAL_STATE_DICT, a shared
@@ -395,6 +399,7 @@ if __name__ == "__main__":
         line=53,
     ),)
 
+
 class Fsdp1UnconvertedApi(Blocker):
     """FSDP1 API the rewrite does not convert is left in the script.
 
@@ -473,6 +478,7 @@ if __name__ == "__main__":
         line=53,
     ),)
 
+
 class Fsdp1MixedWrapSettings(Blocker):
     """Several FSDP(...) wraps with different settings.
 
@@ -516,6 +522,7 @@ dist.destroy_process_group()
         line=15,
     ),)
 
+
 class Fsdp1PrecisionCombination(Blocker):
     """MixedPrecision(...) with a combination of dtypes the rewrite does not map.
 
@@ -556,6 +563,7 @@ dist.destroy_process_group()
 """,
         line=15,
     ),)
+
 
 class Fsdp1HybridWithoutHsdp(Blocker):
     """ShardingStrategy.HYBRID_SHARD without `--hsdp`.
@@ -635,6 +643,7 @@ if __name__ == "__main__":
 """,
         line=45,
     ),)
+
 
 class Fsdp1StateDictRankGated(Blocker):
     """An FSDP1 state dict is taken under a rank-0 `if`.

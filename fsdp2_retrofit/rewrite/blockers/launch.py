@@ -76,6 +76,7 @@ if __name__ == "__main__":
         line=34,
     ),)
 
+
 class LaunchModelBeforeProcessGroup(Blocker):
     """The model is built before the script starts its process group.
 
@@ -148,6 +149,7 @@ if __name__ == "__main__":
         line=31,
     ),)
 
+
 class LaunchTrainingFramework(Blocker):
     """The script trains through Accelerate, Lightning (Trainer or Fabric) or DeepSpeed.
 
@@ -174,6 +176,7 @@ pl.Trainer(max_epochs=1).fit(model)
 """,
         line=7,
     ),)
+
 
 class LaunchReturnedModelUnfollowed(Blocker):
     """A helper builds the model and returns it in a way the rewrite does not follow.
@@ -254,6 +257,7 @@ if __name__ == "__main__":
 ''',
         line=32,
     ),)
+
 
 class LaunchDistNameTaken(Blocker):
     """The script binds the name `dist` to something other than torch.distributed.

@@ -38,6 +38,7 @@ def main(name):
         line=8,
     ),)
 
+
 class LibrarySaveRankGated(Blocker):
     """save_pretrained of a sharded model under a rank test.
 

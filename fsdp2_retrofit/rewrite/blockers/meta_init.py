@@ -35,6 +35,7 @@ def main(name):
         options={'meta_init': True},
     ),)
 
+
 class MetaInitCompoundBuild(Blocker):
     """--meta-init with a model built inside a compound statement.
 
@@ -104,6 +105,7 @@ def main(big):
         options={'meta_init': True},
     ),)
 
+
 class MetaInitCannotReplay(Blocker):
     """--meta-init where the model's initialisation cannot be re-created.
 
@@ -143,6 +145,7 @@ def main():
         line=15,
         options={'meta_init': True},
     ),)
+
 
 class MetaInitNotBuiltByClass(Blocker):
     """--meta-init with a model not built by calling its class.
@@ -186,6 +189,7 @@ def main():
         line=19,
         options={'meta_init': True},
     ),)
+
 
 class MetaInitUseBeforeShard(Blocker):
     """--meta-init with a statement using the model between its build and fully_shard.

@@ -107,6 +107,7 @@ if __name__ == "__main__":
 """,
     ),)
 
+
 class RandomControlFlowInForward(Blocker):
     """The forward of the sharded model decides its control flow (a loop's length, an `if`) from a
     random draw (`random.*`, `numpy.random.*`, `torch.rand*`) of a generator the script does not

@@ -57,6 +57,7 @@ main()
         line=25,
     ),)
 
+
 class ResumeOptimizerOfSeveralModels(Blocker):
     """A loaded optimizer trains several models.
 
@@ -137,6 +138,7 @@ def main(resume):
                 "enc_opt": enc_opt.state_dict(), "dec_opt": dec_opt.state_dict()}, "last.pt")
 """,
     ),)
+
 
 class ResumePickledModuleReload(Blocker):
     """A pickled module (torch.save(model, path)) is reloaded where the tool cannot load it into the
@@ -238,6 +240,7 @@ if __name__ == "__main__":
 ''',
         line=69,
     ),)
+
 
 class ResumeOptimizerNotFollowed(Blocker):
     """An optimizer state is loaded where the tool cannot tell which optimizer receives it: a function

@@ -29,7 +29,26 @@ class ShardWrapperLeft(Blocker):
 
     CODE = "FSR601"
     NAME = "shard-wrapper-left"
-    INVALID = ()
+    INVALID = (Invalid(
+        """\
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+model = DDP(nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+""",
+        line=7,
+        stage="shard",  # the composite runs migrate_ddp first, which lifts the wrap
+    ),)
+
 
 class ShardAutocastDtypeUnknown(Blocker):
     """--mixed-precision auto with several or unknown autocast dtypes.
@@ -98,6 +117,7 @@ def main():
         options={'mixed_precision': 'auto'},
     ),)
 
+
 class ShardBatchnormLowPrecision(Blocker):
     """Mixed precision for a model with BatchNorm layers.
 
@@ -129,6 +149,7 @@ def main(name):
         line=7,
         options={'mixed_precision': 'bf16'},
     ),)
+
 
 class ShardCompiledInBuild(Blocker):
     """The model is compiled in the expression that builds it.
@@ -173,22 +194,50 @@ opt = optim.SGD(model.parameters(), lr=0.1)
         line=24,
     ),)
 
+
 class ShardTrainerClassLoop(Blocker):
-    """The training loop lives in a class of a sibling module that the script alone cannot convert.
+    """The training loop lives in a class of a sibling module that the program did not take in (one
+    module more than the 64 a program reads, or a module that does not parse), handed the model.
 
     ## Why
-    A trainer class of the script is converted in its methods, and one of a sibling module in its
-    own file, with the program linked into one analysis; the script alone (where the program cannot
-    be linked, FSR970 says why at the class's backward()) would leave its loop with its plain
-    sampler, saves and logging.
+    A trainer class of another file is converted in its own file with the program linked into one
+    analysis; a module the program did not read has no such conversion, and the script alone would
+    leave that loop with its plain sampler, saves and logging.
 
     ## What to do
-    Make the program linkable as FSR970 says, or move the trainer class into the script.
+    Rewrite the module that holds the loop, or import fewer project modules from the entry (or fix
+    the module that does not parse).
     """
 
     CODE = "FSR605"
     NAME = "shard-trainer-class-loop"
-    INVALID = ()
+    INVALID = (Invalid(
+        "import torch\n" + "".join(f"import m{i}\n" for i in range(70)) + """\
+from trainer import Trainer
+
+model = torch.nn.Linear(4, 1)
+trainer = Trainer(model, 0.1)
+trainer.fit(3)
+""",
+        line=75,
+        files={**{f"m{i}.py": f"X{i} = {i}\n" for i in range(70)}, "trainer.py": """\
+import torch
+
+
+class Trainer:
+    def __init__(self, model, lr):
+        self.model = model
+        self.opt = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def fit(self, steps):
+        for _ in range(steps):
+            loss = self.model(torch.randn(8, 4)).pow(2).mean()
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+"""},
+    ),)
+
 
 class ShardCopyElsewhere(Blocker):
     """A sharded model is copied other than right after its build.
@@ -236,6 +285,7 @@ if opt:
 """,
         line=28,
     ),)
+
 
 class ShardAveragedModelInConstructor(Blocker):
     """`AveragedModel(...)` of a sharded model inside a constructor.
@@ -296,6 +346,7 @@ def main():
 """,
         line=34,
     ),)
+
 
 class ShardClassCopiesModel(Blocker):
     """A class deep-copies the model it is handed.
@@ -360,6 +411,7 @@ def main():
         line=37,
     ),)
 
+
 class ShardMetaInitWithCopy(Blocker):
     """--meta-init with a copy of the model.
 
@@ -420,6 +472,7 @@ def main():
         options={'meta_init': True},
     ),)
 
+
 class ShardOptimizerInClass(Blocker):
     """The optimizer is built inside a trainer class from parameters that cannot be followed to a
     model.
@@ -469,6 +522,7 @@ class Trainer:
         line=28,
     ),)
 
+
 class ShardNoModel(Blocker):
     """No nn.Module is built in the script.
 
@@ -487,6 +541,7 @@ print('hi')
 """,
         line=1,
     ),)
+
 
 class ShardNoOptimizer(Blocker):
     """No optimizer trains a model built in the script.
@@ -510,6 +565,7 @@ model(torch.ones(2)).sum().backward()
 """,
         line=4,
     ),)
+
 
 class ShardModelsInDifferentBlocks(Blocker):
     """Models are built in different blocks.
@@ -589,6 +645,7 @@ def main():
 """,
     ),)
 
+
 class ShardLibraryPlacementArgument(Blocker):
     """A library model is loaded with device_map= or quantization (load_in_8bit/4bit,
     quantization_config).
@@ -620,6 +677,7 @@ def main(name):
 """,
         line=7,
     ),)
+
 
 class ShardLibraryPushToHub(Blocker):
     """push_to_hub of a model the rewrite shards.
@@ -654,6 +712,7 @@ def main(name):
         line=8,
     ),)
 
+
 class ShardLibraryPeft(Blocker):
     """The model is wrapped by PEFT after it is built.
 
@@ -685,6 +744,7 @@ def main(name):
 """,
         line=8,
     ),)
+
 
 class ShardGlobalBuiltInFunction(Blocker):
     """The model is a global built inside a set-up function.
@@ -733,6 +793,7 @@ setup()
         line=26,
     ),)
 
+
 class ShardPlainListOfLayers(Blocker):
     """A model keeps layers in a plain Python list.
 
@@ -775,6 +836,7 @@ opt = optim.SGD(model.parameters(), lr=0.1)
 """,
         line=18,
     ),)
+
 
 class ShardOptimizerInInit(Blocker):
     """An optimizer is built inside the model's __init__.
@@ -819,6 +881,7 @@ opt = optim.SGD(model.parameters(), lr=0.1)
 """,
         line=20,
     ),)
+
 
 class ShardModelReboundToWrapper(Blocker):
     """The model's name is rebound to an object wrapping it (`model = Wrapper(model)`) after the build.
@@ -870,6 +933,7 @@ if __name__ == "__main__":
         line=19,
     ),)
 
+
 class ShardFlatteningOptimizer(Blocker):
     """The model is trained by LBFGS, which flattens every gradient into one vector.
 
@@ -913,6 +977,7 @@ def main():
 """,
         line=17,
     ),)
+
 
 class ShardOptimizerWholeMatrices(Blocker):
     """An optimizer class of the script reshapes, transposes or multiplies whole matrices
@@ -973,6 +1038,7 @@ def main():
         line=25,
     ),)
 
+
 class ShardBlockParameterOutsideForward(Blocker):
     """A method of the model called outside forward reads a parameter of a block that becomes its own
     FSDP unit.
@@ -1026,6 +1092,7 @@ if __name__ == "__main__":
         line=12,
     ),)
 
+
 class ShardDoubleBackward(Blocker):
     """`torch.autograd.grad(..., create_graph=True)` (a gradient penalty: WGAN-GP, DRAGAN, R1) in a
     script whose model is sharded.
@@ -1074,6 +1141,7 @@ def main():
 """,
         line=20,
     ),)
+
 
 class ShardUnrecognisedTrainedModel(Blocker):
     """An optimizer trains a module the rewrite does not recognise, beside models it does.
@@ -1124,6 +1192,7 @@ torch.save(generator.state_dict(), "out.pt")
 """,
         line=18,
     ),)
+
 
 class ShardModuleSharedByModels(Blocker):
     """One module is handed to the constructors of two models that get sharded (layers shared between
@@ -1182,6 +1251,7 @@ def main():
         line=28,
     ),)
 
+
 class ShardModelReboundInNestedFunction(Blocker):
     """A function nested in the one that builds the model declares the model's name `nonlocal` and
     binds it to another object.
@@ -1239,6 +1309,7 @@ main()
 """,
         line=22,
     ),)
+
 
 class ShardScalarParameterMetaInit(Blocker):
     """--meta-init with a model whose classes create a 0-dim parameter
@@ -1304,6 +1375,7 @@ if __name__ == "__main__":
         options={'meta_init': True},
     ),)
 
+
 class ShardOptimizerBeforeShardInBranch(Blocker):
     """An optimizer is built from a model's parameters before the model is sharded, inside a branch (an
     if/else, a try) the rewrite does not move.
@@ -1355,6 +1427,7 @@ main()
         line=14,
     ),)
 
+
 class ShardOptionClassNotFound(Blocker):
     """--shard names a class that no module of the model is built of.
 
@@ -1400,6 +1473,7 @@ opt = optim.SGD(model.parameters(), lr=0.1)
         line=24,
         options={'shard': ['NoSuchClass']},
     ),)
+
 
 class ShardGradScalerBeforeTorch25(Blocker):
     """A GradScaler in a script retrofitted for torch 2.4 (--torch-version 2.4).
@@ -1451,6 +1525,7 @@ for x in torch.randn(4, 8, 4):
         line=27,
         options={'torch_version': '2.4'},
     ),)
+
 
 class ShardForwardWritesParameterData(Blocker):
     """The forward of a trained model (or a method its forward calls on self) writes into one of its
@@ -1551,6 +1626,7 @@ def _wrappers(facts: ScriptFacts, options) -> Iterator[Blocked]:
                 "the wrapper must go before fully_shard",
                 "run the migrate_ddp stage first (the composite `rewrite` does)",
             )
+            continue
         yield Blocked(
             "FSR601",
             line,
@@ -1581,11 +1657,10 @@ def _trainer_classes(facts: ScriptFacts, options) -> Iterator[Blocked]:
             "FSR605",
             call,
             f"the training loop lives in class {cls}, which is handed the model",
-            "the class is in another file, which the script's own analysis does not convert: the program "
-            "linked into one analysis does, and where it cannot be linked its loop would keep its plain "
+            "the class is in another file, which the program did not take in (one module more than it reads, "
+            "or a module that does not parse): its loop would keep its plain "
             "sampler, saves and logging",
-            "rewrite from the entry, where the program is linked (FSR970 says what stops it), or move the "
-            "trainer class into the script",
+            "rewrite the module that holds the loop, or import fewer project modules from the entry",
         )
 
 

@@ -52,6 +52,7 @@ main()
         line=8,
     ),)
 
+
 class SharedNameUnnamed(Blocker):
     """A path every rank uses is made from the clock or a uuid without a name to hand over: inline in
     the call, stored in `self.attr`, a function's result used in place.

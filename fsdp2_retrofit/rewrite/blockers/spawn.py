@@ -45,6 +45,7 @@ if __name__ == "__main__":
         line=23,
     ),)
 
+
 class SpawnWorkerNotTopLevel(Blocker):
     """The function mp.spawn starts is not a top-level function of the script.
 
@@ -86,6 +87,7 @@ if __name__ == "__main__":
 """,
         line=20,
     ),)
+
 
 class SpawnArgsNotLiteral(Blocker):
     """The args of mp.spawn are not a tuple written in the call.
@@ -136,6 +138,7 @@ if __name__ == "__main__":
         line=31,
     ),)
 
+
 class SpawnResultUsed(Blocker):
     """The value mp.spawn returns is used.
 
@@ -185,6 +188,7 @@ if __name__ == "__main__":
         line=31,
     ),)
 
+
 class SpawnLauncherOption(Blocker):
     """mp.spawn is given `join=False` or another launcher option.
 
@@ -233,6 +237,7 @@ if __name__ == "__main__":
 """,
         line=31,
     ),)
+
 
 class SpawnSharedObject(Blocker):
     """A queue, pipe, manager or shared value is handed to the workers.
@@ -285,6 +290,7 @@ if __name__ == "__main__":
         line=32,
     ),)
 
+
 class SpawnWorkerSignature(Blocker):
     """The worker does not take exactly the spawn index plus the spawn args.
 
@@ -325,6 +331,7 @@ if __name__ == "__main__":
         line=7,
     ),)
 
+
 class SpawnWorkerWithoutProcessGroup(Blocker):
     """The spawned worker starts no process group.
 
@@ -363,6 +370,7 @@ if __name__ == "__main__":
 """,
         line=8,
     ),)
+
 
 class SpawnInitStore(Blocker):
     """init_process_group is given a store.
@@ -404,6 +412,7 @@ if __name__ == "__main__":
 """,
         line=9,
     ),)
+
 
 class SpawnComputedRank(Blocker):
     """The worker computes its global rank for init_process_group.
@@ -479,6 +488,7 @@ if __name__ == "__main__":
     mp.spawn(train, args=(world_size,), nprocs=world_size)
 """,
     ),)
+
 
 class SpawnInitPositional(Blocker):
     """init_process_group takes positional arguments after the backend.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import builtins
 from dataclasses import dataclass
-from typing import List
+from typing import Dict, List
 
 import libcst as cst
 
@@ -240,8 +240,22 @@ def _walk(node):
         yield from _walk(child)
 
 
+# the last modules' bindings: every log statement of a script asks for those of its one module
+_BINDINGS: Dict[int, tuple] = {}
+
+
 def _module_bindings(r: Resolver):
-    """(names its imports bind, names its other top-level statements bind, its top-level functions)."""
+    """(names its imports bind, names its other top-level statements bind, its top-level functions),
+    computed once per module (a tree is never changed in place: a stage's edits make a new one)."""
+    known = _BINDINGS.get(id(r.module))
+    if known is None or known[0] is not r.module:
+        if len(_BINDINGS) > 16:
+            _BINDINGS.clear()
+        known = _BINDINGS[id(r.module)] = (r.module, _bindings_of(r))
+    return known[1]
+
+
+def _bindings_of(r: Resolver):
     imported, values, helpers = set(), set(), {}
     for stmt in r.module.body:
         if type(stmt) is cst.FunctionDef:

@@ -214,7 +214,7 @@ def log_only(fn: cst.FunctionDef, r: Resolver, depth: int = 0) -> bool:
             return False
         if root in local_values:
             if any(n.value in params or (n.value in values and n.value not in imported)
-                   for v in local_values[root] for n in _names(v)):
+                   for v in local_values[root] for n in r.descendants(v, cst.Name)):
                 return False
             continue
         if root in helpers:
@@ -228,16 +228,6 @@ def log_only(fn: cst.FunctionDef, r: Resolver, depth: int = 0) -> bool:
 
 
 _BUILTINS = frozenset(dir(builtins))
-
-
-def _names(node):
-    return [n for n in _walk(node) if type(n) is cst.Name]
-
-
-def _walk(node):
-    yield node
-    for child in node.children:
-        yield from _walk(child)
 
 
 # the last modules' bindings: every log statement of a script asks for those of its one module
@@ -261,18 +251,17 @@ def _bindings_of(r: Resolver):
         if type(stmt) is cst.FunctionDef:
             helpers[stmt.name.value] = stmt
             continue
-        for node in _walk(stmt):
-            if type(node) is cst.Import:
-                for alias in node.names:
-                    imported.add(alias.asname.name.value if alias.asname else code(alias.name).split(".")[0])
-            elif type(node) is cst.ImportFrom and not isinstance(node.names, cst.ImportStar):
-                for alias in node.names:
-                    imported.add(alias.asname.name.value if alias.asname else code(alias.name))
-            elif type(node) in (cst.AssignTarget, cst.AnnAssign, cst.AugAssign, cst.For, cst.AsName):
-                target = node.name if type(node) is cst.AsName else node.target
-                values.update(n.value for n in _names(target))
-            elif type(node) is cst.ClassDef:
-                values.add(node.name.value)
+        for node in r.descendants(stmt, cst.Import):
+            for alias in node.names:
+                imported.add(alias.asname.name.value if alias.asname else code(alias.name).split(".")[0])
+        for node in r.descendants(stmt, cst.ImportFrom):
+            for alias in () if isinstance(node.names, cst.ImportStar) else node.names:
+                imported.add(alias.asname.name.value if alias.asname else code(alias.name))
+        for kind in (cst.AssignTarget, cst.AnnAssign, cst.AugAssign, cst.For, cst.AsName):
+            for node in r.descendants(stmt, kind):
+                target = node.name if kind is cst.AsName else node.target
+                values.update(n.value for n in r.descendants(target, cst.Name))
+        values.update(c.name.value for c in r.descendants(stmt, cst.ClassDef))
     values -= imported
     return imported, values, helpers
 

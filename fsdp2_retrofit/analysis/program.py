@@ -225,9 +225,13 @@ def _nested_imports(module: cst.Module, stmt, positions: list) -> Iterator[Tuple
     found: List[cst.SimpleStatementLine] = []
 
     class _Find(cst.CSTVisitor):
-        def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
-            if any(isinstance(small, (cst.Import, cst.ImportFrom)) for small in node.body):
-                found.append(node)
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            """Statements and their blocks only: an import is never inside an expression."""
+            if isinstance(node, cst.SimpleStatementLine):
+                if any(isinstance(small, (cst.Import, cst.ImportFrom)) for small in node.body):
+                    found.append(node)
+                return False
+            return not isinstance(node, (cst.BaseExpression, cst.BaseSmallStatement, cst.Decorator, cst.Parameters))
 
     stmt.visit(_Find())
     if not found:

@@ -72,10 +72,29 @@ def _target_names(target) -> Set[str]:
     return set()  # `a.b = ...`, `a[i] = ...` bind nothing
 
 
+def _remembered(table: Dict[int, tuple], fn: cst.FunctionDef, compute) -> Set[str]:
+    """compute(fn), once per function node (a tree is never changed in place: an edit makes new
+    nodes); a fresh set each time, for the caller to change."""
+    known = table.get(id(fn))
+    if known is None or known[0] is not fn:
+        if len(table) > 4096:
+            table.clear()
+        known = table[id(fn)] = (fn, frozenset(compute(fn)))
+    return set(known[1])
+
+
+_BINDINGS: Dict[int, tuple] = {}
+_FREE_READS: Dict[int, tuple] = {}
+
+
 def local_bindings(fn: cst.FunctionDef) -> Set[str]:
     """The names `fn` binds in its own scope (parameters, assignments, loop, with and
     except targets, imports, nested defs and classes), less those it declares
     `nonlocal` or `global`: a read of any other name reaches an enclosing scope."""
+    return _remembered(_BINDINGS, fn, _local_bindings)
+
+
+def _local_bindings(fn: cst.FunctionDef) -> Set[str]:
     bound = set(parameter_names(fn))
     declared: Set[str] = set()
     for node in _own_nodes(fn):
@@ -111,6 +130,10 @@ def dotted_root(name) -> str:
 def free_reads(fn: cst.FunctionDef) -> Set[str]:
     """The names `fn` (or a function nested in it) reads that `fn` does not bind:
     closure variables of the function around it, globals or builtins."""
+    return _remembered(_FREE_READS, fn, _free_reads)
+
+
+def _free_reads(fn: cst.FunctionDef) -> Set[str]:
     nodes = walk(fn.body)
     not_reads = {id(n.attr) for n in nodes if isinstance(n, cst.Attribute)}
     not_reads |= {id(n.keyword) for n in nodes if isinstance(n, cst.Arg) and n.keyword is not None}

@@ -11,6 +11,7 @@ read it before it exists."""
 from __future__ import annotations
 
 import builtins
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Dict, List
 
@@ -247,21 +248,28 @@ def _module_bindings(r: Resolver):
 
 def _bindings_of(r: Resolver):
     imported, values, helpers = set(), set(), {}
-    for stmt in r.module.body:
-        if type(stmt) is cst.FunctionDef:
-            helpers[stmt.name.value] = stmt
-            continue
-        for node in r.descendants(stmt, cst.Import):
-            for alias in node.names:
-                imported.add(alias.asname.name.value if alias.asname else code(alias.name).split(".")[0])
-        for node in r.descendants(stmt, cst.ImportFrom):
-            for alias in () if isinstance(node.names, cst.ImportStar) else node.names:
-                imported.add(alias.asname.name.value if alias.asname else code(alias.name))
-        for kind in (cst.AssignTarget, cst.AnnAssign, cst.AugAssign, cst.For, cst.AsName):
-            for node in r.descendants(stmt, kind):
-                target = node.name if kind is cst.AsName else node.target
-                values.update(n.value for n in r.descendants(target, cst.Name))
-        values.update(c.name.value for c in r.descendants(stmt, cst.ClassDef))
+    functions = [stmt for stmt in r.module.body if type(stmt) is cst.FunctionDef]
+    for fn in functions:
+        helpers[fn.name.value] = fn
+    spans = [r.span(fn) for fn in functions]  # in source order: the bodies whose bindings are their own
+    starts = [first for first, _ in spans]
+
+    def outside(node) -> bool:
+        at = r.order(node)
+        i = bisect_right(starts, at) - 1
+        return i < 0 or at > spans[i][1]
+
+    for node in filter(outside, r.nodes(cst.Import)):
+        for alias in node.names:
+            imported.add(alias.asname.name.value if alias.asname else code(alias.name).split(".")[0])
+    for node in filter(outside, r.nodes(cst.ImportFrom)):
+        for alias in () if isinstance(node.names, cst.ImportStar) else node.names:
+            imported.add(alias.asname.name.value if alias.asname else code(alias.name))
+    for kind in (cst.AssignTarget, cst.AnnAssign, cst.AugAssign, cst.For, cst.AsName):
+        for node in filter(outside, r.nodes(kind)):
+            target = node.name if kind is cst.AsName else node.target
+            values.update(n.value for n in r.descendants(target, cst.Name))
+    values.update(c.name.value for c in filter(outside, r.nodes(cst.ClassDef)))
     values -= imported
     return imported, values, helpers
 

@@ -96,6 +96,8 @@ class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
                 )
             if loader.sampler is not None and loader.sampler.kind in ("distributed", "per_rank"):
                 continue
+            if self._distribute_shared_helper(loader, facts, editor):
+                continue  # the helper of this file that builds it builds a validation loader too
             self._distribute(loader, facts, editor, several=len(training) > 1)
 
     def _steps_without_loader(self, facts: ScriptFacts) -> None:

@@ -6,17 +6,22 @@ When every call of the function feeds training, the DataLoader simply reads thro
 sampler. When only some do (`train_loader = make(..., shuffle=True)` beside `val_loader =
 make(..., shuffle=False)`), the function gets a parameter `distributed=False`, the DataLoader
 takes the sampler only when it is true, and the training calls pass `distributed=True`: the
-other loaders stay as they were, as a validation loader of the script does."""
+other loaders stay as they were, as a validation loader of the script does. A function of the
+script itself that builds the training loader and a validation loader gets the same edits, made in
+the script (_ScriptUnit)."""
 from __future__ import annotations
 
+import os
 from typing import List, Optional
 
 import libcst as cst
 
-from fsdp2_retrofit.analysis import ScriptFacts, code
+from fsdp2_retrofit.analysis import LoaderSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.data import loader_dataset
+from fsdp2_retrofit.analysis.sibling_loaders import SiblingLoader
+from fsdp2_retrofit.syntax.names import names_in
 from fsdp2_retrofit.rewrite.edit import with_keyword, without_keyword
-from fsdp2_retrofit.rewrite.stage import StatementEditor
+from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 FLAG = "distributed"  # the parameter a helper shared by training and other loaders gets
 
@@ -39,32 +44,84 @@ class SiblingLoaderEdits:
             by_function.setdefault((found.path, found.function), []).append(found)
         for calls in by_function.values():
             found = calls[0]
-            training = [c for c in calls if facts.analysis.loop_fed_by(c.call) is not None]
-            why = "" if training else f"no call of {found.function}() feeds a training loop"
-            why = why or found.blocker(self.context.filename or "")
-            flag = None
-            if not why and len(training) < len(calls):
-                flag, why = self._flag_for(found)
-            unit = None if why else self.unit(found.path, found.resolver, found.built, "FSR904")
-            if unit is None:
-                left.extend((c, why or "this rewrite edits the script only") for c in calls)
-                continue
-            self._sample_there(found, unit, flag)
-            for c in training:
-                if self.options.keep_global_batch:
-                    self._keep_batch_at_call(found, c, facts, editor)
-                if flag is not None:
-                    editor.replace_expression(c.call, lambda call: with_keyword(call, flag, cst.Name("True")))
-                    self.change(c.call, f"`{flag}=True`: the loader {found.function}() returns here trains, so it "
-                                "reads through a DistributedSampler",
-                                f"the other calls of {found.function}() build loaders that do not train (left as "
-                                "they were: every rank reads all of them)",
-                                "without a sampler every rank trains on the same batches")
-            shuffle = _keyword(found.built, "shuffle")
-            if shuffle is not None and code(shuffle) != "False":
-                for c in training:
-                    self._set_epoch_received(c, facts, editor)
+            left.extend(self._distribute_helper(
+                calls, facts, editor, lambda why: self.unit(found.path, found.resolver, found.built, "FSR904"),
+                found.blocker(self.context.filename or "")))
         return left
+
+    def _distribute_helper(self, calls: list, facts: ScriptFacts, editor: StatementEditor, unit_for,
+                           blocker: str, trains=None) -> list:
+        """The DataLoader one function builds (in a sibling module, or in the script: `unit_for(why)`
+        gives the unit its edits go to, None where it cannot be edited) reads through a
+        DistributedSampler for the calls (`calls`, SiblingLoader records) whose loader trains: all of
+        them, or those that pass the new `distributed=True` where only some do. Returns (call, why)
+        for the calls left as they are. `trains(call)`: whether a call's loader feeds training (by
+        default, whether a training loop reads the value of the call)."""
+        found = calls[0]
+        trains = trains or (lambda call: facts.analysis.loop_fed_by(call) is not None)
+        training = [c for c in calls if trains(c.call)]
+        why = "" if training else f"no call of {found.function}() feeds a training loop"
+        why = why or blocker
+        flag = None
+        if not why and len(training) < len(calls):
+            flag, why = self._flag_for(found)
+        unit = None if why else unit_for(why)
+        if unit is None:
+            return [(c, why or "this rewrite edits the script only") for c in calls]
+        self._sample_there(found, unit, flag)
+        for c in training:
+            if self.options.keep_global_batch:
+                self._keep_batch_at_call(found, c, facts, editor)
+            if flag is not None:
+                editor.replace_expression(c.call, lambda call: with_keyword(call, flag, cst.Name("True")))
+                self.change(c.call, f"`{flag}=True`: the loader {found.function}() returns here trains, so it "
+                            "reads through a DistributedSampler",
+                            f"the other calls of {found.function}() build loaders that do not train (left as "
+                            "they were: every rank reads all of them)",
+                            "without a sampler every rank trains on the same batches")
+        shuffle = _keyword(found.built, "shuffle")
+        if shuffle is not None and code(shuffle) != "False":
+            for c in training:
+                self._set_epoch_received(c, facts, editor)
+        return []
+
+    def _distribute_shared_helper(self, loader, facts: ScriptFacts, editor: StatementEditor) -> bool:
+        """The training DataLoader `loader` is built by a function of this file that also builds loaders
+        that do not train (`val_loader = make_loader(..., shuffle=False)`): its edits are those of a sibling
+        module's helper, made here. False where every call of it trains (or it is no such helper's)."""
+        shared = self._shared_helper(loader, facts)
+        if shared is None:
+            return False
+        script = self.context.filename or ""
+        for found, why in self._distribute_helper(shared, facts, editor, lambda why: _ScriptUnit(self, editor),
+                                                  shared[0].blocker(script, False), lambda call: _call_trains(call, facts)):
+            self.attention(
+                found.call,
+                f"the DataLoader {found.function}() builds (line {found.line}) is left as it is ({why}): it "
+                "gets no DistributedSampler, so every rank reads all of it (where it trains, every rank "
+                "trains on the same batches)",
+                f"give {found.function}() a parameter that says whether its loader trains, and that loader "
+                "`sampler=DistributedSampler(dataset, shuffle=...)` in place of `shuffle=`",
+                differs=True,
+            )
+        return True
+
+    def _shared_helper(self, loader: LoaderSite, facts: ScriptFacts) -> Optional[list]:
+        """The calls (SiblingLoader records) of the function of this file that builds and returns the
+        training DataLoader `loader`, where only some of them feed a training loop (the same helper
+        builds the validation loader): None where every call trains, or the loader is not such a helper's."""
+        r = facts.resolver
+        fn = r.enclosing_function(loader.stmt)
+        if fn is None or fn is facts.entry_scope or not loader.returned or r.enclosing_class(fn) is not None:
+            return None
+        calls = [c for c in r.nodes(cst.Call) if type(c.func) is cst.Name and c.func.value == fn.name.value
+                 and r.enclosing_function(c) is not fn]
+        fed = [c for c in calls if _call_trains(c, facts)]
+        if not fed or len(fed) == len(calls):
+            return None
+        shown = os.path.basename(self.context.filename or "the script")
+        return [SiblingLoader(c, fn.name.value, shown, r.line(loader.call), loader.call, r,
+                              self.context.filename or "", fn) for c in calls]
 
     def _flag_for(self, found) -> tuple:
         """(the name of the new parameter, "") for a function whose DataLoader trains for some calls
@@ -205,6 +262,36 @@ class SiblingLoaderEdits:
             "DistributedSampler reshuffles from its epoch number",
             "without set_epoch every epoch repeats the same order",
         )
+
+
+def _call_trains(call: cst.Call, facts: ScriptFacts) -> bool:
+    """The value of `call` (a helper of this file that returns a DataLoader) feeds a training loop:
+    a loop reads it as the call's value (through other functions: DataAnalysis.loop_fed_by), or the
+    name the call binds is what a training loop of the same function iterates."""
+    if facts.analysis.loop_fed_by(call) is not None:
+        return True
+    r = facts.resolver
+    stmt = r.statement_of(call)
+    small = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 else None
+    if not (isinstance(small, cst.Assign) and len(small.targets) == 1 and small.value is call
+            and isinstance(small.targets[0].target, cst.Name)):
+        return False
+    name, fn = small.targets[0].target.value, r.enclosing_function(stmt)
+    return any(r.enclosing_function(loop.node) is fn and isinstance(loop.node, cst.For)
+               and name in names_in(loop.node.iter) for loop in facts.analysis.train_loops())
+
+
+class _ScriptUnit:
+    """The script as the unit of a helper's edits (the sibling-module edits, applied here)."""
+
+    def __init__(self, stage: RetrofitStage, editor: StatementEditor) -> None:
+        self.stage, self.editor = stage, editor
+
+    def change(self, _code: str, node, what: str, why: str, pitfall: str = "") -> None:
+        self.stage.change(node, what, why, pitfall)
+
+    def add_import(self, module: str, obj: Optional[str] = None, asname: Optional[str] = None) -> None:
+        self.stage.add_import(module, obj, asname)
 
 
 def _batch_size_parameter(found) -> tuple:

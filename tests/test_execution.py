@@ -325,6 +325,29 @@ def test_the_logged_loss_is_the_global_batch_loss(tmp_path: Path):
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("name, pattern", [
+    ("loader_helper_shared", r"val accuracy (\d+\.\d+)"),
+    ("loader_helper_shared_kwonly", r"held-out accuracy (\d+\.\d+)"),
+])
+def test_a_validation_loader_of_a_shared_helper_stays_whole(name: str, pattern: str, tmp_path: Path):
+    """The helper that builds the training loader builds the validation loader too: only the training
+    call passes `distributed=True`, so every rank counts the hits over the whole validation set and
+    rank 0 prints the single run's accuracy (when both read through a DistributedSampler, each rank
+    counted half the hits and the printed accuracy was about half)."""
+    case = FIXTURES / name
+    run = _run_config(case)
+    single = launch_single(case / "input.py", ["--out", str(tmp_path / "single" / "s.pt"), *run["single_args"]],
+                           tmp_path / "single")
+    dist = launch_distributed(case / "expected.py", ["--out", str(tmp_path / "dist" / "d.pt"), *run["dist_args"]],
+                              tmp_path / "dist", nproc=run["nproc"])
+    expected = [float(v) for v in re.findall(pattern, single.stdout)]
+    got = [float(v) for v in re.findall(pattern, dist.stdout)]
+    print(f"\nsingle {expected}\ndistributed {got}")
+    assert len(expected) == len(got) == 2
+    assert max(abs(a - b) for a, b in zip(expected, got)) <= 1e-6
+
+
+@pytest.mark.e2e
 def test_the_generated_text_is_the_original_one(tmp_path: Path):
     """alias_generate: after training, `m.generate(...)` (`m = model.to(device)`) runs on
     every rank (a forward of the sharded model; under a rank-0 `if` the run crashed) and

@@ -31,10 +31,11 @@ class SiblingLoader:
     path: str  # the sibling module's file, as the analysis found it
     function_def: cst.FunctionDef  # the function there
 
-    def blocker(self, script: str) -> str:
+    def blocker(self, script: str, other_files: bool = True) -> str:
         """Why the DataLoader cannot take a DistributedSampler where it is built ("" when it can):
-        its arguments, or another file beside the script or the module that names the function
-        (a script run in one process, where a DistributedSampler finds no process group)."""
+        its arguments, or (`other_files`: a function of a sibling module) another file beside the
+        script or the module that names the function (a script run in one process, where a
+        DistributedSampler finds no process group)."""
         call = self.built
         keywords = {a.keyword.value for a in call.args if a.keyword is not None}
         if any(a.star for a in call.args):
@@ -46,7 +47,7 @@ class SiblingLoader:
             return "its shuffle/sampler arguments are given by position there"
         if not isinstance(loader_dataset(call), cst.Name):
             return "its dataset is not a name there (it would be built twice)"
-        other = _other_file_naming(self.function, [script, self.path])
+        other = _other_file_naming(self.function, [script, self.path]) if other_files else ""
         if other:
             return f"{other} names {self.function}() too (a DistributedSampler needs a process group in every " \
                    "script that calls it)"

@@ -1,6 +1,7 @@
 """The data stage's edits of a sibling module: a training DataLoader a function of another
 project file builds (`loader = create_dataloader(...)`, `from data_utils import create_dataloader`)
-gets its DistributedSampler there (rewrite/workspace.py), and its epoch is set in the script.
+gets its DistributedSampler there (in the program linked into one analysis: rewrite/link.py, where
+the function is the script's own), and its epoch is set where the loader is read.
 
 When every call of the function feeds training, the DataLoader simply reads through the
 sampler. When only some do (`train_loader = make(..., shuffle=True)` beside `val_loader =
@@ -17,6 +18,7 @@ from typing import List, Optional
 import libcst as cst
 
 from fsdp2_retrofit.analysis import LoaderSite, ScriptFacts, code
+from fsdp2_retrofit.report import Refusal, RefusedError
 from fsdp2_retrofit.analysis.data import loader_dataset
 from fsdp2_retrofit.analysis.sibling_loaders import SiblingLoader
 from fsdp2_retrofit.syntax.names import names_in
@@ -44,9 +46,8 @@ class SiblingLoaderEdits:
             by_function.setdefault((found.path, found.function), []).append(found)
         for calls in by_function.values():
             found = calls[0]
-            left.extend(self._distribute_helper(
-                calls, facts, editor, lambda why: self.unit(found.path, found.resolver, found.built, "FSR904"),
-                found.blocker(self.context.filename or "")))
+            left.extend(self._distribute_helper(calls, facts, editor, lambda why, found=found: self._not_here(found),
+                                                found.blocker(self.context.filename or "")))
         return left
 
     def _distribute_helper(self, calls: list, facts: ScriptFacts, editor: StatementEditor, unit_for,
@@ -67,7 +68,7 @@ class SiblingLoaderEdits:
             flag, why = self._flag_for(found)
         unit = None if why else unit_for(why)
         if unit is None:
-            return [(c, why or "this rewrite edits the script only") for c in calls]
+            return [(c, why or "its module is not in the program this rewrite linked") for c in calls]
         self._sample_there(found, unit, flag)
         for c in training:
             if self.options.keep_global_batch:
@@ -84,6 +85,22 @@ class SiblingLoaderEdits:
             for c in training:
                 self._set_epoch_received(c, facts, editor)
         return []
+
+    def _not_here(self, found) -> None:
+        """A sibling module's DataLoader is edited where it is when the program is linked into one
+        analysis (rewrite/link.py); this run has the script alone: refused where that module lies
+        outside the project (no run could edit it), else left to the caller's report (None)."""
+        from fsdp2_retrofit.rewrite.workspace import Workspace
+
+        why = Workspace(self.context.filename or found.path).not_editable(os.path.realpath(found.path))
+        if why:
+            raise RefusedError(Refusal(
+                found.line, f"{self.CODE}: the training DataLoader {found.function}() builds is in {found.file}, {why}",
+                "the DataLoader needs a DistributedSampler where it is built, and the rewrite edits only the script "
+                "and the project's own modules",
+                "copy the code into the project (or the script), or make the change there by hand",
+                "FSR904", path=found.path))
+        return None
 
     def _distribute_shared_helper(self, loader, facts: ScriptFacts, editor: StatementEditor) -> bool:
         """The training DataLoader `loader` is built by a function of this file that also builds loaders

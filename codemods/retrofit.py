@@ -15,7 +15,6 @@ from fsdp2_retrofit.rewrite.stage import (
     IMPORTS_KEY,
     OPTIONS_KEY,
     ORIGINS_KEY,
-    WORKSPACE_KEY,
     CombinedEditor,
     RetrofitStage,
 )
@@ -107,8 +106,6 @@ class RetrofitCommand(RetrofitStage):
         context.scratch[OPTIONS_KEY] = self.options
         context.scratch[DEFERRED_IMPORTS_KEY] = self.deferred_imports
         context.scratch[ORIGINS_KEY] = self.origins
-        if WORKSPACE_KEY in self.context.scratch:
-            context.scratch[WORKSPACE_KEY] = self.context.scratch[WORKSPACE_KEY]
         if FACTS_KEY in self.context.scratch:
             context.scratch[FACTS_KEY] = self.context.scratch[FACTS_KEY]
         return context

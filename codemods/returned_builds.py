@@ -58,7 +58,9 @@ class NameReturnedBuildsCommand(RetrofitStage):
                     _WHY[kinds[i]],
                 )
             value = new_elements[0].value if alone else ret.value.with_changes(elements=new_elements)
-            new_line = line.with_changes(body=[ret.with_changes(value=value)])
+            # the comments above the `return` stay above the statement that now builds what it returned
+            statements[0] = statements[0].with_changes(leading_lines=line.leading_lines)
+            new_line = line.with_changes(body=[ret.with_changes(value=value)], leading_lines=[])
             self.carry(line, new_line)
             editor.insert_before(line, statements)
             editor.replace(line, new_line)

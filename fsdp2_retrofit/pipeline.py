@@ -11,8 +11,7 @@ from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.output_check import crashes_in_output
 from fsdp2_retrofit.report import Attention, InputError, RefusedError, RewriteResult
 from fsdp2_retrofit.rewrite.context import RewriteContext
-from fsdp2_retrofit.rewrite.stage import ATTENTION_KEY, CHANGES_KEY, OPTIONS_KEY, ORIGINS_KEY, WORKSPACE_KEY
-from fsdp2_retrofit.rewrite.workspace import Workspace
+from fsdp2_retrofit.rewrite.stage import ATTENTION_KEY, CHANGES_KEY, OPTIONS_KEY, ORIGINS_KEY
 from fsdp2_retrofit.syntax.names import Origins
 
 
@@ -67,7 +66,9 @@ def _whole_program(source: bytes, path: str, options: RetrofitOptions, module: c
 
     program = Program.read(path, module, source) if b"import" in source else None
     steps = program.training_steps() if program is not None and program.modules else []
-    if not steps:
+    # a DataLoader built by a function of another module gets its sampler there: in the linked program
+    loaders = program.loader_modules() if program is not None and program.modules and not steps else []
+    if not steps and not loaders:
         result = _rewrite_module(source, path, options, module)
         if program is not None and program.problems and not result.refusals:
             result.attention.append(Attention(
@@ -88,14 +89,13 @@ def _whole_program(source: bytes, path: str, options: RetrofitOptions, module: c
             if isinstance(taken_apart, RewriteResult):
                 return taken_apart
             why = taken_apart
+    if not steps and linked_refusal is not None:
+        return linked_refusal  # a helper's DataLoader elsewhere: what stops the linked program
     result = _rewrite_module(source, path, options, module)
-    if result.refusals:
-        if result.refusals[0].code not in _NOT_SEEN:
-            return result
-    else:
-        edited = {os.path.realpath(s.path) for s in result.siblings if s.code != s.original}
-        if all(os.path.realpath(step.path) in edited for step in steps):
-            return result  # the modules holding the steps were converted where they live
+    if not steps:
+        return result  # the entry alone, which reports the helpers' DataLoaders it leaves as they are
+    if result.refusals and result.refusals[0].code not in _NOT_SEEN:
+        return result
     if linked_refusal is not None:
         return linked_refusal  # what stops the program's conversion, at its own file and line
     if result.refusals and linked is None:
@@ -115,7 +115,6 @@ def _rewrite_module(source: bytes, path: str, options: RetrofitOptions, module: 
     context.scratch[OPTIONS_KEY] = options
     # every record names a line of `source`
     origins = context.scratch[ORIGINS_KEY] = Origins(module, source.decode(module.encoding, errors="replace"))
-    context.scratch[WORKSPACE_KEY] = project = Workspace(path)
     command = RetrofitCommand(context, options)
     try:
         with recording_reads() as looked_at:
@@ -134,7 +133,6 @@ def _rewrite_module(source: bytes, path: str, options: RetrofitOptions, module: 
         sorted(attention, key=lambda a: a.line),
         [],
         sorted(looked_at),
-        project.results(),
     )
 
 

@@ -1,11 +1,10 @@
 """--keep-global-batch and a training DataLoader a function of a sibling module builds
 (`loader = create_loader(data, batch_size=settings["batch_size"])`, the DistributedSampler
-placed in the sibling): the value the script's call passes for the function's parameter that
-is the DataLoader's batch size is divided at the call, with its assert; where no such value
-can be divided (the parameter's default, a parameter the function also uses otherwise, a
-batch size fixed in the function), the call gets a `differs` item and verify exits 2 before
-any run. Before: the batch size stayed whole, the global batch world_size times the single
-run's, with only a note on the sibling that verify did not read."""
+placed in the sibling, the program linked into one analysis): the DataLoader's batch size is
+divided where it is built, in the helper, with its assert, whatever value the call passes for
+it (or none: the parameter's default, a batch size fixed in the function). Where it cannot be
+divided (no batch size: the DataLoader's default, 1), the sibling gets a `differs` item at
+its line and verify exits 2 before any run, naming that file and line."""
 from __future__ import annotations
 
 import importlib.util
@@ -73,21 +72,35 @@ def _line_of(source: str, fragment: str) -> int:
     return next(i for i, line in enumerate(source.splitlines(), 1) if fragment in line)
 
 
-@pytest.mark.parametrize("call, value", [
-    ('train_loader = create_loader(data, batch_size=settings["batch_size"], shuffle=True)', 'settings["batch_size"]'),
-    ('train_loader = create_loader(data, settings["batch_size"])', 'settings["batch_size"]'),
-    ("train_loader = create_loader(data, batch_size=2 * 8)", "(2 * 8)"),
-], ids=["keyword", "positional", "expression"])
-def test_the_value_the_call_passes_is_divided_there(tmp_path: Path, call: str, value: str):
-    _, result = _rewrite(tmp_path, call)
-    text = result.code.decode()
-    divided = call.replace(value.strip("()"), f"{value} // world_size")
-    assert f"    {ASSERT.format(value=value)}\n    {divided}\n" in text, text
+DIVIDED = ('    assert {value} % dist.get_world_size() == 0, "the batch size must divide by the number of ranks"\n'
+           "    # --keep-global-batch: each rank reads 1/world_size of the batch; the global batch stays as written.\n"
+           "    loader = DataLoader(data, batch_size={value} // dist.get_world_size(), drop_last=drop_last, "
+           "sampler=sampler)\n")
+
+
+@pytest.mark.parametrize("call, helper, value", [
+    ('train_loader = create_loader(data, batch_size=settings["batch_size"], shuffle=True)', HELPER, "batch_size"),
+    ('train_loader = create_loader(data, settings["batch_size"])', HELPER, "batch_size"),
+    ("train_loader = create_loader(data, batch_size=2 * 8)", HELPER, "batch_size"),
+    ("train_loader = create_loader(data, shuffle=True)", HELPER, "batch_size"),
+    ('train_loader = create_loader(data, **{"batch_size": 2})', HELPER, "batch_size"),
+    ('train_loader = create_loader(data, batch_size=settings["batch_size"])',
+     HELPER.replace("    return DataLoader", "    print(batch_size)\n    return DataLoader"), "batch_size"),
+    ('train_loader = create_loader(data, batch_size=settings["batch_size"])',
+     HELPER.replace("batch_size=batch_size,", "batch_size=32,"), "32"),
+], ids=["keyword", "positional", "expression", "default", "star-kwargs", "used-otherwise", "fixed-in-helper"])
+def test_the_batch_size_is_divided_where_the_loader_is_built(tmp_path: Path, call: str, helper: str, value: str):
+    """Whatever the call passes (or leaves to a default), the helper's DataLoader reads 1/world_size of it;
+    the helper's other reads of its parameter (a print) keep the value as given; the call stays as written."""
+    _, result = _rewrite(tmp_path, call, helper)
+    assert f"    {call}\n" in result.code.decode()
     assert not _kept(result)
-    assert any("is divided by the world size here" in c.what for c in result.changes)
-    (sibling,) = result.siblings  # the sampler goes in the helper; its batch size stays its parameter
-    assert "sampler=DistributedSampler(data, shuffle=shuffle, drop_last=drop_last)" in sibling.code.decode()
-    assert "batch_size=batch_size," in sibling.code.decode()
+    (sibling,) = result.siblings
+    text = sibling.code.decode()
+    assert DIVIDED.format(value=value) in text, text
+    assert "    sampler = DistributedSampler(data, shuffle=shuffle, drop_last=drop_last)\n" in text
+    if "print" in helper:
+        assert "    print(batch_size)\n" in text
 
 
 def test_renaming_the_locals_changes_nothing(tmp_path: Path):
@@ -105,34 +118,29 @@ def test_without_the_option_the_batch_size_stays(tmp_path: Path):
     assert f"    {call}\n" in result.code.decode() and "world_size ==" not in result.code.decode()
 
 
-@pytest.mark.parametrize("call, helper, how", [
-    ("train_loader = create_loader(data, shuffle=True)", HELPER, "which the call does not pass (its default is used)"),
-    ('train_loader = create_loader(data, **{"batch_size": 2})', HELPER, "which the call may set through `**"),
-    ('train_loader = create_loader(data, batch_size=settings["batch_size"])',
-     HELPER.replace("    return DataLoader", "    print(batch_size)\n    return DataLoader"),
-     "its parameter `batch_size`, which create_loader() also uses otherwise"),
-    ('train_loader = create_loader(data, batch_size=settings["batch_size"])',
-     HELPER.replace("batch_size=batch_size,", "batch_size=32,"), "is `32` there, not a parameter of create_loader()"),
-    ('train_loader = create_loader(data, batch_size=settings["batch_size"])',
-     HELPER.replace("batch_size=batch_size, ", ""), "is not an argument of its call there (the DataLoader default, 1)"),
-], ids=["default", "star-kwargs", "used-otherwise", "fixed-in-helper", "dataloader-default"])
-def test_a_batch_size_that_cannot_be_divided_at_the_call_is_reported_there(tmp_path: Path, call, helper, how):
-    source, result = _rewrite(tmp_path, call, helper)
-    line = _line_of(source, "train_loader = create_loader(")
+NO_BATCH_SIZE = HELPER.replace("batch_size=batch_size, ", "")
+
+
+def test_a_batch_size_that_cannot_be_divided_is_reported_where_the_loader_is_built(tmp_path: Path):
+    """A DataLoader given no batch size (the default, 1): nothing to divide; said at its line in loaders.py."""
+    _, result = _rewrite(tmp_path, 'train_loader = create_loader(data, batch_size=settings["batch_size"])',
+                         NO_BATCH_SIZE)
     kept = _kept(result)
+    line = _line_of(dedent(NO_BATCH_SIZE), "return DataLoader(")
     assert [k[0] for k in kept] == [line], kept
-    assert how in kept[0][1] and "world_size x larger" in kept[0][1]
-    assert [a for a in result.attention if a.differs and "--keep-global-batch" in a.what]  # the script's, for verify
-    assert "world_size ==" not in result.code.decode()
+    assert "the DataLoader default, 1" in kept[0][1] and "world_size x larger" in kept[0][1]
+    (sibling,) = result.siblings
+    assert [a.line for a in sibling.attention if a.differs] == [line]
+    assert "world_size ==" not in result.code.decode() + sibling.code.decode()
 
 
 def test_verify_refuses_a_global_batch_it_cannot_keep_before_any_run(tmp_path: Path):
-    source, _ = _rewrite(tmp_path, "train_loader = create_loader(data, shuffle=True)")
+    _rewrite(tmp_path, 'train_loader = create_loader(data, batch_size=settings["batch_size"])', NO_BATCH_SIZE)
     before = sorted(p.name for p in tmp_path.iterdir())
     result = CliRunner().invoke(cli.main, ["verify", str(tmp_path / "train.py")])
     assert result.exit_code == EXIT_ERROR, result.output
-    line = _line_of(source, "train_loader = create_loader(")
-    assert f"train.py:{line}: cannot keep the global batch" in result.output.replace("\n", "")
+    line = _line_of(dedent(NO_BATCH_SIZE), "return DataLoader(")
+    assert f"loaders.py:{line}: cannot keep the global batch" in result.output.replace("\n", "")
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
@@ -143,8 +151,10 @@ def test_verify_also_reads_the_items_of_the_modules_the_retrofit_edits(tmp_path:
 
     rewrite = pipeline.rewrite_source
 
-    def with_item_on_the_sibling(source, filename, options):
-        result = rewrite(source, filename, options)
+    def with_item_on_the_sibling(source, filename, options, **more):
+        result = rewrite(source, filename, options, **more)
+        if more:  # the linked program's own run (rewrite/link.py), inside the outer one
+            return result
         sibling = result.siblings[0]
         sibling.attention.append(Attention(5, "data", "--keep-global-batch: not divided there", "why", True,
                                            path=sibling.path))

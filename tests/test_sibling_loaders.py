@@ -1,6 +1,6 @@
 """A DataLoader built by a function of a sibling module (`train_loader = make_loader(...)`,
 `from loaders import make_loader`): the rewrite gives it its DistributedSampler in that module
-(the workspace edits both files) when every call of the function feeds training and no other
+(the program linked into one analysis, taken apart file by file: rewrite/link.py) when no other
 script beside them names the function; otherwise it says which function and line build the
 loader that gets no sampler (attention, `differs`), and why it is left."""
 from __future__ import annotations
@@ -53,7 +53,12 @@ SCRIPT = dedent("""\
     main()
     """)
 
-SAMPLED = "    return DataLoader(data, batch_size=batch_size, sampler=DistributedSampler(data, shuffle=shuffle))\n"
+SAMPLED = (
+    "    sampler = DistributedSampler(data, shuffle=shuffle)\n"
+    "    # The per-rank batch stays as written: the global batch is now world_size x larger.\n"
+    "    loader = DataLoader(data, batch_size=batch_size, sampler=sampler)\n"
+    "    return loader\n"
+)
 
 
 def _project(tmp_path: Path, bind: str = "train_loader") -> Path:
@@ -76,7 +81,8 @@ def test_the_loader_gets_its_sampler_in_the_sibling_module(tmp_path):
     text = edited.code.decode()
     assert SAMPLED in text
     assert "from torch.utils.data.distributed import DistributedSampler\n" in text
-    assert [(c.line, Path(c.path).name) for c in edited.changes] == [(7, "loaders.py")]
+    assert [(c.line, c.code, Path(c.path).name) for c in edited.changes] == [
+        (7, "returns", "loaders.py"), (7, "data", "loaders.py")]
     assert not any("make_loader() of loaders.py" in a.what for a in out.attention)
 
 
@@ -107,12 +113,22 @@ def test_another_script_naming_the_function_keeps_the_module_as_it_is(tmp_path):
     assert items[0].line == SCRIPT.splitlines().index("    {bind} = make_loader(64, 8, True)") + 1
 
 
-def test_a_loader_given_its_own_sampler_there_is_left_and_said_why(tmp_path):
-    script = _project(tmp_path)
-    (tmp_path / "loaders.py").write_text(LOADERS.replace("shuffle=shuffle)", "sampler=None)"))
+def test_sampler_none_there_is_no_sampler_and_a_sampler_of_its_own_is_refused_there(tmp_path):
+    """`sampler=None` is the DataLoader's default: the loader gets its DistributedSampler (it was refused
+    FSR901, "trains through `None`"); a sampler of its own there is refused at its line in loaders.py."""
+    (tmp_path / "a").mkdir()
+    script = _project(tmp_path / "a")
+    (tmp_path / "a" / "loaders.py").write_text(LOADERS.replace("shuffle=shuffle)", "sampler=None)"))
     out = _rewrite(script)
-    assert out.siblings == []
-    assert any("it is given a sampler of its own there" in a.what for a in out.attention), out.attention
+    assert not out.refusals, out.refusals
+    assert "DistributedSampler(data, shuffle=False)" in out.siblings[0].code.decode()
+    (tmp_path / "b").mkdir()
+    script = _project(tmp_path / "b")
+    (tmp_path / "b" / "loaders.py").write_text(
+        LOADERS.replace("shuffle=shuffle)", "sampler=torch.utils.data.WeightedRandomSampler([1.0] * n, n))"))
+    out = _rewrite(script)
+    assert [(r.code, r.line, Path(r.path).name) for r in out.refusals] == [("FSR901", 7, "loaders.py")]
+    assert out.siblings == [] and out.code == out.original
 
 
 def test_without_the_sibling_file_it_is_no_dataloader(tmp_path):
@@ -148,7 +164,7 @@ def test_diff_shows_every_file_and_writes_none(tmp_path):
     done = _cli("train.py", "--diff", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "--- a/train.py" in done.stdout and "--- a/loaders.py" in done.stdout
-    assert "+" + SAMPLED in done.stdout
+    assert all("+" + line in done.stdout for line in SAMPLED.splitlines(keepends=True))
     assert (tmp_path / "loaders.py").read_text() == LOADERS
 
 
@@ -167,7 +183,7 @@ def test_in_place_writes_both_and_a_second_run_changes_nothing(tmp_path):
     done = _cli("train.py", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert SAMPLED in (tmp_path / "loaders.py").read_text()
-    assert "rewrote loaders.py (1 change)" in done.stderr
+    assert "rewrote loaders.py (2 changes)" in done.stderr
     again = _cli("train.py", "--check", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert not list(tmp_path.glob(".*.tmp")) and not (tmp_path / ".fsdp2-retrofit-pending.json").exists()
@@ -208,7 +224,8 @@ def test_verify_runs_the_retrofit_with_the_modules_it_edits(tmp_path):
 
     script = _project(tmp_path)
     target = retrofit_in_memory(script, tmp_path / "retrofit")
-    assert SAMPLED in (tmp_path / "retrofit" / "loaders.py").read_text()
+    edited = (tmp_path / "retrofit" / "loaders.py").read_text()  # verify keeps the global batch
+    assert "    loader = DataLoader(data, batch_size=batch_size // dist.get_world_size(), sampler=sampler)\n" in edited
     assert target == tmp_path / "retrofit" / "train.py"
 
 
@@ -246,8 +263,8 @@ def test_a_helper_shared_with_a_validation_loader_samples_only_for_training(tmp_
     assert not out.refusals, out.refusals
     text = out.siblings[0].code.decode()
     assert "def make_loader(n, batch_size, shuffle, distributed=False):\n" in text
-    assert ("    return DataLoader(data, batch_size=batch_size, shuffle=None if distributed else shuffle, "
-            "sampler=DistributedSampler(data, shuffle=shuffle) if distributed else None)\n") in text
+    assert ("    loader = DataLoader(data, batch_size=batch_size, shuffle=None if distributed else shuffle, "
+            "sampler=DistributedSampler(data, shuffle=shuffle) if distributed else None)\n    return loader\n") in text
     new = out.code.decode()
     assert "    train_loader = make_loader(64, 8, True, distributed=True)\n" in new
     assert "    val_loader = make_loader(32, 8, False)\n" in new
@@ -260,8 +277,9 @@ def test_a_helper_taking_kwargs_is_left_when_it_also_builds_a_validation_loader(
     script = tmp_path / "train.py"
     script.write_text(SHARED)
     out = _rewrite(script)
-    assert out.siblings == []
-    assert any("make_loader() takes **kwargs: no parameter can be added" in a.what for a in out.attention)
+    assert not any("DistributedSampler" in s.code.decode() for s in out.siblings)
+    assert any("make_loader() takes **kwargs: no parameter can be added" in a.what and a.differs
+               for a in out.attention), out.attention
 
 
 def test_output_naming_a_new_script_for_a_set_of_files_is_an_error_too(tmp_path):

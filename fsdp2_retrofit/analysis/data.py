@@ -287,8 +287,8 @@ class LoaderAnalysis(SiteAnalysis):
         if "batch_sampler" in args:
             return SamplerSite("other", args["batch_sampler"])
         expr = args.get("sampler")
-        if expr is None:
-            return None
+        if expr is None or (type(expr) is cst.Name and expr.value == "None"):
+            return None  # `sampler=None`: the DataLoader's default, no sampler
         call = expr if isinstance(expr, cst.Call) else None
         if isinstance(expr, cst.Name):
             bound = self._value_bound_before(expr.value, stmt)

@@ -161,6 +161,11 @@ class Program:
         """The modules other than the entry, each after the modules it imports."""
         return [self.files[p] for p in self.order]
 
+    def loader_modules(self) -> List[str]:
+        """The modules other than the entry a function of which builds a DataLoader."""
+        return [path for path, mod in self.files.items()
+                if path != self.entry and b"DataLoader" in mod.data and _builds_loader(mod.module)]
+
     def training_steps(self) -> List[Step]:
         """Every `<x>.backward(...)` of the program's modules outside the entry."""
         out: List[Step] = []
@@ -171,6 +176,35 @@ class Program:
                 continue
             out.extend(_steps(path, mod.module))
         return out
+
+
+def _builds_loader(module: cst.Module) -> bool:
+    """A function of `module` builds a DataLoader (`DataLoader(...)`, `data.DataLoader(...)`): a site the
+    data stage edits where it is, in the program linked into one analysis."""
+    found: List[cst.Call] = []
+
+    class _Find(cst.CSTVisitor):
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+            found.extend(c for c in _calls(node) if _called_name(c).endswith("DataLoader"))
+
+    module.visit(_Find())
+    return bool(found)
+
+
+def _calls(node: cst.CSTNode) -> List[cst.Call]:
+    out: List[cst.Call] = []
+
+    class _Find(cst.CSTVisitor):
+        def visit_Call(self, call: cst.Call) -> None:
+            out.append(call)
+
+    node.visit(_Find())
+    return out
+
+
+def _called_name(call: cst.Call) -> str:
+    func = call.func
+    return func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else ""
 
 
 def _sys_path_roots(entry: str, module: cst.Module) -> List[str]:

@@ -47,14 +47,14 @@ class SiblingLoader:
             return "its shuffle/sampler arguments are given by position there"
         if not isinstance(loader_dataset(call), cst.Name):
             return "its dataset is not a name there (it would be built twice)"
-        other = _other_file_naming(self.function, [script, self.path]) if other_files else ""
+        other = other_file_naming(self.function, [script, self.path]) if other_files else ""
         if other:
             return f"{other} names {self.function}() too (a DistributedSampler needs a process group in every " \
                    "script that calls it)"
         return ""
 
 
-def _other_file_naming(function: str, paths: List[str]) -> str:
+def other_file_naming(function: str, paths: List[str]) -> str:
     """A .py file in the folders of `paths`, not one of them, whose text names `function`."""
     mine = {os.path.realpath(p) for p in paths}
     word = re.compile(rb"\b" + re.escape(function.encode()) + rb"\b")
@@ -65,7 +65,7 @@ def _other_file_naming(function: str, paths: List[str]) -> str:
             continue
         for name in names:
             path = os.path.join(folder, name)
-            if name.endswith(".py") and path not in mine:
+            if name.endswith(".py") and name != "__init__.py" and path not in mine:  # a package's own re-export
                 data = read(path)
                 if data is not None and word.search(data):
                     return os.path.relpath(path)

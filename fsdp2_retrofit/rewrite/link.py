@@ -552,6 +552,9 @@ def split(linked: Linked, result: RewriteResult, source: bytes) -> Union[Rewrite
         wanted = _imports_needed(new, original, table)
         if isinstance(wanted, str):
             return f"the converted {_rel(path)} {wanted}"
+        shared = _sampler_for_other_scripts(new, original, [entry] + list(program.files)) if path != entry else ""
+        if shared:
+            return f"the conversion gives a DataLoader of {_rel(path)} {shared}"
         if wanted:
             new = add_imports(new, wanted)
         code = new.bytes
@@ -583,6 +586,27 @@ def split(linked: Linked, result: RewriteResult, source: bytes) -> Union[Rewrite
     inputs = sorted(set(result.inputs) | {m.path for m in mods})
     return RewriteResult(linked.shown[entry], source, results[entry], changes, attention, refusals, inputs,
                          list(result.siblings) + siblings)
+
+
+def _sampler_for_other_scripts(new: cst.Module, original: cst.Module, program_files: List[str]) -> str:
+    """Where the conversion gives the DataLoader a helper of this module builds and returns a DistributedSampler
+    and a file beside the program's names that helper too (another script, run in one process, where the
+    sampler finds no process group): what it is, as a sentence's end; "" otherwise."""
+    from fsdp2_retrofit.analysis.sibling_loaders import other_file_naming
+
+    before = {s.name.value: original.code_for_node(s) for s in original.body if isinstance(s, cst.FunctionDef)}
+    for stmt in new.body:
+        if not isinstance(stmt, cst.FunctionDef) or stmt.name.value not in before:
+            continue
+        text = new.code_for_node(stmt)
+        returns = any(isinstance(small, cst.Return) and small.value is not None
+                      for line in stmt.body.body if isinstance(line, cst.SimpleStatementLine) for small in line.body)
+        if returns and "DistributedSampler" in text and "DistributedSampler" not in before[stmt.name.value]:
+            other = other_file_naming(stmt.name.value, program_files)
+            if other:
+                return (f"a DistributedSampler in {stmt.name.value}(), which {other} calls too (a DistributedSampler "
+                        "needs a process group in every script that builds it)")
+    return ""
 
 
 def refusal_records(linked: Linked, result: RewriteResult) -> list:

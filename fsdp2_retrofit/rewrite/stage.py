@@ -19,7 +19,6 @@ from .edit import parser_config
 from .editor import CarryLines, Stmt
 from .editor import CombinedEditor, StatementEditor  # noqa: F401  (the stages import them from here)
 from .imports import add_imports
-from . import workspace
 
 if TYPE_CHECKING:  # pragma: no cover
     from .blockers import Blocked
@@ -32,7 +31,6 @@ DEFERRED_IMPORTS_KEY = "fsdp2_retrofit.deferred_imports"  # set by the composite
 IMPORTS_KEY = "fsdp2_retrofit.imports"  # the imports a stage needs: (module, object, alias)
 REMOVE_IMPORTS_KEY = "RemoveImportsVisitor"  # libcst's RemoveImportsVisitor.CONTEXT_KEY: removals scheduled
 ORIGINS_KEY = "fsdp2_retrofit.origins"  # syntax.names.Origins: set by the composite, lines of the user's file
-WORKSPACE_KEY = workspace.WORKSPACE_KEY  # the other project files this run edits (set by the pipeline)
 
 
 class RetrofitStage:
@@ -184,13 +182,6 @@ class RetrofitStage:
 
     def add_import(self, module: str, obj: Optional[str] = None, asname: Optional[str] = None) -> None:
         self.context.scratch.setdefault(IMPORTS_KEY, []).append((module, obj, asname))
-
-    def unit(self, file: str, resolver, node: cst.CSTNode, refusal: str) -> Optional["workspace.Unit"]:
-        """The project module `file` (analysed as `resolver`) to edit at `node`, its edits keyed
-        on the nodes analysed there; None when this run edits only the script (a stage run on
-        its own). Refused with `refusal` when the file lies outside the project."""
-        found = self.context.scratch.get(WORKSPACE_KEY)
-        return None if found is None else found.unit(file, resolver, node, self.CODE, refusal)
 
     def rank_zero_test(self, stmt: cst.CSTNode, facts: ScriptFacts) -> Optional[str]:
         """`rank == 0` after the preamble in the entry scope, `dist.get_rank() == 0` in

@@ -19,6 +19,7 @@ from fsdp2_retrofit.syntax.names import (
 )
 from fsdp2_retrofit.syntax.torch_api import BARE_CONTAINERS, NN_PARAMETER, is_optimizer_call
 
+from . import project_imports
 from .scalar_params import ScalarParameter, scalar_parameters_of_init
 
 if TYPE_CHECKING:
@@ -510,8 +511,8 @@ def _collect_project_packages(module, resolver, folder: Path, registry) -> None:
     _collect_siblings(module, resolver, root, registry, seen=set(registry.namespaces), depth=2)
 
 
-# Sibling modules are read, never rewritten: parse and resolve each once per process.
-_SIBLINGS: Dict[tuple, Tuple[cst.Module, Resolver]] = {}
+# Sibling modules are read here, never rewritten: each tree resolved once per process.
+_RESOLVERS: Dict[int, Tuple[cst.Module, Resolver]] = {}
 
 
 def _add_re_exports(registry: ClassRegistry) -> None:
@@ -538,15 +539,21 @@ def _add_re_exports(registry: ClassRegistry) -> None:
 
 
 def _parse_sibling(path: Path) -> Optional[Tuple[cst.Module, Resolver]]:
-    try:
-        stat = path.stat()
-        key = (str(path), stat.st_mtime_ns, stat.st_size)
-        if key not in _SIBLINGS:
-            module = cst.parse_module(path.read_bytes())
-            _SIBLINGS[key] = (module, Resolver(module))
-        return _SIBLINGS[key]
-    except (cst.ParserSyntaxError, OSError, UnicodeDecodeError, LookupError, SyntaxError):
+    """The tree of a sibling module (parsed once per content: project_imports.parse, the tree the
+    program reads too) and its resolver, made once per tree."""
+    data = project_imports.read(path)
+    if data is None:
         return None
+    try:
+        module = project_imports.parse(path, data)
+    except (cst.ParserSyntaxError, UnicodeDecodeError, LookupError, SyntaxError):
+        return None
+    known = _RESOLVERS.get(id(module))
+    if known is None or known[0] is not module:
+        if len(_RESOLVERS) > 512:
+            _RESOLVERS.clear()
+        known = _RESOLVERS[id(module)] = (module, Resolver(module))
+    return known
 
 
 def _dotted(expr) -> str:

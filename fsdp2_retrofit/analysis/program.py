@@ -106,7 +106,7 @@ class Program:
             if text is None:
                 continue
             try:
-                parsed = cst.parse_module(text)
+                parsed = project_imports.parse(imp.path, text)
             except (cst.ParserSyntaxError, UnicodeDecodeError, LookupError, SyntaxError):
                 self.problems.append(f"{imp.path} does not parse")
                 continue

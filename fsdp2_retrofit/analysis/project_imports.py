@@ -13,10 +13,13 @@ Python would; a `src/` layout likewise). A library is never one: it is not a fil
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import libcst as cst
 
 SHARDING_TRIGGERS = ("fully_shard", "FullyShardedDataParallel")
 # how many imports deep a chain is followed (train.py -> parallel.py -> fsdp_utils.py)
@@ -64,6 +67,22 @@ def read(path) -> Optional[bytes]:
         return None
     _READ[path] = (key, data)
     return data
+
+
+_TREES: Dict[Tuple[str, bytes], cst.Module] = {}  # the parsed project files, by path and content
+
+
+def parse(path, data: bytes) -> cst.Module:
+    """The file at `path` with the content `data`, parsed (libcst's errors raised) once in this process:
+    the program (analysis/program.py) and the class registry (analysis/model_classes.py) read one tree of
+    a file. Keyed by the path too: two files alike are two modules, each with its own nodes."""
+    key = (os.path.realpath(str(path)), hashlib.sha1(data).digest())
+    found = _TREES.get(key)
+    if found is None:
+        if len(_TREES) > 512:
+            _TREES.clear()
+        found = _TREES[key] = cst.parse_module(data)
+    return found
 
 
 def project_root(folder: str) -> Optional[str]:

@@ -68,20 +68,35 @@ class RefusalRule:
     why: str
     fix: str
     stage_name: str = ""  # where it is not the code's stage (library_saves among the 7xx)
+    example: Optional[Invalid] = field(default=None, compare=False)  # the first INVALID case, shown by `rules`
+    converts: Optional[Valid] = field(default=None, compare=False)  # the first VALID case
 
     @property
     def stage(self) -> str:
         return self.stage_name or STAGES[self.code[3]]
 
     def doc(self) -> str:
-        """The documentation `fsdp2-retrofit rules CODE` shows, in ruff's shape."""
-        return "\n".join([
+        """The documentation `fsdp2-retrofit rules CODE` shows, in ruff's shape: the catalogue entry,
+        then its first INVALID case (where it fits a screen and is one file) and VALID case."""
+        parts = [
             f"# {self.code} {self.name}", "",
             f"Refused by the {self.stage} stage: the file is left unchanged (exit 2).", "",
             "## What is refused", self.summary, "",
             "## Why", self.why, "",
             "## What to do", self.fix,
-        ]) + "\n"
+        ]
+        if _shown(self.example):
+            parts += ["", f"## Example (refused at line {self.example.line})", "```python",
+                      self.example.source.rstrip("\n"), "```"]
+        if _shown(self.converts):
+            parts += ["", "## Converts", "```python", self.converts.source.rstrip("\n"), "```"]
+        return "\n".join(parts) + "\n"
+
+
+def _shown(case) -> bool:
+    """A case `rules` prints: one file (no modules beside it, no options) of at most 40 lines."""
+    return (case is not None and not case.files and not case.options and not getattr(case, "stage", "")
+            and case.source.count("\n") <= 40)
 
 
 class Blocker:
@@ -96,7 +111,8 @@ class Blocker:
     @classmethod
     def rule(cls) -> RefusalRule:
         summary, why, fix = _sections(cls)
-        return RefusalRule(cls.CODE, cls.NAME, summary, why, fix, cls.STAGE)
+        return RefusalRule(cls.CODE, cls.NAME, summary, why, fix, cls.STAGE,
+                           cls.INVALID[0] if cls.INVALID else None, cls.VALID[0] if cls.VALID else None)
 
 
 def _sections(cls: Type[Blocker]) -> Tuple[str, str, str]:

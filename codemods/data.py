@@ -24,7 +24,7 @@ from fsdp2_retrofit.syntax.names import iterated_name, names_in, walk
 from fsdp2_retrofit.rewrite.edit import with_keyword, without_entry, without_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
-from .data_siblings import SiblingLoaderEdits
+from .data_siblings import SiblingLoaderEdits, replace_dataset
 
 BATCH_NOTE = "# The per-rank batch stays as written: the global batch is now world_size x larger."
 KEEP_NOTE = "# --keep-global-batch: each rank reads 1/world_size of the batch; the global batch stays as written."
@@ -36,7 +36,7 @@ def _sampled(call: cst.Call, sampler: str, dataset: Optional[cst.BaseExpression]
     and per-rank batch size replaced where given)."""
     call = without_keyword(without_keyword(call, "shuffle"), "sampler")
     if dataset is not None:
-        call = _replace_dataset(call, dataset)
+        call = replace_dataset(call, dataset)
     if batch is not None:
         call = _replace_batch_size(call, batch)
     return with_keyword(call, "sampler", cst.Name(sampler))
@@ -593,15 +593,6 @@ def _replace_batch_size(call: cst.Call, value: cst.BaseExpression) -> cst.Call:
     for i, a in enumerate(args):
         if (a.keyword is not None and a.keyword.value == "batch_size") or (a.keyword is None and not a.star and i == 1):
             args[i] = a.with_changes(value=value)
-            break
-    return call.with_changes(args=args)
-
-
-def _replace_dataset(call: cst.Call, dataset: cst.Name) -> cst.Call:
-    args = list(call.args)
-    for i, a in enumerate(args):
-        if (a.keyword is not None and a.keyword.value == "dataset") or (a.keyword is None and not a.star):
-            args[i] = a.with_changes(value=dataset)
             break
     return call.with_changes(args=args)
 

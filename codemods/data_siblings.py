@@ -21,7 +21,6 @@ from fsdp2_retrofit.analysis import LoaderSite, ScriptFacts, code
 from fsdp2_retrofit.report import Refusal, RefusedError
 from fsdp2_retrofit.analysis.data import loader_dataset
 from fsdp2_retrofit.analysis.sibling_loaders import SiblingLoader
-from fsdp2_retrofit.syntax.names import names_in
 from fsdp2_retrofit.rewrite.edit import with_keyword, without_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
@@ -51,7 +50,7 @@ class SiblingLoaderEdits:
         return left
 
     def _distribute_helper(self, calls: list, facts: ScriptFacts, editor: StatementEditor, unit_for,
-                           blocker: str, trains=None) -> list:
+                           blocker: str, trains=None, dataset: Optional[str] = None) -> list:
         """The DataLoader one function builds (in a sibling module, or in the script: `unit_for(why)`
         gives the unit its edits go to, None where it cannot be edited) reads through a
         DistributedSampler for the calls (`calls`, SiblingLoader records) whose loader trains: all of
@@ -69,7 +68,7 @@ class SiblingLoaderEdits:
         unit = None if why else unit_for(why)
         if unit is None:
             return [(c, why or "its module is not in the program this rewrite linked") for c in calls]
-        self._sample_there(found, unit, flag)
+        self._sample_there(found, unit, flag, dataset)
         for c in training:
             if self.options.keep_global_batch:
                 self._keep_batch_at_call(found, c, facts, editor)
@@ -110,8 +109,13 @@ class SiblingLoaderEdits:
         if shared is None:
             return False
         script = self.context.filename or ""
+        inline = loader_dataset(loader.call)  # `DataLoader(TensorDataset(x, y), ...)`: bound to a name first
+        named = None if inline is None or isinstance(inline, cst.Name) else self.fresh_name("dataset", shared[0].function_def)
+        blocker = shared[0].blocker(script, False, dataset_named=named is not None)
+        if named is not None and not blocker:
+            editor.insert_before(loader.stmt, [self.stmt(f"{named} = {code(inline)}\n")])
         for found, why in self._distribute_helper(shared, facts, editor, lambda why: _ScriptUnit(self, editor),
-                                                  shared[0].blocker(script, False), lambda call: _call_trains(call, facts)):
+                                                  blocker, facts.analysis.helper_call_trains, named):
             self.attention(
                 found.call,
                 f"the DataLoader {found.function}() builds (line {found.line}) is left as it is ({why}): it "
@@ -125,16 +129,12 @@ class SiblingLoaderEdits:
 
     def _shared_helper(self, loader: LoaderSite, facts: ScriptFacts) -> Optional[list]:
         """The calls (SiblingLoader records) of the function of this file that builds and returns the
-        training DataLoader `loader`, where only some of them feed a training loop (the same helper
-        builds the validation loader): None where every call trains, or the loader is not such a helper's."""
+        training DataLoader `loader`, where only some of them feed a training loop (DataAnalysis.
+        shared_helper_calls): None where every call trains, or the loader is not such a helper's."""
         r = facts.resolver
+        calls = facts.analysis.shared_helper_calls(loader)
         fn = r.enclosing_function(loader.stmt)
-        if fn is None or fn is facts.entry_scope or not loader.returned or r.enclosing_class(fn) is not None:
-            return None
-        calls = [c for c in r.nodes(cst.Call) if type(c.func) is cst.Name and c.func.value == fn.name.value
-                 and r.enclosing_function(c) is not fn]
-        fed = [c for c in calls if _call_trains(c, facts)]
-        if not fed or len(fed) == len(calls):
+        if calls is None or fn is facts.entry_scope:
             return None
         shown = os.path.basename(self.context.filename or "the script")
         return [SiblingLoader(c, fn.name.value, shown, r.line(loader.call), loader.call, r,
@@ -151,11 +151,11 @@ class SiblingLoaderEdits:
             return None, f"{found.function}() already uses the name `{FLAG}`"
         return FLAG, ""
 
-    def _sample_there(self, found, unit, flag: Optional[str]) -> None:
+    def _sample_there(self, found, unit, flag: Optional[str], named: Optional[str] = None) -> None:
         """The DataLoader call of the sibling reads through a DistributedSampler (when `flag` is
-        true, if given); the function takes `flag=False`."""
+        true, if given); the function takes `flag=False`. `named`: the name its dataset was bound to."""
         built = found.built
-        dataset = code(loader_dataset(built))
+        dataset = named or code(loader_dataset(built))
         shuffle, drop_last = _keyword(built, "shuffle"), _keyword(built, "drop_last")
         shuffle_text = code(shuffle) if shuffle is not None else "False"
         extra = f", drop_last={code(drop_last)}" if drop_last is not None else ""
@@ -183,7 +183,8 @@ class SiblingLoaderEdits:
                         f"when it is true (the calls of {self.context.filename} whose loader trains pass True)",
                         "each rank must see its own part of the training data; the other loaders stay as they were",
                         "without a sampler every rank trains on the same batches")
-        unit.editor.replace_expression(built, edit)
+        unit.editor.replace_expression(
+            built, edit if named is None else lambda call: edit(replace_dataset(call, cst.Name(named))))
         unit.add_import("torch.utils.data.distributed", "DistributedSampler")
         unit.change(
             self.CODE, built,
@@ -250,7 +251,10 @@ class SiblingLoaderEdits:
             name = target.value if isinstance(target, cst.Name) else None
         block = facts.resolver.enclosing_function(stmt) or facts.module
         epoch_loop = _epoch_loop_over(name, block, facts) if name is not None else None
-        for fn, param in facts.analysis.handed_to(found.call) if epoch_loop is None else ():
+        handed = facts.analysis.handed_to(found.call)
+        if not handed and name is not None:  # a helper of this file: the name it binds, handed on
+            handed = facts.analysis.name_handed_to(name, facts.resolver.enclosing_function(stmt))
+        for fn, param in handed if epoch_loop is None else ():
             # `train(model, loader)` whose own epoch loop passes over its parameter
             epoch_loop = _epoch_loop_over(param, fn.body, facts)
             if epoch_loop is not None:
@@ -281,23 +285,6 @@ class SiblingLoaderEdits:
         )
 
 
-def _call_trains(call: cst.Call, facts: ScriptFacts) -> bool:
-    """The value of `call` (a helper of this file that returns a DataLoader) feeds a training loop:
-    a loop reads it as the call's value (through other functions: DataAnalysis.loop_fed_by), or the
-    name the call binds is what a training loop of the same function iterates."""
-    if facts.analysis.loop_fed_by(call) is not None:
-        return True
-    r = facts.resolver
-    stmt = r.statement_of(call)
-    small = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 else None
-    if not (isinstance(small, cst.Assign) and len(small.targets) == 1 and small.value is call
-            and isinstance(small.targets[0].target, cst.Name)):
-        return False
-    name, fn = small.targets[0].target.value, r.enclosing_function(stmt)
-    return any(r.enclosing_function(loop.node) is fn and isinstance(loop.node, cst.For)
-               and name in names_in(loop.node.iter) for loop in facts.analysis.train_loops())
-
-
 class _ScriptUnit:
     """The script as the unit of a helper's edits (the sibling-module edits, applied here)."""
 
@@ -309,6 +296,16 @@ class _ScriptUnit:
 
     def add_import(self, module: str, obj: Optional[str] = None, asname: Optional[str] = None) -> None:
         self.stage.add_import(module, obj, asname)
+
+
+def replace_dataset(call: cst.Call, dataset: cst.Name) -> cst.Call:
+    """The DataLoader call reading `dataset` (its first positional argument or `dataset=`)."""
+    args = list(call.args)
+    for i, a in enumerate(args):
+        if (a.keyword is not None and a.keyword.value == "dataset") or (a.keyword is None and not a.star):
+            args[i] = a.with_changes(value=dataset)
+            break
+    return call.with_changes(args=args)
 
 
 def _batch_size_parameter(found) -> tuple:

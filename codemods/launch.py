@@ -385,6 +385,7 @@ class LaunchDistributedCommand(RetrofitStage):
             _ancestor_in_body(loader.stmt, body, facts)
             for loader in facts.loaders
             if loader.trains and not (loader.sampler is not None and loader.sampler.kind in ("distributed", "per_rank"))
+            and facts.resolver.enclosing_function(loader.stmt) is None  # built at module level, not by a helper
         ]
         early = [body.index(s) for s in sites if s is not None and guard is not None and body.index(s) < guard]
         if not early:

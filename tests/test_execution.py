@@ -328,6 +328,8 @@ def test_the_logged_loss_is_the_global_batch_loss(tmp_path: Path):
 @pytest.mark.parametrize("name, pattern", [
     ("loader_helper_shared", r"val accuracy (\d+\.\d+)"),
     ("loader_helper_shared_kwonly", r"held-out accuracy (\d+\.\d+)"),
+    ("loader_helper_shared_handed", r"val accuracy (\d+\.\d+)"),
+    ("loader_helper_shared_epoch_fn", r"held-out mse (\d+\.\d+)"),
 ])
 def test_a_validation_loader_of_a_shared_helper_stays_whole(name: str, pattern: str, tmp_path: Path):
     """The helper that builds the training loader builds the validation loader too: only the training
@@ -344,7 +346,7 @@ def test_a_validation_loader_of_a_shared_helper_stays_whole(name: str, pattern: 
     got = [float(v) for v in re.findall(pattern, dist.stdout)]
     print(f"\nsingle {expected}\ndistributed {got}")
     assert len(expected) == len(got) == 2
-    assert max(abs(a - b) for a, b in zip(expected, got)) <= 1e-6
+    assert max(abs(a - b) for a, b in zip(expected, got)) <= 1e-5
 
 
 @pytest.mark.e2e

@@ -254,3 +254,17 @@ def test_each_project_converts_to_the_training_of_the_single_file(tmp_path):
         same = compare_saved(single_file / "out.pt", folder / "out.pt", (), 1e-6)
         print(f"\n{name}: saved weights vs the converted single file: {same.max_abs_diff}")
         assert same.ok, f"{name}: {same.problem}"
+
+
+def test_a_module_with_other_newlines_links_and_keeps_them(tmp_path):
+    """engine.py written with CRLF beside an LF entry: linked (each statement goes back into its own
+    module and renders with that module's newline), converted, and written back with CRLF only; a model
+    module with CRLF that needs no edit is left as it was (it was FSR970, 'another newline style')."""
+    entry = _project(tmp_path, {"train.py": ENTRY})
+    (tmp_path / "engine.py").write_bytes(dedent(ENGINE).lstrip().replace("\n", "\r\n").encode())
+    out = _rewrite(entry)
+    assert not out.refusals, out.refusals
+    engine = next(f for f in out.files if Path(f.path).name == "engine.py").code
+    assert b"dist.all_reduce" in engine or b"rank" in engine, engine.decode()
+    assert engine.count(b"\r\n") == engine.count(b"\n"), "a bare LF in the CRLF module"
+    assert b"\r\n" not in out.code

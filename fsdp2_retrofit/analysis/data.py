@@ -226,6 +226,52 @@ class LoaderAnalysis(SiteAnalysis):
         self._fed = found
         return found
 
+    def helper_call_trains(self, call: cst.Call) -> bool:
+        """The value of `call` (a function of the script that returns a DataLoader) feeds a training loop:
+        a loop reads it as the call's value (loop_fed_by), or the name the call binds is what a training
+        loop iterates, in that function or one it hands it to (name_trains)."""
+        if self.loop_fed_by(call) is not None:
+            return True
+        stmt = self.r.statement_of(call)
+        small = stmt.body[0] if type(stmt) is cst.SimpleStatementLine and len(stmt.body) == 1 else None
+        if not (type(small) is cst.Assign and len(small.targets) == 1 and small.value is call
+                and type(small.targets[0].target) is cst.Name):
+            return False
+        return self.name_trains(small.targets[0].target.value, self.r.enclosing_function(stmt))
+
+    def shared_helper_calls(self, loader: "LoaderSite") -> Optional[List[cst.Call]]:
+        """The calls of the function of the script that builds and returns the training DataLoader `loader`
+        where only some of them feed a training loop (the same helper builds a validation loader too): the
+        DataLoader is split for those calls only. None where every call trains, or it is no such helper's."""
+        fn = self.r.enclosing_function(loader.stmt)
+        if fn is None or not loader.returned or self.r.enclosing_class(fn) is not None:
+            return None
+        calls = [c for c in self.calls if type(c.func) is cst.Name and c.func.value == fn.name.value
+                 and self.r.enclosing_function(c) is not fn]
+        fed = [c for c in calls if self.helper_call_trains(c)]
+        return calls if fed and len(fed) < len(calls) else None
+
+    def name_handed_to(self, name: str, fn: Optional[cst.FunctionDef]) -> List[tuple]:
+        """(function, parameter) for each call in `fn` that hands the name `name` to a function of the
+        script as that parameter (`train_model(model, train_loader, ...)`)."""
+        out = []
+        for site, callee in self._local_calls():
+            if self.r.enclosing_function(site) is fn:
+                out.extend((callee, param) for param, arg in bind_args(callee, site)
+                           if type(arg) is cst.Name and arg.value == name and (callee, param) not in out)
+        return out
+
+    def name_trains(self, name: str, fn: Optional[cst.FunctionDef], depth: int = 2) -> bool:
+        """A training loop iterates the name `name` of `fn` (None: the module's top level): there, or in a
+        function of the script the name is handed to as an argument, followed `depth` calls deep
+        (`train_model(model, train_loader, ...)` whose loop reads its parameter)."""
+        for loop in self.train_loops():
+            if (type(loop.node) is cst.For and self.r.enclosing_function(loop.node) is fn
+                    and name in names_in(loop.node.iter)):
+                return True
+        return depth > 0 and any(self.name_trains(param, callee, depth - 1)
+                                 for callee, param in self.name_handed_to(name, fn))
+
     def loop_fed_by(self, call: cst.Call) -> Optional[cst.CSTNode]:
         """The first training loop that reads the value of `call` (any call: a function of another
         module that returns a DataLoader), followed as `fed_loaders` follows DataLoaders; None if none."""

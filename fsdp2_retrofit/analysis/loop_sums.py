@@ -166,7 +166,19 @@ def split_state(loop: cst.For, facts) -> Optional[str]:
     held = [v for v in values if id(v) in loaders]
     if not held or len(held) != len(values) or not any(id(v) in split for v in held):
         return None
+    if any(id(v) in shared_loader_calls(facts) for v in held):
+        return "mixed"  # a helper's DataLoader split for its training calls only (`distributed=True`)
     return "split" if all(id(v) in split for v in held) else "mixed"
+
+
+def shared_loader_calls(facts) -> set:
+    """id() of the DataLoader calls of helpers that build the training loader and one that does not
+    train (the data stage splits them for the training calls only)."""
+    known = facts.__dict__.get("_shared_loader_calls")
+    if known is None:
+        known = facts.__dict__["_shared_loader_calls"] = {
+            id(l.call) for l in facts.loaders if l.trains and facts.analysis.shared_helper_calls(l) is not None}
+    return known
 
 
 def over_split_data(loop: cst.For, facts) -> bool:

@@ -31,11 +31,12 @@ class SiblingLoader:
     path: str  # the sibling module's file, as the analysis found it
     function_def: cst.FunctionDef  # the function there
 
-    def blocker(self, script: str, other_files: bool = True) -> str:
+    def blocker(self, script: str, other_files: bool = True, dataset_named: bool = False) -> str:
         """Why the DataLoader cannot take a DistributedSampler where it is built ("" when it can):
         its arguments, or (`other_files`: a function of a sibling module) another file beside the
         script or the module that names the function (a script run in one process, where a
-        DistributedSampler finds no process group)."""
+        DistributedSampler finds no process group). `dataset_named`: the caller binds an inline dataset
+        to a name first (a helper of the script)."""
         call = self.built
         keywords = {a.keyword.value for a in call.args if a.keyword is not None}
         if any(a.star for a in call.args):
@@ -45,7 +46,7 @@ class SiblingLoader:
         positional = [a for a in call.args if a.keyword is None]
         if len(positional) > 2:
             return "its shuffle/sampler arguments are given by position there"
-        if not isinstance(loader_dataset(call), cst.Name):
+        if not dataset_named and not isinstance(loader_dataset(call), cst.Name):
             return "its dataset is not a name there (it would be built twice)"
         other = other_file_naming(self.function, [script, self.path]) if other_files else ""
         if other:

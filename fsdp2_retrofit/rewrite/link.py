@@ -212,8 +212,10 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
     files = [program.files[program.entry]] + mods
     for mod in mods:
         m = mod.module
-        if (m.encoding, m.default_newline) != (module.encoding, module.default_newline):
-            return f"{_rel(mod.path)} is written in another encoding or newline style than the script"
+        # another newline style links: each statement is written back into its own module, whose
+        # default newline (`\r\n`) it renders with again
+        if m.encoding != module.encoding:
+            return f"{_rel(mod.path)} is written in another encoding than the script"
     own, libraries, meanings = _top_level_names(files)
     renamed = _renamed_apart(meanings, files, program)
     if isinstance(renamed, str):

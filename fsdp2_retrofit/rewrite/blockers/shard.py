@@ -575,21 +575,22 @@ class ShardOptimizerWholeMatrices(Blocker):
 
     CODE = "FSR622"
     NAME = "shard-optimizer-whole-matrices"
-    INVALID = (Invalid(
+    INVALID = (Invalid(  # steps along the gradient's polar factor, from an SVD of the whole matrix
         _TORCH + """\
-class Orthogonal(torch.optim.Optimizer):
-    def __init__(self, params, lr=0.02):
-        super().__init__(params, dict(lr=lr))
+class PolarSGD(torch.optim.Optimizer):
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, {"lr": lr})
 
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
             for p in group["params"]:
-                p.add_(p.grad @ p.grad.mT @ p.grad, alpha=-group["lr"])
+                u, _, vh = torch.linalg.svd(p.grad)
+                p.sub_(u @ vh, alpha=group["lr"])
 
 
 model = nn.Linear(4, 4)
-opt = Orthogonal(model.parameters())
+opt = PolarSGD(model.parameters())
 """,
         line=_after(_TORCH, 9),
     ),)

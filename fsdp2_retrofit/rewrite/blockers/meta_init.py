@@ -4,6 +4,24 @@ from __future__ import annotations
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
 
 
+# -- the cases (all with --meta-init): a module-level model and its optimizer ------------------
+
+_TORCH = """\
+import torch
+import torch.nn as nn
+
+
+"""
+_SYS = "import sys\n" + _TORCH
+_OPT = "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+_META = {"meta_init": True}
+
+
+def _after(prelude: str, n: int) -> int:
+    """The line of a case that is the n-th of its own lines, after `prelude`."""
+    return prelude.count("\n") + n
+
+
 class MetaInitLibraryModel(Blocker):
     """--meta-init with a model built by a library (transformers, timm, ...).
 
@@ -17,22 +35,10 @@ class MetaInitLibraryModel(Blocker):
     CODE = "FSR501"
     NAME = "meta-init-library-model"
     INVALID = (Invalid(
-        """\
-import transformers
-import torch
-
-
-def main(name):
-    model = transformers.AutoModelForCausalLM.from_pretrained(name)
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for batch in range(3):
-        loss = model(batch).sum()
-        loss.backward()
-        optimizer.step()
-""",
-        line=6,
-        options={'meta_init': True},
+        "import torch\nfrom transformers import AutoModelForCausalLM\n\n"
+        + 'model = AutoModelForCausalLM.from_pretrained("gpt2")\n' + _OPT,
+        line=4,
+        options=_META,
     ),)
 
 
@@ -49,60 +55,13 @@ class MetaInitCompoundBuild(Blocker):
     CODE = "FSR502"
     NAME = "meta-init-compound-build"
     INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self, dim=8):
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def main(big):
-    if big:
-        model = Net(16)
-    else:
-        model = Net(8)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for x in [torch.randn(2, 8)]:
-        loss = model(x).sum()
-        loss.backward()
-        optimizer.step()
-""",
-        line=16,
-        options={'meta_init': True},
+        _SYS + "if len(sys.argv) > 1:\n    model = nn.Linear(8, 8)\nelse:\n    model = nn.Linear(4, 4)\n" + _OPT,
+        line=_after(_SYS, 2),
+        options=_META,
     ),)
     # the choice made before the build, the model built by one plain statement
     VALID = (Valid(
-        """\
-import torch
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self, dim=8):
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def main(big):
-    dim = 16 if big else 8
-    model = Net(dim)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for x in [torch.randn(2, dim)]:
-        loss = model(x).sum()
-        loss.backward()
-        optimizer.step()
-""",
-        options={'meta_init': True},
+        _SYS + "width = 8 if len(sys.argv) > 1 else 4\nmodel = nn.Linear(width, width)\n" + _OPT, options=_META,
     ),)
 
 
@@ -119,32 +78,28 @@ class MetaInitCannotReplay(Blocker):
 
     CODE = "FSR503"
     NAME = "meta-init-cannot-replay"
-    INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-
-
+    INVALID = (
+        Invalid(  # a device move and a dtype change in one call
+            _TORCH + 'model = nn.Linear(4, 4).to("cuda", torch.bfloat16)\n' + _OPT,
+            line=_after(_TORCH, 1),
+            options=_META,
+        ),
+        Invalid(  # a parameter of the class made from what the analysis cannot re-create
+            _TORCH + """\
 class Net(nn.Module):
-    def __init__(self, dim=8):
+    def __init__(self):
         super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return self.fc(x)
+        self.scale = nn.Parameter(torch.load("scale.pt"))
 
 
-def main():
-    model = Net().to('cuda', torch.bfloat16)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for x in [torch.randn(2, 8)]:
-        loss = model(x).sum()
-        loss.backward()
-        optimizer.step()
-""",
-        line=15,
-        options={'meta_init': True},
-    ),)
+model = Net()
+""" + _OPT,
+            line=_after(_TORCH, 4),
+            options=_META,
+        ),
+    )
+    # the move alone: --meta-init drops it (each rank's shards go to its own device)
+    VALID = (Valid(_TORCH + 'model = nn.Linear(4, 4).to("cuda")\n' + _OPT, options=_META),)
 
 
 class MetaInitNotBuiltByClass(Blocker):
@@ -160,34 +115,9 @@ class MetaInitNotBuiltByClass(Blocker):
     CODE = "FSR504"
     NAME = "meta-init-not-built-by-class"
     INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self, dim=8):
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def build():
-    return Net()
-
-
-def main():
-    model = build()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for x in [torch.randn(2, 8)]:
-        loss = model(x).sum()
-        loss.backward()
-        optimizer.step()
-""",
-        line=19,
-        options={'meta_init': True},
+        _TORCH + "def build():\n    return nn.Linear(4, 4)\n\n\nmodel = build()\n" + _OPT,
+        line=_after(_TORCH, 5),
+        options=_META,
     ),)
 
 
@@ -204,30 +134,12 @@ class MetaInitUseBeforeShard(Blocker):
     CODE = "FSR505"
     NAME = "meta-init-use-before-shard"
     INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self, dim=8):
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def main():
-    model = Net()
-    model.load_state_dict(torch.load('w.pt'))
-    model.to('cpu')
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for x in [torch.randn(2, 8)]:
-        loss = model(x).sum()
-        loss.backward()
-        optimizer.step()
-""",
-        line=16,
-        options={'meta_init': True},
+        _TORCH + 'model = nn.Linear(4, 4)\nmodel.load_state_dict(torch.load("w.pt"))\nmodel.to("cuda")\n' + _OPT,
+        line=_after(_TORCH, 2),
+        options=_META,
+    ),)
+    # the weights loaded after the model is placed: the rewrite loads them into the shards
+    VALID = (Valid(
+        _TORCH + 'model = nn.Linear(4, 4)\nmodel.to("cuda")\nmodel.load_state_dict(torch.load("w.pt"))\n' + _OPT,
+        options=_META,
     ),)

@@ -17,6 +17,77 @@ from fsdp2_retrofit.syntax.torch_api import AUTOGRAD_GRAD, GRAD_SCALER
 from . import Blocked, Blocker, Invalid, Valid  # noqa: F401
 
 
+# -- the cases: a module-level model and optimizer, or the script's own small class ------------
+
+_TORCH = """\
+import torch
+import torch.nn as nn
+
+
+"""
+
+# a class of the script: {init} and {forward} add lines to its __init__ and forward
+_CLASS = """\
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4){init}
+
+    def forward(self, x):{forward}
+        return self.fc(x)
+
+
+"""
+_NET = _CLASS.format(init="", forward="")
+_INIT, _FORWARD = 9, 11  # the lines {init} and (with no {init}) {forward} add to _CLASS
+
+_COPY = "import copy\n" + _TORCH
+_SWA = "from torch.optim.swa_utils import AveragedModel\n" + _TORCH
+_SYS = "import sys\n" + _TORCH
+_WRAPPER = _TORCH + """\
+class Wrapper(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+"""
+_HF = "import torch\nfrom transformers import AutoModelForCausalLM\n\n"
+
+_OPT = "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+_ADAMW = "opt = torch.optim.AdamW(model.parameters(), lr=1e-4)\n"
+
+_LOOP = """\
+for x in torch.randn(3, 2, 4):
+    loss = model(x).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+_AUTOCAST = """\
+model = nn.Linear(4, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for x in torch.randn(3, 2, 4):
+    with torch.autocast("cuda", dtype={dtype}):
+        loss = model(x).sum()
+    loss.backward()
+    opt.step()
+"""
+
+
+def _after(prelude: str, n: int) -> int:
+    """The line of a case that is the n-th of its own lines, after `prelude`."""
+    return prelude.count("\n") + n
+
+
 class ShardWrapperLeft(Blocker):
     """The shard stage runs on a script that still uses DDP/FSDP1 wrappers.
 
@@ -30,22 +101,9 @@ class ShardWrapperLeft(Blocker):
     CODE = "FSR601"
     NAME = "shard-wrapper-left"
     INVALID = (Invalid(
-        """\
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-dist.init_process_group("gloo")
-model = DDP(nn.Linear(4, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for _ in range(3):
-    loss = model(torch.randn(8, 4)).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-""",
-        line=7,
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n" + _TORCH
+        + "model = DDP(nn.Linear(4, 4))\n" + _OPT + _LOOP,
+        line=6,
         stage="shard",  # the composite runs migrate_ddp first, which lifts the wrap
     ),)
 
@@ -63,59 +121,13 @@ class ShardAutocastDtypeUnknown(Blocker):
     CODE = "FSR602"
     NAME = "shard-autocast-dtype-unknown"
     INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self, dim=8):
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def main(dtype):
-    model = Net()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for x in [torch.randn(2, 8)]:
-        with torch.autocast("cuda", dtype=dtype):
-            loss = model(x).sum()
-        loss.backward()
-        optimizer.step()
-""",
-        line=15,
-        options={'mixed_precision': 'auto'},
+        _TORCH + "dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16\n"
+        + _AUTOCAST.format(dtype="dtype"),
+        line=_after(_TORCH, 2),
+        options={"mixed_precision": "auto"},
     ),)
     # the autocast dtype named: --mixed-precision auto reads bf16 from it
-    VALID = (Valid(
-        """\
-import torch
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self, dim=8):
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def main():
-    model = Net()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for x in [torch.randn(2, 8)]:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(x).sum()
-        loss.backward()
-        optimizer.step()
-""",
-        options={'mixed_precision': 'auto'},
-    ),)
+    VALID = (Valid(_TORCH + _AUTOCAST.format(dtype="torch.bfloat16"), options={"mixed_precision": "auto"}),)
 
 
 class ShardBatchnormLowPrecision(Blocker):
@@ -131,23 +143,9 @@ class ShardBatchnormLowPrecision(Blocker):
     CODE = "FSR603"
     NAME = "shard-batchnorm-low-precision"
     INVALID = (Invalid(
-        """\
-import timm
-import torchvision
-import torch
-
-
-def main(name):
-    model = torchvision.models.resnet18()
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for batch in range(3):
-        loss = model(batch).sum()
-        loss.backward()
-        optimizer.step()
-""",
-        line=7,
-        options={'mixed_precision': 'bf16'},
+        _TORCH + "model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))\n" + _OPT,
+        line=_after(_TORCH, 1),
+        options={"mixed_precision": "bf16"},
     ),)
 
 
@@ -163,36 +161,9 @@ class ShardCompiledInBuild(Blocker):
 
     CODE = "FSR604"
     NAME = "shard-compiled-in-build"
-    INVALID = (Invalid(
-        """\
-
-import torch
-from torch import nn, optim
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.head(self.blocks(x))
-
-model = [torch.compile(Net())][0]
-opt = optim.SGD(model.parameters(), lr=0.1)
-""",
-        line=24,
-    ),)
+    INVALID = (Invalid(_TORCH + 'model = torch.compile(nn.Linear(4, 4)).to("cuda")\n' + _OPT, line=_after(_TORCH, 1)),)
+    # compiled as the whole build statement: the rewrite splits it and shards the plain module
+    VALID = (Valid(_TORCH + "model = torch.compile(nn.Linear(4, 4))\n" + _OPT + _LOOP),)
 
 
 class ShardTrainerClassLoop(Blocker):
@@ -211,13 +182,12 @@ class ShardTrainerClassLoop(Blocker):
 
     CODE = "FSR605"
     NAME = "shard-trainer-class-loop"
-    INVALID = (Invalid(
+    INVALID = (Invalid(  # 70 modules: the program reads 64, trainer.py is not among them
         "import torch\n" + "".join(f"import m{i}\n" for i in range(70)) + """\
 from trainer import Trainer
 
-model = torch.nn.Linear(4, 1)
-trainer = Trainer(model, 0.1)
-trainer.fit(3)
+model = torch.nn.Linear(4, 4)
+Trainer(model).fit(3)
 """,
         line=75,
         files={**{f"m{i}.py": f"X{i} = {i}\n" for i in range(70)}, "trainer.py": """\
@@ -225,13 +195,13 @@ import torch
 
 
 class Trainer:
-    def __init__(self, model, lr):
+    def __init__(self, model):
         self.model = model
-        self.opt = torch.optim.SGD(model.parameters(), lr=lr)
+        self.opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def fit(self, steps):
         for _ in range(steps):
-            loss = self.model(torch.randn(8, 4)).pow(2).mean()
+            loss = self.model(torch.randn(2, 4)).sum()
             self.opt.zero_grad()
             loss.backward()
             self.opt.step()
@@ -252,39 +222,12 @@ class ShardCopyElsewhere(Blocker):
 
     CODE = "FSR606"
     NAME = "shard-copy-elsewhere"
-    INVALID = (Invalid(
-        """\
-
-import torch
-from torch import nn, optim
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.head(self.blocks(x))
-
-import copy
-model = Net()
-opt = optim.SGD(model.parameters(), lr=0.1)
-if opt:
-    ema = copy.deepcopy(model)
-""",
-        line=28,
+    INVALID = (Invalid(  # a snapshot in the training loop
+        _COPY + "model = nn.Linear(4, 4)\n" + _OPT + _LOOP + "    best = copy.deepcopy(model)\n",
+        line=_after(_COPY, 8),
     ),)
+    # the copy right after the build: sharded like the model
+    VALID = (Valid(_COPY + "model = nn.Linear(4, 4)\nema = copy.deepcopy(model)\n" + _OPT + _LOOP),)
 
 
 class ShardAveragedModelInConstructor(Blocker):
@@ -299,53 +242,12 @@ class ShardAveragedModelInConstructor(Blocker):
 
     CODE = "FSR607"
     NAME = "shard-averaged-model-in-constructor"
-    INVALID = (Invalid(
-        """\
-import copy
-
-import torch
-import torch.nn as nn
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from torch.utils.data import DataLoader
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(2)])
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def main():
-
-    model = Net()
-    if torch.cuda.is_available():
-        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    loader = DataLoader(list(range(8)), batch_size=2)
-    for x in loader:
-        loss = model(x).sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-""",
-        line=34,
+    INVALID = (Invalid(  # made after training
+        _SWA + "model = nn.Linear(4, 4)\n" + _OPT + _LOOP + "swa = AveragedModel(model)\n",
+        line=_after(_SWA, 8),
     ),)
+    # made right after the build: its `.module` is sharded like the model
+    VALID = (Valid(_SWA + "model = nn.Linear(4, 4)\nema = AveragedModel(model)\n" + _OPT + _LOOP),)
 
 
 class ShardClassCopiesModel(Blocker):
@@ -361,54 +263,16 @@ class ShardClassCopiesModel(Blocker):
     CODE = "FSR608"
     NAME = "shard-class-copies-model"
     INVALID = (Invalid(
-        """\
-import copy
-
-import torch
-import torch.nn as nn
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from torch.utils.data import DataLoader
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class ModelEMA:
+        _COPY + """\
+class EMA:
     def __init__(self, model):
         self.module = copy.deepcopy(model)
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(2)])
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def main():
-    model = Net()
-    ema = ModelEMA(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    loader = DataLoader(list(range(8)), batch_size=2)
-    for x in loader:
-        loss = model(x).sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-""",
-        line=37,
+model = nn.Linear(4, 4)
+ema = EMA(model)
+""" + _OPT,
+        line=_after(_COPY, 7),
     ),)
 
 
@@ -425,51 +289,9 @@ class ShardMetaInitWithCopy(Blocker):
     CODE = "FSR609"
     NAME = "shard-meta-init-with-copy"
     INVALID = (Invalid(
-        """\
-import copy
-
-import torch
-import torch.nn as nn
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from torch.utils.data import DataLoader
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(2)])
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def main():
-
-    model = Net()
-    ema = copy.deepcopy(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    loader = DataLoader(list(range(8)), batch_size=2)
-    for x in loader:
-        loss = model(x).sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-""",
-        line=33,
-        options={'meta_init': True},
+        _COPY + "model = nn.Linear(4, 4)\nema = copy.deepcopy(model)\n" + _OPT,
+        line=_after(_COPY, 2),
+        options={"meta_init": True},
     ),)
 
 
@@ -489,37 +311,16 @@ class ShardOptimizerInClass(Blocker):
     CODE = "FSR610"
     NAME = "shard-optimizer-in-class"
     INVALID = (Invalid(
-        """\
-
-import torch
-from torch import nn, optim
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.head(self.blocks(x))
-
-
+        _TORCH + """\
 class Trainer:
-    def __init__(self, make):
-        self.model = make()
-        self.optimizer = optim.SGD(self.model.parameters(), lr=0.1)
+    def __init__(self, make_model):
+        self.model = make_model()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+
+trainer = Trainer(lambda: nn.Linear(4, 4))
 """,
-        line=28,
+        line=_after(_TORCH, 4),
     ),)
 
 
@@ -535,12 +336,7 @@ class ShardNoModel(Blocker):
 
     CODE = "FSR611"
     NAME = "shard-no-model"
-    INVALID = (Invalid(
-        """\
-print('hi')
-""",
-        line=1,
-    ),)
+    INVALID = (Invalid("print('hi')\n", line=1),)
 
 
 class ShardNoOptimizer(Blocker):
@@ -556,14 +352,7 @@ class ShardNoOptimizer(Blocker):
     CODE = "FSR612"
     NAME = "shard-no-optimizer"
     INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-
-model = nn.Linear(2, 2)
-model(torch.ones(2)).sum().backward()
-""",
-        line=4,
+        _TORCH + "model = nn.Linear(4, 4)\nmodel(torch.randn(2, 4)).sum().backward()\n", line=_after(_TORCH, 1),
     ),)
 
 
@@ -580,69 +369,27 @@ class ShardModelsInDifferentBlocks(Blocker):
     CODE = "FSR613"
     NAME = "shard-models-in-different-blocks"
     INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self, dim=8):
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
+        _TORCH + """\
 def pretrain():
-    teacher = Net()
-    teacher_opt = torch.optim.AdamW(teacher.parameters(), lr=1e-3)
-    for x in [torch.randn(2, 8)]:
-        loss = teacher(x).sum()
-        loss.backward()
-        teacher_opt.step()
+    teacher = nn.Linear(4, 4)
+    teacher_opt = torch.optim.SGD(teacher.parameters(), lr=0.1)
 
 
 def main():
-    model = Net()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for x in [torch.randn(2, 8)]:
-        loss = model(x).sum()
-        loss.backward()
-        optimizer.step()
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
 """,
-        line=24,
+        line=_after(_TORCH, 7),
     ),)
     # both models built (and trained) in the one function
     VALID = (Valid(
-        """\
-import torch
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self, dim=8):
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
+        _TORCH + """\
 def main():
-    teacher = Net()
-    teacher_opt = torch.optim.AdamW(teacher.parameters(), lr=1e-3)
-    model = Net()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for x in [torch.randn(2, 8)]:
-        loss = teacher(x).sum()
-        loss.backward()
-        teacher_opt.step()
-    for x in [torch.randn(2, 8)]:
-        loss = model(x).sum()
-        loss.backward()
-        optimizer.step()
-""",
+    teacher = nn.Linear(4, 4)
+    teacher_opt = torch.optim.SGD(teacher.parameters(), lr=0.1)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+"""
     ),)
 
 
@@ -659,24 +406,8 @@ class ShardLibraryPlacementArgument(Blocker):
 
     CODE = "FSR614"
     NAME = "shard-library-placement-argument"
-    INVALID = (Invalid(
-        """\
-from peft import get_peft_model
-from transformers import AutoModelForCausalLM
-import torch
-
-
-def main(name):
-    model = AutoModelForCausalLM.from_pretrained(name, device_map="auto")
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for batch in range(3):
-        loss = model(batch).sum()
-        loss.backward()
-        optimizer.step()
-""",
-        line=7,
-    ),)
+    INVALID = (Invalid(_HF + 'model = AutoModelForCausalLM.from_pretrained("gpt2", device_map="auto")\n' + _ADAMW,
+                       line=_after(_HF, 1)),)
 
 
 class ShardLibraryPushToHub(Blocker):
@@ -692,25 +423,11 @@ class ShardLibraryPushToHub(Blocker):
 
     CODE = "FSR615"
     NAME = "shard-library-push-to-hub"
-    INVALID = (Invalid(
-        """\
-from peft import get_peft_model
-from transformers import AutoModelForCausalLM
-import torch
-
-
-def main(name):
-    model = AutoModelForCausalLM.from_pretrained(name)
-    model.push_to_hub(name)
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for batch in range(3):
-        loss = model(batch).sum()
-        loss.backward()
-        optimizer.step()
-""",
-        line=8,
-    ),)
+    INVALID = (Invalid(_HF + 'model = AutoModelForCausalLM.from_pretrained("gpt2")\n' + _ADAMW
+                       + 'model.push_to_hub("me/gpt2-tuned")\n', line=_after(_HF, 3)),)
+    # saved to a folder: the rewrite gathers the full state for save_pretrained
+    VALID = (Valid(_HF + 'model = AutoModelForCausalLM.from_pretrained("gpt2")\n' + _ADAMW
+                   + 'model.save_pretrained("out")\n'),)
 
 
 class ShardLibraryPeft(Blocker):
@@ -726,23 +443,9 @@ class ShardLibraryPeft(Blocker):
     CODE = "FSR616"
     NAME = "shard-library-peft"
     INVALID = (Invalid(
-        """\
-from peft import get_peft_model
-from transformers import AutoModelForCausalLM
-import torch
-
-
-def main(name):
-    model = AutoModelForCausalLM.from_pretrained(name)
-    model = get_peft_model(model, lora)
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for batch in range(3):
-        loss = model(batch).sum()
-        loss.backward()
-        optimizer.step()
-""",
-        line=8,
+        "from peft import LoraConfig, get_peft_model\n" + _HF + 'model = AutoModelForCausalLM.from_pretrained("gpt2")\n'
+        + "model = get_peft_model(model, LoraConfig())\n" + _ADAMW,
+        line=_after("from peft import LoraConfig, get_peft_model\n" + _HF, 2),
     ),)
 
 
@@ -759,38 +462,16 @@ class ShardGlobalBuiltInFunction(Blocker):
     CODE = "FSR617"
     NAME = "shard-global-built-in-function"
     INVALID = (Invalid(
-        """\
-
-import torch
-from torch import nn, optim
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.head(self.blocks(x))
-
+        _TORCH + """\
 def setup():
     global model, opt
-    model = Net()
-    opt = optim.SGD(model.parameters(), lr=0.1)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
 
 setup()
 """,
-        line=26,
+        line=_after(_TORCH, 3),
     ),)
 
 
@@ -807,34 +488,13 @@ class ShardPlainListOfLayers(Blocker):
     CODE = "FSR618"
     NAME = "shard-plain-list-of-layers"
     INVALID = (Invalid(
-        """\
-
-import torch
-from torch import nn, optim
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = [Block() for _ in range(3)]
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.head(self.blocks(x))
-
-model = Net()
-opt = optim.SGD(model.parameters(), lr=0.1)
-""",
-        line=18,
+        _CLASS.format(init="\n        self.blocks = [nn.Linear(4, 4) for _ in range(2)]", forward="")
+        + "model = Net()\n" + _OPT,
+        line=_INIT,
+    ),)
+    VALID = (Valid(
+        _CLASS.format(init="\n        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])", forward="")
+        + "model = Net()\n" + _OPT + _LOOP
     ),)
 
 
@@ -851,35 +511,9 @@ class ShardOptimizerInInit(Blocker):
     CODE = "FSR619"
     NAME = "shard-optimizer-in-init"
     INVALID = (Invalid(
-        """\
-
-import torch
-from torch import nn, optim
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
-        self.head = nn.Linear(4, 2)
-        self.opt = optim.SGD(self.parameters(), lr=0.1)
-
-    def forward(self, x):
-        return self.head(self.blocks(x))
-
-model = Net()
-opt = optim.SGD(model.parameters(), lr=0.1)
-""",
-        line=20,
+        _CLASS.format(init="\n        self.opt = torch.optim.SGD(self.parameters(), lr=0.1)", forward="")
+        + "model = Net()\n" + _OPT,
+        line=_INIT,
     ),)
 
 
@@ -898,40 +532,16 @@ class ShardModelReboundToWrapper(Blocker):
 
     CODE = "FSR620"
     NAME = "shard-model-rebound-to-wrapper"
-    INVALID = (Invalid(
-        """\
-
-import torch
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.norm = nn.BatchNorm1d(4)
-
-    def forward(self, x):
-        return self.norm(self.fc(x))
-
-
-def main():
-    torch.manual_seed(0)
-    model = Net()
-    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(3):
-        loss = model(torch.randn(8, 4)).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-
-if __name__ == "__main__":
-    main()
-""",
-        line=19,
-    ),)
+    INVALID = (
+        Invalid(_WRAPPER + "model = nn.Linear(4, 4)\nmodel = Wrapper(model)\n" + _OPT, line=_after(_WRAPPER, 2)),
+        Invalid(  # a library function that returns the module rebuilt
+            _TORCH + "model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))\n"
+            + "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)\n" + _OPT,
+            line=_after(_TORCH, 2),
+        ),
+    )
+    # the wrapper built around the model in one expression: that is what gets sharded
+    VALID = (Valid(_WRAPPER + "model = Wrapper(nn.Linear(4, 4))\n" + _OPT + _LOOP),)
 
 
 class ShardFlatteningOptimizer(Blocker):
@@ -947,36 +557,8 @@ class ShardFlatteningOptimizer(Blocker):
 
     CODE = "FSR621"
     NAME = "shard-flattening-optimizer"
-    INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-from torch.utils.data import DataLoader, TensorDataset
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def main():
-    model = Net()
-    optimizer = torch.optim.LBFGS(model.parameters())
-    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
-    loader = DataLoader(data, batch_size=4)
-    for x, y in loader:
-        loss = ((model(x) - y) ** 2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    torch.save(model.state_dict(), "out.pt")
-""",
-        line=17,
-    ),)
+    INVALID = (Invalid(_TORCH + "model = nn.Linear(4, 4)\nopt = torch.optim.LBFGS(model.parameters())\n",
+                       line=_after(_TORCH, 2)),)
 
 
 class ShardOptimizerWholeMatrices(Blocker):
@@ -993,49 +575,24 @@ class ShardOptimizerWholeMatrices(Blocker):
 
     CODE = "FSR622"
     NAME = "shard-optimizer-whole-matrices"
-    INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-from torch.utils.data import DataLoader, TensorDataset
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Orthogonal(torch.optim.Optimizer):
-    def __init__(self, params, lr=0.02):
-        super().__init__(params, dict(lr=lr))
+    INVALID = (Invalid(  # steps along the gradient's polar factor, from an SVD of the whole matrix
+        _TORCH + """\
+class PolarSGD(torch.optim.Optimizer):
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, {"lr": lr})
 
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
             for p in group["params"]:
-                x = p.grad / (p.grad.norm() + 1e-7)
-                for _ in range(5):
-                    x = 1.5 * x - 0.5 * x @ x.mT @ x
-                p.add_(x, alpha=-group["lr"])
+                u, _, vh = torch.linalg.svd(p.grad)
+                p.sub_(u @ vh, alpha=group["lr"])
 
 
-def main():
-    model = Net()
-    optimizer = Orthogonal(model.parameters())
-    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
-    loader = DataLoader(data, batch_size=4)
-    for x, y in loader:
-        loss = ((model(x) - y) ** 2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    torch.save(model.state_dict(), "out.pt")
+model = nn.Linear(4, 4)
+opt = PolarSGD(model.parameters())
 """,
-        line=25,
+        line=_after(_TORCH, 9),
     ),)
 
 
@@ -1055,41 +612,24 @@ class ShardBlockParameterOutsideForward(Blocker):
     CODE = "FSR623"
     NAME = "shard-block-parameter-outside-forward"
     INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-
-
-class Stack(nn.Module):
+        _TORCH + """\
+class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.cells = nn.ModuleList([nn.GRUCell(4, 4) for _ in range(2)])
-        self.head = nn.Linear(4, 2)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
 
-    def init_hidden(self, batch):
-        return [next(self.parameters()).new_zeros(batch, 4) for _ in self.cells]
+    def zero_state(self, batch):
+        return next(self.parameters()).new_zeros(batch, 4)
 
-    def forward(self, x, hidden):
-        for i, cell in enumerate(self.cells):
-            hidden[i] = x = cell(x, hidden[i])
-        return self.head(x)
-
-
-def main():
-    model = Stack()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(3):
-        x = torch.randn(2, 4)
-        loss = model(x, model.init_hidden(2)).sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
 
 
-if __name__ == "__main__":
-    main()
-""",
-        line=12,
+model = Net()
+""" + _OPT + "state = model.zero_state(2)\n",
+        line=_after(_TORCH, 7),
     ),)
 
 
@@ -1110,36 +650,9 @@ class ShardDoubleBackward(Blocker):
     CODE = "FSR624"
     NAME = "shard-double-backward"
     INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-from torch.utils.data import DataLoader, TensorDataset
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def main():
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
-    x = torch.randn(8, 4, requires_grad=True)
-    (penalty,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
-    loader = DataLoader(data, batch_size=4)
-    for x, y in loader:
-        loss = ((model(x) - y) ** 2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    torch.save(model.state_dict(), "out.pt")
-""",
-        line=20,
+        _TORCH + "model = nn.Linear(4, 4)\n" + _OPT + "x = torch.randn(2, 4, requires_grad=True)\n"
+        + "(grad,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)\n",
+        line=_after(_TORCH, 4),
     ),)
 
 
@@ -1158,39 +671,13 @@ class ShardUnrecognisedTrainedModel(Blocker):
     CODE = "FSR625"
     NAME = "shard-unrecognised-trained-model"
     INVALID = (Invalid(
-        """\
-import torch
-from torch.utils.data import DataLoader, TensorDataset
-from gans import make_generator
-import torch.nn as nn
-
-
-class Critic(nn.Module):
-    def __init__(self, channels=3):
-        super().__init__()
-        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-generator = make_generator(3)
-if torch.cuda.is_available():
-    generator = generator.cuda()
-optimizer = torch.optim.Adam(generator.parameters(), lr=1e-3)
-discriminator = Critic()
-optimizer_D = torch.optim.Adam(discriminator.parameters(), lr=1e-3)
-loader = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 4)), batch_size=4, shuffle=True)
-for x, y in loader:
-    loss = ((generator(x) - y) ** 2).mean()
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-torch.save(generator.state_dict(), "out.pt")
+        "from gans import make_generator\n" + _TORCH + """\
+generator = make_generator()
+critic = nn.Linear(4, 1)
+opt_g = torch.optim.Adam(generator.parameters())
+opt_c = torch.optim.Adam(critic.parameters())
 """,
-        line=18,
+        line=_after("from gans import make_generator\n" + _TORCH, 1),
     ),)
 
 
@@ -1211,44 +698,23 @@ class ShardModuleSharedByModels(Blocker):
     CODE = "FSR626"
     NAME = "shard-module-shared-by-models"
     INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-from torch.utils.data import DataLoader, TensorDataset
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
+        _TORCH + """\
 class Encoder(nn.Module):
-    def __init__(self, shared_block, width=4):
+    def __init__(self, shared):
         super().__init__()
-        self.inp = nn.Linear(4, width)
-        self.shared = shared_block
+        self.inp = nn.Linear(4, 4)
+        self.shared = shared
 
     def forward(self, x):
         return self.shared(self.inp(x))
 
 
-def main():
-    shared = nn.Linear(4, 4)
-    enc_a = Encoder(shared)
-    enc_b = Encoder(shared_block=enc_a)
-    optimizer = torch.optim.SGD([*enc_a.parameters(), *enc_b.parameters()], lr=0.1)
-    loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 4)), batch_size=4)
-    for x, y in loader:
-        loss = ((enc_a(x) - y) ** 2).mean() + ((enc_b(x) - y) ** 2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+shared = nn.Linear(4, 4)
+enc_a = Encoder(shared)
+enc_b = Encoder(shared)
+opt = torch.optim.SGD([*enc_a.parameters(), *enc_b.parameters()], lr=0.1)
 """,
-        line=28,
+        line=_after(_TORCH, 13),
     ),)
 
 
@@ -1269,45 +735,18 @@ class ShardModelReboundInNestedFunction(Blocker):
     CODE = "FSR627"
     NAME = "shard-model-rebound-in-nested-function"
     INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-from torch.utils.data import DataLoader, TensorDataset
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
+        _TORCH + """\
 def main():
-    model = Net()
+    model = nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 4)), batch_size=4)
 
-    def wrap():
+    def compile_model():
         nonlocal model
         model = torch.compile(model)
 
-    def train():
-        for x, y in loader:
-            loss = ((model(x) - y) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-
-    wrap()
-    train()
-    torch.save(model.state_dict(), "out.pt")
-
-
-main()
+    compile_model()
 """,
-        line=22,
+        line=_after(_TORCH, 7),
     ),)
 
 
@@ -1329,50 +768,10 @@ class ShardScalarParameterMetaInit(Blocker):
     CODE = "FSR628"
     NAME = "shard-scalar-parameter-meta-init"
     INVALID = (Invalid(
-        """\
-import math
-
-import torch
-import torch.nn as nn
-
-
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return x + self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self, dim=4):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(dim) for _ in range(2)])
-        self.gate = nn.Parameter(torch.zeros(()))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def main():
-    torch.manual_seed(0)
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(3):
-        loss = model(torch.randn(8, 4)).pow(2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-
-
-if __name__ == "__main__":
-    main()
-""",
-        line=20,
-        options={'meta_init': True},
+        _CLASS.format(init="\n        self.gate = nn.Parameter(torch.zeros(()))", forward="")
+        + "model = Net()\n" + _OPT,
+        line=_INIT,
+        options={"meta_init": True},
     ),)
 
 
@@ -1394,37 +793,26 @@ class ShardOptimizerBeforeShardInBranch(Blocker):
     CODE = "FSR629"
     NAME = "shard-optimizer-before-shard-in-branch"
     INVALID = (Invalid(
-        """\
-import argparse
-
-import torch
-import torch.nn as nn
-
-
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--resume", default=None)
-    args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.resume is None:
-        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    else:
-        checkpoint = torch.load(args.resume)
-        model = checkpoint["model"]
-        optimizer = checkpoint["optimizer"]
-    model = model.to(device)
-    for step in range(5):
-        loss = model(torch.randn(16, 8, device=device)).pow(2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    torch.save({"model": model, "optimizer": optimizer}, "ckpt.pt")
-
-
-main()
+        _SYS + """\
+if len(sys.argv) > 1:
+    model, opt = torch.load(sys.argv[1])
+else:
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model = model.to("cuda")
 """,
-        line=14,
+        line=_after(_SYS, 5),
+    ),)
+    # the model built and placed before the if/else that only picks its optimizer
+    VALID = (Valid(
+        _SYS + """\
+model = nn.Linear(4, 4)
+model = model.to("cuda")
+if len(sys.argv) > 1:
+    opt = torch.optim.Adam(model.parameters())
+else:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+""" + _LOOP
     ),)
 
 
@@ -1442,37 +830,7 @@ class ShardOptionClassNotFound(Blocker):
 
     CODE = "FSR630"
     NAME = "shard-option-class-not-found"
-    INVALID = (Invalid(
-        """\
-
-import torch
-from torch import nn, optim
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.head(self.blocks(x))
-
-model = Net()
-opt = optim.SGD(model.parameters(), lr=0.1)
-""",
-        line=24,
-        options={'shard': ['NoSuchClass']},
-    ),)
+    INVALID = (Invalid(_NET + "model = Net()\n" + _OPT, line=_after(_NET, 1), options={"shard": ["NoSuchClass"]}),)
 
 
 class ShardGradScalerBeforeTorch25(Blocker):
@@ -1489,41 +847,9 @@ class ShardGradScalerBeforeTorch25(Blocker):
     CODE = "FSR643"
     NAME = "shard-grad-scaler-before-torch-2-5"
     INVALID = (Invalid(
-        """\
-
-import torch
-from torch.amp import GradScaler
-from torch import nn, optim
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.head(self.blocks(x))
-
-model = Net()
-opt = optim.SGD(model.parameters(), lr=0.1)
-scaler = torch.cuda.amp.GradScaler()
-for x in torch.randn(4, 8, 4):
-    scaler.scale(model(x).sum()).backward()
-    scaler.step(opt)
-    scaler.update()
-""",
-        line=27,
-        options={'torch_version': '2.4'},
+        _TORCH + "model = nn.Linear(4, 4)\n" + _OPT + 'scaler = torch.amp.GradScaler("cuda")\n',
+        line=_after(_TORCH, 3),
+        options={"torch_version": "2.4"},
     ),)
 
 
@@ -1547,52 +873,8 @@ class ShardForwardWritesParameterData(Blocker):
     CODE = "FSR644"
     NAME = "shard-forward-writes-parameter-data"
     INVALID = (Invalid(
-        """\
-import torch
-from torch import nn
-
-
-class Masked(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(4, 4, 3, padding=1)
-        self.scale = nn.Parameter(torch.ones(4))
-        self.register_buffer("mask", torch.ones(4, 4, 3, 3))
-
-    def make_causal(self):
-        self.conv.weight.data[:, :, -1].zero_()
-
-    def forward(self, x):
-        self.make_causal()
-        return self.conv(x) * self.scale[:, None, None]
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Conv2d(2, 4, 1)
-        self.layers = nn.ModuleList()
-        for _ in range(2):
-            self.layers.append(Masked())
-
-    def forward(self, x):
-        x = self.emb(x)
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-model = Net()
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-x = torch.randn(8, 2, 6, 6)
-for step in range(3):
-    loss = model(x).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-
-""",
-        line=13,
+        _CLASS.format(init="", forward="\n        self.fc.weight.data.clamp_(-1, 1)") + "model = Net()\n" + _OPT,
+        line=_FORWARD,
     ),)
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
-from ._scripts import STEPS, TRAIN, TRAINING, indented
+from ._scripts import TRAIN, TRAINING, indented
 
 
 class CheckpointUnsplittableRankBranch(Blocker):

@@ -19,7 +19,10 @@ class CheckpointFileObject(Blocker):
     CODE = "FSR705"
     NAME = "checkpoint-file-object"
     STAGE = "checkpoint_files"
-    INVALID = (Invalid("import io\n" + TRAIN + "buffer = io.BytesIO()\ntorch.save(model.state_dict(), buffer)\n", line=9),)
+    INVALID = (Invalid(
+        "import io\n" + TRAIN + "buffer = io.BytesIO()\ntorch.save(model.state_dict(), buffer)\n",
+        line=9,
+    ),)
     VALID = (Valid(TRAIN + 'torch.save(model.state_dict(), "m.pt")\n'),)
     # the state saved by path
 

@@ -184,7 +184,8 @@ class Fsdp1PrecisionCombination(Blocker):
     CODE = "FSR308"
     NAME = "fsdp1-precision-combination"
     INVALID = (Invalid(
-        _wrapped("model = FSDP(model, mixed_precision=MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.bfloat16))"),
+        _wrapped("model = FSDP(model, mixed_precision=MixedPrecision("
+                 "param_dtype=torch.float32, reduce_dtype=torch.bfloat16))"),
         line=6,
     ),)
 
@@ -202,7 +203,8 @@ class Fsdp1HybridWithoutHsdp(Blocker):
     CODE = "FSR309"
     NAME = "fsdp1-hybrid-without-hsdp"
     INVALID = (Invalid(_wrapped("model = FSDP(model, sharding_strategy=ShardingStrategy.HYBRID_SHARD)"), line=6),)
-    VALID = (Valid(_wrapped("model = FSDP(model, sharding_strategy=ShardingStrategy.HYBRID_SHARD)"), options={"hsdp": 2}),)
+    VALID = (Valid(_wrapped("model = FSDP(model, sharding_strategy=ShardingStrategy.HYBRID_SHARD)"),
+                   options={"hsdp": 2}),)
 
 
 class Fsdp1StateDictRankGated(Blocker):
@@ -237,7 +239,8 @@ if dist.get_rank() == 0:
     )
     VALID = (Valid(
         _wrapped(
-            "model = FSDP(model, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))",
+            "model = FSDP(model, mixed_precision=MixedPrecision("
+            "param_dtype=torch.bfloat16, reduce_dtype=torch.float32))",
             'state = model.state_dict()\nif dist.get_rank() == 0:\n    torch.save(state, "model.pt")\n',
         ),
     ),)

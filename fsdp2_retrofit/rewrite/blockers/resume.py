@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
-from ._scripts import MODEL, OPT, STEPS, TRAIN
+from ._scripts import MODEL, OPT, STEPS
 
 _SAVE = 'torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, "ckpt.pt")\n'
 _ENC_DEC = """\

@@ -15,6 +15,13 @@ for step in range(10):
 TRAINING = MODEL + OPT + STEPS  # 5 lines
 TRAIN = "import torch\n" + TRAINING  # a whole script, 6 lines
 
+CUDA_MODEL = "model = torch.nn.Linear(8, 2).cuda()\n"  # the same, on the GPU (the distributed scripts)
+CUDA_STEPS = """\
+for step in range(10):
+    model(torch.randn(4, 8, device="cuda")).sum().backward()
+    opt.step()
+"""
+
 DATA_IMPORTS = "import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"  # 2 lines
 LOADER = "loader = DataLoader(TensorDataset(torch.randn(32, 8), torch.randn(32, 2)), batch_size=8, shuffle=True)\n"
 EPOCH = """\

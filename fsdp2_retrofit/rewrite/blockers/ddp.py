@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
+from ._scripts import CUDA_MODEL, CUDA_STEPS, OPT
 
 _IMPORTS = """\
 import torch
@@ -9,14 +10,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 """
 _HEAD = _IMPORTS + 'dist.init_process_group("nccl")\n'  # lines 1-4
-_MODEL = "model = torch.nn.Linear(8, 2).cuda()\n"
 _WRAP = "model = DDP(model)\n"
-_OPT = "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-_LOOP = _OPT + """\
-for step in range(10):
-    model(torch.randn(4, 8, device="cuda")).sum().backward()
-    opt.step()
-"""
+_LOOP = OPT + CUDA_STEPS
 
 
 class DdpWrapInExpression(Blocker):
@@ -41,7 +36,7 @@ model = build(torch.nn.Linear(8, 2).cuda())
         line=6,
     ),)
     VALID = (Valid(
-        _HEAD + _MODEL + _WRAP + _LOOP + """\
+        _HEAD + CUDA_MODEL + _WRAP + _LOOP + """\
 if dist.get_rank() == 0:
     torch.save(model.module.state_dict(), "model.pt")
 """,
@@ -60,7 +55,7 @@ class DdpWrapperClassUsed(Blocker):
 
     CODE = "FSR202"
     NAME = "ddp-wrapper-class-used"
-    INVALID = (Invalid(_HEAD + _MODEL + _WRAP + "assert isinstance(model, DDP)\n" + _LOOP, line=7),)
+    INVALID = (Invalid(_HEAD + CUDA_MODEL + _WRAP + "assert isinstance(model, DDP)\n" + _LOOP, line=7),)
 
 
 class DdpNoSyncShape(Blocker):
@@ -78,7 +73,7 @@ class DdpNoSyncShape(Blocker):
     NAME = "ddp-no-sync-shape"
     INVALID = (
         Invalid(
-            "import contextlib\n" + _HEAD + _MODEL + _WRAP + _OPT + """\
+            "import contextlib\n" + _HEAD + CUDA_MODEL + _WRAP + OPT + """\
 for step in range(10):
     with contextlib.nullcontext() if step % 4 == 3 else model.no_sync():
         model(torch.randn(4, 8, device="cuda")).sum().backward()
@@ -88,7 +83,7 @@ for step in range(10):
             line=10,
         ),
         Invalid(
-            _HEAD + _MODEL + _WRAP + _OPT + """\
+            _HEAD + CUDA_MODEL + _WRAP + OPT + """\
 for step in range(10):
     loss = model(torch.randn(4, 8, device="cuda")).sum()
     if step % 4 != 3:
@@ -101,7 +96,7 @@ for step in range(10):
         ),
     )
     VALID = (Valid(
-        _HEAD + _MODEL + _WRAP + _OPT + """\
+        _HEAD + CUDA_MODEL + _WRAP + OPT + """\
 for step in range(10):
     loss = model(torch.randn(4, 8, device="cuda")).sum()
     if step % 4 != 3:
@@ -127,7 +122,7 @@ class DdpRankSeed(Blocker):
 
     CODE = "FSR204"
     NAME = "ddp-rank-seed"
-    INVALID = (Invalid(_HEAD + "torch.manual_seed(1234 + dist.get_rank())\n" + _MODEL + _WRAP + _LOOP, line=5),)
+    INVALID = (Invalid(_HEAD + "torch.manual_seed(1234 + dist.get_rank())\n" + CUDA_MODEL + _WRAP + _LOOP, line=5),)
 
 
 class DdpAndDataParallel(Blocker):
@@ -143,7 +138,7 @@ class DdpAndDataParallel(Blocker):
     CODE = "FSR205"
     NAME = "ddp-and-data-parallel"
     INVALID = (Invalid(
-        "import os\n" + _IMPORTS + _MODEL + """\
+        "import os\n" + _IMPORTS + CUDA_MODEL + """\
 if "LOCAL_RANK" in os.environ:
     dist.init_process_group("nccl")
     model = DDP(model)
@@ -167,6 +162,7 @@ class DdpUnknownArgument(Blocker):
     CODE = "FSR206"
     NAME = "ddp-unknown-argument"
     INVALID = (Invalid(
-        _HEAD + "group = dist.new_group(ranks=[0, 1])\n" + _MODEL + "model = DDP(model, process_group=group)\n" + _LOOP,
+        _HEAD + "group = dist.new_group(ranks=[0, 1])\n" + CUDA_MODEL
+        + "model = DDP(model, process_group=group)\n" + _LOOP,
         line=7,
     ),)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
+from ._scripts import CUDA_MODEL, CUDA_STEPS, OPT
 
 _HEAD = """\
 import torch
@@ -9,18 +10,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy, StateDictType
 dist.init_process_group("nccl")
 """  # lines 1-4
-_MODEL = "model = torch.nn.Linear(8, 2).cuda()\n"
-_OPT = "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-_LOOP = _OPT + """\
-for step in range(10):
-    model(torch.randn(4, 8, device="cuda")).sum().backward()
-    opt.step()
-"""
+_LOOP = OPT + CUDA_STEPS
 
 
 def _wrapped(wrap: str, after: str = "") -> str:
     """The model built at line 5, wrapped by `wrap` at line 6, trained at lines 7-10, then `after` (line 11 on)."""
-    return _HEAD + _MODEL + wrap + "\n" + _LOOP + after
+    return _HEAD + CUDA_MODEL + wrap + "\n" + _LOOP + after
 
 
 class Fsdp1WrapShape(Blocker):
@@ -161,7 +156,7 @@ teacher = torch.nn.Linear(8, 2).cuda()
 teacher = FSDP(teacher)
 model = torch.nn.Linear(8, 2).cuda()
 model = FSDP(model, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
-""" + _OPT + """\
+""" + OPT + """\
 for step in range(10):
     x = torch.randn(4, 8, device="cuda")
     (model(x) - teacher(x).detach()).pow(2).sum().backward()

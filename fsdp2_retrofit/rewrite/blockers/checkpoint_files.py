@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
+from ._scripts import MODEL, OPT, STEPS, TRAIN
 
 
 class CheckpointFileObject(Blocker):
@@ -19,51 +20,11 @@ class CheckpointFileObject(Blocker):
     NAME = "checkpoint-file-object"
     STAGE = "checkpoint_files"
     INVALID = (Invalid(
-        """\
-import io
-import torch
-import torch.nn as nn
-
-
-def main():
-    model = nn.Linear(4, 4)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    for _ in range(2):
-        optimizer.zero_grad()
-        model(torch.randn(2, 4)).sum().backward()
-        optimizer.step()
-    buffer = io.BytesIO()
-    torch.save(model.state_dict(), buffer)
-
-
-
-if __name__ == "__main__":
-    main()
-""",
-        line=15,
+        "import io\n" + TRAIN + "buffer = io.BytesIO()\ntorch.save(model.state_dict(), buffer)\n",
+        line=9,
     ),)
+    VALID = (Valid(TRAIN + 'torch.save(model.state_dict(), "m.pt")\n'),)
     # the state saved by path
-    VALID = (Valid(
-        """\
-import torch
-import torch.nn as nn
-
-
-def main():
-    model = nn.Linear(4, 4)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(2):
-        optimizer.zero_grad()
-        model(torch.randn(2, 4)).sum().backward()
-        optimizer.step()
-    torch.save(model.state_dict(), "m.pt")
-
-
-if __name__ == "__main__":
-    main()
-""",
-    ),)
 
 
 class ResumeFileObject(Blocker):
@@ -80,28 +41,11 @@ class ResumeFileObject(Blocker):
     NAME = "resume-file-object"
     STAGE = "checkpoint_files"
     INVALID = (Invalid(
-        """\
-import io
-import torch
-import torch.nn as nn
-
-
-def main():
-    model = nn.Linear(4, 4)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with open("m.pt", "rb") as f:
-        model.load_state_dict(torch.load(f))
-        print(f.name)
-
-    for _ in range(2):
-        optimizer.zero_grad()
-        model(torch.randn(2, 4)).sum().backward()
-        optimizer.step()
-
-
-
-if __name__ == "__main__":
-    main()
-""",
-        line=10,
+        "import torch\n" + MODEL + OPT + """\
+with open("m.pt", "rb") as f:
+    model.load_state_dict(torch.load(f))
+    print(f.name)
+""" + STEPS,
+        line=5,
     ),)
+    VALID = (Valid("import torch\n" + MODEL + OPT + 'model.load_state_dict(torch.load("m.pt"))\n' + STEPS),)

@@ -2,6 +2,21 @@
 from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
+from ._scripts import DATA_IMPORTS, EPOCH, MODEL, OPT
+
+_DATA = DATA_IMPORTS + MODEL + OPT  # lines 1-4
+_LOADERS = """\
+from torch.utils.data import DataLoader
+def make_loader(dataset, batch_size):
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True)
+"""
+_HELPER_LOADER = """\
+import torch
+from torch.utils.data import TensorDataset
+from {module} import make_loader
+""" + MODEL + OPT + """\
+loader = make_loader(TensorDataset(torch.randn(32, 8), torch.randn(32, 2)), 8)
+""" + EPOCH
 
 
 class DataSamplerNotDistributable(Blocker):
@@ -20,34 +35,9 @@ class DataSamplerNotDistributable(Blocker):
     CODE = "FSR901"
     NAME = "data-sampler-not-distributable"
     INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-from torch.utils.data import DataLoader, TensorDataset
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def main():
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
-    loader = DataLoader(data, batch_sampler=my_batches)
-    for x, y in loader:
-        loss = ((model(x) - y) ** 2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    torch.save(model.state_dict(), "out.pt")
-""",
-        line=19,
+        _DATA + "loader = DataLoader(TensorDataset(torch.randn(32, 8), torch.randn(32, 2)), batch_sampler=my_batches)\n"
+        + EPOCH,
+        line=5,
     ),)
 
 
@@ -66,33 +56,12 @@ class DataLoaderNotFollowed(Blocker):
     CODE = "FSR902"
     NAME = "data-loader-not-followed"
     INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-from torch.utils.data import DataLoader, TensorDataset
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def main():
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
-    for x, y in DataLoader(data, batch_size=4):
-        loss = ((model(x) - y) ** 2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    torch.save(model.state_dict(), "out.pt")
+        _DATA + """\
+for x, y in DataLoader(TensorDataset(torch.randn(32, 8), torch.randn(32, 2)), batch_size=8):
+    (model(x) - y).pow(2).mean().backward()
+    opt.step()
 """,
-        line=19,
+        line=5,
     ),)
 
 
@@ -115,24 +84,18 @@ class DataBatchSizeReadElsewhere(Blocker):
     NAME = "data-batch-size-read-elsewhere"
     INVALID = (Invalid(
         """\
-
 import torch
-from torch import nn
 from torch.utils.data import DataLoader
-
-
 batch_size = 8
-
-
-def main():
-    model = nn.Linear(4, 1)
+def main(data):
+    model = torch.nn.Linear(8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(data, batch_size=batch_size)
     for x in loader:
         model(x.view(batch_size, -1)).sum().backward()
         opt.step()
 """,
-        line=7,
+        line=3,
         options={'keep_global_batch': True},
     ),)
 
@@ -155,81 +118,18 @@ class DataLoaderOutsideProject(Blocker):
     # The script is a module of a package (its folder holds __init__.py) with no project marker
     # above it: the project is the script's folder, and `fsr904_shared` is found beside the
     # package (where `python -m` imports it from), one folder up: outside the project.
+    # The script is a module of a package (its folder holds __init__.py) with no project marker
+    # above it: the project is the script's folder, and `fsr904_shared` is found beside the
+    # package (where `python -m` imports it from), one folder up: outside the project.
     INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-from torch.utils.data import TensorDataset
-
-from fsr904_shared.loaders import make_loader
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def main():
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = make_loader(TensorDataset(torch.randn(16, 4)), 4)
-    for (x,) in loader:
-        loss = model(x).sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-""",
-        line=5,
-        files={"__init__.py": "", "../fsr904_shared/loaders.py": """\
-from torch.utils.data import DataLoader
-
-
-def make_loader(dataset, batch_size):
-    return DataLoader(dataset, batch_size=batch_size, shuffle=True)
-"""},
+        _HELPER_LOADER.format(module="fsr904_shared.loaders"),
+        line=3,
+        files={"__init__.py": "", "../fsr904_shared/loaders.py": _LOADERS},
         path="../fsr904_shared/loaders.py",
     ),)
     # the helper module inside the project (beside the script): its DataLoader gets the sampler there
-    VALID = (Valid(
-        """\
-import torch
-import torch.nn as nn
-from torch.utils.data import TensorDataset
-
-from loaders import make_loader
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def main():
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = make_loader(TensorDataset(torch.randn(16, 4)), 4)
-    for (x,) in loader:
-        loss = model(x).sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-""",
-        files={"loaders.py": """\
-from torch.utils.data import DataLoader
-
-
-def make_loader(dataset, batch_size):
-    return DataLoader(dataset, batch_size=batch_size, shuffle=True)
-"""},
-    ),)
+    VALID = (Valid(_HELPER_LOADER.format(module="loaders"), files={"loaders.py": _LOADERS}),)
+    # the helper module inside the project (beside the script): its DataLoader gets the sampler there
 
 
 class DataGlobalBatchOfOne(Blocker):
@@ -247,21 +147,7 @@ class DataGlobalBatchOfOne(Blocker):
     CODE = "FSR905"
     NAME = "data-global-batch-of-one"
     INVALID = (Invalid(
-        """\
-
-import torch
-import torch.nn as nn
-from torch.utils.data import DataLoader, TensorDataset
-
-
-net = nn.Linear(4, 2)
-opt = torch.optim.SGD(net.parameters(), lr=0.1)
-loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 2)), batch_size=1)
-for x, y in loader:
-    opt.zero_grad()
-    nn.functional.mse_loss(net(x), y).backward()
-    opt.step()
-""",
-        line=9,
+        _DATA + "loader = DataLoader(TensorDataset(torch.randn(32, 8), torch.randn(32, 2)), batch_size=1)\n" + EPOCH,
+        line=5,
         options={'keep_global_batch': True},
     ),)

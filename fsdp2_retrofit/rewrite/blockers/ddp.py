@@ -2,6 +2,16 @@
 from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
+from ._scripts import CUDA_MODEL, CUDA_STEPS, OPT
+
+_IMPORTS = """\
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+"""
+_HEAD = _IMPORTS + 'dist.init_process_group("nccl")\n'  # lines 1-4
+_WRAP = "model = DDP(model)\n"
+_LOOP = OPT + CUDA_STEPS
 
 
 class DdpWrapInExpression(Blocker):
@@ -18,57 +28,17 @@ class DdpWrapInExpression(Blocker):
     CODE = "FSR201"
     NAME = "ddp-wrap-in-expression"
     INVALID = (Invalid(
-        """\
-import os
-
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-
-def build_model(local_rank):
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).cuda()
-    return DDP(model, device_ids=[local_rank])
-
-
-dist.init_process_group("nccl")
-local_rank = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(local_rank)
-model = build_model(local_rank)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-for step in range(100):
-    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-dist.destroy_process_group()
-""",
-        line=11,
+        _HEAD + """\
+def build(model):
+    return DDP(model)
+model = build(torch.nn.Linear(8, 2).cuda())
+""" + _LOOP,
+        line=6,
     ),)
     VALID = (Valid(
-        """\
-import os
-
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-dist.init_process_group("nccl")
-local_rank = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(local_rank)
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).cuda()
-model = DDP(model, device_ids=[local_rank])
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-for step in range(100):
-    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
+        _HEAD + CUDA_MODEL + _WRAP + _LOOP + """\
 if dist.get_rank() == 0:
     torch.save(model.module.state_dict(), "model.pt")
-dist.destroy_process_group()
 """,
     ),)
 
@@ -85,37 +55,7 @@ class DdpWrapperClassUsed(Blocker):
 
     CODE = "FSR202"
     NAME = "ddp-wrapper-class-used"
-    INVALID = (Invalid(
-        """\
-
-import torch
-from torch import nn, optim
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.head(self.blocks(x))
-
-model = torch.nn.parallel.DistributedDataParallel(Net())
-isinstance(model, torch.nn.parallel.DistributedDataParallel)
-opt = optim.SGD(model.parameters(), lr=0.1)
-""",
-        line=25,
-    ),)
+    INVALID = (Invalid(_HEAD + CUDA_MODEL + _WRAP + "assert isinstance(model, DDP)\n" + _LOOP, line=7),)
 
 
 class DdpNoSyncShape(Blocker):
@@ -133,86 +73,38 @@ class DdpNoSyncShape(Blocker):
     NAME = "ddp-no-sync-shape"
     INVALID = (
         Invalid(
-            """\
-import contextlib
-import os
-
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-dist.init_process_group("nccl")
-local_rank = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(local_rank)
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).cuda()
-model = DDP(model, device_ids=[local_rank])
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-for step in range(100):
-    last = step % 4 == 3
-    with contextlib.nullcontext() if last else model.no_sync():
-        loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
-        loss.backward()
-    if last:
+            "import contextlib\n" + _HEAD + CUDA_MODEL + _WRAP + OPT + """\
+for step in range(10):
+    with contextlib.nullcontext() if step % 4 == 3 else model.no_sync():
+        model(torch.randn(4, 8, device="cuda")).sum().backward()
+    if step % 4 == 3:
         opt.step()
-        opt.zero_grad()
-dist.destroy_process_group()
 """,
-            line=17,
+            line=10,
         ),
         Invalid(
-            """\
-import os
-
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-dist.init_process_group("nccl")
-local_rank = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(local_rank)
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).cuda()
-model = DDP(model, device_ids=[local_rank])
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-for step in range(100):
-    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
+            _HEAD + CUDA_MODEL + _WRAP + OPT + """\
+for step in range(10):
+    loss = model(torch.randn(4, 8, device="cuda")).sum()
     if step % 4 != 3:
         with model.no_sync(): loss.backward()
     else:
         loss.backward()
         opt.step()
-        opt.zero_grad()
-dist.destroy_process_group()
 """,
-            line=17,
+            line=11,
         ),
     )
     VALID = (Valid(
-        """\
-import os
-
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-dist.init_process_group("nccl")
-local_rank = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(local_rank)
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).cuda()
-model = DDP(model, device_ids=[local_rank])
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-for step in range(100):
-    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
+        _HEAD + CUDA_MODEL + _WRAP + OPT + """\
+for step in range(10):
+    loss = model(torch.randn(4, 8, device="cuda")).sum()
     if step % 4 != 3:
         with model.no_sync():
             loss.backward()
     else:
         loss.backward()
         opt.step()
-        opt.zero_grad()
-dist.destroy_process_group()
 """,
     ),)
 
@@ -230,31 +122,7 @@ class DdpRankSeed(Blocker):
 
     CODE = "FSR204"
     NAME = "ddp-rank-seed"
-    INVALID = (Invalid(
-        """\
-import os
-
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-dist.init_process_group("nccl")
-local_rank = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(local_rank)
-torch.manual_seed(1234 + dist.get_rank())
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).cuda()
-model = DDP(model, device_ids=[local_rank])
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-for step in range(100):
-    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-dist.destroy_process_group()
-""",
-        line=11,
-    ),)
+    INVALID = (Invalid(_HEAD + "torch.manual_seed(1234 + dist.get_rank())\n" + CUDA_MODEL + _WRAP + _LOOP, line=5),)
 
 
 class DdpAndDataParallel(Blocker):
@@ -270,30 +138,14 @@ class DdpAndDataParallel(Blocker):
     CODE = "FSR205"
     NAME = "ddp-and-data-parallel"
     INVALID = (Invalid(
-        """\
-import os
-
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).cuda()
+        "import os\n" + _IMPORTS + CUDA_MODEL + """\
 if "LOCAL_RANK" in os.environ:
     dist.init_process_group("nccl")
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    model = DDP(model, device_ids=[local_rank])
+    model = DDP(model)
 else:
-    model = nn.DataParallel(model)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-for step in range(100):
-    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-""",
-        line=13,
+    model = torch.nn.DataParallel(model)
+""" + _LOOP,
+        line=8,
     ),)
 
 
@@ -310,27 +162,7 @@ class DdpUnknownArgument(Blocker):
     CODE = "FSR206"
     NAME = "ddp-unknown-argument"
     INVALID = (Invalid(
-        """\
-import os
-
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-dist.init_process_group("nccl")
-local_rank = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(local_rank)
-group = dist.new_group(ranks=list(range(dist.get_world_size())))
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).cuda()
-model = DDP(model, device_ids=[local_rank], process_group=group)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-for step in range(100):
-    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-dist.destroy_process_group()
-""",
-        line=13,
+        _HEAD + "group = dist.new_group(ranks=[0, 1])\n" + CUDA_MODEL
+        + "model = DDP(model, process_group=group)\n" + _LOOP,
+        line=7,
     ),)

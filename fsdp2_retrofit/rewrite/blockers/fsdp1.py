@@ -2,6 +2,20 @@
 from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
+from ._scripts import CUDA_MODEL, CUDA_STEPS, OPT
+
+_HEAD = """\
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy, StateDictType
+dist.init_process_group("nccl")
+"""  # lines 1-4
+_LOOP = OPT + CUDA_STEPS
+
+
+def _wrapped(wrap: str, after: str = "") -> str:
+    """The model built at line 5, wrapped by `wrap` at line 6, trained at lines 7-10, then `after` (line 11 on)."""
+    return _HEAD + CUDA_MODEL + wrap + "\n" + _LOOP + after
 
 
 class Fsdp1WrapShape(Blocker):
@@ -19,59 +33,16 @@ class Fsdp1WrapShape(Blocker):
     NAME = "fsdp1-wrap-shape"
     INVALID = (
         Invalid(
-            """\
-import os
-
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-
-def build_model(local_rank):
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
-    return FSDP(model, device_id=local_rank)
-
-
-dist.init_process_group("nccl")
-local_rank = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(local_rank)
-model = build_model(local_rank)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-for step in range(100):
-    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-dist.destroy_process_group()
-""",
-            line=11,
+            _HEAD + """\
+def build(model):
+    return FSDP(model)
+model = build(torch.nn.Linear(8, 2).cuda())
+""" + _LOOP,
+            line=6,
         ),
-        Invalid(
-            """\
-import os
-
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-dist.init_process_group("nccl")
-local_rank = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(local_rank)
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
-model = FSDP(model, None, None, None, device_id=local_rank)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-for step in range(100):
-    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-dist.destroy_process_group()
-""",
-            line=12,
-        ),
+        Invalid(_wrapped("model = FSDP(model, None, None, None)"), line=6),
     )
+    VALID = (Valid(_wrapped("model = FSDP(model, device_id=torch.cuda.current_device())")),)
 
 
 class Fsdp1UnknownArgument(Blocker):
@@ -86,72 +57,7 @@ class Fsdp1UnknownArgument(Blocker):
 
     CODE = "FSR302"
     NAME = "fsdp1-unknown-argument"
-    INVALID = (Invalid(
-        """\
-import functools
-import os
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import (
-    CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType,
-)
-from torch.distributed.fsdp.wrap import (
-    ModuleWrapPolicy, lambda_auto_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy,
-)
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(3)])
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
-def main():
-    local_rank = int(os.environ["LOCAL_RANK"])
-    dist.init_process_group("nccl")
-    rank = dist.get_rank()
-    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 4))
-    sampler = DistributedSampler(data)
-    loader = DataLoader(data, batch_size=8, sampler=sampler)
-    model = Net()
-    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), param_init_fn=init)
-    opt = torch.optim.AdamW(model.parameters())
-    for x, y in loader:
-        loss = (model(x) - y).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        pass
-        opt.step()
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
-        sd = model.state_dict()
-    if rank == 0:
-        torch.save(sd, "m.pt")
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
-""",
-        line=45,
-    ),)
+    INVALID = (Invalid(_wrapped("model = FSDP(model, param_init_fn=init)"), line=6),)
 
 
 class Fsdp1UnreadableSetting(Blocker):
@@ -169,74 +75,9 @@ class Fsdp1UnreadableSetting(Blocker):
     CODE = "FSR303"
     NAME = "fsdp1-unreadable-setting"
     INVALID = (Invalid(
-        """\
-from policies import wrap_policy
-import os
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import (
-    CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType,
-)
-from torch.distributed.fsdp.wrap import (
-    ModuleWrapPolicy, lambda_auto_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy,
-)
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(3)])
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
-def main():
-    local_rank = int(os.environ["LOCAL_RANK"])
-    dist.init_process_group("nccl")
-    rank = dist.get_rank()
-    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 4))
-    sampler = DistributedSampler(data)
-    loader = DataLoader(data, batch_size=8, sampler=sampler)
-    model = Net()
-    model = FSDP(model, auto_wrap_policy=wrap_policy)
-    opt = torch.optim.AdamW(model.parameters())
-    for x, y in loader:
-        loss = (model(x) - y).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        pass
-        opt.step()
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
-        sd = model.state_dict()
-    if rank == 0:
-        torch.save(sd, "m.pt")
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
-""",
-        line=45,
-        files={"policies.py": """\
-def wrap_policy(module, recurse, nonwrapped_numel):
-    return recurse
-"""},
+        "from policies import wrap_policy\n" + _wrapped("model = FSDP(model, auto_wrap_policy=wrap_policy)"),
+        line=7,
+        files={"policies.py": "def wrap_policy(module, recurse, nonwrapped_numel):\n    return recurse\n"},
     ),)
 
 
@@ -252,72 +93,7 @@ class Fsdp1NoShard(Blocker):
 
     CODE = "FSR304"
     NAME = "fsdp1-no-shard"
-    INVALID = (Invalid(
-        """\
-import functools
-import os
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import (
-    CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType,
-)
-from torch.distributed.fsdp.wrap import (
-    ModuleWrapPolicy, lambda_auto_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy,
-)
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(3)])
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
-def main():
-    local_rank = int(os.environ["LOCAL_RANK"])
-    dist.init_process_group("nccl")
-    rank = dist.get_rank()
-    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 4))
-    sampler = DistributedSampler(data)
-    loader = DataLoader(data, batch_size=8, sampler=sampler)
-    model = Net()
-    model = FSDP(model, sharding_strategy=ShardingStrategy.NO_SHARD)
-    opt = torch.optim.AdamW(model.parameters())
-    for x, y in loader:
-        loss = (model(x) - y).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        pass
-        opt.step()
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
-        sd = model.state_dict()
-    if rank == 0:
-        torch.save(sd, "m.pt")
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
-""",
-        line=45,
-    ),)
+    INVALID = (Invalid(_wrapped("model = FSDP(model, sharding_strategy=ShardingStrategy.NO_SHARD)"), line=6),)
 
 
 class Fsdp1StateDictType(Blocker):
@@ -335,68 +111,11 @@ class Fsdp1StateDictType(Blocker):
     CODE = "FSR305"
     NAME = "fsdp1-state-dict-type"
     INVALID = (Invalid(
-        """\
-import functools
-import os
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import (
-    CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType,
-)
-from torch.distributed.fsdp.wrap import (
-    ModuleWrapPolicy, lambda_auto_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy,
-)
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(3)])
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
-def main():
-    local_rank = int(os.environ["LOCAL_RANK"])
-    dist.init_process_group("nccl")
-    rank = dist.get_rank()
-    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 4))
-    sampler = DistributedSampler(data)
-    loader = DataLoader(data, batch_size=8, sampler=sampler)
-    model = Net()
-    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
-    opt = torch.optim.AdamW(model.parameters())
-    for x, y in loader:
-        loss = (model(x) - y).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        pass
-        opt.step()
-    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
-        sd = model.state_dict()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
-""",
-        line=53,
+        _wrapped("model = FSDP(model)", """\
+with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+    state = model.state_dict()
+"""),
+        line=11,
     ),)
 
 
@@ -414,68 +133,8 @@ class Fsdp1UnconvertedApi(Blocker):
     CODE = "FSR306"
     NAME = "fsdp1-unconverted-api"
     INVALID = (Invalid(
-        """\
-import functools
-import os
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import (
-    CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType,
-)
-from torch.distributed.fsdp.wrap import (
-    ModuleWrapPolicy, lambda_auto_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy,
-)
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(3)])
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
-def main():
-    local_rank = int(os.environ["LOCAL_RANK"])
-    dist.init_process_group("nccl")
-    rank = dist.get_rank()
-    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 4))
-    sampler = DistributedSampler(data)
-    loader = DataLoader(data, batch_size=8, sampler=sampler)
-    model = Net()
-    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
-    opt = torch.optim.AdamW(model.parameters())
-    for x, y in loader:
-        loss = (model(x) - y).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        pass
-        opt.step()
-    with FSDP.summon_full_params(model):
-        print(model.blocks[0].fc.weight.sum())
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
-""",
-        line=53,
+        _wrapped("model = FSDP(model)", "with FSDP.summon_full_params(model):\n    print(model.weight.sum())\n"),
+        line=11,
     ),)
 
 
@@ -492,34 +151,18 @@ class Fsdp1MixedWrapSettings(Blocker):
     CODE = "FSR307"
     NAME = "fsdp1-mixed-wrap-settings"
     INVALID = (Invalid(
-        """\
-import os
-
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
-
-dist.init_process_group("nccl")
-local_rank = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(local_rank)
-teacher = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).cuda()
-teacher = FSDP(teacher, device_id=local_rank)
-student = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4)).cuda()
-student = FSDP(student, device_id=local_rank, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
-opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
-for step in range(100):
-    x = torch.randn(8, 16, device="cuda")
-    with torch.no_grad():
-        target = teacher(x).softmax(-1)
-    loss = F.cross_entropy(student(x), target)
-    loss.backward()
+        _HEAD + """\
+teacher = torch.nn.Linear(8, 2).cuda()
+teacher = FSDP(teacher)
+model = torch.nn.Linear(8, 2).cuda()
+model = FSDP(model, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
+""" + OPT + """\
+for step in range(10):
+    x = torch.randn(4, 8, device="cuda")
+    (model(x) - teacher(x).detach()).pow(2).sum().backward()
     opt.step()
-    opt.zero_grad()
-dist.destroy_process_group()
 """,
-        line=15,
+        line=8,
     ),)
 
 
@@ -536,32 +179,9 @@ class Fsdp1PrecisionCombination(Blocker):
     CODE = "FSR308"
     NAME = "fsdp1-precision-combination"
     INVALID = (Invalid(
-        """\
-import os
-
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
-
-dist.init_process_group("nccl")
-local_rank = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(local_rank)
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
-model = FSDP(
-    model,
-    device_id=local_rank,
-    mixed_precision=MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.bfloat16),
-    )
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-for step in range(100):
-    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-dist.destroy_process_group()
-""",
-        line=15,
+        _wrapped("model = FSDP(model, mixed_precision=MixedPrecision("
+                 "param_dtype=torch.float32, reduce_dtype=torch.bfloat16))"),
+        line=6,
     ),)
 
 
@@ -577,72 +197,9 @@ class Fsdp1HybridWithoutHsdp(Blocker):
 
     CODE = "FSR309"
     NAME = "fsdp1-hybrid-without-hsdp"
-    INVALID = (Invalid(
-        """\
-import functools
-import os
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import (
-    CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType,
-)
-from torch.distributed.fsdp.wrap import (
-    ModuleWrapPolicy, lambda_auto_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy,
-)
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(3)])
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
-def main():
-    local_rank = int(os.environ["LOCAL_RANK"])
-    dist.init_process_group("nccl")
-    rank = dist.get_rank()
-    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 4))
-    sampler = DistributedSampler(data)
-    loader = DataLoader(data, batch_size=8, sampler=sampler)
-    model = Net()
-    model = FSDP(model, sharding_strategy=ShardingStrategy.HYBRID_SHARD)
-    opt = torch.optim.AdamW(model.parameters())
-    for x, y in loader:
-        loss = (model(x) - y).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        pass
-        opt.step()
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
-        sd = model.state_dict()
-    if rank == 0:
-        torch.save(sd, "m.pt")
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
-""",
-        line=45,
-    ),)
+    INVALID = (Invalid(_wrapped("model = FSDP(model, sharding_strategy=ShardingStrategy.HYBRID_SHARD)"), line=6),)
+    VALID = (Valid(_wrapped("model = FSDP(model, sharding_strategy=ShardingStrategy.HYBRID_SHARD)"),
+                   options={"hsdp": 2}),)
 
 
 class Fsdp1StateDictRankGated(Blocker):
@@ -659,84 +216,26 @@ class Fsdp1StateDictRankGated(Blocker):
     NAME = "fsdp1-state-dict-rank-gated"
     INVALID = (
         Invalid(
-            """\
-import os
-
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-dist.init_process_group("nccl")
-local_rank = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(local_rank)
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
-model = FSDP(model, device_id=local_rank)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-for step in range(100):
-    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
+            _wrapped("model = FSDP(model)", """\
 if dist.get_rank() == 0:
     state = model.state_dict()
     torch.save(state, "model.pt")
-dist.destroy_process_group()
-""",
-            line=20,
+"""),
+            line=12,
         ),
         Invalid(
-            """\
-import os
-
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
-
-dist.init_process_group("nccl")
-local_rank = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(local_rank)
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
-model = FSDP(model, device_id=local_rank)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-for step in range(100):
-    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
+            _wrapped("model = FSDP(model)", """\
 if dist.get_rank() == 0:
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
         torch.save(model.state_dict(), "model.pt")
-dist.destroy_process_group()
-""",
-            line=21,
+"""),
+            line=13,
         ),
     )
     VALID = (Valid(
-        """\
-import os
-
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
-
-dist.init_process_group("nccl")
-local_rank = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(local_rank)
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
-bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-model = FSDP(model, device_id=local_rank, mixed_precision=bf16)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-for step in range(100):
-    loss = model(torch.randn(8, 16, device="cuda")).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-state = model.state_dict()
-if dist.get_rank() == 0:
-    torch.save(state, "model.pt")
-dist.destroy_process_group()
-""",
+        _wrapped(
+            "model = FSDP(model, mixed_precision=MixedPrecision("
+            "param_dtype=torch.bfloat16, reduce_dtype=torch.float32))",
+            'state = model.state_dict()\nif dist.get_rank() == 0:\n    torch.save(state, "model.pt")\n',
+        ),
     ),)

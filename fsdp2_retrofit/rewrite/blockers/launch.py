@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
+from ._scripts import MODEL, OPT, STEPS, TRAINING
+
+_DIST = "import torch\nimport torch.distributed as dist\n"
 
 
 class LaunchConditionalProcessGroup(Blocker):
@@ -18,62 +21,12 @@ class LaunchConditionalProcessGroup(Blocker):
     CODE = "FSR401"
     NAME = "launch-conditional-process-group"
     INVALID = (Invalid(
-        """\
-
-import os
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(3)])
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
-def main():
-    ddp = "RANK" in os.environ
-    if ddp:
-        if True:
-                dist.init_process_group("gloo")
-    rank = int(os.environ.get("RANK", 0))
-    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 4))
-    sampler = DistributedSampler(data)
-    loader = DataLoader(data, batch_size=8, sampler=sampler)
-    model = Net()
-    opt = torch.optim.AdamW(model.parameters())
-    for x, y in loader:
-        loss = (model(x) - y).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        print("loss", loss.item())
-    if rank == 0:
-        torch.save(model.state_dict(), "m.pt")
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
-""",
-        line=34,
+        "import os\n" + _DIST + """\
+if "RANK" in os.environ:
+    if torch.cuda.is_available():
+        dist.init_process_group("nccl")
+""" + TRAINING,
+        line=6,
     ),)
 
 
@@ -90,64 +43,7 @@ class LaunchModelBeforeProcessGroup(Blocker):
 
     CODE = "FSR402"
     NAME = "launch-model-before-process-group"
-    INVALID = (Invalid(
-        """\
-
-import os
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(3)])
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
-def main():
-    model = Net()
-    local_rank = int(os.environ["LOCAL_RANK"])
-    dist.init_process_group("gloo")
-    rank = int(os.environ["RANK"])
-    world_size = dist.get_world_size()
-    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 4))
-    sampler = DistributedSampler(data)
-    loader = DataLoader(data, batch_size=8, sampler=sampler)
-    model = Net()
-    opt = torch.optim.AdamW(model.parameters())
-    for x, y in loader:
-        loss = (model(x) - y).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        print("loss", loss.item())
-    if rank == 0:
-        torch.save(model.state_dict(), "m.pt")
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
-""",
-        line=31,
-    ),)
+    INVALID = (Invalid(_DIST + MODEL + 'dist.init_process_group("gloo")\n' + OPT + STEPS, line=3),)
 
 
 class LaunchTrainingFramework(Blocker):
@@ -165,16 +61,8 @@ class LaunchTrainingFramework(Blocker):
     CODE = "FSR403"
     NAME = "launch-training-framework"
     INVALID = (Invalid(
-        """\
-import torch
-import pytorch_lightning as pl
-from torch import nn
-
-model = nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-pl.Trainer(max_epochs=1).fit(model)
-""",
-        line=7,
+        "import torch\nimport pytorch_lightning as pl\n" + MODEL + OPT + "pl.Trainer(max_epochs=1).fit(model)\n",
+        line=5,
     ),)
 
 
@@ -194,68 +82,26 @@ class LaunchReturnedModelUnfollowed(Blocker):
     CODE = "FSR404"
     NAME = "launch-returned-model-unfollowed"
     INVALID = (Invalid(
-        '''\
-"""A residual MLP; one helper builds the model and its optimizer and returns both."""
-import argparse
-
+        """\
 import torch
-import torch.nn as nn
-from torch.utils.data import DataLoader, TensorDataset
-
-
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(x))
-
-
-class Net(nn.Module):
-    def __init__(self, dim=16, depth=3):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(dim) for _ in range(depth)])
-        self.head = nn.Linear(dim, 4)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def build(lr):
-    torch.manual_seed(0)
-    model = Net()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    return model.to("cpu"), optimizer
-
-
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--out", default="model.pt")
-    args = parser.parse_args()
-    model, optimizer = build(1e-2)
-    torch.manual_seed(1)
-    data = TensorDataset(torch.randn(384, 16), torch.randint(0, 4, (384,)))
-    loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
-    for step, (x, y) in enumerate(loader):
-        loss = nn.functional.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        print(f"step {step}: loss {loss.item():.4f}")
-        if step + 1 >= args.steps:
-            break
-    torch.save(model.state_dict(), args.out)
-
-
-if __name__ == "__main__":
-    main()
-''',
-        line=32,
+def build():
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model.to("cpu"), opt
+model, opt = build()
+""" + STEPS,
+        line=3,
+    ),)
+    # plain names returned, the helper called once
+    VALID = (Valid(
+        """\
+import torch
+def build():
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, opt
+model, opt = build()
+""" + STEPS,
     ),)
 
 
@@ -275,20 +121,5 @@ class LaunchDistNameTaken(Blocker):
 
     CODE = "FSR405"
     NAME = "launch-dist-name-taken"
-    INVALID = (Invalid(
-        """\
-import torch
-from torch import nn
-
-dist = torch.distributions
-model = nn.Linear(4, 3)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-for step in range(3):
-    loss = model(torch.randn(8, 4)).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-""",
-        line=4,
-    ),)
+    INVALID = (Invalid("import torch\ndist = torch.distributions\n" + TRAINING, line=2),)
+    VALID = (Valid("import torch\nD = torch.distributions\n" + TRAINING),)

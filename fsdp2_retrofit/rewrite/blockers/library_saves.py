@@ -3,6 +3,16 @@ from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
 
+_HF = """\
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained("gpt2")
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for batch in range(3):
+    model(batch).sum().backward()
+    opt.step()
+"""  # lines 1-7
+
 
 class LibrarySaveOwnStateDict(Blocker):
     """save_pretrained is given its own state_dict.
@@ -18,25 +28,7 @@ class LibrarySaveOwnStateDict(Blocker):
     CODE = "FSR702"
     NAME = "library-save-own-state-dict"
     STAGE = "library_saves"
-    INVALID = (Invalid(
-        """\
-from peft import get_peft_model
-from transformers import AutoModelForCausalLM
-import torch
-
-
-def main(name):
-    model = AutoModelForCausalLM.from_pretrained(name)
-    model.save_pretrained(name, state_dict=sd)
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for batch in range(3):
-        loss = model(batch).sum()
-        loss.backward()
-        optimizer.step()
-""",
-        line=8,
-    ),)
+    INVALID = (Invalid(_HF + 'model.save_pretrained("out", state_dict=model.state_dict())\n', line=8),)
 
 
 class LibrarySaveRankGated(Blocker):
@@ -52,40 +44,7 @@ class LibrarySaveRankGated(Blocker):
     CODE = "FSR703"
     NAME = "library-save-rank-gated"
     STAGE = "library_saves"
-    INVALID = (Invalid(
-        """\
-from peft import get_peft_model
-from transformers import AutoModelForCausalLM
-import torch
-
-
-def main(name):
-    model = AutoModelForCausalLM.from_pretrained(name)
-    if rank == 0:
-        model.save_pretrained(name)
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for batch in range(3):
-        loss = model(batch).sum()
-        loss.backward()
-        optimizer.step()
-""",
-        line=9,
-    ),)
+    INVALID = (Invalid(_HF + 'if rank == 0:\n    model.save_pretrained("out")\n', line=9),)
     # save_pretrained on every rank: the rewrite gathers the state and gates the write
-    VALID = (Valid(
-        """\
-import torch
-from transformers import AutoModelForCausalLM
-
-
-def main(name):
-    model = AutoModelForCausalLM.from_pretrained(name)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for batch in range(3):
-        loss = model(batch).sum()
-        loss.backward()
-        optimizer.step()
-    model.save_pretrained("out")
-""",
-    ),)
+    VALID = (Valid(_HF + 'model.save_pretrained("out")\n'),)
+    # save_pretrained on every rank: the rewrite gathers the state and gates the write

@@ -2,6 +2,15 @@
 from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
+from ._scripts import DATA_IMPORTS, LOADER, MODEL, OPT
+
+_LOSS = DATA_IMPORTS + MODEL + OPT + LOADER + """\
+for x, y in loader:
+    out = model(x)
+    loss = torch.nn.functional.mse_loss(out, y) + 0.5 * torch.{reduce}(out.pow(2))
+    loss.backward()
+    opt.step()
+"""
 
 
 class LossMixedReduction(Blocker):
@@ -22,76 +31,7 @@ class LossMixedReduction(Blocker):
     CODE = "FSR960"
     NAME = "loss-mixed-reduction"
     STAGE = "loss_scale"
-    INVALID = (Invalid(
-        """\
-from torch.utils.data import DataLoader, TensorDataset
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def main():
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler()
-    loader = DataLoader(TensorDataset(torch.randn(24, 4)), batch_size=8)
-    for (x,) in loader:
-        out = model(x)
-        recon = F.mse_loss(out, x)
-        kl = 0.5 * torch.sum(out.pow(2))
-        loss = recon + kl
-        loss.backward()
-        opt.step()
-
-
-if __name__ == "__main__":
-    main()
-""",
-        line=25,
-    ),)
+    INVALID = (Invalid(_LOSS.format(reduce="sum"), line=8),)
     # every term averaged over the batch
-    VALID = (Valid(
-        """\
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def main():
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = DataLoader(TensorDataset(torch.randn(24, 4)), batch_size=8)
-    for (x,) in loader:
-        out = model(x)
-        recon = F.mse_loss(out, x)
-        kl = 0.5 * torch.mean(out.pow(2))
-        loss = recon + kl
-        loss.backward()
-        opt.step()
-
-
-if __name__ == "__main__":
-    main()
-""",
-    ),)
+    VALID = (Valid(_LOSS.format(reduce="mean")),)
+    # every term averaged over the batch

@@ -2,6 +2,15 @@
 from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
+from ._scripts import DATA_IMPORTS, LOADER, MODEL, OPT
+
+_ENGINE = """\
+def train(model, loader, opt):
+    for x, y in loader:
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+"""
+_SCRIPT = DATA_IMPORTS + "import engine\n" + MODEL + OPT + LOADER + "{call}(model, loader, opt)\n"
 
 
 class TrainingStepNotReached(Blocker):
@@ -22,61 +31,11 @@ class TrainingStepNotReached(Blocker):
     NAME = "training-step-not-reached"
     STAGE = "program"
     INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-from torch.utils.data import DataLoader, TensorDataset
-
-import engine
-
-model = nn.Linear(4, 1)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-loader = DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), batch_size=8, shuffle=True)
-getattr(engine, 'train')(model, loader, optimizer, 2)
-torch.save(model.state_dict(), "model.pt")
-""",
-        line=9,
-        files={"engine.py": """\
-import torch
-
-
-def train(model, loader, optimizer, epochs):
-    for epoch in range(epochs):
-        for x, y in loader:
-            optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            optimizer.step()
-        print(epoch, loss.item())
-"""},
+        _SCRIPT.format(call='getattr(engine, "train")'),
+        line=3,
+        files={"engine.py": _ENGINE},
         path="engine.py",
     ),)
     # the loop's module called by name (engine.train): the program is linked and both files convert
-    VALID = (Valid(
-        """\
-import torch
-import torch.nn as nn
-from torch.utils.data import DataLoader, TensorDataset
-
-import engine
-
-model = nn.Linear(4, 1)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-loader = DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), batch_size=8, shuffle=True)
-engine.train(model, loader, optimizer, 2)
-torch.save(model.state_dict(), "model.pt")
-""",
-        files={"engine.py": """\
-import torch
-
-
-def train(model, loader, optimizer, epochs):
-    for epoch in range(epochs):
-        for x, y in loader:
-            optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            optimizer.step()
-        print(epoch, loss.item())
-"""},
-    ),)
+    VALID = (Valid(_SCRIPT.format(call="engine.train"), files={"engine.py": _ENGINE}),)
+    # the loop's module called by name (engine.train): the program is linked and both files convert

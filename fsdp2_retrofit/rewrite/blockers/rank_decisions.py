@@ -2,6 +2,22 @@
 from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
+from ._scripts import DATA_IMPORTS, LOADER, MODEL, OPT, STEPS, TRAIN_LOADER
+
+_NET = """\
+import random
+import torch
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 2)
+    def forward(self, x):
+        if random.random() < 0.5:
+            x = self.a(x)
+        return self.b(x)
+model = Net()
+"""  # lines 1-12
 
 
 class RankLocalDecisionGatesCollective(Blocker):
@@ -22,90 +38,18 @@ class RankLocalDecisionGatesCollective(Blocker):
     CODE = "FSR640"
     NAME = "rank-local-decision-gates-collective"
     STAGE = "rank_decisions"
-    INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
-
-
-def run_epoch(model, loader, optimizer=None):
-    total_loss, correct = 0.0, 0
-    for x, y in loader:
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        if optimizer is not None:
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        total_loss += loss.item() * y.size(0)
-        correct += (out.argmax(1) == y).sum().item()
-    return total_loss / len(loader.dataset), correct / len(loader.dataset)
-
-
-def test(model, loader):
-    correct = 0
-    with torch.no_grad():
-        for x, y in loader:
-            correct += (model(x).argmax(1) == y).sum().item()
-    return correct / len(loader.dataset)
-
-
-def main():
-    torch.manual_seed(0)
-    x, y = torch.randn(96, 8), torch.randint(0, 3, (96,))
-    train_loader = DataLoader(TensorDataset(x[:64], y[:64]), batch_size=8, shuffle=True)
-    test_loader = DataLoader(TensorDataset(x[64:], y[64:]), batch_size=8)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    best = 0.0
-    for epoch in range(3):
-        for x, y in train_loader:
-            loss = F.cross_entropy(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            if loss.item() < 0.01:
-                break
-
-
-if __name__ == "__main__":
-    main()
-""",
-        line=43,
-    ),)
+    INVALID = (Invalid(TRAIN_LOADER + "    if loss.item() < 0.01:\n        break\n", line=10),)
     # the loop left on a step count, the same on every rank
     VALID = (Valid(
-        """\
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
-
-
-def main(max_steps=100):
-    torch.manual_seed(0)
-    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
-    train_loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = 0
-    for epoch in range(3):
-        for xb, yb in train_loader:
-            loss = F.cross_entropy(model(xb), yb)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            step += 1
-            if step >= max_steps:
-                break
-
-
-if __name__ == "__main__":
-    main()
+        DATA_IMPORTS + MODEL + OPT + LOADER + """\
+for step, (x, y) in enumerate(loader):
+    (model(x) - y).pow(2).mean().backward()
+    opt.step()
+    if step >= 100:
+        break
 """,
     ),)
+    # the loop left on a step count, the same on every rank
 
 
 class RandomControlFlowInForward(Blocker):
@@ -128,38 +72,6 @@ class RandomControlFlowInForward(Blocker):
     CODE = "FSR641"
     NAME = "random-control-flow-in-forward"
     STAGE = "rank_decisions"
-    INVALID = (Invalid(
-        """\
-import os
-import random
-
-import numpy as np
-import torch
-from torch import nn
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.first = nn.Linear(8, 16)
-        self.middle = nn.Linear(16, 16)
-        self.last = nn.Linear(16, 2)
-
-    def forward(self, x):
-        h = self.first(x).relu()
-        if random.random() < 0.5:
-            h = self.middle(h).relu()
-        return self.last(h)
-
-
-model = Net()
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-x, y = torch.randn(32, 8), torch.randn(32, 2)
-for step in range(3):
-    loss = (model(x) - y).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-""",
-        line=18,
-    ),)
+    INVALID = (Invalid(_NET + OPT + STEPS, line=9),)
+    # the generator seeded alike on every rank before training
+    VALID = (Valid(_NET + "random.seed(0)\n" + OPT + STEPS),)

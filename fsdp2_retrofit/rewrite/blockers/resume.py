@@ -2,6 +2,18 @@
 from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
+from ._scripts import MODEL, OPT, STEPS
+
+_SAVE = 'torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, "ckpt.pt")\n'
+_ENC_DEC = """\
+import torch
+encoder = torch.nn.Linear(8, 8)
+decoder = torch.nn.Linear(8, 2)
+"""
+_ENC_DEC_STEPS = """\
+for step in range(10):
+    decoder(encoder(torch.randn(4, 8))).sum().backward()
+"""
 
 
 class ResumeLoadBeforeBuild(Blocker):
@@ -19,42 +31,21 @@ class ResumeLoadBeforeBuild(Blocker):
     NAME = "resume-load-before-build"
     INVALID = (Invalid(
         """\
-
 import torch
-from torch import nn, optim
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.head(self.blocks(x))
-
-def main():
-    checkpoint = torch.load("ckpt.pt")
-    model = Net()
-    model.load_state_dict(checkpoint["model"])
-    opt = optim.SGD(model.parameters(), lr=0.1)
-    opt.load_state_dict(checkpoint["opt"])
-    model(torch.ones(4)).sum().backward()
-    opt.step()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, "ckpt.pt")
-
-main()
-""",
-        line=25,
+checkpoint = torch.load("ckpt.pt")
+model = torch.nn.Linear(8, 2)
+model.load_state_dict(checkpoint["model"])
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+opt.load_state_dict(checkpoint["opt"])
+""" + STEPS + _SAVE,
+        line=2,
+    ),)
+    VALID = (Valid(
+        "import torch\n" + MODEL + OPT + """\
+checkpoint = torch.load("ckpt.pt")
+model.load_state_dict(checkpoint["model"])
+opt.load_state_dict(checkpoint["opt"])
+""" + STEPS + _SAVE,
     ),)
 
 
@@ -71,73 +62,34 @@ class ResumeOptimizerOfSeveralModels(Blocker):
     CODE = "FSR802"
     NAME = "resume-optimizer-of-several-models"
     # (the script never saves that optimizer's state: a save of it is refused first, FSR706)
+    # (the script never saves that optimizer's state: a save of it is refused first, FSR706)
     INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self, dim=8):
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def main(resume):
-    encoder = Net()
-    decoder = Net()
-    params = list(encoder.parameters()) + list(decoder.parameters())
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
-    checkpoint = torch.load(resume)
-    encoder.load_state_dict(checkpoint["encoder"])
-    decoder.load_state_dict(checkpoint["decoder"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    for x in [torch.randn(2, 8)]:
-        loss = decoder(encoder(x)).sum()
-        loss.backward()
-        optimizer.step()
-    torch.save({"encoder": encoder.state_dict(), "decoder": decoder.state_dict()}, "last.pt")
+        _ENC_DEC + """\
+opt = torch.optim.SGD(list(encoder.parameters()) + list(decoder.parameters()), lr=0.1)
+checkpoint = torch.load("ckpt.pt")
+encoder.load_state_dict(checkpoint["encoder"])
+decoder.load_state_dict(checkpoint["decoder"])
+opt.load_state_dict(checkpoint["opt"])
+""" + _ENC_DEC_STEPS + """\
+    opt.step()
+torch.save({"encoder": encoder.state_dict(), "decoder": decoder.state_dict()}, "last.pt")
 """,
-        line=19,
+        line=5,
+    ),)
+    VALID = (Valid(
+        _ENC_DEC + """\
+enc_opt = torch.optim.SGD(encoder.parameters(), lr=0.1)
+dec_opt = torch.optim.SGD(decoder.parameters(), lr=0.1)
+checkpoint = torch.load("ckpt.pt")
+enc_opt.load_state_dict(checkpoint["enc_opt"])
+dec_opt.load_state_dict(checkpoint["dec_opt"])
+""" + _ENC_DEC_STEPS + """\
+    enc_opt.step()
+    dec_opt.step()
+torch.save({"enc_opt": enc_opt.state_dict(), "dec_opt": dec_opt.state_dict()}, "last.pt")
+""",
     ),)
     # one optimizer per model, each loaded (and saved) with its model
-    VALID = (Valid(
-        """\
-import torch
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self, dim=8):
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def main(resume):
-    encoder = Net()
-    decoder = Net()
-    enc_opt = torch.optim.AdamW(encoder.parameters(), lr=1e-3)
-    dec_opt = torch.optim.AdamW(decoder.parameters(), lr=1e-3)
-    checkpoint = torch.load(resume)
-    encoder.load_state_dict(checkpoint["encoder"])
-    decoder.load_state_dict(checkpoint["decoder"])
-    enc_opt.load_state_dict(checkpoint["enc_opt"])
-    dec_opt.load_state_dict(checkpoint["dec_opt"])
-    for x in [torch.randn(2, 8)]:
-        loss = decoder(encoder(x)).sum()
-        loss.backward()
-        enc_opt.step()
-        dec_opt.step()
-    torch.save({"encoder": encoder.state_dict(), "decoder": decoder.state_dict(),
-                "enc_opt": enc_opt.state_dict(), "dec_opt": dec_opt.state_dict()}, "last.pt")
-""",
-    ),)
 
 
 class ResumePickledModuleReload(Blocker):
@@ -158,87 +110,14 @@ class ResumePickledModuleReload(Blocker):
     CODE = "FSR804"
     NAME = "resume-pickled-module-reload"
     INVALID = (Invalid(
-        '''\
-"""Keeps the best model as a pickled module (torch.save(model, path)) and reloads it after
-training (model = torch.load(path), then .eval()) for a last evaluation and the final save."""
-import argparse
-
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
-
-
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return x + self.fc(F.gelu(self.norm(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, dim=32, depth=3):
-        super().__init__()
-        self.embed = nn.Linear(16, dim)
-        self.blocks = nn.ModuleList([Block(dim) for _ in range(depth)])
-        self.head = nn.Linear(dim, 10)
-
-    def forward(self, x):
-        x = self.embed(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-@torch.no_grad()
-def evaluate(model, x, y):
-    model.eval()
-    return F.cross_entropy(model(x), y).item()
-
-
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--best", default="best.pt")
-    parser.add_argument("--out", default="model.pt")
-    args = parser.parse_args()
-
-    torch.manual_seed(0)
-    data = TensorDataset(torch.randn(128, 16), torch.randint(0, 10, (128,)))
-    val_x, val_y = torch.randn(64, 16), torch.randint(0, 10, (64,))
-    loader = DataLoader(data, batch_size=args.batch_size, shuffle=False)
-
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    best = float("inf")
-    for epoch in range(args.epochs):
-        model.train()
-        for x, y in loader:
-            loss = F.cross_entropy(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        val = evaluate(model, val_x, val_y)
-        print(f"epoch {epoch} val {val:.4f}")
-        if val < best:
-            best = val
-            torch.save(model, args.best)
-            model = torch.load(args.best, weights_only=False)
-
-    # the best epoch's model, not the last one's
-    model.eval()
-    print(f"best val {evaluate(model, val_x, val_y):.4f}")
-    torch.save(model.state_dict(), args.out)
-
-
-if __name__ == "__main__":
-    main()
-''',
-        line=69,
+        "import torch\n" + MODEL + OPT + """\
+for epoch in range(3):
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    torch.save(model, "best.pt")
+    model = torch.load("best.pt", weights_only=False)
+""",
+        line=8,
     ),)
 
 
@@ -258,91 +137,13 @@ class ResumeOptimizerNotFollowed(Blocker):
     CODE = "FSR805"
     NAME = "resume-optimizer-not-followed"
     INVALID = (Invalid(
-        '''\
-"""Checkpoint helpers outside the code that builds the model and optimizer: the save
-reads them as globals, the load is handed them under other names."""
-import argparse
-import os
-
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
-
-
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return x + self.fc(F.gelu(self.norm(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, dim=32, depth=3):
-        super().__init__()
-        self.embed = nn.Linear(16, dim)
-        self.blocks = nn.ModuleList([Block(dim) for _ in range(depth)])
-        self.head = nn.Linear(dim, 10)
-
-    def forward(self, x):
-        x = self.embed(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def save_checkpoint(step, path):
-    torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, path)
-
-
-def load_checkpoint(model, opt, path):
-    ckpt = torch.load(path)
-    model.load_state_dict(ckpt["model"])
-    opt.load_state_dict(ckpt["optimizer"])
-    return ckpt["step"]
-
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--batch-size", type=int, default=32)
-parser.add_argument("--steps", type=int, default=12)
-parser.add_argument("--save-every", type=int, default=4)
-parser.add_argument("--ckpt", default="ckpt.pt")
-parser.add_argument("--out", default="model.pt")
-args = parser.parse_args()
-
-torch.manual_seed(0)
-data = TensorDataset(torch.randn(256, 16), torch.randint(0, 10, (256,)))
-loader = DataLoader(data, batch_size=args.batch_size, shuffle=False, drop_last=True)
-
-net = Net()
-optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
-
-step = 0
-if os.path.exists(args.ckpt):
-    step = load_checkpoint(net, optimizer, args.ckpt)
-    load_checkpoint(net, torch.optim.SGD(net.parameters()), args.ckpt)
-    print(f"resumed from step {step}")
-
-# the data order on resume: skip the batches already seen, by counting steps
-while step < args.steps:
-    for i, (x, y) in enumerate(loader):
-        if step // len(loader) * len(loader) + i < step:
-            continue
-        loss = F.cross_entropy(net(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        step += 1
-        print(f"step {step} loss {loss.item():.4f}")
-        if step % args.save_every == 0 or step == args.steps:
-            save_checkpoint(step, args.ckpt)
-        if step == args.steps:
-            break
-
-torch.save(net.state_dict(), args.out)
-''',
-        line=65,
+        "import torch\n" + MODEL + OPT + """\
+def load(model, opt, path):
+    checkpoint = torch.load(path)
+    model.load_state_dict(checkpoint["model"])
+    opt.load_state_dict(checkpoint["opt"])
+load(model, opt, "ckpt.pt")
+load(model, torch.optim.SGD(model.parameters()), "ckpt.pt")
+""" + STEPS + _SAVE,
+        line=9,
     ),)

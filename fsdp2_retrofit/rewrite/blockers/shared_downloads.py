@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
+from ._scripts import TRAINING, indented
 
 
 class DownloadBeforeProcessGroup(Blocker):
@@ -22,54 +23,25 @@ class DownloadBeforeProcessGroup(Blocker):
     NAME = "download-before-process-group"
     STAGE = "shared_downloads"
     INVALID = (Invalid(
-        """\
-import torch
-import torch.nn as nn
-from torchvision import datasets
-
-TRAIN = datasets.MNIST("data", download=True)
-
-
-def main(download=True):
-    torch.manual_seed(0)
-    pass
-
-    model = nn.Linear(4, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(2):
-        loss = model(torch.randn(2, 4)).sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-
-main()
-""",
-        line=5,
+        "import torch\nfrom torchvision import datasets\n" + 'DATA = datasets.MNIST("data", download=True)\n'
+        + "def main():\n" + indented(TRAINING) + "main()\n",
+        line=3,
     ),)
     # the dataset built in the function that trains: rank 0 downloads first
     VALID = (Valid(
         """\
 import torch
-import torch.nn as nn
 from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
-
-
 def main():
-    torch.manual_seed(0)
-    train = datasets.MNIST("data", download=True, transform=transforms.ToTensor())
-    loader = DataLoader(train, batch_size=8, shuffle=True)
-    model = nn.Linear(784, 10)
+    data = datasets.MNIST("data", download=True, transform=transforms.ToTensor())
+    loader = DataLoader(data, batch_size=8, shuffle=True)
+    model = torch.nn.Linear(784, 10)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for x, y in loader:
-        loss = nn.functional.cross_entropy(model(x.flatten(1)), y)
-        opt.zero_grad()
-        loss.backward()
+        torch.nn.functional.cross_entropy(model(x.flatten(1)), y).backward()
         opt.step()
-
-
-if __name__ == "__main__":
-    main()
+main()
 """,
     ),)
+    # the dataset built in the function that trains: rank 0 downloads first

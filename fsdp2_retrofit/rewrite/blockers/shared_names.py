@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
+from ._scripts import TRAINING, indented
+
+_MAIN = "def main():\n" + indented(TRAINING)  # 6 lines
 
 
 class SharedNameBeforeProcessGroup(Blocker):
@@ -22,34 +25,9 @@ class SharedNameBeforeProcessGroup(Blocker):
     NAME = "shared-name-before-process-group"
     STAGE = "shared_names"
     INVALID = (Invalid(
-        """\
-import os
-import time
-import uuid
-
-import torch
-import torch.nn as nn
-
-RUN = "runs/" + time.strftime("%H%M%S")
-
-
-def main():
-    torch.manual_seed(0)
-
-    model = nn.Linear(4, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(2):
-        loss = model(torch.randn(2, 4)).sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    torch.save(model.state_dict(), RUN + "/m.pt")
-
-
-
-main()
-""",
-        line=8,
+        "import time\nimport torch\n" + 'RUN = "runs/" + time.strftime("%H%M%S")\n' + _MAIN
+        + '    torch.save(model.state_dict(), RUN + "/m.pt")\nmain()\n',
+        line=3,
     ),)
 
 
@@ -69,57 +47,16 @@ class SharedNameUnnamed(Blocker):
     NAME = "shared-name-unnamed"
     STAGE = "shared_names"
     INVALID = (Invalid(
-        """\
-import os
-import time
-import uuid
-
-import torch
-import torch.nn as nn
-
-
-
-def main():
-    torch.manual_seed(0)
-
-    model = nn.Linear(4, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(2):
-        loss = model(torch.randn(2, 4)).sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    torch.save(model.state_dict(), f"ckpt-{time.time()}.pt")
-
-
-
-main()
-""",
-        line=20,
+        "import time\nimport torch\n" + _MAIN
+        + '    torch.save(model.state_dict(), f"ckpt-{time.time()}.pt")\nmain()\n',
+        line=9,
     ),)
     # the name bound first, in the function that saves: rank 0's value is broadcast
     VALID = (Valid(
-        """\
-import time
-
-import torch
-import torch.nn as nn
-
-
-def main():
-    torch.manual_seed(0)
-    model = nn.Linear(4, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(2):
-        loss = model(torch.randn(2, 4)).sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        "import time\nimport torch\n" + _MAIN + """\
     path = f"ckpt-{time.time()}.pt"
     torch.save(model.state_dict(), path)
-
-
-if __name__ == "__main__":
-    main()
+main()
 """,
     ),)
+    # the name bound first, in the function that saves: rank 0's value is broadcast

@@ -1,7 +1,29 @@
 """FSR1.. spawn: mp.spawn launchers the rewrite cannot turn into torchrun workers (FSR101, FSR102, FSR103, FSR104, FSR105, FSR106, FSR107, FSR108, FSR109, FSR110, FSR111)."""
 from __future__ import annotations
 
+import textwrap
+
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
+
+_HEAD = """\
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+"""
+
+_INIT = """\
+    dist.init_process_group("nccl", rank=rank, world_size=world_size)
+"""
+
+_BODY = """\
+    model = torch.nn.Linear(8, 2).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 8, device="cuda")).sum().backward()
+    opt.step()
+"""
+
+_WORKER = "def train(rank, world_size):\n" + _INIT + _BODY  # lines 4-9 after _HEAD
+_SPAWN = "mp.spawn(train, args=(2,), nprocs=2)\n"
 
 
 class SpawnMoreThanOnce(Blocker):
@@ -16,34 +38,7 @@ class SpawnMoreThanOnce(Blocker):
 
     CODE = "FSR101"
     NAME = "spawn-more-than-once"
-    INVALID = (Invalid(
-        """\
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn as nn
-
-
-def train(rank, world_size, epochs):
-    dist.init_process_group("nccl", rank=rank, world_size=world_size)
-    torch.cuda.set_device(rank)
-    model = nn.Linear(8, 2).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(epochs):
-        loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    world_size = torch.cuda.device_count()
-    mp.spawn(train, args=(world_size, 1), nprocs=world_size)  # smoke test
-    mp.spawn(train, args=(world_size, 10), nprocs=world_size)
-""",
-        line=23,
-    ),)
+    INVALID = (Invalid(_HEAD + _WORKER + _SPAWN + _SPAWN, line=11),)
 
 
 class SpawnWorkerNotTopLevel(Blocker):
@@ -59,33 +54,9 @@ class SpawnWorkerNotTopLevel(Blocker):
     CODE = "FSR102"
     NAME = "spawn-worker-not-top-level"
     INVALID = (Invalid(
-        """\
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn as nn
-
-
-def main(world_size):
-    def train(rank, world_size):
-        dist.init_process_group("nccl", rank=rank, world_size=world_size)
-        torch.cuda.set_device(rank)
-        model = nn.Linear(8, 2).cuda()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for _ in range(10):
-            loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        dist.destroy_process_group()
-
-    mp.spawn(train, args=(world_size,), nprocs=world_size)
-
-
-if __name__ == "__main__":
-    main(torch.cuda.device_count())
-""",
-        line=20,
+        _HEAD + "def main():\n" + textwrap.indent(_WORKER, "    ")
+        + "    mp.spawn(train, args=(2,), nprocs=2)\nmain()\n",
+        line=11,
     ),)
 
 
@@ -101,42 +72,7 @@ class SpawnArgsNotLiteral(Blocker):
 
     CODE = "FSR103"
     NAME = "spawn-args-not-literal"
-    INVALID = (Invalid(
-        """\
-
-import os
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def worker(rank, world_size, args):
-    os.environ["MASTER_ADDR"] = "localhost"
-    os.environ["MASTER_PORT"] = "12355"
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model(torch.randn(2, 4)).sum().backward()
-    opt.step()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    n = 2
-    mp.spawn(worker, args=make_args(), nprocs=n)
-""",
-        line=31,
-    ),)
+    INVALID = (Invalid(_HEAD + _WORKER + "mp.spawn(train, args=make_args(), nprocs=2)\n", line=10),)
 
 
 class SpawnResultUsed(Blocker):
@@ -151,42 +87,7 @@ class SpawnResultUsed(Blocker):
 
     CODE = "FSR104"
     NAME = "spawn-result-used"
-    INVALID = (Invalid(
-        """\
-
-import os
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def worker(rank, world_size, args):
-    os.environ["MASTER_ADDR"] = "localhost"
-    os.environ["MASTER_PORT"] = "12355"
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model(torch.randn(2, 4)).sum().backward()
-    opt.step()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    n = 2
-    ctx = mp.spawn(worker, args=(n, None), nprocs=n, join=False)
-""",
-        line=31,
-    ),)
+    INVALID = (Invalid(_HEAD + _WORKER + "ctx = mp.spawn(train, args=(2,), nprocs=2)\n", line=10),)
 
 
 class SpawnLauncherOption(Blocker):
@@ -201,42 +102,7 @@ class SpawnLauncherOption(Blocker):
 
     CODE = "FSR105"
     NAME = "spawn-launcher-option"
-    INVALID = (Invalid(
-        """\
-
-import os
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def worker(rank, world_size, args):
-    os.environ["MASTER_ADDR"] = "localhost"
-    os.environ["MASTER_PORT"] = "12355"
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model(torch.randn(2, 4)).sum().backward()
-    opt.step()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    n = 2
-    mp.spawn(worker, args=(n, None), nprocs=n, join=False)
-""",
-        line=31,
-    ),)
+    INVALID = (Invalid(_HEAD + _WORKER + "mp.spawn(train, args=(2,), nprocs=2, join=False)\n", line=10),)
 
 
 class SpawnSharedObject(Blocker):
@@ -252,43 +118,7 @@ class SpawnSharedObject(Blocker):
 
     CODE = "FSR106"
     NAME = "spawn-shared-object"
-    INVALID = (Invalid(
-        """\
-
-import os
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-def worker(rank, world_size, args):
-    os.environ["MASTER_ADDR"] = "localhost"
-    os.environ["MASTER_PORT"] = "12355"
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model(torch.randn(2, 4)).sum().backward()
-    opt.step()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    n = 2
-    q = mp.Queue()
-    mp.spawn(worker, args=(n, q), nprocs=n)
-""",
-        line=32,
-    ),)
+    INVALID = (Invalid(_HEAD + _WORKER + "q = mp.Queue()\nmp.spawn(train, args=(q,), nprocs=2)\n", line=11),)
 
 
 class SpawnWorkerSignature(Blocker):
@@ -303,33 +133,7 @@ class SpawnWorkerSignature(Blocker):
 
     CODE = "FSR107"
     NAME = "spawn-worker-signature"
-    INVALID = (Invalid(
-        """\
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn as nn
-
-
-def train(rank, world_size, epochs=10):
-    dist.init_process_group("nccl", rank=rank, world_size=world_size)
-    torch.cuda.set_device(rank)
-    model = nn.Linear(8, 2).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(epochs):
-        loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    world_size = torch.cuda.device_count()
-    mp.spawn(train, args=(world_size,), nprocs=world_size)
-""",
-        line=7,
-    ),)
+    INVALID = (Invalid(_HEAD + "def train(rank, world_size, epochs=10):\n" + _INIT + _BODY + _SPAWN, line=4),)
 
 
 class SpawnWorkerWithoutProcessGroup(Blocker):
@@ -344,32 +148,7 @@ class SpawnWorkerWithoutProcessGroup(Blocker):
 
     CODE = "FSR108"
     NAME = "spawn-worker-without-process-group"
-    INVALID = (Invalid(
-        """\
-import torch
-import torch.multiprocessing as mp
-import torch.nn as nn
-
-LEARNING_RATES = [1e-2, 1e-3, 1e-4, 1e-5]
-
-
-def train(rank, lrs):
-    torch.cuda.set_device(rank)
-    model = nn.Linear(8, 2).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=lrs[rank])
-    for _ in range(10):
-        loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    torch.save(model.state_dict(), f"model_lr{lrs[rank]}.pt")
-
-
-if __name__ == "__main__":
-    mp.spawn(train, args=(LEARNING_RATES,), nprocs=len(LEARNING_RATES))
-""",
-        line=8,
-    ),)
+    INVALID = (Invalid(_HEAD + "def train(rank, world_size):\n" + _BODY + _SPAWN, line=4),)
 
 
 class SpawnInitStore(Blocker):
@@ -385,32 +164,12 @@ class SpawnInitStore(Blocker):
     CODE = "FSR109"
     NAME = "spawn-init-store"
     INVALID = (Invalid(
-        """\
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn as nn
-
-
+        _HEAD + """\
 def train(rank, world_size):
     store = dist.TCPStore("127.0.0.1", 29500, world_size, is_master=rank == 0)
     dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size)
-    torch.cuda.set_device(rank)
-    model = nn.Linear(8, 2).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(10):
-        loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    world_size = torch.cuda.device_count()
-    mp.spawn(train, args=(world_size,), nprocs=world_size)
-""",
-        line=9,
+""" + _BODY + _SPAWN,
+        line=6,
     ),)
 
 
@@ -427,67 +186,13 @@ class SpawnComputedRank(Blocker):
     CODE = "FSR110"
     NAME = "spawn-computed-rank"
     INVALID = (Invalid(
-        """\
-import os
-
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn as nn
-
-
-def train(gpu, node_rank, gpus_per_node, world_size):
-    os.environ["MASTER_ADDR"] = "10.0.0.1"
-    os.environ["MASTER_PORT"] = "29500"
-    dist.init_process_group("nccl", rank=node_rank * gpus_per_node + gpu, world_size=world_size)
-    torch.cuda.set_device(gpu)
-    model = nn.Linear(8, 2).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(10):
-        loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    gpus = torch.cuda.device_count()
-    node_rank, nodes = int(os.environ["NODE_RANK"]), int(os.environ["NODES"])
-    mp.spawn(train, args=(node_rank, gpus, nodes * gpus), nprocs=gpus)
-""",
-        line=12,
+        _HEAD + """\
+def train(gpu, node_rank):
+    dist.init_process_group("nccl", rank=node_rank * 2 + gpu, world_size=4)
+""" + _BODY + "mp.spawn(train, args=(1,), nprocs=2)\n",
+        line=5,
     ),)
-    VALID = (Valid(
-        """\
-import os
-
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn as nn
-
-
-def train(rank, world_size):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = "29500"
-    dist.init_process_group("nccl", rank=rank, world_size=world_size)
-    torch.cuda.set_device(rank)
-    model = nn.Linear(8, 2).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(10):
-        loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    world_size = torch.cuda.device_count()
-    mp.spawn(train, args=(world_size,), nprocs=world_size)
-""",
-    ),)
+    VALID = (Valid(_HEAD + _WORKER + _SPAWN),)
 
 
 class SpawnInitPositional(Blocker):
@@ -503,29 +208,9 @@ class SpawnInitPositional(Blocker):
     CODE = "FSR111"
     NAME = "spawn-init-positional"
     INVALID = (Invalid(
-        """\
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn as nn
-
-
+        _HEAD + """\
 def train(rank, world_size):
     dist.init_process_group("nccl", "tcp://127.0.0.1:29500", rank=rank, world_size=world_size)
-    torch.cuda.set_device(rank)
-    model = nn.Linear(8, 2).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(10):
-        loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    world_size = torch.cuda.device_count()
-    mp.spawn(train, args=(world_size,), nprocs=world_size)
-""",
-        line=8,
+""" + _BODY + _SPAWN,
+        line=5,
     ),)

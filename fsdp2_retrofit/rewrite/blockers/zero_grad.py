@@ -3,6 +3,14 @@ from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
 
+_ENC_DEC = """\
+import torch
+enc = torch.nn.Linear(8, 8)
+dec = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(list(enc.parameters()) + list(dec.parameters()), lr=0.1)
+for step in range(10):
+"""  # lines 1-5
+
 
 class ZeroGradBetweenForwardAndBackward(Blocker):
     """`model.zero_grad()` between the model's forward and backward() with no one optimizer to clear
@@ -23,52 +31,22 @@ class ZeroGradBetweenForwardAndBackward(Blocker):
     NAME = "zero-grad-between-forward-and-backward"
     STAGE = "zero_grad"
     INVALID = (Invalid(
-        """\
-
-import torch
-from torch import nn
-
-
-def main():
-    torch.manual_seed(0)
-    enc = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
-    dec = nn.Linear(4, 2)
-    params = list(enc.parameters()) + list(dec.parameters())
-    opt = torch.optim.Adam(params, lr=0.1)
-    for step in range(3):
-        loss = dec(enc(torch.randn(8, 4))).sum()
-        enc.zero_grad()
-        loss.backward()
-        opt.step()
-
-
-if __name__ == "__main__":
-    main()
+        _ENC_DEC + """\
+    loss = dec(enc(torch.randn(4, 8))).sum()
+    enc.zero_grad()
+    loss.backward()
+    opt.step()
 """,
-        line=14,
+        line=7,
     ),)
     # the gradients cleared before the forward
     VALID = (Valid(
-        """\
-import torch
-from torch import nn
-
-
-def main():
-    torch.manual_seed(0)
-    enc = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
-    dec = nn.Linear(4, 2)
-    params = list(enc.parameters()) + list(dec.parameters())
-    opt = torch.optim.Adam(params, lr=0.1)
-    for step in range(3):
-        enc.zero_grad()
-        dec.zero_grad()
-        loss = dec(enc(torch.randn(8, 4))).sum()
-        loss.backward()
-        opt.step()
-
-
-if __name__ == "__main__":
-    main()
+        _ENC_DEC + """\
+    enc.zero_grad()
+    dec.zero_grad()
+    loss = dec(enc(torch.randn(4, 8))).sum()
+    loss.backward()
+    opt.step()
 """,
     ),)
+    # the gradients cleared before the forward

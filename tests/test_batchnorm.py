@@ -287,3 +287,29 @@ def test_check_flags_a_sibling_class_holding_a_library_model_with_batchnorm(tmp_
                      "model = Net()\nfully_shard(model)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n")
     findings = lint_source(train.read_bytes(), str(train), all_rules()).findings
     assert [(f.code, f.line) for f in findings] == [("FSD118", 6)], findings
+
+
+def test_a_scripts_own_sync_batchnorm_conversion_is_not_a_wrapper(tmp_path):
+    """`model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` (a DDP script's) returns the same module with
+    its BatchNorm layers replaced: fully_shard goes after it and nothing converts it twice (it was refused
+    FSR620 as a wrapper). Written differently too: in a function, the name `net`, a placement after it."""
+    from fsdp2_retrofit.pipeline import rewrite_source
+
+    loop = ("opt = torch.optim.SGD({m}.parameters(), lr=0.1)\n"
+            "for _ in range(3):\n    loss = {m}(torch.randn(8, 4)).pow(2).mean()\n    opt.zero_grad()\n"
+            "    loss.backward()\n    opt.step()\n")
+    plain = ("import torch\nimport torch.nn as nn\n\nmodel = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))\n"
+             "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)\n" + loop.format(m="model"))
+    in_function = ("import torch\nfrom torch import nn\n\n\ndef main():\n"
+                   "    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))\n"
+                   "    net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net)\n    net = net.to('cpu')\n"
+                   + "".join("    " + line + "\n" for line in loop.format(m="net").splitlines()) + "\n\nmain()\n")
+    for name, source, convert in (("model", plain, "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)"),
+                                  ("net", in_function, "net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net)")):
+        path = tmp_path / f"{name}.py"
+        path.write_text(source)
+        result = rewrite_source(source.encode(), str(path))
+        assert not result.refusals, result.refusals
+        text = result.code.decode()
+        assert text.count("convert_sync_batchnorm") == 1, text
+        assert text.index(convert) < text.index(f"fully_shard({name}") < text.index("opt = torch.optim.SGD"), text

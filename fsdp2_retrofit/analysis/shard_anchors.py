@@ -60,7 +60,8 @@ class ShardAnchors:
                 break  # `if adam: opt = Adam(model.parameters()) else: ...`: no stage moves a branch, shard before it
             if isinstance(later, (cst.For, cst.While, cst.FunctionDef, cst.With, cst.Try)):
                 break
-            if _is_placement(later, name) or _initialises(later, name) or self._initialises_through(later, name):
+            if (_is_placement(later, name) or _initialises(later, name) or self._initialises_through(later, name)
+                    or _converts_sync_batchnorm(later, name)):
                 anchor = later
             elif name in assigned_names(later):
                 break  # rebound by something else (torch.compile, a wrapper): shard before it
@@ -114,7 +115,7 @@ class ShardAnchors:
         for later in body[body.index(stmt) + 1 :]:
             if isinstance(later, (cst.For, cst.While, cst.FunctionDef, cst.With, cst.Try)) and not restructures(later, name):
                 return None
-            if name not in assigned_names(later) or _is_placement(later, name):
+            if name not in assigned_names(later) or _is_placement(later, name) or _converts_sync_batchnorm(later, name):
                 continue
             small = later.body[0]
             call = innermost_call(small.value) if isinstance(small, cst.Assign) else None
@@ -143,6 +144,21 @@ def _is_placement(stmt, name: str) -> bool:
         if not _is_placement_chain(value, name):
             return False
     return True
+
+
+def _converts_sync_batchnorm(stmt, name: str) -> bool:
+    """`name = nn.SyncBatchNorm.convert_sync_batchnorm(name)`: the same module with its BatchNorm layers
+    replaced (a DDP script's), not a wrapper: fully_shard goes after it."""
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return False
+    small = stmt.body[0]
+    if not (isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.targets[0].target, cst.Name)
+            and small.targets[0].target.value == name):
+        return False
+    value = small.value
+    return (isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute)
+            and value.func.attr.value == "convert_sync_batchnorm" and bool(value.args)
+            and isinstance(value.args[0].value, cst.Name) and value.args[0].value.value == name)
 
 
 def _placed_name(stmt) -> Optional[str]:

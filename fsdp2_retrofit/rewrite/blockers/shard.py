@@ -534,14 +534,14 @@ class ShardModelReboundToWrapper(Blocker):
     NAME = "shard-model-rebound-to-wrapper"
     INVALID = (
         Invalid(_WRAPPER + "model = nn.Linear(4, 4)\nmodel = Wrapper(model)\n" + _OPT, line=_after(_WRAPPER, 2)),
-        Invalid(  # a library function that returns the module rebuilt
-            _TORCH + "model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))\n"
-            + "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)\n" + _OPT,
-            line=_after(_TORCH, 2),
-        ),
     )
-    # the wrapper built around the model in one expression: that is what gets sharded
-    VALID = (Valid(_WRAPPER + "model = Wrapper(nn.Linear(4, 4))\n" + _OPT + _LOOP),)
+    VALID = (
+        # the wrapper built around the model in one expression: that is what gets sharded
+        Valid(_WRAPPER + "model = Wrapper(nn.Linear(4, 4))\n" + _OPT + _LOOP),
+        # the same module with its BatchNorm layers replaced, no wrapper: fully_shard goes after it
+        Valid(_TORCH + "model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))\n"
+              + "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)\n" + _OPT + _LOOP),
+    )
 
 
 class ShardFlatteningOptimizer(Blocker):

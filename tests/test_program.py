@@ -268,3 +268,18 @@ def test_a_module_with_other_newlines_links_and_keeps_them(tmp_path):
     assert b"dist.all_reduce" in engine or b"rank" in engine, engine.decode()
     assert engine.count(b"\r\n") == engine.count(b"\n"), "a bare LF in the CRLF module"
     assert b"\r\n" not in out.code
+
+
+def test_a_sentence_names_another_file_as_seen_from_the_entry_s_folder(tmp_path):
+    """A refusal of the linked program that names a line of another module says `pkg/net.py:3`, however the
+    entry was given (an absolute path put the whole path in every sentence)."""
+    from types import SimpleNamespace
+
+    from fsdp2_retrofit.report import Refusal
+    from fsdp2_retrofit.rewrite.link import _mapped
+
+    entry, other = str(tmp_path / "train.py"), str(tmp_path / "pkg" / "net.py")
+    linked = SimpleNamespace(where=lambda n: (entry, n) if n < 10 else (other, n - 9), unmangle={},
+                             program=SimpleNamespace(entry=entry), shown={entry: entry, other: other})
+    got = _mapped(linked, Refusal(3, "`model` (trained at line 12) is bound here", "why", "hint", "FSR611"))
+    assert (got.what, got.line, got.path) == ("`model` (trained at pkg/net.py:3) is bound here", 3, entry)

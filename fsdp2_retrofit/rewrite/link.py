@@ -628,7 +628,8 @@ def _mapped(linked: Linked, record):
         there, at = linked.where(int(number))
         if at == 0:
             return number
-        return str(at) if there == path else f"{linked.shown.get(there, _rel(there))}:{at}"
+        # another file, named as from the entry's folder (`modules.py:231`), however the entry was given
+        return str(at) if there == path else f"{os.path.relpath(there, os.path.dirname(linked.program.entry))}:{at}"
 
     def sub(match) -> str:
         first = one(match.group(2))

@@ -85,7 +85,7 @@ def _whole_program(source: bytes, path: str, options: RetrofitOptions, module: c
             inputs = sorted(set(inner.inputs) | set(program.files))
             linked_refusal = RewriteResult(path, source, source, [], [], link.refusal_records(linked, inner), inputs)
         else:
-            taken_apart = link.split(linked, inner, source)
+            taken_apart = link.split(linked, inner, source, other_scripts=not steps)
             if isinstance(taken_apart, RewriteResult):
                 return taken_apart
             why = taken_apart

@@ -283,3 +283,20 @@ def test_a_sentence_names_another_file_as_seen_from_the_entry_s_folder(tmp_path)
                              program=SimpleNamespace(entry=entry), shown={entry: entry, other: other})
     got = _mapped(linked, Refusal(3, "`model` (trained at line 12) is bound here", "why", "hint", "FSR611"))
     assert (got.what, got.line, got.path) == ("`model` (trained at pkg/net.py:3) is bound here", 3, entry)
+
+
+def test_a_loader_helper_another_script_calls_is_split_when_the_step_is_elsewhere_too(tmp_path):
+    """A program whose loop is in engine.py and whose loader comes from data.py, which predict.py beside them
+    also calls: the program converts (the loop could not be left unsplit), the helper gets its sampler.
+    Where the program is linked for that helper only (the loop in the entry), the script alone is rewritten
+    instead and the helper reported (tests/test_sibling_loaders.py)."""
+    data = ("import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n\n\ndef loader(bs):\n"
+            "    ds = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))\n"
+            "    return DataLoader(ds, batch_size=bs, shuffle=True)\n")
+    entry = ("import torch\nimport torch.nn as nn\n\nimport data\nimport engine\n\nmodel = nn.Linear(4, 1)\n"
+             "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\nengine.train(model, data.loader(8), optimizer, 2)\n")
+    script = _project(tmp_path, {"train.py": entry, "engine.py": ENGINE, "data.py": data,
+                                 "predict.py": "from data import loader\nprint(len(loader(4)))\n"})
+    out = _rewrite(script)
+    assert not out.refusals, out.refusals
+    assert "DistributedSampler(ds, shuffle=True)" in _by_file(out)["data.py"]

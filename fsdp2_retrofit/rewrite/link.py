@@ -506,9 +506,11 @@ def _statement_lines(module: cst.Module) -> Dict[int, Tuple[int, int]]:
     return out
 
 
-def split(linked: Linked, result: RewriteResult, source: bytes) -> Union[RewriteResult, str]:
+def split(linked: Linked, result: RewriteResult, source: bytes, other_scripts: bool = False) -> Union[RewriteResult, str]:
     """The result of the linked program taken apart: the entry's own result, with every module it
-    changed (or has records for) as a sibling; or why it cannot be taken apart (a sentence)."""
+    changed (or has records for) as a sibling; or why it cannot be taken apart (a sentence).
+    `other_scripts`: refuse to give a helper another script beside the program calls a DistributedSampler
+    (where the script alone is the fallback, as for a program linked for its loaders only)."""
     program = linked.program
     out = cst.parse_module(result.code)
     entry = program.entry
@@ -554,7 +556,8 @@ def split(linked: Linked, result: RewriteResult, source: bytes) -> Union[Rewrite
         wanted = _imports_needed(new, original, table)
         if isinstance(wanted, str):
             return f"the converted {_rel(path)} {wanted}"
-        shared = _sampler_for_other_scripts(new, original, [entry] + list(program.files)) if path != entry else ""
+        shared = (_sampler_for_other_scripts(new, original, [entry] + list(program.files))
+                  if other_scripts and path != entry else "")
         if shared:
             return f"the conversion gives a DataLoader of {_rel(path)} {shared}"
         if wanted:

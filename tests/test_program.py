@@ -300,3 +300,16 @@ def test_a_loader_helper_another_script_calls_is_split_when_the_step_is_elsewher
     out = _rewrite(script)
     assert not out.refusals, out.refusals
     assert "DistributedSampler(ds, shuffle=True)" in _by_file(out)["data.py"]
+
+
+def test_a_model_from_an_unreadable_builder_is_refused_at_its_binding_across_modules(tmp_path):
+    """engine.run(model) trains what the entry binds with a builder the analysis cannot read: refused at that
+    binding in the entry, naming the optimizer's line in engine.py (it was refused at engine.py's optimizer
+    as 'not built in this function (a parameter...)', where the value was not lost)."""
+    engine = ("import torch\n\n\ndef run(model):\n    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+              "    for _ in range(3):\n        loss = model(torch.randn(8, 4)).pow(2).mean()\n"
+              "        opt.zero_grad()\n        loss.backward()\n        opt.step()\n")
+    entry = "import torch\nfrom mylib import get_model\n\nimport engine\n\nmodel = get_model('small')\nengine.run(model)\n"
+    out = _rewrite(_project(tmp_path, {"train.py": entry, "engine.py": engine}))
+    assert [(r.code, Path(r.path).name, r.line) for r in out.refusals] == [("FSR611", "train.py", 6)]
+    assert "the optimizer at engine.py:5 trains" in out.refusals[0].what

@@ -50,8 +50,15 @@ def refused(tmp_path, monkeypatch, source: str):
             "    model(torch.ones(2)).sum().backward()\n    opt.step()\n",
             5, "FSR611", "the optimizer trains `model`, which is not built in this function",
         ),
+        (  # the model is handed in by the one call, from a builder the analysis cannot see into
+            "import torch\nfrom mylib import get_model\n\n\ndef train(net):\n"
+            "    opt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
+            "    net(torch.ones(2)).sum().backward()\n    opt.step()\n\n\nmodel = get_model('small')\ntrain(model)\n",
+            11, "FSR611", "`model` (handed to train() as `net`, which the optimizer at line 6 trains) is bound by "
+            "`get_model('small')`",
+        ),
     ],
-    ids=["unknown-builder", "foreign-optimizer", "model-parameter"],
+    ids=["unknown-builder", "foreign-optimizer", "model-parameter", "model-handed-from-unknown-builder"],
 )
 def test_no_model_refusal_points_at_the_blocker(tmp_path, monkeypatch, source, line, code, fragment):
     got_line, got_code, message = refused(tmp_path, monkeypatch, source)

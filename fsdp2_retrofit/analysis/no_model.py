@@ -20,7 +20,7 @@ from typing import Optional, Union
 import libcst as cst
 
 from .shard_anchors import _is_placement_chain
-from fsdp2_retrofit.syntax.names import SELF_RETURNING_METHODS, alias_target, calls_in, code, root_name
+from fsdp2_retrofit.syntax.names import SELF_RETURNING_METHODS, alias_target, bind_args, calls_in, code, root_name
 from fsdp2_retrofit.syntax.torch_api import is_optimizer_call
 
 
@@ -63,6 +63,23 @@ def _construction(r, name: str, before: cst.CSTNode) -> Optional[cst.SimpleState
             break
         last = earlier
     return last
+
+
+def _handed_binding(r, param: str, before: cst.CSTNode):
+    """(the caller's name, the function, the statement binding that name) where `param` is a parameter of
+    the function holding `before` and the one call of that function by name hands it a name the caller
+    binds (by value through the program: a linked project's `engine.run(model)` reads as `run(model)`)."""
+    fn = r.enclosing_function(before)
+    if fn is None or param not in {p.name.value for p in fn.params.params}:
+        return None
+    calls = [c for c in r.nodes(cst.Call) if type(c.func) is cst.Name and c.func.value == fn.name.value]
+    if len(calls) != 1:
+        return None
+    arg = next((a for p, a in bind_args(fn, calls[0]) if p == param), None)
+    if not isinstance(arg, cst.Name):
+        return None
+    bound = _construction(r, arg.value, r.statement_of(calls[0]))
+    return None if bound is None else (arg.value, fn, bound)
 
 
 def _parameters_owner(arg: cst.BaseExpression) -> Optional[str]:
@@ -214,6 +231,15 @@ def no_model_blocker(facts) -> Optional[NoModelBlocker]:
             return NoModelBlocker(call, f"the optimizer's parameters `{_short(first)}` do not name a model")
         bound = _construction(r, name, stmt)
         if bound is None:
+            handed = _handed_binding(r, name, stmt)
+            if handed is not None:  # `run(model)` with `model = get_model(...)` at its one call
+                caller_name, fn, bound = handed
+                return NoModelBlocker(
+                    bound,
+                    f"`{caller_name}` (handed to {fn.name.value}() as `{name}`, which the optimizer at line "
+                    f"{r.line(stmt)} trains) is bound by `{_short(bound.body[0].value)}`, not recognised as building "
+                    "an nn.Module" + _star_note(facts, bound.body[0].value),
+                )
             return NoModelBlocker(
                 call,
                 f"the optimizer trains `{name}`, which is not built in this function "

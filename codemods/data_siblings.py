@@ -45,13 +45,13 @@ class SiblingLoaderEdits:
             by_function.setdefault((found.path, found.function), []).append(found)
         for calls in by_function.values():
             found = calls[0]
-            left.extend(self._distribute_helper(calls, facts, editor, lambda why, found=found: self._not_here(found),
+            left.extend(self._distribute_helper(calls, facts, editor, lambda found=found: self._not_here(found),
                                                 found.blocker(self.context.filename or "")))
         return left
 
     def _distribute_helper(self, calls: list, facts: ScriptFacts, editor: StatementEditor, unit_for,
                            blocker: str, trains=None, dataset: Optional[str] = None) -> list:
-        """The DataLoader one function builds (in a sibling module, or in the script: `unit_for(why)`
+        """The DataLoader one function builds (in a sibling module, or in the script: `unit_for()`
         gives the unit its edits go to, None where it cannot be edited) reads through a
         DistributedSampler for the calls (`calls`, SiblingLoader records) whose loader trains: all of
         them, or those that pass the new `distributed=True` where only some do. Returns (call, why)
@@ -65,7 +65,7 @@ class SiblingLoaderEdits:
         flag = None
         if not why and len(training) < len(calls):
             flag, why = self._flag_for(found)
-        unit = None if why else unit_for(why)
+        unit = None if why else unit_for()
         if unit is None:
             return [(c, why or "its module is not in the program this rewrite linked") for c in calls]
         self._sample_there(found, unit, flag, dataset)
@@ -114,7 +114,7 @@ class SiblingLoaderEdits:
         blocker = shared[0].blocker(script, False, dataset_named=named is not None)
         if named is not None and not blocker:
             editor.insert_before(loader.stmt, [self.stmt(f"{named} = {code(inline)}\n")])
-        for found, why in self._distribute_helper(shared, facts, editor, lambda why: _ScriptUnit(self, editor),
+        for found, why in self._distribute_helper(shared, facts, editor, lambda: _ScriptUnit(self, editor),
                                                   blocker, facts.analysis.helper_call_trains, named):
             self.attention(
                 found.call,

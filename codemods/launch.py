@@ -407,7 +407,7 @@ class LaunchDistributedCommand(RetrofitStage):
         # stage gives it a DistributedSampler there, which asks the group for the rank when it is built
         named |= {id(found.call) for found in sibling_loaders(facts.resolver, facts.classes)}
         # the same with the helper in this file (`def get_loader(bs): ... return DataLoader(...)`)
-        named |= {id(call) for call in _calls_of_loader_helpers(facts)}
+        named |= {id(call) for call in facts.analysis.loader_helper_calls(facts.loaders, facts.entry_scope)}
         for stmt in block.body:
             if isinstance(stmt, (cst.Import, cst.ImportFrom, cst.FunctionDef, cst.ClassDef)):
                 continue
@@ -424,17 +424,6 @@ class LaunchDistributedCommand(RetrofitStage):
             if facts.entry_call is not None and any(c is facts.entry_call for c in calls_in(stmt)):
                 return stmt  # `model, optimizer = build(cfg)`
         return facts.models[0].stmt if facts.entry_call is None else facts.resolver.statement_of(facts.entry_call)
-
-
-def _calls_of_loader_helpers(facts: ScriptFacts) -> list:
-    """The calls of the functions of this file that build a training DataLoader the data stage gives a
-    DistributedSampler (which asks the process group for the rank when it is built)."""
-    r = facts.resolver
-    helpers = {r.enclosing_function(loader.stmt) for loader in facts.loaders if loader.trains}
-    helpers = {fn for fn in helpers if fn is not None and fn is not facts.entry_scope and r.enclosing_class(fn) is None}
-    names = {fn.name.value for fn in helpers}
-    return [call for call in r.nodes(cst.Call) if type(call.func) is cst.Name and call.func.value in names
-            and r.enclosing_function(call) not in helpers]
 
 
 def _ancestor_in_body(stmt, body, facts: ScriptFacts):

@@ -59,8 +59,9 @@ def _whole_program(source: bytes, path: str, options: RetrofitOptions, module: c
     """The script rewritten, with the coverage rule: a training step the script reaches in another module
     is converted with the program linked into one analysis (rewrite/link.py), or the rewrite is refused at
     that step (FSR970); never "converted" with that loop left as it was. A program with such a step is
-    linked first; the script alone is rewritten where it has none, or where the program cannot be linked
-    (its own result stands where it converts every step where it lives)."""
+    linked first; the script alone is rewritten where it has none, or where the program cannot be linked.
+    A program whose only sites elsewhere are DataLoaders a function of another module builds is linked too,
+    so the sampler goes where the loader is built; where it cannot be, the script alone reports them."""
     from fsdp2_retrofit.analysis.program import Program, unreached_step
     from fsdp2_retrofit.rewrite import link
 

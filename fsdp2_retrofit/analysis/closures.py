@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from fsdp2_retrofit.syntax.names import child_nodes, parameter_names, walk
+from fsdp2_retrofit.syntax.memo import per_node
 
 
 def sharded_here(
@@ -72,17 +73,7 @@ def _target_names(target) -> Set[str]:
     return set()  # `a.b = ...`, `a[i] = ...` bind nothing
 
 
-def _remembered(table: Dict[int, tuple], fn: cst.FunctionDef, compute) -> Set[str]:
-    """compute(fn), once per function node (a tree is never changed in place: an edit makes new
-    nodes); a fresh set each time, for the caller to change."""
-    known = table.get(id(fn))
-    if known is None or known[0] is not fn:
-        if len(table) > 4096:
-            table.clear()
-        known = table[id(fn)] = (fn, frozenset(compute(fn)))
-    return set(known[1])
-
-
+# once per function node (syntax/memo.py); the callers get a fresh set to change
 _BINDINGS: Dict[int, tuple] = {}
 _FREE_READS: Dict[int, tuple] = {}
 
@@ -91,7 +82,7 @@ def local_bindings(fn: cst.FunctionDef) -> Set[str]:
     """The names `fn` binds in its own scope (parameters, assignments, loop, with and
     except targets, imports, nested defs and classes), less those it declares
     `nonlocal` or `global`: a read of any other name reaches an enclosing scope."""
-    return _remembered(_BINDINGS, fn, _local_bindings)
+    return set(per_node(_BINDINGS, fn, lambda: frozenset(_local_bindings(fn))))
 
 
 def _local_bindings(fn: cst.FunctionDef) -> Set[str]:
@@ -130,7 +121,7 @@ def dotted_root(name) -> str:
 def free_reads(fn: cst.FunctionDef) -> Set[str]:
     """The names `fn` (or a function nested in it) reads that `fn` does not bind:
     closure variables of the function around it, globals or builtins."""
-    return _remembered(_FREE_READS, fn, _free_reads)
+    return set(per_node(_FREE_READS, fn, lambda: frozenset(_free_reads(fn))))
 
 
 def _free_reads(fn: cst.FunctionDef) -> Set[str]:

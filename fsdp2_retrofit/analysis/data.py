@@ -246,10 +246,17 @@ class LoaderAnalysis(SiteAnalysis):
         fn = self.r.enclosing_function(loader.stmt)
         if fn is None or not loader.returned or self.r.enclosing_class(fn) is not None:
             return None
-        calls = [c for c in self.calls if type(c.func) is cst.Name and c.func.value == fn.name.value
-                 and self.r.enclosing_function(c) is not fn]
+        calls = [c for c in self.calls_of(fn) if self.r.enclosing_function(c) is not fn]
         fed = [c for c in calls if self.helper_call_trains(c)]
         return calls if fed and len(fed) < len(calls) else None
+
+    def loader_helper_calls(self, loaders: List["LoaderSite"], entry: Optional[cst.CSTNode]) -> List[cst.Call]:
+        """The calls of the functions of the script (not `entry`, not methods) that build one of `loaders`
+        that trains: the data stage gives it a DistributedSampler there, which asks the process group for the
+        rank when it is built, so the group must start before such a call."""
+        helpers = {self.r.enclosing_function(loader.stmt) for loader in loaders if loader.trains}
+        helpers = {fn for fn in helpers if fn is not None and fn is not entry and self.r.enclosing_class(fn) is None}
+        return [c for fn in helpers for c in self.calls_of(fn) if self.r.enclosing_function(c) not in helpers]
 
     def name_handed_to(self, name: str, fn: Optional[cst.FunctionDef]) -> List[tuple]:
         """(function, parameter) for each call in `fn` that hands the name `name` to a function of the
@@ -311,7 +318,7 @@ class LoaderAnalysis(SiteAnalysis):
         for call, fn in self._local_calls():
             params = _parameters_given(fn, call, name)
             if len(params) != 1 or any(self.r.enclosing_function(c) is not scope
-                                       or _parameters_given(fn, c, name) != params for c in self._calls_of(fn)):
+                                       or _parameters_given(fn, c, name) != params for c in self.calls_of(fn)):
                 continue
             param = next(iter(params))
             site = pass_in_while(self.r, param, fn.body)
@@ -323,7 +330,7 @@ class LoaderAnalysis(SiteAnalysis):
         """(name, block) where the one call of the function that builds the loader and returns
         it binds it in its caller (`train_loader, val_loader = build_loaders(...)`), or None."""
         helper = self.r.enclosing_function(stmt)
-        calls = self._calls_of(helper)
+        calls = self.calls_of(helper)
         out = names_out(self.r, calls[0], helper, {name}) if len(calls) == 1 else {}
         if len(out) != 1:
             return None

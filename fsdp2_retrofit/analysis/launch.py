@@ -36,7 +36,7 @@ class LaunchAnalysis(SiteAnalysis):
         if caller is not None:  # `self.build_model()` in the Solver's __init__ builds `self.net`: the launch goes there
             return self.r.block_of(self.r.statement_of(caller)), self.r.enclosing_function(caller), caller, None
         while isinstance(scope, cst.FunctionDef) and returns_any(self.r, scope, names):
-            calls = self._calls_of(scope)
+            calls = self.calls_of(scope)
             if not calls or (len(calls) == 1 and type(self.r.parent(calls[0])) is cst.Expr):
                 break  # nothing here receives the model: `main()` discarding it, or `fire.Fire(main)`
             out = names_out(self.r, calls[0], scope, names) if len(calls) == 1 else {}

@@ -128,7 +128,7 @@ class KwargsAnalysis(SiteAnalysis):
             # an alias holds the same dict: what is set in it up to `at` counts; a copy or a new dict is made here
             out = self._sets_in(value, at if isinstance(value, cst.Name) and home is scope else start, steps + 1)
         elif home is not None and name.value in parameter_names(home):
-            calls = self._calls_of(home)
+            calls = self.calls_of(home)
             if not calls:
                 raise _Lost(name, f"`{name.value}` is a parameter of {home.name.value}(), which the script never calls")
             out = []

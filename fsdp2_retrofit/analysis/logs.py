@@ -18,6 +18,7 @@ from typing import Dict, List
 import libcst as cst
 
 from .site_analysis import Scope, SiteAnalysis
+from fsdp2_retrofit.syntax.memo import per_node
 from fsdp2_retrofit.syntax.names import Resolver, code, root_name
 from fsdp2_retrofit.syntax.rank import mentions_rank
 
@@ -238,12 +239,7 @@ _BINDINGS: Dict[int, tuple] = {}
 def _module_bindings(r: Resolver):
     """(names its imports bind, names its other top-level statements bind, its top-level functions),
     computed once per module (a tree is never changed in place: a stage's edits make a new one)."""
-    known = _BINDINGS.get(id(r.module))
-    if known is None or known[0] is not r.module:
-        if len(_BINDINGS) > 16:
-            _BINDINGS.clear()
-        known = _BINDINGS[id(r.module)] = (r.module, _bindings_of(r))
-    return known[1]
+    return per_node(_BINDINGS, r.module, lambda: _bindings_of(r), limit=16)
 
 
 def _bindings_of(r: Resolver):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Opti
 
 import libcst as cst
 
+from fsdp2_retrofit.syntax.memo import per_node
 from fsdp2_retrofit.syntax.names import (
     CONTAINERS, SELF_RETURNING_METHODS, TORCH_MODULE_BASES, Resolver, attr_path, bind_args, walk,
 )
@@ -548,12 +549,7 @@ def _parse_sibling(path: Path) -> Optional[Tuple[cst.Module, Resolver]]:
         module = project_imports.parse(path, data)
     except (cst.ParserSyntaxError, UnicodeDecodeError, LookupError, SyntaxError):
         return None
-    known = _RESOLVERS.get(id(module))
-    if known is None or known[0] is not module:
-        if len(_RESOLVERS) > 512:
-            _RESOLVERS.clear()
-        known = _RESOLVERS[id(module)] = (module, Resolver(module))
-    return known
+    return module, per_node(_RESOLVERS, module, lambda: Resolver(module), limit=512)
 
 
 def _dotted(expr) -> str:

@@ -65,14 +65,15 @@ def _construction(r, name: str, before: cst.CSTNode) -> Optional[cst.SimpleState
     return last
 
 
-def _handed_binding(r, param: str, before: cst.CSTNode):
+def _handed_binding(facts, param: str, before: cst.CSTNode):
     """(the caller's name, the function, the statement binding that name) where `param` is a parameter of
-    the function holding `before` and the one call of that function by name hands it a name the caller
-    binds (by value through the program: a linked project's `engine.run(model)` reads as `run(model)`)."""
+    the function holding `before` and the one call of that function hands it a name the caller binds (by
+    value through the program: a linked project's `engine.run(model)` reads as `run(model)`)."""
+    r = facts.resolver
     fn = r.enclosing_function(before)
-    if fn is None or param not in {p.name.value for p in fn.params.params}:
+    if fn is None or facts.analysis is None or param not in {p.name.value for p in fn.params.params}:
         return None
-    calls = [c for c in r.nodes(cst.Call) if type(c.func) is cst.Name and c.func.value == fn.name.value]
+    calls = facts.analysis.calls_of(fn)
     if len(calls) != 1:
         return None
     arg = next((a for p, a in bind_args(fn, calls[0]) if p == param), None)
@@ -231,7 +232,7 @@ def no_model_blocker(facts) -> Optional[NoModelBlocker]:
             return NoModelBlocker(call, f"the optimizer's parameters `{_short(first)}` do not name a model")
         bound = _construction(r, name, stmt)
         if bound is None:
-            handed = _handed_binding(r, name, stmt)
+            handed = _handed_binding(facts, name, stmt)
             if handed is not None:  # `run(model)` with `model = get_model(...)` at its one call
                 caller_name, fn, bound = handed
                 return NoModelBlocker(

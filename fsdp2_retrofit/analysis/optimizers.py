@@ -303,7 +303,7 @@ class OptimizerAnalysis(SiteAnalysis):
             changed |= closure_propagate(self.r, names)  # a nested function reading the optimizer around it
             changed |= global_optimizers(self.r, self.module, names)
             changed |= held_optimizers(self.r, self._holders(), names, self.lost_optimizers)
-        disagreeing_calls(self.r, self._calls_of, names, self.lost_optimizers)
+        disagreeing_calls(self.r, self.calls_of, names, self.lost_optimizers)
         return names
 
     def _returned_optimizers(self, names, model_names) -> bool:

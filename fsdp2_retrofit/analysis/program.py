@@ -22,7 +22,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from fsdp2_retrofit.syntax.names import attr_path, dotted
+from fsdp2_retrofit.syntax.names import dotted
 
 from . import project_imports
 
@@ -181,30 +181,24 @@ class Program:
 def _builds_loader(module: cst.Module) -> bool:
     """A function of `module` builds a DataLoader (`DataLoader(...)`, `data.DataLoader(...)`): a site the
     data stage edits where it is, in the program linked into one analysis."""
-    found: List[cst.Call] = []
 
     class _Find(cst.CSTVisitor):
+        depth, found = 0, False
+
         def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-            found.extend(c for c in _calls(node) if _called_name(c).endswith("DataLoader"))
+            self.depth += 1
 
-    module.visit(_Find())
-    return bool(found)
+        def leave_FunctionDef(self, node: cst.FunctionDef) -> None:
+            self.depth -= 1
 
+        def visit_Call(self, node: cst.Call) -> None:
+            func = node.func
+            name = func.attr.value if isinstance(func, cst.Attribute) else getattr(func, "value", "")
+            self.found = self.found or (self.depth > 0 and isinstance(name, str) and name.endswith("DataLoader"))
 
-def _calls(node: cst.CSTNode) -> List[cst.Call]:
-    out: List[cst.Call] = []
-
-    class _Find(cst.CSTVisitor):
-        def visit_Call(self, call: cst.Call) -> None:
-            out.append(call)
-
-    node.visit(_Find())
-    return out
-
-
-def _called_name(call: cst.Call) -> str:
-    func = call.func
-    return func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else ""
+    finder = _Find()
+    module.visit(finder)
+    return finder.found
 
 
 def _sys_path_roots(entry: str, module: cst.Module) -> List[str]:
@@ -219,7 +213,7 @@ def _sys_path_roots(entry: str, module: cst.Module) -> List[str]:
             continue
         call = stmt.body[0].value
         if not (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute)
-                and call.func.attr.value in ("append", "insert") and _dotted(call.func.value) == "sys.path"):
+                and call.func.attr.value in ("append", "insert") and dotted(call.func.value) == "sys.path"):
             continue
         arg = call.args[-1].value if call.args else None
         folder = _folder_of(arg, here)
@@ -232,26 +226,21 @@ def _folder_of(expr, here: str) -> Optional[str]:
     if isinstance(expr, cst.SimpleString):
         value = expr.evaluated_value
         return value if os.path.isabs(value) else os.path.join(here, value)
-    if isinstance(expr, cst.Call) and _dotted(expr.func) in ("os.path.dirname", "os.path.abspath",
+    if isinstance(expr, cst.Call) and dotted(expr.func) in ("os.path.dirname", "os.path.abspath",
                                                                       "os.path.realpath") and expr.args:
         inner = _folder_of(expr.args[0].value, here)
         if inner is None:
             return None
-        return os.path.dirname(inner) if _dotted(expr.func) == "os.path.dirname" else inner
+        return os.path.dirname(inner) if dotted(expr.func) == "os.path.dirname" else inner
     if isinstance(expr, cst.Name) and expr.value == "__file__":
         return os.path.join(here, "__file__")
-    if isinstance(expr, cst.Call) and _dotted(expr.func) == "os.path.join" and len(expr.args) >= 2:
+    if isinstance(expr, cst.Call) and dotted(expr.func) == "os.path.join" and len(expr.args) >= 2:
         inner = _folder_of(expr.args[0].value, here)
         parts = [a.value.evaluated_value for a in expr.args[1:] if isinstance(a.value, cst.SimpleString)]
         if inner is None or len(parts) != len(expr.args) - 1:
             return None
         return os.path.join(inner, *parts)
     return None
-
-
-def _dotted(node) -> str:
-    """`os.path.join` for a name or an attribute chain; "" for anything else."""
-    return ".".join(attr_path(node) or ())
 
 
 def _nested_imports(module: cst.Module, stmt, positions: list) -> Iterator[Tuple[int, cst.SimpleStatementLine]]:

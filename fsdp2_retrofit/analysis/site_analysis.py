@@ -49,7 +49,7 @@ class SiteAnalysis:
     def flow(self) -> ValueFlow:
         """Which values an expression of the script can hold (analysis/flow.py), made once."""
         if getattr(self, "_flow", None) is None:
-            self._flow = ValueFlow(self.r, self._callee, self._calls_of)
+            self._flow = ValueFlow(self.r, self._callee, self.calls_of)
         return self._flow
 
     def _module_binding_of(self, name: cst.Name, bindings) -> Optional[tuple]:
@@ -125,7 +125,7 @@ class SiteAnalysis:
             self._local_call_list = [(call, fn) for call in self.calls for fn in [self._callee(call)] if fn is not None]
         return iter(self._local_call_list)
 
-    def _calls_of(self, fn: Optional[cst.FunctionDef]) -> List[cst.Call]:
+    def calls_of(self, fn: Optional[cst.FunctionDef]) -> List[cst.Call]:
         """The calls by name of the script's function `fn` (_local_calls, grouped once)."""
         if getattr(self, "_calls_by_function", None) is None:
             self._calls_by_function: Dict[int, List[cst.Call]] = {}

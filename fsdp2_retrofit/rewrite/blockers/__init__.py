@@ -154,10 +154,6 @@ def _family_modules() -> list:
     return [importlib.import_module(f"{__name__}.{name}") for name in FAMILIES]
 
 
-def blocker_by_code(code: str) -> Optional[Type[Blocker]]:
-    return next((b for b in all_blockers() if b.CODE == code.upper()), None)
-
-
 @dataclass(frozen=True)
 class Blocked:
     """A refusal a family's checks found, for its stage to raise: `at` is the node (or line) it

@@ -249,6 +249,8 @@ class SiblingLoaderEdits:
         if isinstance(small, cst.Assign) and len(small.targets) == 1 and small.value is found.call:
             target = small.targets[0].target
             name = target.value if isinstance(target, cst.Name) else None
+            if self._set_epoch_held(found, target, facts, editor):
+                return
         block = facts.resolver.enclosing_function(stmt) or facts.module
         epoch_loop = _epoch_loop_over(name, block, facts) if name is not None else None
         handed = facts.analysis.handed_to(found.call)
@@ -283,6 +285,23 @@ class SiblingLoaderEdits:
             "DistributedSampler reshuffles from its epoch number",
             "without set_epoch every epoch repeats the same order",
         )
+
+    def _set_epoch_held(self, found, target, facts: ScriptFacts, editor: StatementEditor) -> bool:
+        """A training call whose loader a method keeps as `self.<attr>` (`self.train_loader =
+        self.make_loader(...)`) that another method passes over (`for x, y in self.train_loader:`): the
+        epoch is set before that pass, as for a DataLoader built there (data stage's _set_epoch_passed).
+        False where the target is no such attribute, or the loader's pass reads something else."""
+        if not isinstance(target, cst.Attribute) or not code(target).startswith("self."):
+            return False
+        loader = next((l for l in facts.loaders if l.call is found.built), None)
+        passed = loader.epoch_passed if loader is not None else None
+        if passed is None or code(passed[1]) != code(target):
+            return False
+        if passed[2] is None:
+            self._no_epoch_passed(loader)
+        else:
+            self._set_epoch_passed(loader, editor)
+        return True
 
 
 class _ScriptUnit:
@@ -365,8 +384,8 @@ def _with_param(params: cst.Parameters, new: cst.Param) -> cst.Parameters:
     """`params` with `new` (which has a default) last among the ordinary parameters, or among
     the keyword-only ones after a `*`."""
     if not isinstance(params.star_arg, cst.MaybeSentinel) or params.kwonly_params:
-        return params.with_changes(kwonly_params=[*_commas(params.kwonly_params), new])
-    return params.with_changes(params=[*_commas(params.params), new])
+        return params.with_changes(kwonly_params=(*_commas(params.kwonly_params), new))
+    return params.with_changes(params=(*_commas(params.params), new))
 
 
 def _commas(params) -> List[cst.Param]:

@@ -16,7 +16,7 @@ from fsdp2_retrofit.analysis.rank_uniform import RankUniform, bound_inside, rank
 from fsdp2_retrofit.rewrite.gather_sums import gather_sums
 from fsdp2_retrofit.rewrite.edit import with_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
-from fsdp2_retrofit.syntax.names import calls_in, names_read, walk
+from fsdp2_retrofit.syntax.names import calls_in, instance_attribute, names_read, walk
 from fsdp2_retrofit.syntax.rank import every_rank_call, rank_zero_side
 from fsdp2_retrofit.syntax.torch_api import TORCH_SAVE
 
@@ -40,8 +40,7 @@ class GateRankZeroCommand(RetrofitStage):
             if site.gated or test is None:
                 continue
             if self._may_be_collective(site.stmt, facts):
-                calls = _hoistable(site.stmt, facts.model_names.get(facts.resolver.enclosing_function(site.stmt), set()),
-                                   facts.resolver)
+                calls = _hoistable(site.stmt, facts)
                 if calls is None:
                     self.attention(
                         site.stmt,
@@ -314,23 +313,10 @@ class GateRankZeroCommand(RetrofitStage):
         return True
 
     def _may_be_collective(self, stmt, facts: ScriptFacts) -> bool:
-        models = facts.model_names.get(facts.resolver.enclosing_function(stmt), set())
-        for node in calls_in(stmt):
-            func = node.func
-            if isinstance(func, cst.Name) and func.value in models:
-                return True  # model(x): a forward
-            if (
-                isinstance(func, cst.Attribute)
-                and isinstance(func.value, cst.Name)
-                and func.value.value in models
-                and func.attr.value not in LOCAL_METHODS
-            ):
-                return True
-            if any(isinstance(a.value, cst.Name) and a.value.value in models for a in node.args):
-                return True  # evaluate(model, ...)
-            if isinstance(func, cst.Attribute) and func.attr.value == "full_tensor":
-                return True
-        return False
+        """`stmt` may run a forward of the model (`model(x)`, `self.model(x)`, a method of it, the model
+        handed to a call), `full_tensor()`, or a function or method of the script that does (`self.validate()`,
+        followed a few calls deep): what a rank-0 branch must not hold."""
+        return _collective_in(list(calls_in(stmt)), facts, 3, set())
 
     def _gate_progress_bars(self, facts: ScriptFacts, editor: StatementEditor) -> None:
         bars = [
@@ -363,7 +349,7 @@ _CONDITIONAL = (cst.Lambda, cst.ListComp, cst.SetComp, cst.DictComp, cst.Generat
                 cst.BooleanOperation)
 
 
-def _hoistable(stmt, models, r) -> Optional[List[int]]:
+def _hoistable(stmt, facts: ScriptFacts) -> Optional[List[int]]:
     """The indices (in calls_in order) of the calls of a log line that run the model, when each can
     be computed before the line without changing what runs or in what order: the line is one call
     (the print or log), its other calls are reads without effects, and no call to take out sits in
@@ -378,8 +364,8 @@ def _hoistable(stmt, models, r) -> Optional[List[int]]:
     for index, call in enumerate(every):
         if call is outer or id(call) in inside:
             continue
-        if _runs_model(call, models):
-            for a in r.ancestors(call):
+        if _collective_in([call], facts, 3, set()):
+            for a in facts.resolver.ancestors(call):
                 if a is outer:
                     break
                 if isinstance(a, _CONDITIONAL):
@@ -393,13 +379,14 @@ def _hoistable(stmt, models, r) -> Optional[List[int]]:
 
 
 def _runs_model(call, models) -> bool:
+    """The call itself runs the model (`model(x)`, `self.model(x)`, a method of it other than a local read,
+    the model handed to it) or gathers a DTensor (`full_tensor()`)."""
     func = call.func
-    if type(func) is cst.Name and func.value in models:
+    if _is_model(func, models):
         return True
-    if type(func) is cst.Attribute and type(func.value) is cst.Name and func.value.value in models \
-            and func.attr.value not in LOCAL_METHODS:
+    if type(func) is cst.Attribute and _is_model(func.value, models) and func.attr.value not in LOCAL_METHODS:
         return True
-    if any(type(a.value) is cst.Name and a.value.value in models for a in call.args):
+    if any(_is_model(a.value, models) for a in call.args):
         return True
     return type(func) is cst.Attribute and func.attr.value == "full_tensor"
 
@@ -528,3 +515,25 @@ def _saving_functions(facts: ScriptFacts) -> set:
         f.name.value for f in facts.module.body
         if isinstance(f, cst.FunctionDef) and any(r.is_call_to(c, TORCH_SAVE) for c in r.descendants(f, cst.Call))
     }
+
+
+def _is_model(expr, models) -> bool:
+    """`model` or `self.model`, where that is a model name of the function."""
+    return (expr.value if isinstance(expr, cst.Name) else instance_attribute(expr)) in models
+
+
+def _collective_in(calls: list, facts: ScriptFacts, depth: int, seen: set) -> bool:
+    """One of `calls` runs the model or a collective (_runs_model), itself or in a function or method of
+    the script it calls, `depth` calls deep (`seen`: id() of the functions looked at)."""
+    r = facts.resolver
+    for node in calls:
+        if _runs_model(node, facts.model_names.get(r.enclosing_function(node), set())):
+            return True
+        if depth <= 0 or facts.analysis is None:
+            continue
+        for fn, _ in facts.analysis.callees(node):
+            if id(fn) not in seen:
+                seen.add(id(fn))
+                if _collective_in(list(calls_in(fn.body)), facts, depth - 1, seen):
+                    return True
+    return False

@@ -330,6 +330,8 @@ def test_the_logged_loss_is_the_global_batch_loss(tmp_path: Path):
     ("loader_helper_shared_kwonly", r"held-out accuracy (\d+\.\d+)"),
     ("loader_helper_shared_handed", r"val accuracy (\d+\.\d+)"),
     ("loader_helper_shared_epoch_fn", r"held-out mse (\d+\.\d+)"),
+    ("loader_method_shared", r"val accuracy (\d+\.\d+)"),
+    ("project_trainer_loader_method", r"held-out accuracy (\d+\.\d+)"),
 ])
 def test_a_validation_loader_of_a_shared_helper_stays_whole(name: str, pattern: str, tmp_path: Path):
     """The helper that builds the training loader builds the validation loader too: only the training
@@ -340,7 +342,7 @@ def test_a_validation_loader_of_a_shared_helper_stays_whole(name: str, pattern: 
     run = _run_config(case)
     single = launch_single(case / "input.py", ["--out", str(tmp_path / "single" / "s.pt"), *run["single_args"]],
                            tmp_path / "single")
-    dist = launch_distributed(case / "expected.py", ["--out", str(tmp_path / "dist" / "d.pt"), *run["dist_args"]],
+    dist = launch_distributed(_expected(case, tmp_path), ["--out", str(tmp_path / "dist" / "d.pt"), *run["dist_args"]],
                               tmp_path / "dist", nproc=run["nproc"])
     expected = [float(v) for v in re.findall(pattern, single.stdout)]
     got = [float(v) for v in re.findall(pattern, dist.stdout)]

@@ -164,14 +164,33 @@ class LoaderAnalysis(SiteAnalysis):
         around = self._loop_chain(loop)[0]
         if around:
             return loop, reader, around[0].target.value if self._is_epoch_loop(around[0]) else None
-        calls = [c for c, _ in self.flow.bound_calls(fn)]
+        bound = self.flow.bound_calls(fn)
+        calls = [c for c, _ in bound]
         for param in fn.params.params:
             origins = self.flow.parameter_values(fn, param.name.value)
             epoch = next(iter(origins)) if len(origins) == 1 else None
             if calls and self._is_epoch_loop(epoch) and all(self._loop_chain(c)[0][:1] == [epoch] for c in calls):
                 return loop, reader, param.name.value
+        handed = self._handed_in_epoch(call, reader, fn, bound)
+        if handed is not None:
+            return handed
         # a pass that may repeat (its function is called in a loop) with no epoch number known
         return (loop, reader, None) if any(self._loop_chain(c)[0] for c in calls) else None
+
+    def _handed_in_epoch(self, call: cst.Call, reader, fn: cst.FunctionDef, bound: list) -> Optional[tuple]:
+        """(statement, argument, epoch) where the pass reads a parameter of `fn` and the one call of `fn`
+        sits in the body of a `for <epoch> in range(...)`, handing it the loader as a name or an attribute
+        that holds `call` and nothing else (`run_epoch(self.net, self.train_dl, self.opt)` in `fit()`'s
+        epoch loop): set_epoch goes before that call's statement, through the argument."""
+        if type(reader) is not cst.Name or len(bound) != 1:
+            return None
+        site, skip = bound[0]
+        arg = dict(bind_args(fn, site, skip)).get(reader.value)
+        around = self._loop_chain(site)[0]
+        if (arg is None or type(arg) not in (cst.Name, cst.Attribute) or not around
+                or not self._is_epoch_loop(around[0]) or self.flow.values(arg) != {call}):
+            return None
+        return self.r.statement_of(site), arg, around[0].target.value
 
     def _is_epoch_loop(self, node) -> bool:
         """`for <name> in range(...)`."""
@@ -205,19 +224,9 @@ class LoaderAnalysis(SiteAnalysis):
         found: Dict[int, cst.CSTNode] = {}
         self._fed_calls: Dict[int, cst.CSTNode] = {}  # every call whose value a loop reads -> the loop
         for loop in train_loops:
-            reads: List[cst.BaseExpression] = []
-            if isinstance(loop.node, cst.For):
-                reads.append(loop.node.iter)
-            reads += [c.args[0].value for c in self.r.descendants(loop.node, cst.Call)
-                      if type(c.func) is cst.Name and c.func.value == "next" and c.args]
-            for outer in self.r.ancestors(loop.node):
-                if isinstance(outer, cst.FunctionDef):
-                    break
-                if isinstance(outer, cst.For):
-                    reads.append(outer.iter)
             calls: Set[int] = set()
             every: Set[int] = set()
-            for expr in reads:
+            for expr in self._loop_reads(loop):
                 self._loader_origins(expr, calls, 3, every)
             for call in calls:
                 found.setdefault(call, loop.node)
@@ -226,29 +235,78 @@ class LoaderAnalysis(SiteAnalysis):
         self._fed = found
         return found
 
+    def _loop_reads(self, loop: LoopSite) -> List[cst.BaseExpression]:
+        """What a training loop reads its batches from: what it iterates, what `next()` draws from in it,
+        and what an outer `for` around it iterates (micro-batches split off each batch)."""
+        reads: List[cst.BaseExpression] = []
+        if isinstance(loop.node, cst.For):
+            reads.append(loop.node.iter)
+        reads += [c.args[0].value for c in self.r.descendants(loop.node, cst.Call)
+                  if type(c.func) is cst.Name and c.func.value == "next" and c.args]
+        for outer in self.r.ancestors(loop.node):
+            if isinstance(outer, cst.FunctionDef):
+                break
+            if isinstance(outer, cst.For):
+                reads.append(outer.iter)
+        return reads
+
+    def helper_calls_held(self, expr, calls: List[cst.Call]) -> frozenset:
+        """The values `expr` can hold, followed by value but not into the given calls of a loader helper:
+        each of those it can hold is itself among them (`self.val_loader` -> the `self.make_loader(...)` that
+        built it), beside whatever other origins it has."""
+        key = tuple(sorted(id(c) for c in calls))
+        flows = self.__dict__.setdefault("_stopping_flows", {})
+        if key not in flows:
+            flows[key] = self.flow.stopping_at(calls)
+        return flows[key].values(expr)
+
     def helper_call_trains(self, call: cst.Call) -> bool:
-        """The value of `call` (a function of the script that returns a DataLoader) feeds a training loop:
-        a loop reads it as the call's value (loop_fed_by), or the name the call binds is what a training
-        loop iterates, in that function or one it hands it to (name_trains)."""
+        """The value of `call` (a function or method of the script that returns a DataLoader) feeds a training
+        loop: a loop reads it as the call's value (loop_fed_by); the name the call binds is what a training
+        loop iterates, in that function or one it hands it to (name_trains); or what a training loop reads
+        holds this call of the helper, followed by value (helper_calls_held: `self.train_loader =
+        self.make_loader(...)` read by `for x, y in self.train_loader:` in another method, or handed on)."""
         if self.loop_fed_by(call) is not None:
             return True
         stmt = self.r.statement_of(call)
         small = stmt.body[0] if type(stmt) is cst.SimpleStatementLine and len(stmt.body) == 1 else None
-        if not (type(small) is cst.Assign and len(small.targets) == 1 and small.value is call
-                and type(small.targets[0].target) is cst.Name):
-            return False
-        return self.name_trains(small.targets[0].target.value, self.r.enclosing_function(stmt))
+        if (type(small) is cst.Assign and len(small.targets) == 1 and small.value is call
+                and type(small.targets[0].target) is cst.Name
+                and self.name_trains(small.targets[0].target.value, self.r.enclosing_function(stmt))):
+            return True
+        siblings = [c for fn, _ in self.callees(call) for c in self.helper_calls(fn)] or [call]
+        for loop in self.train_loops():
+            for expr in self._loop_reads(loop):
+                names = [expr] + [n for n in walk(expr) if type(n) in (cst.Name, cst.Attribute) and n is not expr]
+                if any(call in self.helper_calls_held(n, siblings) for n in names):
+                    return True
+        return False
 
     def shared_helper_calls(self, loader: "LoaderSite") -> Optional[List[cst.Call]]:
         """The calls of the function of the script that builds and returns the training DataLoader `loader`
         where only some of them feed a training loop (the same helper builds a validation loader too): the
         DataLoader is split for those calls only. None where every call trains, or it is no such helper's."""
         fn = self.r.enclosing_function(loader.stmt)
-        if fn is None or not loader.returned or self.r.enclosing_class(fn) is not None:
+        if fn is None or not loader.returned:
             return None
-        calls = [c for c in self.calls_of(fn) if self.r.enclosing_function(c) is not fn]
+        calls = [c for c in self.helper_calls(fn) if self.r.enclosing_function(c) is not fn]
         fed = [c for c in calls if self.helper_call_trains(c)]
         return calls if fed and len(fed) < len(calls) else None
+
+    def helper_calls(self, fn: cst.FunctionDef) -> List[cst.Call]:
+        """The calls of a function of the script by its name, or of a method of one of its top-level classes
+        (`self.make_loader(...)`, `solver.make_loader(...)`: flow.bound_calls); none where the method's name
+        is also called or read otherwise (`Solver.make_loader(self, ...)`, `getattr`, handed on as a value):
+        calls the analysis cannot see may be the ones that train."""
+        cls = self.r.enclosing_class(fn)
+        if cls is None:
+            return self.calls_of(fn)
+        if self.r.enclosing_function(fn) is not None:
+            return []
+        calls = [c for c, _ in self.flow.bound_calls(fn)]
+        name = fn.name.value
+        spelled = [n for n in self.r.nodes(cst.Name) if n.value == name]  # every use of the name, the def's own
+        return calls if len(spelled) == len(calls) + 1 else []
 
     def loader_helper_calls(self, loaders: List["LoaderSite"], entry: Optional[cst.CSTNode]) -> List[cst.Call]:
         """The calls of the functions of the script (not `entry`, not methods) that build one of `loaders`

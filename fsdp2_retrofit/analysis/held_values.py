@@ -237,7 +237,7 @@ def disagreeing_calls(resolver, calls_of, names, lost: Lost) -> None:
     for callee, inside in list(names.items()):
         if callee is None:
             continue
-        params = [p.name.value for p in callee.params.params + callee.params.kwonly_params]
+        params = [p.name.value for p in (*callee.params.params, *callee.params.kwonly_params)]
         for param in params:
             if param not in inside:
                 continue

@@ -167,8 +167,24 @@ def split_state(loop: cst.For, facts) -> Optional[str]:
     if not held or len(held) != len(values) or not any(id(v) in split for v in held):
         return None
     if any(id(v) in shared_loader_calls(facts) for v in held):
-        return "mixed"  # a helper's DataLoader split for its training calls only (`distributed=True`)
+        # a helper's DataLoader split for its training calls only (`distributed=True`): which calls can
+        # the loop's iterable hold?
+        return _helper_calls_state(iterated(loop.iter), facts)
     return "split" if all(id(v) in split for v in held) else "mixed"
+
+
+def _helper_calls_state(expr, facts) -> str:
+    """"split" / None / "mixed" for an iterable whose DataLoader a shared helper builds (shared_loader_calls):
+    by the calls of the helper it can hold (`self.val_loader` holds `self.make_loader(60, ...)` only, which
+    passes no `distributed=True`: read whole on every rank); "mixed" where it can hold anything else."""
+    analysis = facts.analysis
+    calls = [c for l in facts.loaders if id(l.call) in shared_loader_calls(facts)
+             for c in analysis.shared_helper_calls(l) or ()]
+    held = analysis.helper_calls_held(expr, calls)
+    if not held or not all(v in calls for v in held):
+        return "mixed"
+    trains = [analysis.helper_call_trains(v) for v in held]
+    return "split" if all(trains) else None if not any(trains) else "mixed"
 
 
 def shared_loader_calls(facts) -> set:

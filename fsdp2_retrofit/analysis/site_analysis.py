@@ -133,6 +133,13 @@ class SiteAnalysis:
                 self._calls_by_function.setdefault(id(callee), []).append(call)
         return self._calls_by_function.get(id(fn), []) if fn is not None else []
 
+    def callees(self, call: cst.Call) -> List[tuple]:
+        """(function, parameters the call does not pass) for what a call of the script's own code runs: a
+        function by its name (0), or the methods of the script's classes `self.method(...)` /
+        `obj.method(...)` can run (1: `self`)."""
+        fn = self._callee(call)
+        return [(fn, 0)] if fn is not None else [(m, 1) for m in self.flow.methods_called(call)]
+
     def _holders(self) -> List[Holder]:
         """The `self.<attr> = <param>` attributes of the script's classes (held_values.holders), found once."""
         if getattr(self, "_holder_list", None) is None:

@@ -134,11 +134,31 @@ class SiblingLoaderEdits:
         r = facts.resolver
         calls = facts.analysis.shared_helper_calls(loader)
         fn = r.enclosing_function(loader.stmt)
+        if calls is None and fn is not None and loader.returned and fn is not facts.entry_scope:
+            self._unseen_helper_use(loader, fn, facts)
         if calls is None or fn is facts.entry_scope:
             return None
         shown = os.path.basename(self.context.filename or "the script")
         return [SiblingLoader(c, fn.name.value, shown, r.line(loader.call), loader.call, r,
                               self.context.filename or "", fn) for c in calls]
+
+    def _unseen_helper_use(self, loader: LoaderSite, fn: cst.FunctionDef, facts: ScriptFacts) -> None:
+        """The function or method that builds and returns the training DataLoader is also used where the
+        analysis cannot follow (`getattr(self, name)`, handed on as a value): which of its loaders train
+        cannot be told, so its DataLoader is split for every use; said at that use, since a validation
+        loader it builds there is then read in parts."""
+        use = facts.analysis.unseen_use(fn)
+        if use is None:
+            return
+        self.attention(
+            use,
+            f"`{fn.name.value}` is used here in a way the rewrite does not follow: the DataLoader it builds (line "
+            f"{facts.resolver.line(loader.call)}) reads through a DistributedSampler for every call, so a loader "
+            "it builds for evaluation is read in parts (each rank scores its own share)",
+            f"call {fn.name.value}() by its name (`self.{fn.name.value}(...)`) so the rewrite can split the training "
+            "loader only, or give it a parameter that says whether its loader trains",
+            differs=True,
+        )
 
     def _flag_for(self, found) -> tuple:
         """(the name of the new parameter, "") for a function whose DataLoader trains for some calls
@@ -249,8 +269,6 @@ class SiblingLoaderEdits:
         if isinstance(small, cst.Assign) and len(small.targets) == 1 and small.value is found.call:
             target = small.targets[0].target
             name = target.value if isinstance(target, cst.Name) else None
-            if self._set_epoch_held(found, target, facts, editor):
-                return
         block = facts.resolver.enclosing_function(stmt) or facts.module
         epoch_loop = _epoch_loop_over(name, block, facts) if name is not None else None
         handed = facts.analysis.handed_to(found.call)
@@ -262,6 +280,8 @@ class SiblingLoaderEdits:
             if epoch_loop is not None:
                 name = param
                 break
+        if epoch_loop is None and self._set_epoch_held(found, facts, editor):
+            return
         if epoch_loop is None and name is not None:
             return  # no loop repeats passes over it: one pass, one order
         if epoch_loop is None:
@@ -286,16 +306,16 @@ class SiblingLoaderEdits:
             "without set_epoch every epoch repeats the same order",
         )
 
-    def _set_epoch_held(self, found, target, facts: ScriptFacts, editor: StatementEditor) -> bool:
-        """A training call whose loader a method keeps as `self.<attr>` (`self.train_loader =
-        self.make_loader(...)`) that another method passes over (`for x, y in self.train_loader:`): the
-        epoch is set before that pass, as for a DataLoader built there (data stage's _set_epoch_passed).
-        False where the target is no such attribute, or the loader's pass reads something else."""
-        if not isinstance(target, cst.Attribute) or not code(target).startswith("self."):
-            return False
+    def _set_epoch_held(self, found, facts: ScriptFacts, editor: StatementEditor) -> bool:
+        """The repeated pass over the training loader that the analysis found (LoaderSite.epoch_passed: a
+        trainer's `for x, y in self.train_loader:` in another method, or the call handing it to the function
+        that passes over it) reads the value of this call of the helper and of no other
+        (DataAnalysis.helper_calls_held): the epoch is set before that pass, as for a DataLoader built there
+        (the data stage's _set_epoch_passed). False where there is no such pass."""
         loader = next((l for l in facts.loaders if l.call is found.built), None)
         passed = loader.epoch_passed if loader is not None else None
-        if passed is None or code(passed[1]) != code(target):
+        siblings = [c for fn, _ in facts.analysis.callees(found.call) for c in facts.analysis.helper_calls(fn)]
+        if passed is None or facts.analysis.helper_calls_held(passed[1], siblings or [found.call]) != {found.call}:
             return False
         if passed[2] is None:
             self._no_epoch_passed(loader)

@@ -304,9 +304,16 @@ class LoaderAnalysis(SiteAnalysis):
         if self.r.enclosing_function(fn) is not None:
             return []
         calls = [c for c, _ in self.flow.bound_calls(fn)]
-        name = fn.name.value
-        spelled = [n for n in self.r.nodes(cst.Name) if n.value == name]  # every use of the name, the def's own
-        return calls if len(spelled) == len(calls) + 1 else []
+        return [] if self.unseen_use(fn, calls) is not None else calls
+
+    def unseen_use(self, fn: cst.FunctionDef, calls: Optional[List[cst.Call]] = None) -> Optional[cst.Name]:
+        """The first use of the name of the script's function or method `fn` that is none of its known calls
+        (`calls`: by default helper_calls') nor its def: `getattr`, handed on as a value, a method of that
+        name of another class. None where every use is known."""
+        if calls is None:
+            calls = self.calls_of(fn) if self.r.enclosing_class(fn) is None else [c for c, _ in self.flow.bound_calls(fn)]
+        known = {id(fn.name)} | {id(c.func.attr if type(c.func) is cst.Attribute else c.func) for c in calls}
+        return next((n for n in self.r.nodes(cst.Name) if n.value == fn.name.value and id(n) not in known), None)
 
     def loader_helper_calls(self, loaders: List["LoaderSite"], entry: Optional[cst.CSTNode]) -> List[cst.Call]:
         """The calls of the functions of the script (not `entry`, not methods) that build one of `loaders`

@@ -172,8 +172,8 @@ class ValueFlow:
             stores = [v for cls in self._classes_held(expr.value, depth) for v in self._stores(cls, expr.attr.value)]
             if not stores:
                 yield expr
-            for value in stores:
-                yield from self._values(value, depth)
+            for value, path in stores:
+                yield from self._element(value, path, depth)
         else:
             yield expr
 
@@ -244,7 +244,7 @@ class ValueFlow:
         """(call, parameters it does not pass) for the known calls of `fn`: by name for a function;
         for a method of a top-level class of the script, `Cls(...)` for `__init__` and
         `obj.method(...)` / `self.method(...)` where `obj` holds an instance of the class (the
-        method's `self` is not passed)."""
+        method's `self` is not passed), and `Cls.method(obj, ...)` (it is)."""
         known = self._bound.get(id(fn))
         if known is not None:
             return known
@@ -254,9 +254,11 @@ class ValueFlow:
             found = [(c, 0) for c in self._calls_of(fn)]
         elif fn.name.value == "__init__":
             found = [(c, 1) for c in self._calls_spelled(cls.name.value) if type(c.func) is cst.Name]
-        else:
-            found = [(c, 1) for c in self._calls_spelled(fn.name.value)
-                     if type(c.func) is cst.Attribute and cls in self._classes_held(c.func.value, 0)]
+        else:  # `self.method(...)`, `obj.method(...)`; `Cls.method(obj, ...)` passes `self` itself
+            found = [(c, 0 if type(c.func.value) is cst.Name and c.func.value.value == cls.name.value else 1)
+                     for c in self._calls_spelled(fn.name.value) if type(c.func) is cst.Attribute
+                     and (cls in self._classes_held(c.func.value, 0)
+                          or type(c.func.value) is cst.Name and c.func.value.value == cls.name.value)]
         self._bound[id(fn)] = found
         return found
 
@@ -298,7 +300,8 @@ class ValueFlow:
         return [m for m in cls.body.body if type(m) is cst.FunctionDef and m.name.value == name]
 
     def _stores(self, cls: cst.ClassDef, attr: str) -> list:
-        """The values of `self.<attr> = value` in the methods of `cls`."""
+        """(value, position path) of each `self.<attr> = value` in the methods of `cls`, also as an element
+        of a tuple target (`self.train_loader, self.val_loader = build(...)`: path (0,) of the value)."""
         if self._attr_stores is None:
             stores: Dict[Tuple[int, str], list] = {}
             for node in self.r.nodes(cst.Assign):
@@ -306,11 +309,10 @@ class ValueFlow:
                 if owner is None:
                     continue
                 for t in node.targets:
-                    target = t.target
-                    if type(target) is cst.Attribute and type(target.value) is cst.Name and target.value.value == "self":
-                        if keeps_attribute(node.value, "self", target.attr.value):
+                    for target, path in _attributes_at(t.target, ()):
+                        if keeps_attribute(node.value, "self", target.attr.value) and not path:
                             continue  # `self.model = self.model.to(device)`: what the other stores hold
-                        stores.setdefault((id(owner), target.attr.value), []).append(node.value)
+                        stores.setdefault((id(owner), target.attr.value), []).append((node.value, path))
             self._attr_stores = stores
         return self._attr_stores.get((id(cls), attr), [])
 
@@ -335,6 +337,18 @@ def _names_at(target, path: tuple) -> Iterator[Tuple[str, tuple]]:
             if type(el) is not cst.Element:
                 return
             yield from _names_at(el.value, path + (i,))
+
+
+def _attributes_at(target, path: tuple) -> Iterator[Tuple[cst.Attribute, tuple]]:
+    """(`self.<attr>` target, position path) for each attribute of `self` a target binds, as _names_at."""
+    kind = type(target)
+    if kind is cst.Attribute and type(target.value) is cst.Name and target.value.value == "self":
+        yield target, path
+    elif kind in (cst.Tuple, cst.List):
+        for i, el in enumerate(target.elements):
+            if type(el) is not cst.Element:
+                return
+            yield from _attributes_at(el.value, path + (i,))
 
 
 def innermost_call(expr) -> Optional[cst.Call]:

@@ -122,8 +122,19 @@ class ShardAnchors:
             if (call is None or self.r.is_call_to(call, TORCH_COMPILE) or self.r.calls_prefix(small.value, PEFT_WRAPPERS)
                     or not any(isinstance(a.value, cst.Name) and a.value.value == name for a in call.args)):
                 return None
+            if self._hands_back(call, name):
+                continue
             return later
         return None
+
+    def _hands_back(self, call: cst.Call, name: str) -> bool:
+        """`model = train_model(model, ...)` where the script's function returns the module it was handed (its
+        parameter, followed by value): the name holds the same module again, not a wrapper."""
+        arg = next(a.value for a in call.args if isinstance(a.value, cst.Name) and a.value.value == name)
+        flow = self.site.flow
+        # the name's bindings are not told apart by position: this very call is among what it holds
+        held, returned = flow.values(arg) - {call}, flow.values(call) - {call}
+        return bool(held) and arg not in held and returned == held
 
 
 def _is_placement(stmt, name: str) -> bool:

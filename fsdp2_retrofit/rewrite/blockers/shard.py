@@ -534,10 +534,22 @@ class ShardModelReboundToWrapper(Blocker):
     NAME = "shard-model-rebound-to-wrapper"
     INVALID = (
         Invalid(_WRAPPER + "model = nn.Linear(4, 4)\nmodel = Wrapper(model)\n" + _OPT, line=_after(_WRAPPER, 2)),
+        # a function of the script that returns a wrapper around the module it is handed
+        Invalid(_WRAPPER + "def wrap(m):\n    return Wrapper(m)\n\n\nmodel = nn.Linear(4, 4)\nmodel = wrap(model)\n"
+                + _OPT, line=_after(_WRAPPER, 6)),
     )
     VALID = (
         # the wrapper built around the model in one expression: that is what gets sharded
         Valid(_WRAPPER + "model = Wrapper(nn.Linear(4, 4))\n" + _OPT + _LOOP),
+        # a training function that hands back the module it trained (`model = train_model(model, ...)`): the
+        # same module, no wrapper
+        Valid(_TORCH + "def train_model(net, opt):\n" + "".join("    " + l for l in _LOOP.replace("model", "net")
+                                                                 .splitlines(True))
+              + "    return net\n\n\nmodel = nn.Linear(4, 4)\n" + _OPT + "model = train_model(model, opt)\n"),
+        # the same through a method of a class of the script (`net = Fitter(3).fit(net, opt)`)
+        Valid(_TORCH + "class Fitter:\n    def fit(self, net, opt):\n"
+              + "".join("        " + l for l in _LOOP.replace("model", "net").splitlines(True))
+              + "        return net\n\n\nmodel = nn.Linear(4, 4)\n" + _OPT + "model = Fitter().fit(model, opt)\n"),
         # the same module with its BatchNorm layers replaced, no wrapper: fully_shard goes after it
         Valid(_TORCH + "model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))\n"
               + "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)\n" + _OPT + _LOOP),

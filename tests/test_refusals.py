@@ -127,3 +127,17 @@ def test_rules_lists_lint_rules_and_refusals_and_explains_one():
     assert doc.output == rule.doc()
     assert doc.output.startswith("# FSR612 shard-no-optimizer") and "## What to do" in doc.output
     assert CliRunner().invoke(cli.main, ["rules", "FSR000"]).exit_code == 2
+
+
+def test_rules_shows_a_case_with_its_project_modules_and_its_options_as_flags():
+    """A code whose first case needs modules beside the script or an option still gets an example: each
+    file in its own block under its name, the options as the flags a user types."""
+    doc = CliRunner().invoke(cli.main, ["rules", "FSR970"]).output
+    example = doc.split("## Example", 1)[1]
+    assert example.startswith(" (refused at engine.py:3)") and "train.py:\n```python" in example
+    assert "engine.py:\n```python\ndef train(model, loader, opt):" in example
+    shown = [refusal_by_code(c) for c in ("FSR302", "FSR303", "FSR404", "FSR905")]
+    assert any("rewritten with --" in r.doc() for r in shown), [r.code for r in shown]
+    # every code has an example `rules` can show, or its cases all guard a stage run alone / are too long
+    for rule in all_refusals():
+        assert rule.example is not None or all(c.stage or len(c.source.splitlines()) > 30 for c in rule.examples)

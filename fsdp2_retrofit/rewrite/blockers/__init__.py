@@ -68,8 +68,18 @@ class RefusalRule:
     why: str
     fix: str
     stage_name: str = ""  # where it is not the code's stage (library_saves among the 7xx)
-    example: Optional[Invalid] = field(default=None, compare=False)  # the first INVALID case, shown by `rules`
-    converts: Optional[Valid] = field(default=None, compare=False)  # the first VALID case
+    examples: Tuple[Invalid, ...] = field(default=(), compare=False)  # the INVALID cases; `rules` shows one
+    converting: Tuple[Valid, ...] = field(default=(), compare=False)  # the VALID cases
+
+    @property
+    def example(self) -> Optional[Invalid]:
+        """The first INVALID case `rules` can show (_shown)."""
+        return next((c for c in self.examples if _shown(c)), None)
+
+    @property
+    def converts(self) -> Optional[Valid]:
+        """The first VALID case `rules` can show."""
+        return next((c for c in self.converting if _shown(c)), None)
 
     @property
     def stage(self) -> str:
@@ -85,18 +95,45 @@ class RefusalRule:
             "## Why", self.why, "",
             "## What to do", self.fix,
         ]
-        if _shown(self.example):
-            parts += ["", f"## Example (refused at line {self.example.line})", "```python",
-                      self.example.source.rstrip("\n"), "```"]
-        if _shown(self.converts):
-            parts += ["", "## Converts", "```python", self.converts.source.rstrip("\n"), "```"]
+        example, converts = self.example, self.converts
+        if example is not None:
+            where = (f"{example.path or 'train.py'}:{example.line}" if example.path or example.files
+                     else f"line {example.line}")
+            parts += ["", f"## Example (refused at {where})", *_case_text(example)]
+        if converts is not None:
+            parts += ["", "## Converts", *_case_text(converts)]
         return "\n".join(parts) + "\n"
 
 
 def _shown(case) -> bool:
-    """A case `rules` prints: one file (no modules beside it, no options) of at most 40 lines."""
-    return (case is not None and not case.files and not case.options and not getattr(case, "stage", "")
-            and case.source.count("\n") <= 40)
+    """A case `rules` prints: a script (with the project modules beside it) of at most 40 lines in all, not
+    one that guards a stage run on its own."""
+    return (not getattr(case, "stage", "")
+            and case.source.count("\n") + sum(t.count("\n") for t in case.files.values()) <= 40)
+
+
+def _case_text(case) -> List[str]:
+    """The lines `rules` prints for a case: the options it is rewritten with as command-line flags, then
+    the script (`train.py`, where the case has modules beside it) and each module, as code blocks."""
+    lines = []
+    if case.options:
+        lines += [f"rewritten with {' '.join(_flag(k, v) for k, v in case.options.items())}", ""]
+    files = {"train.py": case.source, **case.files} if case.files else {"": case.source}
+    for name, text in files.items():
+        if not text.strip():
+            lines.append(f"{name}: (empty)")
+            continue
+        lines += ([f"{name}:"] if name else []) + ["```python", text.rstrip("\n"), "```"]
+    return lines
+
+
+def _flag(option: str, value) -> str:
+    """`--keep-global-batch`, `--hsdp 2`: the command-line form of a RetrofitOptions field."""
+    flag = "--" + option.replace("_", "-")
+    if value is True:
+        return flag
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return " ".join(f"{flag} {v}" for v in values)
 
 
 class Blocker:
@@ -111,8 +148,7 @@ class Blocker:
     @classmethod
     def rule(cls) -> RefusalRule:
         summary, why, fix = _sections(cls)
-        return RefusalRule(cls.CODE, cls.NAME, summary, why, fix, cls.STAGE,
-                           cls.INVALID[0] if cls.INVALID else None, cls.VALID[0] if cls.VALID else None)
+        return RefusalRule(cls.CODE, cls.NAME, summary, why, fix, cls.STAGE, tuple(cls.INVALID), tuple(cls.VALID))
 
 
 def _sections(cls: Type[Blocker]) -> Tuple[str, str, str]:

@@ -47,6 +47,10 @@ class OptimizerBeforeShard(Rule):
         Valid(_HEAD + "fully_shard(model)\noptimizer = torch.optim.AdamW(model.parameters())\n"),
         Valid("import torch\nmodel = Net()\noptimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"),
         Valid(_FACTORY + _HEAD + "fully_shard(model)\noptimizer = make_optimizer(model, 0.1)\n"),
+        # a training function that hands back the sharded module it trained: the same module again
+        Valid("def train_model(model, opt):\n    opt.step()\n    return model\n\n\n" + _HEAD
+              + "fully_shard(model)\noptimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+              + "model = train_model(model, optimizer)\n"),
     )
     INVALID = (
         Invalid(_HEAD + "optimizer = torch.optim.AdamW(model.parameters())\nfully_shard(model)\n", line=4),
@@ -71,6 +75,10 @@ class OptimizerBeforeShard(Rule):
                 s for s in shards.sites
                 if s.scope is opt.scope and s.root in opt.models and s.order > opt.order and not s.legacy
             ]
-            if later:
+            # a module sharded whole before the optimizer is what the optimizer holds: a later site of the same
+            # root is that module again (`model = train_model(model, ...)` handing it back), not a new shard
+            before = [s for s in shards.sites if s.scope is opt.scope and s.root in opt.models and s.whole
+                      and s.order < opt.order and not s.legacy]
+            if later and not before:
                 first = min(later, key=lambda s: s.order)
                 yield opt.call, {"name": opt.name, "root": first.root, "line": str(ctx.resolver.line(first.call))}, None

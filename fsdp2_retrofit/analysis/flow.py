@@ -168,6 +168,8 @@ class ValueFlow:
         elif kind is cst.BooleanOperation and type(expr.operator) is cst.Or:
             yield from self._values(expr.left, depth)
             yield from self._values(expr.right, depth)
+        elif kind is cst.Subscript:
+            yield from self._subscript_values(expr, depth)
         elif kind is cst.Attribute:
             stores = [v for cls in self._classes_held(expr.value, depth) for v in self._stores(cls, expr.attr.value)]
             if not stores:
@@ -176,6 +178,20 @@ class ValueFlow:
                 yield from self._element(value, path, depth)
         else:
             yield expr
+
+    def _subscript_values(self, expr: cst.Subscript, depth: int) -> Iterator:
+        """`loaders[phase]`, `loaders["train"]`, `pair[0]` of a container the script builds in place: a dict
+        or list comprehension's element (`{x: DataLoader(...) for x in splits}`), or the entries of a dict,
+        list or tuple display (the one a constant key or index names, else every one). Anything else (a
+        container read from elsewhere, a slice, a container changed after it is built) is the expression."""
+        key = _constant_key(expr)
+        for origin in self._values(expr.value, depth):
+            entries = None if _changed_after(self.r, origin) else _entries(origin, key)
+            if entries is None:
+                yield expr
+                return
+            for entry in entries:
+                yield from self._values(entry, depth)
 
     def _binding_values(self, binding, depth: int) -> Iterator:
         kind, node, value, path = binding
@@ -337,6 +353,72 @@ def _names_at(target, path: tuple) -> Iterator[Tuple[str, tuple]]:
             if type(el) is not cst.Element:
                 return
             yield from _names_at(el.value, path + (i,))
+
+
+def _constant_key(expr: cst.Subscript):
+    """The constant a one-element subscript reads (`d["train"]` -> "train", `t[0]` -> 0), `...` for any other
+    single index (`d[phase]`), None for a slice or several indices."""
+    if len(expr.slice) != 1 or type(expr.slice[0].slice) is not cst.Index:
+        return None
+    index = expr.slice[0].slice.value
+    if type(index) is cst.SimpleString:
+        return index.evaluated_value
+    if type(index) is cst.Integer:
+        return int(index.value)
+    return ...
+
+
+def _entries(container, key) -> Optional[list]:
+    """The element expressions `container[key]` can be (see ValueFlow._subscript_values), or None where the
+    container is none the flow looks into."""
+    kind = type(container)
+    if key is None:
+        return None
+    if kind is cst.DictComp:
+        return [container.value]
+    if kind is cst.ListComp and (key is ... or type(key) is int):
+        return [container.elt]
+    if kind is cst.Dict:
+        if not all(type(e) is cst.DictElement for e in container.elements):
+            return None
+        keyed = [e.value for e in container.elements
+                 if type(e.key) is cst.SimpleString and e.key.evaluated_value == key]
+        return keyed if key is not ... and keyed else [e.value for e in container.elements]
+    if kind in (cst.List, cst.Tuple) and all(type(e) is cst.Element for e in container.elements):
+        if type(key) is int and -len(container.elements) <= key < len(container.elements):
+            return [container.elements[key].value]
+        return [e.value for e in container.elements] if key is ... else None
+    return None
+
+
+def _changed_after(r: Resolver, container) -> bool:
+    """A container display the script changes in place after building it (`d["x"] = ...`, `d.update(...)`,
+    `lst.append(...)` on the name it is bound to): what it holds is not only what the display wrote."""
+    if type(container) not in (cst.Dict, cst.DictComp, cst.List, cst.ListComp, cst.Tuple):
+        return False
+    stmt = r.statement_of(container)
+    small = stmt.body[0] if type(stmt) is cst.SimpleStatementLine and len(stmt.body) == 1 else None
+    if type(small) is not cst.Assign or small.value is not container:
+        return True  # not simply bound to a name: not followed
+    names = {t.target.value for t in small.targets if type(t.target) is cst.Name}
+    if not names:
+        return True
+    # by name anywhere in the module (another function's `loaders["val"] = ...` too): a name bound twice
+    # only costs precision
+    for node in r.nodes(cst.Subscript):
+        parent = r.parent(node)
+        if (type(node.value) is cst.Name and node.value.value in names
+                and type(parent) in (cst.AssignTarget, cst.AugAssign) and getattr(parent, "target", None) is node):
+            return True
+    for call in r.nodes(cst.Call):
+        func = call.func
+        if (type(func) is cst.Attribute and type(func.value) is cst.Name and func.value.value in names
+                and func.attr.value in _MUTATORS):
+            return True
+    return False
+
+
+_MUTATORS = frozenset({"update", "setdefault", "append", "extend", "insert", "__setitem__"})
 
 
 def _attributes_at(target, path: tuple) -> Iterator[Tuple[cst.Attribute, tuple]]:

@@ -86,6 +86,23 @@ def cifar10(path, spec):
                                      "ship", "truck"]}, f)
 
 
+@kind("cifar100")
+def cifar100(path, spec):
+    """torchvision CIFAR100 python pickles: ``cifar-100-python/{train,test,meta}`` (fine and coarse labels)."""
+    rng = _rng(spec)
+    base = os.path.join(path, "cifar-100-python")
+    os.makedirs(base, exist_ok=True)
+    for name, count in (("train", int(spec.get("n", 256))), ("test", int(spec.get("n_test", 64)))):
+        batch = {"data": rng.integers(0, 256, size=(count, 3072), dtype=np.uint8),
+                 "fine_labels": rng.integers(0, 100, size=(count,)).tolist(),
+                 "coarse_labels": rng.integers(0, 20, size=(count,)).tolist(), "batch_label": name}
+        with open(os.path.join(base, name), "wb") as f:
+            pickle.dump(batch, f)
+    with open(os.path.join(base, "meta"), "wb") as f:
+        pickle.dump({"fine_label_names": [f"class{i}" for i in range(100)],
+                     "coarse_label_names": [f"super{i}" for i in range(20)]}, f)
+
+
 @kind("images")
 def images(path, spec):
     """Random images: ``path/<subdir>/<i>.<ext>``, or with ``classes`` an ImageFolder layout."""

@@ -128,7 +128,9 @@ def git(gdir: Path, *args: str) -> bytes:
 
 def extract(gdir: Path, commit: str, path: str, into: Path) -> None:
     if path.endswith("/"):
-        names = git(gdir, "ls-tree", "-r", "--name-only", commit, "--", path).decode().splitlines()
+        # blobs only: a submodule (a gitlink, type `commit`) has no content in this repository
+        names = [line.split("\t", 1)[1] for line in git(gdir, "ls-tree", "-r", commit, "--", path).decode().splitlines()
+                 if line.split()[1] == "blob"]
         if not names:
             raise RecipeError(f"{path}: no files at {commit[:12]}")
         for name in names:

@@ -155,7 +155,8 @@ class ValueFlow:
     def _compute(self, expr, depth: int) -> Iterator:
         kind = type(expr)
         if kind is cst.Name:
-            bindings = self._lookup(expr)
+            # `x = x.to(device)`: the `x` read on the right holds what x held before this binding, not its result
+            bindings = [b for b in self._lookup(expr) if b[0] != "assign" or not self._inside(expr, b[2])]
             if not bindings:
                 yield expr
             for binding in bindings:
@@ -178,6 +179,10 @@ class ValueFlow:
                 yield from self._element(value, path, depth)
         else:
             yield expr
+
+    def _inside(self, node, outer) -> bool:
+        first, last = self.r.span(outer)
+        return first <= self.r.order(node) <= last
 
     def _subscript_values(self, expr: cst.Subscript, depth: int) -> Iterator:
         """`loaders[phase]`, `loaders["train"]`, `pair[0]` of a container the script builds in place: a dict

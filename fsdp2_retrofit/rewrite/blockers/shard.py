@@ -354,6 +354,13 @@ class ShardNoOptimizer(Blocker):
     INVALID = (Invalid(
         _TORCH + "model = nn.Linear(4, 4)\nmodel(torch.randn(2, 4)).sum().backward()\n", line=_after(_TORCH, 1),
     ),)
+    VALID = (
+        # the optimizer is built where the model is handed, after a rebinding that moves it (`net = net.cuda()
+        # if ... else net` reads what `net` held before: the module built on the line above)
+        Valid(_TORCH + "def fit(net):\n    opt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
+              + "".join("    " + l for l in _LOOP.replace("model", "net").splitlines(True))
+              + "\n\nnet = nn.Linear(4, 4)\nnet = net.cuda() if torch.cuda.is_available() else net\nfit(net)\n"),
+    )
 
 
 class ShardModelsInDifferentBlocks(Blocker):

@@ -37,7 +37,7 @@ import libcst as cst
 from fsdp2_retrofit.analysis.program import ModuleFile, Program
 from fsdp2_retrofit.report import RewriteResult
 from fsdp2_retrofit.syntax.names import (
-    _module_bindings, attr_path, dotted, import_bindings, is_main_guard, names_read,
+    _module_bindings, attr_path, dotted, import_bindings, is_main_guard, names_read, walk,
 )
 
 from .imports import add_imports
@@ -652,66 +652,42 @@ def _mapped(linked: Linked, record):
     return replace(record, line=line, path=linked.shown.get(path, path), **texts)
 
 
-class _Stores(cst.CSTVisitor):
+def _target_names(node, names: Set[str]) -> None:
+    if isinstance(node, cst.Name):
+        names.add(node.value)
+    elif isinstance(node, (cst.Tuple, cst.List)):
+        for el in node.elements:
+            _target_names(el.value, names)
+    elif isinstance(node, cst.StarredElement):
+        _target_names(node.value, names)
+
+
+# node type -> the attribute holding the target it binds
+_TARGET_OF = {cst.AssignTarget: "target", cst.AnnAssign: "target", cst.AugAssign: "target", cst.For: "target",
+              cst.CompFor: "target", cst.NamedExpr: "target", cst.AsName: "name"}
+
+
+def _stored_names(module: cst.Module) -> Set[str]:
     """Every name a module's code binds, in any scope (targets, loop and comprehension variables,
-    parameters, defs, classes, `as` names, imports): read syntactically, no scope analysis."""
-
-    def __init__(self):
-        self.names: Set[str] = set()
-
-    def _target(self, node) -> None:
-        if isinstance(node, cst.Name):
-            self.names.add(node.value)
-        elif isinstance(node, (cst.Tuple, cst.List)):
-            for el in node.elements:
-                self._target(el.value)
-        elif isinstance(node, cst.StarredElement):
-            self._target(node.value)
-
-    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
-        self._target(node.target)
-
-    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-        self._target(node.target)
-
-    def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        self._target(node.target)
-
-    def visit_For(self, node: cst.For) -> None:
-        self._target(node.target)
-
-    def visit_CompFor(self, node: cst.CompFor) -> None:
-        self._target(node.target)
-
-    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
-        self._target(node.target)
-
-    def visit_AsName(self, node: cst.AsName) -> None:
-        self._target(node.name)
-
-    def visit_Param(self, node: cst.Param) -> None:
-        self.names.add(node.name.value)
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        self.names.add(node.name.value)
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        self.names.add(node.name.value)
-
-    def visit_Import(self, node: cst.Import) -> None:
-        self.names.update(local for local, _ in import_bindings(node))
-
-    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
-        if not isinstance(node.names, cst.ImportStar):
-            self.names.update(local for local, _ in import_bindings(node))
+    parameters, defs, classes, `as` names, imports): read syntactically, no scope analysis; from
+    the nodes themselves (walk), not a libcst visitor, which rebuilds every node it passes."""
+    names: Set[str] = set()
+    for node in walk(module):
+        kind = type(node)
+        attribute = _TARGET_OF.get(kind)
+        if attribute is not None:
+            _target_names(getattr(node, attribute), names)
+        elif kind is cst.Param or kind is cst.FunctionDef or kind is cst.ClassDef:
+            names.add(node.name.value)
+        elif kind is cst.Import or (kind is cst.ImportFrom and not isinstance(node.names, cst.ImportStar)):
+            names.update(local for local, _ in import_bindings(node))
+    return names
 
 
 def _reads_unbound(module: cst.Module) -> Set[str]:
     """The names `module` reads that none of its code binds (module-level imports and builtins among
     them): what it takes from its imports, its star imports or the builtins."""
-    stores = _Stores()
-    module.visit(stores)
-    return set(names_read(module)) - stores.names
+    return set(names_read(module)) - _stored_names(module)
 
 
 def _bound(module: cst.Module) -> Set[str]:

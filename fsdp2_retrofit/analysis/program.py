@@ -22,7 +22,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from fsdp2_retrofit.syntax.names import dotted
+from fsdp2_retrofit.syntax.names import dotted, walk
 
 from . import project_imports
 
@@ -54,11 +54,21 @@ class ModuleFile:
 
 @dataclass(frozen=True)
 class Step:
-    """A `<x>.backward()` call of the program: a training step."""
+    """A `<x>.backward()` call of the program: a training step. Its line and code are worked out
+    when asked (a refusal names the first step): a program that links never asks, and resolving
+    the positions of a whole module costs as much as parsing it."""
 
     path: str
-    line: int
-    code: str
+    module: cst.Module = field(repr=False, compare=False)
+    call: cst.Call = field(repr=False, compare=False)
+
+    @property
+    def line(self) -> int:
+        return MetadataWrapper(self.module, unsafe_skip_copy=True).resolve(PositionProvider)[self.call].start.line
+
+    @property
+    def code(self) -> str:
+        return self.module.code_for_node(self.call)
 
 
 @dataclass
@@ -266,18 +276,10 @@ def _nested_imports(module: cst.Module, stmt, positions: list) -> Iterator[Tuple
 
 
 def _steps(path: str, module: cst.Module) -> List[Step]:
-    found: List[cst.Call] = []
-
-    class _Find(cst.CSTVisitor):
-        def visit_Call(self, node: cst.Call) -> None:
-            if isinstance(node.func, cst.Attribute) and node.func.attr.value == "backward":
-                found.append(node)
-
-    module.visit(_Find())
-    if not found:
-        return []
-    positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
-    return [Step(path, positions[call].start.line, module.code_for_node(call)) for call in found]
+    """The module's `<x>.backward(...)` calls, in source order (walk: no libcst visit, which rebuilds
+    every node it passes)."""
+    return [Step(path, module, node) for node in walk(module)
+            if type(node) is cst.Call and type(node.func) is cst.Attribute and node.func.attr.value == "backward"]
 
 
 def _norm(path: str) -> str:

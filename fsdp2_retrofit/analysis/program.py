@@ -22,7 +22,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from fsdp2_retrofit.syntax.names import dotted
+from fsdp2_retrofit.syntax.names import child_nodes, dotted, walk
 
 from . import project_imports
 
@@ -54,11 +54,21 @@ class ModuleFile:
 
 @dataclass(frozen=True)
 class Step:
-    """A `<x>.backward()` call of the program: a training step."""
+    """A `<x>.backward()` call of the program: a training step. Its line and code are worked out
+    when asked (a refusal names the first step): a program that links never asks, and resolving
+    the positions of a whole module costs as much as parsing it."""
 
     path: str
-    line: int
-    code: str
+    module: cst.Module = field(repr=False, compare=False)
+    call: cst.Call = field(repr=False, compare=False)
+
+    @property
+    def line(self) -> int:
+        return MetadataWrapper(self.module, unsafe_skip_copy=True).resolve(PositionProvider)[self.call].start.line
+
+    @property
+    def code(self) -> str:
+        return self.module.code_for_node(self.call)
 
 
 @dataclass
@@ -181,24 +191,18 @@ class Program:
 def _builds_loader(module: cst.Module) -> bool:
     """A function of `module` builds a DataLoader (`DataLoader(...)`, `data.DataLoader(...)`): a site the
     data stage edits where it is, in the program linked into one analysis."""
-
-    class _Find(cst.CSTVisitor):
-        depth, found = 0, False
-
-        def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-            self.depth += 1
-
-        def leave_FunctionDef(self, node: cst.FunctionDef) -> None:
-            self.depth -= 1
-
-        def visit_Call(self, node: cst.Call) -> None:
+    stack = [(module, False)]  # (node, inside a function); child_nodes, not a libcst visit that rebuilds the nodes
+    while stack:
+        node, inside = stack.pop()
+        if type(node) is cst.FunctionDef:
+            inside = True
+        elif inside and type(node) is cst.Call:
             func = node.func
             name = func.attr.value if isinstance(func, cst.Attribute) else getattr(func, "value", "")
-            self.found = self.found or (self.depth > 0 and isinstance(name, str) and name.endswith("DataLoader"))
-
-    finder = _Find()
-    module.visit(finder)
-    return finder.found
+            if isinstance(name, str) and name.endswith("DataLoader"):
+                return True
+        stack.extend((child, inside) for child in child_nodes(node))
+    return False
 
 
 def _sys_path_roots(entry: str, module: cst.Module) -> List[str]:
@@ -246,17 +250,14 @@ def _folder_of(expr, here: str) -> Optional[str]:
 def _nested_imports(module: cst.Module, stmt, positions: list) -> Iterator[Tuple[int, cst.SimpleStatementLine]]:
     """(line, statement) of the import statements inside a top-level compound statement."""
     found: List[cst.SimpleStatementLine] = []
-
-    class _Find(cst.CSTVisitor):
-        def on_visit(self, node: cst.CSTNode) -> bool:
-            """Statements and their blocks only: an import is never inside an expression."""
-            if isinstance(node, cst.SimpleStatementLine):
-                if any(isinstance(small, (cst.Import, cst.ImportFrom)) for small in node.body):
-                    found.append(node)
-                return False
-            return not isinstance(node, (cst.BaseExpression, cst.BaseSmallStatement, cst.Decorator, cst.Parameters))
-
-    stmt.visit(_Find())
+    stack = [stmt]  # statements and their blocks only, in source order: an import is never inside an expression
+    while stack:  # child_nodes, not a libcst visit: that rebuilds every node it passes
+        node = stack.pop()
+        if isinstance(node, cst.SimpleStatementLine):
+            if any(isinstance(small, (cst.Import, cst.ImportFrom)) for small in node.body):
+                found.append(node)
+        elif not isinstance(node, (cst.BaseExpression, cst.BaseSmallStatement, cst.Decorator, cst.Parameters)):
+            stack.extend(reversed(child_nodes(node)))
     if not found:
         return
     if not positions:
@@ -266,18 +267,10 @@ def _nested_imports(module: cst.Module, stmt, positions: list) -> Iterator[Tuple
 
 
 def _steps(path: str, module: cst.Module) -> List[Step]:
-    found: List[cst.Call] = []
-
-    class _Find(cst.CSTVisitor):
-        def visit_Call(self, node: cst.Call) -> None:
-            if isinstance(node.func, cst.Attribute) and node.func.attr.value == "backward":
-                found.append(node)
-
-    module.visit(_Find())
-    if not found:
-        return []
-    positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
-    return [Step(path, positions[call].start.line, module.code_for_node(call)) for call in found]
+    """The module's `<x>.backward(...)` calls, in source order (walk: no libcst visit, which rebuilds
+    every node it passes)."""
+    return [Step(path, module, node) for node in walk(module)
+            if type(node) is cst.Call and type(node.func) is cst.Attribute and node.func.attr.value == "backward"]
 
 
 def _norm(path: str) -> str:

@@ -37,7 +37,7 @@ import libcst as cst
 from fsdp2_retrofit.analysis.program import ModuleFile, Program
 from fsdp2_retrofit.report import RewriteResult
 from fsdp2_retrofit.syntax.names import (
-    _module_bindings, attr_path, dotted, import_bindings, is_main_guard, names_read,
+    _module_bindings, attr_path, dotted, import_bindings, is_main_guard, names_read, render, walk,
 )
 
 from .imports import add_imports
@@ -261,7 +261,7 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
     if not placed:
         return None
     linked_module = module.with_changes(body=linked)
-    text = linked_module.code
+    text = render(linked_module)
     lines = _line_map(linked_module, origin, {m.path: m.module for m in files})
     shown = {m.path: (os.path.abspath(m.path) if os.path.isabs(entry_path) else os.path.relpath(m.path))
              for m in mods}
@@ -471,7 +471,7 @@ def _line_map(linked: cst.Module, origin, modules: Dict[str, cst.Module]) -> Dic
     out: Dict[int, Tuple[str, int]] = {}
     at = 1 + _header_lines(linked)
     for stmt, (path, node) in zip(linked.body, origin):
-        text = linked.code_for_node(stmt)
+        text = render(stmt, linked)
         count = text.count("\n") or 1
         lead = len(stmt.leading_lines) if hasattr(stmt, "leading_lines") else 0
         first = at + lead  # the statement's own first line, after its blank and comment lines
@@ -498,7 +498,7 @@ def _statement_lines(module: cst.Module) -> Dict[int, Tuple[int, int]]:
     out: Dict[int, Tuple[int, int]] = {}
     at = 1 + _header_lines(module)
     for stmt in module.body:
-        text = module.code_for_node(stmt)
+        text = render(stmt, module)
         count = text.count("\n") or 1
         lead = len(stmt.leading_lines) if hasattr(stmt, "leading_lines") else 0
         out[id(stmt)] = (at + lead, max(0, count - lead - 1))
@@ -550,7 +550,8 @@ def split(linked: Linked, result: RewriteResult, source: bytes, other_scripts: b
         if path == entry:
             new = _without_unused_new_imports(new, original)
         new = _first_statement_as_before(new, original)
-        if new.code == original.code:  # a module the conversion left as it was
+        text = render(new)
+        if text == render(original):  # a module the conversion left as it was
             results[path] = program.files[path].data
             continue
         wanted = _imports_needed(new, original, table)
@@ -562,7 +563,8 @@ def split(linked: Linked, result: RewriteResult, source: bytes, other_scripts: b
             return f"the conversion gives a DataLoader of {_rel(path)} {shared}"
         if wanted:
             new = add_imports(new, wanted)
-        code = new.bytes
+            text = render(new)
+        code = text.encode(new.encoding)
         try:
             compile(code, path, "exec", dont_inherit=True)
         except SyntaxError as err:
@@ -599,11 +601,11 @@ def _sampler_for_other_scripts(new: cst.Module, original: cst.Module, program_fi
     sampler finds no process group): what it is, as a sentence's end; "" otherwise."""
     from fsdp2_retrofit.analysis.sibling_loaders import other_file_naming
 
-    before = {s.name.value: original.code_for_node(s) for s in original.body if isinstance(s, cst.FunctionDef)}
+    before = {s.name.value: render(s, original) for s in original.body if isinstance(s, cst.FunctionDef)}
     for stmt in new.body:
         if not isinstance(stmt, cst.FunctionDef) or stmt.name.value not in before:
             continue
-        text = new.code_for_node(stmt)
+        text = render(stmt, new)
         returns = any(isinstance(small, cst.Return) and small.value is not None
                       for line in stmt.body.body if isinstance(line, cst.SimpleStatementLine) for small in line.body)
         if returns and "DistributedSampler" in text and "DistributedSampler" not in before[stmt.name.value]:
@@ -652,66 +654,42 @@ def _mapped(linked: Linked, record):
     return replace(record, line=line, path=linked.shown.get(path, path), **texts)
 
 
-class _Stores(cst.CSTVisitor):
+def _target_names(node, names: Set[str]) -> None:
+    if isinstance(node, cst.Name):
+        names.add(node.value)
+    elif isinstance(node, (cst.Tuple, cst.List)):
+        for el in node.elements:
+            _target_names(el.value, names)
+    elif isinstance(node, cst.StarredElement):
+        _target_names(node.value, names)
+
+
+# node type -> the attribute holding the target it binds
+_TARGET_OF = {cst.AssignTarget: "target", cst.AnnAssign: "target", cst.AugAssign: "target", cst.For: "target",
+              cst.CompFor: "target", cst.NamedExpr: "target", cst.AsName: "name"}
+
+
+def _stored_names(module: cst.Module) -> Set[str]:
     """Every name a module's code binds, in any scope (targets, loop and comprehension variables,
-    parameters, defs, classes, `as` names, imports): read syntactically, no scope analysis."""
-
-    def __init__(self):
-        self.names: Set[str] = set()
-
-    def _target(self, node) -> None:
-        if isinstance(node, cst.Name):
-            self.names.add(node.value)
-        elif isinstance(node, (cst.Tuple, cst.List)):
-            for el in node.elements:
-                self._target(el.value)
-        elif isinstance(node, cst.StarredElement):
-            self._target(node.value)
-
-    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
-        self._target(node.target)
-
-    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-        self._target(node.target)
-
-    def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        self._target(node.target)
-
-    def visit_For(self, node: cst.For) -> None:
-        self._target(node.target)
-
-    def visit_CompFor(self, node: cst.CompFor) -> None:
-        self._target(node.target)
-
-    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
-        self._target(node.target)
-
-    def visit_AsName(self, node: cst.AsName) -> None:
-        self._target(node.name)
-
-    def visit_Param(self, node: cst.Param) -> None:
-        self.names.add(node.name.value)
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        self.names.add(node.name.value)
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        self.names.add(node.name.value)
-
-    def visit_Import(self, node: cst.Import) -> None:
-        self.names.update(local for local, _ in import_bindings(node))
-
-    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
-        if not isinstance(node.names, cst.ImportStar):
-            self.names.update(local for local, _ in import_bindings(node))
+    parameters, defs, classes, `as` names, imports): read syntactically, no scope analysis; from
+    the nodes themselves (walk), not a libcst visitor, which rebuilds every node it passes."""
+    names: Set[str] = set()
+    for node in walk(module):
+        kind = type(node)
+        attribute = _TARGET_OF.get(kind)
+        if attribute is not None:
+            _target_names(getattr(node, attribute), names)
+        elif kind is cst.Param or kind is cst.FunctionDef or kind is cst.ClassDef:
+            names.add(node.name.value)
+        elif kind is cst.Import or (kind is cst.ImportFrom and not isinstance(node.names, cst.ImportStar)):
+            names.update(local for local, _ in import_bindings(node))
+    return names
 
 
 def _reads_unbound(module: cst.Module) -> Set[str]:
     """The names `module` reads that none of its code binds (module-level imports and builtins among
     them): what it takes from its imports, its star imports or the builtins."""
-    stores = _Stores()
-    module.visit(stores)
-    return set(names_read(module)) - stores.names
+    return set(names_read(module)) - _stored_names(module)
 
 
 def _bound(module: cst.Module) -> Set[str]:
@@ -751,8 +729,7 @@ def _first_statement_as_before(new: cst.Module, original: cst.Module) -> cst.Mod
     first, was = new.body[0], original.body[0]
     if not hasattr(first, "leading_lines") or first.leading_lines == was.leading_lines:
         return new
-    if new.code_for_node(first.with_changes(leading_lines=[])) != original.code_for_node(
-            was.with_changes(leading_lines=[])):
+    if render(first.with_changes(leading_lines=[]), new) != render(was.with_changes(leading_lines=[]), original):
         return new
     return new.with_changes(body=[first.with_changes(leading_lines=was.leading_lines), *new.body[1:]])
 

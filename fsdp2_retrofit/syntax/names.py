@@ -741,29 +741,23 @@ def names_in(node: cst.CSTNode) -> Set[str]:
 
 
 def names_read(node: cst.CSTNode) -> set:
-    """Names loaded in `node` (not attribute names or keywords)."""
-    reader = _NamesRead()
-    node.visit(reader)
-    return reader.found
-
-
-class _NamesRead(cst.CSTVisitor):
-    """Collects names_read (one class, not one made per call: making a class is slow)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.found: set = set()
-
-    def visit_Attribute(self, n: cst.Attribute) -> bool:
-        n.value.visit(self)
-        return False
-
-    def visit_Arg(self, n: cst.Arg) -> bool:
-        n.value.visit(self)
-        return False
-
-    def visit_Name(self, n: cst.Name) -> None:
-        self.found.add(n.value)
+    """Names loaded in `node` (not attribute names or keywords). Read from the nodes' children
+    (child_nodes), not with a libcst visitor: a visit rebuilds every node it passes (a linked
+    program's modules are asked whole, several times)."""
+    found: set = set()
+    stack = [node]
+    pop, push, extend = stack.pop, stack.append, stack.extend
+    name, attribute, arg = cst.Name, cst.Attribute, cst.Arg
+    while stack:
+        current = pop()
+        kind = type(current)
+        if kind is name:
+            found.add(current.value)
+        elif kind is attribute or kind is arg:
+            push(current.value)  # `x.attr`, `f(keyword=...)`: the attribute and the keyword are not read
+        else:
+            extend(child_nodes(current))
+    return found
 
 
 def assigned_names(stmt: cst.CSTNode) -> Set[str]:

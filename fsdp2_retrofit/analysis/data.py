@@ -135,7 +135,7 @@ class LoaderAnalysis(SiteAnalysis):
                     shuffle=args.get("shuffle", positional[2] if len(positional) > 2 else None),
                     drop_last=args.get("drop_last"),
                     kwargs_dict=kwargs_dict,
-                    has_sampler="sampler" in args or "batch_sampler" in args,
+                    has_sampler="batch_sampler" in args or ("sampler" in args and self._sampler(args, stmt) is not None),
                     trains=name in iterated or id(call) in fed,
                     shuffle_set_later=shuffle_set_later,
                     sampler=self._sampler(args, stmt),
@@ -407,6 +407,8 @@ class LoaderAnalysis(SiteAnalysis):
         expr = args.get("sampler")
         if expr is None or (type(expr) is cst.Name and expr.value == "None"):
             return None  # `sampler=None`: the DataLoader's default, no sampler
+        if type(expr) is cst.Name and _only_none(self.flow.values(expr)):
+            return None  # `train_sampler = None` ... `sampler=train_sampler`: no sampler either
         call = expr if isinstance(expr, cst.Call) else None
         if isinstance(expr, cst.Name):
             bound = self._value_bound_before(expr.value, stmt)
@@ -628,3 +630,8 @@ def pass_in_while(resolver: Resolver, name: str, block) -> Optional[tuple]:
         if isinstance(body, cst.IndentedBlock) and isinstance(owner, cst.While):
             return owner, node
     return None
+
+
+def _only_none(values) -> bool:
+    """Every value a name can hold is the literal None."""
+    return bool(values) and all(type(v) is cst.Name and v.value == "None" for v in values)

@@ -39,6 +39,11 @@ class DataSamplerNotDistributable(Blocker):
         + EPOCH,
         line=5,
     ),)
+    VALID = (
+        # a sampler name that only ever holds None is the DataLoader's default: no sampler
+        Valid(_DATA + "picker = None\nloader = DataLoader(TensorDataset(torch.randn(32, 8), torch.randn(32, 2)), "
+              "batch_size=8, sampler=picker, shuffle=True)\n" + EPOCH),
+    )
 
 
 class DataLoaderNotFollowed(Blocker):

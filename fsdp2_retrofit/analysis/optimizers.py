@@ -69,7 +69,7 @@ class OptimizerAnalysis(SiteAnalysis):
                 models = self._fed_models(names, stmt, module_names | self._held_modules(stmt, names, module_names,
                                                                                         bindings), feeders)
             elif type(call.func) is cst.Name:
-                factory = self._optimizer_factory(call, module_names)
+                factory = self._optimizer_factory(call, module_names, bindings)
                 if factory is None:
                     continue
                 method, models, builds = factory  # `opt = make_optimizer(model, lr)`
@@ -155,7 +155,7 @@ class OptimizerAnalysis(SiteAnalysis):
                 return target.attr.value
         return None
 
-    def _optimizer_factory(self, call: cst.Call, module_names):
+    def _optimizer_factory(self, call: cst.Call, module_names, bindings=()):
         """(the function, the models, the qualified names of its calls) for a call of a
         function of the script (top level, or nested and found by lexical scope) that
         returns the one torch optimizer it builds, from the parameters of models it is
@@ -186,9 +186,14 @@ class OptimizerAnalysis(SiteAnalysis):
             if name in params:
                 arg = passed.get(name)
                 model = arg.value if type(arg) is cst.Name else None
+                # the module the argument holds, followed by value (not a name another function happens to bind)
+                if model is not None and model not in module_names and not self._module_binding_of(arg, bindings):
+                    return None
             else:
                 model = name  # a model of the function around it (a closure) or a global
-            if model not in module_names:
+                if model not in module_names:
+                    return None
+            if model is None:
                 return None
             if model not in models:
                 models.append(model)

@@ -355,4 +355,25 @@ def nothing_found_at(facts) -> NoModelBlocker:
         return NoModelBlocker(
             backward, f"`{_short(backward)}` trains tensors here, not the parameters of an nn.Module"
         )
+    lookup = next((c for c in calls if _looked_up_by_name(r, c)), None)
+    if lookup is not None:
+        stmt = r.statement_of(lookup)
+        shown = stmt.body[0] if type(stmt) is cst.SimpleStatementLine and len(stmt.body) == 1 else lookup
+        return NoModelBlocker(
+            lookup, f"`{_short(shown)}` picks what the script runs by a name known only when it "
+            "runs: the class or function that builds and trains the model cannot be read before then (import it "
+            "by its name, or run rewrite on the module that builds the model and its optimizer)"
+        )
     return NoModelBlocker(1, "")
+
+
+def _looked_up_by_name(r, call: cst.Call) -> bool:
+    """`globals()[name]`, `vars(mod)[name]`, `getattr(mod, name)` with a name that is no string literal,
+    `importlib.import_module(name)`, `__import__(name)`: the code a script runs, chosen at run time."""
+    qnames = r.qnames(call.func)
+    if qnames & {"builtins.globals", "builtins.locals", "builtins.vars"}:
+        parent = r.parent(call)
+        return type(parent) is cst.Subscript and parent.value is call
+    if "builtins.getattr" in qnames:
+        return len(call.args) >= 2 and type(call.args[1].value) is not cst.SimpleString
+    return bool(qnames & {"importlib.import_module", "builtins.__import__"})

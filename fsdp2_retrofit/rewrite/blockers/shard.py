@@ -336,7 +336,22 @@ class ShardNoModel(Blocker):
 
     CODE = "FSR611"
     NAME = "shard-no-model"
-    INVALID = (Invalid("print('hi')\n", line=1),)
+    INVALID = (
+        Invalid("print('hi')\n", line=1),
+        # the class that trains is picked by a name read at run time, from a package that makes its names
+        # when it is imported: refused at the lookup, not at line 1
+        Invalid("import sys\n\nfrom agents import *\n\n\ndef main(name):\n    agent_class = globals()[name]\n"
+                "    agent_class().run()\n\n\nmain(sys.argv[1])\n", line=7,
+                files={"agents/__init__.py": "import importlib\n\nfor name in ['mnist']:\n"
+                       "    globals().update(vars(importlib.import_module('agents.' + name)))\n",
+                       "agents/mnist.py": "import torch\n\n\nclass MnistAgent:\n    def run(self):\n"
+                       "        model = torch.nn.Linear(4, 2)\n"
+                       "        opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                       "        model(torch.randn(2, 4)).sum().backward()\n        opt.step()\n"}),
+        # the same through a module imported by a name it is given
+        Invalid("import importlib\nimport sys\n\ntask = importlib.import_module(sys.argv[1])\ntask.main()\n",
+                line=4),
+    )
 
 
 class ShardNoOptimizer(Blocker):

@@ -49,9 +49,29 @@ class BuildClasses:
             factory = self.site._callee(ctor)
             if factory is not None and factory in factories:
                 out.append((name, stmt, factories[factory]))
-            chosen = self.table_classes(ctor) or self._sibling_factory_classes(ctor) or self._classmethod_builder(ctor)
+            chosen = (self.table_classes(ctor) or self._sibling_factory_classes(ctor) or self._classmethod_builder(ctor)
+                      or self.aliased_classes(ctor))
             if chosen:
                 out.append((name, stmt, chosen[0]))
+            elif factory is not None and factory not in factories and not self.class_of(ctor):
+                built = self.site.handed_back(ctor)
+                passed = built is not None and (self.class_of(built) or next(iter(self.aliased_classes(built)), None))
+                if passed:
+                    out.append((name, stmt, passed))
+        return out
+
+    def aliased_classes(self, call: cst.Call) -> List[str]:
+        """`net(z_dim)` where `net` holds one of the script's module classes, chosen before (`if kind == "H":
+        net = BetaVAE_H` / `elif ...: net = BetaVAE_B`), followed by value: those classes; [] unless every
+        value the name can hold is one."""
+        if type(call.func) is not cst.Name or self.class_of(call):
+            return []  # a class called by its own name: class_of's
+        out: List[str] = []
+        for value in self.site.flow.values(call.func):
+            name = value.name.value if type(value) is cst.ClassDef and self.r.enclosing_class(value) is None else None
+            if name is None or not self.classes.is_module_class(name):
+                return []
+            out += [name] if name not in out else []
         return out
 
     def _classmethod_builder(self, call: cst.Call) -> List[str]:

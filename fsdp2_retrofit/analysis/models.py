@@ -94,6 +94,9 @@ class ModelAnalysis(SiteAnalysis):
         chosen = self.builds.table_classes(ctor) if ctor is not None else []
         if chosen:
             return chosen, True
+        aliased = self.builds.aliased_classes(self.handed_back(ctor) or ctor) if ctor is not None else []
+        if len(aliased) > 1:
+            return aliased, True
         if top is stmt:
             return [], False
         span = self.r.span(top)

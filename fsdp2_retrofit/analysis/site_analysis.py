@@ -17,7 +17,7 @@ from .closures import nested_functions
 from .flow import ValueFlow, innermost_call
 from .held_values import Holder, holders
 from .model_classes import ClassRegistry
-from fsdp2_retrofit.syntax.names import Resolver
+from fsdp2_retrofit.syntax.names import SELF_RETURNING_METHODS, Resolver, bind_args
 from fsdp2_retrofit.syntax.torch_api import TORCH_COMPILE
 
 Block = Union[cst.IndentedBlock, cst.Module]
@@ -66,6 +66,10 @@ class SiteAnalysis:
                 ctor = innermost_call(value)
                 if ctor is not None:
                     self._bindings_by_call.setdefault(id(ctor), binding)
+                    # a helper that hands back the module it is given (`cuda(Net(), flag)`): the build inside
+                    inner = self.handed_back(ctor)
+                    if inner is not None:
+                        self._bindings_by_call.setdefault(id(innermost_call(inner) or inner), binding)
         found = {}
         for origin in self.flow.values(name):
             ctor = innermost_call(origin) if isinstance(origin, cst.BaseExpression) else None
@@ -74,6 +78,37 @@ class SiteAnalysis:
                 return None
             found[id(binding[1])] = binding
         return next(iter(found.values())) if len(found) == 1 else None
+
+    def handed_back(self, call: cst.Call) -> Optional[cst.Call]:
+        """The call passed to a function of the script that returns one of its parameters as it was handed
+        (`cuda(Net(), use_cuda)` with `return tensor.cuda() if uses_cuda else tensor`: through `.to()`-like
+        methods and `a if c else b`), at this call: `Net()`; None for anything else. Read at the call, not
+        from every call's arguments (`cuda(x, flag)` elsewhere hands back its own)."""
+        fn = self._callee(call)
+        if fn is None:
+            return None
+        returned = set()
+        for ret in self.r.descendants(fn, cst.Return):
+            if self.r.enclosing_function(ret) is not fn:
+                continue
+            leaves, pending = [], [ret.value]
+            while pending:
+                value = pending.pop()
+                if type(value) is cst.IfExp:
+                    pending += [value.body, value.orelse]
+                elif (type(value) is cst.Call and type(value.func) is cst.Attribute
+                      and value.func.attr.value in SELF_RETURNING_METHODS):
+                    pending.append(value.func.value)
+                else:
+                    leaves.append(value)
+            if not all(type(leaf) is cst.Name for leaf in leaves):
+                return None
+            returned |= {leaf.value for leaf in leaves}
+        params = {p.name.value for p in fn.params.params}
+        if len(returned) != 1 or not returned <= params:
+            return None
+        arg = dict(bind_args(fn, call)).get(next(iter(returned)))
+        return arg if type(arg) is cst.Call else None
 
     def _named_assignments(self, stmts, methods: bool = False):
         """(name, stmt, value) for each `name = value` or `name: T = value` line outside

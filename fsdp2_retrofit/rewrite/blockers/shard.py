@@ -352,6 +352,11 @@ class ShardNoModel(Blocker):
         Invalid("import importlib\nimport sys\n\ntask = importlib.import_module(sys.argv[1])\ntask.main()\n",
                 line=4),
     )
+    VALID = (
+        # the module built through a helper of the script that hands back what it is given, moved or not
+        Valid(_TORCH + "def on_gpu(t, flag):\n    return t.cuda() if flag else t\n\n\n"
+              + "model = on_gpu(nn.Linear(4, 4), torch.cuda.is_available())\n" + _OPT + _LOOP),
+    )
 
 
 class ShardNoOptimizer(Blocker):

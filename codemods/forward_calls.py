@@ -26,29 +26,38 @@ class ReplaceForwardCallsCommand(RetrofitStage):
             root = facts.root_shard.get(model.name)
             if root is None:
                 continue
-            for method in self._entry_points(model, facts):
+            for method, everywhere in self._entry_points(model, facts):
                 line = f'register_fsdp_forward_method({model.name}, "{method}")\n'
                 if any(line.strip() in facts.resolver.module.code_for_node(s) for s in _after(root, facts)):
                     continue
+                if not everywhere:  # a class the model may be (chosen at run time) has no such method
+                    line = f'if hasattr({model.name}, "{method}"):\n    {line}'
                 editor.insert_after(root, [self.stmt(line)])
                 self.add_import(self.options.fsdp_module, "register_fsdp_forward_method")
                 self.change(
                     root,
-                    f"register `{model.name}.{method}` as a forward method",
+                    f"register `{model.name}.{method}` as a forward method"
+                    + ("" if everywhere else f" (where the class chosen at run time has `{method}`)"),
                     f"`{method}` runs the model outside __call__; registering it runs FSDP2's hooks around it",
                     "parameters stay sharded during generate-style calls",
                 )
 
     def _entry_points(self, model, facts: ScriptFacts):
-        """Methods of the model's own class, called on it, that run its submodules or read
-        its parameters (`next(self.parameters()).new_zeros(...)` in an init_hidden: outside
-        a registered method that parameter is a DTensor shard, and so is what is built from it)."""
-        info = facts.classes.get(model.class_name)
-        if info is None:
-            return []
-        handed = handed_submodules(info, _build_call(model), facts.resolver, facts.classes)
-        return [m for m in facts.methods_called_on(model, info)
-                if runs_self(info.methods[m], info, handed) or parameter_reads(info.methods[m], info)]
+        """(method, whether every class the model may be has it) for the methods of the model's class, or of
+        any class chosen for it at run time (`if args.model == "LSTM": model = RNNModel(...) else: ...`),
+        called on it, that run its submodules or read its parameters (`next(self.parameters()).new_zeros(...)`
+        in an init_hidden: outside a registered method that parameter is a DTensor shard, and so is what is
+        built from it)."""
+        infos = [facts.classes.get(c) for c in (model.alternatives or [model.class_name])]
+        found = []
+        for info in infos:
+            if info is None:
+                continue
+            build = _build_call(model) if info is facts.classes.get(model.class_name) else None
+            handed = handed_submodules(info, build, facts.resolver, facts.classes)
+            found += [m for m in facts.methods_called_on(model, info) if m not in found and (
+                runs_self(info.methods[m], info, handed) or parameter_reads(info.methods[m], info))]
+        return [(m, all(info is not None and m in info.methods for info in infos)) for m in found]
 
 
 def _build_call(model):

@@ -92,7 +92,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
             self.refuse(
                 "FSR201",
                 call,
-                f"`{code(call.func)}(...)` is not assigned to a name on its own line",
+                f"`{code(call.func)}(...)` {_where_it_goes(call, facts.resolver)}, not assigned to a name on its own line",
                 "the migration replaces `model = DDP(model, ...)` statements; a wrapper built inside another "
                 "expression (returned, passed on, stored in an attribute) cannot be followed",
                 "wrap the model on its own line: `model = DDP(model, device_ids=[local_rank])`",
@@ -284,3 +284,18 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
             for alias in node.names:
                 if code(alias.name) == "contextlib" and alias.asname is None:
                     RemoveImportsVisitor.remove_unused_import(self.context, "contextlib")
+
+
+def _where_it_goes(call: cst.Call, r) -> str:
+    """What becomes of a wrapper built where the migration cannot follow it, for FSR201's message."""
+    parent = r.parent(call)
+    if type(parent) is cst.Assign and parent.value is call:
+        targets = [code(t.target) for t in parent.targets]
+        return f"is stored in `{' = '.join(targets)}`"
+    if type(parent) is cst.Return:
+        fn = r.enclosing_function(call)
+        return f"is returned by {fn.name.value}()" if fn is not None else "is returned"
+    if type(parent) is cst.Arg:
+        outer = r.parent(parent)
+        return f"is passed to `{code(outer.func)}(...)`" if type(outer) is cst.Call else "is passed on"
+    return f"is built inside `{' '.join(code(r.statement_of(call)).split())[:60]}`"

@@ -9,6 +9,7 @@ from fsdp2_retrofit.analysis.copies import unsafe_state_copies
 from fsdp2_retrofit.syntax.torch_api import ZERO_REDUNDANCY_OPTIMIZER
 from fsdp2_retrofit.analysis.same_start import broadcast_reason
 from fsdp2_retrofit.analysis.scalar_params import model_scalar_parameters
+from fsdp2_retrofit.analysis.shard_anchors import _is_placement_chain
 from fsdp2_retrofit.rewrite.blockers import shard as shard_blockers
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
@@ -35,6 +36,7 @@ class ShardModelCommand(RetrofitStage):
                 statements = list(policies[1])
             else:
                 statements = []
+            self._contiguous_layout(model, facts, editor)
             hide, restore = self._scalar_parameters(model, facts)
             statements = (
                 statements
@@ -46,6 +48,34 @@ class ShardModelCommand(RetrofitStage):
             )
             editor.insert_after(model.shard_anchor, statements + self._split_compile(model, facts, editor))
             self.add_import(self.options.fsdp_module, "fully_shard")
+
+    def _contiguous_layout(self, model: ModelSite, facts: ScriptFacts, editor: StatementEditor) -> None:
+        """`model = model.to(memory_format=torch.channels_last)` before fully_shard: the conv weights become
+        non-contiguous, which fully_shard refuses at start-up ('FSDP does not support non-contiguous
+        parameters yet'). The model keeps the default layout (`torch.contiguous_format`); the same numbers,
+        the inputs may stay channels_last."""
+        block = facts.resolver.block_of(model.stmt)
+        body = list(block.body) if block is not None else []
+        if model.stmt not in body or model.shard_anchor not in body:
+            return
+        names = {model.name} | set(model.names.get(facts.resolver.enclosing_function(model.stmt), ()))
+        for stmt in body[body.index(model.stmt): body.index(model.shard_anchor) + 1]:
+            for call in facts.resolver.descendants(stmt, cst.Call):
+                layout = next((a for a in call.args if a.keyword is not None and a.keyword.value == "memory_format"
+                               and code(a.value).rsplit(".", 1)[-1] in ("channels_last", "channels_last_3d")), None)
+                if (layout is None or not isinstance(call.func, cst.Attribute) or call.func.attr.value != "to"
+                        or not any(_is_placement_chain(call.func.value, n) for n in names)):
+                    continue
+                contiguous = self.expr(code(layout.value).rsplit(".", 1)[0] + ".contiguous_format"
+                                       if "." in code(layout.value) else "torch.contiguous_format")
+                editor.replace_expression(layout.value, lambda _old, new=contiguous: new)
+                self.change(
+                    call,
+                    f"`memory_format={code(layout.value)}` -> `{code(contiguous)}` for `{model.name}`",
+                    "channels_last makes the convolution weights non-contiguous, and fully_shard refuses "
+                    "non-contiguous parameters ('FSDP does not support non-contiguous parameters yet'); the "
+                    "model computes the same in the default layout, the inputs may stay channels_last",
+                )
 
     def _check_shard_classes(self, facts: ScriptFacts) -> None:
         """--shard CLASS names a class some model is built of. Where every class the models

@@ -174,6 +174,7 @@ def test_retrofit_trains(case: Path, tmp_path: Path):
 @pytest.mark.parametrize("name, line", [
     ("batchnorm_per_rank", 14),  # an nn.BatchNorm1d of the script's class
     ("library_attribute_batchnorm", 14),  # the BatchNorm2d layers of a library ResNet the class holds
+    ("project_package_batchnorm", 23),  # a block of another module of the model's package (a star import)
 ])
 def test_batchnorm_on_cpu_trains_within_noise_and_is_flagged(name: str, line: int, tmp_path: Path):
     """BatchNorm: SyncBatchNorm runs on GPUs only, so on CPU (gloo) each rank normalises

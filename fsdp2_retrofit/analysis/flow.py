@@ -155,8 +155,12 @@ class ValueFlow:
     def _compute(self, expr, depth: int) -> Iterator:
         kind = type(expr)
         if kind is cst.Name:
-            # `x = x.to(device)`: the `x` read on the right holds what x held before this binding, not its result
-            bindings = [b for b in self._lookup(expr) if b[0] != "assign" or not self._inside(expr, b[2])]
+            bindings = self._lookup(expr)
+            own = next((b for b in bindings if b[0] == "assign" and self._inside(expr, b[2])), None)
+            if own is not None:
+                # `x = x.to(device)`: the `x` read on the right holds what the bindings before this one made
+                # it, not this binding's result nor a later one's (a chain of rebindings is no cycle)
+                bindings = [b for b in bindings if b[0] != "assign" or self.r.order(b[1]) < self.r.order(own[1])]
             if not bindings:
                 yield expr
             for binding in bindings:
@@ -236,6 +240,10 @@ class ValueFlow:
         func = call.func
         if type(func) is cst.Attribute and func.attr.value in SELF_RETURNING_METHODS:
             yield from self._values(func.value, depth)
+            return
+        if type(func) is cst.Attribute and func.attr.value == "convert_sync_batchnorm" and call.args:
+            # `nn.SyncBatchNorm.convert_sync_batchnorm(model)` hands back the module it converts in place
+            yield from self._values(call.args[0].value, depth)
             return
         if type(func) is cst.Attribute:
             methods = [m for cls in self._classes_held(func.value, depth) for m in self._methods(cls, func.attr.value)]

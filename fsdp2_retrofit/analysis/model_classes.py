@@ -389,7 +389,7 @@ def build_registry(module: cst.Module, resolver: Resolver, path: Optional[str]) 
     _collect(module, resolver, namespace="", file=path, registry=registry)
     if path:
         folder = _remembered(("folder", path), lambda: Path(path).resolve().parent)
-        _collect_siblings(module, resolver, folder, registry, seen=set(), depth=2)
+        _collect_siblings(module, resolver, folder, registry, seen=set(), depth=_SIBLING_DEPTH)
         _collect_project_packages(module, resolver, folder, registry)
 
     def collect(sibling, sib_resolver, namespace, file) -> None:
@@ -513,7 +513,10 @@ def _collect_project_packages(module, resolver, folder: Path, registry) -> None:
 
 
 # Sibling modules are read here, never rewritten: each tree resolved once per process.
+# How far imports are followed from the script: a package's __init__ re-exporting a class of one of its
+# modules built of classes of another (`pkg/__init__.py` -> `pkg/model.py` -> `pkg/parts.py`) is three.
 _RESOLVERS: Dict[int, Tuple[cst.Module, Resolver]] = {}
+_SIBLING_DEPTH = 3
 
 
 def _add_re_exports(registry: ClassRegistry) -> None:
@@ -561,18 +564,44 @@ def _dotted(expr) -> str:
 class _Namer:
     """Turns a resolver's qualified names into global names for one namespace."""
 
-    def __init__(self, resolver: Resolver, namespace: str, local_classes: Iterable[str]):
+    def __init__(self, resolver: Resolver, namespace: str, local_classes: Iterable[str], package: str = "",
+                 registry: Optional["ClassRegistry"] = None):
         self.resolver = resolver
         self.namespace = namespace
         self.local = set(local_classes)
+        self.registry = registry
+        self.stars: List[str] = []  # the modules its star imports read (`from .parts import *`: `pkg.parts`)
+        # a relative import's module as the resolver names it (`from .parts import Block`: `parts`) -> the
+        # module it is in the project (`pkg.parts`), for a module of a package
+        self.relative: Dict[str, str] = {}
+        for imp in resolver.nodes(cst.ImportFrom) if namespace else ():
+            source = _absolute(imp, package) if imp.relative else None
+            if isinstance(imp.names, cst.ImportStar):
+                self.stars += [source or _absolute(imp, package)] if (source or _absolute(imp, package)) else []
+                continue
+            if source is None:
+                continue
+            if imp.module is not None:
+                self.relative[_dotted(imp.module)] = source
+            else:  # `from . import parts`
+                self.relative.update({_dotted(a.name): f"{source}.{_dotted(a.name)}" for a in imp.names})
 
     def of(self, node: cst.CSTNode) -> Optional[str]:
         names = sorted(self.resolver.qnames(node))
+        if not names and type(node) is cst.Name and self.stars:
+            names = [node.value]  # bound by none of its own statements: a star import's, perhaps
         if not names:
             return None
         name = names[0]
         if self.namespace and name in self.local:
             return f"{self.namespace}.{name}"
+        head, _, rest = name.rpartition(".")
+        if head in self.relative:
+            return f"{self.relative[head]}.{rest}"
+        if not head and self.registry is not None:  # a bare name a star import of this module may give
+            found = next((f"{m}.{name}" for m in self.stars if f"{m}.{name}" in self.registry.classes), None)
+            if found is not None:
+                return found
         return name
 
 
@@ -582,7 +611,8 @@ def _collect(module, resolver: Resolver, namespace: str, file, registry: ClassRe
         registry.files[namespace] = str(file)
     top_classes = [s for s in module.body if isinstance(s, cst.ClassDef)]
     top_functions = {s.name.value: s for s in module.body if isinstance(s, cst.FunctionDef)}
-    namer = _Namer(resolver, namespace, [c.name.value for c in top_classes])
+    namer = _Namer(resolver, namespace, [c.name.value for c in top_classes],
+                   _package_of(namespace, file) if namespace else "", registry)
     assigns: Dict[str, list] = {}
     for stmt in module.body:
         for small in stmt.body if isinstance(stmt, cst.SimpleStatementLine) else ():

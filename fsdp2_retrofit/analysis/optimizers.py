@@ -68,11 +68,11 @@ class OptimizerAnalysis(SiteAnalysis):
                 names = _ordered_names(params)
                 models = self._fed_models(names, stmt, module_names | self._held_modules(stmt, names, module_names,
                                                                                         bindings), feeders)
-            elif type(call.func) is cst.Name:
+            elif type(call.func) is cst.Name or self._sibling_function(call) is not None:
                 factory = self._optimizer_factory(call, module_names, bindings)
                 if factory is None:
                     continue
-                method, models, builds = factory  # `opt = make_optimizer(model, lr)`
+                method, models, builds = factory  # `opt = make_optimizer(model, lr)`, `util.set_optimizer(...)`
             else:
                 if not isinstance(call.func, cst.Attribute):
                     continue
@@ -163,8 +163,11 @@ class OptimizerAnalysis(SiteAnalysis):
         them: only `<model>[.<part>].parameters()` / `.named_parameters()` (param groups
         included). Built when it is called: after fully_shard, from the sharded
         parameters. None for anything else."""
-        fn = self._callee(call)
-        if fn is None or changes_tensors(fn) or returned_optimizer(fn, self._is_torch_optimizer) is None:
+        fn, resolver = self._callee(call), self.r
+        if fn is None:  # a function of a project module the script imports (`from util import set_optimizer`)
+            fn, resolver = self._sibling_function(call) or (None, None)
+        if fn is None or changes_tensors(fn) or returned_optimizer(
+                fn, self._is_torch_optimizer if resolver is self.r else lambda c: is_optimizer_call(resolver, c)) is None:
             return None
         readers = {}  # model name in fn -> ids of its Name nodes that only read parameters
         for c in calls_in(fn):
@@ -191,13 +194,24 @@ class OptimizerAnalysis(SiteAnalysis):
                     return None
             else:
                 model = name  # a model of the function around it (a closure) or a global
-                if model not in module_names:
+                if model not in module_names or resolver is not self.r:
                     return None
             if model is None:
                 return None
             if model not in models:
                 models.append(model)
-        return fn, models, frozenset(q for c in calls_in(fn) for q in self.r.qnames(c))
+        return fn, models, frozenset(q for c in calls_in(fn) for q in resolver.qnames(c))
+
+    def _sibling_function(self, call: cst.Call):
+        """(the top-level function, its module's resolver) a call of a function of a project module the
+        script imports runs (`set_optimizer(opt, model)` with `from util import set_optimizer`, or
+        `util.set_optimizer(...)`), or None."""
+        for qname in sorted(self.r.qnames(call.func)):
+            namespace, _, name = qname.rpartition(".")
+            fn = self.classes.top_level_functions.get(namespace, {}).get(name) if namespace else None
+            if fn is not None:
+                return fn, self.classes.top_level[namespace][1].resolver
+        return None
 
     def _model_of_receiver(self, receiver: Optional[str], stmt, module_names) -> Optional[str]:
         """The model `receiver` names: itself, or the model it was bound to earlier in the

@@ -36,6 +36,8 @@ import libcst as cst
 from fsdp2_retrofit.syntax.names import SELF_RETURNING_METHODS, Resolver, bind_args, module_itself
 
 Origin = object  # a CSTNode, or (node, position) for the element of a value not seen into
+# functions that hand back the module they are given, its BatchNorm layers replaced: torch's and apex's
+_CONVERTERS = frozenset({"convert_sync_batchnorm", "convert_syncbn_model"})
 _MAX_DEPTH = 40
 
 
@@ -241,7 +243,7 @@ class ValueFlow:
         if type(func) is cst.Attribute and func.attr.value in SELF_RETURNING_METHODS:
             yield from self._values(func.value, depth)
             return
-        if type(func) is cst.Attribute and func.attr.value == "convert_sync_batchnorm" and call.args:
+        if type(func) is cst.Attribute and func.attr.value in _CONVERTERS and call.args:
             # `nn.SyncBatchNorm.convert_sync_batchnorm(model)` hands back the module it converts in place
             yield from self._values(call.args[0].value, depth)
             return

@@ -380,6 +380,14 @@ class ShardNoOptimizer(Blocker):
         Valid(_TORCH + "def fit(net):\n    opt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
               + "".join("    " + l for l in _LOOP.replace("model", "net").splitlines(True))
               + "\n\nnet = nn.Linear(4, 4)\nnet = net.cuda() if torch.cuda.is_available() else net\nfit(net)\n"),
+        # apex's BatchNorm converter hands back the module it converts, as torch's does: a model a helper
+        # returns in a tuple after converting it under an option is still followed to the optimizer factory
+        Valid("import sys\n\nimport apex\n" + _TORCH
+              + "def make_optimizer(model):\n    return torch.optim.SGD(model.parameters(), lr=0.1)\n\n\n"
+              + "def set_model(sync):\n    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))\n"
+              + "    criterion = nn.MSELoss()\n    if sync:\n        model = apex.parallel.convert_syncbn_model(model)\n"
+              + "    if torch.cuda.is_available():\n        model = model.cuda()\n    return model, criterion\n\n\n"
+              + "model, criterion = set_model('--sync-bn' in sys.argv)\nopt = make_optimizer(model)\n" + _LOOP),
     )
 
 

@@ -40,6 +40,10 @@ The verdict says which rule decided, and names parameters by qualified name.
 With --dtype float64 both runs are made in double precision where the scripts
 let them: round-off ~1e-16, nothing for an optimizer to amplify.
 
+A run that outlives --timeout is asked where each rank is (its stack) before
+every process of it is killed; it is called a hang only when the stacks show
+every rank waiting in torch.distributed.
+
 With --to-end, both scripts go on after the steps: the loaders they trained on
 yield nothing more, so each script reaches what it does after training (final
 evaluation, generation, the last save) on the spot. A retrofit that fails or
@@ -98,7 +102,7 @@ Examples:
 @click.option("--python", default=sys.executable, show_default="this interpreter", metavar="PATH",
               help="The Python (with torch) that runs both scripts.")
 @click.option("--timeout", type=click.FloatRange(min=1), default=600, show_default=True,
-              help="Seconds each run may take (then it is killed: a deadlock).")
+              help="Seconds each run may take (then each rank's place is read and every process of the run killed).")
 @click.option("--run-files", type=click.Path(file_okay=False, exists=True, path_type=Path), metavar="DIR",
               help="Put each entry of DIR into both runs' working directories (input files the script opens "
               "by a relative path): copied, each run its own, up to 64 MiB in all; linked above that.")

@@ -17,7 +17,8 @@ the execution tests' bound; bfloat16 is only known to its spacing), or after
 steps that all agree, within the step bound of an optimizer that normalises
 its step (``bands``: round-off Adam amplified). ``RULES`` names what decided.
 ``--dtype float64`` makes both runs in double precision where the scripts let
-them.
+them. A run past its timeout is asked where each rank is, then every process
+of it is killed (``processes``).
 
 The same engine runs the execution tests (tests/test_execution.py,
 test_checkpoint.py) through its Python API: ``launch_single`` /
@@ -52,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from fsdp2_retrofit.verify import bands
+from fsdp2_retrofit.verify import bands, processes
 
 SITE_DIR = Path(__file__).resolve().parent / "_site"
 COMPARE_SCRIPT = SITE_DIR / "_fsdp2_verify_compare.py"
@@ -656,17 +657,26 @@ def _child_env(record_dir: Path, steps: int, mode: str, extra_path: Sequence[str
 
 
 def _launch(cmd: List[str], env: dict, cwd: Path, timeout: float, what: str) -> Tuple[int, str]:
-    """Run cmd in its own session (torchrun's workers die with it on timeout); stdout passes
-    through to a log file; returns (exit code, stderr text)."""
+    """Run cmd in its own session, its processes marked (processes.MARK); stdout passes through to a
+    log file; returns (exit code, stderr text). On a timeout, each rank is asked where it is before
+    every process of the run is killed (torchrun's workers run in sessions of their own); no process
+    of the run outlives this call, however it ends."""
+    env, tag = processes.marked(env)
     with open(cwd / "stdout.log", "wb") as out, open(cwd / "stderr.log", "wb") as err:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            places = processes.where_ranks_are(cwd, processes.run_processes(proc.pid, tag))
+            processes.kill_run(proc.pid, tag)
             proc.wait()
-            raise VerifyError(f"the {what} timed out after {timeout:.0f} s (a deadlock?)",
+            diagnosis = processes.timeout_diagnosis(places)
+            raise VerifyError(f"the {what} did not finish within {timeout:.0f} s and was killed: {diagnosis}",
                               _tail((cwd / "stderr.log").read_text(errors="replace"))) from None
+        finally:
+            processes.kill_run(proc.pid, tag)  # a rank its launcher left behind, or an interrupted wait
+            if proc.poll() is None:
+                proc.wait()
     return rc, (cwd / "stderr.log").read_text(errors="replace")
 
 
@@ -782,7 +792,9 @@ def run_script(cmd: List[str], directory: Path, env: dict, nproc: int, timeout: 
     """
     directory.mkdir(parents=True, exist_ok=True)
     if instrument:  # a record left by an earlier run in this folder must not stand for this one's
-        for stale in [*directory.glob("rank*.json"), *directory.glob("exit_rank*.json")]:
+        for stale in [*directory.glob("rank*.json"), *directory.glob("exit_rank*.json"),
+                      *directory.glob("pid_rank*.json"), *directory.glob("progress_rank*.json"),
+                      *directory.glob("stack_*.txt")]:
             stale.unlink()
     with tempfile.TemporaryDirectory(prefix="fsdp2-verify-before-") as tmp:
         snapshot = Path(tmp) / "before"
@@ -794,8 +806,8 @@ def run_script(cmd: List[str], directory: Path, env: dict, nproc: int, timeout: 
             except VerifyError as exc:
                 if not (to_end and instrument and _recorded_steps(directory, nproc)):
                     raise
-                epilogue = (f"it did not end within {timeout:.0f} s after the {steps} recorded steps (a hang: a "
-                            f"collective that not every rank reaches?)")
+                epilogue = f"it did not end within {timeout:.0f} s after the {steps} recorded steps: " + \
+                    exc.message.split(" and was killed: ", 1)[-1]
                 rc, stderr = 0, exc.detail
                 break
             if rc == 0:
@@ -1135,6 +1147,7 @@ def verify(settings: VerifySettings, console=None) -> int:
 
     console = console or Console(highlight=False)
     root, cleanup = None, False
+    previous = _exit_on_sigterm()
     try:
         try:
             _needs_torch(settings.python)
@@ -1154,8 +1167,24 @@ def verify(settings: VerifySettings, console=None) -> int:
             _write_json(settings.json_path, report_json(verdict, settings))
         return verdict.exit_code
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if cleanup and root is not None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _exit_on_sigterm():
+    """A SIGTERM (a harness's timeout) ends verify as an exception would, so the run it is waiting for
+    is killed whole on the way out (_launch); returns the handler it replaced (None: not the main thread)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def leave(signum, frame):
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, leave)
 
 
 def _needs_torch(python: str) -> None:
@@ -1189,7 +1218,7 @@ def _run_and_compare(settings: VerifySettings, root: Path) -> Verdict:
     try:
         verdict = _run_and_compare_runs(settings, root)
     except VerifyError as exc:
-        if settings.dtype != "float64":
+        if settings.dtype != "float64" or "did not finish within" in exc.message:
             raise
         raise VerifyError(f"{exc.message}; with --dtype float64: the script may not run in float64 "
                           f"(verify casts the default dtype, .float() and each module's inputs, parameters and "

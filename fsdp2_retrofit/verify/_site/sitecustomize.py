@@ -71,6 +71,10 @@ shadows). With it:
   tensors it creates), ``Module.float()`` and ``Tensor.float()`` give float64, and
   a module's floating inputs, parameters and buffers are cast to float64 before
   its forward (not DTensors: a sharded parameter keeps the dtype it was sharded with).
+* Each rank registers faulthandler on SIGUSR1 (``stack_{pid}.txt``, every
+  thread) and writes its pid (``pid_rank{r}.json``) and after each step its count
+  (``progress_rank{r}.json``): where verify's timeout is hit, it asks each rank
+  where it is before it kills the run.
 
 Self-contained on purpose: the child may run another interpreter than the
 tool, so nothing here imports fsdp2_retrofit.
@@ -117,6 +121,7 @@ def _install():
     import torch
 
     run = _Run()
+    _register_stack_dump(run.out_dir)
     if os.environ.get("FSDP2_RETROFIT_VERIFY_DTYPE") == "float64":
         _in_float64(torch)
     _wrap_backward(torch, run.state)
@@ -253,6 +258,8 @@ class _Run:
         state["micro_steps"].append(state["pending_micro"])
         state["samples"].append(state["pending_samples"])
         state["pending_loss"], state["pending_micro"], state["pending_samples"] = None, 0, 0
+        if not self.timing:
+            _write_json(os.path.join(self.out_dir, f"progress_rank{_rank()}.json"), {"steps": state["step"]})
         if self.max_steps and state["step"] >= self.max_steps:
             self.finish("steps", gather=True)
             if self.to_end:
@@ -504,6 +511,33 @@ def _in_float64(torch):
         return original_float(self, *args, **kwargs) if self.is_complex() else self.double(*args, **kwargs)
 
     torch.Tensor.float = tensor_float
+
+
+# -- where a rank is when verify's timeout is hit --------------------------
+
+_DUMP_FILES = []  # open while the process runs: faulthandler writes into it on SIGUSR1
+
+
+def _register_stack_dump(out_dir):
+    """On SIGUSR1, every thread's stack into stack_{pid}.txt; this process's pid into pid_rank{r}.json.
+    Only the rank's first process does: a DataLoader worker started with spawn imports this module
+    too, and finds the rank's pid file there already."""
+    import faulthandler
+    import signal
+
+    rank = int(os.environ.get("RANK", "0"))
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    path = os.path.join(out_dir, f"pid_rank{rank}.json")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except OSError:  # not the rank's first process (or no folder to write in)
+        return
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write('{"pid": %d, "rank": %d}' % (os.getpid(), rank))
+    dump = open(os.path.join(out_dir, f"stack_{os.getpid()}.txt"), "w")
+    _DUMP_FILES.append(dump)
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True, chain=False)
 
 
 def _write_json(path, data):

@@ -207,3 +207,51 @@ def test_the_retrofit_with_its_inputs_shifted_diverges_naming_the_parameter(tmp_
     name = report["weights"]["worst_name"]
     assert name and name.split(".")[0] in ("embed", "blocks", "head")
     assert f"'{name}'" in report["summary"] and f"'{name}'" in " ".join(output.split())
+
+
+NO_FLOAT64 = """\
+import torch
+import torch.nn as nn
+
+model = nn.Linear(2, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.ones(4, 2, dtype=torch.float32)  # made in float32 explicitly, met outside a module's forward
+for _ in range(2):
+    loss = (x @ model.weight.t()).sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+"""
+
+
+@needs_torch
+@pytest.mark.e2e
+def test_a_script_that_cannot_run_in_float64_is_said_to(tmp_path: Path):
+    script = tmp_path / "explicit_float32.py"
+    script.write_text(NO_FLOAT64)
+    code, output, report = _verify(tmp_path, script, "--retrofitted", script, "--dtype", "float64")
+    assert code == 2, output
+    assert "with --dtype float64: the script may not run in float64" in report["error"]
+    assert "run without --dtype float64" in report["error"]
+
+
+@needs_torch
+def test_parameters_are_named_by_the_root_that_holds_the_most_of_them():
+    import torch.nn as nn
+
+    spec = importlib.util.spec_from_file_location("_verify_site", COMPARE_SCRIPT.parent / "sitecustomize.py")
+    site = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(site)  # without FSDP2_RETROFIT_VERIFY_DIR it installs nothing
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(2, 2) for _ in range(2)])
+            self.head = nn.Linear(2, 1)
+
+    net = Net()
+    holder = nn.Module()
+    holder._orig_mod = net  # as torch.compile's wrapper holds the model
+    loose = nn.Linear(3, 3)  # a second root with fewer parameters
+    names = site._param_names([net.blocks[1].bias, net.head.weight, loose.weight])
+    assert names == ["blocks.1.bias", "head.weight", "weight"]

@@ -464,7 +464,8 @@ def _param_names(params):
 
     if len(params) > MAX_NAMED_PARAMS:
         return [None] * len(params)
-    modules = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+    # type(), not isinstance: an object's __class__ may be a property that warns (a deprecated alias)
+    modules = [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)]
     held = {id(child) for m in modules for child in m.children()}
     roots = [m for m in modules if id(m) not in held]
     roots.sort(key=lambda m: (-sum(1 for _ in m.parameters()), type(m).__name__))

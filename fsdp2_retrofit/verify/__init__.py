@@ -199,9 +199,12 @@ def compare_steps(single: dict, ranks: Sequence[dict], rtol: float = LOSS_RTOL, 
     """One row per optimizer step either run recorded; ``problem`` says why a step diverges.
 
     Losses and gradient norms are compared in the least precise dtype either run computed
-    them in (``loss_dtype``, ``grad_dtype`` of the records): see ``close``."""
-    loss_dtype = bands.least_precise(single.get("loss_dtype"), *(r.get("loss_dtype") for r in ranks))
-    grad_dtype = bands.least_precise(single.get("grad_dtype"), *(r.get("grad_dtype") for r in ranks))
+    them in (``loss_dtype``, ``grad_dtype`` of the records, and ``compute_dtype``, the least
+    precise a forward ran in: autocast's bfloat16 makes a float32 loss no more precise): see ``close``."""
+    records = [single, *ranks]
+    compute = [r.get("compute_dtype") for r in records]
+    loss_dtype = bands.least_precise(*(r.get("loss_dtype") for r in records), *compute)
+    grad_dtype = bands.least_precise(*(r.get("grad_dtype") for r in records), *compute)
     n = max([len(single["losses"])] + [len(r["losses"]) for r in ranks])
     rows = []
     for i in range(n):

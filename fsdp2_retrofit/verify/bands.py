@@ -92,7 +92,8 @@ def gradient_departure(index: int, single: dict, dist: dict) -> Optional[str]:
     (None where they agree at every step both recorded, or where they were not recorded)."""
     mine, theirs = single.get("param_grad_norms") or [], dist.get("param_grad_norms") or []
     totals = single.get("grad_norms") or []
-    rtol = max(PARAM_GRAD_RTOL, DTYPE_ULPS * EPS.get(least_precise(single.get("grad_dtype")) or "", 0.0))
+    dtype = least_precise(*(r.get(k) for r in (single, dist) for k in ("grad_dtype", "compute_dtype")))
+    rtol = max(PARAM_GRAD_RTOL, DTYPE_ULPS * EPS.get(dtype or "", 0.0))
     for step, (a_row, b_row) in enumerate(zip(mine, theirs)):
         if index >= len(a_row) or index >= len(b_row):
             return None

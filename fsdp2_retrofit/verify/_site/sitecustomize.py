@@ -68,9 +68,10 @@ shadows). With it:
   ``grad_dtype``): verify judges round-off by them.
 * With FSDP2_RETROFIT_VERIFY_DTYPE=float64, the run is made in float64 where the
   script lets it: the default dtype is float64 (the parameters and the floating
-  tensors it creates), ``Module.float()`` and ``Tensor.float()`` give float64, and
-  a module's floating inputs, parameters and buffers are cast to float64 before
-  its forward (not DTensors: a sharded parameter keeps the dtype it was sharded with).
+  tensors it creates), ``Module.float()`` and ``Tensor.float()`` give float64,
+  autocast is off, and a module's floating inputs, parameters and buffers are
+  cast to float64 before its forward (not DTensors: a sharded parameter keeps
+  the dtype it was sharded with).
 * Each rank registers faulthandler on SIGUSR1 (``stack_{pid}.txt``, every
   thread) and writes its pid (``pid_rank{r}.json``) and after each step its count
   (``progress_rank{r}.json``): where verify's timeout is hit, it asks each rank
@@ -124,6 +125,8 @@ def _install():
     _register_stack_dump(run.out_dir)
     if os.environ.get("FSDP2_RETROFIT_VERIFY_DTYPE") == "float64":
         _in_float64(torch)
+    if not run.timing:
+        _watch_compute_dtype(torch, run.state)
     _wrap_backward(torch, run.state)
     _wrap_grad_scaler(torch, run.state)
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -199,7 +202,7 @@ def _new_state():
         "lr_sums": {},  # id(optimizer) -> per param group, the sum of the learning rates of its steps
         "opt_steps": {},  # id(optimizer) -> the steps it took
         "param_grad_norms": [],  # per step: each primary-optimizer parameter's gradient norm
-        "dtypes": {"loss": None, "grad": None},  # the least precise dtype seen
+        "dtypes": {"loss": None, "grad": None, "compute": None},  # the least precise dtype seen
         "started": time.time(),
     }
 
@@ -481,6 +484,37 @@ def _param_names(params):
     return [names.get(id(p)) for p in params]
 
 
+def _watch_compute_dtype(torch, state):
+    """The least precise dtype a module's forward computed in: autocast's where it is on, else the
+    dtype of the module's parameters (a loss in float32 computed from bfloat16 activations is only
+    as precise as they are)."""
+
+    def autocast_dtypes():
+        for device in ("cpu", "cuda"):
+            try:
+                if torch.is_autocast_enabled(device):
+                    yield torch.get_autocast_dtype(device)
+            except Exception:  # an older torch: no device argument
+                pass
+
+    def note(module, args):
+        if state["done"]:
+            return
+        try:
+            dtype = state["dtypes"]["compute"]
+            for autocast in autocast_dtypes():
+                dtype = _least_precise(dtype, autocast)
+            for p in module._parameters.values():
+                if p is not None and p.is_floating_point():
+                    dtype = _least_precise(dtype, p.dtype)
+                    break
+            state["dtypes"]["compute"] = dtype
+        except Exception:
+            pass
+
+    torch.nn.modules.module.register_module_forward_pre_hook(note)
+
+
 # -- float64: the run made in double precision where the script lets it ---
 
 
@@ -506,6 +540,18 @@ def _in_float64(torch):
 
     torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
     torch.nn.Module.float = torch.nn.Module.double
+    try:  # autocast would compute the float64 model in bfloat16 or float16: it is turned off
+        from torch.amp.autocast_mode import autocast
+
+        original_init = autocast.__init__
+
+        def autocast_init(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            self._enabled = False
+
+        autocast.__init__ = autocast_init
+    except Exception:
+        pass
     original_float = torch.Tensor.float
 
     def tensor_float(self, *args, **kwargs):
@@ -679,6 +725,7 @@ def _write_record(state, out_dir, rank, reason, weights):
         "params": state.get("params", []),
         "loss_dtype": state["dtypes"]["loss"],
         "grad_dtype": state["dtypes"]["grad"],
+        "compute_dtype": state["dtypes"]["compute"],
         "dtype_mode": os.environ.get("FSDP2_RETROFIT_VERIFY_DTYPE") or "native",
         "micro_steps": state["micro_steps"],
         "step_seconds": [b - a for a, b in zip(state["step_ends"], state["step_ends"][1:])],

@@ -803,9 +803,13 @@ def test_to_end_a_failure_after_the_recorded_steps_is_the_runs_epilogue(tmp_path
                                            [True, "RuntimeError: rank 1 only"]))
     assert len(run.ranks) == 2
     assert run.epilogue == "it failed after the 1 recorded steps (exit code 1): rank 1: RuntimeError: rank 1 only"
-    hang = VerifyError("the run timed out after 10 s (a deadlock?)", "stderr tail")
+    hang = VerifyError("the run did not finish within 10 s and was killed: rank 1 (pid 7) still running, 1 step(s) "
+                       "done, at train.py:9 in main (waiting in torch.distributed). every rank still running was "
+                       "waiting in torch.distributed: a hang", "stderr tail")
     run = run_script(["x"], tmp_path, {}, 2, 10, "run", steps=1, to_end=True, launch=_to_end_launch(hang, [None, None]))
-    assert run.epilogue.startswith("it did not end within 10 s after the 1 recorded steps (a hang")
+    # the epilogue says what the ranks were doing (the timeout's diagnosis), not "a hang" on its own
+    assert run.epilogue.startswith("it did not end within 10 s after the 1 recorded steps: rank 1 (pid 7) still")
+    assert run.epilogue.endswith("waiting in torch.distributed: a hang")
     # without to_end the same failure is the run's failure
     with pytest.raises(VerifyError, match="exit code 1"):
         run_script(["x"], tmp_path, {}, 2, 10, "run", steps=1,

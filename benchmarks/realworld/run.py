@@ -25,6 +25,9 @@ from typing import Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT))
+from fsdp2_retrofit.verify import processes  # noqa: E402  (no torch: the run's processes, killed as a whole)
+
 SHIM = HERE / "shim"
 DATA_SCRIPT = HERE / "data.py"
 VERDICTS = ("parity", "trains", "flagged", "refused", "crash", "silently-wrong")
@@ -301,8 +304,15 @@ def verify_step(script: Script, src: Path, work: Path, run_files: Optional[Path]
     if script.seed is not False:
         env["REALWORLD_SEED"] = str(int(script.seed))
     env.update({k: str(v) for k, v in script.env.items()})
-    proc = subprocess.run([sys.executable, "-m", "fsdp2_retrofit", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=3 * script.timeout + 120)
+    # every process verify starts inherits the mark: on the harness's timeout (verify's own did not
+    # fire) or any other way out, none of them outlives this step, torchrun's ranks included
+    env, tag = processes.marked(env)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "fsdp2_retrofit", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=3 * script.timeout + 120,
+                              start_new_session=True)
+    finally:
+        processes.kill_run(None, tag)
     data = _json_or_none(report.read_text(encoding="utf-8")) if report.is_file() else None
     if data is None:
         data = {"exit_code": proc.returncode, "error": first_error_line(proc.stderr) or "verify wrote no report",

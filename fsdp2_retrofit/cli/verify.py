@@ -31,7 +31,18 @@ epochs the retrofit's samplers were set to); one the retrofit left unsplit
 shuffles as in the original. Equivalent: each step read the
 same number of samples in both runs (the global batch), every step's loss
 (single vs mean over ranks) and gradient norm agree within rel 1e-4 / abs 1e-5,
-and the final weights within --tolerance.
+and every element of the final weights within its band: --tolerance, or 2
+spacings of its dtype at its magnitude (bfloat16 11.0 vs 11.0625 agrees), or,
+after steps that all agree, the step bound of an optimizer that normalises its
+step (Adam moves an element at most ~lr a step, so round-off in a gradient that
+is zero in exact arithmetic, an attention key bias, becomes steps of up to lr).
+The verdict says which rule decided, and names parameters by qualified name.
+With --dtype float64 both runs are made in double precision where the scripts
+let them: round-off ~1e-16, nothing for an optimizer to amplify.
+
+A run that outlives --timeout is asked where each rank is (its stack) before
+every process of it is killed; it is called a hang only when the stacks show
+every rank waiting in torch.distributed.
 
 With --to-end, both scripts go on after the steps: the loaders they trained on
 yield nothing more, so each script reaches what it does after training (final
@@ -72,6 +83,10 @@ Examples:
               help="After the steps, run both scripts to their end and judge what the retrofit does after training.")
 @click.option("--tolerance", type=click.FloatRange(min=0), default=1e-4, show_default=True,
               help="Largest allowed max |difference| of the final weights.")
+@click.option("--dtype", type=click.Choice(["native", "float64"]), default="native", show_default=True,
+              help="float64: make both runs in double precision where the scripts let them (default dtype float64, "
+              "modules' inputs, parameters and buffers cast, .float() gives float64), so round-off is ~1e-16 and "
+              "no optimizer turns it into steps; a parameter the script keeps in another dtype is named.")
 @click.option("--per-rank-arg", "per_rank_args", multiple=True, metavar="NAME",
               help="A script option whose value is per rank in the distributed script (e.g. --batch-size): the "
               "single run gets it multiplied by --nproc (repeatable).")
@@ -87,18 +102,19 @@ Examples:
 @click.option("--python", default=sys.executable, show_default="this interpreter", metavar="PATH",
               help="The Python (with torch) that runs both scripts.")
 @click.option("--timeout", type=click.FloatRange(min=1), default=600, show_default=True,
-              help="Seconds each run may take (then it is killed: a deadlock).")
+              help="Seconds each run may take (then each rank's place is read and every process of the run killed).")
 @click.option("--run-files", type=click.Path(file_okay=False, exists=True, path_type=Path), metavar="DIR",
               help="Put each entry of DIR into both runs' working directories (input files the script opens "
               "by a relative path): copied, each run its own, up to 64 MiB in all; linked above that.")
 @click.pass_context
 def verify_command(ctx: click.Context, script, script_args, retrofitted, nproc, steps, to_end, tolerance,
-                   per_rank_args, json_path, keep_runs, reuse_single, python, timeout, run_files) -> None:
+                   dtype, per_rank_args, json_path, keep_runs, reuse_single, python, timeout, run_files) -> None:
     from fsdp2_retrofit.verify import VerifySettings, verify
 
     settings = VerifySettings(
         script=script, script_args=tuple(script_args), retrofitted=retrofitted, nproc=nproc, steps=steps,
         tolerance=tolerance, per_rank_args=tuple(per_rank_args), json_path=json_path, keep_runs=keep_runs,
         reuse_single=reuse_single, python=python, timeout=timeout, run_files=run_files, to_end=to_end,
+        dtype=dtype,
     )
     ctx.exit(verify(settings))

@@ -11,8 +11,14 @@ it never imports torch. The weights are compared by a small child script
 
 Equivalence: every step's loss (single vs the mean over ranks) and gradient
 norm agree within ``rel 1e-4 / abs 1e-5`` (fp32 reductions in another order
-differ by ~1e-7 relative), and the final weights within ``--tolerance``
-(max abs diff, default 1e-4, the execution tests' bound).
+differ by ~1e-7 relative), and every element of the final weights within its
+band, ``max(--tolerance, 2 spacings of its dtype)`` (max abs diff, default 1e-4,
+the execution tests' bound; bfloat16 is only known to its spacing), or after
+steps that all agree, within the step bound of an optimizer that normalises
+its step (``bands``: round-off Adam amplified). ``RULES`` names what decided.
+``--dtype float64`` makes both runs in double precision where the scripts let
+them. A run past its timeout is asked where each rank is, then every process
+of it is killed (``processes``).
 
 The same engine runs the execution tests (tests/test_execution.py,
 test_checkpoint.py) through its Python API: ``launch_single`` /
@@ -47,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+from fsdp2_retrofit.verify import bands, processes
+
 SITE_DIR = Path(__file__).resolve().parent / "_site"
 COMPARE_SCRIPT = SITE_DIR / "_fsdp2_verify_compare.py"
 
@@ -61,6 +69,9 @@ LOSS_RTOL = 1e-4
 LOSS_ATOL = 1e-5
 DEFAULT_TIMEOUT_S = 600
 DEFAULT_NOISE_RTOL = 0.1
+# --dtype: "native" runs the scripts as written; "float64" makes both runs in double precision where the
+# script lets it (round-off ~1e-16: no optimizer amplifies it into a visible step)
+DTYPES = ("native", "float64")
 
 # gloo's threads can abort a rank during interpreter shutdown, after the script finished
 TEARDOWN_ABORT = "terminate called without an active exception"
@@ -95,6 +106,7 @@ class VerifySettings:
     run_files: Optional[Path] = None  # entries linked into each run's working directory
     noise_rtol: float = DEFAULT_NOISE_RTOL
     to_end: bool = False  # after the steps, both scripts go on to their end (their epilogue is judged)
+    dtype: str = "native"  # "float64": both runs made in double precision where the scripts let them (DTYPES)
 
 
 # -- arguments ----------------------------------------------------------------
@@ -137,12 +149,14 @@ def _times(name: str, value: str, nproc: int) -> str:
 # -- comparison (pure: unit-tested without torch) ------------------------------
 
 
-def close(a: Optional[float], b: Optional[float], rtol: float, atol: float) -> bool:
+def close(a: Optional[float], b: Optional[float], rtol: float, atol: float, dtype: Optional[str] = None) -> bool:
+    """a and b agree within ``atol + rtol * |a|``, widened to DTYPE_ULPS spacings of ``dtype``
+    (the dtype the value was computed in: bfloat16's spacing at 11.0 is 0.0625)."""
     if a is None or b is None:
         return a is None and b is None
     if math.isnan(a) or math.isnan(b):
         return False
-    return abs(a - b) <= atol + rtol * abs(a)
+    return abs(a - b) <= max(atol + rtol * abs(a), bands.resolution(a, b, dtype))
 
 
 def mean_over_ranks(values: Sequence[Optional[float]]) -> Optional[float]:
@@ -182,7 +196,15 @@ class StepRow:
 
 
 def compare_steps(single: dict, ranks: Sequence[dict], rtol: float = LOSS_RTOL, atol: float = LOSS_ATOL) -> List[StepRow]:
-    """One row per optimizer step either run recorded; ``problem`` says why a step diverges."""
+    """One row per optimizer step either run recorded; ``problem`` says why a step diverges.
+
+    Losses and gradient norms are compared in the least precise dtype either run computed
+    them in (``loss_dtype``, ``grad_dtype`` of the records, and ``compute_dtype``, the least
+    precise a forward ran in: autocast's bfloat16 makes a float32 loss no more precise): see ``close``."""
+    records = [single, *ranks]
+    compute = [r.get("compute_dtype") for r in records]
+    loss_dtype = bands.least_precise(*(r.get("loss_dtype") for r in records), *compute)
+    grad_dtype = bands.least_precise(*(r.get("grad_dtype") for r in records), *compute)
     n = max([len(single["losses"])] + [len(r["losses"]) for r in ranks])
     rows = []
     for i in range(n):
@@ -197,9 +219,9 @@ def compare_steps(single: dict, ranks: Sequence[dict], rtol: float = LOSS_RTOL, 
             problem = "the single run stopped before this step"
         elif any(i >= len(r["losses"]) for r in ranks):
             problem = "the distributed run stopped before this step"
-        elif not close(s_loss, d_loss, rtol, atol):
+        elif not close(s_loss, d_loss, rtol, atol, loss_dtype):
             problem = f"loss {_fmt(s_loss)} (single) vs {_fmt(d_loss)} (mean over ranks)"
-        elif not close(s_norm, d_norm, rtol, atol):
+        elif not close(s_norm, d_norm, rtol, atol, grad_dtype):
             problem = f"gradient norm {_fmt(s_norm)} (single) vs {_fmt(d_norm)} (distributed)"
         rows.append(StepRow(i + 1, s_loss, d_loss, r_losses, s_norm, d_norm, problem))
     return rows
@@ -221,7 +243,10 @@ class WeightsResult:
     count_single: int
     count_dist: int
     problem: str = ""
-    worst_name: Optional[str] = None  # the saved files' key of the worst tensor
+    worst_name: Optional[str] = None  # the saved files' key, else the parameter's qualified name
+    rule: str = "tolerance"  # what decided: see RULES
+    rule_detail: str = ""  # the rule at work, in words (the parameter it spared, its bound)
+    first_over: Optional[dict] = None  # the first element of the failing tensor outside its band
 
     def as_json(self, tolerance: float) -> dict:
         return {
@@ -231,15 +256,83 @@ class WeightsResult:
             "worst_name": self.worst_name,
             "tensors": [self.count_single, self.count_dist],
             "tolerance": tolerance,
+            "rule": self.rule,
+            "rule_detail": self.rule_detail or None,
+            "first_over": self.first_over,
             "problem": self.problem or None,
         }
 
 
-def compare_weights(summary: dict, tolerance: float) -> WeightsResult:
-    """Judge the compare script's output: same tensors, same shapes, max abs diff within tolerance.
+# which rule judged the weights: every element within --tolerance; within DTYPE_ULPS spacings of its dtype
+# (bfloat16, float16); or off by at most the optimizer's step bound after steps that all agree (round-off
+# a normalising optimizer such as Adam turned into steps of up to its learning rate)
+RULES = ("tolerance", "dtype resolution", "optimizer step bound")
+
+
+@dataclass
+class RoundOff:
+    """What the weights' comparison may use to tell round-off from divergence: each parameter's
+    record (name, optimizer, learning rates, dtype; the instrumentation's ``params``), both runs'
+    records (their per-parameter gradient norms) and whether every step agreed."""
+
+    params: Sequence[dict] = ()
+    single: Optional[dict] = None
+    dist: Optional[dict] = None
+    steps_agree: bool = False
+
+
+def _within_band(row: dict, tolerance: float) -> bool:
+    if "over" in row:  # the compare script measured each element against max(tolerance, ulps * spacing)
+        return row["over"] == 0
+    return row["max_abs_diff"] <= tolerance and not math.isnan(row["max_abs_diff"])
+
+
+def _spared_by_the_optimizer(row: dict, context: Optional[RoundOff]) -> Optional[str]:
+    """Why a tensor outside its band is round-off an optimizer amplified (None: it is not)."""
+    index, diff = row.get("index"), row["max_abs_diff"]
+    if context is None or not context.steps_agree or "name" in row or index is None or index >= len(context.params):
+        return None
+    info = context.params[index]
+    bound = bands.step_bound(info)
+    if bound is None or math.isnan(diff) or diff > bound:
+        return None
+    if context.single is not None and context.dist is not None and \
+            bands.gradient_departure(index, context.single, context.dist) is not None:
+        return None
+    return f"{bands.param_name(row, context.params)} off by {diff:.3e}: {bands.describe_bound(info)}"
+
+
+def _weights_problem(row: dict, tolerance: float, context: Optional[RoundOff], failing: int) -> str:
+    params = context.params if context else ()
+    diff, over = row["max_abs_diff"], row.get("first_over")
+    allowed = over["allowed"] if over else tolerance
+    dtype = f", {row['dtype']}" if row.get("dtype") and row["dtype"] != "float32" else ""
+    text = (f"final weights differ by {diff:.3e} > {allowed:g} ({bands.param_name(row, params)}, "
+            f"shape {tuple(row['shape_single'])}{dtype})")
+    if over:
+        text += (f"; first element off the band at {list(over['index'])}: {over['single']:.6g} (single) vs "
+                 f"{over['dist']:.6g} (distributed), {row['over']} element(s) off")
+    index = row.get("index")
+    if context is not None and context.single is not None and context.dist is not None and "name" not in row \
+            and index is not None:
+        departure = bands.gradient_departure(index, context.single, context.dist)
+        if departure:
+            text += f"; its gradient first differed at {departure}"
+        elif context.steps_agree and index < len(params) and bands.step_bound(params[index]) is not None:
+            text += f"; beyond the optimizer's step bound ({bands.describe_bound(params[index])})"
+    if failing > 1:
+        text += f"; {failing} tensors off in all"
+    return text
+
+
+def compare_weights(summary: dict, tolerance: float, context: Optional[RoundOff] = None) -> WeightsResult:
+    """Judge the compare script's output: same tensors, same shapes, every element within its band
+    (``max(tolerance, DTYPE_ULPS spacings of its dtype)`` where the compare script measured bands,
+    else max abs diff within tolerance), or with ``context``, off by at most the optimizer's step
+    bound after steps that all agree (``bands.step_bound``).
 
     Rows with a ``name`` (the saved files, compared by key) are named by it, the
-    instrumentation's weight lists by their index."""
+    instrumentation's weight lists by the parameters' qualified names (``context``), else index."""
     if "error" in summary:
         return WeightsResult(False, None, None, 0, 0, f"the saved weights: {summary['error']}")
     n_single, n_dist = summary["count"]
@@ -252,23 +345,42 @@ def compare_weights(summary: dict, tolerance: float) -> WeightsResult:
     if n_single != n_dist:
         return WeightsResult(False, None, None, n_single, n_dist,
                              f"the optimizers hold {n_single} tensors in the single run, {n_dist} in the distributed run")
+    params = context.params if context else ()
 
-    def what(row: dict) -> str:
-        return repr(row["name"]) if "name" in row else f"parameter {row['index']}"
+    def name_of(row: dict) -> Optional[str]:
+        label = bands.param_name(row, params)
+        return label[1:-1] if label.startswith("'") else None
 
     for row in rows:
         if row["max_abs_diff"] is None:
             return WeightsResult(False, None, row["index"], n_single, n_dist,
-                                 f"{what(row)}: shape {tuple(row['shape_single'])} (single) vs "
-                                 f"{tuple(row['shape_dist'])} (distributed)", row.get("name"))
+                                 f"{bands.param_name(row, params)}: shape {tuple(row['shape_single'])} (single) vs "
+                                 f"{tuple(row['shape_dist'])} (distributed)", name_of(row))
     if not rows:
         return WeightsResult(True, 0.0, None, n_single, n_dist)
-    worst = max(rows, key=lambda r: r["max_abs_diff"])
-    diff = worst["max_abs_diff"]
-    ok = diff <= tolerance and not math.isnan(diff)
-    problem = "" if ok else (f"final weights differ by {diff:.3e} > {tolerance:g} ({what(worst)}, "
-                             f"shape {tuple(worst['shape_single'])})")
-    return WeightsResult(ok, diff, worst["index"], n_single, n_dist, problem, worst.get("name"))
+    worst = max(rows, key=lambda r: (math.isnan(r["max_abs_diff"]), r["max_abs_diff"]))
+    outside = [r for r in rows if not _within_band(r, tolerance)]
+    spared = {id(r): _spared_by_the_optimizer(r, context) for r in outside}
+    failing = [r for r in outside if spared[id(r)] is None]
+    if failing:
+        bad = max(failing, key=lambda r: (math.isnan(r["max_abs_diff"]), r["max_abs_diff"]))
+        return WeightsResult(False, bad["max_abs_diff"], bad["index"], n_single, n_dist,
+                             _weights_problem(bad, tolerance, context, len(failing)), name_of(bad),
+                             rule="optimizer step bound" if any(spared.values()) else "tolerance",
+                             first_over=bad.get("first_over"))
+    if outside:
+        spared_rows = sorted(outside, key=lambda r: -r["max_abs_diff"])
+        rule, detail = "optimizer step bound", "; ".join(spared[id(r)] for r in spared_rows[:3])
+        if len(spared_rows) > 3:
+            detail += f"; {len(spared_rows) - 3} more"
+    elif worst["max_abs_diff"] > tolerance:
+        rule = "dtype resolution"
+        detail = (f"{bands.param_name(worst, params)} ({worst.get('dtype')}) off by {worst['max_abs_diff']:.3e}, "
+                  f"{worst.get('max_ulps', 0):.3g} spacings of its dtype (at most {bands.DTYPE_ULPS} allowed)")
+    else:
+        rule, detail = "tolerance", ""
+    return WeightsResult(True, worst["max_abs_diff"], worst["index"], n_single, n_dist, "", name_of(worst),
+                         rule=rule, rule_detail=detail)
 
 
 def compare_rank_weights(summaries: Sequence[Tuple[int, dict]]) -> WeightsResult:
@@ -420,7 +532,7 @@ class Verdict:
             return f"not comparable: the global batch differs at {self.global_batch}"
         first = self.first_divergence
         if first is not None:
-            return f"diverged at step {first.step}: {first.problem}"
+            return f"diverged at step {first.step}: {first.problem}{self._weights_hint()}"
         if self.epilogue is not None:
             return f"the retrofit failed after training: {self.epilogue}"
         if not self.weight_results:
@@ -431,9 +543,16 @@ class Verdict:
         if self.ranks_disagree:
             return f"diverged: {self.rank_weights.problem}"  # type: ignore[union-attr]
         steps = f"{len(self.rows)} steps agree" if self.judge_steps else "steps not compared"
-        within = ", ".join(f"{label} within {w.max_abs_diff:.3e}" for label, w in
+        within = ", ".join(f"{label} within {w.max_abs_diff:.3e} (rule: {w.rule})" for label, w in
                            (("final weights", self.weights), ("saved weights", self.saved)) if w is not None)
         return f"equivalent: {steps}, {within}"
+
+    def _weights_hint(self) -> str:
+        """After a diverging step: where the final weights ended furthest apart, by name."""
+        w = self.weights
+        if w is None or w.ok or w.max_abs_diff is None or w.worst_name is None:
+            return ""
+        return f"; the final weights differ most in {w.worst_name!r} (by {w.max_abs_diff:.3e})"
 
 
 # -- the terminal chart ----------------------------------------------------------
@@ -506,7 +625,7 @@ TEARDOWN_RETRIES = 2
 
 def _child_env(record_dir: Path, steps: int, mode: str, extra_path: Sequence[str] = (),
                instrument: bool = True, sampler: Optional[bool] = None, epochs: Sequence[int] = (),
-               to_end: bool = False, timing: bool = False) -> dict:
+               to_end: bool = False, timing: bool = False, dtype: str = "native") -> dict:
     """The child's environment. ``mode``: "single" (one process) or "dist" (torchrun:
     only the workers record). ``sampler`` defaults to on for "single"; a run with
     neither instrumentation nor sampler gets no verify variable at all. ``epochs``: the
@@ -528,6 +647,8 @@ def _child_env(record_dir: Path, steps: int, mode: str, extra_path: Sequence[str
             env["FSDP2_RETROFIT_VERIFY_TO_END"] = "1"
         if timing:
             env["FSDP2_RETROFIT_VERIFY_TIMING"] = "1"
+        if dtype != "native":
+            env["FSDP2_RETROFIT_VERIFY_DTYPE"] = dtype
     if sampler:
         env["FSDP2_RETROFIT_VERIFY_SAMPLER"] = "1"
         if epochs:
@@ -539,17 +660,26 @@ def _child_env(record_dir: Path, steps: int, mode: str, extra_path: Sequence[str
 
 
 def _launch(cmd: List[str], env: dict, cwd: Path, timeout: float, what: str) -> Tuple[int, str]:
-    """Run cmd in its own session (torchrun's workers die with it on timeout); stdout passes
-    through to a log file; returns (exit code, stderr text)."""
+    """Run cmd in its own session, its processes marked (processes.MARK); stdout passes through to a
+    log file; returns (exit code, stderr text). On a timeout, each rank is asked where it is before
+    every process of the run is killed (torchrun's workers run in sessions of their own); no process
+    of the run outlives this call, however it ends."""
+    env, tag = processes.marked(env)
     with open(cwd / "stdout.log", "wb") as out, open(cwd / "stderr.log", "wb") as err:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            places = processes.where_ranks_are(cwd, processes.run_processes(proc.pid, tag))
+            processes.kill_run(proc.pid, tag)
             proc.wait()
-            raise VerifyError(f"the {what} timed out after {timeout:.0f} s (a deadlock?)",
+            diagnosis = processes.timeout_diagnosis(places)
+            raise VerifyError(f"the {what} did not finish within {timeout:.0f} s and was killed: {diagnosis}",
                               _tail((cwd / "stderr.log").read_text(errors="replace"))) from None
+        finally:
+            processes.kill_run(proc.pid, tag)  # a rank its launcher left behind, or an interrupted wait
+            if proc.poll() is None:
+                proc.wait()
     return rc, (cwd / "stderr.log").read_text(errors="replace")
 
 
@@ -665,7 +795,9 @@ def run_script(cmd: List[str], directory: Path, env: dict, nproc: int, timeout: 
     """
     directory.mkdir(parents=True, exist_ok=True)
     if instrument:  # a record left by an earlier run in this folder must not stand for this one's
-        for stale in [*directory.glob("rank*.json"), *directory.glob("exit_rank*.json")]:
+        for stale in [*directory.glob("rank*.json"), *directory.glob("exit_rank*.json"),
+                      *directory.glob("pid_rank*.json"), *directory.glob("progress_rank*.json"),
+                      *directory.glob("stack_*.txt")]:
             stale.unlink()
     with tempfile.TemporaryDirectory(prefix="fsdp2-verify-before-") as tmp:
         snapshot = Path(tmp) / "before"
@@ -677,8 +809,8 @@ def run_script(cmd: List[str], directory: Path, env: dict, nproc: int, timeout: 
             except VerifyError as exc:
                 if not (to_end and instrument and _recorded_steps(directory, nproc)):
                     raise
-                epilogue = (f"it did not end within {timeout:.0f} s after the {steps} recorded steps (a hang: a "
-                            f"collective that not every rank reaches?)")
+                epilogue = f"it did not end within {timeout:.0f} s after the {steps} recorded steps: " + \
+                    exc.message.split(" and was killed: ", 1)[-1]
                 rc, stderr = 0, exc.detail
                 break
             if rc == 0:
@@ -728,7 +860,7 @@ def _single_meta(settings: VerifySettings, args: List[str], epochs: Sequence[int
 def run_single(settings: VerifySettings, args: List[str], directory: Path, epochs: Sequence[int] = ()) -> Run:
     link_run_files(settings.run_files, directory)
     run = launch_single(settings.script, args, directory, steps=settings.steps, python=settings.python,
-                        timeout=settings.timeout, epochs=epochs, to_end=settings.to_end)
+                        timeout=settings.timeout, epochs=epochs, to_end=settings.to_end, dtype=settings.dtype)
     (directory / "meta.json").write_text(json.dumps(_single_meta(settings, args, epochs)), encoding="utf-8")
     return run
 
@@ -766,7 +898,7 @@ def run_distributed(settings: VerifySettings, script: Path, directory: Path, imp
         script, settings.script_args, directory, nproc=settings.nproc, steps=settings.steps, python=settings.python,
         timeout=settings.timeout, extra_path=[*import_root, str(settings.script.resolve().parent)],
         what=f"distributed run of {settings.retrofitted or 'the retrofit'} (torchrun, {settings.nproc} ranks)",
-        to_end=settings.to_end)
+        to_end=settings.to_end, dtype=settings.dtype)
 
 
 # -- the engine's API: one run of each kind, then compare --------------------
@@ -778,7 +910,8 @@ def run_distributed(settings: VerifySettings, script: Path, directory: Path, imp
 
 def launch_single(script: Path, args: Sequence[str], directory: Path, *, steps: int = 0, python: str = sys.executable,
                   timeout: float = DEFAULT_TIMEOUT_S, instrument: bool = True, sampler: bool = True,
-                  what: str = "", epochs: Sequence[int] = (), to_end: bool = False, timing: bool = False) -> Run:
+                  what: str = "", epochs: Sequence[int] = (), to_end: bool = False, timing: bool = False,
+                  dtype: str = "native") -> Run:
     """Run ``script`` with ``python`` in one process, in ``directory``.
 
     ``steps`` 0: to the end of the script, else stop after that many optimizer
@@ -790,7 +923,7 @@ def launch_single(script: Path, args: Sequence[str], directory: Path, *, steps: 
     records time each step and hold no gradient norms or weights (benchmarks/gpu).
     """
     env = _child_env(directory, steps, "single", instrument=instrument, sampler=sampler, epochs=epochs,
-                     to_end=to_end, timing=timing)
+                     to_end=to_end, timing=timing, dtype=dtype)
     cmd = [python, str(Path(script).resolve()), *args]
     return run_script(cmd, directory, env, 1, timeout, what or f"single-process run of {script}", steps=steps,
                       instrument=instrument, to_end=to_end)
@@ -799,11 +932,11 @@ def launch_single(script: Path, args: Sequence[str], directory: Path, *, steps: 
 def launch_distributed(script: Path, args: Sequence[str], directory: Path, *, nproc: int = DEFAULT_NPROC,
                        steps: int = 0, python: str = sys.executable, timeout: float = DEFAULT_TIMEOUT_S,
                        extra_path: Sequence[str] = (), what: str = "", to_end: bool = False,
-                       timing: bool = False) -> Run:
+                       timing: bool = False, dtype: str = "native") -> Run:
     """Run ``script`` under ``torchrun --standalone --nproc_per_node nproc`` (the
     entry point of ``python``, so the workers use its torch), in ``directory``;
     ``steps`` as for launch_single."""
-    env = _child_env(directory, steps, "dist", extra_path, to_end=to_end, timing=timing)
+    env = _child_env(directory, steps, "dist", extra_path, to_end=to_end, timing=timing, dtype=dtype)
     cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(Path(script).resolve()), *args]
     return run_script(cmd, directory, env, nproc, timeout, what or f"distributed run of {script} ({nproc} ranks)",
@@ -832,7 +965,8 @@ def compare_saved(single: Path, dist: Path, keys: Sequence[str] = (), tolerance:
     for path in (single, dist):
         if not Path(path).exists():
             return WeightsResult(False, None, None, 0, 0, f"the saved weights: {path} does not exist")
-    spec = {"single": str(single), "dist": str(dist), "keys": list(keys), "single_prefix": single_prefix}
+    spec = {"single": str(single), "dist": str(dist), "keys": list(keys), "single_prefix": single_prefix,
+            "band": _band(tolerance)}
     proc = subprocess.run([python, str(COMPARE_SCRIPT), "--saved", json.dumps(spec)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise VerifyError(f"comparing the saved weights {single} and {dist} failed", _tail(proc.stderr))
@@ -853,11 +987,22 @@ def compare_runs(single: Run, dist: Run, *, tolerance: float = DEFAULT_WEIGHT_TO
     rows = compare_steps(record, dist.ranks, loss_rtol, loss_atol)
     weights = None
     if single.weights is not None and dist.weights is not None:
-        weights = compare_weight_files(python, single.weights, dist.weights, tolerance)
+        other = dist.ranks[0] if dist.ranks else {}
+        context = RoundOff(merged_params(record, other), record, other,
+                           steps_agree=judge_steps and bool(rows) and not any(r.problem for r in rows))
+        weights = compare_weight_files(python, single.weights, dist.weights, tolerance, context)
     elif saved is None:
         missing = "single" if single.weights is None else "distributed"
         notes.append(f"the {missing} run recorded no final weights (it ended without the ranks together)")
     return Verdict(rows, weights, record, dist.ranks, notes, saved=saved, judge_steps=judge_steps)
+
+
+def merged_params(single: dict, dist: dict) -> List[dict]:
+    """The single run's record of each parameter, named by the distributed run where it had no name."""
+    mine, theirs = single.get("params") or [], dist.get("params") or []
+    if len(mine) != len(theirs):
+        return list(mine)
+    return [{**a, "name": a.get("name") or b.get("name")} for a, b in zip(mine, theirs)]
 
 
 @dataclass
@@ -888,15 +1033,21 @@ def trains(run: Run, min_drop: float) -> TrainsResult:
     return loss_falls(reference_record(run)["losses"], min_drop)
 
 
-def _weight_summary(python: str, single: Path, dist: Path) -> dict:
-    proc = subprocess.run([python, str(COMPARE_SCRIPT), str(single), str(dist)], capture_output=True, text=True)
+def _band(tolerance: float) -> dict:
+    return {"tolerance": tolerance, "ulps": bands.DTYPE_ULPS if tolerance > 0 else 0}
+
+
+def _weight_summary(python: str, single: Path, dist: Path, tolerance: float) -> dict:
+    band = json.dumps(_band(tolerance))
+    proc = subprocess.run([python, str(COMPARE_SCRIPT), str(single), str(dist), band], capture_output=True, text=True)
     if proc.returncode != 0:
         raise VerifyError("comparing the final weights failed", _tail(proc.stderr))
     return json.loads(proc.stdout)
 
 
-def compare_weight_files(python: str, single: Path, dist: Path, tolerance: float) -> WeightsResult:
-    return compare_weights(_weight_summary(python, single, dist), tolerance)
+def compare_weight_files(python: str, single: Path, dist: Path, tolerance: float,
+                         context: Optional[RoundOff] = None) -> WeightsResult:
+    return compare_weights(_weight_summary(python, single, dist, tolerance), tolerance, context)
 
 
 def compare_initial_weights(python: str, single: Run, dist: Run, tolerance: float) -> Optional[WeightsResult]:
@@ -908,7 +1059,9 @@ def compare_initial_weights(python: str, single: Run, dist: Run, tolerance: floa
     files = [run.directory / "initial.pt" for run in (single, dist)]
     if not all(path.is_file() for path in files):
         return None
-    result = compare_weights(_weight_summary(python, *files), tolerance)
+    record = reference_record(single) if single.ranks else {}
+    context = RoundOff(params=merged_params(record, dist.ranks[0] if dist.ranks else {}))
+    result = compare_weights(_weight_summary(python, *files, tolerance), tolerance, context)
     if not result.ok:
         result.problem = result.problem.replace("final weights differ", "the weights before the first step differ")
     return result
@@ -921,7 +1074,7 @@ def compare_rank_weight_files(python: str, dist: Run, nproc: int) -> Optional[We
     files = [(r, dist.directory / f"weights_rank{r}.pt") for r in range(1, nproc)]
     if not files or not all(path.is_file() for _, path in files):
         return None
-    return compare_rank_weights([(r, _weight_summary(python, dist.weights, path)) for r, path in files])
+    return compare_rank_weights([(r, _weight_summary(python, dist.weights, path, 0.0)) for r, path in files])
 
 
 # -- the retrofit -------------------------------------------------------------
@@ -997,6 +1150,7 @@ def verify(settings: VerifySettings, console=None) -> int:
 
     console = console or Console(highlight=False)
     root, cleanup = None, False
+    previous = _exit_on_sigterm()
     try:
         try:
             _needs_torch(settings.python)
@@ -1016,8 +1170,24 @@ def verify(settings: VerifySettings, console=None) -> int:
             _write_json(settings.json_path, report_json(verdict, settings))
         return verdict.exit_code
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if cleanup and root is not None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _exit_on_sigterm():
+    """A SIGTERM (a harness's timeout) ends verify as an exception would, so the run it is waiting for
+    is killed whole on the way out (_launch); returns the handler it replaced (None: not the main thread)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def leave(signum, frame):
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, leave)
 
 
 def _needs_torch(python: str) -> None:
@@ -1048,6 +1218,40 @@ def _work_root(settings: VerifySettings) -> Tuple[Path, bool]:
 
 
 def _run_and_compare(settings: VerifySettings, root: Path) -> Verdict:
+    try:
+        verdict = _run_and_compare_runs(settings, root)
+    except VerifyError as exc:
+        if settings.dtype != "float64" or "did not finish within" in exc.message:
+            raise
+        raise VerifyError(f"{exc.message}; with --dtype float64: the script may not run in float64 "
+                          f"(verify casts the default dtype, .float() and each module's inputs, parameters and "
+                          f"buffers, not every tensor the script makes in float32 itself); run without --dtype "
+                          f"float64 to compare it as written", exc.detail) from None
+    if settings.dtype == "float64":
+        verdict.notes.extend(float64_notes(verdict.single, verdict.ranks))
+    return verdict
+
+
+def float64_notes(single: dict, ranks: Sequence[dict]) -> List[str]:
+    """Under --dtype float64, what stayed in a lower precision (the script set its dtype itself):
+    those parameters, losses and gradients are judged at their own dtype's resolution."""
+    notes = []
+    for label, record in (("the single run", single), ("the distributed run", ranks[0] if ranks else {})):
+        params = record.get("params") or []
+        lower = [p for p in params if p.get("dtype") not in (None, "float64")]
+        if lower:
+            names = ", ".join(f"{p.get('name') or '?'} ({p.get('dtype')})" for p in lower[:3])
+            notes.append(f"--dtype float64: {len(lower)} of {len(params)} parameters of {label} stayed in a lower "
+                         f"precision ({names}{', ...' if len(lower) > 3 else ''}): judged at their dtype")
+        for what in ("loss", "grad"):
+            dtype = record.get(f"{what}_dtype")
+            if dtype not in (None, "float64"):
+                notes.append(f"--dtype float64: {label} computed its {'loss' if what == 'loss' else 'gradients'} "
+                             f"in {dtype}")
+    return notes
+
+
+def _run_and_compare_runs(settings: VerifySettings, root: Path) -> Verdict:
     if not settings.script.is_file():
         raise VerifyError(f"{settings.script}: no such file")
     if settings.retrofitted is not None and not settings.retrofitted.is_file():
@@ -1112,6 +1316,7 @@ def report_json(verdict: Verdict, settings: VerifySettings) -> dict:
         "retrofitted": str(settings.retrofitted) if settings.retrofitted else None,
         "nproc": settings.nproc,
         "steps_requested": settings.steps,
+        "dtype": settings.dtype,
         "tolerance": {"weights_max_abs": settings.tolerance, "loss_rtol": settings.loss_rtol,
                       "loss_atol": settings.loss_atol},
         "first_diverging_step": first.step if first else None,
@@ -1186,7 +1391,12 @@ def render(verdict: Verdict, settings: VerifySettings, console) -> None:
         w = verdict.weights
         value = "-" if w.max_abs_diff is None else f"{w.max_abs_diff:.3e}"
         console.print(f"final weights: {w.count_single} tensors, max |single - distributed| = {value} "
-                      f"(tolerance {settings.tolerance:g})", markup=False)
+                      f"(tolerance {settings.tolerance:g}, or {bands.DTYPE_ULPS} spacings of the dtype; "
+                      f"rule: {w.rule})", markup=False)
+        if w.rule_detail:
+            console.print(f"  {w.rule}: {w.rule_detail}", markup=False)
+        if not w.ok and w.problem:
+            console.print(f"  {w.problem}", markup=False)
     if verdict.saved is not None and verdict.saved.max_abs_diff is not None:
         console.print(f"saved weights: {verdict.saved.count_single} tensors, max |single - distributed| = "
                       f"{verdict.saved.max_abs_diff:.3e} (tolerance {settings.tolerance:g})", markup=False)

@@ -3,11 +3,17 @@
 Run by `fsdp2-retrofit verify` in a child process (the tool itself never
 imports torch), two ways:
 
-``python _fsdp2_verify_compare.py SINGLE.pt DIST.pt``
+``python _fsdp2_verify_compare.py SINGLE.pt DIST.pt [BAND_JSON]``
     the weight lists the verify instrumentation wrote (tensors in
     ``param_groups`` order). Prints ``{"count": [n_single, n_dist], "tensors":
-    [{"index", "shape_single", "shape_dist", "max_abs_diff"}...]}``;
-    ``max_abs_diff`` is null where the shapes differ.
+    [{"index", "shape_single", "shape_dist", "dtype", "max_abs_diff"}...]}``;
+    ``max_abs_diff`` is null where the shapes differ. With BAND_JSON
+    (``{"tolerance": T, "ulps": U}``), each row also says how many elements lie
+    outside the band ``max(T, U * ulp)`` (``over``; ulp: the spacing of the
+    tensor's dtype at the larger magnitude of the two), the first of them in
+    row-major order (``first_over``: index, both values, the difference, the
+    allowed difference), the largest difference in ulps (``max_ulps``) and
+    where the largest difference is (``worst``).
 
 ``python _fsdp2_verify_compare.py --saved SPEC_JSON``
     the files the scripts saved themselves (a ``torch.save`` file or a DCP
@@ -26,23 +32,56 @@ import tempfile
 import torch
 
 
-def main(single_path, dist_path):
+def main(single_path, dist_path, band=None):
     # written moments ago by the verify run itself
     a = torch.load(single_path, map_location="cpu", weights_only=True)
     b = torch.load(dist_path, map_location="cpu", weights_only=True)
     rows = []
     for i, (x, y) in enumerate(zip(a, b)):
-        rows.append(_row(i, x, y))
+        rows.append(_row(i, x, y, band=band))
     json.dump({"count": [len(a), len(b)], "tensors": rows}, sys.stdout)
 
 
-def _row(i, x, y, name=None):
-    row = {"index": i, "shape_single": list(x.shape), "shape_dist": list(y.shape), "max_abs_diff": None}
+def _row(i, x, y, name=None, band=None):
+    row = {"index": i, "shape_single": list(x.shape), "shape_dist": list(y.shape), "max_abs_diff": None,
+           "dtype": str(x.dtype).replace("torch.", "")}
     if name is not None:
         row["name"] = name
     if x.shape == y.shape:
         row["max_abs_diff"] = float((x.double() - y.double()).abs().max().item()) if x.numel() else 0.0
+        if band is not None:
+            row.update(_band(x, y, band["tolerance"], band["ulps"]))
     return row
+
+
+def ulp(magnitude, dtype):
+    """The spacing of ``dtype``'s values at each ``magnitude`` (a float64 tensor)."""
+    info = torch.finfo(dtype)
+    _, exponent = torch.frexp(magnitude.clamp(min=info.tiny))
+    return torch.ldexp(torch.full_like(magnitude, info.eps), exponent - 1)
+
+
+def _band(x, y, tolerance, ulps):
+    """The elements outside ``max(tolerance, ulps * ulp)``: how many, the first, the worst."""
+    if not x.numel():
+        return {"over": 0, "max_ulps": 0.0}
+    a, b = x.detach().double().flatten(), y.detach().double().flatten()
+    diff = (a - b).abs()
+    floating = x.is_floating_point() and y.is_floating_point()
+    spacing = ulp(torch.maximum(a.abs(), b.abs()), x.dtype) if floating else torch.ones_like(diff)
+    allowed = (ulps * spacing).clamp(min=tolerance) if floating else torch.full_like(diff, tolerance)
+    outside = ~(diff <= allowed)  # a NaN is outside
+    out = {"over": int(outside.sum().item()), "max_ulps": float((diff / spacing).max().item())}
+
+    def element(k):
+        index = [int(v) for v in torch.unravel_index(torch.tensor(k), tuple(x.shape))] if x.dim() else []
+        return {"index": index, "single": float(a[k]), "dist": float(b[k]), "diff": float(diff[k]),
+                "allowed": float(allowed[k])}
+
+    if out["over"]:
+        out["first_over"] = element(int(outside.nonzero()[0, 0]))
+    out["worst"] = element(int(torch.nan_to_num(diff, nan=float("inf")).argmax()))
+    return out
 
 
 def load_saved(path):
@@ -102,7 +141,8 @@ def compare_saved(spec):
             return {"error": f"single_prefix {prefix!r}: the single run's {unprefixed[0]!r} does not start with it"}
         single = {k[len(prefix):]: v for k, v in single.items()}
     names = sorted(set(single) & set(dist))
-    rows = [_row(i, single[n], dist[n], name=n) for i, n in enumerate(names)]
+    band = spec.get("band")
+    rows = [_row(i, single[n], dist[n], name=n, band=band) for i, n in enumerate(names)]
     return {"count": [len(single), len(dist)], "tensors": rows,
             "only_single": sorted(set(single) - set(dist)), "only_dist": sorted(set(dist) - set(single))}
 
@@ -111,4 +151,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "--saved":
         json.dump(compare_saved(json.loads(sys.argv[2])), sys.stdout)
     else:
-        main(sys.argv[1], sys.argv[2])
+        main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else None)

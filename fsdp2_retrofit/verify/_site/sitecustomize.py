@@ -59,6 +59,24 @@ shadows). With it:
   installed on its own too, without FSDP2_RETROFIT_VERIFY_DIR (a reference run
   that should not be instrumented).
 
+* Each parameter the optimizers train is named (``param_names``: its qualified
+  name in the module that holds it, wrappers' parts such as DDP's ``module.``
+  dropped) and described (``params``: its optimizer's class, the sum of the
+  learning rates of the steps it took, its dtype); the primary optimizer's
+  parameters' gradient norms are recorded per step (``param_grad_norms``), and
+  the least precise dtype of the losses and gradients (``loss_dtype``,
+  ``grad_dtype``): verify judges round-off by them.
+* With FSDP2_RETROFIT_VERIFY_DTYPE=float64, the run is made in float64 where the
+  script lets it: the default dtype is float64 (the parameters and the floating
+  tensors it creates), ``Module.float()`` and ``Tensor.float()`` give float64,
+  autocast is off, and a module's floating inputs, parameters and buffers are
+  cast to float64 before its forward (not DTensors: a sharded parameter keeps
+  the dtype it was sharded with).
+* Each rank registers faulthandler on SIGUSR1 (``stack_{pid}.txt``, every
+  thread) and writes its pid (``pid_rank{r}.json``) and after each step its count
+  (``progress_rank{r}.json``): where verify's timeout is hit, it asks each rank
+  where it is before it kills the run.
+
 Self-contained on purpose: the child may run another interpreter than the
 tool, so nothing here imports fsdp2_retrofit.
 """
@@ -104,6 +122,11 @@ def _install():
     import torch
 
     run = _Run()
+    _register_stack_dump(run.out_dir)
+    if os.environ.get("FSDP2_RETROFIT_VERIFY_DTYPE") == "float64":
+        _in_float64(torch)
+    if not run.timing:
+        _watch_compute_dtype(torch, run.state)
     _wrap_backward(torch, run.state)
     _wrap_grad_scaler(torch, run.state)
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -176,6 +199,10 @@ def _new_state():
         "uncaught": None,  # an exception that ended the script (sys.excepthook saw it)
         "exit_status": None,  # what the script gave sys.exit, if it called it
         "grouped": False,  # this process started or ended a process group
+        "lr_sums": {},  # id(optimizer) -> per param group, the sum of the learning rates of its steps
+        "opt_steps": {},  # id(optimizer) -> the steps it took
+        "param_grad_norms": [],  # per step: each primary-optimizer parameter's gradient norm
+        "dtypes": {"loss": None, "grad": None, "compute": None},  # the least precise dtype seen
         "started": time.time(),
     }
 
@@ -202,6 +229,7 @@ class _Run:
             state["primary"] = optimizer
         if self.timing:  # the step is counted and timed (post_hook), nothing gathered or reduced here
             return
+        _note_step_sizes(state, optimizer)
         if all(o is not optimizer for o in state["optimizers"]):
             state["optimizers"].append(optimizer)
             # the weights this optimizer starts from, before its first update, of the
@@ -212,7 +240,10 @@ class _Run:
             state["seen"].update(id(p) for p in fresh)
             state["initial"].extend(_gather_params(fresh))
         if optimizer is state["primary"]:
-            state["grad_norms"].append(_grad_norm(optimizer))
+            total, norms, dtype = _grad_norm(optimizer)
+            state["grad_norms"].append(total)
+            state["param_grad_norms"].append(norms if len(norms) <= MAX_NAMED_PARAMS else [])
+            state["dtypes"]["grad"] = _least_precise(state["dtypes"]["grad"], dtype)
 
     def post_hook(self, optimizer, args, kwargs):
         import time
@@ -230,6 +261,8 @@ class _Run:
         state["micro_steps"].append(state["pending_micro"])
         state["samples"].append(state["pending_samples"])
         state["pending_loss"], state["pending_micro"], state["pending_samples"] = None, 0, 0
+        if not self.timing:
+            _write_json(os.path.join(self.out_dir, f"progress_rank{_rank()}.json"), {"steps": state["step"]})
         if self.max_steps and state["step"] >= self.max_steps:
             self.finish("steps", gather=True)
             if self.to_end:
@@ -251,10 +284,17 @@ class _Run:
         state["done"] = True
         rank = _rank()
         weights = None
+        params, info = _params_trained(state)
+        if not self.timing:
+            try:
+                for entry, name in zip(info, _param_names(params)):
+                    entry["name"] = name
+            except Exception:  # names are for the messages only
+                pass
+        state["params"] = info
         if gather and not self.timing:
             try:
-                weights = _gather_params([p for optimizer in state["optimizers"] for group in optimizer.param_groups
-                                          for p in group["params"]])
+                weights = _gather_params(params)
             except Exception as exc:  # e.g. the process group is gone
                 state["failed"] = state["failed"] or f"could not gather the weights: {exc}"
         if weights is not None and (rank == 0 or os.environ.get("FSDP2_RETROFIT_VERIFY_MODE") == "dist"):
@@ -312,6 +352,7 @@ def _wrap_backward(torch, state):
                 value = scaled[1] if scaled is not None and scaled[0] is self else self.detach()
                 if _is_dtensor(value):
                     value = value.full_tensor()
+                state["dtypes"]["loss"] = _least_precise(state["dtypes"]["loss"], value.dtype)
                 value = float(value.float().item())
                 state["pending_loss"] = value if state["pending_loss"] is None else state["pending_loss"] + value
                 state["pending_micro"] += 1
@@ -350,19 +391,208 @@ def _wrap_grad_scaler(torch, state):
 
 
 def _grad_norm(optimizer):
+    """(the total gradient norm, each parameter's (None: no gradient), the least precise gradient dtype)."""
     import torch
 
-    total = 0.0
+    total, norms, dtype = 0.0, [], None
     for group in optimizer.param_groups:
         for p in group["params"]:
             g = p.grad
             if g is None:
+                norms.append(None)
                 continue
-            n = torch.linalg.vector_norm(g.detach().float(), 2)
+            dtype = _least_precise(dtype, g.dtype)
+            n = torch.linalg.vector_norm(g.detach().double() if g.dtype == torch.float64 else g.detach().float(), 2)
             if _is_dtensor(n):
                 n = n.full_tensor()
-            total += float(n.item()) ** 2
-    return total ** 0.5
+            norms.append(float(n.item()))
+            total += norms[-1] ** 2
+    return total ** 0.5, norms, dtype
+
+
+# parameters beyond this many are not named nor their gradient norms kept per step (a record stays small)
+MAX_NAMED_PARAMS = 5000
+_PRECISION = {"float64": 4, "float32": 3, "float16": 2, "bfloat16": 1}
+
+
+def _least_precise(known, dtype):
+    """The less precise of two dtype names (float8 and others count as least precise)."""
+    name = str(dtype).replace("torch.", "") if dtype is not None else None
+    if known is None or name is None:
+        return known or name
+    return name if _PRECISION.get(name, 0) < _PRECISION.get(known, 0) else known
+
+
+def _note_step_sizes(state, optimizer):
+    """Add this step's learning rate of each of the optimizer's param groups to their sums."""
+    sums = state["lr_sums"].setdefault(id(optimizer), [])
+    for i, group in enumerate(optimizer.param_groups):
+        try:
+            lr = abs(float(group.get("lr", 0.0)))
+        except Exception:  # a learning rate that is not a number
+            lr = float("nan")
+        if i < len(sums):
+            sums[i] += lr
+        else:  # a group added since the last step
+            sums.append(lr)
+    state["opt_steps"][id(optimizer)] = state["opt_steps"].get(id(optimizer), 0) + 1
+
+
+def _params_trained(state):
+    """(every parameter of every optimizer in param_groups order, what verify needs to know of each)."""
+    params, info = [], []
+    for optimizer in state["optimizers"]:
+        sums = state["lr_sums"].get(id(optimizer), [])
+        for i, group in enumerate(optimizer.param_groups):
+            hyper = {k: list(group[k]) if isinstance(group[k], tuple) else group[k] for k in ("betas", "alpha", "eps")
+                     if isinstance(group.get(k), (int, float, tuple))}
+            for p in group["params"]:
+                params.append(p)
+                info.append({"optimizer": type(optimizer).__name__, "lr_sum": sums[i] if i < len(sums) else 0.0,
+                             "steps": state["opt_steps"].get(id(optimizer), 0),
+                             "dtype": str(p.dtype).replace("torch.", ""), **hyper})
+    return params, info
+
+
+# the parts a wrapper adds to a parameter's name (DDP's leading `module.` is dropped on its own)
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _param_names(params):
+    """Each parameter's qualified name in the module that holds it (None where no module does):
+    read from the modules alive now, roots (modules no other holds) with the most parameters first."""
+    import gc
+
+    import torch
+
+    if len(params) > MAX_NAMED_PARAMS:
+        return [None] * len(params)
+    # type(), not isinstance: an object's __class__ may be a property that warns (a deprecated alias)
+    modules = [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)]
+    held = {id(child) for m in modules for child in m.children()}
+    roots = [m for m in modules if id(m) not in held]
+    roots.sort(key=lambda m: (-sum(1 for _ in m.parameters()), type(m).__name__))
+    names = {}
+    for root in roots:
+        for name, p in root.named_parameters():
+            if id(p) not in names:
+                for part in _WRAPPER_PARTS:
+                    name = name.replace(part, "")
+                if type(root).__name__ == "DistributedDataParallel" and name.startswith("module."):
+                    name = name[len("module."):]
+                names[id(p)] = name
+    return [names.get(id(p)) for p in params]
+
+
+def _watch_compute_dtype(torch, state):
+    """The least precise dtype a module's forward computed in: autocast's where it is on, else the
+    dtype of the module's parameters (a loss in float32 computed from bfloat16 activations is only
+    as precise as they are)."""
+
+    def autocast_dtypes():
+        for device in ("cpu", "cuda"):
+            try:
+                if torch.is_autocast_enabled(device):
+                    yield torch.get_autocast_dtype(device)
+            except Exception:  # an older torch: no device argument
+                pass
+
+    def note(module, args):
+        if state["done"]:
+            return
+        try:
+            dtype = state["dtypes"]["compute"]
+            for autocast in autocast_dtypes():
+                dtype = _least_precise(dtype, autocast)
+            for p in module._parameters.values():
+                if p is not None and p.is_floating_point():
+                    dtype = _least_precise(dtype, p.dtype)
+                    break
+            state["dtypes"]["compute"] = dtype
+        except Exception:
+            pass
+
+    torch.nn.modules.module.register_module_forward_pre_hook(note)
+
+
+# -- float64: the run made in double precision where the script lets it ---
+
+
+def _in_float64(torch):
+    """Make the floating tensors the script creates, and what its modules meet, float64."""
+    torch.set_default_dtype(torch.float64)
+    lower = (torch.float32, torch.float16, torch.bfloat16)
+
+    def cast(value):
+        if isinstance(value, torch.Tensor) and value.dtype in lower and not _is_dtensor(value):
+            return value.double()
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            return type(value)(cast(v) for v in value) if not hasattr(value, "_fields") else \
+                type(value)(*(cast(v) for v in value))
+        return value
+
+    def before_forward(module, args):
+        for tensors in (module._parameters, module._buffers):
+            for t in tensors.values():
+                if t is not None and t.dtype in lower and not _is_dtensor(t):
+                    t.data = t.data.double()
+        return tuple(cast(a) for a in args)
+
+    torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
+    torch.nn.Module.float = torch.nn.Module.double
+    try:  # autocast would compute the float64 model in bfloat16 or float16: it is turned off
+        from torch.amp.autocast_mode import autocast
+
+        original_init = autocast.__init__
+
+        def autocast_init(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            self._enabled = False
+
+        autocast.__init__ = autocast_init
+    except Exception:
+        pass
+    original_float = torch.Tensor.float
+
+    def tensor_float(self, *args, **kwargs):
+        return original_float(self, *args, **kwargs) if self.is_complex() else self.double(*args, **kwargs)
+
+    torch.Tensor.float = tensor_float
+
+
+# -- where a rank is when verify's timeout is hit --------------------------
+
+_DUMP_FILES = []  # open while the process runs: faulthandler writes into it on SIGUSR1
+
+
+def _register_stack_dump(out_dir):
+    """On SIGUSR1, every thread's stack into stack_{pid}.txt; this process's pid into pid_rank{r}.json.
+    Only the rank's first process does: a DataLoader worker started with spawn imports this module
+    too, and finds the rank's pid file there already."""
+    import faulthandler
+    import signal
+
+    rank = int(os.environ.get("RANK", "0"))
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    path = os.path.join(out_dir, f"pid_rank{rank}.json")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except OSError:  # not the rank's first process (or no folder to write in)
+        return
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write('{"pid": %d, "rank": %d}' % (os.getpid(), rank))
+    dump = open(os.path.join(out_dir, f"stack_{os.getpid()}.txt"), "w")
+    _DUMP_FILES.append(dump)
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True, chain=False)
+
+
+def _write_json(path, data):
+    import json
+
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
 
 
 def _state_init_step():
@@ -491,6 +721,12 @@ def _write_record(state, out_dir, rank, reason, weights):
         "steps": state["step"],
         "losses": state["losses"],
         "grad_norms": state["grad_norms"][: state["step"]],
+        "param_grad_norms": state["param_grad_norms"][: state["step"]],
+        "params": state.get("params", []),
+        "loss_dtype": state["dtypes"]["loss"],
+        "grad_dtype": state["dtypes"]["grad"],
+        "compute_dtype": state["dtypes"]["compute"],
+        "dtype_mode": os.environ.get("FSDP2_RETROFIT_VERIFY_DTYPE") or "native",
         "micro_steps": state["micro_steps"],
         "step_seconds": [b - a for a, b in zip(state["step_ends"], state["step_ends"][1:])],
         "samples": state["samples"],

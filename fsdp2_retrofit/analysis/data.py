@@ -125,6 +125,7 @@ class LoaderAnalysis(SiteAnalysis):
                             shuffle_set_later = a.value.value
             positional = [a.value for a in call.args if a.keyword is None and not a.star]
             dataset = loader_dataset(call, args)
+            sampler = self._sampler(args, stmt)  # None for `sampler=None` or a name only ever None
             out.append(
                 LoaderSite(
                     name=name,
@@ -135,10 +136,10 @@ class LoaderAnalysis(SiteAnalysis):
                     shuffle=args.get("shuffle", positional[2] if len(positional) > 2 else None),
                     drop_last=args.get("drop_last"),
                     kwargs_dict=kwargs_dict,
-                    has_sampler="batch_sampler" in args or ("sampler" in args and self._sampler(args, stmt) is not None),
+                    has_sampler=sampler is not None,  # batch_sampler= included ("other")
                     trains=name in iterated or id(call) in fed,
                     shuffle_set_later=shuffle_set_later,
-                    sampler=self._sampler(args, stmt),
+                    sampler=sampler,
                     returned=self._returned(name, stmt),
                     received=self._received(name, stmt),
                     cycled=self._cycled(name, stmt),

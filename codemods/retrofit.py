@@ -111,6 +111,9 @@ class RetrofitCommand(RetrofitStage):
         return context
 
     def run_stage(self, stage: Type[RetrofitStage], tree: cst.Module) -> cst.Module:
+        known = self.context.scratch.get(FACTS_KEY)
+        if known is not None and known.module is not tree and not stage.may_edit(known):
+            return tree  # nothing for it in the script, said the last analysis: no new one for it
         context = self.stage_context()
         command = stage(context, self.options)
         tree = command.transform_module(tree)

@@ -33,6 +33,12 @@ class DownloadOnRankZeroCommand(RetrofitStage):
     DESCRIPTION = "Let rank 0 download a `download=True` dataset before the other ranks build it."
     CODE = "shared_downloads"
 
+    @classmethod
+    def may_edit(cls, earlier: ScriptFacts) -> bool:
+        """Only a call the user wrote with `download=` can download (no stage writes one)."""
+        return any(a.keyword is not None and a.keyword.value == "download"
+                   for call in earlier.resolver.nodes(cst.Call) for a in call.args)
+
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         if facts.distributed_init is None:
             return

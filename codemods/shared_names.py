@@ -23,7 +23,7 @@ from typing import Optional
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts
-from fsdp2_retrofit.analysis.rank_local import every_rank_binds, rank_local_names
+from fsdp2_retrofit.analysis.rank_local import every_rank_binds, rank_local_names, source_kind
 from fsdp2_retrofit.rewrite.stage import DEFERRED_IMPORTS_KEY, RetrofitStage, StatementEditor
 from fsdp2_retrofit.syntax.names import attr_path, code, walk
 
@@ -31,6 +31,12 @@ from fsdp2_retrofit.syntax.names import attr_path, code, walk
 class ShareRankLocalNamesCommand(RetrofitStage):
     DESCRIPTION = "Broadcast rank 0's clock- or uuid-made run name to every rank before a shared path reads it."
     CODE = "shared_names"
+
+    @classmethod
+    def may_edit(cls, earlier: ScriptFacts) -> bool:
+        """Only a clock or id call the user wrote makes a rank-local name (no stage writes one)."""
+        r = earlier.resolver
+        return any(source_kind(call, r) for call in r.nodes(cst.Call))
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         if facts.distributed_init is None:

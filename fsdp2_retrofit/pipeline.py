@@ -81,12 +81,14 @@ def _whole_program(source: bytes, path: str, options: RetrofitOptions, module: c
     why = linked if isinstance(linked, str) else "the program cannot be linked"
     linked_refusal = None
     if isinstance(linked, link.Linked):
-        inner = rewrite_source(linked.text.encode(module.encoding), path, options, _alone=True)
+        text = linked.text.encode(module.encoding)
+        trees: list = []  # the converted linked tree: taken apart as it is, not parsed again from its text
+        inner = _rewrite_module(text, path, options, parse(text, path), trees)
         if inner.refusals:
             inputs = sorted(set(inner.inputs) | set(program.files))
             linked_refusal = RewriteResult(path, source, source, [], [], link.refusal_records(linked, inner), inputs)
         else:
-            taken_apart = link.split(linked, inner, source, other_scripts=not steps)
+            taken_apart = link.split(linked, inner, source, other_scripts=not steps, tree=trees[0])
             if isinstance(taken_apart, RewriteResult):
                 return taken_apart
             why = taken_apart
@@ -108,8 +110,10 @@ def _whole_program(source: bytes, path: str, options: RetrofitOptions, module: c
                          sorted(set(result.inputs) | set(program.files)))
 
 
-def _rewrite_module(source: bytes, path: str, options: RetrofitOptions, module: cst.Module) -> RewriteResult:
-    """One module through the stages."""
+def _rewrite_module(source: bytes, path: str, options: RetrofitOptions, module: cst.Module,
+                    trees: Optional[list] = None) -> RewriteResult:
+    """One module through the stages; the converted tree is appended to `trees` where given (the
+    result's code is its text)."""
     from fsdp2_retrofit.analysis.model_classes import recording_reads
 
     context = RewriteContext(filename=path)
@@ -123,6 +127,8 @@ def _rewrite_module(source: bytes, path: str, options: RetrofitOptions, module: 
     except RefusedError as refused:
         return RewriteResult(path, source, source, [], [], [refused.refusal], sorted(looked_at))
     new_text = origins.render(new_module)  # rendered once: the bytes and the compile check share it
+    if trees is not None:
+        trees.append(new_module)
     _must_compile(new_text, path)
     new_code = new_text.encode(new_module.encoding)
     attention = context.scratch.get(ATTENTION_KEY, []) + crashes_in_output(new_module, new_code, path, origins)

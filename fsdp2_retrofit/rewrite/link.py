@@ -506,13 +506,15 @@ def _statement_lines(module: cst.Module) -> Dict[int, Tuple[int, int]]:
     return out
 
 
-def split(linked: Linked, result: RewriteResult, source: bytes, other_scripts: bool = False) -> Union[RewriteResult, str]:
+def split(linked: Linked, result: RewriteResult, source: bytes, other_scripts: bool = False,
+          tree: Optional[cst.Module] = None) -> Union[RewriteResult, str]:
     """The result of the linked program taken apart: the entry's own result, with every module it
     changed (or has records for) as a sibling; or why it cannot be taken apart (a sentence).
     `other_scripts`: refuse to give a helper another script beside the program calls a DistributedSampler
-    (where the script alone is the fallback, as for a program linked for its loaders only)."""
+    (where the script alone is the fallback, as for a program linked for its loaders only). `tree`: the
+    converted tree whose text is `result.code` (parsed from that text where not given)."""
     program = linked.program
-    out = cst.parse_module(result.code)
+    out = tree if tree is not None else cst.parse_module(result.code)
     entry = program.entry
     parts: Dict[str, List[cst.BaseStatement]] = {entry: []}
     stack = [entry]
@@ -551,8 +553,9 @@ def split(linked: Linked, result: RewriteResult, source: bytes, other_scripts: b
             new = _without_unused_new_imports(new, original)
         new = _first_statement_as_before(new, original)
         text = render(new)
-        if text == render(original):  # a module the conversion left as it was
-            results[path] = program.files[path].data
+        data = program.files[path].data
+        if text.encode(new.encoding) == data or text == render(original):  # the conversion left it as it was
+            results[path] = data
             continue
         wanted = _imports_needed(new, original, table)
         if isinstance(wanted, str):

@@ -71,6 +71,14 @@ class RetrofitStage:
     # says): stages subclass no libcst codemod class, as importing libcst.codemod
     # would load libcst.matchers, most of the tool's start-up time.
     @classmethod
+    def may_edit(cls, earlier: ScriptFacts) -> bool:
+        """Whether the stage can find work in a tree whose analysis before the last stages' edits is
+        `earlier` (a stale analysis: its tree is not the one the stage gets). False lets the pipeline
+        skip the stage and the analysis it would need; a stage says False only for what no edit of
+        the stages before it makes (the user's own `download=True` calls, clock calls)."""
+        return True
+
+    @classmethod
     def add_args(cls, parser) -> None:
         """No command-line options of its own."""
 

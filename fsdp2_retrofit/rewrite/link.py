@@ -37,7 +37,8 @@ import libcst as cst
 from fsdp2_retrofit.analysis.program import ModuleFile, Program
 from fsdp2_retrofit.report import RewriteResult
 from fsdp2_retrofit.syntax.names import (
-    _module_bindings, attr_path, dotted, import_bindings, is_main_guard, names_read, render, walk,
+    _module_bindings, attr_path, dotted, import_bindings, is_main_guard, names_read, render, render_statements,
+    walk,
 )
 
 from .imports import add_imports
@@ -199,6 +200,15 @@ class _Restore(cst.CSTTransformer):
         return cst.parse_expression(written) if "." in written else cst.Name(written)
 
 
+def _restored(module: cst.Module, restore: Dict[str, str]) -> cst.Module:
+    """`module` through _Restore: only its top-level statements that read a name of `restore` (a libcst
+    transformer rebuilds every node it passes)."""
+    transform = _Restore(restore)
+    return module.with_changes(body=[
+        stmt.visit(transform) if any(type(n) is cst.Name and n.value in restore for n in walk(stmt)) else stmt
+        for stmt in module.body])
+
+
 def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[Program] = None
          ) -> Union[Linked, str, None]:
     """The linked program of the entry at `entry_path` (`program`, read when not given), or why it
@@ -261,8 +271,7 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
     if not placed:
         return None
     linked_module = module.with_changes(body=linked)
-    text = render(linked_module)
-    lines = _line_map(linked_module, origin, {m.path: m.module for m in files})
+    text, lines = _line_map(linked_module, origin, {m.path: m.module for m in files})
     shown = {m.path: (os.path.abspath(m.path) if os.path.isabs(entry_path) else os.path.relpath(m.path))
              for m in mods}
     shown[entry.path] = entry_path
@@ -334,8 +343,7 @@ def _module_body(mod: ModuleFile, own, renamed, nested: List[cst.SimpleStatement
             if len(nested) > before:
                 holders.setdefault(mod.path, set()).add(i)
     if names:
-        rename = _Restore(names)  # the same transform, the other way
-        body = [stmt.visit(rename) for stmt in body]
+        body = _restored(cst.Module(body=body), names).body  # the same transform, the other way
         restore.setdefault(mod.path, {}).update({new: old for old, new in names.items()})
     if aliases:
         counts = names_read(cst.Module(body=body))
@@ -464,15 +472,16 @@ def _librarynames_read(stmt: cst.SimpleStatementLine, imp) -> bool:
     return count > 1
 
 
-def _line_map(linked: cst.Module, origin, modules: Dict[str, cst.Module]) -> Dict[int, Tuple[str, int]]:
-    """Line of the linked text -> (file, line there), from the lines each top-level statement's code takes
-    in the linked module and in its own (the same node renders to the same lines in both)."""
+def _line_map(linked: cst.Module, origin, modules: Dict[str, cst.Module]) -> Tuple[str, Dict[int, Tuple[str, int]]]:
+    """The linked text, and for each of its lines (file, line there): from the lines each top-level
+    statement's code takes in the linked module and in its own (the same node renders to the same lines
+    in both)."""
     starts = {path: _statement_lines(m) for path, m in modules.items()}
     out: Dict[int, Tuple[str, int]] = {}
     at = 1 + _header_lines(linked)
-    for stmt, (path, node) in zip(linked.body, origin):
-        text = render(stmt, linked)
-        count = text.count("\n") or 1
+    text, parts = render_statements(linked)
+    for stmt, part, (path, node) in zip(linked.body, parts, origin):
+        count = part.count("\n") or 1
         lead = len(stmt.leading_lines) if hasattr(stmt, "leading_lines") else 0
         first = at + lead  # the statement's own first line, after its blank and comment lines
         if node is None:
@@ -485,7 +494,7 @@ def _line_map(linked: cst.Module, origin, modules: Dict[str, cst.Module]) -> Dic
             for line in range(at, first):
                 out[line] = (path, start)
         at += count
-    return out
+    return text, out
 
 
 def _header_lines(module: cst.Module) -> int:
@@ -497,8 +506,7 @@ def _statement_lines(module: cst.Module) -> Dict[int, Tuple[int, int]]:
     more it takes)."""
     out: Dict[int, Tuple[int, int]] = {}
     at = 1 + _header_lines(module)
-    for stmt in module.body:
-        text = render(stmt, module)
+    for stmt, text in zip(module.body, render_statements(module)[1]):
         count = text.count("\n") or 1
         lead = len(stmt.leading_lines) if hasattr(stmt, "leading_lines") else 0
         out[id(stmt)] = (at + lead, max(0, count - lead - 1))
@@ -548,7 +556,7 @@ def split(linked: Linked, result: RewriteResult, source: bytes, other_scripts: b
         if linked.nested:
             new = new.visit(_UnmarkNested(linked.nested))
         if linked.restore.get(path):
-            new = new.visit(_Restore(linked.restore[path]))
+            new = _restored(new, linked.restore[path])
         if path == entry:
             new = _without_unused_new_imports(new, original)
         new = _first_statement_as_before(new, original)

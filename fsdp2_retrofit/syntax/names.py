@@ -7,7 +7,7 @@ from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from itertools import accumulate
 from dataclasses import fields
-from typing import Dict, Iterable, Iterator, List, Optional, Set, Type
+from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple, Type
 
 import libcst as cst
 from libcst._nodes.internal import CodegenState  # not exported; stable since libcst 0.3
@@ -70,6 +70,26 @@ def render(node: cst.CSTNode, module: Optional[cst.Module] = None) -> str:
     state = _Codegen(default_indent=style.default_indent, default_newline=style.default_newline)
     node._codegen(state)
     return "".join(state.tokens)
+
+
+def render_statements(module: cst.Module) -> Tuple[str, List[str]]:
+    """`render(module)` and the code of each of its top-level statements (each as `render(stmt,
+    module)` gives it), from one code generation."""
+    state = _Codegen(default_indent=module.default_indent, default_newline=module.default_newline)
+    for line in module.header:
+        line._codegen(state)
+    parts = []
+    for stmt in module.body:
+        at = len(state.tokens)
+        stmt._codegen(state)
+        parts.append("".join(state.tokens[at:]))
+    for line in module.footer:
+        line._codegen(state)
+    if not module.has_trailing_newline:
+        state.pop_trailing_newline()
+    elif not state.tokens:
+        state.add_token(state.default_newline)
+    return "".join(state.tokens), parts
 
 
 _BUILTINS = frozenset(dir(builtins))

@@ -101,6 +101,9 @@ class LaunchDistributedCommand(RetrofitStage):
         in_helper = facts.entry_call is not None  # the mesh goes where the helper shards the model
         text = (PREAMBLE + ("" if in_helper else mesh)).format(backend=backend, replicas=self.options.hsdp, **names)
         preamble = cst.parse_module(text, config=self.config).body
+        if not in_helper:
+            facts.mesh_name = names["mesh"]  # for shard, planned on this same analysis (codemods/retrofit.py)
+        facts.rank_name = facts.rank_name or names["rank"]
         editor.insert_paragraph_before(anchor, preamble, first_in_block=anchor is facts.resolver.block_of(anchor).body[0])
         if in_helper:
             self._mesh_in_helper(facts, editor, "dist.get_world_size()")
@@ -195,6 +198,7 @@ class LaunchDistributedCommand(RetrofitStage):
         mesh = HSDP_MESH if self.options.hsdp else MESH
         text = mesh.format(mesh=mesh_name, world_size=world, replicas=self.options.hsdp)
         statements = list(cst.parse_module(text, config=self.config).body)
+        facts.mesh_name = mesh_name  # for shard, planned on this same analysis (codemods/retrofit.py)
         if group.start is not None and group.start in block.body:
             anchor = group.start
             if group.world_size_name is not None:
@@ -219,6 +223,7 @@ class LaunchDistributedCommand(RetrofitStage):
         name = self.fresh_name("mesh", model.scope)
         text = (HSDP_MESH if self.options.hsdp else MESH).format(mesh=name, world_size=world, replicas=self.options.hsdp)
         editor.insert_before(model.top, cst.parse_module(text, config=self.config).body)
+        facts.mesh_name = name  # for shard, planned on this same analysis (codemods/retrofit.py)
         self.change(
             model.top,
             f"build the device mesh `{name}` here, where `{model.name}` is built, sharded and returned",

@@ -48,20 +48,23 @@ from .shared_names import ShareRankLocalNamesCommand
 from .zero_grad import ClearThroughOptimizerCommand
 
 # Stages in one group plan their edits on the same analysis and are applied in one
-# pass: none of them reads what another in its group writes. launch binds the
-# names (mesh, rank, dist) the others use; meta_init (only with --meta-init) wraps
-# the build in `with torch.device("meta")` and adds to_empty and the re-initialisation
-# after it, so that shard's fully_shard calls land between the two; shard writes the
-# fully_shard calls the optimizer and forward_calls stages place themselves after.
+# pass: none of them reads what another in its group writes, but for the mesh's name,
+# which launch sets on the analysis they share before shard plans (its edits insert
+# statements only: shard's sites are the same nodes). launch binds the names (mesh,
+# rank, dist) the later groups use: its imports are added right after its group;
+# meta_init (only with --meta-init) wraps the build in `with torch.device("meta")` and
+# adds to_empty and the re-initialisation after it, so that shard's fully_shard calls
+# land between the two; shard writes the fully_shard calls the optimizer and
+# forward_calls stages place themselves after.
 GROUPS: List[List[Type[RetrofitStage]]] = [
     [MigrateSpawnCommand],  # an mp.spawn launcher becomes a torchrun program
     [MigrateDistributedWrappersCommand],  # DDP/DataParallel go first: the rest sees one plain model
     [MigrateFsdp1Command],  # an FSDP1 script becomes what the others read; its settings become their options
     [NameReturnedBuildsCommand],  # `return model, AdamW(...)`, `return DataLoader(...)`: named, so later stages follow them
-    [LaunchDistributedCommand],
     [SplitResumeInitCommand],  # `if resume: load else: init` splits: the init before fully_shard, the load after
     [InitOnMetaDeviceCommand],
-    [ShardModelCommand],
+    # one analysis for both: launch tells shard the mesh it builds (ScriptFacts.mesh_name)
+    [LaunchDistributedCommand, ShardModelCommand],
     [UseCheckpointPathsCommand],  # a checkpoint saved or loaded through a file object takes the path
     [
         MoveOptimizerCommand,
@@ -136,10 +139,12 @@ class RetrofitCommand(RetrofitStage):
         facts = self.context.scratch.get(FACTS_KEY)
         editor.resolver = facts.resolver if facts is not None and facts.module is tree else None
         new_tree = tree.visit(editor) if editor.has_work() else tree
+        now = []  # the imports whose names the later groups' analysis must resolve
         for i, (stage_class, context, _) in enumerate(planned):
-            self.deferred_imports.extend(context.scratch.get(IMPORTS_KEY, []))
+            needed = context.scratch.get(IMPORTS_KEY, [])
+            (now if stage_class.LATER_STAGES_READ_IMPORTS else self.deferred_imports).extend(needed)
             self.after_stage(stage_class, new_tree if i == len(planned) - 1 else tree, context)
-        return new_tree
+        return add_imports(new_tree, now, self.carry) if now else new_tree
 
     def after_stage(self, stage, tree: cst.Module, context: RewriteContext) -> None:
         for key in (CHANGES_KEY, ATTENTION_KEY):

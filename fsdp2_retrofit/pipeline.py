@@ -83,7 +83,8 @@ def _whole_program(source: bytes, path: str, options: RetrofitOptions, module: c
     if isinstance(linked, link.Linked):
         text = linked.text.encode(module.encoding)
         trees: list = []  # the converted linked tree: taken apart as it is, not parsed again from its text
-        inner = _rewrite_module(text, path, options, parse(text, path), trees)
+        # the linked tree itself: the parse of its text would be the same tree (libcst round-trips)
+        inner = _rewrite_module(text, path, options, linked.module, trees)
         if inner.refusals:
             inputs = sorted(set(inner.inputs) | set(program.files))
             linked_refusal = RewriteResult(path, source, source, [], [], link.refusal_records(linked, inner), inputs)

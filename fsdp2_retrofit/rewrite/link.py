@@ -60,6 +60,7 @@ class Linked:
     shown: Dict[str, str] = field(default_factory=dict)  # file -> its path as the report names it
     nested: List[cst.SimpleStatementLine] = field(default_factory=list)  # behind ("nested", j) markers
     unmangle: Dict[str, str] = field(default_factory=dict)  # a name renamed apart -> the name its file wrote
+    module: Optional[cst.Module] = None  # the linked tree, whose code is `text` (its files' nodes, not copied)
 
     def where(self, line: int) -> Tuple[str, int]:
         return self.lines.get(line, (self.program.entry, 0))
@@ -276,7 +277,7 @@ def plan(entry_path: str, source: bytes, module: cst.Module, program: Optional[P
              for m in mods}
     shown[entry.path] = entry_path
     unmangle = {new: old for names in renamed.values() for old, new in names.items()}
-    return Linked(text, program, lines, kept, entry_imports, restore, shown, nested, unmangle)
+    return Linked(text, program, lines, kept, entry_imports, restore, shown, nested, unmangle, linked_module)
 
 
 def _top_level_names(files: List[ModuleFile]):

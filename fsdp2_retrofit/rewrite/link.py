@@ -41,6 +41,8 @@ from fsdp2_retrofit.syntax.names import (
     walk,
 )
 
+from fsdp2_retrofit.syntax.memo import per_node
+
 from .imports import add_imports
 from .workspace import Workspace
 
@@ -349,7 +351,9 @@ def _module_body(mod: ModuleFile, own, renamed, nested: List[cst.SimpleStatement
     if aliases:
         counts = names_read(cst.Module(body=body))
         transformer = _ModuleAccesses(aliases, own, renamed)
-        body = [s.visit(transformer) for s in body]
+        roots = {alias.split(".")[0] for alias in aliases}  # a statement naming none is not rebuilt
+        body = [s.visit(transformer) if any(type(n) is cst.Name and n.value in roots for n in walk(s)) else s
+                for s in body]
         if transformer.problems:
             return f"in {_rel(mod.path)}: {transformer.problems[0]}"
         for name in transformer.read:
@@ -563,7 +567,7 @@ def split(linked: Linked, result: RewriteResult, source: bytes, other_scripts: b
         new = _first_statement_as_before(new, original)
         text = render(new)
         data = program.files[path].data
-        if text.encode(new.encoding) == data or text == render(original):  # the conversion left it as it was
+        if text.encode(new.encoding) == data:  # the conversion left it as it was (libcst round-trips: its bytes)
             results[path] = data
             continue
         wanted = _imports_needed(new, original, table)
@@ -681,8 +685,8 @@ _TARGET_OF = {cst.AssignTarget: "target", cst.AnnAssign: "target", cst.AugAssign
               cst.CompFor: "target", cst.NamedExpr: "target", cst.AsName: "name"}
 
 
-def _stored_names(module: cst.Module) -> Set[str]:
-    """Every name a module's code binds, in any scope (targets, loop and comprehension variables,
+def _stored_names(module: cst.CSTNode) -> Set[str]:
+    """Every name a module's (or a statement's) code binds, in any scope (targets, loop and comprehension variables,
     parameters, defs, classes, `as` names, imports): read syntactically, no scope analysis; from
     the nodes themselves (walk), not a libcst visitor, which rebuilds every node it passes."""
     names: Set[str] = set()
@@ -698,10 +702,20 @@ def _stored_names(module: cst.Module) -> Set[str]:
     return names
 
 
+_STATEMENT_NAMES: Dict[int, tuple] = {}  # id(top-level statement) -> (it, (names it reads, names it binds))
+
+
 def _reads_unbound(module: cst.Module) -> Set[str]:
     """The names `module` reads that none of its code binds (module-level imports and builtins among
-    them): what it takes from its imports, its star imports or the builtins."""
-    return set(names_read(module)) - _stored_names(module)
+    them): what it takes from its imports, its star imports or the builtins. Read statement by statement,
+    each once (a converted module shares most of its statements with the file's own)."""
+    read: Set[str] = set()
+    stored: Set[str] = set()
+    for stmt in module.body:
+        reads, binds = per_node(_STATEMENT_NAMES, stmt, lambda: (names_read(stmt), _stored_names(stmt)))
+        read |= reads
+        stored |= binds
+    return read - stored
 
 
 def _bound(module: cst.Module) -> Set[str]:

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import TORCH_MODULE_BASES, attr_path, bind_args, walk
+from fsdp2_retrofit.syntax.names import TORCH_MODULE_BASES, attr_path, bind_args, child_nodes, walk
 from fsdp2_retrofit.syntax.torch_api import (
     BARE_CONTAINERS, NN_NO_PARAMETERS, NN_NORMS, NN_PARAMETER, NN_SIZED_LEAVES, SEQUENTIAL, TENSOR_FACTORIES,
 )
@@ -185,16 +185,22 @@ def _call_order(info: ClassInfo) -> List[str]:
         if path and len(path) == 2 and path[0] == "self" and path[1] not in out:
             out.append(path[1])
 
-    class V(cst.CSTVisitor):
-        def leave_Call(self, node: cst.Call) -> None:
+    # libcst's visiting order (child_nodes), without a visitor (which rebuilds every node it passes): a
+    # loop's container when the loop is entered, a call when it is left
+    stack: list = [(forward, False)]
+    while stack:
+        node, left = stack.pop()
+        kind = type(node)
+        if left:
             add(node.func)
-
-        def visit_For(self, node: cst.For) -> None:
+            continue
+        if kind is cst.For:
             for n in walk(node.iter):
                 if type(n) is cst.Attribute and (attr_path(n) or ("",))[-1] in containers:
                     add(n)
-
-    forward.visit(V())
+        elif kind is cst.Call:
+            stack.append((node, True))
+        stack.extend((child, False) for child in reversed(child_nodes(node)))
     return out
 
 

@@ -1269,3 +1269,29 @@ for x in torch.randn(4, 8, 4):
     else:
         assert not result.refusals, result.refusals
         assert f"scaler = {build}\n" in result.code.decode()
+
+
+def test_a_keyword_argument_takes_no_name_from_the_generated_code():
+    """`DataLoader(..., sampler=train_sampler)` binds no `sampler`: the generated sampler is `sampler`,
+    not `sampler_1`; a name the script binds itself (`sampler = None`) is still taken."""
+    script = MODEL + dedent('''
+        def main():
+            model = Net()
+            opt = optim.SGD(model.parameters(), lr=0.1)
+            data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 4))
+            train_sampler = None
+            loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=train_sampler)
+            for x, y in loader:
+                loss = ((model(x) - y) ** 2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+
+
+        if __name__ == "__main__":
+            main()
+    ''')
+    code = rewrite_source(script.encode(), "train.py").code.decode()
+    assert "sampler = DistributedSampler(data" in code and "sampler_1" not in code
+    taken = rewrite_source(script.replace("train_sampler", "sampler").encode(), "train.py").code.decode()
+    assert "sampler_1 = DistributedSampler(data" in taken

@@ -301,6 +301,9 @@ def _names_visible(resolver, scope_node: Optional[cst.CSTNode]) -> set:
     for first, last in stretches:
         for name in resolver.nodes_ranked(cst.Name, first, last):
             parent = resolver.parent(name)
-            if not (type(parent) is cst.Attribute and parent.attr is name):  # `x.state_dict` binds no `state_dict`
-                found.add(name.value)
+            if type(parent) is cst.Attribute and parent.attr is name:  # `x.state_dict` binds no `state_dict`
+                continue
+            if type(parent) is cst.Arg and parent.keyword is name:  # nor `f(sampler=...)` a `sampler`
+                continue
+            found.add(name.value)
     return found

@@ -190,7 +190,7 @@ class OptimizerAnalysis(SiteAnalysis):
                 arg = passed.get(name)
                 model = arg.value if type(arg) is cst.Name else None
                 # the module the argument holds, followed by value (not a name another function happens to bind)
-                if model is not None and model not in module_names and not self._module_binding_of(arg, bindings):
+                if model is not None and not self._module_binding_of(arg, bindings):
                     return None
             else:
                 model = name  # a model of the function around it (a closure) or a global

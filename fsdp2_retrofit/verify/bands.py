@@ -19,7 +19,7 @@ Pure (no torch): verify's comparison reads what the instrumentation recorded.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 # units of the dtype's spacing a value may differ by (the two runs' round-off)
 DTYPE_ULPS = 2
@@ -106,6 +106,26 @@ def gradient_departure(index: int, single: dict, dist: dict) -> Optional[str]:
         if not abs(a - b) <= rtol * max(a, b) + PARAM_GRAD_FLOOR * total:
             return f"step {step + 1}: its gradient norm {a:.6g} (single) vs {b:.6g} (distributed)"
     return None
+
+
+# the parts a wrapper adds to a name in a saved state dict (the instrumentation drops them from its names)
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def param_indices(row: dict, params: Sequence[dict]) -> List[int]:
+    """The parameter records a compared tensor may be: the instrumentation's weights by their place
+    in the optimizers' param_groups (one); a saved file's tensor (a ``name``) by its key, the
+    parameter's qualified name or a name ending in ``.`` + it (a state dict saved under a prefix,
+    DDP's ``module.``), the wrappers' parts dropped. Several where models share names (a GAN's
+    generator and discriminator); none for a buffer or an optimizer's state."""
+    if "name" not in row:
+        index = row.get("index")
+        return [index] if index is not None and index < len(params) else []
+    key = str(row["name"])
+    for part in _WRAPPER_PARTS:
+        key = key.replace(part, "")
+    return [i for i, p in enumerate(params)
+            if p.get("name") and (key == p["name"] or key.endswith("." + p["name"]))]
 
 
 def param_name(row: dict, params: Sequence[dict]) -> str:

@@ -202,6 +202,18 @@ def test_compare_saved_given_the_runs_spares_a_saved_parameter_by_its_step_bound
     assert given.ok and given.rule == "optimizer step bound"
 
 
+def test_a_float64_run_killed_by_sigkill_is_said_to_be_out_of_memory_not_a_script_that_cannot():
+    from fsdp2_retrofit.verify import VerifyError, float64_failure
+
+    killed = float64_failure(VerifyError("the distributed run failed (exit code 1)",
+                                         "rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 16937)  (SIGKILL)\n"
+                                         "  traceback : Signal 9 (SIGKILL) received by PID 16937"))
+    assert "out of memory" in killed.message and "may not run in float64" not in killed.message
+    raised = float64_failure(VerifyError("the distributed run failed (exit code 1)",
+                                         "RuntimeError: expected scalar type Double but found Float"))
+    assert "may not run in float64" in raised.message and "out of memory" not in raised.message
+
+
 def test_the_step_bound_follows_the_optimizer():
     assert bands.step_bound({"optimizer": "AdamW", "lr_sum": 0.01, "betas": [0.9, 0.999]}) == pytest.approx(
         2 * 0.01 * 0.1 / 0.001 ** 0.5)

@@ -1258,16 +1258,31 @@ def _work_root(settings: VerifySettings) -> Tuple[Path, bool]:
     return root, False
 
 
+# torchrun's summary of a worker the kernel killed (the OOM killer's SIGKILL leaves no Python traceback)
+_SIGKILLED = re.compile(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)")
+
+
+def float64_failure(exc: VerifyError) -> VerifyError:
+    """A run that failed under --dtype float64, said with its likely cause: a process killed by
+    SIGKILL is out of memory (float64 doubles it), anything else a script that may not run in float64."""
+    if _SIGKILLED.search(exc.detail or ""):
+        return VerifyError(f"{exc.message}; with --dtype float64: a process was killed by SIGKILL without a Python "
+                           f"error, most likely out of memory (float64 doubles the memory of the parameters, "
+                           f"gradients, optimizer state and activations); run without --dtype float64 or with "
+                           f"smaller sizes", exc.detail)
+    return VerifyError(f"{exc.message}; with --dtype float64: the script may not run in float64 "
+                       f"(verify casts the default dtype, .float() and each module's inputs, parameters and "
+                       f"buffers, not every tensor the script makes in float32 itself); run without --dtype "
+                       f"float64 to compare it as written", exc.detail)
+
+
 def _run_and_compare(settings: VerifySettings, root: Path) -> Verdict:
     try:
         verdict = _run_and_compare_runs(settings, root)
     except VerifyError as exc:
         if settings.dtype != "float64" or "did not finish within" in exc.message:
             raise
-        raise VerifyError(f"{exc.message}; with --dtype float64: the script may not run in float64 "
-                          f"(verify casts the default dtype, .float() and each module's inputs, parameters and "
-                          f"buffers, not every tensor the script makes in float32 itself); run without --dtype "
-                          f"float64 to compare it as written", exc.detail) from None
+        raise float64_failure(exc) from None
     if settings.dtype == "float64":
         verdict.notes.extend(float64_notes(verdict.single, verdict.ranks))
     return verdict

@@ -214,6 +214,18 @@ def test_a_float64_run_killed_by_sigkill_is_said_to_be_out_of_memory_not_a_scrip
     assert "may not run in float64" in raised.message and "out of memory" not in raised.message
 
 
+def test_a_float64_parameter_is_not_spared_by_the_step_bound():
+    # pytorch-gan/relativistic_gan's float64 twin: each rank's batch mean of the other side's logits moved
+    # 'model.11.weight' by 2.7e-4 while the losses agreed to 1e-7; in float64 that is no round-off
+    params = [{**ADAM, "dtype": "float64", "name": "model.11.weight"}]
+    single, dist = _records([[0.5]] * 3, [[0.5]] * 3)
+    summary = {"count": [1, 1], "tensors": [{**_row(0, 2.7e-4), "dtype": "float64"}]}
+    judged = compare_weights(summary, 1e-4, RoundOff(params, single, dist, steps_agree=True))
+    assert not judged.ok and "'model.11.weight'" in judged.problem
+    assert bands.step_bound(params[0]) is None
+    assert bands.step_bound({**params[0], "eps": 1e-16}) is not None  # an eps below float64's round-off
+
+
 def test_the_step_bound_follows_the_optimizer():
     assert bands.step_bound({"optimizer": "AdamW", "lr_sum": 0.01, "betas": [0.9, 0.999]}) == pytest.approx(
         2 * 0.01 * 0.1 / 0.001 ** 0.5)

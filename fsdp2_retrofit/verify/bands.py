@@ -69,10 +69,21 @@ def step_factor(info: dict) -> Optional[float]:
     return None
 
 
+# a float64 gradient's round-off (~1e-16 of the terms summed) stays far below an optimizer's eps (Adam:
+# 1e-8), which then keeps the step of a zero gradient near zero: nothing is amplified to spare
+FLOAT64_EPS_FLOOR = 1e-12
+
+
 def step_bound(info: Optional[dict]) -> Optional[float]:
     """How far two runs' copies of a parameter may drift apart by round-off its optimizer
-    amplified: each run moves it at most ``factor * lr`` a step."""
+    amplified: each run moves it at most ``factor * lr`` a step. None for a float64 parameter
+    (``--dtype float64``, or a script in float64) whose optimizer's eps is not tiny: its round-off
+    is not amplified, so a difference that needs the bound is a real one (a loss that couples the
+    batch's samples, split over the ranks, moves the weights by ~1e-4 while its losses agree to 1e-7)."""
     if not info:
+        return None
+    eps = info.get("eps", 1e-8)
+    if info.get("dtype") == "float64" and isinstance(eps, (int, float)) and eps >= FLOAT64_EPS_FLOOR:
         return None
     factor = step_factor(info)
     lr_sum = info.get("lr_sum")

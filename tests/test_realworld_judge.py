@@ -87,11 +87,38 @@ def test_each_trains_row_gets_a_deterministic_twin_and_the_summary_counts_parity
     assert [s.id for s in out] == ["o/r-train", "o/gan", "o/gan~det", "o/bn"]
     assert out[2].env == {"REALWORLD_DETERMINISTIC": "1"} and out[1].env == {}
     results = [{"id": "o/r-train", "verdict": "parity"}, {"id": "o/gan", "verdict": "trains"},
-               {"id": "o/gan~det", "verdict": "parity"}, {"id": "o/bn", "verdict": "trains"},
+               {"id": "o/gan~det", "verdict": "parity", "dtype": "float64"}, {"id": "o/bn", "verdict": "trains"},
                {"id": "o/x", "verdict": "refused"}, {"id": "o/x~det", "verdict": "refused"}]
     assert run.summary_line(results) == (
         "4 scripts: 1 parity, 2 trains, 0 flagged, 1 refused, 0 crash, 0 silently-wrong; deterministic twins of "
-        "the trains rows: 1/1 parity; at parity (as given or by the twin): 2/3 runnable scripts")
+        "the trains rows: 1/1 parity (1 in float64); at parity (as given or by the twin): 2/3 runnable scripts (67%)")
+
+
+def test_a_twin_runs_both_sides_in_float64_unless_the_manifest_says_why_not(run, tmp_path, monkeypatch):
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(cmd)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(run.subprocess, "run", fake_run)
+    rows = [script(run, compare="trains"), script(run, compare="trains", twin_native="it builds float32 buffers")]
+    rows[1].id = "o/half"
+    row, twin, half, half_twin = run.twins(rows)
+    assert (twin.spec["dtype"], half_twin.spec["dtype"]) == ("float64", "native")
+    for s, dtype in ((row, None), (twin, "float64"), (half, None), (half_twin, None)):
+        with pytest.raises(RuntimeError):
+            run.verify_step(s, tmp_path / "train.py", tmp_path, None, sys.executable)
+        cmd = seen[-1]
+        assert (cmd[cmd.index("--dtype") + 1] if "--dtype" in cmd else None) == dtype
+
+
+def test_a_twin_native_that_is_not_a_reason_is_a_manifest_error(run, tmp_path):
+    (tmp_path / "m.toml").write_text('[repo]\nname = "o/r"\ncommit = "' + "0" * 40 + '"\n'
+                                     '[[script]]\nid = "o/x"\npath = "x.py"\ncompare = "trains"\n'
+                                     'twin_native = true\n', encoding="utf-8")
+    with pytest.raises(SystemExit, match="twin_native"):
+        run.load_manifests(tmp_path)
 
 
 def test_a_twin_that_only_trains_says_what_verify_measured_first(run):
@@ -139,8 +166,8 @@ def test_summary_line_counts_avoidable_refusals_after_its_other_parts(run):
                                       "1 not judged or stale")
     rows += [{"id": "o/g", "verdict": "trains"}, {"id": "o/g~det", "verdict": "parity"}]
     assert run.summary_line(rows).endswith(
-        "0 silently-wrong; deterministic twins of the trains rows: 1/1 parity; at parity (as given or by "
-        "the twin): 2/2 runnable scripts; refusals judged: 1 avoidable, 1 justified, 1 not judged or stale")
+        "0 silently-wrong; deterministic twins of the trains rows: 1/1 parity (0 in float64); at parity (as "
+        "given or by the twin): 2/2 runnable scripts (100%); refusals judged: 1 avoidable, 1 justified, 1 not judged or stale")
     table = run.markdown([dict({"detail": ""}, **r, repo="o/r", path="t.py", steps=5, patches=[], first_error="") for r in rows])
     assert "| avoidable: one optimizer would do |" in table and "| justified: shared submodule |" in table
 

@@ -1,5 +1,6 @@
 """The corpus harness's deterministic twin (benchmarks/realworld/shim, REALWORLD_DETERMINISTIC=1):
-a script with dropout, BatchNorm, noise drawn per batch in the training step (numpy and torch) and
+a script with dropout, BatchNorm, noise drawn per batch in the training step (numpy and torch, in
+place with normal_, a torch.bernoulli mask) and
 random augmentation in its dataset only `trains` as it is, and reaches parity as a twin."""
 from __future__ import annotations
 
@@ -69,7 +70,9 @@ loader = DataLoader(Jittered(), batch_size=args.batch_size, shuffle=True)
 for x, y in loader:
     z = torch.from_numpy(np.random.normal(0, 1, (x.shape[0], 6))).float()  # noise drawn per batch
     eps = torch.randn_like(x)
-    loss = F.mse_loss(model(x + 0.1 * z + 0.1 * eps), y)
+    shift = x.new_empty(x.shape).normal_()  # in place, as Normal.rsample draws
+    keep = torch.bernoulli(torch.zeros(x.shape[0], 1) + 0.8)  # a context-drop mask
+    loss = F.mse_loss(model(keep * x + 0.1 * z + 0.1 * eps + 0.1 * shift), y)
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
@@ -82,10 +85,11 @@ def _verify(tmp_path: Path, deterministic: bool) -> dict:
     script.write_text(NOISY, encoding="utf-8")
     report = tmp_path / ("twin.json" if deterministic else "row.json")
     env = dict(os.environ, PYTHONPATH=str(SHIM), REALWORLD_SEED="0")
+    dtype = ["--dtype", "float64"] if deterministic else []  # as the harness runs a twin
     if deterministic:
         env["REALWORLD_DETERMINISTIC"] = "1"
     proc = subprocess.run([sys.executable, "-m", "fsdp2_retrofit", "verify", str(script), "--steps", "3",
-                           "--json", str(report), "--", "--batch-size", "16"],
+                           "--json", str(report), *dtype, "--", "--batch-size", "16"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert report.is_file(), proc.stderr[-3000:]
     return json.loads(report.read_text(encoding="utf-8"))

@@ -23,8 +23,11 @@ from fsdp2_retrofit.verify import (
     EXIT_EQUIVALENT,
     RULES,
     RoundOff,
+    Run,
     Verdict,
+    WeightsResult,
     close,
+    compare_runs,
     compare_steps,
     compare_weights,
     float64_notes,
@@ -128,6 +131,99 @@ def test_adam_round_off_within_its_step_bound_is_spared_only_after_agreeing_step
     moved = _records([[0.5, 0.2]] * 3, [[0.5, 0.2], [0.5, 0.2], [0.5, 0.25]])
     departed = compare_weights(summary, 1e-4, RoundOff(params, *moved, steps_agree=True))
     assert not departed.ok and "its gradient first differed at step 3" in departed.problem
+
+
+def _saved(name, diff, over=3):
+    return {**_row(0, diff, over=over), "name": name}
+
+
+def test_a_saved_parameter_is_spared_by_the_same_step_bound_as_the_final_weights():
+    params = [{**ADAM, "name": "embed.weight"}, {**ADAM, "name": "blocks.1.attn.in_proj_bias"}]
+    single, dist = _records([[0.5, 1e-8]] * 3, [[0.5, 3e-8]] * 3)
+    agree = RoundOff(params, single, dist, steps_agree=True)
+    # by its key: the qualified name, under a prefix (several state dicts saved, DDP's module.), or compiled
+    for key in ("blocks.1.attn.in_proj_bias", "model.blocks.1.attn.in_proj_bias",
+                "module._orig_mod.blocks.1.attn.in_proj_bias"):
+        spared = compare_weights({"count": [1, 1], "tensors": [_saved(key, 4e-4)]}, 1e-4, agree)
+        assert spared.ok and spared.rule == "optimizer step bound", key
+        assert f"'{key}' off by 4.000e-04" in spared.rule_detail and spared.worst_name == key
+    # not after a step that disagreed, not beyond the bound, not a buffer or an optimizer's state
+    steps_apart = RoundOff(params, single, dist, steps_agree=False)
+    assert not compare_weights({"count": [1, 1], "tensors": [_saved("blocks.1.attn.in_proj_bias", 4e-4)]},
+                               1e-4, steps_apart).ok
+    far = compare_weights({"count": [1, 1], "tensors": [_saved("blocks.1.attn.in_proj_bias", 0.2)]}, 1e-4, agree)
+    assert not far.ok and "beyond the optimizer's step bound" in far.problem
+    assert "'blocks.1.attn.in_proj_bias'" in far.problem
+    for key in ("blocks.1.norm.running_mean", "state.1.exp_avg", "1.attn.in_proj_bias_other"):
+        assert not compare_weights({"count": [1, 1], "tensors": [_saved(key, 4e-4)]}, 1e-4, agree).ok, key
+    # a key two models' parameters share (a GAN's generator and discriminator): within the bound of
+    # each, and neither's gradient departed
+    gan = [{**ADAM, "name": "main.0.weight"}, {**ADAM, "name": "main.0.weight", "lr_sum": 1e-5}]
+    near = {"count": [1, 1], "tensors": [_saved("main.0.weight", 4e-4)]}
+    assert not compare_weights(near, 1e-4, RoundOff(gan, single, dist, steps_agree=True)).ok  # the other bound, 6.3e-05: no
+    assert compare_weights(near, 1e-4, RoundOff([gan[0], gan[0]], single, dist, steps_agree=True)).ok
+    moved = _records([[0.5, 0.2]] * 3, [[0.5, 0.2], [0.5, 0.2], [0.5, 0.25]])
+    assert not compare_weights(near, 1e-4, RoundOff([gan[0], gan[0]], *moved, steps_agree=True)).ok
+
+
+def test_compare_runs_judges_the_saved_files_with_the_runs_step_bound(tmp_path: Path):
+    record = {"losses": [2.0, 1.5, 1.2], "grad_norms": [1.0, 0.9, 0.8], "param_grad_norms": [[0.5, 1e-8]] * 3,
+              "params": [{**ADAM, "name": "embed.weight"}, {**ADAM, "name": "blocks.1.attn.in_proj_bias"}]}
+    single, dist = Run(tmp_path, [record], None), Run(tmp_path, [record, record], None)
+    summary = {"count": [2, 2], "tensors": [_saved("embed.weight", 1e-6, over=0),
+                                            {**_saved("blocks.1.attn.in_proj_bias", 4e-4), "index": 1}]}
+    judged_alone = compare_weights(summary, 1e-4)
+    assert not judged_alone.ok  # compare_saved without the runs: no step bound to spare it by
+    judged_alone.summary, judged_alone.tolerance = summary, 1e-4
+    verdict = compare_runs(single, dist, saved=judged_alone)
+    assert verdict.saved.ok and verdict.saved.rule == "optimizer step bound" and verdict.equivalent
+    # the runs' steps apart: the saved files are not spared either
+    apart = Run(tmp_path, [{**record, "losses": [2.0, 1.6, 1.3]}] * 2, None)
+    assert not compare_runs(single, apart, saved=judged_alone).saved.ok
+    # a result without its summary (built by hand) is kept as it is
+    kept = WeightsResult(False, 4e-4, 1, 2, 2, "differs")
+    assert compare_runs(single, dist, saved=kept).saved is kept
+
+
+def test_compare_saved_given_the_runs_spares_a_saved_parameter_by_its_step_bound(tmp_path: Path):
+    import torch
+
+    from fsdp2_retrofit.verify import compare_saved
+
+    record = {"losses": [2.0, 1.5], "grad_norms": [1.0, 0.9], "param_grad_norms": [[1e-8]] * 2,
+              "params": [{**ADAM, "name": "attn.in_proj_bias"}]}
+    single, dist = Run(tmp_path, [record], None), Run(tmp_path, [record, record], None)
+    bias = torch.zeros(8)
+    torch.save({"model": {"attn.in_proj_bias": bias}}, tmp_path / "single.pt")
+    torch.save({"model": {"attn.in_proj_bias": bias + 4e-4}}, tmp_path / "dist.pt")
+    alone = compare_saved(tmp_path / "single.pt", tmp_path / "dist.pt", ["model"], 1e-4)
+    assert not alone.ok and "'attn.in_proj_bias'" in alone.problem
+    given = compare_saved(tmp_path / "single.pt", tmp_path / "dist.pt", ["model"], 1e-4, runs=(single, dist))
+    assert given.ok and given.rule == "optimizer step bound"
+
+
+def test_a_float64_run_killed_by_sigkill_is_said_to_be_out_of_memory_not_a_script_that_cannot():
+    from fsdp2_retrofit.verify import VerifyError, float64_failure
+
+    killed = float64_failure(VerifyError("the distributed run failed (exit code 1)",
+                                         "rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 16937)  (SIGKILL)\n"
+                                         "  traceback : Signal 9 (SIGKILL) received by PID 16937"))
+    assert "out of memory" in killed.message and "may not run in float64" not in killed.message
+    raised = float64_failure(VerifyError("the distributed run failed (exit code 1)",
+                                         "RuntimeError: expected scalar type Double but found Float"))
+    assert "may not run in float64" in raised.message and "out of memory" not in raised.message
+
+
+def test_a_float64_parameter_is_not_spared_by_the_step_bound():
+    # pytorch-gan/relativistic_gan's float64 twin: each rank's batch mean of the other side's logits moved
+    # 'model.11.weight' by 2.7e-4 while the losses agreed to 1e-7; in float64 that is no round-off
+    params = [{**ADAM, "dtype": "float64", "name": "model.11.weight"}]
+    single, dist = _records([[0.5]] * 3, [[0.5]] * 3)
+    summary = {"count": [1, 1], "tensors": [{**_row(0, 2.7e-4), "dtype": "float64"}]}
+    judged = compare_weights(summary, 1e-4, RoundOff(params, single, dist, steps_agree=True))
+    assert not judged.ok and "'model.11.weight'" in judged.problem
+    assert bands.step_bound(params[0]) is None
+    assert bands.step_bound({**params[0], "eps": 1e-16}) is not None  # an eps below float64's round-off
 
 
 def test_the_step_bound_follows_the_optimizer():

@@ -36,24 +36,27 @@ DEFAULTS = {
     "extra_files": [], "data": [], "args": [], "per_rank_args": [], "steps": 5, "compare": "parity",
     "tolerance": 1e-4, "noise_rtol": 0.1, "seed": 0, "timeout": 300, "env": {}, "patches": [], "notes": "",
     "split_data": None, "stubs": {}, "pythonpath": [], "to_end": True, "twin": True,
-    "refusal": "", "refusal_code": "",
+    "refusal": "", "refusal_code": "", "twin_native": "",
 }
 KEYS = set(DEFAULTS) | {"id", "path"}
 TWIN = "~det"  # a `trains` row's deterministic twin: its id is the row's plus this
 TWIN_ENV = {"REALWORLD_DETERMINISTIC": "1"}
+TWIN_DTYPE = "float64"  # verify --dtype of a twin: round-off ~1e-16, which no optimizer amplifies into steps
 JUDGEMENTS = ("justified", "avoidable")  # a refused row: would an FSDP2 engineer agree with the refusal?
 
 
 def twins(scripts: List["Script"]) -> List["Script"]:
     """Each `trains` row followed by its deterministic twin: the same recipe with the shim's
     REALWORLD_DETERMINISTIC (dropout off, noise drawn for the global batch and sliced, items
-    seeded by index, one seed on every rank). The twin should reach parity; where it only
-    trains, what is left random (or per rank) is what keeps the row from parity."""
+    seeded by index, one seed on every rank), both runs made in float64 (verify --dtype float64)
+    unless the manifest's `twin_native` says why the script cannot run so. The twin should reach
+    parity; where it only trains, what is left random (or per rank) is what keeps the row from parity."""
     out = []
     for s in scripts:
         out.append(s)
         if s.compare == "trains" and s.spec.get("twin", True):
-            spec = dict(s.spec, env=dict(s.spec["env"], **TWIN_ENV))
+            spec = dict(s.spec, env=dict(s.spec["env"], **TWIN_ENV),
+                        dtype="native" if s.spec.get("twin_native") else TWIN_DTYPE)
             out.append(Script(s.repo, s.commit, s.id + TWIN, s.path, spec, s.manifest))
     return out
 
@@ -100,6 +103,9 @@ def load_manifests(directory: Path) -> List[Script]:
             spec = dict(defaults, **entry)
             if spec["split_data"] is None:
                 spec["split_data"] = bool(spec["data"])
+            if not isinstance(spec["twin_native"], str):
+                raise SystemExit(f"{path}: {entry['id']}: twin_native is the reason (a string) the twin "
+                                 f"cannot run in {TWIN_DTYPE}")
             if spec["compare"] not in ("parity", "trains"):
                 raise SystemExit(f"{path}: {entry['id']}: compare must be parity or trains")
             if spec["refusal"] or spec["refusal_code"]:
@@ -294,6 +300,8 @@ def verify_step(script: Script, src: Path, work: Path, run_files: Optional[Path]
         args += ["--run-files", str(run_files)]
     if script.to_end:
         args.append("--to-end")
+    if script.spec.get("dtype", "native") != "native":
+        args += ["--dtype", script.spec["dtype"]]
     for name in script.per_rank_args:
         args += ["--per-rank-arg", name]
     args += ["--", *script.args]
@@ -407,7 +415,9 @@ def run_one(script: Script, mirrors: Path, work_root: Path, python: str) -> dict
     src_root = work / "src"
     row = {"id": script.id, "repo": script.repo, "commit": script.commit, "path": script.path,
            "compare": script.compare, "steps": script.steps, "patches": [p.get("why", "") for p in script.patches] + [f"stub module {m}" for m in script.stubs],
-           "notes": script.notes, "rewrite": None, "verify": None}
+           "notes": script.notes, "rewrite": None, "verify": None, "dtype": script.spec.get("dtype", "native")}
+    if script.id.endswith(TWIN) and script.twin_native:
+        row["dtype_note"] = f"twin not in {TWIN_DTYPE}: {script.twin_native}"
     try:
         gdir = git_dir(mirrors, script.repo)
         src = lay_out(script, gdir, src_root)
@@ -509,12 +519,16 @@ def summary_line(rows: List[dict]) -> str:
     twin = {r["id"][: -len(TWIN)]: r for r in rows if r.get("id", "").endswith(TWIN) and r["id"][: -len(TWIN)] in ran}
     if not twin:
         return line + part
+    # a twin measured in float64 (verify --dtype float64) or in the script's own dtypes (twin_native, or a
+    # row kept from a run before the twins were float64): the count in float64 is said
+    f64 = sum(1 for r in twin.values() if r.get("dtype") == TWIN_DTYPE)
     at_parity = [r for r in own if r["verdict"] == "parity" or twin.get(r.get("id"), {}).get("verdict") == "parity"]
     runnable = [r for r in own if r["verdict"] in ("parity", "trains", "flagged", "silently-wrong")]
     wrong = sum(1 for r in twin.values() if r["verdict"] == "silently-wrong")
     return (line + f"; deterministic twins of the trains rows: {sum(1 for r in twin.values() if r['verdict'] == 'parity')}"
-            f"/{len(twin)} parity" + (f", {wrong} silently-wrong" if wrong else "")
-            + f"; at parity (as given or by the twin): {len(at_parity)}/{len(runnable)} runnable scripts" + part)
+            f"/{len(twin)} parity" + (f", {wrong} silently-wrong" if wrong else "") + f" ({f64} in {TWIN_DTYPE})"
+            + f"; at parity (as given or by the twin): {len(at_parity)}/{len(runnable)} runnable scripts"
+            + (f" ({100 * len(at_parity) / len(runnable):.0f}%)" if runnable else "") + part)
 
 
 def _cell(text, limit: int = 220) -> str:
@@ -544,7 +558,8 @@ def markdown(rows: List[dict]) -> str:
         weights = vf.get("weights") or {}
         diff = weights.get("max_abs_diff")
         steps = f"{vf.get('steps_recorded', 0)}/{r['steps']}" if vf else f"-/{r['steps']}"
-        out.append(f"| {r['id']} | {_cell(r['repo'].split('/')[1] + ':' + r['path'])} | **{r['verdict']}** | "
+        dtype = f" ({r['dtype']})" if r.get("dtype", "native") != "native" else ""
+        out.append(f"| {r['id']}{dtype} | {_cell(r['repo'].split('/')[1] + ':' + r['path'])} | **{r['verdict']}** | "
                    f"{_cell(r['detail'])} | {_cell(judgement_cell(r.get('refusal_judgement')), 500)} | {_cell(rw_cell)} | {steps} | "
                    f"{'-' if diff is None else f'{diff:.2e}'} | {_cell(r['first_error'])} | "
                    f"{_cell('; '.join(r['patches']))} |")

@@ -23,7 +23,8 @@ of it is killed (``processes``).
 The same engine runs the execution tests (tests/test_execution.py,
 test_checkpoint.py) through its Python API: ``launch_single`` /
 ``launch_distributed`` with ``steps=0`` let a script run to its end (it saves
-what it saves), ``compare_saved`` compares those files by key, ``compare_runs``
+what it saves), ``compare_saved`` compares those files by key (by the same rules as
+the final weights, the optimizer step bound included), ``compare_runs``
 gives the verdict (per-step checks, final parameters, saved files), and
 ``trains`` judges a run with nothing to compare against (its loss falls). A run
 that gloo aborts at teardown is retried from its folder as it was before
@@ -247,6 +248,10 @@ class WeightsResult:
     rule: str = "tolerance"  # what decided: see RULES
     rule_detail: str = ""  # the rule at work, in words (the parameter it spared, its bound)
     first_over: Optional[dict] = None  # the first element of the failing tensor outside its band
+    # compare_saved's: what the compare script measured and the tolerance, for compare_runs to judge again
+    # with the runs' round-off context (the optimizer step bound)
+    summary: Optional[dict] = field(default=None, repr=False, compare=False)
+    tolerance: Optional[float] = field(default=None, repr=False, compare=False)
 
     def as_json(self, tolerance: float) -> dict:
         return {
@@ -288,18 +293,28 @@ def _within_band(row: dict, tolerance: float) -> bool:
 
 
 def _spared_by_the_optimizer(row: dict, context: Optional[RoundOff]) -> Optional[str]:
-    """Why a tensor outside its band is round-off an optimizer amplified (None: it is not)."""
-    index, diff = row.get("index"), row["max_abs_diff"]
-    if context is None or not context.steps_agree or "name" in row or index is None or index >= len(context.params):
+    """Why a tensor outside its band is round-off an optimizer amplified (None: it is not).
+
+    The same rule for the instrumentation's weights and the files the scripts saved: the tensor is
+    a parameter (``bands.param_indices``; a saved key several models' parameters share must pass for
+    each of them), every step agreed, its gradient never departed, and it is off by at most its
+    optimizer's step bound."""
+    diff = row["max_abs_diff"]
+    if context is None or not context.steps_agree or math.isnan(diff):
         return None
-    info = context.params[index]
-    bound = bands.step_bound(info)
-    if bound is None or math.isnan(diff) or diff > bound:
+    candidates = bands.param_indices(row, context.params)
+    if not candidates:
         return None
-    if context.single is not None and context.dist is not None and \
-            bands.gradient_departure(index, context.single, context.dist) is not None:
+    bounds = [(bands.step_bound(context.params[i]), i) for i in candidates]
+    if any(bound is None for bound, _ in bounds):
         return None
-    return f"{bands.param_name(row, context.params)} off by {diff:.3e}: {bands.describe_bound(info)}"
+    bound, index = min(bounds)
+    if diff > bound:
+        return None
+    if context.single is not None and context.dist is not None and any(
+            bands.gradient_departure(i, context.single, context.dist) is not None for i in candidates):
+        return None
+    return f"{bands.param_name(row, context.params)} off by {diff:.3e}: {bands.describe_bound(context.params[index])}"
 
 
 def _weights_problem(row: dict, tolerance: float, context: Optional[RoundOff], failing: int) -> str:
@@ -312,13 +327,13 @@ def _weights_problem(row: dict, tolerance: float, context: Optional[RoundOff], f
     if over:
         text += (f"; first element off the band at {list(over['index'])}: {over['single']:.6g} (single) vs "
                  f"{over['dist']:.6g} (distributed), {row['over']} element(s) off")
-    index = row.get("index")
-    if context is not None and context.single is not None and context.dist is not None and "name" not in row \
-            and index is not None:
+    candidates = bands.param_indices(row, params)
+    if context is not None and context.single is not None and context.dist is not None and len(candidates) == 1:
+        index = candidates[0]
         departure = bands.gradient_departure(index, context.single, context.dist)
         if departure:
             text += f"; its gradient first differed at {departure}"
-        elif context.steps_agree and index < len(params) and bands.step_bound(params[index]) is not None:
+        elif context.steps_agree and bands.step_bound(params[index]) is not None:
             text += f"; beyond the optimizer's step bound ({bands.describe_bound(params[index])})"
     if failing > 1:
         text += f"; {failing} tensors off in all"
@@ -956,12 +971,18 @@ def reference_record(run: Run) -> dict:
 
 
 def compare_saved(single: Path, dist: Path, keys: Sequence[str] = (), tolerance: float = DEFAULT_WEIGHT_TOLERANCE,
-                  single_prefix: str = "", python: str = sys.executable) -> WeightsResult:
+                  single_prefix: str = "", python: str = sys.executable,
+                  runs: Optional[Tuple["Run", "Run"]] = None) -> WeightsResult:
     """Compare the files the two runs saved (``torch.save`` files or DCP directories),
     tensor by tensor under the same names. ``keys``: empty when the file is a state
     dict; else the entries holding state dicts (several: each compared, names
     prefixed ``key.``). ``single_prefix`` is dropped from the single run's names
-    (torch.compile's ``_orig_mod.``)."""
+    (torch.compile's ``_orig_mod.``).
+
+    Judged as the final weights are (``compare_weights``): with ``runs`` (the single and the
+    distributed run that saved them), a saved parameter off by at most its optimizer's step
+    bound after steps that all agree is round-off; without, compare_runs judges the result
+    again with its runs when it is handed it as ``saved``."""
     for path in (single, dist):
         if not Path(path).exists():
             return WeightsResult(False, None, None, 0, 0, f"the saved weights: {path} does not exist")
@@ -970,7 +991,10 @@ def compare_saved(single: Path, dist: Path, keys: Sequence[str] = (), tolerance:
     proc = subprocess.run([python, str(COMPARE_SCRIPT), "--saved", json.dumps(spec)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise VerifyError(f"comparing the saved weights {single} and {dist} failed", _tail(proc.stderr))
-    return compare_weights(json.loads(proc.stdout), tolerance)
+    summary = json.loads(proc.stdout)
+    result = compare_weights(summary, tolerance, round_off(*runs) if runs is not None else None)
+    result.summary, result.tolerance = summary, tolerance
+    return result
 
 
 def compare_runs(single: Run, dist: Run, *, tolerance: float = DEFAULT_WEIGHT_TOLERANCE,
@@ -985,16 +1009,33 @@ def compare_runs(single: Run, dist: Run, *, tolerance: float = DEFAULT_WEIGHT_TO
         judge_steps = False
         notes.append("the reference ran without instrumentation: its steps are not compared")
     rows = compare_steps(record, dist.ranks, loss_rtol, loss_atol)
+    context = _round_off(record, dist, rows, judge_steps)
+    if saved is not None and saved.summary is not None:  # the saved files, by the same rules as the weights
+        summary, saved_tolerance = saved.summary, saved.tolerance
+        saved = compare_weights(summary, saved_tolerance if saved_tolerance is not None else tolerance, context)
+        saved.summary, saved.tolerance = summary, saved_tolerance
     weights = None
     if single.weights is not None and dist.weights is not None:
-        other = dist.ranks[0] if dist.ranks else {}
-        context = RoundOff(merged_params(record, other), record, other,
-                           steps_agree=judge_steps and bool(rows) and not any(r.problem for r in rows))
         weights = compare_weight_files(python, single.weights, dist.weights, tolerance, context)
     elif saved is None:
         missing = "single" if single.weights is None else "distributed"
         notes.append(f"the {missing} run recorded no final weights (it ended without the ranks together)")
     return Verdict(rows, weights, record, dist.ranks, notes, saved=saved, judge_steps=judge_steps)
+
+
+def _round_off(record: dict, dist: "Run", rows: Sequence[StepRow], judge_steps: bool) -> RoundOff:
+    other = dist.ranks[0] if dist.ranks else {}
+    return RoundOff(merged_params(record, other), record, other,
+                    steps_agree=judge_steps and bool(rows) and not any(r.problem for r in rows))
+
+
+def round_off(single: "Run", dist: "Run", loss_rtol: float = LOSS_RTOL, loss_atol: float = LOSS_ATOL) -> RoundOff:
+    """What tells round-off from divergence in two finished runs' weights (compare_runs' context):
+    their parameters' records and whether every step agreed (never, for an uninstrumented reference)."""
+    if not single.ranks:
+        return RoundOff()
+    record = reference_record(single)
+    return _round_off(record, dist, compare_steps(record, dist.ranks, loss_rtol, loss_atol), True)
 
 
 def merged_params(single: dict, dist: dict) -> List[dict]:
@@ -1217,16 +1258,31 @@ def _work_root(settings: VerifySettings) -> Tuple[Path, bool]:
     return root, False
 
 
+# torchrun's summary of a worker the kernel killed (the OOM killer's SIGKILL leaves no Python traceback)
+_SIGKILLED = re.compile(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)")
+
+
+def float64_failure(exc: VerifyError) -> VerifyError:
+    """A run that failed under --dtype float64, said with its likely cause: a process killed by
+    SIGKILL is out of memory (float64 doubles it), anything else a script that may not run in float64."""
+    if _SIGKILLED.search(exc.detail or ""):
+        return VerifyError(f"{exc.message}; with --dtype float64: a process was killed by SIGKILL without a Python "
+                           f"error, most likely out of memory (float64 doubles the memory of the parameters, "
+                           f"gradients, optimizer state and activations); run without --dtype float64 or with "
+                           f"smaller sizes", exc.detail)
+    return VerifyError(f"{exc.message}; with --dtype float64: the script may not run in float64 "
+                       f"(verify casts the default dtype, .float() and each module's inputs, parameters and "
+                       f"buffers, not every tensor the script makes in float32 itself); run without --dtype "
+                       f"float64 to compare it as written", exc.detail)
+
+
 def _run_and_compare(settings: VerifySettings, root: Path) -> Verdict:
     try:
         verdict = _run_and_compare_runs(settings, root)
     except VerifyError as exc:
         if settings.dtype != "float64" or "did not finish within" in exc.message:
             raise
-        raise VerifyError(f"{exc.message}; with --dtype float64: the script may not run in float64 "
-                          f"(verify casts the default dtype, .float() and each module's inputs, parameters and "
-                          f"buffers, not every tensor the script makes in float32 itself); run without --dtype "
-                          f"float64 to compare it as written", exc.detail) from None
+        raise float64_failure(exc) from None
     if settings.dtype == "float64":
         verdict.notes.extend(float64_notes(verdict.single, verdict.ranks))
     return verdict

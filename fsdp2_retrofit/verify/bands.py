@@ -19,7 +19,7 @@ Pure (no torch): verify's comparison reads what the instrumentation recorded.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 # units of the dtype's spacing a value may differ by (the two runs' round-off)
 DTYPE_ULPS = 2
@@ -69,10 +69,21 @@ def step_factor(info: dict) -> Optional[float]:
     return None
 
 
+# a float64 gradient's round-off (~1e-16 of the terms summed) stays far below an optimizer's eps (Adam:
+# 1e-8), which then keeps the step of a zero gradient near zero: nothing is amplified to spare
+FLOAT64_EPS_FLOOR = 1e-12
+
+
 def step_bound(info: Optional[dict]) -> Optional[float]:
     """How far two runs' copies of a parameter may drift apart by round-off its optimizer
-    amplified: each run moves it at most ``factor * lr`` a step."""
+    amplified: each run moves it at most ``factor * lr`` a step. None for a float64 parameter
+    (``--dtype float64``, or a script in float64) whose optimizer's eps is not tiny: its round-off
+    is not amplified, so a difference that needs the bound is a real one (a loss that couples the
+    batch's samples, split over the ranks, moves the weights by ~1e-4 while its losses agree to 1e-7)."""
     if not info:
+        return None
+    eps = info.get("eps", 1e-8)
+    if info.get("dtype") == "float64" and isinstance(eps, (int, float)) and eps >= FLOAT64_EPS_FLOOR:
         return None
     factor = step_factor(info)
     lr_sum = info.get("lr_sum")
@@ -106,6 +117,26 @@ def gradient_departure(index: int, single: dict, dist: dict) -> Optional[str]:
         if not abs(a - b) <= rtol * max(a, b) + PARAM_GRAD_FLOOR * total:
             return f"step {step + 1}: its gradient norm {a:.6g} (single) vs {b:.6g} (distributed)"
     return None
+
+
+# the parts a wrapper adds to a name in a saved state dict (the instrumentation drops them from its names)
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def param_indices(row: dict, params: Sequence[dict]) -> List[int]:
+    """The parameter records a compared tensor may be: the instrumentation's weights by their place
+    in the optimizers' param_groups (one); a saved file's tensor (a ``name``) by its key, the
+    parameter's qualified name or a name ending in ``.`` + it (a state dict saved under a prefix,
+    DDP's ``module.``), the wrappers' parts dropped. Several where models share names (a GAN's
+    generator and discriminator); none for a buffer or an optimizer's state."""
+    if "name" not in row:
+        index = row.get("index")
+        return [index] if index is not None and index < len(params) else []
+    key = str(row["name"])
+    for part in _WRAPPER_PARTS:
+        key = key.replace(part, "")
+    return [i for i, p in enumerate(params)
+            if p.get("name") and (key == p["name"] or key.endswith("." + p["name"]))]
 
 
 def param_name(row: dict, params: Sequence[dict]) -> str:

@@ -21,7 +21,9 @@ It does three things, each switched by the environment, and nothing else:
   a dataset item is fetched under a seed made from its index (augmentation is a
   function of the sample, whichever rank reads it; the global streams are put
   back after it); and under torchrun, a draw whose first dimension is this
-  rank's batch (the first dimension of the last DataLoader batch) is drawn for
+  rank's batch (the first dimension of the last DataLoader batch; an in-place
+  ``x.normal_()`` / ``x.uniform_()`` too, as Normal.rsample makes; ``torch.bernoulli(p)``
+  is drawn as uniforms below p in every run for this) is drawn for
   the whole global batch and this rank keeps rows rank, rank + world_size, ...
   -- the rows of the single run's draw that belong to this rank's samples (verify
   hands the single run the ranks' samples interleaved that way). A draw that
@@ -152,6 +154,20 @@ def _deterministic():
     fetch._MapDatasetFetcher.fetch = fetch_by_index
 
     _synchronised_batch_norm(torch, F, world, last)
+
+    # -- torch.bernoulli(p) on a batch-shaped p (classifier-free guidance's context drop): drawn as
+    # uniforms below p in every run (the single run too), so the ranks can take the global batch's rows
+    original_bernoulli = torch.bernoulli
+
+    def bernoulli(input, *args, **kwargs):
+        if isinstance(input, torch.Tensor) and input.is_floating_point() and not args and not kwargs \
+                and input.shape and last["batch"] is not None and int(input.shape[0]) == last["batch"]:
+            wide = (input.shape[0] * world, *input.shape[1:])
+            uniform = torch.rand(wide, dtype=input.dtype, device=input.device)[rank::world]
+            return (uniform < input).to(input.dtype)
+        return original_bernoulli(input, *args, **kwargs)
+
+    torch.bernoulli = bernoulli
     if world <= 1:
         return
 
@@ -212,6 +228,22 @@ def _deterministic():
     torch.randint = _randint(torch, batch_rows, mine, world)
     torch.randn_like = like(torch.randn_like, lambda size, **kw: torch.randn(size, **kw))
     torch.rand_like = like(torch.rand_like, lambda size, **kw: torch.rand(size, **kw))
+
+    def in_place(method):
+        """x.normal_() / x.uniform_() on a batch-shaped tensor (a VAE's eps, Normal.rsample's
+        standard normal): the global batch's draw, this rank's rows copied in."""
+        def draw(self, *args, **kwargs):
+            if batch_rows(tuple(self.shape)) and not self.requires_grad:
+                wide = self.new_empty((self.shape[0] * world, *self.shape[1:]))
+                method(wide, *args, **kwargs)
+                with torch.no_grad():
+                    self.copy_(wide[rank::world])
+                return self
+            return method(self, *args, **kwargs)
+        return draw
+
+    torch.Tensor.normal_ = in_place(torch.Tensor.normal_)
+    torch.Tensor.uniform_ = in_place(torch.Tensor.uniform_)
     if np is not None:
         np.random.normal = sized(np.random.normal, 2)
         np.random.uniform = sized(np.random.uniform, 2)

@@ -103,7 +103,6 @@ class LaunchDistributedCommand(RetrofitStage):
         preamble = cst.parse_module(text, config=self.config).body
         if not in_helper:
             facts.mesh_name = names["mesh"]  # for shard, planned on this same analysis (codemods/retrofit.py)
-        facts.rank_name = facts.rank_name or names["rank"]
         editor.insert_paragraph_before(anchor, preamble, first_in_block=anchor is facts.resolver.block_of(anchor).body[0])
         if in_helper:
             self._mesh_in_helper(facts, editor, "dist.get_world_size()")

@@ -33,8 +33,7 @@ def parse(source: bytes, path: str = "<input>") -> cst.Module:
         raise InputError(f"cannot decode the file: {err}") from None
 
 
-def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] = None,
-                   _alone: bool = False) -> RewriteResult:
+def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] = None) -> RewriteResult:
     """Rewrite `source` (the bytes of the file at `path`) into FSDP2, with the project modules it
     reaches (the program: rewrite/link.py).
 
@@ -45,8 +44,6 @@ def rewrite_source(source: bytes, path: str, options: Optional[RetrofitOptions] 
     if not source.strip():
         raise InputError("empty file: nothing to retrofit")
     module = parse(source, path)
-    if _alone:  # one module, as it is (the linked program's text)
-        return _rewrite_module(source, path, options, module)
     return _whole_program(source, path, options, module)
 
 
@@ -82,14 +79,15 @@ def _whole_program(source: bytes, path: str, options: RetrofitOptions, module: c
     linked_refusal = None
     if isinstance(linked, link.Linked):
         text = linked.text.encode(module.encoding)
-        trees: list = []  # the converted linked tree: taken apart as it is, not parsed again from its text
-        # the linked tree itself: the parse of its text would be the same tree (libcst round-trips)
+        # the linked tree itself (the parse of its text would be the same tree: libcst round-trips); the
+        # converted tree is taken apart as it is, not parsed again from its text
+        trees: list = []
         inner = _rewrite_module(text, path, options, linked.module, trees)
         if inner.refusals:
             inputs = sorted(set(inner.inputs) | set(program.files))
             linked_refusal = RewriteResult(path, source, source, [], [], link.refusal_records(linked, inner), inputs)
         else:
-            taken_apart = link.split(linked, inner, source, other_scripts=not steps, tree=trees[0])
+            taken_apart = link.split(linked, inner, trees[0], source, other_scripts=not steps)
             if isinstance(taken_apart, RewriteResult):
                 return taken_apart
             why = taken_apart

@@ -19,6 +19,19 @@ def run():
     return module
 
 
+@pytest.fixture
+def verify_commands(run, monkeypatch):
+    """The commands the harness would run (each run stops it with RuntimeError("stop"))."""
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(cmd)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(run.subprocess, "run", fake_run)
+    return seen
+
+
 def script(run, **spec):
     return run.Script("o/r", "0" * 40, "o/r-train", "train.py", dict(run.DEFAULTS, **spec), "m.toml")
 
@@ -65,14 +78,8 @@ def test_a_failure_after_training_is_a_crash_and_another_global_batch_is_named(r
     assert verdict == "silently-wrong" and detail.startswith("global batch not kept: step 1")
 
 
-def test_the_harness_runs_verify_to_the_end_unless_the_manifest_says_not(run, tmp_path, monkeypatch):
-    seen = []
-
-    def fake_run(cmd, **kwargs):
-        seen.append(cmd)
-        raise RuntimeError("stop")
-
-    monkeypatch.setattr(run.subprocess, "run", fake_run)
+def test_the_harness_runs_verify_to_the_end_unless_the_manifest_says_not(run, tmp_path, verify_commands):
+    seen = verify_commands
     src = tmp_path / "train.py"
     for spec, expected in (({}, True), ({"to_end": False}, False)):
         with pytest.raises(RuntimeError):
@@ -94,14 +101,8 @@ def test_each_trains_row_gets_a_deterministic_twin_and_the_summary_counts_parity
         "the trains rows: 1/1 parity (1 in float64); at parity (as given or by the twin): 2/3 runnable scripts (67%)")
 
 
-def test_a_twin_runs_both_sides_in_float64_unless_the_manifest_says_why_not(run, tmp_path, monkeypatch):
-    seen = []
-
-    def fake_run(cmd, **kwargs):
-        seen.append(cmd)
-        raise RuntimeError("stop")
-
-    monkeypatch.setattr(run.subprocess, "run", fake_run)
+def test_a_twin_runs_both_sides_in_float64_unless_the_manifest_says_why_not(run, tmp_path, verify_commands):
+    seen = verify_commands
     rows = [script(run, compare="trains"), script(run, compare="trains", twin_native="it builds float32 buffers")]
     rows[1].id = "o/half"
     row, twin, half, half_twin = run.twins(rows)

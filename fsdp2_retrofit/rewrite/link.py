@@ -519,15 +519,15 @@ def _statement_lines(module: cst.Module) -> Dict[int, Tuple[int, int]]:
     return out
 
 
-def split(linked: Linked, result: RewriteResult, source: bytes, other_scripts: bool = False,
-          tree: Optional[cst.Module] = None) -> Union[RewriteResult, str]:
+def split(linked: Linked, result: RewriteResult, tree: cst.Module, source: bytes,
+          other_scripts: bool = False) -> Union[RewriteResult, str]:
     """The result of the linked program taken apart: the entry's own result, with every module it
     changed (or has records for) as a sibling; or why it cannot be taken apart (a sentence).
     `other_scripts`: refuse to give a helper another script beside the program calls a DistributedSampler
     (where the script alone is the fallback, as for a program linked for its loaders only). `tree`: the
-    converted tree whose text is `result.code` (parsed from that text where not given)."""
+    converted tree, whose text is `result.code`."""
     program = linked.program
-    out = tree if tree is not None else cst.parse_module(result.code)
+    out = tree
     entry = program.entry
     parts: Dict[str, List[cst.BaseStatement]] = {entry: []}
     stack = [entry]

@@ -37,6 +37,7 @@ from .migrate_ddp import MigrateDistributedWrappersCommand
 from .migrate_fsdp1 import MigrateFsdp1Command
 from .migrate_spawn import MigrateSpawnCommand
 from .optimizer import MoveOptimizerCommand
+from .penalty_reshard import ReshardBeforePenaltyStepCommand
 from .rank_decisions import CheckRankDecisionsCommand
 from .rank_zero import GateRankZeroCommand
 from .resume import ConvertLoadsCommand
@@ -82,6 +83,7 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
         ClearThroughOptimizerCommand,
         ScaleSummedLossCommand,
         CreateFoldersOnceCommand,
+        ReshardBeforePenaltyStepCommand,
     ],
     [ShareRankLocalNamesCommand],  # after the saves run on every rank: a clock-made path they read is rank 0's
     [DownloadOnRankZeroCommand],  # `download=True` datasets: rank 0 first, a barrier, then the others

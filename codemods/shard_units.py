@@ -3,7 +3,8 @@ the report lines that say why: the shard stage's edits, apart from its decisions
 from __future__ import annotations
 
 from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
-from fsdp2_retrofit.analysis.leaf_units import model_leaf_layout
+from fsdp2_retrofit.analysis.leaf_units import model_leaf_layout, model_parameter_count
+from fsdp2_retrofit.analysis.penalties import penalty_models
 
 
 class ShardUnits:
@@ -25,6 +26,9 @@ class ShardUnits:
     def statements(self, model: ModelSite, facts: ScriptFacts, policies: str = ""):
         mesh = (f", mesh={facts.mesh_name}" if facts.mesh_name else "") + policies
         out = []
+        # a model a gradient penalty differentiates twice keeps every unit gathered (analysis/penalties.py)
+        held = any(model is m for m in penalty_models(facts))
+        self.policy = "never" if held else self.options.reshard_after_forward
         # a frozen model or a copy runs forward only: every unit, the root too, frees its
         # gathered parameters after forward (no backward would gather them again)
         forward_only = model.copy_of is not None or any(model is f for f in facts.frozen_models)
@@ -42,7 +46,7 @@ class ShardUnits:
             )
         if self.options.shard:
             var = self.fresh_name("module", model.scope)
-            keep = ", reshard_after_forward=False" if self.options.reshard_after_forward == "never" else ""
+            keep = ", reshard_after_forward=False" if self.policy == "never" else ""
             classes = ", ".join(f'"{c.rsplit(".", 1)[-1]}"' for c in self.options.shard)
             out.append(
                 self.stmt(
@@ -62,7 +66,7 @@ class ShardUnits:
             out.extend(self._runtime_block_statements(model, mesh, forward_only))
         else:
             var = self.fresh_name("block", model.scope)
-            policy = self.options.reshard_after_forward
+            policy = self.policy
             if model.library is not None and model.containers:
                 self.change(
                     model.stmt, f"`{model.name}` is {model.library.why}",
@@ -113,7 +117,7 @@ class ShardUnits:
                     f"`{model.name}` is {model.library.why}" if model.library is not None
                     else "pass --shard CLASS to make each block of that class its own unit",
                 )
-        keep = ", reshard_after_forward=False" if self.options.reshard_after_forward == "never" else ""
+        keep = ", reshard_after_forward=False" if self.policy == "never" else ""
         if forward_only and not keep:
             keep = ", reshard_after_forward=True"  # the root would otherwise keep its gathered parameters
         out.append(self.stmt(f"fully_shard({model.name}{mesh}{keep})\n"))
@@ -123,7 +127,27 @@ class ShardUnits:
             "the root unit holds what no block holds (embeddings, head); bottom-up order",
             "sharding the root first takes every parameter into one unit",
         )
+        if held:
+            out.append(self._hold_for_penalty(model, facts))
         return out
+
+    def _hold_for_penalty(self, model: ModelSite, facts: ScriptFacts):
+        """`model.set_reshard_after_backward(False)`, and the report of what holding the units costs."""
+        count = model_parameter_count(facts, model)
+        size = (f"{count:,} parameters, {_megabytes(count * 4)} in float32, on every rank" if count is not None
+                else "its full parameter size on every rank")
+        self.change(
+            model.shard_anchor,
+            f"every unit of `{model.name}` keeps its gathered parameters from forward through backward "
+            f"(reshard_after_forward=False, `{model.name}.set_reshard_after_backward(False)`); they are resharded "
+            "before its optimizer steps",
+            "its gradient penalty (autograd.grad with create_graph) takes a second backward that reads the gathered "
+            f"parameters, which FSDP2 would free after the first. The cost: `{model.name}` whole ({size}) from its "
+            "first forward to its optimizer step; its gradients and optimizer state stay sharded",
+            "with the default resharding the second backward fails ('The tensor has a non-zero number of elements, "
+            "but its data is not allocated yet')",
+        )
+        return self.stmt(f"{model.name}.set_reshard_after_backward(False)  # the gradient penalty reads them\n")
 
     def _inner_units(self, model: ModelSite, container, path: str, mesh: str, last: bool):
         """Blocks that are containers whose forward never runs (an inner ModuleList or
@@ -133,7 +157,7 @@ class ShardUnits:
         var = self.fresh_name("block", model.scope)
         children = f"{layer}.values()" if container.inner == "ModuleDict" else layer
         keep = ""
-        if self.options.reshard_after_forward == "never":
+        if self.policy == "never":
             keep = ", reshard_after_forward=False"
         elif last and container.inner != "ModuleDict":
             keep = f", reshard_after_forward={var} is not {path}[-1][-1]"
@@ -169,7 +193,7 @@ class ShardUnits:
         """fully_shard each leaf unit (an embedding, `[final norm, head]`), after the blocks,
         before the root; the unit that runs last in forward keeps its parameters gathered."""
         out = []
-        policy = self.options.reshard_after_forward
+        policy = self.policy
         for unit in layout.units:
             names = [".".join((model.name,) + p) for p in unit.paths]
             target = names[0] if len(names) == 1 else f"[{', '.join(names)}]"
@@ -202,7 +226,7 @@ class ShardUnits:
         blocks = self.fresh_name("blocks", model.scope)
         var = self.fresh_name("block", model.scope)
         m = self.fresh_name("module", model.scope)
-        policy = self.options.reshard_after_forward
+        policy = self.policy
         keep = {"default": f", reshard_after_forward={var} is not {blocks}[-1]", "never": ", reshard_after_forward=False"}
         self.change(
             model.stmt,
@@ -236,7 +260,7 @@ class ShardUnits:
         child = self.fresh_name("child", model.scope)
         p = self.fresh_name("p", model.scope)
         var = self.fresh_name("block", model.scope)
-        policy = self.options.reshard_after_forward
+        policy = self.policy
         keep = {"default": f", reshard_after_forward={var} is not {blocks}[-1]", "never": ", reshard_after_forward=False"}
         if forward_only and policy != "never":
             keep = {}
@@ -291,3 +315,7 @@ class ShardUnits:
                 "its forward is now a collective: every rank must run it, never under a rank-0 `if`",
             )
 
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 2 ** 20:.1f} MiB" if n >= 2 ** 20 else f"{n / 2 ** 10:.1f} KiB"

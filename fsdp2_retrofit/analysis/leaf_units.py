@@ -458,3 +458,19 @@ def model_leaf_layout(facts, model, lists: bool) -> Optional[LeafLayout]:
         return None
     return leaf_layout(facts.classes, model.class_name, call, facts.analysis.flow, facts.resolver.module,
                        model.name, lists)
+
+
+def model_parameter_count(facts, model) -> Optional[int]:
+    """The parameters a trained model's build makes, read from its classes and the sizes the script
+    gives (literals, defaults, values the flow reads one value for), or None where one is not read."""
+    small = model.stmt.body[0] if len(model.stmt.body) == 1 else None
+    if model.library is not None or model.alternatives or type(small) is not cst.Assign:
+        return None
+    from .flow import innermost_call
+
+    call = innermost_call(small.value)
+    top = facts.classes.top_level.get("")
+    if call is None or top is None:
+        return None
+    counter = _Counter(facts.classes)
+    return counter.count(call, _ScriptEnv(facts.analysis.flow, counter, top[1]), top[1], 0)

@@ -10,9 +10,10 @@ from fsdp2_retrofit.analysis.forward_data_writes import forward_data_write
 from fsdp2_retrofit.analysis.model_classes import first_submodule, parameter_reads
 from fsdp2_retrofit.analysis.no_model import no_model_blocker, nothing_found_at, unrecognised_trained_model
 from fsdp2_retrofit.analysis.optimizers import FLATTENING_OPTIMIZERS, whole_tensor_operation
+from fsdp2_retrofit.analysis.penalties import penalties
 from fsdp2_retrofit.analysis.shared_modules import shared_module
 from fsdp2_retrofit.syntax.names import root_name
-from fsdp2_retrofit.syntax.torch_api import AUTOGRAD_GRAD, GRAD_SCALER
+from fsdp2_retrofit.syntax.torch_api import GRAD_SCALER
 
 from . import Blocked, Blocker, Invalid, Valid  # noqa: F401
 
@@ -681,25 +682,42 @@ model = Net()
 
 
 class ShardDoubleBackward(Blocker):
-    """`torch.autograd.grad(..., create_graph=True)` (a gradient penalty: WGAN-GP, DRAGAN, R1) in a
-    script whose model is sharded.
+    """`torch.autograd.grad(..., create_graph=True)` (a gradient penalty: WGAN-GP, DRAGAN, R1) whose
+    second backward the rewrite cannot train sharded.
 
     ## Why
-    FSDP2 reshards a unit's parameters after its backward: the graph that create_graph=True keeps
-    for the second backward still reads the gathered parameters, which are freed by then (the run
-    fails in that backward, or reads freed memory).
+    FSDP2 frees a unit's gathered parameters after its backward, and the graph create_graph=True keeps
+    for the second backward still reads them. The rewrite keeps the units of the model the penalty
+    runs through gathered from forward to its optimizer step (analysis/penalties.py), which trains at
+    parity, but not when: the penalty's outputs do not come from a model it shards; the model is
+    sharded already without that recipe; or a forward of the model that feeds the same backward() is
+    made after the penalty. backward() runs that newest forward's part first, FSDP2 reduce-scatters
+    each unit's gradient when it reaches the unit, and the penalty's share arrives after the reduction:
+    it never reaches the shards.
 
     ## What to do
-    Keep this model unsharded (DDP), or compute the penalty without a second backward through the
-    sharded model.
+    Call the model on its other inputs before computing the penalty (or take the penalty's backward()
+    first); pass the penalty's outputs from a forward of the model; or keep this model unsharded (DDP).
     """
 
     CODE = "FSR624"
     NAME = "shard-double-backward"
     INVALID = (Invalid(
         _TORCH + "model = nn.Linear(4, 4)\n" + _OPT + "x = torch.randn(2, 4, requires_grad=True)\n"
-        + "(grad,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)\n",
+        + "(grad,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)\n"
+        + "loss = model(x).mean() + grad.pow(2).mean()\nloss.backward()\nopt.step()\n",
+        line=_after(_TORCH, 5),
+    ), Invalid(
+        _TORCH + "model = nn.Linear(4, 4)\n" + _OPT + "x = torch.randn(2, 4, requires_grad=True)\n"
+        + "(grad,) = torch.autograd.grad(torch.tanh(x).sum(), x, create_graph=True)\n"
+        + "loss = model(x).mean() + grad.pow(2).mean()\nloss.backward()\nopt.step()\n",
         line=_after(_TORCH, 4),
+    ),)
+    VALID = (Valid(
+        _TORCH + "model = nn.Linear(4, 4)\n" + _OPT + "x = torch.randn(2, 4, requires_grad=True)\n"
+        + "loss = model(x).mean()\n"
+        + "(grad,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)\n"
+        + "(loss + grad.pow(2).mean()).backward()\nopt.step()\n",
     ),)
 
 
@@ -1240,25 +1258,13 @@ def _refuse_forward_data_writes(model: ModelSite, info, facts: ScriptFacts, opti
     )
 
 def _refuse_double_backward(facts: ScriptFacts, options) -> Iterator[Blocked]:
-    """A gradient penalty (autograd.grad with create_graph) needs a second backward
-    through parameters FSDP2 has resharded after the first."""
+    """A gradient penalty (autograd.grad with create_graph) the recipe of analysis/penalties.py
+    cannot train: its model is not found, or a forward feeding the same backward follows it."""
     if not facts.models:
         return
-    for call in facts.resolver.nodes(cst.Call):
-        if not facts.resolver.is_call_to(call, AUTOGRAD_GRAD):
-            continue
-        graph = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == "create_graph"),
-                     None)
-        if graph is None or (isinstance(graph, cst.Name) and graph.value == "False"):
-            continue
-        yield Blocked(
-            "FSR624",
-            call,
-            f"`{code(call.func)}(..., create_graph={code(graph)})` takes a second backward through the model",
-            "FSDP2 frees each unit's gathered parameters after its backward; the graph kept for the second "
-            "backward still reads them (the run fails in that backward)",
-            "keep this model unsharded (DDP), or compute the penalty without a second backward through it",
-        )
+    for penalty in penalties(facts):
+        if penalty.blocked is not None:
+            yield Blocked("FSR624", *penalty.blocked)
 
 def _refuse_optimizers(facts: ScriptFacts, options) -> Iterator[Blocked]:
     """Optimizers whose step cannot work on DTensor shards."""

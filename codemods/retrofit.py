@@ -21,6 +21,7 @@ from fsdp2_retrofit.rewrite.stage import (
 from fsdp2_retrofit.syntax.names import Origins
 
 from .accumulation import SyncGradientsOncePerStepCommand
+from .batch_coupling import FlagBatchCouplingCommand
 from .batch_draws import SplitDrawnBatchesCommand
 from .checkpoint import ConvertSavesCommand
 from .checkpoint_files import UseCheckpointPathsCommand
@@ -84,6 +85,7 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
         ScaleSummedLossCommand,
         CreateFoldersOnceCommand,
         ReshardBeforePenaltyStepCommand,
+        FlagBatchCouplingCommand,
     ],
     [ShareRankLocalNamesCommand],  # after the saves run on every rank: a clock-made path they read is rank 0's
     [DownloadOnRankZeroCommand],  # `download=True` datasets: rank 0 first, a barrier, then the others

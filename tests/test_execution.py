@@ -201,6 +201,32 @@ def test_batchnorm_on_cpu_trains_within_noise_and_is_flagged(name: str, line: in
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("name, lines", [
+    ("batch_coupled_contrastive", [41]),  # `za @ zb.T` with arange targets (InfoNCE), inline
+    ("batch_coupled_relativistic", [14, 15]),  # `real - torch.mean(fake, dim=0)` in a helper, module level
+])
+def test_a_batch_coupled_objective_is_flagged_and_differs(name: str, lines: list, tmp_path: Path):
+    """A loss term that reads the other samples of its batch (analysis/batch_coupling.py) is computed by each
+    rank over its own part of the batch: the report flags each line (differs), and the runs do differ at the
+    same global batch (the flag is needed; without the coupling the same scripts would be at parity)."""
+    from rewrite_cases import rewrite_case
+
+    case = FIXTURES / name
+    run = _run_config(case)
+    result = rewrite_case(case)
+    flagged = [a for a in result.attention if a.differs and a.code == "batch_coupling"]
+    assert [a.line for a in flagged] == lines, result.attention
+    timeout = run.get("timeout", DEFAULT_TIMEOUT_S)
+    single = _reference(case, run, tmp_path / "single", timeout)
+    dist = launch_distributed(case / "expected.py", ["--out", str(tmp_path / "dist" / "out.pt"), *run["dist_args"]],
+                              tmp_path / "dist", nproc=run.get("nproc", 2), timeout=timeout)
+    verdict = compare_runs(single, dist, tolerance=run.get("tolerance", DEFAULT_TOLERANCE))
+    print(_figures(case.name, verdict))
+    assert verdict.rows and not verdict.start_apart and not verdict.ranks_disagree
+    assert not verdict.equivalent, "each rank's objective covers half the batch: the runs should differ"
+
+
+@pytest.mark.e2e
 def test_trains_check_fails_when_nothing_is_learned(tmp_path: Path):
     """The check can fail: the same run at learning rate 0 keeps its loss."""
     case = FIXTURES / "meta_init_plain"

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import code, instance_attribute
+from fsdp2_retrofit.syntax.names import code
 
 _DEPTH = 10
 # methods of a tensor that keep one row per sample (the result is batch-shaped where the receiver is)
@@ -101,7 +101,7 @@ class _Finder:
         if t is cst.Attribute:
             if expr.attr.value in ("data", "T", "mT"):
                 return self.batch(expr.value, depth + 1)
-            return self._holds_model(expr) is None and any(self._origin(o, expr, depth) for o in self.flow.values(expr))
+            return self.facts.model_held(expr) is None and any(self._origin(o, expr, depth) for o in self.flow.values(expr))
         if t is cst.Subscript:
             return self.batch(expr.value, depth + 1)
         if t is cst.UnaryOperation:
@@ -121,7 +121,7 @@ class _Finder:
         return isinstance(node, cst.BaseExpression) and self.batch(node, depth + 1)
 
     def _batch_call(self, call: cst.Call, depth: int) -> bool:
-        if self._holds_model(call.func) is not None:
+        if self.facts.model_held(call.func) is not None:
             return True
         names = self.r.qnames(call.func)
         first = next((a.value for a in call.args if a.keyword is None and not a.star), None)
@@ -146,13 +146,6 @@ class _Finder:
         if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute) and expr.func.attr.value == "size":
             return not expr.args and self.batch(expr.func.value, depth + 1)
         return isinstance(expr, cst.Attribute) and expr.attr.value == "shape" and self.batch(expr.value, depth + 1)
-
-    def _holds_model(self, func) -> Optional[object]:
-        spelled = func.value if isinstance(func, cst.Name) else instance_attribute(func)
-        if spelled is None:
-            return None
-        fn = self.r.enclosing_function(func)
-        return next((m for m in self.facts.models if spelled in m.names.get(fn, ())), None)
 
     # -- statistics over the batch ----------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from .flow import innermost_call as _innermost_call
 from .models import ModelAnalysis, ModelSite
 from .optimizers import OptimizerAnalysis, OptimizerSite
 from .site_analysis import Block, Scope
-from fsdp2_retrofit.syntax.names import Resolver
+from fsdp2_retrofit.syntax.names import Resolver, instance_attribute
 from fsdp2_retrofit.syntax.torch_api import AUTOCAST, TORCH_COMPILE
 
 
@@ -88,6 +88,14 @@ class ScriptFacts:
 
     def is_model_name(self, name: str, node: cst.CSTNode) -> bool:
         return name in self.model_names.get(self.resolver.enclosing_function(node), set())
+
+    def model_held(self, expr: cst.BaseExpression) -> Optional[ModelSite]:
+        """The model `expr` (a name or `self.attr`) holds where it is read, among each model's names there."""
+        spelled = expr.value if type(expr) is cst.Name else instance_attribute(expr)
+        if spelled is None:
+            return None
+        fn = self.resolver.enclosing_function(expr)
+        return next((m for m in self.models if spelled in m.names.get(fn, ())), None)
 
     def methods_called_on(self, model: ModelSite, info) -> List[str]:
         """The methods of `info` (the model's class) the script calls on any name that

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import code, instance_attribute
+from fsdp2_retrofit.syntax.names import code
 from fsdp2_retrofit.syntax.torch_api import AUTOGRAD_GRAD
 
 from .checkpoints import call_arg
@@ -75,7 +75,7 @@ def holds_recipe(facts, model) -> bool:
     for call in facts.resolver.nodes(cst.Call):
         func = call.func
         if (isinstance(func, cst.Attribute) and func.attr.value == "set_reshard_after_backward" and call.args
-                and code(call.args[0].value) == "False" and _holder(facts, func.value, call) is model):
+                and code(call.args[0].value) == "False" and facts.model_held(func.value) is model):
             return True
     return False
 
@@ -163,21 +163,12 @@ def penalty_steps(facts: ScriptFacts, model) -> list:
     return out
 
 
-def _holder(facts, expr, at) -> Optional[object]:
-    """The model `expr` holds where it is read (a name or `self.attr` among the model's names there)."""
-    spelled = expr.value if isinstance(expr, cst.Name) else instance_attribute(expr)
-    if spelled is None:
-        return None
-    fn = facts.resolver.enclosing_function(at)
-    return next((m for m in facts.models if spelled in m.names.get(fn, ())), None)
-
-
 def _collect(facts, expr, stop: Set[int], models: Dict[int, object], depth: int) -> None:
     """The models whose forwards `expr`'s value comes from, back to the penalty's inputs."""
     if depth > _DEPTH or id(expr) in stop:
         return
     if isinstance(expr, cst.Call):
-        model = _holder(facts, expr.func, expr)
+        model = facts.model_held(expr.func)
         if model is not None:
             models.setdefault(id(model), model)
             for a in expr.args:
@@ -226,7 +217,7 @@ def _forward_after(facts, call: cst.Call, models) -> Optional[tuple]:
             if isinstance(func, cst.Attribute) and func.attr.value in ("backward", "step"):
                 return (found[0], found[1], node if func.attr.value == "backward" else None) if found else None
             if found is None:
-                model = _holder(facts, func, node)
+                model = facts.model_held(func)
                 if model is not None and any(model is m for m in models):
                     found = (node, model)
     return (found[0], found[1], None) if found else None

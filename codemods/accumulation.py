@@ -97,7 +97,8 @@ class SyncGradientsOncePerStepCommand(RetrofitStage):
             ahead = self._ahead(backward, skip, r)
             if ahead is None:
                 return None
-            return backward, _negate(self.expr(ahead.text)), _how(f"the optimizer step is skipped under `if {code(skip.test)}`", ahead)
+            how = _how(f"the optimizer step is skipped under `if {code(skip.test)}`", ahead)
+            return backward, _negate(self.expr(ahead.text)), how
         # a gate inside the loop: `if (i + 1) % accum == 0: optimizer.step()`
         gate = next((a for a in r.ancestors(step) if isinstance(a, cst.If)), None)
         if gate is None or not _inside(gate, loop.node, r) or _inside(backward, gate, r):

@@ -93,10 +93,11 @@ class ShardAnchors:
 
     def places_through(self, stmt, name: str) -> bool:
         """`to_bf16(model, device)` or `model = prepare(model, device)`: a call of a function of the
-        script or of a project module it imports, handed the model, whose body only places or casts it (`m.to(device).to(torch.bfloat16)`,
-        `m = m.half()`, an `if`/`else` of such, `return m`): part of the build, like the same calls
-        written inline, so fully_shard comes after it and takes the parameters in their final dtype.
-        Assigned back to the model's name, every `return` must hand back the module it was handed."""
+        script or of a project module it imports, handed the model, whose body only places or casts
+        it (`m.to(device).to(torch.bfloat16)`, `m = m.half()`, an `if`/`else` of such, `return m`):
+        part of the build, like the same calls written inline, so fully_shard comes after it and
+        takes the parameters in their final dtype. Assigned back to the model's name, every
+        `return` must hand back the module it was handed."""
         if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
             return False
         small = stmt.body[0]

@@ -6,7 +6,8 @@ from typing import Optional, Tuple
 import libcst as cst
 
 from fsdp2_retrofit.analysis import LoopSite, ScriptFacts, code
-from fsdp2_retrofit.syntax.names import assigned_names, names_in
+from fsdp2_retrofit.analysis.step_condition import Ahead, before, statements_between
+from fsdp2_retrofit.syntax.names import names_in
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 TRADE = (
@@ -93,24 +94,36 @@ class SyncGradientsOncePerStepCommand(RetrofitStage):
             return self._micro_loop(loop, facts, editor)
         skip = _skip_gate(backward, step, r)
         if skip is not None:  # `if (i + 1) % accum != 0: continue` before the step
-            return backward, _negate(skip.test), f"the optimizer step is skipped under `if {code(skip.test)}`"
+            ahead = self._ahead(backward, skip, r)
+            if ahead is None:
+                return None
+            how = _how(f"the optimizer step is skipped under `if {code(skip.test)}`", ahead)
+            return backward, _negate(self.expr(ahead.text)), how
         # a gate inside the loop: `if (i + 1) % accum == 0: optimizer.step()`
         gate = next((a for a in r.ancestors(step) if isinstance(a, cst.If)), None)
         if gate is None or not _inside(gate, loop.node, r) or _inside(backward, gate, r):
             return None
         if isinstance(loop.node, cst.For) and not _inside(gate, loop.node.body, r):
             return None
-        changed_between = _assigned_between(backward, gate, r)
-        if names_in(gate.test) & changed_between:
+        ahead = self._ahead(backward, gate, r)
+        if ahead is None:
+            return None
+        return backward, ahead.text, _how("the optimizer steps under `if " + code(gate.test) + "`", ahead)
+
+    def _ahead(self, backward, gate: cst.If, r) -> Optional[Ahead]:
+        """The gate's test as it reads before backward() (analysis/step_condition.py), or None
+        with an attention item saying why it cannot be computed there."""
+        between, why = statements_between(backward, gate, r)
+        ahead = before(gate.test, between) if between is not None else Ahead(None, why)
+        if ahead.text is None:
             self.attention(
                 backward,
                 "gradient accumulation whose step condition changes after backward(): gradients are reduced on every micro-batch",
-                f"`{code(gate.test)}` reads {', '.join(sorted(names_in(gate.test) & changed_between))}, "
-                "assigned between backward() and the test; compute the condition first, then call "
-                "set_requires_gradient_sync(condition) before backward()",
+                f"`{code(gate.test)}` is tested after backward() and cannot be computed before it: {ahead.why}; "
+                "compute the condition first, then call set_requires_gradient_sync(condition) before backward()",
             )
             return None
-        return backward, code(gate.test), "the optimizer steps under `if " + code(gate.test) + "`"
+        return ahead
 
     def _micro_loop(self, loop: LoopSite, facts: ScriptFacts, editor) -> Optional[Tuple[cst.CSTNode, str, str]]:
         node = loop.node
@@ -176,9 +189,15 @@ def _skip_gate(backward, step, r) -> Optional[cst.If]:
             and isinstance(stmt.body.body[0], cst.SimpleStatementLine)
             and isinstance(stmt.body.body[0].body[0], cst.Continue)
         ):
-            if not (names_in(stmt.test) & _assigned_between(backward, stmt, r)):
-                return stmt
+            return stmt
     return None
+
+
+def _how(found: str, ahead: Ahead) -> str:
+    """How the step condition was found, and the assignments after backward() it was computed through."""
+    if not ahead.used:
+        return found
+    return f"{found}, read before backward() as after {'; '.join(f'`{u}`' for u in ahead.used)}"
 
 
 def _negate(test: cst.BaseExpression) -> str:
@@ -230,21 +249,6 @@ def _optimizer_steps(facts: ScriptFacts, function) -> list:
 
 def _inside(node, outer, r) -> bool:
     return node is outer or any(a is outer for a in r.ancestors(node))
-
-
-def _assigned_between(first, gate, r) -> set:
-    """Names assigned by statements of the block holding `first`, after it and up to `gate`."""
-    block = r.block_of(first)
-    if block is None:
-        return set()
-    body = list(block.body)
-    out: set = set()
-    start = body.index(first) + 1
-    for stmt in body[start:]:
-        if stmt is gate or _inside(gate, stmt, r):
-            break
-        out |= assigned_names(stmt)
-    return out
 
 
 def _already_synced(backward, facts: ScriptFacts) -> bool:

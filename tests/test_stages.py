@@ -604,13 +604,20 @@ def test_accumulation_holds_gathered_parameters_until_the_last_micro_batch_unles
     assert any(c.code == "accumulation" and "--accumulation-params reshard" in c.what for c in reshard.changes)
 
 
-def test_accumulation_whose_condition_changes_after_backward_is_reported_not_guessed():
+def test_accumulation_whose_condition_changes_after_backward_is_computed_before_it():
     script = ACCUMULATION.replace(
         "    if (i + 1) % 4 == 0:", "    micro = i + 1\n    if micro % 4 == 0:"
     )
+    assert "    model.set_requires_gradient_sync((i + 1) % 4 == 0)\n" in out(script)
+
+
+def test_accumulation_whose_condition_cannot_be_computed_before_backward_is_reported_not_guessed():
+    script = ACCUMULATION.replace(
+        "    if (i + 1) % 4 == 0:", "    micro = next(counter)\n    if micro % 4 == 0:"
+    )
     result = rewrite(script)
     assert "set_requires_gradient_sync" not in result.code.decode()
-    assert any("changes after backward()" in a.what for a in result.attention)
+    assert any("changes after backward()" in a.what and "`micro = next(counter)`" in a.why for a in result.attention)
 
 
 def test_an_unused_underscore_micro_loop_variable_is_named_for_the_condition():

@@ -202,17 +202,6 @@ class OptimizerAnalysis(SiteAnalysis):
                 models.append(model)
         return fn, models, frozenset(q for c in calls_in(fn) for q in resolver.qnames(c))
 
-    def _sibling_function(self, call: cst.Call):
-        """(the top-level function, its module's resolver) a call of a function of a project module the
-        script imports runs (`set_optimizer(opt, model)` with `from util import set_optimizer`, or
-        `util.set_optimizer(...)`), or None."""
-        for qname in sorted(self.r.qnames(call.func)):
-            namespace, _, name = qname.rpartition(".")
-            fn = self.classes.top_level_functions.get(namespace, {}).get(name) if namespace else None
-            if fn is not None:
-                return fn, self.classes.top_level[namespace][1].resolver
-        return None
-
     def _model_of_receiver(self, receiver: Optional[str], stmt, module_names) -> Optional[str]:
         """The model `receiver` names: itself, or the model it was bound to earlier in the
         same block (`raw_model = model`, `raw_model = model.module if ddp else model`)."""

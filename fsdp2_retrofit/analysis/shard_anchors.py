@@ -61,7 +61,7 @@ class ShardAnchors:
             if isinstance(later, (cst.For, cst.While, cst.FunctionDef, cst.With, cst.Try)):
                 break
             if (_is_placement(later, name) or _initialises(later, name) or self._initialises_through(later, name)
-                    or _converts_sync_batchnorm(later, name)):
+                    or _converts_sync_batchnorm(later, name) or self.places_through(later, name)):
                 anchor = later
             elif name in assigned_names(later):
                 break  # rebound by something else (torch.compile, a wrapper): shard before it
@@ -90,6 +90,42 @@ class ShardAnchors:
                              for inner in self.r.descendants(function.body, cst.SimpleStatementLine)):
                 return True
         return False
+
+    def places_through(self, stmt, name: str) -> bool:
+        """`to_bf16(model, device)` or `model = prepare(model, device)`: a call of a function of the
+        script or of a project module it imports, handed the model, whose body only places or casts
+        it (`m.to(device).to(torch.bfloat16)`, `m = m.half()`, an `if`/`else` of such, `return m`):
+        part of the build, like the same calls written inline, so fully_shard comes after it and
+        takes the parameters in their final dtype. Assigned back to the model's name, every
+        `return` must hand back the module it was handed."""
+        if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+            return False
+        small = stmt.body[0]
+        rebinds = isinstance(small, cst.Assign)
+        if rebinds and not (len(small.targets) == 1 and isinstance(small.targets[0].target, cst.Name)
+                            and small.targets[0].target.value == name):
+            return False
+        call = small.value if isinstance(small, (cst.Expr, cst.Assign)) else None
+        if type(call) is not cst.Call:
+            return False
+        function = self.site._callee(call) or (self.site._sibling_function(call) or (None,))[0]
+        if function is None or not isinstance(function.body, cst.IndentedBlock):
+            return False
+        handed = [p for p, arg in bind_args(function, call) if type(arg) is cst.Name and arg.value == name]
+        if len(handed) != 1:
+            return False
+        param, returned = handed[0], False
+        body = list(function.body.body)
+        if body and _docstring(body[0]):
+            body = body[1:]
+        for inner in body:
+            if _is_placement(inner, param):
+                continue
+            small = inner.body[0] if isinstance(inner, cst.SimpleStatementLine) and len(inner.body) == 1 else None
+            if not isinstance(small, cst.Return) or small.value is None or not _is_placement_chain(small.value, param):
+                return False
+            returned = True
+        return bool(body) and (returned or not rebinds)
 
     def _loads_checkpoint(self, stmt) -> bool:
         """`model.load_state_dict(torch.load(p))` (or of a name bound to torch.load's
@@ -138,12 +174,13 @@ class ShardAnchors:
 
 
 def _is_placement(stmt, name: str) -> bool:
-    """`m.to(d)`, `m = m.cuda()`, or an `if` whose body only does such things, to `m`
-    and to other names (`if cuda: G = G.cuda(); D = D.cuda(); loss_fn.cuda()`)."""
+    """`m.to(d)`, `m = m.cuda()`, or an `if` (with `elif`/`else` branches or not) each of
+    whose branches only does such things, to `m` and to other names (`if cuda: G = G.cuda();
+    D = D.cuda(); loss_fn.cuda()`, `if args.bf16: m = m.to(device).bfloat16() else: m = m.to(device)`)."""
     if isinstance(stmt, cst.If):
-        inner = list(stmt.body.body) if isinstance(stmt.body, cst.IndentedBlock) else [stmt.body]
-        placed = [_placed_name(s) for s in inner]
-        return bool(inner) and stmt.orelse is None and None not in placed and name in placed
+        branches = _branches(stmt)
+        placed = [_placed_name(s) for inner in branches for s in inner]
+        return all(branches) and None not in placed and name in placed
     if not isinstance(stmt, cst.SimpleStatementLine):
         return False
     for small in stmt.body:
@@ -155,6 +192,26 @@ def _is_placement(stmt, name: str) -> bool:
         if not _is_placement_chain(value, name):
             return False
     return True
+
+
+def _branches(stmt: cst.If) -> list:
+    """The statements of each branch of an `if`/`elif`/`else`."""
+    out = []
+    node = stmt
+    while node is not None:
+        body = node.body
+        out.append(list(body.body) if isinstance(body, cst.IndentedBlock) else [body])
+        orelse = node.orelse if isinstance(node, cst.If) else None
+        node = orelse if isinstance(orelse, cst.If) else None
+        if isinstance(orelse, cst.Else):
+            body = orelse.body
+            out.append(list(body.body) if isinstance(body, cst.IndentedBlock) else [body])
+    return out
+
+
+def _docstring(stmt) -> bool:
+    return (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Expr)
+            and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString)))
 
 
 def _converts_sync_batchnorm(stmt, name: str) -> bool:

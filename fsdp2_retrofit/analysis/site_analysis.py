@@ -193,6 +193,17 @@ class SiteAnalysis:
                 return False
         return bool(origins)
 
+    def _sibling_function(self, call: cst.Call):
+        """(the top-level function, its module's resolver) a call of a function of a project module the
+        script imports runs (`set_optimizer(opt, model)` with `from util import set_optimizer`, or
+        `util.set_optimizer(...)`), or None."""
+        for qname in sorted(self.r.qnames(call.func)):
+            namespace, _, name = qname.rpartition(".")
+            fn = self.classes.top_level_functions.get(namespace, {}).get(name) if namespace else None
+            if fn is not None:
+                return fn, self.classes.top_level[namespace][1].resolver
+        return None
+
     def _callee(self, call: cst.Call) -> Optional[cst.FunctionDef]:
         """The function of the script a call by name runs: a def nested in the calling
         function (or one around it), else a top-level function."""

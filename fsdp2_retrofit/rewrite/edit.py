@@ -50,8 +50,10 @@ def with_keyword(call: cst.Call, keyword: str, value: cst.BaseExpression) -> cst
         equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")),
     )
     args = list(call.args)
+    if not args:  # `path.mkdir()`: the keyword alone, no comma after it
+        return call.with_changes(args=[new])
     at = next((i for i, a in enumerate(args) if a.star == "**"), len(args))
-    if at == len(args) and args:
+    if at == len(args):
         trailing = args[-1].comma
         if isinstance(trailing, cst.Comma):  # multi-line call with a trailing comma
             between = args[-2].comma if len(args) >= 2 else trailing

@@ -6,17 +6,13 @@ from typing import Optional
 import libcst as cst
 
 from fsdp2_retrofit.analysis.closures import sharded_here
+from fsdp2_retrofit.analysis.dtype_casts import cast_receiver, dtype_cast
 from fsdp2_retrofit.analysis.sharding import part_root
-from fsdp2_retrofit.syntax.names import bind_args
+from fsdp2_retrofit.syntax.names import SELF_RETURNING_METHODS, bind_args
 from fsdp2_retrofit.syntax.torch_api import TORCH_LOAD
 from . import Invalid, Rule, Valid
 
 _HEAD = "import torch\nimport torch.nn as nn\nfrom torch.distributed.fsdp import fully_shard\nmodel = Net()\n"
-_CASTS = {"half", "bfloat16", "float", "double"}
-_DTYPES = {
-    "float16", "half", "bfloat16", "float32", "float", "float64", "double",
-    "float8_e4m3fn", "float8_e5m2", "complex64", "complex128",
-}
 _REGISTER = {"add_module", "register_module", "register_parameter"}
 _GROW = {"append", "extend", "insert", "update"}
 _PLAIN_LOADERS = {"safetensors.torch.load_file", "safetensors.torch.load"}
@@ -31,8 +27,9 @@ class ChangeAfterShard(Rule):
     - a new submodule or parameter: `model.head = nn.Linear(...)`, `model.add_module(...)`,
       `register_parameter`, `model.layers.append(Block())`;
     - a dtype cast of the module: `model.half()`, `model.bfloat16()`, `model.float()`,
-      `model.to(torch.bfloat16)`, `model.to(dtype=...)` (as a statement, or assigned
-      back to the module);
+      `model.to(torch.bfloat16)`, `model.to(dtype=...)`, also in a chain of moves
+      (`model.to(device).to(torch.bfloat16)`) (as a statement, or assigned back to the
+      module);
     - `model.load_state_dict(d)` of a plain dict: a dict built in the script, the
       `state_dict()` of a module that is not sharded, a `safetensors` file
       (`torch.load` is FSD112's); this one after the sharding of any of its blocks too.
@@ -91,6 +88,7 @@ class ChangeAfterShard(Rule):
         ),
         Valid(_HEAD + "fully_shard(model)\nmodel.to('cuda')\nout = model(x).float()\n"),  # device moves are fine
         Valid(_HEAD + "fully_shard(model)\nw = model.head.weight.float()\nmodel.history = []\n"),  # tensors, plain data
+        Valid(_HEAD + "fully_shard(model)\nmodel.head.weight.float().tolist()\n"),  # a tensor's cast, read
         Valid(_HEAD + "fully_shard(model)\nstate = get_model_state_dict(model)\ndcp.load(state, checkpoint_id=p)\n"
               "model.load_state_dict(state)\n"),  # DCP-loaded sharded state
         Valid("import torch\nimport torch.nn as nn\nmodel = Net()\nmodel.head = nn.Linear(4, 2)\nmodel.half()\n"),
@@ -111,6 +109,7 @@ class ChangeAfterShard(Rule):
         Invalid(_HEAD + "scale = model.scale\nmodel.register_parameter('scale', None)\nfully_shard(model)\n"
                 "model.register_parameter('scale', scale)\n", line=8),  # put back, but no hook syncs its gradient
         Invalid(_HEAD + "fully_shard(model)\nmodel = model.half()\n", line=6),
+        Invalid(_HEAD + "fully_shard(model)\nmodel.to('cuda').to(torch.bfloat16)\n", line=6),  # a chained cast
         Invalid(_HEAD + "fully_shard(model)\nmodel.layers.append(Block())\nclass Block(nn.Module):\n    pass\n", line=6),
         Invalid(_HEAD + "fully_shard(model)\nmodel.load_state_dict({k: v for k, v in base.items()})\n", line=6),
         Invalid(_HEAD + "base = Net()\nfully_shard(model)\nmodel.load_state_dict(base.state_dict())\n", line=7),
@@ -145,10 +144,10 @@ class ChangeAfterShard(Rule):
                 found = sharded_here(shards, func.value, call, root_sharded=True)
                 if found is not None:
                     yield call, self._new_part(ctx, found, f"`{_code(func)}(...)`"), None
-            elif (method in _CASTS and not call.args) or (method == "to" and _dtype_arg(call)):
+            elif dtype_cast(call) is not None:
                 if not _module_cast(ctx, call):
                     continue
-                found = sharded_here(shards, func.value, call, root_sharded=True)
+                found = sharded_here(shards, cast_receiver(call), call, root_sharded=True)
                 if found is not None:
                     yield call, self._fields(ctx, found, f"dtype cast `{_code(call)}`",
                                              "FSDP2 keeps gathering in the dtype it recorded (cast before `fully_shard`, "
@@ -263,25 +262,19 @@ def _builds_module(ctx, value, classes) -> bool:
     )
 
 
-def _dtype_arg(call: cst.Call) -> bool:
-    for arg in call.args:
-        if arg.keyword is not None:
-            if arg.keyword.value == "dtype":
-                return True
-            continue
-        value = arg.value
-        if isinstance(value, cst.Attribute) and value.attr.value in _DTYPES and _code(value.value) == "torch":
-            return True
-    return False
-
-
 def _module_cast(ctx, call: cst.Call) -> bool:
     """The cast's result is dropped (the module is cast in place) or bound back to the
-    module itself: a cast of a module, not of a tensor read from it."""
-    parent = ctx.resolver.parent(call)
+    module itself: a cast of a module, not of a tensor read from it. In a chain of methods
+    that return the module (`model.to(device).to(torch.bfloat16)`, `model.half().cuda()`), the chain's."""
+    r = ctx.resolver
+    outer = call
+    while (isinstance(r.parent(outer), cst.Attribute) and r.parent(outer).attr.value in SELF_RETURNING_METHODS
+           and isinstance(r.parent(r.parent(outer)), cst.Call) and r.parent(r.parent(outer)).func is r.parent(outer)):
+        outer = r.parent(r.parent(outer))
+    parent = r.parent(outer)
     if isinstance(parent, cst.Expr):
         return True
-    receiver = part_root(call.func.value)
+    receiver = part_root(cast_receiver(call))
     if isinstance(parent, cst.Assign) and receiver is not None:
         return any(part_root(t.target) == receiver for t in parent.targets)
     return False

@@ -1,4 +1,4 @@
-"""FSR6.. shard: models, optimizers and training steps fully_shard cannot be applied to safely (FSR601, FSR602, FSR603, FSR604, FSR605, FSR606, FSR607, FSR608, FSR609, FSR610, FSR611, FSR612, FSR613, FSR614, FSR615, FSR616, FSR617, FSR618, FSR619, FSR620, FSR621, FSR622, FSR623, FSR624, FSR625, FSR626, FSR627, FSR628, FSR629, FSR630, FSR643, FSR644)."""
+"""FSR6.. shard: models, optimizers and training steps fully_shard cannot be applied to safely (FSR601, FSR602, FSR603, FSR604, FSR605, FSR606, FSR607, FSR608, FSR609, FSR610, FSR611, FSR612, FSR613, FSR614, FSR615, FSR616, FSR617, FSR618, FSR619, FSR620, FSR621, FSR622, FSR623, FSR624, FSR625, FSR626, FSR627, FSR628, FSR629, FSR630, FSR643, FSR644, FSR645)."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -6,6 +6,7 @@ from typing import Iterator
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
+from fsdp2_retrofit.analysis.dtype_casts import casts_after_shard, dtype_cast
 from fsdp2_retrofit.analysis.forward_data_writes import forward_data_write
 from fsdp2_retrofit.analysis.model_classes import first_submodule, parameter_reads
 from fsdp2_retrofit.analysis.no_model import no_model_blocker, nothing_found_at, unrecognised_trained_model
@@ -943,6 +944,50 @@ class ShardForwardWritesParameterData(Blocker):
     ),)
 
 
+class ShardCastAfterShard(Blocker):
+    """A dtype cast of a trained model (`model.to(torch.bfloat16)`, `model.half()`, also chained:
+    `model.to(device).to(torch.bfloat16)`) that runs after the place where fully_shard goes: in the
+    training loop, after a block that runs a forward, or in a function the model is handed later.
+
+    ## Why
+    fully_shard goes where the model's build ends: its construction and the placements and casts
+    that follow it, inline or in a function that only moves and casts it, up to the first statement
+    that uses it. FSDP2 fixes the dtype of its all-gathers at the model's first forward: a cast after
+    that one fails in the next forward (torch 2.13: RuntimeError "Expected out tensor to have dtype
+    c10::BFloat16, but got float"). A cast before the first forward would work, but where the rewrite
+    cannot show the cast comes first, it does not leave it to chance.
+
+    ## What to do
+    Cast the model where it is built, before the optimizer and any forward (inline, or in a function
+    that only moves and casts it): fully_shard then shards it in that dtype and the run trains as the
+    single process did. Or keep float32 parameters and pass --mixed-precision bf16 (a
+    MixedPrecisionPolicy: bfloat16 compute with float32 parameters and optimizer state, which is not
+    the same training).
+    """
+
+    CODE = "FSR645"
+    NAME = "shard-cast-after-shard"
+    INVALID = (
+        # cast after a forward of the model (a warm-up under no_grad): fully_shard goes before the `with`
+        Invalid(_TORCH + "model = nn.Linear(4, 4)\nwith torch.no_grad():\n    model(torch.randn(2, 4))\n"
+                "model.to(torch.bfloat16)\n" + _OPT + _LOOP, line=_after(_TORCH, 4)),
+        # in a function the trained model is handed after its build
+        Invalid(_TORCH + "def train(net, opt):\n    net.half()\n" + "".join(
+            "    " + l for l in _LOOP.replace("model", "net").splitlines(True))
+            + "\n\nmodel = nn.Linear(4, 4)\n" + _OPT + "train(model, opt)\n", line=_after(_TORCH, 2)),
+    )
+    VALID = (
+        # cast in an if/else right after the build, a chained cast: fully_shard comes after it
+        Valid(_TORCH + "import sys\nmodel = nn.Linear(4, 4)\nif len(sys.argv) > 1:\n"
+              "    model = model.to('cpu').to(torch.bfloat16)\nelse:\n    model = model.to('cpu')\n" + _OPT + _LOOP),
+        # cast by a function that only moves and casts the module it is handed
+        Valid(_TORCH + "def to_bf16(m):\n    return m.to(torch.bfloat16)\n\n\nmodel = nn.Linear(4, 4)\n"
+              "model = to_bf16(model)\n" + _OPT + _LOOP),
+        # float32 casts of a float32 model change nothing
+        Valid(_TORCH + "model = nn.Linear(4, 4)\n" + _OPT + "model.float()\n" + _LOOP),
+    )
+
+
 # -- the checks: run by the shard stage on its analysis, in this order ------------------------
 
 
@@ -960,6 +1005,7 @@ def find(facts: ScriptFacts, options) -> Iterator[Blocked]:
     yield from _unknown_model(facts, options)
     yield from _models_apart(facts, options)
     yield from _each_model(facts, options)
+    yield from _casts_after_shard(facts, options)
 
 
 def _wrappers(facts: ScriptFacts, options) -> Iterator[Blocked]:
@@ -1142,6 +1188,26 @@ def _models_apart(facts: ScriptFacts, options) -> Iterator[Blocked]:
             "the wrong one",
             f"return the new object and bind `{name}` in the enclosing function before the optimizer is "
             "built, or give it its own name",
+        )
+
+
+def _casts_after_shard(facts: ScriptFacts, options) -> Iterator[Blocked]:
+    """A dtype cast of a sharded model that runs after its fully_shard (analysis/dtype_casts.py)."""
+    for call, model in casts_after_shard(facts):
+        dtype = dtype_cast(call)
+        flag = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype)
+        yield Blocked(
+            "FSR645",
+            call,
+            f"`{code(call)}` casts `{model.name}` after fully_shard",
+            f"fully_shard goes where the build of `{model.name}` ends (line {facts.resolver.line(model.shard_anchor)}), "
+            "and this cast runs later, on the sharded model: FSDP2 fixes the dtype of its all-gathers at the "
+            "model's first forward, so a cast after that forward fails in the next one (torch 2.13: "
+            "RuntimeError 'Expected out tensor to have dtype ...'); the rewrite cannot show this one comes first",
+            f"cast `{model.name}` where it is built, before the optimizer and any forward (inline, or in a "
+            "function that only moves and casts it): it is then sharded in that dtype"
+            + (f"; or keep float32 parameters with --mixed-precision {flag} (float32 master weights: not the "
+               "same training)" if flag else ""),
         )
 
 

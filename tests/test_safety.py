@@ -60,7 +60,10 @@ LOOP = '''\
 
 
 
-def test_a_model_rebound_to_a_wrapper_is_refused(tmp_path, monkeypatch):
+def test_a_model_rebound_to_a_module_wrapper_shards_the_wrapper():
+    """`model = Scaled(model)`, Scaled an nn.Module, before the optimizer: the wrapper is what the
+    optimizer trains and what fully_shard sees, as for `model = Scaled(Net())` (was refused FSR620;
+    fixtures/rewrite/module_wrapper_rebound runs it)."""
     source = _script('''\
     class Scaled(nn.Module):
         def __init__(self, inner):
@@ -77,6 +80,33 @@ def test_a_model_rebound_to_a_wrapper_is_refused(tmp_path, monkeypatch):
         model = Scaled(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ''' + LOOP)
+    found, result = _refusals(source)
+    assert found == []
+    code = result.code.decode()
+    assert code.index("model = Scaled(model)") < code.index("fully_shard(model") < code.index("optimizer = ")
+
+
+def test_a_model_rebound_to_a_wrapper_that_is_no_module_is_refused(tmp_path, monkeypatch):
+    source = _script('''\
+    class Scaled:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def parameters(self):
+            return self.inner.parameters()
+
+        def state_dict(self):
+            return self.inner.state_dict()
+
+        def __call__(self, x):
+            return self.inner(x) * 2
+
+
+    def main():
+        model = Net()
+        model = Scaled(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ''' + LOOP)
     found, _ = _refusals(source)
     assert found[:1] == [("FSR620", _line_of(source, "model = Scaled(model)"))]
     monkeypatch.setenv("FSDP2_RETROFIT_CACHE_DIR", str(tmp_path / "cache"))
@@ -86,6 +116,7 @@ def test_a_model_rebound_to_a_wrapper_is_refused(tmp_path, monkeypatch):
     assert result.exit_code == 2
     line = _line_of(source, "model = Scaled(model)")
     assert result.stderr.splitlines()[0].startswith(f"{path}:{line}: FSR620 ")
+    assert "is not an nn.Module" in result.stderr.splitlines()[0]
     assert path.read_text() == source
 
 

@@ -525,26 +525,50 @@ setup()
 
 
 class ShardPlainListOfLayers(Blocker):
-    """A model keeps layers in a plain Python list.
+    """A model keeps layers in a plain Python list that its `__init__` does not register.
 
     ## Why
-    Their parameters are not registered: they are neither trained nor sharded.
+    Their parameters are not registered: they are neither trained nor sharded. A list whose every
+    element `__init__` registers (a loop over it calling `self.add_module(name, layer)`,
+    `self.register_module` or `setattr(self, name, layer)`) holds submodules of the model, and is not
+    refused.
 
     ## What to do
-    Use nn.ModuleList.
+    Use nn.ModuleList, or register each layer (`self.add_module(f"layer{i}", layer)`).
     """
 
     CODE = "FSR618"
     NAME = "shard-plain-list-of-layers"
-    INVALID = (Invalid(
-        _CLASS.format(init="\n        self.blocks = [nn.Linear(4, 4) for _ in range(2)]", forward="")
-        + "model = Net()\n" + _OPT,
-        line=_INIT,
-    ),)
-    VALID = (Valid(
-        _CLASS.format(init="\n        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])", forward="")
-        + "model = Net()\n" + _OPT + _LOOP
-    ),)
+    INVALID = (
+        Invalid(
+            _CLASS.format(init="\n        self.blocks = [nn.Linear(4, 4) for _ in range(2)]", forward="")
+            + "model = Net()\n" + _OPT,
+            line=_INIT,
+        ),
+        # registered only under a condition: some layers may stay unregistered
+        Invalid(
+            _CLASS.format(init="\n        self.blocks = [nn.Linear(4, 4) for _ in range(2)]\n"
+                               "        for i, block in enumerate(self.blocks):\n"
+                               "            if i:\n"
+                               "                self.add_module(f\"block{i}\", block)", forward="")
+            + "model = Net()\n" + _OPT,
+            line=_INIT,
+        ),
+    )
+    VALID = (
+        Valid(
+            _CLASS.format(init="\n        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])",
+                          forward="")
+            + "model = Net()\n" + _OPT + _LOOP
+        ),
+        # a plain list whose every layer __init__ registers: they are the model's submodules
+        Valid(
+            _CLASS.format(init="\n        self.blocks = [nn.Linear(4, 4) for _ in range(2)]\n"
+                               "        for i, block in enumerate(self.blocks):\n"
+                               "            self.add_module(f\"block{i}\", block)", forward="")
+            + "model = Net()\n" + _OPT + _LOOP
+        ),
+    )
 
 
 class ShardOptimizerInInit(Blocker):

@@ -23,7 +23,7 @@ import libcst as cst
 from .checkpoints import rank_gate, split_rank_test
 from .rank_bindings import RankZeroRead
 from .rank_uniform import RankUniform, ranks_part_at
-from fsdp2_retrofit.syntax.names import assigned_names, code, walk
+from fsdp2_retrofit.syntax.names import assigned_names, code, names_read, walk
 
 
 def broadcast_anchor(read: RankZeroRead, facts) -> Tuple[Optional[cst.CSTNode], str, str]:
@@ -92,8 +92,7 @@ def _read_by_other_ranks(read: RankZeroRead, facts) -> Optional[cst.CSTNode]:
 
 
 def _value_names(stmt: cst.SimpleStatementLine) -> set:
-    from fsdp2_retrofit.syntax.names import names_read
-
+    """Names the values of a statement's assignments read."""
     found = set()
     for small in stmt.body:
         value = getattr(small, "value", None)

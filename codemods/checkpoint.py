@@ -15,6 +15,7 @@ from fsdp2_retrofit.analysis.checkpoints import (
     saves,
     split_rank_test,
 )
+from fsdp2_retrofit.analysis.rank_zero_broadcast import broadcast_anchor
 from fsdp2_retrofit.syntax.names import calls_in, names_in
 from fsdp2_retrofit.syntax.rank import every_rank_call
 from fsdp2_retrofit.syntax.torch_api import DESTROY_PROCESS_GROUP, STATE_DICT_MODULE
@@ -289,12 +290,12 @@ class ConvertSavesCommand(RetrofitStage):
             self._split(gate, gated, facts, editor)
 
     def _share_rank_zero_names(self, sites, facts: ScriptFacts, editor: StatementEditor) -> None:
-        """A save that now runs on every rank and reads a name bound only under a rank-0
-        `if` (`if rank == 0: run_dir = ...`), directly or through values computed from it
-        on every rank (`path = f"{run_dir}/m.pt"`, an argument of the function that
-        saves): rank 0 computes it, broadcast_object_list hands it to the others right
-        after that `if` (or after init_process_group), on every rank, before anything
-        reads it."""
+        """A save that now runs on every rank and reads a name bound under a rank-0 `if`
+        (`if rank == 0: run_dir = ...`), directly or through values computed from it on
+        every rank (`path = f"{run_dir}/m.pt"`, an argument of the function that saves): rank
+        0 computes it, broadcast_object_list hands it to the others right after that `if` (or
+        after init_process_group), on every rank, before anything reads it; where it cannot
+        (analysis/rank_zero_broadcast.py says why), the file is refused at the `if`."""
         shared = set()
         for site in sites:
             if not self.collective.get(site.stmt):
@@ -305,20 +306,18 @@ class ConvertSavesCommand(RetrofitStage):
                     continue
                 shared.add((id(gate), name))
                 how = read.describe(self.line)
-                anchor = self._broadcast_anchor(gate, read.reader, facts)
+                anchor, test, why = broadcast_anchor(read, facts)
                 if anchor is None:
                     self.refuse(
                         "FSR704",
                         gate,
                         f"{how} (under `if {code(gate.test)}:`); the save on line {self.line(site.stmt)} that "
                         "reads it now runs on every rank",
-                        "the other ranks would stop with a NameError at the first checkpoint; the rewrite hands "
-                        "such a name to the other ranks only from a plain rank-0 `if` (no else, no other "
-                        "condition) in the body of the function that reads it, before that read",
+                        f"rank 0's value cannot be handed to the other ranks: {why}; without it they would stop "
+                        "with a NameError at the first checkpoint, or save elsewhere",
                         f"bind `{name}` on every rank (compute the path everywhere; create directories under "
                         "the rank-0 `if`)",
                     )
-                test = code(gate.test)
                 box = self.fresh_name(f"{name}_shared", facts.resolver.enclosing_function(gate))
                 editor.insert_after(anchor, [
                     self.stmt(f"{box} = [{name}] if {test} else [None]\n"),
@@ -328,35 +327,13 @@ class ConvertSavesCommand(RetrofitStage):
                 self.add_import("torch.distributed", asname="dist")
                 self.change(
                     gate,
-                    f"`{name}`, bound only under `if {test}:`, is broadcast from rank 0 to every rank",
+                    (f"`{name}`, bound only under `if {code(gate.test)}:`" if read.otherwise is None else
+                     f"`{name}`, bound under `if {code(gate.test)}:` on rank 0 and to a value of their own on the "
+                     f"other ranks (line {self.line(read.otherwise)})") + ", is broadcast from rank 0 to every rank",
                     f"the save on line {self.line(site.stmt)} runs on every rank now and reads it"
                     + (f" ({how})" if read.chain else ""),
-                    "without it the other ranks stop with a NameError at the first checkpoint",
+                    "without it the other ranks stop with a NameError at the first checkpoint, or save elsewhere",
                 )
-
-    def _broadcast_anchor(self, gate: cst.If, reader: cst.CSTNode, facts: ScriptFacts) -> Optional[cst.CSTNode]:
-        """Where the broadcast of a name `gate` binds goes: after the gate, or after
-        init_process_group when that comes later, before `reader` (the first statement
-        of every rank to read it); None where it cannot go safely."""
-        function = facts.resolver.enclosing_function(gate)
-        rank, other = split_rank_test(gate.test)
-        if function is None or gate.orelse is not None or not rank or other:
-            return None
-        body = list(function.body.body)
-        top = next((a for a in [reader, *facts.resolver.ancestors(reader)] if a in body), None)
-        if gate not in body or top is None or body.index(top) <= body.index(gate):
-            return None
-        anchor = gate
-        if facts.distributed_init is not None:
-            # the statement of the body that starts the group (an `if "RANK" in os.environ:
-            # ... else: ...` holding both inits, as the launch stage writes it)
-            init = next((a for a in [facts.distributed_init, *facts.resolver.ancestors(facts.distributed_init)]
-                         if a in body), None)
-            if init is not None and body.index(init) > body.index(gate):
-                if body.index(init) > body.index(top):
-                    return None
-                anchor = init
-        return anchor
 
     def _calls_of_saving_functions(self, facts: ScriptFacts) -> List[cst.Call]:
         """Calls of the script's functions that (directly or through another) save state."""

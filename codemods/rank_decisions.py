@@ -14,7 +14,7 @@ from fsdp2_retrofit.analysis import ScriptFacts, code
 from fsdp2_retrofit.analysis.rank_uniform import RankLocal, RankUniform
 from fsdp2_retrofit.analysis.random_forward import random_forward_argument, random_forward_flow
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
-from fsdp2_retrofit.syntax.names import walk
+from fsdp2_retrofit.syntax.names import instance_attribute, walk
 from fsdp2_retrofit.syntax.torch_api import TORCH_SAVE
 
 
@@ -126,8 +126,11 @@ def _local_read(test, at, local: RankLocal):
 
 
 def _forward(call: cst.Call, models) -> bool:
-    """`model(x)`, `evaluate(model, ...)`: runs the sharded model (its all-gathers)."""
+    """`model(x)`, `self.model(x)` in a trainer's method, `evaluate(model, ...)`: runs the sharded model
+    (its all-gathers)."""
     if type(call.func) is cst.Name and call.func.value in models:
+        return True
+    if instance_attribute(call.func) in models:
         return True
     return type(call.func) is cst.Name and any(type(a.value) is cst.Name and a.value.value in models
                                                for a in call.args)

@@ -141,6 +141,45 @@ def test_no_sync_in_one_branch_of_identical_branches_becomes_one_sync_call():
     assert code.count("set_requires_gradient_sync") == 1
 
 
+def test_no_sync_and_module_through_a_trainers_attribute():
+    """`self.model.no_sync()` and `self.model.module` in the methods of a trainer class of the script that
+    holds the DDP model: migrated like `model.no_sync()` (no_sync was left in place, an AttributeError on
+    the FSDP2 module; fixtures/rewrite/ddp_no_sync_trainer_flag runs it)."""
+    trainer = '''
+
+class Trainer:
+    def __init__(self, model, opt):
+        self.model = model
+        self.opt = opt
+
+    def step(self, x, sync):
+        if sync:
+            self.model(x).sum().backward()
+            self.opt.step()
+        else:
+            with self.model.no_sync():
+                self.model(x).sum().backward()
+
+    def save(self):
+        return self.model.module.state_dict()
+'''
+    body = '''    model = DDP(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(model, opt)
+    for i in range(4):
+        trainer.step(torch.randn(4, 4), i % 2 == 1)
+    state = trainer.save()
+'''
+    source = script(body).replace("\n\ndef main():", trainer + "\n\ndef main():")
+    code = out(source)
+    assert_no_ddp_api(code)
+    assert ("        self.model.set_requires_gradient_sync(sync)\n"
+            "        self.model.set_reshard_after_backward(sync)\n"
+            "        self.model(x).sum().backward()\n"
+            "        if sync:\n            self.opt.step()\n") in code
+    assert "return self.model.state_dict()" in code
+
+
 def test_a_context_chosen_by_a_conditional_expression():
     accum = '''        ctx = model.no_sync() if (i + 1) % 2 != 0 else contextlib.nullcontext()
         with ctx:

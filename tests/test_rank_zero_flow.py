@@ -78,10 +78,19 @@ def test_a_parameter_leads_back_to_the_argument_of_each_call():
     assert _reads(source) == [("run_dir", ["path", "where", "ckpt"])]
 
 
-def test_a_value_computed_from_a_name_bound_on_every_rank_leads_nowhere():
+def test_a_value_the_other_ranks_bind_to_their_own_leads_back_to_it_with_that_binding():
+    """`run_dir = None` on every rank, then rank 0's own under `if rank == 0:`: the save, now on every rank,
+    needs rank 0's value (each rank's own would split the checkpoint over two folders)."""
     gate = "    run_dir = None\n" + GATE
     source = _script('    path = f"{run_dir}/model.pt"\n    torch.save(model.state_dict(), path)', gate)
-    assert _reads(source) == []
+    assert _reads(source) == [("run_dir", ["path"])]
+    facts = analyse(cst.parse_module(source))
+    save = [s for s in facts.resolver.nodes(cst.SimpleStatementLine) if "torch.save" in facts.module.code_for_node(s)][-1]
+    assert facts.resolver.line(rank_zero_names(save, facts)[0].otherwise) == _line_of(source, "run_dir = None")
+    result = rewrite_source(source.encode(), "train.py")
+    assert result.refusals == []
+    code = result.code.decode()
+    assert code.index("run_dir = run_dir_shared[0]") < code.index('path = f"{run_dir}/model.pt"')
 
 
 # -- the rewrite: converted ----------------------------------------------------------
@@ -107,8 +116,8 @@ def test_a_save_split_out_of_its_own_rank_gate_reads_the_broadcast_name():
 
 # -- the rewrite: refused ------------------------------------------------------------
 
-def test_a_chain_from_a_gate_with_an_else_is_refused_naming_every_link():
-    gate = "    if rank == 0:\n        run_dir = make_run_dir()\n    else:\n        print('waiting')"
+def test_a_chain_from_a_gate_some_ranks_may_skip_is_refused_naming_every_link():
+    gate = "    if os.environ.get(\"SAVE\"):\n        if rank == 0:\n            run_dir = make_run_dir()"
     source = _script('    path = os.path.join(run_dir, "m.pt")\n    p2 = path\n    torch.save(model.state_dict(), p2)',
                      gate)
     result = rewrite_source(source.encode(), "train.py")
@@ -119,15 +128,22 @@ def test_a_chain_from_a_gate_with_an_else_is_refused_naming_every_link():
         f"which reads `run_dir`, bound only on rank 0 at line {_line_of(source, 'run_dir = make')}"
     ) in what
     assert f"the save on line {_line_of(source, 'torch.save(model.state_dict(), p2)')}" in what
+    assert (f"the `if` is inside `if os.environ.get(\"SAVE\")` (line {_line_of(source, 'if os.environ')}), "
+            "which some ranks may skip") in result.refusals[0].why
 
 
-def test_a_chain_from_a_gate_nested_in_another_block_is_refused():
-    gate = "    with torch.no_grad():\n        if rank == 0:\n            run_dir = make_run_dir()"
-    source = _script('    save_checkpoint(model, run_dir)', gate)
-    result = rewrite_source(source.encode(), "train.py")
-    assert [(r.code, r.line) for r in result.refusals] == [("FSR704", _line_of(source, "if rank == 0:"))]
-    assert (f"`where` (the argument on line {_line_of(source, 'save_checkpoint(model, run_dir)')}), "
-            "which reads `run_dir`") in result.refusals[0].what
+def test_a_chain_from_a_gate_with_an_else_or_nested_in_another_block_is_broadcast():
+    """An `else` that binds nothing, a `with` around the gate: every rank reaches the `if` together, and
+    rank 0's value is broadcast right after it, in its block (both were refused FSR704)."""
+    for gate, indent in (("    if rank == 0:\n        run_dir = make_run_dir()\n    else:\n        print('waiting')", "    "),
+                         ("    with torch.no_grad():\n        if rank == 0:\n            run_dir = make_run_dir()",
+                          "        ")):
+        source = _script('    save_checkpoint(model, run_dir)', gate)
+        result = rewrite_source(source.encode(), "train.py")
+        assert result.refusals == [], result.refusals
+        code = result.code.decode()
+        assert f"\n{indent}dist.broadcast_object_list(run_dir_shared, src=0)" in code
+        assert code.index("run_dir = run_dir_shared[0]") < code.index("save_checkpoint(model, run_dir)")
 
 
 # -- the check ------------------------------------------------------------------------

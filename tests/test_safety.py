@@ -60,7 +60,10 @@ LOOP = '''\
 
 
 
-def test_a_model_rebound_to_a_wrapper_is_refused(tmp_path, monkeypatch):
+def test_a_model_rebound_to_a_module_wrapper_shards_the_wrapper():
+    """`model = Scaled(model)`, Scaled an nn.Module, before the optimizer: the wrapper is what the
+    optimizer trains and what fully_shard sees, as for `model = Scaled(Net())` (was refused FSR620;
+    fixtures/rewrite/module_wrapper_rebound runs it)."""
     source = _script('''\
     class Scaled(nn.Module):
         def __init__(self, inner):
@@ -77,6 +80,33 @@ def test_a_model_rebound_to_a_wrapper_is_refused(tmp_path, monkeypatch):
         model = Scaled(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ''' + LOOP)
+    found, result = _refusals(source)
+    assert found == []
+    code = result.code.decode()
+    assert code.index("model = Scaled(model)") < code.index("fully_shard(model") < code.index("optimizer = ")
+
+
+def test_a_model_rebound_to_a_wrapper_that_is_no_module_is_refused(tmp_path, monkeypatch):
+    source = _script('''\
+    class Scaled:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def parameters(self):
+            return self.inner.parameters()
+
+        def state_dict(self):
+            return self.inner.state_dict()
+
+        def __call__(self, x):
+            return self.inner(x) * 2
+
+
+    def main():
+        model = Net()
+        model = Scaled(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ''' + LOOP)
     found, _ = _refusals(source)
     assert found[:1] == [("FSR620", _line_of(source, "model = Scaled(model)"))]
     monkeypatch.setenv("FSDP2_RETROFIT_CACHE_DIR", str(tmp_path / "cache"))
@@ -86,6 +116,7 @@ def test_a_model_rebound_to_a_wrapper_is_refused(tmp_path, monkeypatch):
     assert result.exit_code == 2
     line = _line_of(source, "model = Scaled(model)")
     assert result.stderr.splitlines()[0].startswith(f"{path}:{line}: FSR620 ")
+    assert "is not an nn.Module" in result.stderr.splitlines()[0]
     assert path.read_text() == source
 
 
@@ -345,13 +376,35 @@ if __name__ == "__main__":
 '''
 
 
-def test_a_name_bound_only_under_a_rank_gate_with_an_else_is_refused():
+def test_a_name_bound_only_under_a_rank_gate_with_an_else_is_broadcast_after_the_if_else():
+    """The `else` binds nothing: rank 0's value goes to every rank after the whole if/else (was FSR704)."""
     source = RANK_ZERO.format(gate='''\
     if rank == 0:
         run_dir = "runs/a"
     else:
         print("waiting")''')
-    assert _refusals(source)[0][:1] == [("FSR704", _line_of(source, "if rank == 0:"))]
+    found, result = _refusals(source)
+    assert found == []
+    code = result.code.decode()
+    assert code.index('print("waiting")') < code.index("run_dir_shared = [run_dir] if rank == 0 else [None]")
+
+
+def test_a_name_the_other_ranks_bind_and_read_themselves_is_refused_saying_where():
+    """`else: run_dir = None`, and the other ranks read their None (`if run_dir is None:`): rank 0's value
+    would change what they do there; refused at the `if`, naming both lines (was converted into a save
+    each rank pointed at a path of its own)."""
+    source = RANK_ZERO.format(gate='''\
+    if rank == 0:
+        run_dir = "runs/a"
+    else:
+        run_dir = None
+    if run_dir is None:
+        print("not saving here")''')
+    found, result = _refusals(source)
+    assert found[:1] == [("FSR704", _line_of(source, "if rank == 0:"))]
+    why = result.refusals[0].why
+    assert (f"the other ranks bind it to a value of their own (line {_line_of(source, 'run_dir = None')}) and read "
+            f"that value on line {_line_of(source, 'if run_dir is None:')}") in why
 
 
 def test_a_name_bound_only_on_rank_zero_is_broadcast_outside_the_gate():

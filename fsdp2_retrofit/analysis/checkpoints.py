@@ -398,40 +398,57 @@ def rank_gate(node: cst.CSTNode, facts: ScriptFacts) -> Optional[cst.If]:
 
 
 def rank_zero_names(stmt: cst.CSTNode, facts: ScriptFacts, split=()) -> List[RankZeroRead]:
-    """The names bound only under rank-0 `if`s (`if rank == 0: run_dir = ...`) that the
-    values `stmt` reads come from, directly or through assignments and arguments every
-    rank runs (`path = f"{run_dir}/m.pt"`): on the other ranks they do not exist, so a
-    save that now runs on every rank would fail there. Assignments under the `if`s in
-    `split` (split around a save) run on every rank already."""
+    """The names bound under rank-0 `if`s (`if rank == 0: run_dir = ...`) that the values `stmt`
+    reads come from, directly or through assignments and arguments every rank runs (`path =
+    f"{run_dir}/m.pt"`), in a function or at module level: on the other ranks they do not
+    exist, or hold a value of their own (`run_dir = None` before the `if`, or in its `else`:
+    the read's `otherwise`), so a save that now runs on every rank would fail there or write
+    elsewhere. Assignments under the `if`s in `split` (split around a save) run on every rank
+    already."""
+
+    r = facts.resolver
 
     def everywhere(node) -> bool:
         gate = rank_gate(node, facts)
         return gate is None or any(gate is g for g in split)
 
     def only_on_rank_zero(function, name, at):
-        if function is None:
-            return None
-        bindings = [s for s in facts.resolver.descendants(function.body, cst.SimpleStatementLine)
-                    if name in assigned_names(s) and facts.resolver.enclosing_function(s) is function]
+        bindings = [s for s in r.descendants(function.body if function is not None else facts.module,
+                                             cst.SimpleStatementLine)
+                    if name in assigned_names(s) and r.enclosing_function(s) is function]
         if not bindings or name in _bound_otherwise_in(function):
             return None
-        if any(everywhere(b) for b in bindings):
+        gated = [b for b in bindings if not everywhere(b)]
+        if not gated:
             return None
-        return bindings[0], rank_gate(bindings[0], facts)
+        gate = rank_gate(gated[0], facts)
+        others = [b for b in bindings if everywhere(b)]
+        if not others:
+            return gated[0], gate
+        # the other ranks' own value, bound before the `if` or in its else: rank 0's replaces it
+        # where the save reads it; bound after it, the name is not rank 0's alone
+        if any(r.order(b) > r.order(gate) and not _in_else(b, gate, facts) for b in others):
+            return None
+        return gated[0], gate, others[0]
 
     def _bound_otherwise_in(function) -> set:
         found = cache.get(id(function))
         if found is None:
             # every node of the body (`descendants` takes one exact type: CSTNode, an ABC, matched none)
+            body = function.body if function is not None else facts.module
             found = cache[id(function)] = set().union(
-                *(_bound_otherwise(n) for n in walk(function.body) if type(n) in _BINDERS)
+                *(_bound_otherwise(n) for n in walk(body) if type(n) in _BINDERS
+                  and (function is not None or r.enclosing_function(n) is None))
             )
         return found
 
     cache: dict = {}
-    if facts.resolver.enclosing_function(stmt) is None:
-        return []
-    return rank_zero_reads(facts.resolver, stmt, names_read(stmt), only_on_rank_zero, everywhere)
+    return rank_zero_reads(r, stmt, names_read(stmt), only_on_rank_zero, everywhere)
+
+
+def _in_else(node, gate: cst.If, facts: ScriptFacts) -> bool:
+    """`node` is in the `else:` (or an `elif`) of `gate`."""
+    return gate.orelse is not None and any(a is gate.orelse for a in facts.resolver.ancestors(node))
 
 
 # statements and expressions that bind a name otherwise than by assignment (exact types:

@@ -16,7 +16,7 @@ import libcst as cst
 
 from fsdp2_retrofit.syntax.memo import per_node
 from fsdp2_retrofit.syntax.names import (
-    CONTAINERS, SELF_RETURNING_METHODS, TORCH_MODULE_BASES, Resolver, attr_path, bind_args, walk,
+    CONTAINERS, SELF_RETURNING_METHODS, TORCH_MODULE_BASES, Resolver, attr_path, bind_args, code, walk,
 )
 from fsdp2_retrofit.syntax.torch_api import BARE_CONTAINERS, NN_PARAMETER, is_optimizer_call
 
@@ -664,6 +664,13 @@ def _read_init(init: cst.FunctionDef, namer: _Namer, info: ClassInfo) -> None:
                     appended.setdefault(tpath[1], []).append(value)
         if is_optimizer_call(resolver, node):
             info.optimizer_in_init = info.optimizer_in_init or node
+    registered = _registered_lists(init)
+    for attr, node in info.plain_lists:
+        if attr in registered:  # registered layer by layer: blocks like a ModuleList's
+            container = Container((attr,), None, "ModuleList", node)
+            if _set_blocks(container, _list_elements(node.value) or [], namer) and container.block_class:
+                info.containers.append(container)
+    info.plain_lists = [(attr, node) for attr, node in info.plain_lists if attr not in registered]
     for attr, calls in appended.items():
         for c in info.containers:
             if c.path == (attr,) and c.block_class is None:
@@ -672,6 +679,97 @@ def _read_init(init: cst.FunctionDef, namer: _Namer, info: ClassInfo) -> None:
         c.units_inside = c.inner in ("ModuleList", "ModuleDict") or (
             c.inner == "Sequential" and not blocks_called(info, c.path)
         )
+
+
+_REGISTERS = frozenset({"add_module", "register_module"})
+
+
+def _registered_lists(init: cst.FunctionDef) -> Set[str]:
+    """The attributes `self.<attr>` of plain lists whose every element `__init__` registers as a
+    submodule: a loop, a statement of `__init__`'s own body, over the list (`for layer in self.<attr>`,
+    `for i, layer in enumerate(self.<attr>)`, `for i in range(len(self.<attr>))` with `self.<attr>[i]`)
+    whose body calls `self.add_module(name, layer)`, `self.register_module(name, layer)` or
+    `setattr(self, name, layer)` on each element, unconditionally; and nothing in `__init__` adds to the
+    list (`.append`, `.extend`, `.insert`, `+=`) or rebinds it. Their parameters are the module's."""
+    out: Set[str] = set()
+    for loop in init.body.body:
+        if type(loop) is not cst.For or type(loop.body) is not cst.IndentedBlock or loop.orelse is not None:
+            continue
+        found = _list_loop(loop)
+        if found is None:
+            continue
+        attr, element = found
+        if any(_registers(stmt, element) for stmt in loop.body.body):
+            out.add(attr)
+    return {attr for attr in out if not _grows(init, attr)}
+
+
+def _list_elements(value) -> Optional[List[cst.Call]]:
+    """The block calls of a plain list `[Block() for _ in ...]` / `[Block(), Block()]` (repeated blocks:
+    one call, or two or more)."""
+    if type(value) is cst.ListComp:
+        return [value.elt] if type(value.elt) is cst.Call else None
+    calls = [e.value for e in value.elements]
+    return calls if len(calls) >= 2 and all(type(c) is cst.Call for c in calls) else None
+
+
+def _list_loop(loop: cst.For):
+    """(attr, the element each pass reads) for a loop over `self.<attr>`; the element is a name, or for
+    `for i in range(len(self.<attr>))` the subscript `self.<attr>[i]` (as its code)."""
+    it, target = loop.iter, loop.target
+    if type(it) is cst.Call and type(it.func) is cst.Name and it.func.value == "enumerate" and it.args:
+        if type(target) not in (cst.Tuple, cst.List) or len(target.elements) != 2:
+            return None
+        it, target = it.args[0].value, target.elements[1].value
+    path = attr_path(it)
+    if path is not None and len(path) == 2 and path[0] == "self" and type(target) is cst.Name:
+        return path[1], target.value
+    if (type(it) is cst.Call and type(it.func) is cst.Name and it.func.value == "range" and len(it.args) == 1
+            and type(target) is cst.Name):
+        length = it.args[0].value
+        if type(length) is cst.Call and type(length.func) is cst.Name and length.func.value == "len" \
+                and len(length.args) == 1:
+            path = attr_path(length.args[0].value)
+            if path is not None and len(path) == 2 and path[0] == "self":
+                return path[1], f"self.{path[1]}[{target.value}]"
+    return None
+
+
+def _registers(stmt, element: str) -> bool:
+    """`self.add_module(name, <element>)`, `self.register_module(...)` or `setattr(self, name, <element>)`
+    as a statement of its own."""
+    if type(stmt) is not cst.SimpleStatementLine:
+        return False
+    for small in stmt.body:
+        call = small.value if type(small) is cst.Expr else None
+        if type(call) is not cst.Call or len(call.args) != 2 + (type(call.func) is cst.Name) or any(
+                a.keyword is not None or a.star for a in call.args):
+            continue
+        func = call.func
+        if type(func) is cst.Attribute and func.attr.value in _REGISTERS and attr_path(func.value) == ("self",):
+            handed = call.args[1].value
+        elif type(func) is cst.Name and func.value == "setattr" and attr_path(call.args[0].value) == ("self",):
+            handed = call.args[2].value
+        else:
+            continue
+        if code(handed) == element:
+            return True
+    return False
+
+
+def _grows(init: cst.FunctionDef, attr: str) -> bool:
+    """`self.<attr>` gains elements in `__init__` after its list is built, or is bound again."""
+    bound = 0
+    for node in walk(init):
+        if type(node) is cst.Call and type(node.func) is cst.Attribute \
+                and node.func.attr.value in ("append", "extend", "insert") \
+                and attr_path(node.func.value) == ("self", attr):
+            return True
+        if type(node) is cst.AugAssign and attr_path(node.target) == ("self", attr):
+            return True
+        if type(node) is cst.AssignTarget and attr_path(node.target) == ("self", attr):
+            bound += 1
+    return bound > 1
 
 
 def _read_self_assign(path, value, node, namer: _Namer, info: ClassInfo) -> None:

@@ -19,7 +19,7 @@ from .model_builds import BuildClasses
 from .model_classes import ClassRegistry, Container, build_registry
 from .model_names import ModelNames
 from .flow import innermost_call
-from .shard_anchors import ShardAnchors, _freeze_call, _freezing_loop, _is_placement, _late_init
+from .shard_anchors import _freeze_call, _freezing_loop, _is_placement, _late_init
 from .site_analysis import Block, Scope, SiteAnalysis
 from fsdp2_retrofit.syntax.names import (
     Resolver,
@@ -27,7 +27,6 @@ from fsdp2_retrofit.syntax.names import (
     calls_in,
     code,
     instance_attribute,
-    is_main_guard,
     names_in,
     root_name,
     walk,
@@ -75,11 +74,6 @@ class ModelAnalysis(SiteAnalysis):
     def builds(self) -> BuildClasses:
         """Which module class each build call makes (model_builds.py), made once."""
         return BuildClasses(self)
-
-    @cached_property
-    def anchors(self) -> ShardAnchors:
-        """Where each model's build ends (shard_anchors.py), made once."""
-        return ShardAnchors(self)
 
     @cached_property
     def model_holders(self) -> ModelNames:
@@ -139,7 +133,7 @@ class ModelAnalysis(SiteAnalysis):
                 if binding is not None and key not in seen:
                     seen.add((scope, name))
                     seen.add(key)
-                    models.append(self._model_site(binding))
+                    models.append(self._model_site(self.wrapping(binding, bindings)))
         order = {id(s): i for i, s in enumerate(self.r.nodes(cst.SimpleStatementLine))}
         models.sort(key=lambda m: order.get(id(m.stmt), 0))
         return models
@@ -152,19 +146,6 @@ class ModelAnalysis(SiteAnalysis):
         if read is None:  # `self.model.parameters()` in a trainer's method: the attribute, followed by value
             read = next((a for a in walk(opt.stmt) if instance_attribute(a) == name), None)
         return self._module_binding_of(read, bindings) if read is not None else None
-
-    def _scope_body(self, stmt):
-        """The statement holding `stmt` directly in its function body, the module, or the
-        `if __name__ == "__main__":` block, and that block."""
-        top = stmt
-        for anc in self.r.ancestors(stmt):
-            if isinstance(anc, (cst.IndentedBlock, cst.Module)):
-                owner = self.r.parent(anc)
-                if isinstance(anc, cst.Module) or isinstance(owner, cst.FunctionDef) or is_main_guard(owner):
-                    return top, anc
-            elif isinstance(anc, cst.BaseCompoundStatement):
-                top = anc
-        return top, self.r.block_of(stmt)
 
     def _model_site(self, binding, frozen: bool = False) -> ModelSite:
         name, stmt, cls = binding

@@ -107,13 +107,19 @@ class RankZeroRead:
     gate: cst.If = field(repr=False)
     reader: cst.CSTNode = field(repr=False)
     chain: Tuple[Tuple[str, cst.CSTNode], ...] = field(default=(), repr=False)
+    # the other ranks bind the name too, to a value of their own (`run_dir = None` before the gate,
+    # or in its `else`): the first such binding; None where rank 0 alone binds it
+    otherwise: Optional[cst.CSTNode] = field(default=None, repr=False)
 
     def describe(self, line) -> str:
         """"`path` (line 30), which reads `out_dir`, bound only on rank 0 at line 22";
         `line` gives a node's line."""
         links = [f"`{name}` ({'line' if name in assigned_names(stmt) else 'the argument on line'} {line(stmt)})"
                  for name, stmt in self.chain]
-        return ", which reads ".join(links + [f"`{self.name}`"]) + f", bound only on rank 0 at line {line(self.binding)}"
+        bound = (f", bound only on rank 0 at line {line(self.binding)}" if self.otherwise is None else
+                 f", bound on rank 0 at line {line(self.binding)} and to another value on the other ranks at line "
+                 f"{line(self.otherwise)}")
+        return ", which reads ".join(links + [f"`{self.name}`"]) + bound
 
 
 def rank_zero_reads(
@@ -128,7 +134,8 @@ def rank_zero_reads(
     `stmt` (`path = os.path.join(out_dir, "m.pt")`, `p2 = path`, `a, b = out_dir, 1`,
     `f(out_dir)`) and, for a parameter of a function of the script, through the
     arguments of its calls that every rank makes. `rank_zero_only(scope, name, at)` gives
-    the rank-0 binding and its `if` of a name the scope binds on rank 0 alone, read at `at`;
+    the rank-0 binding and its `if` of a name the scope binds on rank 0 alone, read at `at`
+    (and, as a third element, the binding of the other ranks' own value where they bind it too);
     `runs_everywhere(statement)` says whether every rank runs a statement (the caller's
     gates: the rewrite's split ones run everywhere)."""
     out: List[RankZeroRead] = []
@@ -157,7 +164,7 @@ def rank_zero_reads(
             return
         found = rank_zero_only(scope, name, at)
         if found is not None:
-            out.append(RankZeroRead(name, found[0], found[1], at, chain))
+            out.append(RankZeroRead(name, found[0], found[1], at, chain, *found[2:]))
             return
         same_scope = resolver.enclosing_function(at) is scope
         for binding in resolver.descendants(scope if scope is not None else resolver.module, cst.SimpleStatementLine):

@@ -413,8 +413,8 @@ class RankLocal:
         return found
 
     def _binding(self, node, name: str, scope) -> Optional[cst.CSTNode]:
-        if type(node) is cst.For and self._in_split_loop(node):
-            return node  # this rank's batch
+        if type(node) is cst.For and self._in_split_loop(node) and not self.u._loop_counter(node, name, scope):
+            return node  # this rank's batch (not the step index `enumerate` counts: the same on every rank)
         kind = type(node)
         if kind in (cst.Assign, cst.AugAssign, cst.AnnAssign) and node.value is not None:
             return self._expr(node.value, scope)

@@ -163,6 +163,18 @@ class ShardAnchors:
             return later
         return None
 
+    def used_before(self, name: str, stmt, later, block) -> Optional[cst.CSTNode]:
+        """The first statement after the build `stmt` and before `later` (both of `block`) that
+        uses the module: takes its parameters (an optimizer), runs its forward or hands it to a
+        function. None when nothing between them does."""
+        body = list(block.body)
+        for between in body[body.index(stmt) + 1 : body.index(later)]:
+            if isinstance(between, (cst.FunctionDef, cst.ClassDef)) and name not in names_in(between):
+                continue
+            if _consumes(between, name):
+                return between
+        return None
+
     def _hands_back(self, call: cst.Call, name: str) -> bool:
         """`model = train_model(model, ...)` where the script's function returns the module it was handed (its
         parameter, followed by value): the name holds the same module again, not a wrapper."""

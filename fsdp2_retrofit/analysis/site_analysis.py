@@ -9,6 +9,7 @@ one analysis for both.
 """
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Dict, List, Optional, Union
 
 import libcst as cst
@@ -17,7 +18,8 @@ from .closures import nested_functions
 from .flow import ValueFlow, innermost_call
 from .held_values import Holder, holders
 from .model_classes import ClassRegistry
-from fsdp2_retrofit.syntax.names import SELF_RETURNING_METHODS, Resolver, bind_args
+from .shard_anchors import ShardAnchors
+from fsdp2_retrofit.syntax.names import SELF_RETURNING_METHODS, Resolver, bind_args, is_main_guard
 from fsdp2_retrofit.syntax.torch_api import TORCH_COMPILE
 
 Block = Union[cst.IndentedBlock, cst.Module]
@@ -52,6 +54,45 @@ class SiteAnalysis:
             self._flow = ValueFlow(self.r, self._callee, self.calls_of)
         return self._flow
 
+    @cached_property
+    def anchors(self) -> ShardAnchors:
+        """Where each model's build ends (shard_anchors.py), made once."""
+        return ShardAnchors(self)
+
+    def _scope_body(self, stmt):
+        """The statement holding `stmt` directly in its function body, the module, or the
+        `if __name__ == "__main__":` block, and that block."""
+        top = stmt
+        for anc in self.r.ancestors(stmt):
+            if isinstance(anc, (cst.IndentedBlock, cst.Module)):
+                owner = self.r.parent(anc)
+                if isinstance(anc, cst.Module) or isinstance(owner, cst.FunctionDef) or is_main_guard(owner):
+                    return top, anc
+            elif isinstance(anc, cst.BaseCompoundStatement):
+                top = anc
+        return top, self.r.block_of(stmt)
+
+    def wrapping(self, binding, bindings) -> tuple:
+        """The binding of the module that wraps the build `binding` under the same name
+        (`model = Net()`, then `model = Wrapper(model)`, Wrapper an nn.Module of the script, a
+        sibling module or torch, or a function returning one), when nothing uses the model between
+        the two: that module is what the optimizer trains and what fully_shard must see, as if
+        built in one expression (`model = Wrapper(Net())`); the inner module is part of it.
+        Followed through each such wrap; anything else (a wrapper that is not a module, a use
+        before the wrap) keeps `binding`, and the shard blocker refuses the rebinding (FSR620)."""
+        by_stmt = {id(b[1]): b for b in bindings}
+        seen = set()
+        while id(binding[1]) not in seen:
+            seen.add(id(binding[1]))
+            name, stmt, _ = binding
+            top, block = self._scope_body(stmt)
+            later = self.anchors.rebound_by(name, top, block) if block is not None and top in block.body else None
+            wrap = by_stmt.get(id(later)) if later is not None else None
+            if wrap is None or wrap[0] != name or self.anchors.used_before(name, top, later, block) is not None:
+                return binding
+            binding = wrap
+        return binding
+
     def _module_binding_of(self, name: cst.Name, bindings) -> Optional[tuple]:
         """The one module binding (name, stmt, class) of the script whose module the read `name`
         holds, followed by value (analysis/flow.py: a parameter of a function handed the model by
@@ -77,6 +118,12 @@ class SiteAnalysis:
             if binding is None:
                 return None
             found[id(binding[1])] = binding
+        if len(found) > 1:
+            # `net = Net()`, then `net = Wrapper(net)`: the name holds both (values are not told apart
+            # by position), and the wrapper is the module it ends up holding
+            outer = {id(self.wrapping(b, bindings)[1]) for b in found.values()}
+            if len(outer) == 1 and next(iter(outer)) in found:
+                return found[next(iter(outer))]
         return next(iter(found.values())) if len(found) == 1 else None
 
     def handed_back(self, call: cst.Call) -> Optional[cst.Call]:

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Set
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import code
+from fsdp2_retrofit.syntax.names import code, instance_attribute
 from fsdp2_retrofit.syntax.rank import mentions_rank
 from fsdp2_retrofit.syntax.torch_api import DATA_PARALLEL, DDP, MANUAL_SEED
 NULL_CONTEXTS = {"contextlib.nullcontext"}
@@ -75,9 +75,11 @@ def wrappers(facts) -> WrapperFacts:
     other_uses = [n for n in other_uses if not any(a in other_uses for a in r.ancestors(n))]
 
     def holds_wrapper(expr, node) -> bool:
-        return isinstance(expr, cst.Name) and expr.value in wrapped | facts.model_names.get(
-            r.enclosing_function(node), set()
-        )
+        """`model`, or `self.model` in a trainer's method, holding the wrapped model."""
+        held = facts.model_names.get(r.enclosing_function(node), set())
+        if isinstance(expr, cst.Name):
+            return expr.value in wrapped | held
+        return instance_attribute(expr) in held
 
     module_accesses = [
         a for a in r.nodes(cst.Attribute)

@@ -37,11 +37,15 @@ main(True)
 
 
 class CheckpointNameBoundOnRankZero(Blocker):
-    """A save that now runs on every rank reads a name bound only under a rank-0 `if` the rewrite
-    cannot broadcast from (an else branch, another condition, a nested block, after the save).
+    """A save that now runs on every rank reads a name bound under a rank-0 `if` whose value the
+    rewrite cannot hand to the other ranks: the `if` sits where some ranks may skip it, its test
+    cannot be evaluated again on every rank, the name is read before it, or the other ranks bind
+    a value of their own and read it elsewhere.
 
     ## Why
-    The other ranks would stop with a NameError at the first checkpoint.
+    The other ranks would stop with a NameError at the first checkpoint, or save elsewhere. Where
+    every rank reaches the `if` together (in a function or at module level, in any block every rank
+    runs), rank 0's value is broadcast right after it instead.
 
     ## What to do
     Bind the name on every rank (compute the path everywhere; create directories under the rank-0
@@ -50,8 +54,39 @@ class CheckpointNameBoundOnRankZero(Blocker):
 
     CODE = "FSR704"
     NAME = "checkpoint-name-bound-on-rank-zero"
-    INVALID = (Invalid(
-        "import torch\ndef main(rank):\n" + indented(TRAINING) + """\
+    INVALID = (
+        # the other ranks bind their own value and read it: rank 0's would change what they do
+        Invalid(
+            "import torch\ndef main(rank):\n" + indented(TRAINING) + """\
+    if rank == 0:
+        run_dir = "runs/a"
+    else:
+        run_dir = None
+    if run_dir is None:
+        print("not saving")
+    if rank == 0:
+        torch.save(model.state_dict(), run_dir + "/model.pt")
+main(0)
+""",
+            line=8,
+        ),
+        # the `if` inside a branch some ranks may skip (each rank's own environment)
+        Invalid(
+            "import os\nimport torch\ndef main(rank):\n" + indented(TRAINING) + """\
+    if os.environ.get("SAVE"):
+        if rank == 0:
+            run_dir = "runs/a"
+    if rank == 0:
+        torch.save(model.state_dict(), run_dir + "/model.pt")
+main(0)
+""",
+            line=10,
+        ),
+    )
+    VALID = (
+        # an `else` that binds nothing: rank 0's value is broadcast after the whole if/else
+        Valid(
+            "import torch\ndef main(rank):\n" + indented(TRAINING) + """\
     if rank == 0:
         run_dir = "runs/a"
     else:
@@ -60,8 +95,18 @@ class CheckpointNameBoundOnRankZero(Blocker):
         torch.save(model.state_dict(), run_dir + "/model.pt")
 main(0)
 """,
-        line=8,
-    ),)
+        ),
+        # at module level, the `if` inside a `with`, another condition every rank shares
+        Valid(
+            "import os\nimport torch\nrank = int(os.environ.get(\"RANK\", 0))\nkeep = True\n" + TRAINING + """\
+with torch.no_grad():
+    if rank == 0 and keep:
+        run_dir = "runs/a"
+if rank == 0:
+    torch.save(model.state_dict(), run_dir + "/model.pt")
+""",
+        ),
+    )
 
 
 class CheckpointOptimizerNotFollowed(Blocker):

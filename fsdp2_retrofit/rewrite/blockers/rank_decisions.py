@@ -39,17 +39,35 @@ class RankLocalDecisionGatesCollective(Blocker):
     NAME = "rank-local-decision-gates-collective"
     STAGE = "rank_decisions"
     INVALID = (Invalid(TRAIN_LOADER + "    if loss.item() < 0.01:\n        break\n", line=10),)
-    # the loop left on a step count, the same on every rank
-    VALID = (Valid(
-        DATA_IMPORTS + MODEL + OPT + LOADER + """\
+    VALID = (
+        # the loop left on a step count, the same on every rank
+        Valid(
+            DATA_IMPORTS + MODEL + OPT + LOADER + """\
 for step, (x, y) in enumerate(loader):
     (model(x) - y).pow(2).mean().backward()
     opt.step()
     if step >= 100:
         break
 """,
-    ),)
-    # the loop left on a step count, the same on every rank
+        ),
+        # a forward under a flag of enumerate's step index and a count not proven the same on every rank
+        # (read from the environment): the index counts steps, the ranks' own batches do not reach it
+        Valid(
+            "import os\n" + DATA_IMPORTS + MODEL + OPT + LOADER + """\
+def train(accum):
+    for i, (x, y) in enumerate(loader):
+        last = (i + 1) % accum == 0
+        if not last:
+            (model(x) - y).pow(2).mean().backward()
+        else:
+            loss = (model(x) - y).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+train(int(os.environ.get("ACCUM", "2")))
+""",
+        ),
+    )
 
 
 class RandomControlFlowInForward(Blocker):

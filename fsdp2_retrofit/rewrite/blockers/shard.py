@@ -61,6 +61,20 @@ class Wrapper(nn.Module):
 
 
 """
+# a wrapper that is no nn.Module: it hands on the inner module's parameters and forward
+_PLAIN_WRAPPER = _TORCH + """\
+class Wrapper:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def parameters(self):
+        return self.inner.parameters()
+
+    def __call__(self, x):
+        return self.inner(x)
+
+
+"""
 _HF = "import torch\nfrom transformers import AutoModelForCausalLM\n\n"
 
 _OPT = "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
@@ -513,26 +527,50 @@ setup()
 
 
 class ShardPlainListOfLayers(Blocker):
-    """A model keeps layers in a plain Python list.
+    """A model keeps layers in a plain Python list that its `__init__` does not register.
 
     ## Why
-    Their parameters are not registered: they are neither trained nor sharded.
+    Their parameters are not registered: they are neither trained nor sharded. A list whose every
+    element `__init__` registers (a loop over it calling `self.add_module(name, layer)`,
+    `self.register_module` or `setattr(self, name, layer)`) holds submodules of the model, and is not
+    refused.
 
     ## What to do
-    Use nn.ModuleList.
+    Use nn.ModuleList, or register each layer (`self.add_module(f"layer{i}", layer)`).
     """
 
     CODE = "FSR618"
     NAME = "shard-plain-list-of-layers"
-    INVALID = (Invalid(
-        _CLASS.format(init="\n        self.blocks = [nn.Linear(4, 4) for _ in range(2)]", forward="")
-        + "model = Net()\n" + _OPT,
-        line=_INIT,
-    ),)
-    VALID = (Valid(
-        _CLASS.format(init="\n        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])", forward="")
-        + "model = Net()\n" + _OPT + _LOOP
-    ),)
+    INVALID = (
+        Invalid(
+            _CLASS.format(init="\n        self.blocks = [nn.Linear(4, 4) for _ in range(2)]", forward="")
+            + "model = Net()\n" + _OPT,
+            line=_INIT,
+        ),
+        # registered only under a condition: some layers may stay unregistered
+        Invalid(
+            _CLASS.format(init="\n        self.blocks = [nn.Linear(4, 4) for _ in range(2)]\n"
+                               "        for i, block in enumerate(self.blocks):\n"
+                               "            if i:\n"
+                               "                self.add_module(f\"block{i}\", block)", forward="")
+            + "model = Net()\n" + _OPT,
+            line=_INIT,
+        ),
+    )
+    VALID = (
+        Valid(
+            _CLASS.format(init="\n        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])",
+                          forward="")
+            + "model = Net()\n" + _OPT + _LOOP
+        ),
+        # a plain list whose every layer __init__ registers: they are the model's submodules
+        Valid(
+            _CLASS.format(init="\n        self.blocks = [nn.Linear(4, 4) for _ in range(2)]\n"
+                               "        for i, block in enumerate(self.blocks):\n"
+                               "            self.add_module(f\"block{i}\", block)", forward="")
+            + "model = Net()\n" + _OPT + _LOOP
+        ),
+    )
 
 
 class ShardOptimizerInInit(Blocker):
@@ -555,29 +593,42 @@ class ShardOptimizerInInit(Blocker):
 
 
 class ShardModelReboundToWrapper(Blocker):
-    """The model's name is rebound to an object wrapping it (`model = Wrapper(model)`) after the build.
+    """The model's name is rebound to an object wrapping it (`model = Wrapper(model)`) that is not an
+    nn.Module, or after something has used the model.
 
     ## Why
-    fully_shard must come after the last change to the module, right before the optimizer; calls
-    meant for the sharded module (set_requires_gradient_sync, state dicts) would reach the wrapper
-    instead.
+    fully_shard must see the finished module right before the optimizer. An nn.Module wrapper is
+    sharded in the model's place (as `model = Wrapper(Net())` is); a wrapper that is no module cannot
+    be sharded, and calls meant for the sharded module (set_requires_gradient_sync, state dicts)
+    would reach it instead. A module wrapped after an optimizer took its parameters (or a forward ran
+    it) would be sharded after that use.
 
     ## What to do
-    Give the wrapper its own name, or build the wrapped model in one expression (`model =
-    Wrapper(Net())`).
+    Make the wrapper an nn.Module subclass, or give it its own name (`wrapped = Wrapper(model)`);
+    wrap the model right after it is built.
     """
 
     CODE = "FSR620"
     NAME = "shard-model-rebound-to-wrapper"
     INVALID = (
-        Invalid(_WRAPPER + "model = nn.Linear(4, 4)\nmodel = Wrapper(model)\n" + _OPT, line=_after(_WRAPPER, 2)),
-        # a function of the script that returns a wrapper around the module it is handed
-        Invalid(_WRAPPER + "def wrap(m):\n    return Wrapper(m)\n\n\nmodel = nn.Linear(4, 4)\nmodel = wrap(model)\n"
-                + _OPT, line=_after(_WRAPPER, 6)),
+        # a wrapper that is not an nn.Module: fully_shard cannot shard it
+        Invalid(_PLAIN_WRAPPER + "model = nn.Linear(4, 4)\nmodel = Wrapper(model)\n" + _OPT,
+                line=_after(_PLAIN_WRAPPER, 2)),
+        # the same through a function of the script that returns it
+        Invalid(_PLAIN_WRAPPER + "def wrap(m):\n    return Wrapper(m)\n\n\nmodel = nn.Linear(4, 4)\nmodel = wrap(model)\n"
+                + _OPT, line=_after(_PLAIN_WRAPPER, 6)),
+        # a module wrapper around a model an optimizer has already taken the parameters of
+        Invalid(_WRAPPER + "model = nn.Linear(4, 4)\n" + _OPT + "model = Wrapper(model)\n" + _LOOP,
+                line=_after(_WRAPPER, 3)),
     )
     VALID = (
         # the wrapper built around the model in one expression: that is what gets sharded
         Valid(_WRAPPER + "model = Wrapper(nn.Linear(4, 4))\n" + _OPT + _LOOP),
+        # the same in two statements: the nn.Module wrapper is what the optimizer trains, and is sharded
+        Valid(_WRAPPER + "model = nn.Linear(4, 4)\nmodel = Wrapper(model)\n" + _OPT + _LOOP),
+        # and through a function of the script that returns the module wrapper
+        Valid(_WRAPPER + "def wrap(m):\n    return Wrapper(m)\n\n\nmodel = nn.Linear(4, 4)\nmodel = wrap(model)\n"
+              + _OPT + _LOOP),
         # a training function that hands back the module it trained (`model = train_model(model, ...)`): the
         # same module, no wrapper
         Valid(_TORCH + "def train_model(net, opt):\n" + "".join("    " + l for l in _LOOP.replace("model", "net")
@@ -1218,16 +1269,7 @@ def _each_model(facts: ScriptFacts, options) -> Iterator[Blocked]:
             kind, what, why, hint = model.library.refusal
             yield Blocked(kind, model.library.refusal_at or model.stmt, what, why, hint)
         if model.rebound_by is not None and not model.sharded:
-            yield Blocked(
-                "FSR620",
-                model.rebound_by,
-                f"`{code(model.rebound_by).strip()}` rebinds the model to an object that wraps it",
-                f"fully_shard must see the finished module right before the optimizer, and calls meant for the "
-                f"sharded module (set_requires_gradient_sync, get_model_state_dict) would reach the wrapper "
-                f"under the name `{model.name}`",
-                f"give the wrapper its own name (`wrapped = Wrapper({model.name})`), or build the wrapper "
-                f"around the model in one expression and shard that",
-            )
+            yield _rebound(model, facts)
         if _declared_global(model, facts):
             yield Blocked(
                 "FSR617",
@@ -1257,6 +1299,38 @@ def _each_model(facts: ScriptFacts, options) -> Iterator[Blocked]:
                     "it would hold the unsharded parameters; fully_shard replaces them with DTensors",
                     "build the optimizer in the training script, after the model",
                 )
+
+def _rebound(model: ModelSite, facts: ScriptFacts) -> Blocked:
+    """FSR620 at `model = Wrapper(model)`, with why the wrapper cannot be what gets sharded: a
+    module wrapper is sharded in the model's place (analysis/models.py) unless something uses the
+    model before the wrap; anything else is not a module."""
+    rebind = code(model.rebound_by).strip()
+    module = any(stmt is model.rebound_by for _, stmt in facts.module_builds)
+    used = (facts.analysis.anchors.used_before(model.name, model.top, model.rebound_by, model.block)
+            if module and facts.analysis is not None else None)
+    if used is not None:
+        return Blocked(
+            "FSR620",
+            model.rebound_by,
+            f"`{rebind}` wraps the model after `{code(used).strip()}` (line {facts.resolver.line(used)}) has "
+            f"used it",
+            "fully_shard must see the finished module, the wrapper, before anything takes its parameters or "
+            "runs it: sharded after the wrap, the earlier use would hold the unsharded module; sharded before, "
+            "the wrapper's own parameters would stay whole on every rank",
+            f"wrap `{model.name}` right after it is built, before the statement on line "
+            f"{facts.resolver.line(used)}",
+        )
+    return Blocked(
+        "FSR620",
+        model.rebound_by,
+        f"`{rebind}` rebinds the model to an object that wraps it and is not an nn.Module",
+        f"fully_shard shards modules: it must see the module right before the optimizer, and calls meant for "
+        f"the sharded module (set_requires_gradient_sync, get_model_state_dict) would reach the wrapper under "
+        f"the name `{model.name}`",
+        f"give the wrapper its own name (`wrapped = Wrapper({model.name})`), or make the wrapper an nn.Module "
+        f"subclass",
+    )
+
 
 def _refuse_old_grad_scaler(facts: ScriptFacts, options) -> Iterator[Blocked]:
     """A GradScaler unscales FSDP2's DTensor gradients and reduces its inf/NaN check over

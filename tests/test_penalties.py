@@ -171,3 +171,17 @@ def test_outputs_unpacked_from_a_tuple_the_model_returns(tmp_path):
     result = rewrite_source(path.read_bytes(), str(path))
     assert not result.refusals, result.refusals
     assert "D.set_reshard_after_backward(False)" in result.code.decode()
+
+
+def test_a_scaler_step_gets_the_reshard_before_it():
+    """`scaler.step(opt_d)` steps the critic's optimizer: the units are resharded before that call."""
+    script = SCRIPT.replace("opt_d = torch.optim.Adam(D.parameters(), lr=1e-3)\n",
+                            "opt_d = torch.optim.Adam(D.parameters(), lr=1e-3)\nscaler = torch.amp.GradScaler()\n")
+    script = script.replace("    loss.backward()\n    opt_d.step()\n",
+                            "    scaler.scale(loss).backward()\n    scaler.step(opt_d)\n    scaler.update()\n")
+    result = _rewrite("""\
+        loss = D(fake.detach()).mean() - D(real).mean() + penalty(D, real)
+    """, script)
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert "unit.reshard()\n    scaler.step(opt_d)" in code

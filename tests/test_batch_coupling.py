@@ -74,3 +74,44 @@ def test_not_flagged_where_the_data_is_not_split():
     script = SCRIPT.replace("loader = DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 4)), batch_size=8)\n",
                             "loader = [(torch.randn(8, 4), torch.randn(8, 4))] * 4\n")
     assert _flags("loss = F.cross_entropy(out @ other.T, torch.arange(out.size(0)))\n", script) == []
+
+
+LOSSES = dedent("""\
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+
+    class PairLoss(nn.Module):
+        def __init__(self, temperature=0.1):
+            super().__init__()
+            self.temperature = temperature
+
+        def forward(self, features, labels):
+            features = F.normalize(features, dim=1)
+            logits = torch.div(torch.matmul(features, features.T), self.temperature)
+            return F.cross_entropy(logits, labels)
+    """)
+
+
+@pytest.mark.parametrize("where", ["sibling", "script"])
+def test_a_coupling_inside_a_criterion_class_is_flagged_at_its_call(tmp_path, where: str):
+    """`criterion(out, y)` of a loss class (a sibling module's, as SupContrast's SupConLoss, or the script's
+    own): the flow does not follow the call into its forward; the class's code is read with the batch
+    tensors it is handed, and the call is flagged with the line inside."""
+    loss = "criterion = PairLoss(0.2)\nloss = criterion(out, torch.arange(out.size(0)))\n"
+    script = SCRIPT.replace("LOSS\n", dedent(loss).replace("\n", "\n    ").rstrip(" "))
+    if where == "sibling":
+        (tmp_path / "losses.py").write_text(LOSSES)
+        script = script.replace("import torch\n", "import torch\nfrom losses import PairLoss\n", 1)
+    else:
+        script = script.replace("model = nn.Sequential", LOSSES.split("\n\n\n", 1)[1] + "\n\nmodel = nn.Sequential", 1)
+    path = tmp_path / "train.py"
+    path.write_text(script)
+    result = rewrite_source(path.read_bytes(), str(path))
+    assert not result.refusals, result.refusals
+    flags = [(a.line, a.what) for a in result.attention if a.code == "batch_coupling"]
+    call_line = next(i for i, line in enumerate(script.splitlines(), 1) if "loss = criterion(" in line)
+    assert [line for line, _ in flags] == [call_line], flags
+    assert "runs PairLoss.forward, where (" + ("losses.py:13" if where == "sibling" else "line ") in flags[0][1]
+    assert "is a batch-by-batch matrix" in flags[0][1]

@@ -14,7 +14,9 @@ another objective than the single process's:
   spread of each rank's part, not of the global batch.
 
 Batch tensors are followed by value (analysis/flow.py) to the forward of a model or to the variables of
-a training loop; only operations the analysis knows to keep one row per sample are followed through
+a training loop; a loss object of a class of the script or of a sibling module (`criterion(features,
+labels)`, its class read from the registry) is read inside its `forward`, with the parameters the call
+hands batch tensors, and flagged at the call; only operations the analysis knows to keep one row per sample are followed through
 (elementwise functions, reshapes, `.detach()`, `.data`, a loss with `reduction="none"`...). Found,
 never fixed: the expert's fix (an all-gather of the embeddings with the gradient kept, or the
 statistic all-reduced) changes the model code, so the rewrite reports the line.
@@ -26,7 +28,7 @@ from typing import Dict, List, Optional
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import code
+from fsdp2_retrofit.syntax.names import bind_args, code
 from fsdp2_retrofit.syntax.torch_api import (
     BATCH_STATISTICS as _STATISTIC_FUNCTIONS, CDIST, COSINE_SIMILARITY, EINSUM, MATMULS as _MATMULS,
     ROW_FUNCTIONS as _ROW_FUNCTIONS, UNIFORM_DRAWS,
@@ -59,7 +61,7 @@ def batch_couplings(facts) -> List[Coupling]:
         if hit is not None:
             out.setdefault(id(hit.node), hit)
     for call in r.nodes(cst.Call):
-        hit = found.matrix_call(call)
+        hit = found.matrix_call(call) or found.inside_criterion(call)
         if hit is not None:
             out.setdefault(id(hit.node), hit)
     return sorted(out.values(), key=lambda c: r.line(c.node))
@@ -94,7 +96,7 @@ class _Finder:
         if t is cst.Attribute:
             if expr.attr.value in ("data", "T", "mT"):
                 return self.batch(expr.value, depth + 1)
-            return self.facts.model_held(expr) is None and any(self._origin(o, expr, depth) for o in self.flow.values(expr))
+            return self._names_model(expr) is None and any(self._origin(o, expr, depth) for o in self.flow.values(expr))
         if t is cst.Subscript:
             return self.batch(expr.value, depth + 1)
         if t is cst.UnaryOperation:
@@ -114,7 +116,7 @@ class _Finder:
         return isinstance(node, cst.BaseExpression) and self.batch(node, depth + 1)
 
     def _batch_call(self, call: cst.Call, depth: int) -> bool:
-        if self.facts.model_held(call.func) is not None:
+        if self._names_model(call.func) is not None:
             return True
         names = self.r.qnames(call.func)
         first = next((a.value for a in call.args if a.keyword is None and not a.star), None)
@@ -139,6 +141,42 @@ class _Finder:
         if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute) and expr.func.attr.value == "size":
             return not expr.args and self.batch(expr.func.value, depth + 1)
         return isinstance(expr, cst.Attribute) and expr.attr.value == "shape" and self.batch(expr.value, depth + 1)
+
+    def _names_model(self, expr):
+        return self.facts.model_held(expr)
+
+    # -- a criterion object whose class is read, not followed by the flow ------------------------------
+
+    def inside_criterion(self, call: cst.Call) -> Optional[Coupling]:
+        """`criterion(features, labels)` of an instance of a class of the script or a sibling module
+        (`criterion = SupConLoss(...)`) handed batch tensors: a coupling in its forward, named at the call."""
+        info = self._criterion_class(call)
+        method = info.methods.get("forward") if info is not None else None
+        if method is None:
+            return None
+        held = {param for param, arg in bind_args(method, call, skip=1) if self.batch(arg)}
+        if not held:
+            return None
+        inside = _Inside(self, info, method, held)
+        hits = inside.scan()
+        if not hits:
+            return None
+        where = (f"{self.facts.classes.shown_file(info.namespace)}:" if info.namespace else "line ") + str(
+            inside.r.line(hits[0].node))
+        name = info.name.rsplit(".", 1)[-1]
+        return Coupling(call, f"`{code(call)}` runs {name}.forward, where ({where}) {hits[0].what}")
+
+    def _criterion_class(self, call: cst.Call):
+        top = self.facts.classes.top_level.get("")
+        if top is None or not isinstance(call.func, (cst.Name, cst.Attribute)) or self._names_model(call.func):
+            return None
+        for origin in self.flow.values(call.func):
+            node = origin[0] if isinstance(origin, tuple) else origin
+            if isinstance(node, cst.Call):
+                info = self.facts.classes.get(top[1].of(node.func))
+                if info is not None:
+                    return info
+        return None
 
     # -- statistics over the batch ----------------------------------------------------------------------
 
@@ -209,6 +247,39 @@ class _Finder:
             inner = _transposed(turned)
             if inner is not None and self.batch(inner) and self.batch(plain):
                 return Coupling(node, f"`{code(node)}` is a batch-by-batch matrix (every sample against every other)")
+        return None
+
+
+class _Inside(_Finder):
+    """The same questions inside one method of a class (its own module's names): a name holds a batch
+    tensor where a parameter handed one, or a value assigned to it in the method, does."""
+
+    def __init__(self, outer: _Finder, info, method: cst.FunctionDef, held) -> None:
+        self.facts, self.loops, self._memo = outer.facts, set(), {}
+        self.r = info.namer.resolver
+        self.method, self.held = method, held
+        self.assigned: Dict[str, list] = {}
+        for node in self.r.descendants(method, cst.Assign):
+            for target in node.targets:
+                if isinstance(target.target, cst.Name):
+                    self.assigned.setdefault(target.target.value, []).append(node.value)
+
+    def scan(self) -> List[Coupling]:
+        hits = [self.product(n) or self.statistic_operand(n) for n in self.r.descendants(self.method, cst.BinaryOperation)]
+        hits += [self.matrix_call(c) for c in self.r.descendants(self.method, cst.Call)]
+        return sorted((h for h in hits if h is not None), key=lambda h: self.r.line(h.node))
+
+    def _batch(self, expr, depth: int) -> bool:
+        if type(expr) is cst.Name:
+            return expr.value in self.held or any(self.batch(v, depth + 1) for v in self.assigned.get(expr.value, ()))
+        if type(expr) is cst.Attribute and expr.attr.value not in ("data", "T", "mT"):
+            return False  # `self.temperature`: an attribute of the criterion, not a batch
+        return super()._batch(expr, depth)
+
+    def _names_model(self, expr):
+        return None  # the criterion's own code calls no model of the script
+
+    def inside_criterion(self, call: cst.Call) -> Optional[Coupling]:
         return None
 
 

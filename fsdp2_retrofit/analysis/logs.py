@@ -30,6 +30,7 @@ from .site_analysis import Scope, SiteAnalysis
 from fsdp2_retrofit.syntax.memo import per_node
 from fsdp2_retrofit.syntax.names import Resolver, code, root_name
 from fsdp2_retrofit.syntax.rank import mentions_rank
+from fsdp2_retrofit.syntax.torch_api import SUMMARY_WRITERS
 
 
 LOG_CALLS = {"print"}
@@ -42,8 +43,6 @@ HANDLE_WRITES = {"write", "writelines", "flush"}
 CSV_METHODS = {"writerow", "writerows", "writeheader"}
 # figures and image files: (qualified name, index of the path among the positional arguments, its keyword)
 FIGURE_SAVES = {"matplotlib.pyplot.savefig": (0, "fname"), "torchvision.utils.save_image": (1, "fp")}
-SUMMARY_WRITERS = {"torch.utils.tensorboard.SummaryWriter", "torch.utils.tensorboard.writer.SummaryWriter",
-                   "tensorboardX.SummaryWriter"}
 CSV_WRITERS = {"csv.writer", "csv.DictWriter"}
 LOGGER_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
 

@@ -222,6 +222,9 @@ LEGACY_TENSORS = frozenset(
         "Tensor", "FloatTensor", "DoubleTensor", "HalfTensor", "LongTensor", "IntTensor", "ByteTensor", "BoolTensor",
     )
 )
+# tensorboard's writers: each makes an event file in its folder and writes to it (analysis/logs.py)
+SUMMARY_WRITERS = frozenset({"torch.utils.tensorboard.SummaryWriter", "torch.utils.tensorboard.writer.SummaryWriter",
+                             "tensorboardX.SummaryWriter"})
 # factories whose values are drawn from the generator: sized by the batch outside the step, they change how
 # much of the random stream the run takes before its steps
 RANDOM_FACTORIES = frozenset({"torch.randn", "torch.rand", "torch.randint"})

@@ -435,3 +435,26 @@ def test_a_csv_log_is_written_once_and_is_the_single_runs(case, files, tmp_path:
         assert ours[0] == theirs[0] and ours.count(ours[0]) == 1  # one header
         a, b = _numbers(ours), _numbers(theirs)
         assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (name, ours, theirs)
+
+
+@pytest.mark.parametrize("setup, epoch, why", [
+    ("class Log:\n    def __init__(self):\n        self.w = csv.writer(open('m.csv', 'w'))\n\n    def row(self, e):\n"
+     "        self.w.writerow([e])\n\nlog = Log()", "log.row(epoch)", "bound to `self.w`"),
+    ("tb = None\ntb = SummaryWriter('runs')", "tb.add_scalar('e', epoch)", "bound 2 times"),
+])
+def test_a_writer_the_rewrite_cannot_follow_is_reported_at_its_construction(setup, epoch, why):
+    source = SCRIPT.replace("for epoch in", "import csv\nfrom torch.utils.tensorboard import SummaryWriter\n"
+                            + setup + "\nfor epoch in", 1)
+    result = rewrite_source(source.replace("STEP", "pass").replace("EPOCH", epoch).encode(), "train.py", None)
+    assert "if rank == 0:\n    tb = SummaryWriter" not in result.code.decode()
+    assert any("writes the same file on every rank" in a.what and why in a.what for a in result.attention), \
+        [a.what for a in result.attention]
+
+
+def test_a_file_opened_around_the_training_is_reported():
+    source = SCRIPT.replace("for epoch in range(2):", "with open('m.csv', 'w') as fh:\n  w = csv.writer(fh)\n"
+                            "  for epoch in range(2):", 1).replace("\n    ", "\n      ")
+    source = "import csv\n" + source.replace("STEP", "pass").replace("EPOCH", "w.writerow([epoch])")
+    result = rewrite_source(source.encode(), "train.py", None)
+    assert any("opened around more than writes" in a.what for a in result.attention), \
+        [a.what for a in result.attention]

@@ -185,6 +185,7 @@ class LogAnalysis(SiteAnalysis):
         A group is a handle and the csv writers made of it (or a SummaryWriter, or a csv writer of
         an `open(...)`), each name bound once in the module by a one-target assignment."""
         makers = {}  # name -> (its assignment's statement, the name of the writer it is made of or None)
+        unsafe = self._unfollowed_writers(read_paths)
         for line in self.r.nodes(cst.SimpleStatementLine):
             if len(line.body) != 1 or type(line.body[0]) is not cst.Assign or len(line.body[0].targets) != 1:
                 continue
@@ -200,7 +201,7 @@ class LogAnalysis(SiteAnalysis):
                 elif type(first) is cst.Name:
                     makers[target.value] = (line, first.value)
         if not makers:
-            return {}, []
+            return {}, unsafe
         bound: Dict[str, int] = {}
         for kind in (cst.AssignTarget, cst.AugAssign, cst.AnnAssign, cst.For, cst.AsName, cst.Param):
             for node in self.r.nodes(kind):
@@ -245,7 +246,6 @@ class LogAnalysis(SiteAnalysis):
                     problems.setdefault(key, (node, f"`{name}` is used here otherwise than by a call of one of "
                                                     f"its methods (`{code(stmt).strip().splitlines()[0]}`)"))
         out: Dict[int, str] = {}
-        unsafe = []
         for key, stmts in groups.items():
             first = makers[key][0]
             if key in problems:
@@ -256,6 +256,37 @@ class LogAnalysis(SiteAnalysis):
             for stmt in stmts:
                 out[id(stmt)] = label
         return out, unsafe
+
+    def _unfollowed_writers(self, read_paths) -> List[tuple]:
+        """[(statement, node, why)] for the writers made where `_writers` does not follow them, outside
+        a rank test and outside module classes: one bound to an attribute (`self.w = SummaryWriter(d)`),
+        a `with open(p, "w") as f:` around more than writes to `f` (the training itself)."""
+        out = []
+        for assign in self.r.nodes(cst.Assign):
+            value = assign.value
+            if not any(type(t.target) is not cst.Name for t in assign.targets) or type(value) is not cst.Call:
+                continue
+            if self.r.is_call_to(value, SUMMARY_WRITERS) or self._opened_for_writing(value, read_paths) or (
+                    self.r.is_call_to(value, CSV_WRITERS) and value.args
+                    and self._opened_for_writing(value.args[0].value, read_paths)):
+                stmt = self.r.statement_of(assign)
+                if self._reportable(stmt):
+                    out.append((stmt, assign, f"it is bound to `{code(assign.targets[0].target)}`, and the rewrite "
+                                              "follows the uses of a writer bound to a plain name only"))
+        for stmt in self.r.nodes(cst.With):
+            if self._writing_with(stmt, read_paths) or not self._reportable(stmt):
+                continue
+            item = next((i for i in stmt.items if self._opened_for_writing(i.item, read_paths)), None)
+            if item is not None:
+                out.append((stmt, stmt, "the file is opened around more than writes to it (a `with` block whose "
+                                        "body also computes), so the block cannot go to rank 0 whole"))
+        return out
+
+    def _reportable(self, stmt) -> bool:
+        cls = self.r.enclosing_class(stmt)
+        if cls is not None and (self.classes.is_module_class(cls.name.value) or self.r.enclosing_function(stmt) is None):
+            return False
+        return not self._is_rank_gated(stmt)
 
     def _writer_use(self, stmt, node: cst.Name, makers) -> bool:
         """`stmt` only calls a method of the writer `node` names (`w.writerow(row)`), or makes a csv

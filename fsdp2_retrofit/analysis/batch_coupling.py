@@ -27,6 +27,10 @@ from typing import Dict, List, Optional
 import libcst as cst
 
 from fsdp2_retrofit.syntax.names import code
+from fsdp2_retrofit.syntax.torch_api import (
+    BATCH_STATISTICS as _STATISTIC_FUNCTIONS, CDIST, COSINE_SIMILARITY, EINSUM, MATMULS as _MATMULS,
+    ROW_FUNCTIONS as _ROW_FUNCTIONS, UNIFORM_DRAWS,
+)
 
 _DEPTH = 10
 # methods of a tensor that keep one row per sample (the result is batch-shaped where the receiver is)
@@ -36,18 +40,7 @@ _ROW_METHODS = frozenset({
     "abs", "exp", "log", "sqrt", "rsqrt", "pow", "sigmoid", "tanh", "relu", "neg", "clamp", "clip",
     "softmax", "log_softmax", "mul", "div", "add", "sub", "requires_grad_", "masked_fill", "normalize",
 })
-# torch functions of one batch tensor (their first argument) that keep one row per sample
-_ROW_FUNCTIONS = frozenset({
-    "torch.sigmoid", "torch.tanh", "torch.relu", "torch.exp", "torch.log", "torch.abs", "torch.sqrt",
-    "torch.pow", "torch.clamp", "torch.flatten", "torch.squeeze", "torch.unsqueeze", "torch.reshape",
-    "torch.nn.functional.normalize", "torch.nn.functional.softmax", "torch.nn.functional.log_softmax",
-    "torch.nn.functional.relu", "torch.nn.functional.leaky_relu", "torch.nn.functional.sigmoid",
-    "torch.nn.functional.tanh", "torch.autograd.Variable", "torch.rand_like", "torch.randn_like",
-    "torch.div", "torch.mul",
-})
 _STATISTICS = frozenset({"mean", "std", "var", "sum", "logsumexp"})
-_STATISTIC_FUNCTIONS = frozenset({"torch.mean", "torch.std", "torch.var", "torch.sum"})
-_MATMULS = frozenset({"torch.matmul", "torch.mm"})
 
 
 @dataclass
@@ -127,7 +120,7 @@ class _Finder:
         first = next((a.value for a in call.args if a.keyword is None and not a.star), None)
         if names & _ROW_FUNCTIONS:
             return self.batch(first, depth + 1)
-        if names & {"torch.rand", "torch.randn"} and first is not None:
+        if names & UNIFORM_DRAWS and first is not None:
             return self._size_of_batch(first, depth)
         if any(n.endswith("Variable") for n in names):
             return self.batch(first, depth + 1)
@@ -196,13 +189,13 @@ class _Finder:
         args = [a.value for a in call.args if a.keyword is None and not a.star]
         if names & _MATMULS and len(args) == 2:
             return self._pair(call, args[0], args[1])
-        if names & {"torch.cdist"} and len(args) >= 2 and self.batch(args[0]) and self.batch(args[1]):
+        if names & CDIST and len(args) >= 2 and self.batch(args[0]) and self.batch(args[1]):
             return Coupling(call, f"`{code(call)}` is a batch-by-batch distance matrix")
-        if names & {"torch.nn.functional.cosine_similarity"} and len(args) >= 2:
+        if names & COSINE_SIMILARITY and len(args) >= 2:
             dims = {_unsqueezed(args[0]), _unsqueezed(args[1])}
             if dims == {"0", "1"} and self.batch(args[0]) and self.batch(args[1]):
                 return Coupling(call, f"`{code(call)}` compares every sample with every other")
-        if names & {"torch.einsum"} and args and isinstance(args[0], cst.SimpleString):
+        if names & EINSUM and args and isinstance(args[0], cst.SimpleString):
             operands = args[1:] if len(args) > 2 else (
                 [e.value for e in args[1].elements] if len(args) == 2 and isinstance(args[1], (cst.List, cst.Tuple))
                 else [])

@@ -231,6 +231,22 @@ RANDOM_FACTORIES = frozenset({"torch.randn", "torch.rand", "torch.randint"})
 
 # gradients with a graph of their own (create_graph=True): a double backward
 AUTOGRAD_GRAD = frozenset({"torch.autograd.grad"})
+# torch functions of one batch tensor (their first argument) that keep one row per sample (batch_coupling)
+ROW_FUNCTIONS = frozenset({
+    "torch.sigmoid", "torch.tanh", "torch.relu", "torch.exp", "torch.log", "torch.abs", "torch.sqrt",
+    "torch.pow", "torch.clamp", "torch.flatten", "torch.squeeze", "torch.unsqueeze", "torch.reshape",
+    "torch.nn.functional.normalize", "torch.nn.functional.softmax", "torch.nn.functional.log_softmax",
+    "torch.nn.functional.relu", "torch.nn.functional.leaky_relu", "torch.nn.functional.sigmoid",
+    "torch.nn.functional.tanh", "torch.autograd.Variable", "torch.rand_like", "torch.randn_like",
+    "torch.div", "torch.mul",
+})
+# statistics a batch tensor may be reduced with over its batch dimension; matrix products of two tensors
+BATCH_STATISTICS = frozenset({"torch.mean", "torch.std", "torch.var", "torch.sum"})
+MATMULS = frozenset({"torch.matmul", "torch.mm"})
+CDIST = frozenset({"torch.cdist"})
+EINSUM = frozenset({"torch.einsum"})
+COSINE_SIMILARITY = frozenset({"torch.nn.functional.cosine_similarity"})
+UNIFORM_DRAWS = frozenset({"torch.rand", "torch.randn"})  # a draw of a given shape
 
 # -- losses (analysis/loss_reduction.py) ---------------------------------------------
 

@@ -391,34 +391,40 @@ def test_a_writer_that_cannot_go_to_rank_zero_whole_is_left_and_reported(use, wh
 
 
 def test_a_writer_made_before_the_process_group_reads_the_launchers_rank():
-    """A module-level writer made above the preamble: `dist.get_rank()` would fail there, so its
-    construction (and any use above the group) tests torchrun's RANK."""
+    """A writer made above the process group's start: `dist.get_rank()` would fail there, so its
+    construction (and its uses above the group) test torchrun's RANK; its uses below, `rank`."""
     source = dedent("""\
         import csv
         import torch
         import torch.nn as nn
         from torch.utils.data import DataLoader, TensorDataset
 
-        w = csv.writer(open('m.csv', 'w'))
-        w.writerow(['epoch'])
-        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        loader = DataLoader(TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,))), batch_size=8)
-        for epoch in range(2):
-            for x, y in loader:
-                loss = nn.functional.cross_entropy(model(x), y)
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-            w.writerow([epoch])
+
+        def main():
+            w = csv.writer(open('m.csv', 'w'))
+            w.writerow(['epoch'])
+            model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            loader = DataLoader(TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,))), batch_size=8)
+            for epoch in range(2):
+                for x, y in loader:
+                    loss = nn.functional.cross_entropy(model(x), y)
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+                w.writerow([epoch])
+
+
+        main()
         """)
     result = rewrite_source(source.encode(), "train.py", None)
     assert not result.refusals, result.refusals
     code = result.code.decode()
-    head = code[:code.index("model = nn")]
-    assert "if rank == 0:" in code[code.index("for epoch"):]
-    if "init_process_group" not in head:
-        assert 'if os.environ.get("RANK", "0") == "0":\n    w = csv.writer' in head, head
+    assert ('    if os.environ.get("RANK", "0") == "0":\n        w = csv.writer(open(\'m.csv\', \'w\'))\n'
+            "        w.writerow(['epoch'])\n") in code, code
+    assert code.index("w = csv.writer") < code.index("init_process_group")
+    assert "        if rank == 0:\n            w.writerow([epoch])" in code, code
+    assert "import os" in code
 
 
 @pytest.mark.e2e

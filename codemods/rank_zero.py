@@ -350,10 +350,12 @@ class GateRankZeroCommand(RetrofitStage):
         )
         editor.replace(owner, owner.with_changes(test=joined))
         self._import_for(test)
+        files = any(site.file_write for site in run)
         self.change(
             owner,
-            f"print/log on rank 0 only (`if {code(cond)} and {test}:`)",
-            "every rank runs the script; unguarded output repeats world_size times",
+            f"print/log{' and file writes' if files else ''} on rank 0 only (`if {code(cond)} and {test}:`)",
+            "every rank runs the script; unguarded output repeats world_size times"
+            + (" (each rank writing the same file)" if files else ""),
         )
         return True
 
@@ -391,7 +393,11 @@ TQDM_BARS = frozenset({"tqdm", "trange", "tqdm_notebook", "tnrange", "tenumerate
 
 # calls a log line may make besides the one it hands to a local: reads without effects
 _PURE_CALLS = frozenset({"len", "float", "int", "round", "str", "abs", "min", "max", "repr", "format"})
-_PURE_METHODS = frozenset({"item", "format", "tolist", "numpy", "detach", "cpu", "mean", "sum"})
+_PURE_METHODS = frozenset({"item", "format", "tolist", "numpy", "detach", "cpu", "mean", "sum",
+                           # what an image write does to a generated batch: `save_image(G(z).mul(0.5).add(0.5)
+                           # .view(-1, 1, 28, 28), p)`: local to the tensor the hoisted forward returns
+                           "view", "reshape", "permute", "transpose", "squeeze", "unsqueeze", "flatten",
+                           "contiguous", "clamp", "clamp_", "mul", "add", "sub", "div", "float", "clone"})
 # what a call inside must not sit in: taking it out would run it when it did not run, or once for many
 _CONDITIONAL = (cst.Lambda, cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp, cst.IfExp,
                 cst.BooleanOperation)

@@ -363,15 +363,20 @@ def test_a_figure_or_image_file_is_written_on_rank_zero(write):
     assert f"    if rank == 0:\n        {write}" in _body(code), _body(code)
 
 
-def test_an_image_of_the_sharded_model_is_computed_on_every_rank_first():
+@pytest.mark.parametrize("image, after", [
+    ("model(torch.randn(4, 4))", "logged_value"),
+    ("model(torch.randn(4, 4)).mul(0.5).add(0.5).view(-1, 1, 2, 1)", "logged_value.mul(0.5).add(0.5).view(-1, 1, 2, 1)"),
+])
+def test_an_image_of_the_sharded_model_is_computed_on_every_rank_first(image, after):
     """`save_image(G(z), path)`: the forward is bound before the gate, on every rank; only the
-    write is on rank 0 (a forward inside the gate would hang the other ranks)."""
-    source = SCRIPT.replace("import json", "import json\nfrom torchvision.utils import save_image", 1)
-    source = source.replace("STEP", "pass").replace("EPOCH", "save_image(model(torch.randn(4, 4)), 'out.png')")
+    write (with what it does to the tensor locally) is on rank 0: a forward inside the gate would
+    hang the other ranks."""
+    source = SCRIPT.replace("import json", "import json\nimport torchvision.utils as vutils", 1)
+    source = source.replace("STEP", "pass").replace("EPOCH", f"vutils.save_image({image}, 'out.png')")
     code = rewrite_source(source.encode(), "train.py", None).code.decode()
     body = _body(code)
-    assert "    logged_value = model(torch.randn(4, 4))\n    if rank == 0:\n        save_image(logged_value, 'out.png')" \
-        in body, body
+    assert ("    logged_value = model(torch.randn(4, 4))\n    if rank == 0:\n"
+            f"        vutils.save_image({after}, 'out.png')") in body, body
 
 
 @pytest.mark.parametrize("use, why", [

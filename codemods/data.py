@@ -296,6 +296,7 @@ class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
         Returns (the loader's new batch_size= value or None where it stays, whether it is
         divided). A batch size the loader unpacks from a `**` dict is divided where the dict
         is given it (analysis.loader_kwargs)."""
+        self._editor = editor
         size = _batch_size(loader.call)
         if size is not None:
             return self._divide(loader.name, facts, size, loader.stmt, new), True
@@ -394,14 +395,25 @@ class DistributeDataCommand(SiblingLoaderEdits, RetrofitStage):
                 "run without --keep-global-batch: each rank then reads one sample a step, the global batch "
                 "world_size samples",
             )
+        at = readers.rebind_at if readers is not None and readers.shape and readers.problem is None else None
+        if at is not None:  # a batch tensor sized above the loader: the name is per-rank from there on
+            new = []
+            if self._before_group(at, facts):
+                self.add_import("os")
+                world = 'int(os.environ.get("WORLD_SIZE", 1))'
         new.append(self.stmt(f'assert {operand} % {world} == 0, "the batch size must divide by the number of ranks"\n'))
         if readers is None or not readers.shape:
             return self.expr(f"{operand} // {world}")
         new.append(self.stmt(f"{text} = {text} // {world}  # per rank from here on\n"))
+        if at is not None:
+            new[0] = new[0].with_changes(leading_lines=list(at.leading_lines))
+            self._editor.set_leading_lines(at, [])
+            self._editor.insert_before(at, new)
         self.change(
-            stmt,
-            f"`{text}` is rebound to the per-rank size before `{loader}`: its reads at line "
-            f"{', '.join(str(self.line(n)) for n in readers.shape)} size tensors of one batch",
+            at if at is not None else stmt,
+            f"`{text}` is rebound to the per-rank size before "
+            + (f"its first batch tensor (line {self.line(at)}), above `{loader}`" if at is not None else f"`{loader}`")
+            + f": its reads at line {', '.join(str(self.line(n)) for n in readers.shape)} size tensors of one batch",
             "those tensors must match the per-rank batch the loader now yields",
             "dividing only the loader's argument leaves them at the global size: a shape error or a silent "
             "broadcast against the smaller batch",

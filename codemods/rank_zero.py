@@ -35,9 +35,10 @@ class GateRankZeroCommand(RetrofitStage):
         self._uniform = None
         runs: List[List[LogSite]] = []
         hoisted = {}  # id(log statement) -> the indices of the calls it hands to a local first
+        kept = self._writers_kept(facts)
         for site in facts.logs:
-            test = self.rank_zero_test(site.stmt, facts)
-            if site.gated or test is None:
+            test = self._test(site, facts)
+            if site.gated or test is None or site.writer in kept:
                 continue
             if self._may_be_collective(site.stmt, facts):
                 calls = _hoistable(site.stmt, facts)
@@ -65,7 +66,7 @@ class GateRankZeroCommand(RetrofitStage):
             else:
                 runs.append([site])
         for run in runs:
-            test = self.rank_zero_test(run[0].stmt, facts)
+            test = self._test(run[0], facts)
             first = run[0].stmt
             reduce, logged, anchor = self._averaged_losses(run, facts)
             hoist = hoisted.get(id(first))
@@ -84,8 +85,7 @@ class GateRankZeroCommand(RetrofitStage):
                 leading_lines=[] if (reduce and anchor is first) or hoist is not None else first.leading_lines,
             )
             editor.replace(first, gate)
-            if test.startswith("dist."):
-                self.add_import("torch.distributed", asname="dist")
+            self._import_for(test)
             for site in run[1:]:
                 editor.replace(site.stmt, None)
             files = any(site.file_write for site in run)
@@ -97,6 +97,52 @@ class GateRankZeroCommand(RetrofitStage):
             )
         self._gate_progress_bars(facts, editor)
         self._flag_gated_collectives(facts)
+
+    def _test(self, site: LogSite, facts: ScriptFacts) -> Optional[str]:
+        """The rank-0 test of a log site; for a writer's construction or use where the process group
+        may not exist yet (above it, or in a function called from anywhere), the launcher's RANK
+        (torchrun sets it before the script runs; a plain run has none: rank 0)."""
+        test = self.rank_zero_test(site.stmt, facts)
+        if test is None and site.writer is not None:
+            return _ENV_RANK_ZERO
+        return test
+
+    def _import_for(self, test: str) -> None:
+        if test.startswith("dist."):
+            self.add_import("torch.distributed", asname="dist")
+        elif test == _ENV_RANK_ZERO:
+            self.add_import("os")
+
+    def _writers_kept(self, facts: ScriptFacts) -> set:
+        """The writer groups left on every rank, each reported at its construction: a use that computes
+        with the model where it cannot be taken out of the line first (its construction and other uses
+        stay with it: a writer made on rank 0 only is no name on the others), and the writers
+        analysis/logs.py could not follow whole."""
+        kept = set()
+        for site in facts.logs:
+            if site.writer is None or site.gated or site.writer in kept:
+                continue
+            if self._may_be_collective(site.stmt, facts) and _hoistable(site.stmt, facts) is None:
+                kept.add(site.writer)
+                self.attention(
+                    site.stmt,
+                    "this write computes with the model: the writer it uses (made at "
+                    f"line {site.writer.rsplit(':', 1)[1]}) is left on every rank, each writing the same file",
+                    "a forward or collective inside a rank-0 branch deadlocks the other ranks, and the call cannot "
+                    "be taken out of the line first; bind the value on every rank before the line, then rewrite again",
+                    differs=False,
+                )
+        for construction, node, why in facts.unsafe_writers:
+            self.attention(
+                construction,
+                f"this writer writes the same file on every rank (world_size times, racing): left as written; {why} "
+                f"(line {facts.resolver.line(node)})",
+                "a writer made on rank 0 only must be used on rank 0 only: each use of it must be a call of one of "
+                "its methods, for the rewrite to gate the construction and every use together; gate them yourself "
+                "(`if rank == 0:`), or open os.devnull on the other ranks",
+                differs=False,
+            )
+        return kept
 
     def _hoist(self, stmt, logged, calls, facts: ScriptFacts, editor) -> list:
         """`print(f"best val {evaluate(model, x, y):.4f}")` -> `logged_value = evaluate(model, x, y)`
@@ -303,12 +349,13 @@ class GateRankZeroCommand(RetrofitStage):
             right=self.expr(test),
         )
         editor.replace(owner, owner.with_changes(test=joined))
-        if test.startswith("dist."):
-            self.add_import("torch.distributed", asname="dist")
+        self._import_for(test)
+        files = any(site.file_write for site in run)
         self.change(
             owner,
-            f"print/log on rank 0 only (`if {code(cond)} and {test}:`)",
-            "every rank runs the script; unguarded output repeats world_size times",
+            f"print/log{' and file writes' if files else ''} on rank 0 only (`if {code(cond)} and {test}:`)",
+            "every rank runs the script; unguarded output repeats world_size times"
+            + (" (each rank writing the same file)" if files else ""),
         )
         return True
 
@@ -337,13 +384,20 @@ class GateRankZeroCommand(RetrofitStage):
             self.change(bar, f"progress bar shown on rank 0 only (`disable={negated}`)", "one bar, not world_size bars")
 
 
+# rank 0 where the process group may not exist yet: torchrun's RANK (a plain run: none, rank 0)
+_ENV_RANK_ZERO = 'os.environ.get("RANK", "0") == "0"'
+
 # what makes a tqdm progress bar (tqdm.tqdm, tqdm.auto.tqdm, tqdm.trange, tqdm.contrib.tenumerate ...): these take
 # `disable=`; tqdm's other functions do not (`tqdm.write(s)`, a log line, raises TypeError with it)
 TQDM_BARS = frozenset({"tqdm", "trange", "tqdm_notebook", "tnrange", "tenumerate", "tzip", "tmap"})
 
 # calls a log line may make besides the one it hands to a local: reads without effects
 _PURE_CALLS = frozenset({"len", "float", "int", "round", "str", "abs", "min", "max", "repr", "format"})
-_PURE_METHODS = frozenset({"item", "format", "tolist", "numpy", "detach", "cpu", "mean", "sum"})
+_PURE_METHODS = frozenset({"item", "format", "tolist", "numpy", "detach", "cpu", "mean", "sum",
+                           # what an image write does to a generated batch: `save_image(G(z).mul(0.5).add(0.5)
+                           # .view(-1, 1, 28, 28), p)`: local to the tensor the hoisted forward returns
+                           "view", "reshape", "permute", "transpose", "squeeze", "unsqueeze", "flatten",
+                           "contiguous", "clamp", "clamp_", "mul", "add", "sub", "div", "float", "clone"})
 # what a call inside must not sit in: taking it out would run it when it did not run, or once for many
 _CONDITIONAL = (cst.Lambda, cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp, cst.IfExp,
                 cst.BooleanOperation)

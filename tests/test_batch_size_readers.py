@@ -152,3 +152,81 @@ def test_a_tensor_sized_outside_the_loop_alone_keeps_the_division_in_the_call():
     text = _rewrite(source).code.decode()
     assert "batch_size=batch_size // world_size, sampler=sampler" in text
     assert "sample = torch.randn(batch_size, 4)" in text
+
+
+# --- issue 44 class 2: the shapes the rebinding missed -----------------------------------------
+
+
+def test_legacy_constructors_and_arange_size_batch_tensors():
+    in_loop = ("    a = torch.FloatTensor(batch_size, 1)\n    b = torch.cuda.LongTensor(batch_size)\n"
+               "    c = torch.arange(batch_size)\n    d = torch.arange(end=batch_size)\n"
+               "    e = torch.Tensor([batch_size])\n    f = torch.arange(0, batch_size, 2)\n")
+    readers = _readers(MODULE_LEVEL.replace("    opt.step()\n", "    opt.step()\n" + in_loop))
+    assert len(readers.shape) == 6  # reshape, ones, FloatTensor, LongTensor, arange(n), arange(end=n)
+    assert [what for _, what in readers.other] == [
+        "`e = torch.Tensor([batch_size])`",  # a list: data, not a size
+        "an argument of `torch.arange(...)`",  # a range with a start and a step: not n elements
+    ]
+
+
+def test_a_buffer_preallocated_outside_the_loop_and_filled_in_it_is_a_batch_tensor():
+    source = MODULE_LEVEL.replace("for x in loader:\n", "label = torch.FloatTensor(batch_size, 1)\n"
+                                  "idx = torch.arange(batch_size).to('cpu')\nfor x in loader:\n    label.fill_(1)\n"
+                                  "    x = x[idx]\n")
+    readers = _readers(source)
+    assert len(readers.shape) == 4 and not readers.other and readers.problem is None
+    result = _rewrite(source)
+    assert not result.refusals, result.refusals
+    text = result.code.decode()
+    assert text.index("batch_size = batch_size // world_size") < text.index("label = torch.FloatTensor(batch_size, 1)")
+
+
+def test_a_random_draw_sized_outside_the_loop_stays_refused():
+    """Drawn once at the per-rank size, it would take less of the random stream than the single
+    run: every later draw would differ. Read in the loop or not, it stays an `other` read."""
+    source = MODULE_LEVEL.replace("for x in loader:\n", "noise = torch.randn(batch_size, 4)\nfor x in loader:\n"
+                                  "    x = x + noise\n")
+    result = _rewrite(source)
+    assert [(r.code, r.line) for r in result.refusals] == [("FSR903", _line_of(source, "noise = "))]
+
+
+def test_a_buffer_above_the_loader_moves_the_rebinding_up_to_it():
+    source = HEAD + '''
+def main(args):
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    target = torch.ones(args.bs, 1)
+    loader = DataLoader(data, batch_size=args.bs, shuffle=True)
+    for x in loader:
+        nn.functional.mse_loss(model(x.reshape(args.bs, -1)), target).backward()
+        opt.step()
+'''
+    result = _rewrite(source)
+    assert not result.refusals, result.refusals
+    text = result.code.decode()
+    rebind = ('    assert args.bs % world_size == 0, "the batch size must divide by the number of ranks"\n'
+              "    args.bs = args.bs // world_size  # per rank from here on\n    target = torch.ones(args.bs, 1)\n")
+    assert rebind in text, text
+    assert text.count("args.bs // world_size") == 1 and text.count("args.bs % world_size") == 1
+    assert "loader = DataLoader(data, batch_size=args.bs, sampler=sampler)" in text
+    assert any("before its first batch tensor" in c.what for c in result.changes)
+
+
+def test_a_buffer_above_the_loader_in_an_if_moves_the_rebinding_above_the_if():
+    source = HEAD + '''
+def main(args):
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if args.smooth:
+        target = torch.full((args.bs, 1), 0.9)
+    else:
+        target = torch.ones(args.bs, 1)
+    loader = DataLoader(data, batch_size=args.bs, shuffle=True)
+    for x in loader:
+        nn.functional.mse_loss(model(x), target).backward()
+        opt.step()
+'''
+    result = _rewrite(source)
+    assert not result.refusals, result.refusals  # the `if` statement is in the loader's block: rebound above it
+    text = result.code.decode()
+    assert text.index("args.bs = args.bs // world_size") < text.index("if args.smooth:")

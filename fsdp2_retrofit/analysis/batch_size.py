@@ -14,7 +14,9 @@ from typing import List, Optional, Sequence, Tuple
 import libcst as cst
 
 from fsdp2_retrofit.syntax.names import Resolver, attr_path, code, names_in, parameter_names
-from fsdp2_retrofit.syntax.torch_api import BATCH_SHAPE_FACTORIES, BATCH_SHAPE_METHODS, TENSOR_FACTORIES
+from fsdp2_retrofit.syntax.torch_api import (
+    BATCH_SHAPE_FACTORIES, BATCH_SHAPE_METHODS, LEGACY_TENSORS, RANDOM_FACTORIES, TENSOR_FACTORIES,
+)
 
 
 @dataclass
@@ -33,14 +35,20 @@ class BatchSizeReaders:
     printed: List[cst.CSTNode] = field(default_factory=list)
     other: List[Tuple[cst.CSTNode, str]] = field(default_factory=list)
     problem: Optional[Tuple[cst.CSTNode, str]] = None
+    # the statement of the loader's block to rebind the name before, where a read sizes a batch tensor
+    # above the loader (a label tensor preallocated before the DataLoader); None: just before the loader
+    rebind_at: Optional[cst.CSTNode] = None
 
 
 def batch_size_readers(resolver: Resolver, loader_stmt: cst.CSTNode, size: cst.BaseExpression,
                        loops: Sequence[cst.CSTNode]) -> Optional[BatchSizeReaders]:
     """The other reads of `size` (the loader's batch_size argument) when it is a plain
     name or attribute path (`batch_size`, `args.batch_size`); None for anything else.
-    `loops`: the training loops; a tensor sized outside them (samples drawn for a picture
-    at the end of an epoch) is not known to be part of a step, so it counts as `other`."""
+    `loops`: the training loops; a tensor sized outside them counts as `shape` where it is not
+    drawn at random and the name it is bound to is read in one of them (`label =
+    torch.FloatTensor(opt.batchSize, 1)` before the loop, filled in each step); otherwise
+    (samples drawn for a picture at the end of an epoch) it is not known to be part of a step,
+    so it counts as `other`."""
     path = attr_path(size)
     if path is None:
         return None
@@ -57,7 +65,7 @@ def batch_size_readers(resolver: Resolver, loader_stmt: cst.CSTNode, size: cst.B
                  if a is not size and attr_path(a) == path and not is_target(resolver, a)]
     for read in reads:
         if _sizes_a_batch_tensor(resolver, read):
-            if any(loop in set(resolver.ancestors(read)) for loop in loops):
+            if any(loop in set(resolver.ancestors(read)) for loop in loops) or _step_buffer(resolver, read, loops):
                 out.shape.append(read)
             else:
                 out.other.append((read, "a tensor sized outside the training loop"))
@@ -87,10 +95,17 @@ def _why_not_rebound(resolver, key, path, loader_stmt, scope, home, bindings, ou
         if isinstance(anc, (cst.For, cst.While)):
             return (anc, f"the DataLoader is built inside a loop: `{key}` would be divided again on every pass")
     start = resolver.order(loader_stmt)
-    for read in out.shape:
+    block = resolver.block_of(loader_stmt)
+    for read in sorted(out.shape, key=resolver.order):
         if resolver.enclosing_function(read) is scope and resolver.order(read) < start:
-            return (read, f"`{key}` sizes a batch tensor before the DataLoader is built: that read would keep "
-                          "the global size")
+            anchor = next((a for a in resolver.ancestors(read) if resolver.block_of(a) is block
+                           and isinstance(a, cst.BaseStatement)), None)
+            if anchor is None or any(resolver.order(b) > resolver.order(anchor) for b in bindings):
+                return (read, f"`{key}` sizes a batch tensor before the DataLoader is built, "
+                              + ("outside the block that builds it" if anchor is None else "above its binding")
+                              + ": that read would keep the global size")
+            out.rebind_at = anchor  # the name is per-rank from the first batch tensor it sizes
+            break
     if out.other:
         node, what = out.other[0]
         return (node, f"`{key}` is also read here ({what}): the rewrite cannot tell whether this read wants the "
@@ -192,18 +207,46 @@ def _sizes_a_batch_tensor(resolver: Resolver, node: cst.CSTNode) -> bool:
             continue
         if isinstance(anc, cst.Arg) and anc.value is child:
             call = resolver.parent(anc)
-            if not isinstance(call, cst.Call) or (anc.keyword is not None and anc.keyword.value != "size"):
+            if not isinstance(call, cst.Call) or (anc.keyword is not None and anc.keyword.value not in ("size", "end")):
+                return False
+            if anc.keyword is not None and anc.keyword.value == "end" and not resolver.is_call_to(call, {"torch.arange"}):
                 return False
             if resolver.is_call_to(call, BATCH_SHAPE_FACTORIES):
                 # randint(low, high, size) and full(size, value): only a size tuple holds dimensions
                 varargs = not resolver.qnames(call) & {"torch.randint", "torch.full"}
                 return varargs or child is not node or anc.keyword is not None
+            if resolver.is_call_to(call, LEGACY_TENSORS):  # FloatTensor(n, 1): sizes; FloatTensor([n]): data
+                return child is node and anc.keyword is None
+            if resolver.is_call_to(call, {"torch.arange"}):  # arange(n) or arange(end=n): n elements
+                positional = [a for a in call.args if a.keyword is None]
+                return (anc.keyword is not None and anc.keyword.value == "end" and not positional) or (
+                    anc.keyword is None and len(positional) == 1 and child is node)
             func = call.func
             return isinstance(func, cst.Attribute) and func.attr.value in BATCH_SHAPE_METHODS and not (
                 resolver.qnames(func) & BATCH_SHAPE_FACTORIES
             )
         return False
     return False
+
+
+def _step_buffer(resolver: Resolver, node: cst.CSTNode, loops: Sequence[cst.CSTNode]) -> bool:
+    """`node` sizes a tensor that is not drawn at random, bound to a name (`label = torch.ones(n, 1)`,
+    `idx = torch.arange(n)`) that a training loop of the same function reads: a buffer of one batch."""
+    call = next((a for a in resolver.ancestors(node) if isinstance(a, cst.Call)), None)
+    if call is None or resolver.is_call_to(call, RANDOM_FACTORIES):
+        return False
+    value = call
+    while isinstance(resolver.parent(value), (cst.Attribute, cst.Call)) and getattr(
+            resolver.parent(value), "value" if isinstance(resolver.parent(value), cst.Attribute) else "func") is value:
+        value = resolver.parent(value)  # torch.ones(n, 1).to(device)
+    stmt = resolver.parent(value)
+    if not isinstance(stmt, cst.Assign) or len(stmt.targets) != 1 or not isinstance(stmt.targets[0].target, cst.Name):
+        return False
+    name = stmt.targets[0].target.value
+    function = resolver.enclosing_function(stmt)
+    return any(n.value == name and not is_target(resolver, n) and resolver.enclosing_function(n) is function
+               for loop in loops if resolver.enclosing_function(loop) is function
+               for n in resolver.descendants(loop, cst.Name))
 
 
 def _printed(resolver: Resolver, node: cst.CSTNode) -> bool:

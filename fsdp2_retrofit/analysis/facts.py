@@ -63,6 +63,9 @@ class ScriptFacts:
     # models no optimizer trains that the script freezes (requires_grad_(False), a loop setting
     # requires_grad = False, eval()): a distillation teacher
     frozen_models: List[ModelSite] = field(default_factory=list)
+    # (construction, node, why) of the writer objects (csv, SummaryWriter, a kept-open handle) that
+    # write one path on every rank and cannot go to rank 0 whole (analysis/logs.py)
+    unsafe_writers: List[tuple] = field(default_factory=list)
     # (name, statement) of every `name = SomeModule(...)` outside classes, trained or not
     module_builds: List[tuple] = field(default_factory=list)
     # `ema = copy.deepcopy(model)` statements made in the model's block before it is sharded
@@ -198,6 +201,7 @@ class _Analyser(ModelAnalysis, OptimizerAnalysis, DataAnalysis, LogAnalysis, Lau
                 and c.args[0].value.value in trained_names.get(self.r.enclosing_function(c), set())
             ],
             trainer_classes=self._trainer_classes(calls, model_names, bindings),
+            unsafe_writers=getattr(self, "unsafe_writers", []),
             frozen_models=frozen,
             module_builds=[(b[0], b[1]) for b in bindings],
             copies=copies,

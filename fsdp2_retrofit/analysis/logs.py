@@ -7,13 +7,22 @@ A plain-file write is a statement that only writes a file the script opens for w
 `f` (`f.write`, `print(..., file=f)`, `json.dump(x, f)`). It is not one when its
 path mentions a rank (each rank its own file) or when the script reads a file at a path
 written the same way (`np.load(p)`, `open(p)`): gated on rank 0, the other ranks could
-read it before it exists."""
+read it before it exists.
+
+A figure or image file (`plt.savefig(p)`, `fig.savefig(p)`, `torchvision.utils.save_image(t, p)`)
+is a plain-file write too. So is a writer object and every use of it (`writer` in `writer`
+groups): `w = SummaryWriter(d)` (tensorboard), `f = open(p, "w")` kept open, `w = csv.writer(f)`
+(or DictWriter) of such a handle or of an `open(...)`, each bound once and used only by
+statements that call a method of it (`w.writerow(row)`, `w.add_scalar(...)`, `f.close()`) or
+make a csv writer of it: the construction and the uses go to rank 0 together. A writer used
+otherwise (handed to a function, stored, returned) is left on every rank, with the reason
+(`unsafe_writers`)."""
 from __future__ import annotations
 
 import builtins
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import libcst as cst
 
@@ -21,6 +30,7 @@ from .site_analysis import Scope, SiteAnalysis
 from fsdp2_retrofit.syntax.memo import per_node
 from fsdp2_retrofit.syntax.names import Resolver, code, root_name
 from fsdp2_retrofit.syntax.rank import mentions_rank
+from fsdp2_retrofit.syntax.torch_api import SUMMARY_WRITERS
 
 
 LOG_CALLS = {"print"}
@@ -30,6 +40,10 @@ PATH_SAVES = {"numpy.save", "numpy.savetxt", "numpy.savez", "numpy.savez_compres
 OBJECT_DUMPS = {"json.dump", "pickle.dump"}  # (value, file object)
 PATH_LOADS = {"numpy.load", "numpy.loadtxt"}
 HANDLE_WRITES = {"write", "writelines", "flush"}
+CSV_METHODS = {"writerow", "writerows", "writeheader"}
+# figures and image files: (qualified name, index of the path among the positional arguments, its keyword)
+FIGURE_SAVES = {"matplotlib.pyplot.savefig": (0, "fname"), "torchvision.utils.save_image": (1, "fp")}
+CSV_WRITERS = {"csv.writer", "csv.DictWriter"}
 LOGGER_METHODS = {"debug", "info", "warning", "warn", "error", "critical", "exception", "log"}
 
 
@@ -39,6 +53,7 @@ class LogSite:
     scope: Scope
     gated: bool
     file_write: bool = False
+    writer: Optional[str] = None  # a writer object's group (its first binding's `name:line`): gated all or none
 
 
 class LogAnalysis(SiteAnalysis):
@@ -47,6 +62,7 @@ class LogAnalysis(SiteAnalysis):
     def _logs(self, stmts, rank_name) -> List[LogSite]:
         out = []
         read_paths = self._read_paths()
+        groups, self.unsafe_writers = self._writers(read_paths)
         withs = [w for w in self.r.nodes(cst.With) if self._writing_with(w, read_paths)]
         stmts = sorted(list(stmts) + withs, key=self.r.order)
         inside = {id(s) for w in withs for s in w.body.body}
@@ -54,7 +70,10 @@ class LogAnalysis(SiteAnalysis):
             if id(stmt) in inside:
                 continue  # a print to the file of a gated `with open(...)`: gated with it
             writes = type(stmt) is cst.With
-            if not writes:
+            group = groups.get(id(stmt))
+            if group is not None:
+                writes = True
+            elif not writes:
                 if not all(type(s) is cst.Expr and (self._is_log_call(s.value) or self._calls_log_only(s.value))
                            for s in stmt.body):
                     if not all(type(s) is cst.Expr and (self._is_log_call(s.value) or
@@ -71,6 +90,7 @@ class LogAnalysis(SiteAnalysis):
                     scope=self.r.enclosing_function(stmt) or self.module,
                     gated=self._is_rank_gated(stmt),
                     file_write=writes,
+                    writer=group,
                 )
             )
         return out
@@ -124,40 +144,205 @@ class LogAnalysis(SiteAnalysis):
                 and not mentions_rank(node.args[0].value) and code(node.args[0].value) not in read_paths)
 
     def _writes_file(self, node, read_paths) -> bool:
-        """`open(p, "w").write(...)`, `json.dump(x, open(p, "w"))`, `np.save(p, a)`."""
+        """`open(p, "w").write(...)`, `json.dump(x, open(p, "w"))`, `np.save(p, a)`,
+        `csv.writer(open(p, "w")).writerow(row)`, a figure or image file (`_figure_path`)."""
         if type(node) is not cst.Call:
             return False
         f = node.func
         if type(f) is cst.Attribute and f.attr.value in HANDLE_WRITES:
             return self._opened_for_writing(f.value, read_paths)
+        if type(f) is cst.Attribute and f.attr.value in CSV_METHODS:  # csv.writer(open(p, "w")).writerow(row)
+            return self.r.is_call_to(f.value, CSV_WRITERS) and bool(f.value.args) and \
+                self._opened_for_writing(f.value.args[0].value, read_paths)
         if self.r.is_call_to(node, OBJECT_DUMPS):
             return len(node.args) >= 2 and self._opened_for_writing(node.args[1].value, read_paths)
         if self.r.is_call_to(node, PATH_SAVES) and node.args and node.args[0].keyword is None:
             path = node.args[0].value
             return not mentions_rank(path) and code(path) not in read_paths
-        return False
+        path = self._figure_path(node)
+        return path is not None and not mentions_rank(path) and code(path) not in read_paths
+
+    def _figure_path(self, call: cst.Call) -> Optional[cst.BaseExpression]:
+        """The path of `plt.savefig(p)`, `fig.savefig(p)` (any object's savefig: a Figure),
+        `torchvision.utils.save_image(t, p)`; None for other calls."""
+        spec = next((FIGURE_SAVES[q] for q in self.r.qnames(call) if q in FIGURE_SAVES), None)
+        if spec is None and type(call.func) is cst.Attribute and call.func.attr.value == "savefig":
+            spec = FIGURE_SAVES["matplotlib.pyplot.savefig"]
+        if spec is None:
+            return None
+        index, keyword = spec
+        for arg in call.args:
+            if arg.keyword is not None and arg.keyword.value == keyword:
+                return arg.value
+        positional = [a for a in call.args if a.keyword is None and not a.star]
+        return positional[index].value if len(positional) > index else None
+
+    def _writers(self, read_paths) -> Tuple[Dict[int, str], List[tuple]]:
+        """({id(statement): its writer group} for the writer objects whose construction and every
+        use can go to rank 0 together; [(construction, node, why)] for those that cannot (see the
+        module's doc)).
+
+        A group is a handle and the csv writers made of it (or a SummaryWriter, or a csv writer of
+        an `open(...)`), each name bound once in the module by a one-target assignment."""
+        makers = {}  # name -> (its assignment's statement, the name of the writer it is made of or None)
+        unsafe = self._unfollowed_writers(read_paths)
+        for line in self.r.nodes(cst.SimpleStatementLine):
+            if len(line.body) != 1 or type(line.body[0]) is not cst.Assign or len(line.body[0].targets) != 1:
+                continue
+            target, value = line.body[0].targets[0].target, line.body[0].value
+            if type(target) is not cst.Name or type(value) is not cst.Call:
+                continue
+            if self.r.is_call_to(value, SUMMARY_WRITERS) or self._opened_for_writing(value, read_paths):
+                makers[target.value] = (line, None)
+            elif self.r.is_call_to(value, CSV_WRITERS) and value.args:
+                first = value.args[0].value
+                if self._opened_for_writing(first, read_paths):
+                    makers[target.value] = (line, None)
+                elif type(first) is cst.Name:
+                    makers[target.value] = (line, first.value)
+        if not makers:
+            return {}, unsafe
+        bound: Dict[str, int] = {}
+        for kind in (cst.AssignTarget, cst.AugAssign, cst.AnnAssign, cst.For, cst.AsName, cst.Param):
+            for node in self.r.nodes(kind):
+                target = node.name if kind in (cst.AsName, cst.Param) else node.target
+                for n in self.r.descendants(target, cst.Name) if type(target) is not cst.Name else [target]:
+                    if n.value in makers:
+                        bound[n.value] = bound.get(n.value, 0) + 1
+        root = {}
+        for name, (line, source) in makers.items():
+            seen = {name}
+            while source is not None and source in makers and source not in seen:
+                seen.add(source)
+                source = makers[source][1]
+            root[name] = source if source is not None else name
+        uses: Dict[str, list] = {}
+        for node in self.r.nodes(cst.Name):
+            if node.value not in makers:
+                continue
+            parent = self.r.parent(node)
+            if (type(parent) is cst.Attribute and parent.attr is node) or (type(parent) is cst.Arg and
+                                                                          parent.keyword is node):
+                continue
+            uses.setdefault(node.value, []).append(node)
+        groups: Dict[str, list] = {}
+        problems: Dict[str, Tuple[cst.CSTNode, str]] = {}
+        for name, (line, source) in makers.items():
+            key = root[name]
+            if key not in makers:  # csv.writer(f) of an `f` that is no handle of ours
+                continue
+            group = groups.setdefault(key, [])
+            group.append(line)
+            if bound.get(name, 0) != 1:
+                problems.setdefault(key, (line, f"`{name}` is bound {bound.get(name, 0)} times: the rewrite "
+                                                 "cannot tell which writer each use writes to"))
+            for node in uses.get(name, []):
+                stmt = self.r.statement_of(node)
+                if stmt is line:
+                    continue
+                if self._writer_use(stmt, node, makers):
+                    group.append(stmt)
+                else:
+                    problems.setdefault(key, (node, f"`{name}` is used here otherwise than by a call of one of "
+                                                    f"its methods (`{code(stmt).strip().splitlines()[0]}`)"))
+        out: Dict[int, str] = {}
+        for key, stmts in groups.items():
+            first = makers[key][0]
+            if key in problems:
+                node, why = problems[key]
+                unsafe.append((first, node, why))
+                continue
+            label = f"{key}:{self.r.line(first)}"
+            for stmt in stmts:
+                out[id(stmt)] = label
+        return out, unsafe
+
+    def _unfollowed_writers(self, read_paths) -> List[tuple]:
+        """[(statement, node, why)] for the writers made where `_writers` does not follow them, outside
+        a rank test and outside module classes: one bound to an attribute (`self.w = SummaryWriter(d)`),
+        a `with open(p, "w") as f:` around more than writes to `f` (the training itself)."""
+        out = []
+        for assign in self.r.nodes(cst.Assign):
+            value = assign.value
+            if not any(type(t.target) is not cst.Name for t in assign.targets) or type(value) is not cst.Call:
+                continue
+            if self.r.is_call_to(value, SUMMARY_WRITERS) or self._opened_for_writing(value, read_paths) or (
+                    self.r.is_call_to(value, CSV_WRITERS) and value.args
+                    and self._opened_for_writing(value.args[0].value, read_paths)):
+                stmt = self.r.statement_of(assign)
+                if self._reportable(stmt):
+                    out.append((stmt, assign, f"it is bound to `{code(assign.targets[0].target)}`, and the rewrite "
+                                              "follows the uses of a writer bound to a plain name only"))
+        for stmt in self.r.nodes(cst.With):
+            if self._writing_with(stmt, read_paths) or not self._reportable(stmt):
+                continue
+            item = next((i for i in stmt.items if self._opened_for_writing(i.item, read_paths)), None)
+            if item is not None:
+                out.append((stmt, stmt, "the file is opened around more than writes to it (a `with` block whose "
+                                        "body also computes), so the block cannot go to rank 0 whole"))
+        return out
+
+    def _reportable(self, stmt) -> bool:
+        cls = self.r.enclosing_class(stmt)
+        if cls is not None and (self.classes.is_module_class(cls.name.value) or self.r.enclosing_function(stmt) is None):
+            return False
+        return not self._is_rank_gated(stmt)
+
+    def _writer_use(self, stmt, node: cst.Name, makers) -> bool:
+        """`stmt` only calls a method of the writer `node` names (`w.writerow(row)`), or makes a csv
+        writer of it (an assignment of `makers`)."""
+        if type(stmt) is not cst.SimpleStatementLine or len(stmt.body) != 1:
+            return False
+        small = stmt.body[0]
+        if type(small) is cst.Assign and len(small.targets) == 1 and type(small.targets[0].target) is cst.Name \
+                and small.targets[0].target.value in makers and makers[small.targets[0].target.value][1] == node.value:
+            return small.value.args[0].value is node
+        if type(small) is not cst.Expr or type(small.value) is not cst.Call:
+            return False
+        func = small.value.func
+        return type(func) is cst.Attribute and func.value is node and not any(
+            n is node for a in small.value.args for n in self.r.descendants(a, cst.Name))
 
     def _writing_with(self, stmt: cst.With, read_paths) -> bool:
-        """`with open(p, "a") as f:` whose body only writes to `f`."""
+        """`with open(p, "a") as f:` whose body only writes to `f` (or to a csv writer of it:
+        `w = csv.writer(f)`, `w.writerow(row)`, `csv.writer(f).writerow(row)`)."""
         if len(stmt.items) != 1 or stmt.asynchronous is not None:
             return False
         item = stmt.items[0]
         if not self._opened_for_writing(item.item, read_paths) or item.asname is None \
                 or type(item.asname.name) is not cst.Name or type(stmt.body) is not cst.IndentedBlock:
             return False
-        handle = item.asname.name.value
+        handles = {item.asname.name.value}
         for line in stmt.body.body:
             if type(line) is not cst.SimpleStatementLine:
                 return False
             for small in line.body:
-                if type(small) is not cst.Expr or not self._writes_to(small.value, handle):
+                made = self._csv_writer_of(small, handles)
+                if made is not None:
+                    handles.add(made)
+                elif type(small) is not cst.Expr or not any(self._writes_to(small.value, h) for h in handles):
                     return False
         return True
+
+    def _csv_writer_of(self, small, handles) -> Optional[str]:
+        """`w = csv.writer(f)` (DictWriter) of one of `handles`: the name it binds."""
+        if type(small) is not cst.Assign or len(small.targets) != 1 or type(small.targets[0].target) is not cst.Name:
+            return None
+        value = small.value
+        if self.r.is_call_to(value, CSV_WRITERS) and value.args and type(value.args[0].value) is cst.Name \
+                and value.args[0].value.value in handles:
+            return small.targets[0].target.value
+        return None
 
     def _writes_to(self, node, handle: str) -> bool:
         if type(node) is not cst.Call:
             return False
         f = node.func
+        if type(f) is cst.Attribute and f.attr.value in CSV_METHODS:
+            if self.r.is_call_to(f.value, CSV_WRITERS) and f.value.args:  # csv.writer(f).writerow(row)
+                target = f.value.args[0].value
+                return type(target) is cst.Name and target.value == handle
+            return type(f.value) is cst.Name and f.value.value == handle
         if type(f) is cst.Attribute and f.attr.value in HANDLE_WRITES:
             return type(f.value) is cst.Name and f.value.value == handle
         if self.r.is_call_to(node, OBJECT_DUMPS) or self.r.is_call_to(node, PATH_SAVES):

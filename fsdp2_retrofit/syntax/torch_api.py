@@ -215,6 +215,19 @@ BATCH_SHAPE_FACTORIES = frozenset(
     "torch." + name for name in ("zeros", "ones", "randn", "rand", "randint", "full", "empty")
 )
 BATCH_SHAPE_METHODS = frozenset({"reshape", "view", "expand", "new_zeros", "new_ones", "new_empty", "new_full"})
+# the legacy constructors: `torch.FloatTensor(n, 1)` preallocates an n x 1 tensor (its int arguments are
+# sizes; a list argument is data)
+LEGACY_TENSORS = frozenset(
+    prefix + name for prefix in ("torch.", "torch.cuda.") for name in (
+        "Tensor", "FloatTensor", "DoubleTensor", "HalfTensor", "LongTensor", "IntTensor", "ByteTensor", "BoolTensor",
+    )
+)
+# tensorboard's writers: each makes an event file in its folder and writes to it (analysis/logs.py)
+SUMMARY_WRITERS = frozenset({"torch.utils.tensorboard.SummaryWriter", "torch.utils.tensorboard.writer.SummaryWriter",
+                             "tensorboardX.SummaryWriter"})
+# factories whose values are drawn from the generator: sized by the batch outside the step, they change how
+# much of the random stream the run takes before its steps
+RANDOM_FACTORIES = frozenset({"torch.randn", "torch.rand", "torch.randint"})
 
 # gradients with a graph of their own (create_graph=True): a double backward
 AUTOGRAD_GRAD = frozenset({"torch.autograd.grad"})

@@ -24,12 +24,22 @@ LIBRARY_DATASETS = ("torchvision.datasets.", "torchaudio.datasets.", "torchtext.
 @dataclass
 class DownloadSite:
     call: cst.Call  # `datasets.MNIST(root, download=True)`
-    stmt: cst.CSTNode  # the statement that runs it
+    stmt: cst.CSTNode  # the statement that runs it: the call's own, or that of `via`
     dataset: str  # the class, as the message names it
+    # the call that runs the download from outside the function holding it (`Pairs(root)` of a
+    # Dataset whose `__init__` builds `MNIST(root, download=True)`, `get_data(args)` of a helper
+    # function): the barriers go around its statement
+    via: Optional[cst.Call] = None
+    # the function around the download whose callers are not known (the barriers cannot follow it)
+    unplaced: Optional[cst.FunctionDef] = None
+
+
+_MAX_CALLERS = 4  # functions followed outward from a download: `__init__` <- helper <- main
 
 
 def download_sites(facts) -> List[DownloadSite]:
-    """Every dataset construction that may download, in source order."""
+    """Every dataset construction that may download, in source order; one inside a Dataset's
+    `__init__` or a function of the script is placed at each call that runs it (callers_of)."""
     r = facts.resolver
     out: List[DownloadSite] = []
     for call in r.nodes(cst.Call):
@@ -41,8 +51,40 @@ def download_sites(facts) -> List[DownloadSite]:
             continue
         stmt = r.statement_of(call)
         if stmt is not None:
-            out.append(DownloadSite(call, stmt, dataset))
+            out += [DownloadSite(call, at, dataset, via, unplaced) for at, via, unplaced in _placements(stmt, facts)]
     return out
+
+
+def _placements(stmt, facts, depth: int = _MAX_CALLERS, seen=()) -> List[tuple]:
+    """(statement, call, unplaced) for each place a download statement runs from: itself in the entry
+    code (module level, the entry function, or a function that is no Dataset `__init__` or
+    top-level function of the script), else the statements of the calls that run its function
+    (`Pairs(...)` for `Pairs.__init__`, `get_data(...)` for a top-level `def get_data`), followed
+    outward. A function whose callers are not known stays where it is, with `unplaced` set."""
+    r = facts.resolver
+    fn = r.enclosing_function(stmt)
+    if fn is None or fn is facts.entry_scope or not _followed(fn, facts) or depth == 0:
+        return [(stmt, None, None)]
+    calls = [c for c, _ in facts.analysis.flow.bound_calls(fn) if r.enclosing_function(c) not in (fn, *seen)]
+    if not calls:
+        return [(stmt, None, fn)]
+    out = []
+    for call in calls:
+        outer = r.statement_of(call)
+        for at, via, unplaced in (_placements(outer, facts, depth - 1, (*seen, fn)) if outer is not None else []):
+            out.append((at, via or call, unplaced))
+    return out
+
+
+def _followed(fn: cst.FunctionDef, facts) -> bool:
+    """A Dataset class's `__init__`, or a top-level function of the script: its calls are where a
+    download it runs can be put behind a barrier."""
+    r = facts.resolver
+    cls = r.enclosing_class(fn)
+    if cls is not None:
+        return (fn.name.value == "__init__" and cls in facts.module.body
+                and _project_dataset(cls.name.value, facts.classes, 4))
+    return any(fn is top for top in facts.module.body)
 
 
 def _literally_false(value, facts) -> bool:

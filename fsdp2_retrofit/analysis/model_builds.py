@@ -60,16 +60,22 @@ class BuildClasses:
                     out.append((name, stmt, passed))
         return out
 
-    def chosen_classes(self, expr: cst.BaseExpression) -> List[str]:
+    def chosen_classes(self, expr: cst.BaseExpression, before: Optional[cst.CSTNode] = None) -> List[str]:
         """The module classes of the script or its sibling modules that `expr` may hold, followed by
         value (flow.py): both sides of `RNNModel(...) if lstm else BagModel(...)`, every return of a
         function of the script building one of several (`def build(args): if ...: return A(...)` /
         `return B(...)`), a name bound in each branch of an if/else, a table's entries; in source
         order. [] unless every origin builds such a class (a library model, a value not seen into).
         The one question `rewrite` (ModelAnalysis._alternatives) and `check` (FSD122) ask of a model
-        whose class is chosen at run time."""
+        whose class is chosen at run time. `before`: a statement of the function that reads the value
+        (`fully_shard(model)`); builds after it in that function are not what it reads (the flow is
+        flow-insensitive: `model = A(); fully_shard(model); model = B()`)."""
         out: List[str] = []
         origins = sorted(self.site.flow.values(expr), key=lambda o: self.r.order(o) if isinstance(o, cst.CSTNode) else -1)
+        if before is not None:
+            scope = self.r.enclosing_function(before)
+            origins = [o for o in origins if not isinstance(o, cst.CSTNode) or self.r.enclosing_function(o) is not scope
+                       or self.r.order(o) < self.r.order(before)]
         for origin in origins:
             call = innermost_call(origin) if isinstance(origin, cst.CSTNode) else None
             if call is None:

@@ -108,7 +108,7 @@ class LintContext:
         registry = self.classes()
         handed = [a.value for a in site.call.args if a.keyword is None][:1]
         if "." not in site.root and handed and type(handed[0]) in (cst.Name, cst.Call):
-            chosen = [registry.get(c) for c in BuildClasses(self.analysis).chosen_classes(handed[0])]
+            chosen = [registry.get(c) for c in BuildClasses(self.analysis).chosen_classes(handed[0], site.call)]
             if len(chosen) > 1 and all(chosen):
                 return chosen
         return [info for info in [self.root_class(site)] if info is not None]

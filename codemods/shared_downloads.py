@@ -37,9 +37,10 @@ class DownloadOnRankZeroCommand(RetrofitStage):
 
     @classmethod
     def may_edit(cls, earlier: ScriptFacts) -> bool:
-        """Only a call the user wrote with `download=` can download (no stage writes one)."""
+        """Only a call the user wrote with `download=` can download (no stage writes one), here or in
+        the `__init__` of a sibling module's Dataset this file builds."""
         return any(a.keyword is not None and a.keyword.value == "download"
-                   for call in earlier.resolver.nodes(cst.Call) for a in call.args)
+                   for call in earlier.resolver.nodes(cst.Call) for a in call.args) or bool(download_sites(earlier))
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         if facts.distributed_init is None:

@@ -127,3 +127,22 @@ def test_a_download_in_a_function_nothing_here_calls_is_refused_with_that_reason
     result = _rewrite("pass\n", top=top)
     assert [r.code for r in result.refusals] == ["FSR637"]
     assert "in `fetch_split`, whose callers are not known" in result.refusals[0].what
+
+
+def test_a_dataset_of_a_sibling_module_whose_init_downloads_is_built_behind_the_barriers(tmp_path):
+    """download_in_dataset_init written as a project: Windows in corpus_data.py, main in train.py."""
+    from pathlib import Path
+
+    case = Path(__file__).resolve().parents[1] / "fixtures" / "rewrite" / "download_in_dataset_init"
+    src = (case / "input.py").read_text()
+    start, end = src.index("class Windows"), src.index("class Predictor")
+    (tmp_path / "letters.py").write_text((case / "letters.py").read_text())
+    (tmp_path / "corpus_data.py").write_text(
+        "from torch.utils.data import Dataset\n\nfrom letters import Letters\n\n\n" + src[start:end].rstrip() + "\n")
+    main = (src[:start] + src[end:]).replace("from letters import Letters\n", "from corpus_data import Windows\n")
+    (tmp_path / "train.py").write_text(main)
+    result = rewrite_source(main.encode(), str(tmp_path / "train.py"))
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert PAIR.format(stmts='    train_set = Windows(args.root, "train")\n    val_set = Windows(args.root, "val")\n') in code
+    assert any("`Windows(...)` builds Letters" in c.what for c in result.changes), result.changes

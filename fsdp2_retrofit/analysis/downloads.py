@@ -52,7 +52,40 @@ def download_sites(facts) -> List[DownloadSite]:
         stmt = r.statement_of(call)
         if stmt is not None:
             out += [DownloadSite(call, at, dataset, via, unplaced) for at, via, unplaced in _placements(stmt, facts)]
+    for call in r.nodes(cst.Call):  # `Windows(root)` of a sibling module's Dataset whose __init__ downloads
+        inner = _sibling_init_download(call, facts)
+        stmt = r.statement_of(call) if inner is not None else None
+        if stmt is not None:
+            out += [DownloadSite(call, at, inner, via or call, unplaced)
+                    for at, via, unplaced in _placements(stmt, facts)]
+    out.sort(key=lambda site: r.order(site.stmt))
     return out
+
+
+def _sibling_init_download(call: cst.Call, facts) -> Optional[str]:
+    """The dataset class a call builds, with `download=` anything but a literal False, in the `__init__`
+    of the class `call` builds when that class is a Dataset of a sibling module (`Windows(root)` with
+    `Letters(root, download=True)` in corpus_data.py's `Windows.__init__`); None otherwise. The class's
+    own file is read with its own names (a download it runs is not this file's statement)."""
+    info = next((found for q in sorted(facts.resolver.qnames(call)) for found in [facts.classes.get(q)]
+                 if found is not None), None)
+    if info is None or not info.namespace or info.namer is None or not _project_dataset(info.name, facts.classes, 4):
+        return None
+    init = info.methods.get("__init__")
+    if init is None:
+        return None
+    names = info.namer.resolver
+    for inner in names.descendants(init, cst.Call):
+        download = next((a for a in inner.args if a.keyword is not None and a.keyword.value == "download"), None)
+        if download is None or type(download.value) is cst.Name and download.value.value == "False":
+            continue
+        for name in sorted(names.qnames(inner)):
+            if name.startswith(LIBRARY_DATASETS):
+                return name
+            found = facts.classes.get(name) or facts.classes.get(f"{info.namespace}.{name}")
+            if found is not None and _project_dataset(found.name, facts.classes, 4):
+                return found.name
+    return None
 
 
 def _placements(stmt, facts, depth: int = _MAX_CALLERS, seen=()) -> List[tuple]:

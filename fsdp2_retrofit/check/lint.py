@@ -106,7 +106,8 @@ class LintContext:
         from fsdp2_retrofit.analysis.model_builds import BuildClasses
 
         registry = self.classes()
-        handed = [a.value for a in site.call.args if a.keyword is None][:1]
+        call = site.call if isinstance(site.call, cst.Call) else None  # a site may be an assignment
+        handed = [a.value for a in call.args if a.keyword is None][:1] if call is not None else []
         if "." not in site.root and handed and type(handed[0]) in (cst.Name, cst.Call):
             chosen = [registry.get(c) for c in BuildClasses(self.analysis).chosen_classes(handed[0], site.call)]
             if len(chosen) > 1 and all(chosen):

@@ -146,3 +146,16 @@ def test_a_dataset_of_a_sibling_module_whose_init_downloads_is_built_behind_the_
     code = result.code.decode()
     assert PAIR.format(stmts='    train_set = Windows(args.root, "train")\n    val_set = Windows(args.root, "val")\n') in code
     assert any("`Windows(...)` builds Letters" in c.what for c in result.changes), result.changes
+
+
+def test_a_download_in_a_function_that_trains_the_model_stays_inside_it():
+    """A barrier pair around `fit(model)` would hold the other ranks while rank 0 trains alone (its
+    all-gathers wait for them): the pair goes inside the function, around the download, as before."""
+    top = ("\ndef fit(net):\n    data = datasets.MNIST(\"data\", download=True)\n"
+           "    opt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
+           "    for _ in range(2):\n        net(torch.randn(2, 4)).sum().backward()\n        opt.step()\n")
+    result = _rewrite("net = nn.Linear(4, 4)\nfit(net)\n", top=top)
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert "dist.barrier()  # rank 0 downloads first\n        fit(net)" not in code
+    assert '    if dist.get_rank() != 0:\n        dist.barrier()  # rank 0 downloads first\n    data = datasets.MNIST(' in code

@@ -110,14 +110,21 @@ def _placements(stmt, facts, depth: int = _MAX_CALLERS, seen=()) -> List[tuple]:
 
 
 def _followed(fn: cst.FunctionDef, facts) -> bool:
-    """A Dataset class's `__init__`, or a top-level function of the script: its calls are where a
-    download it runs can be put behind a barrier."""
+    """A Dataset class's `__init__`, or a top-level function of the script that runs nothing the
+    ranks must run together (it holds no model or optimizer, calls no `torch.distributed` function,
+    no `backward()`): its calls are where a download it runs can be put behind a barrier (around a
+    call that ran a collective, rank 0 would wait in it for ranks held at the barrier)."""
     r = facts.resolver
     cls = r.enclosing_class(fn)
     if cls is not None:
         return (fn.name.value == "__init__" and cls in facts.module.body
                 and _project_dataset(cls.name.value, facts.classes, 4))
-    return any(fn is top for top in facts.module.body)
+    if not any(fn is top for top in facts.module.body) or facts.model_names.get(fn) or facts.optimizer_names.get(fn):
+        return False
+    return not any(
+        type(c.func) is cst.Attribute and c.func.attr.value == "backward"
+        or any(q.startswith("torch.distributed.") for q in r.qnames(c))
+        for c in r.descendants(fn, cst.Call))
 
 
 def _literally_false(value, facts) -> bool:

@@ -15,6 +15,7 @@ from fsdp2_retrofit.analysis.rank_uniform import RankLocal, RankUniform
 from fsdp2_retrofit.analysis.random_forward import random_forward_argument, random_forward_flow
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 from fsdp2_retrofit.syntax.names import instance_attribute, walk
+from fsdp2_retrofit.syntax.rank import is_rank_name, rank_zero_side
 from fsdp2_retrofit.syntax.torch_api import TORCH_SAVE
 
 
@@ -91,6 +92,80 @@ class CheckRankDecisionsCommand(RetrofitStage):
                             "(dist.all_reduce, then divide by the world size), or broadcast rank 0's decision",
                         )
                 child = parent
+        self._rank_split_forwards(facts)
+
+    def _rank_split_forwards(self, facts: ScriptFacts) -> None:
+        """FSR646: a forward of the sharded model that each rank runs a number of times read from its
+        rank (`if i % world_size != rank: continue`, `for i in range(rank, n, world_size)`)."""
+        r = facts.resolver
+        refused = set()
+        for site, what in _collectives(facts):
+            if type(site) is not cst.Call or "forward" not in what and "handed" not in what:
+                continue
+            found = rank_split_of(site, facts)
+            if found is None or id(found) in refused:
+                continue
+            refused.add(id(found))
+            self.refuse(
+                "FSR646", found,
+                f"`{_short(found).rstrip(':')}` decides from the rank how many times {what} (line {r.line(site)}) "
+                "runs: each rank runs it for its own share, and where the world size does not divide the work "
+                "the ranks run it a different number of times",
+                "FSDP2 all-gathers the parameters in every forward, a collective each rank must join: the rank "
+                "with one forward more waits in its all-gather for the others, which never come (a hang)",
+                "give every rank the same number of forwards: pad each rank's share to ceil(n / world_size) items "
+                "(repeat an item and drop its result), or let every rank run all of them",
+            )
+
+
+def rank_split_of(site: cst.CSTNode, facts: ScriptFacts) -> Optional[cst.CSTNode]:
+    """The statement around `site` (in its function) that runs it a number of times each rank reads
+    from its rank: an `if`/`while` whose test reads the rank (not a rank-0 test: rank_zero's), a
+    `for` over an iterable that reads it (`range(rank, n, world_size)`), or an earlier
+    `if <reads the rank>: continue` (or `break`, `return`) of a loop around it; None otherwise."""
+    r = facts.resolver
+    child = site
+    for parent in r.ancestors(site):
+        if isinstance(parent, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            break
+        if type(parent) in (cst.If, cst.While) and child is not parent.test and _reads_rank(parent.test, facts) \
+                and rank_zero_side(parent.test) is None:
+            return parent
+        if type(parent) is cst.For and child is parent.body and _reads_rank(parent.iter, facts) \
+                and not _whole_rounds(parent.iter):
+            return parent
+        if type(parent) is cst.IndentedBlock and type(r.parent(parent)) in (cst.For, cst.While):
+            here = next((i for i, stmt in enumerate(parent.body) if stmt is child), len(parent.body))
+            for stmt in parent.body[:here]:
+                if type(stmt) is cst.If and _reads_rank(stmt.test, facts) and any(
+                        type(n) in (cst.Continue, cst.Break, cst.Return) for n in walk(stmt)):
+                    return stmt
+        child = parent
+    return None
+
+
+def _whole_rounds(iterable: cst.BaseExpression) -> bool:
+    """`range(rank, n // world_size * world_size, world_size)`: every rank gets n // world_size items
+    (the shape the data stage writes for hand-sliced batches)."""
+    if type(iterable) is not cst.Call or type(iterable.func) is not cst.Name or iterable.func.value != "range" \
+            or len(iterable.args) != 3:
+        return False
+    stop, step = iterable.args[1].value, code(iterable.args[2].value)
+    return (type(stop) is cst.BinaryOperation and type(stop.operator) is cst.Multiply and code(stop.right) == step
+            and type(stop.left) is cst.BinaryOperation and type(stop.left.operator) is cst.FloorDivide
+            and code(stop.left.right) == step)
+
+
+def _reads_rank(expr: cst.BaseExpression, facts: ScriptFacts) -> bool:
+    """`expr` reads the rank: a name spelled as one (`rank`, `local_rank`, `dist.get_rank()`), or
+    one whose value is (`int(os.environ.get("RANK", 0))`), followed by value."""
+    for node in walk(expr):
+        if type(node) in (cst.Name, cst.Attribute, cst.Call) and is_rank_name(node):
+            return True
+        if type(node) is cst.Name and any(isinstance(v, cst.BaseExpression) and is_rank_name(v)
+                                          for v in facts.analysis.flow.values(node)):
+            return True
+    return False
 
 
 def _collectives(facts: ScriptFacts):

@@ -14,8 +14,10 @@ Each rank calls `barrier` exactly once (rank 0 after building, the others before
 the two calls meet; consecutive such statements share one pair. On several nodes without
 a shared file system the other nodes' ranks find no files and download for themselves
 (torchvision then writes on one node per... no: on each of them at once): the report says
-so. Where no rank test can go (before the process group starts, under a rank-0 `if`), the
-file is refused at the dataset's line."""
+so. A download inside a Dataset class's `__init__` or a top-level function of the script gets
+the pair around each statement that builds that class or calls that function, followed outward
+(analysis/downloads.py). Where no rank test can go (before the process group starts, a function
+whose callers are not known), the file is refused at the dataset's line, with that reason."""
 from __future__ import annotations
 
 from typing import List
@@ -35,9 +37,10 @@ class DownloadOnRankZeroCommand(RetrofitStage):
 
     @classmethod
     def may_edit(cls, earlier: ScriptFacts) -> bool:
-        """Only a call the user wrote with `download=` can download (no stage writes one)."""
+        """Only a call the user wrote with `download=` can download (no stage writes one), here or in
+        the `__init__` of a sibling module's Dataset this file builds."""
         return any(a.keyword is not None and a.keyword.value == "download"
-                   for call in earlier.resolver.nodes(cst.Call) for a in call.args)
+                   for call in earlier.resolver.nodes(cst.Call) for a in call.args) or bool(download_sites(earlier))
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
         if facts.distributed_init is None:
@@ -50,15 +53,9 @@ class DownloadOnRankZeroCommand(RetrofitStage):
                 continue  # the script (or an earlier rewrite) already lets one rank go first
             test = self.rank_zero_test(first.stmt, facts)
             if test is None or not test.endswith(" == 0"):
-                self.refuse(
-                    "FSR637",
-                    first.call,
-                    f"`{code(first.call)}` downloads on every rank at once, before the process group starts",
-                    "every rank finds the files missing and downloads into the same folder together; rank 0 can "
-                    "download first and the others wait for it only once the process group runs",
-                    "build the dataset after the process group starts (in the function that starts it), or "
-                    "download it before the run (download=False in the script)",
-                )
+                self.refuse("FSR637", first.call, *self._unplaced(first),
+                            "build the dataset after the process group starts (in the function that starts it), or "
+                            "download it before the run (download=False in the script)")
                 continue
             other = test[: -len(" == 0")] + " != 0"
             editor.insert_before(first.stmt, [self.stmt(f"if {other}:\n    dist.barrier()  # rank 0 downloads first\n")])
@@ -66,7 +63,9 @@ class DownloadOnRankZeroCommand(RetrofitStage):
                 f"if {test}:\n    dist.barrier()  # the files are there: the other ranks read them\n"
             )])
             self.add_import("torch.distributed", asname="dist")
-            names = ", ".join(dict.fromkeys(s.dataset.rsplit(".", 1)[-1] for s in run))
+            names = ", ".join(dict.fromkeys(
+                s.dataset.rsplit(".", 1)[-1] if s.via is None else f"`{_callee(s.via)}(...)` builds {s.dataset.rsplit('.', 1)[-1]}"
+                for s in run))
             self.change(
                 first.stmt,
                 f"{names} (`download=...`): rank 0 builds it first, the other ranks after a barrier",
@@ -74,6 +73,22 @@ class DownloadOnRankZeroCommand(RetrofitStage):
                 "calls barrier once (rank 0 after, the others before), so the calls meet",
                 "ranks writing the same archive together: a truncated file, a rank reading one still written",
             )
+
+    def _unplaced(self, site: DownloadSite) -> tuple:
+        """(what, why) of a download no rank test can go around."""
+        what = f"`{code(site.call)}` downloads on every rank at once"
+        if site.unplaced is not None:
+            return (f"{what}, in `{site.unplaced.name.value}`, whose callers are not known",
+                    "every rank finds the files missing and downloads into the same folder together; the barriers that "
+                    "let rank 0 download first go around the call that runs it, and no call of "
+                    f"`{site.unplaced.name.value}` was found in this file")
+        if site.via is not None:
+            return (f"{what}: `{code(site.via)}` (line {self.line(site.via)}) runs it before the process group starts",
+                    "every rank finds the files missing and downloads into the same folder together; rank 0 can "
+                    "download first and the others wait for it only once the process group runs")
+        return (f"{what}, before the process group starts",
+                "every rank finds the files missing and downloads into the same folder together; rank 0 can "
+                "download first and the others wait for it only once the process group runs")
 
     def _runs(self, sites: List[DownloadSite], facts: ScriptFacts) -> List[List[DownloadSite]]:
         """The sites grouped by consecutive statements of one block (one barrier pair each)."""
@@ -104,3 +119,8 @@ def _barrier_around(stmt, facts: ScriptFacts) -> bool:
     return isinstance(before, cst.If) and any(
         r.is_call_to(c, {"torch.distributed.barrier"}) for c in r.descendants(before, cst.Call)
     )
+
+
+def _callee(call: cst.Call) -> str:
+    """`Pairs` of `Pairs(root)`, `data.Pairs` of `data.Pairs(root)`."""
+    return code(call.func)

@@ -566,11 +566,16 @@ def test_compare_saved_runs_the_child(tmp_path: Path):
 
 
 @pytest.mark.e2e
-def test_a_forward_method_of_one_of_the_classes_chosen_at_run_time_is_registered_where_it_exists(tmp_path: Path):
+@pytest.mark.parametrize("name, flag", [
+    ("forward_method_class_choice", ["--model", "Bag"]),
+    ("forward_method_class_ternary", ["--arch", "conv"]),  # the class picked by a conditional expression
+])
+def test_a_forward_method_of_one_of_the_classes_chosen_at_run_time_is_registered_where_it_exists(
+        name: str, flag: list, tmp_path: Path):
     """forward_method_class_choice: init_hidden exists on RNNModel only; the registration sits under
     `if hasattr(model, "init_hidden")`, so the run with the other class starts and trains too (registered
     unconditionally, it stopped at start-up: 'FSDPBagModel does not have a method init_hidden')."""
-    case = FIXTURES / "forward_method_class_choice"
-    dist = launch_distributed(case / "expected.py", ["--model", "Bag", "--batch-size", "4", "--out",
-                                                     str(tmp_path / "bag.pt")], tmp_path, nproc=2)
+    case = FIXTURES / name
+    dist = launch_distributed(case / "expected.py", flag + ["--batch-size", "4", "--out",
+                                                            str(tmp_path / "bag.pt")], tmp_path, nproc=2)
     assert (tmp_path / "bag.pt" / ".metadata").is_file(), dist.stdout[-2000:]

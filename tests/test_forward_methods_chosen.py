@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from fsdp2_retrofit.pipeline import rewrite_source
 
 CASE = Path(__file__).resolve().parents[1] / "fixtures" / "rewrite" / "forward_method_class_choice" / "input.py"
@@ -39,3 +41,50 @@ def test_a_method_every_class_has_is_registered_plainly():
         "    def init_hidden(self, bsz):\n        return None\n")
     text = rewrite_source(src.encode(), "train.py").code.decode()
     assert '    register_fsdp_forward_method(model, "init_hidden")\n' in text and "hasattr" not in text
+
+
+TERNARY = Path(__file__).resolve().parents[1] / "fixtures" / "rewrite" / "forward_method_class_ternary" / "input.py"
+_PICK = '    net = CharGRU(12) if args.arch == "gru" else CharConv(12)\n'
+
+
+def _without_registration(text: str) -> str:
+    return "".join(line for line in text.splitlines(True) if "begin_state\")" not in line)
+
+
+def _rewrite_and_check(src: str, tmp_path: Path, name: str = "train.py"):
+    """The rewrite's output, and FSD122's findings on it and on it with the registration taken out."""
+    from fsdp2_retrofit.check.lint import lint_source
+    from fsdp2_retrofit.check.rules import all_rules
+
+    result = rewrite_source(src.encode(), str(tmp_path / name))
+    assert not result.refusals, result.refusals
+    text = result.code.decode()
+    kept = [f for f in lint_source(text.encode(), str(tmp_path / name), all_rules()).findings if f.code == "FSD122"]
+    dropped = [f for f in lint_source(_without_registration(text).encode(), str(tmp_path / name), all_rules()).findings
+               if f.code == "FSD122"]
+    return text, kept, dropped
+
+
+@pytest.mark.parametrize("pick, helper", [
+    # the fixture: a conditional expression
+    (_PICK, ""),
+    # the classes the other way round
+    ('    net = CharConv(12) if args.arch != "gru" else CharGRU(12)\n', ""),
+    # a helper function of the script returning one of them, other names
+    ("    net = make_net(args.arch, 12)\n",
+     "def make_net(kind, width):\n    if kind == \"gru\":\n        return CharGRU(width).to(\"cpu\")\n"
+     "    return CharConv(width)\n\n\n"),
+    # an if/else whose last branch builds the class without the method (check read the last binding only)
+    ('    if args.arch == "gru":\n        net = CharGRU(12)\n    else:\n        net = CharConv(12)\n', ""),
+])
+def test_a_class_chosen_at_run_time_is_read_alike_by_rewrite_and_check(pick, helper, tmp_path):
+    """The rewrite registers begin_state under hasattr however the choice is written, and check (FSD122)
+    reads the same classes: nothing on the output, the call flagged once the registration is taken out."""
+    src = TERNARY.read_text()
+    assert _PICK in src
+    src = src.replace(_PICK, pick).replace("def main():", helper + "def main():")
+    text, kept, dropped = _rewrite_and_check(src, tmp_path)
+    assert '    if hasattr(net, "begin_state"):\n        register_fsdp_forward_method(net, "begin_state")\n' in text
+    assert not kept, kept
+    bare = _without_registration(text).splitlines()
+    assert [f.line for f in dropped] == [next(i for i, line in enumerate(bare, 1) if "net.begin_state(" in line)]

@@ -82,3 +82,80 @@ def test_a_module_level_download_is_refused_at_its_line():
 def test_a_second_rewrite_adds_no_second_pair():
     first = _rewrite('train = datasets.MNIST("data", download=True)\n')
     assert rewrite_source(first.code, "/tmp/shared_downloads_case.py").code == first.code
+
+
+# issue 44 class 9: the download runs inside a function of the script; the pair goes around each call of it
+# (fixtures/rewrite/download_in_dataset_init: a Dataset class whose __init__ downloads, built twice in main)
+WRAPPER = ("\nclass Scans(torch.utils.data.Dataset):\n"
+           "    def __init__(self, root, train):\n"
+           "        self.base = CIFAR10(root, train=train, download=True)\n"
+           "\n    def __len__(self):\n        return len(self.base)\n")
+
+
+def test_a_dataset_whose_init_downloads_is_built_behind_the_barriers():
+    result = _rewrite('scans = Scans("data", train=True)\n',
+                      top="from torchvision.datasets import CIFAR10\n" + WRAPPER)
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert PAIR.format(stmts='    scans = Scans("data", train=True)\n') in code
+    assert "        self.base = CIFAR10(root, train=train, download=True)\n" in code  # the class is left as it is
+    assert code.count("dist.barrier()") == 2
+    assert code.index("dist.init_process_group(") < code.index("if rank != 0:")
+
+
+def test_a_helper_function_that_downloads_is_called_behind_the_barriers():
+    top = "\ndef fetch_split(folder, training):\n    return datasets.FashionMNIST(folder, train=training, download=True)\n"
+    result = _rewrite('a = fetch_split("data", True)\nb = fetch_split("data", False)\n', top=top)
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert PAIR.format(stmts='    a = fetch_split("data", True)\n    b = fetch_split("data", False)\n') in code
+    assert code.count("dist.barrier()") == 2
+    assert rewrite_source(result.code, "/tmp/shared_downloads_case.py").code == result.code  # idempotent
+
+
+def test_a_dataset_built_at_module_level_is_refused_at_the_download_with_the_line_that_runs_it():
+    top = "from torchvision.datasets import CIFAR10\n" + WRAPPER + '\nSCANS = Scans("data", train=True)\n'
+    result = _rewrite("pass\n", top=top)
+    assert [r.code for r in result.refusals] == ["FSR637"]
+    refusal = result.refusals[0]
+    assert refusal.line == 8  # the CIFAR10 line in __init__
+    assert '`Scans("data", train=True)` (line 13) runs it before the process group starts' in refusal.what
+
+
+def test_a_download_in_a_function_nothing_here_calls_is_refused_with_that_reason():
+    top = "\ndef fetch_split(folder):\n    return datasets.MNIST(folder, download=True)\n"
+    result = _rewrite("pass\n", top=top)
+    assert [r.code for r in result.refusals] == ["FSR637"]
+    assert "in `fetch_split`, whose callers are not known" in result.refusals[0].what
+
+
+def test_a_dataset_of_a_sibling_module_whose_init_downloads_is_built_behind_the_barriers(tmp_path):
+    """download_in_dataset_init written as a project: Windows in corpus_data.py, main in train.py."""
+    from pathlib import Path
+
+    case = Path(__file__).resolve().parents[1] / "fixtures" / "rewrite" / "download_in_dataset_init"
+    src = (case / "input.py").read_text()
+    start, end = src.index("class Windows"), src.index("class Predictor")
+    (tmp_path / "letters.py").write_text((case / "letters.py").read_text())
+    (tmp_path / "corpus_data.py").write_text(
+        "from torch.utils.data import Dataset\n\nfrom letters import Letters\n\n\n" + src[start:end].rstrip() + "\n")
+    main = (src[:start] + src[end:]).replace("from letters import Letters\n", "from corpus_data import Windows\n")
+    (tmp_path / "train.py").write_text(main)
+    result = rewrite_source(main.encode(), str(tmp_path / "train.py"))
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert PAIR.format(stmts='    train_set = Windows(args.root, "train")\n    val_set = Windows(args.root, "val")\n') in code
+    assert any("`Windows(...)` builds Letters" in c.what for c in result.changes), result.changes
+
+
+def test_a_download_in_a_function_that_trains_the_model_stays_inside_it():
+    """A barrier pair around `fit(model)` would hold the other ranks while rank 0 trains alone (its
+    all-gathers wait for them): the pair goes inside the function, around the download, as before."""
+    top = ("\ndef fit(net):\n    data = datasets.MNIST(\"data\", download=True)\n"
+           "    opt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
+           "    for _ in range(2):\n        net(torch.randn(2, 4)).sum().backward()\n        opt.step()\n")
+    result = _rewrite("net = nn.Linear(4, 4)\nfit(net)\n", top=top)
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert "dist.barrier()  # rank 0 downloads first\n        fit(net)" not in code
+    assert '    if dist.get_rank() != 0:\n        dist.barrier()  # rank 0 downloads first\n    data = datasets.MNIST(' in code

@@ -24,12 +24,22 @@ LIBRARY_DATASETS = ("torchvision.datasets.", "torchaudio.datasets.", "torchtext.
 @dataclass
 class DownloadSite:
     call: cst.Call  # `datasets.MNIST(root, download=True)`
-    stmt: cst.CSTNode  # the statement that runs it
+    stmt: cst.CSTNode  # the statement that runs it: the call's own, or that of `via`
     dataset: str  # the class, as the message names it
+    # the call that runs the download from outside the function holding it (`Pairs(root)` of a
+    # Dataset whose `__init__` builds `MNIST(root, download=True)`, `get_data(args)` of a helper
+    # function): the barriers go around its statement
+    via: Optional[cst.Call] = None
+    # the function around the download whose callers are not known (the barriers cannot follow it)
+    unplaced: Optional[cst.FunctionDef] = None
+
+
+_MAX_CALLERS = 4  # functions followed outward from a download: `__init__` <- helper <- main
 
 
 def download_sites(facts) -> List[DownloadSite]:
-    """Every dataset construction that may download, in source order."""
+    """Every dataset construction that may download, in source order; one inside a Dataset's
+    `__init__` or a function of the script is placed at each call that runs it (callers_of)."""
     r = facts.resolver
     out: List[DownloadSite] = []
     for call in r.nodes(cst.Call):
@@ -41,8 +51,80 @@ def download_sites(facts) -> List[DownloadSite]:
             continue
         stmt = r.statement_of(call)
         if stmt is not None:
-            out.append(DownloadSite(call, stmt, dataset))
+            out += [DownloadSite(call, at, dataset, via, unplaced) for at, via, unplaced in _placements(stmt, facts)]
+    for call in r.nodes(cst.Call):  # `Windows(root)` of a sibling module's Dataset whose __init__ downloads
+        inner = _sibling_init_download(call, facts)
+        stmt = r.statement_of(call) if inner is not None else None
+        if stmt is not None:
+            out += [DownloadSite(call, at, inner, via or call, unplaced)
+                    for at, via, unplaced in _placements(stmt, facts)]
+    out.sort(key=lambda site: r.order(site.stmt))
     return out
+
+
+def _sibling_init_download(call: cst.Call, facts) -> Optional[str]:
+    """The dataset class a call builds, with `download=` anything but a literal False, in the `__init__`
+    of the class `call` builds when that class is a Dataset of a sibling module (`Windows(root)` with
+    `Letters(root, download=True)` in corpus_data.py's `Windows.__init__`); None otherwise. The class's
+    own file is read with its own names (a download it runs is not this file's statement)."""
+    info = next((found for q in sorted(facts.resolver.qnames(call)) for found in [facts.classes.get(q)]
+                 if found is not None), None)
+    if info is None or not info.namespace or info.namer is None or not _project_dataset(info.name, facts.classes, 4):
+        return None
+    init = info.methods.get("__init__")
+    if init is None:
+        return None
+    names = info.namer.resolver
+    for inner in names.descendants(init, cst.Call):
+        download = next((a for a in inner.args if a.keyword is not None and a.keyword.value == "download"), None)
+        if download is None or type(download.value) is cst.Name and download.value.value == "False":
+            continue
+        for name in sorted(names.qnames(inner)):
+            if name.startswith(LIBRARY_DATASETS):
+                return name
+            found = facts.classes.get(name) or facts.classes.get(f"{info.namespace}.{name}")
+            if found is not None and _project_dataset(found.name, facts.classes, 4):
+                return found.name
+    return None
+
+
+def _placements(stmt, facts, depth: int = _MAX_CALLERS, seen=()) -> List[tuple]:
+    """(statement, call, unplaced) for each place a download statement runs from: itself in the entry
+    code (module level, the entry function, or a function that is no Dataset `__init__` or
+    top-level function of the script), else the statements of the calls that run its function
+    (`Pairs(...)` for `Pairs.__init__`, `get_data(...)` for a top-level `def get_data`), followed
+    outward. A function whose callers are not known stays where it is, with `unplaced` set."""
+    r = facts.resolver
+    fn = r.enclosing_function(stmt)
+    if fn is None or fn is facts.entry_scope or not _followed(fn, facts) or depth == 0:
+        return [(stmt, None, None)]
+    calls = [c for c, _ in facts.analysis.flow.bound_calls(fn) if r.enclosing_function(c) not in (fn, *seen)]
+    if not calls:
+        return [(stmt, None, fn)]
+    out = []
+    for call in calls:
+        outer = r.statement_of(call)
+        for at, via, unplaced in (_placements(outer, facts, depth - 1, (*seen, fn)) if outer is not None else []):
+            out.append((at, via or call, unplaced))
+    return out
+
+
+def _followed(fn: cst.FunctionDef, facts) -> bool:
+    """A Dataset class's `__init__`, or a top-level function of the script that runs nothing the
+    ranks must run together (it holds no model or optimizer, calls no `torch.distributed` function,
+    no `backward()`): its calls are where a download it runs can be put behind a barrier (around a
+    call that ran a collective, rank 0 would wait in it for ranks held at the barrier)."""
+    r = facts.resolver
+    cls = r.enclosing_class(fn)
+    if cls is not None:
+        return (fn.name.value == "__init__" and cls in facts.module.body
+                and _project_dataset(cls.name.value, facts.classes, 4))
+    if not any(fn is top for top in facts.module.body) or facts.model_names.get(fn) or facts.optimizer_names.get(fn):
+        return False
+    return not any(
+        type(c.func) is cst.Attribute and c.func.attr.value == "backward"
+        or any(q.startswith("torch.distributed.") for q in r.qnames(c))
+        for c in r.descendants(fn, cst.Call))
 
 
 def _literally_false(value, facts) -> bool:

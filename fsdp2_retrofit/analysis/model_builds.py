@@ -60,6 +60,35 @@ class BuildClasses:
                     out.append((name, stmt, passed))
         return out
 
+    def chosen_classes(self, expr: cst.BaseExpression, before: Optional[cst.CSTNode] = None) -> List[str]:
+        """The module classes of the script or its sibling modules that `expr` may hold, followed by
+        value (flow.py): both sides of `RNNModel(...) if lstm else BagModel(...)`, every return of a
+        function of the script building one of several (`def build(args): if ...: return A(...)` /
+        `return B(...)`), a name bound in each branch of an if/else, a table's entries; in source
+        order. [] unless every origin builds such a class (a library model, a value not seen into).
+        The one question `rewrite` (ModelAnalysis._alternatives) and `check` (FSD122) ask of a model
+        whose class is chosen at run time. `before`: a statement of the function that reads the value
+        (`fully_shard(model)`); builds after it in that function are not what it reads (the flow is
+        flow-insensitive: `model = A(); fully_shard(model); model = B()`)."""
+        out: List[str] = []
+        origins = sorted(self.site.flow.values(expr), key=lambda o: self.r.order(o) if isinstance(o, cst.CSTNode) else -1)
+        if before is not None:
+            scope = self.r.enclosing_function(before)
+            origins = [o for o in origins if not isinstance(o, cst.CSTNode) or self.r.enclosing_function(o) is not scope
+                       or self.r.order(o) < self.r.order(before)]
+        for origin in origins:
+            call = innermost_call(origin) if isinstance(origin, cst.CSTNode) else None
+            if call is None:
+                return []
+            found = self.table_classes(call) or self.aliased_classes(call)
+            if not found:
+                cls = self.class_of(call)
+                found = [cls] if cls and not is_library_builder(cls) and self.classes.is_module_class(cls) else []
+            if not found:
+                return []
+            out += [c for c in found if c not in out]
+        return out
+
     def aliased_classes(self, call: cst.Call) -> List[str]:
         """`net(z_dim)` where `net` holds one of the script's module classes, chosen before (`if kind == "H":
         net = BetaVAE_H` / `elif ...: net = BetaVAE_B`), followed by value: those classes; [] unless every

@@ -91,6 +91,10 @@ class ModelAnalysis(SiteAnalysis):
         aliased = self.builds.aliased_classes(self.handed_back(ctor) or ctor) if ctor is not None else []
         if len(aliased) > 1:
             return aliased, True
+        # `A(...) if c else B(...)`, a function of the script returning one of several: followed by value
+        chosen = self.builds.chosen_classes(value) if value is not None else []
+        if len(chosen) > 1:
+            return chosen, self._layouts_differ(chosen)
         if top is stmt:
             return [], False
         span = self.r.span(top)
@@ -100,11 +104,15 @@ class ModelAnalysis(SiteAnalysis):
                 classes.append(cls)
         if len(classes) < 2 or any(is_library_builder(c) for c in classes):
             return [], False
+        return classes, self._layouts_differ(classes)
+
+    def _layouts_differ(self, classes: List[str]) -> bool:
+        """Whether the repeated blocks of the classes differ (the shard units are then found at run time)."""
         layouts = {
             tuple(sorted((c.path, c.block_class) for c in self.classes.block_containers(cls) if c.block_class))
             for cls in classes
         }
-        return classes, len(layouts) > 1
+        return len(layouts) > 1
 
     def _trained_models(self, optimizers, bindings) -> List["ModelSite"]:
         """The first binding, in the optimizer's own function, of each name it trains."""

@@ -97,6 +97,24 @@ class LintContext:
         return None
 
 
+    def root_classes(self, site):
+        """Every class a shard site's root may be: those chosen at run time (`A(...) if c else B(...)`,
+        an if/else, a function of the script returning one of several), followed by value as the
+        rewrite reads them (model_builds.BuildClasses.chosen_classes), else root_class's one."""
+        import libcst as cst
+
+        from fsdp2_retrofit.analysis.model_builds import BuildClasses
+
+        registry = self.classes()
+        call = site.call if isinstance(site.call, cst.Call) else None  # a site may be an assignment
+        handed = [a.value for a in call.args if a.keyword is None][:1] if call is not None else []
+        if "." not in site.root and handed and type(handed[0]) in (cst.Name, cst.Call):
+            chosen = [registry.get(c) for c in BuildClasses(self.analysis).chosen_classes(handed[0], site.call)]
+            if len(chosen) > 1 and all(chosen):
+                return chosen
+        return [info for info in [self.root_class(site)] if info is not None]
+
+
 def applicable(data: bytes, rules: Sequence[Type[Rule]], path: Optional[str] = None) -> List[Type[Rule]]:
     """The prefilter: the selected rules that can possibly fire in this text (the file at
     `path`, whose project imports may shard: see sharded_elsewhere)."""

@@ -106,27 +106,30 @@ class UnregisteredMethod(Rule):
         for site in shards.sites:
             if site.legacy or not site.whole or site.root in done:
                 continue
-            info = ctx.root_class(site)
-            if info is None:
+            infos = ctx.root_classes(site)  # a class chosen at run time: any of them
+            if not infos:
                 continue
             done.add(site.root)
 
             def holds(receiver, at, site=site) -> bool:
                 return id(site.call) in sites_of(receiver, at)
 
-            for method in called_methods(holds, info, ctx.resolver):
-                if (id(site.call), method) in registered:
-                    continue
-                reads = parameter_reads(info.methods[method], info)
-                if not reads:
-                    continue
-                read = _code(reads[0][0])
-                read = read if len(read) <= 40 else read[:37] + "..."
-                for call in ctx.nodes(cst.Call):
-                    func = call.func
-                    if isinstance(func, cst.Attribute) and func.attr.value == method and holds(func.value, call):
-                        yield call, {"target": _code(func.value), "root": site.root, "method": method,
-                                     "read": read}, None
+            flagged = set()
+            for info in infos:
+                for method in called_methods(holds, info, ctx.resolver):
+                    if (id(site.call), method) in registered or method in flagged:
+                        continue
+                    reads = parameter_reads(info.methods[method], info)
+                    if not reads:
+                        continue
+                    flagged.add(method)
+                    read = _code(reads[0][0])
+                    read = read if len(read) <= 40 else read[:37] + "..."
+                    for call in ctx.nodes(cst.Call):
+                        func = call.func
+                        if isinstance(func, cst.Attribute) and func.attr.value == method and holds(func.value, call):
+                            yield call, {"target": _code(func.value), "root": site.root, "method": method,
+                                         "read": read}, None
 
 
 def _code(node) -> str:

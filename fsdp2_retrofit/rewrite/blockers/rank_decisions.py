@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
-from ._scripts import DATA_IMPORTS, LOADER, MODEL, OPT, STEPS, TRAIN_LOADER
+from ._scripts import DATA_IMPORTS, LOADER, MODEL, OPT, STEPS, TRAIN, TRAIN_LOADER
 
 _NET = """\
 import random
@@ -93,3 +93,45 @@ class RandomControlFlowInForward(Blocker):
     INVALID = (Invalid(_NET + OPT + STEPS, line=9),)
     # the generator seeded alike on every rank before training
     VALID = (Valid(_NET + "random.seed(0)\n" + OPT + STEPS),)
+
+
+_SPLIT_EVAL = """\
+import os
+rank = int(os.environ.get("RANK", 0))
+world_size = int(os.environ.get("WORLD_SIZE", 1))
+held_out = torch.randn(5, 4, 8)
+for i in range(len(held_out)):
+"""  # lines 7-11 after TRAINING's import and its 5 lines
+
+
+class RankSplitForwardCount(Blocker):
+    """A forward of the sharded model that each rank runs a number of times read from its rank: an
+    evaluation split by `if i % world_size != rank: continue`, a loop over `range(rank, n,
+    world_size)`, a forward under an `if` that reads the rank (a rank-0 test is rank_zero's).
+
+    ## Why
+    FSDP2 all-gathers the parameters in every forward, a collective each rank must join. Where the
+    world size does not divide the work (5 items on 2 ranks) one rank runs one forward more than
+    the others: it waits in its all-gather for ranks that never come (a hang).
+
+    ## What to do
+    Give every rank the same number of forwards: pad each rank's share to ceil(n / world_size)
+    items (repeat an item and drop its result), or let every rank run all of them.
+    """
+
+    CODE = "FSR646"
+    NAME = "rank-split-forward-count"
+    STAGE = "rank_decisions"
+    INVALID = (
+        Invalid(TRAIN + _SPLIT_EVAL + "    if i % world_size != rank:\n        continue\n"
+                "    print(model(held_out[i]).sum())\n", line=12),
+        Invalid(TRAIN + _SPLIT_EVAL.replace("range(len(held_out))", "range(rank, len(held_out), world_size)")
+                + "    print(model(held_out[i]).sum())\n", line=11),
+    )
+    VALID = (
+        # every rank runs every item: the same count everywhere
+        Valid(TRAIN + _SPLIT_EVAL + "    print(model(held_out[i]).sum())\n"),
+        # the world size alone decides the count: the same on every rank
+        Valid(TRAIN + _SPLIT_EVAL.replace("range(len(held_out))", "range(world_size)")
+              + "    print(model(held_out[i]).sum())\n"),
+    )

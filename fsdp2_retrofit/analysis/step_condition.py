@@ -26,7 +26,7 @@ from typing import Iterable, List, NamedTuple, Optional, Tuple
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import code, walk
+from fsdp2_retrofit.syntax.names import attr_path, code, walk
 
 _PURE_BUILTINS = frozenset({"len", "int", "min", "max", "abs", "bool"})
 _ATOMS = (cst.Name, cst.Attribute, cst.Integer, cst.Float, cst.SimpleString, cst.Call, cst.Subscript)
@@ -135,14 +135,8 @@ def _not_read(nodes) -> set:
 
 
 def _dotted(node) -> Optional[str]:
-    parts = []
-    while isinstance(node, cst.Attribute):
-        parts.append(node.attr.value)
-        node = node.value
-    if not isinstance(node, cst.Name):
-        return None
-    parts.append(node.value)
-    return ".".join(reversed(parts))
+    path = attr_path(node)
+    return ".".join(path) if path else None
 
 
 def _written(stmt: cst.CSTNode) -> List[str]:

@@ -83,6 +83,9 @@ class ScriptFacts:
     # (function, name) -> (node, why): where an optimizer handed to a function or object was lost
     # (held_values: a call or construction handing that parameter something else)
     lost_optimizers: Lost = field(default_factory=dict)
+    # analysis/penalties.py's answer for these facts, made once (the shard stage, its blockers and
+    # penalty_reshard all ask)
+    penalty_cache: Optional[list] = field(default=None, repr=False)
     # the analysis these facts were assembled by (its value flow, functions, sharding facts)
     analysis: Optional["_Analyser"] = field(default=None, repr=False)
 

@@ -445,16 +445,8 @@ def model_leaf_layout(facts, model, lists: bool) -> Optional[LeafLayout]:
         return None
     if model.tied_containers or model.copy_of is not None:
         return None
-    small = model.stmt.body[0] if len(model.stmt.body) == 1 else None
-    if type(small) is not cst.Assign:
-        return None
-    from .flow import innermost_call
-
-    call = innermost_call(small.value)
-    if call is None or model.class_name not in facts.resolver.qnames(call) and (
-        facts.classes.top_level.get("", (None, None))[1] is None
-        or facts.classes.top_level[""][1].of(call) != model.class_name
-    ):
+    call = _build_call(facts, model)
+    if call is None:
         return None
     return leaf_layout(facts.classes, model.class_name, call, facts.analysis.flow, facts.resolver.module,
                        model.name, lists)
@@ -463,14 +455,24 @@ def model_leaf_layout(facts, model, lists: bool) -> Optional[LeafLayout]:
 def model_parameter_count(facts, model) -> Optional[int]:
     """The parameters a trained model's build makes, read from its classes and the sizes the script
     gives (literals, defaults, values the flow reads one value for), or None where one is not read."""
-    small = model.stmt.body[0] if len(model.stmt.body) == 1 else None
-    if model.library is not None or model.alternatives or type(small) is not cst.Assign:
-        return None
-    from .flow import innermost_call
-
-    call = innermost_call(small.value)
     top = facts.classes.top_level.get("")
+    call = _build_call(facts, model) if model.library is None and not model.alternatives else None
     if call is None or top is None:
         return None
     counter = _Counter(facts.classes)
     return counter.count(call, _ScriptEnv(facts.analysis.flow, counter, top[1]), top[1], 0)
+
+
+def _build_call(facts, model) -> Optional[cst.Call]:
+    """The call of the model's class in `name = ...` that builds it (`Net(...)` of `Net(...).to(device)`)."""
+    small = model.stmt.body[0] if len(model.stmt.body) == 1 else None
+    if type(small) is not cst.Assign:
+        return None
+    from .flow import innermost_call
+
+    call = innermost_call(small.value)
+    top = facts.classes.top_level.get("", (None, None))[1]
+    if call is None or model.class_name not in facts.resolver.qnames(call) and (
+            top is None or top.of(call) != model.class_name):
+        return None
+    return call

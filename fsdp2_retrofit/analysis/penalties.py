@@ -43,7 +43,13 @@ class Penalty:
 
 
 def penalties(facts) -> List[Penalty]:
-    """Every `autograd.grad(..., create_graph=<not False>)` of the script, with its models."""
+    """Every `autograd.grad(..., create_graph=<not False>)` of the script, with its models (made once per facts)."""
+    if facts.penalty_cache is None:
+        facts.penalty_cache = _penalties(facts)
+    return facts.penalty_cache
+
+
+def _penalties(facts) -> List[Penalty]:
     r = facts.resolver
     out = []
     for call in r.nodes(cst.Call):

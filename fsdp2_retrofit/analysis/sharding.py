@@ -214,13 +214,20 @@ class ShardFacts:
 
     def _in_effect(self, site: ShardSite, at: cst.CSTNode, depth: int) -> bool:
         """The site has run when `at` runs: before it in the same function; at module level,
-        for a function; before a call of the function around `at` (its known calls, the flow's)."""
+        for a function; in `__init__`, for the class's other methods (they run on a made
+        instance); before a call of the function around `at` (its known calls, the flow's)."""
         fn = self.scope_of(at)
         if site.scope is fn:
             return site.order < self.order(at)
         if site.scope is None:
             return True
-        if fn is None or depth == 0:
+        if fn is None:
+            return False
+        if isinstance(site.scope, cst.FunctionDef) and site.scope.name.value == "__init__":
+            cls = self.resolver.enclosing_class(site.scope)
+            if cls is not None and self.resolver.enclosing_class(fn) is cls:
+                return True
+        if depth == 0:
             return False
         return any(self._in_effect(site, call, depth - 1) for call, _ in self.flow.bound_calls(fn))
 
@@ -537,6 +544,17 @@ class _Collector:
             changed |= self._add_call_site(call, expr, found[0] and whole, found[1])
         return changed
 
+    def _imported_self_sharded(self, call: cst.Call) -> bool:
+        """`net = Net(mesh)` of a class of an imported project module whose `__init__` shards
+        `self` whole: the name bound to the instance holds a sharded module."""
+        path = attr_path(call.func)
+        if not path or ".".join(path) in self.own_classes or not hasattr(self.imported, "shard_methods"):
+            return False
+        found = (self.imported.shard_methods(".".join(path)) or {}).get("__init__")
+        if found is None or not found[0]:
+            return False
+        return self._bind_returns(call, {None: True}, {None: found[1]})
+
     def _declared(self, name: cst.Name) -> Optional[Tuple[str, List[Tuple[cst.BaseExpression, bool]]]]:
         """(the class `name` holds, [(expression holding it, whether the expression is that object
         itself)]): every value it can hold made by one call `C(...)` (the flow's origins), or, for
@@ -641,7 +659,9 @@ class _Collector:
                 if sharder is not None:
                     changed |= self._called_sharder(call, sharder)
                 elif type(func) is cst.Attribute and self._may_shard_methods:
-                    changed |= self._method_call(call)
+                    changed |= self._method_call(call) or self._imported_self_sharded(call)
+                elif type(func) is cst.Name and self._may_shard_methods:
+                    changed |= self._imported_self_sharded(call)
             for assign in stores:
                 changed |= self._stored_sharded(assign)
             if not changed:
@@ -728,6 +748,9 @@ class _Collector:
         if init is None:
             return False
         changed = False
+        shards_self = self.self_shards.get(init)
+        if shards_self is not None and shards_self[0]:  # `fully_shard(self, ...)` in __init__: made sharded
+            changed |= self._bind_returns(call, {None: True}, {None: shards_self[1]})
         for param, arg in bind_args(init, call, skip=1):
             root = f.sharded_module(arg, call)
             if root is None:

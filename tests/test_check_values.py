@@ -1,0 +1,91 @@
+"""`check` follows the values experts use to hold a sharded module (issue 45): an alias of an
+attribute a class stored in `__init__` (`net = self._model`), an instance of a class whose
+`__init__` shards `self` (in the file and in an imported module), and a grad norm rebound to
+its own number (FSD107, in the rule's cases)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fsdp2_retrofit.check.lint import lint_source
+from fsdp2_retrofit.check.rules import all_rules
+
+
+def _codes(path: Path):
+    result = lint_source(path.read_bytes(), str(path), all_rules())
+    assert result.error is None, result.error
+    return [(f.line, f.code) for f in result.findings]
+
+
+def _write(tmp_path: Path, files: dict) -> Path:
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+ALIAS = """\
+from torch.distributed.fsdp import fully_shard
+
+
+class Trainer:
+    def __init__(self, model, mesh):
+        fully_shard(model, mesh=mesh)
+        self._model = model
+
+    def step(self, x):
+        net = self._model
+        return net.forward(x)
+
+    def other(self, x):
+        return self._model.forward(x)
+"""
+
+
+def test_an_alias_of_an_attribute_sharded_in_init_is_sharded_in_the_other_methods(tmp_path):
+    _write(tmp_path, {"train.py": ALIAS})
+    assert _codes(tmp_path / "train.py") == [(11, "FSD101"), (14, "FSD101")]
+
+
+def test_before_the_shard_in_init_the_module_is_not_sharded(tmp_path):
+    early = ALIAS.replace("        fully_shard(model, mesh=mesh)\n        self._model = model\n",
+                          "        self._model = model\n        model.forward(None)\n        fully_shard(model, mesh=mesh)\n")
+    _write(tmp_path, {"train.py": early})
+    assert _codes(tmp_path / "train.py") == [(12, "FSD101"), (15, "FSD101")]  # not line 7
+
+
+SELF_SHARDED = """\
+import torch
+from torch.distributed.fsdp import fully_shard
+
+
+class Net(torch.nn.Module):
+    def __init__(self, mesh):
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+        fully_shard(self, mesh=mesh)
+"""
+
+USE = """\
+def main(mesh, x):
+    net = Net(mesh)
+    plain = Other()
+    plain.forward(x)
+    return net.forward(x)
+"""
+
+
+def test_an_instance_of_a_class_that_shards_itself_in_init_is_sharded(tmp_path):
+    _write(tmp_path, {"train.py": SELF_SHARDED + "\n\nclass Other(torch.nn.Module):\n    pass\n\n\n" + USE})
+    assert _codes(tmp_path / "train.py") == [(20, "FSD101")]
+
+
+def test_an_instance_of_an_imported_class_that_shards_itself_is_sharded(tmp_path):
+    _write(tmp_path, {"layers.py": SELF_SHARDED + "\n\nclass Other(torch.nn.Module):\n    pass\n",
+                      "use.py": "from layers import Net, Other\n\n\n" + USE})
+    assert _codes(tmp_path / "use.py") == [(8, "FSD101")]
+
+
+def test_a_class_that_shards_only_a_part_of_itself_does_not_make_its_instances_roots(tmp_path):
+    part = SELF_SHARDED.replace("fully_shard(self, mesh=mesh)", "fully_shard(self.fc, mesh=mesh)")
+    _write(tmp_path, {"layers.py": part + "\n\nclass Other(torch.nn.Module):\n    pass\n",
+                      "use.py": "from layers import Net, Other\n\n\n" + USE})
+    assert _codes(tmp_path / "use.py") == []

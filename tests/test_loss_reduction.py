@@ -389,3 +389,11 @@ def test_a_sum_over_an_unread_call_is_reported_at_the_sum():
     assert backward_lines(result) == ["loss.backward()"]
     [item] = [a for a in result.attention if a.code == "loss_scale"]
     assert item.line == 34 and "cannot read" in item.what and "line 35" in item.what
+
+
+def test_a_regulariser_over_a_weight_held_by_a_name_is_no_sum_over_the_batch():
+    """`w = model.fc.weight; (w @ w.T).sum()` sums over the weights, not the batch: no FSR960 beside a mean."""
+    result = rewrite("w = model.fc.weight\n        loss = F.mse_loss(out, x) + 1e-3 * (w @ w.T).sum()\n"
+                     "        loss.backward()")
+    assert not result.refusals, result.refusals
+    assert backward_lines(result) == ["loss.backward()"]

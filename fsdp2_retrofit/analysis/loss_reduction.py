@@ -47,7 +47,7 @@ from typing import List, Optional, Set
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import Resolver, code, parameter_names
+from fsdp2_retrofit.syntax.names import Resolver, code, names_read, parameter_names
 from fsdp2_retrofit.syntax.rank import is_world_size_value
 from fsdp2_retrofit.syntax.torch_api import LOSS_CLASSES, LOSS_FUNCTIONS, MEANS, STACKS, SUMS
 
@@ -403,9 +403,23 @@ class _Reader:
             return [Term(UNKNOWN, call, unread_sum=True)]
         if self.r.qnames(operand) & STACKS or isinstance(operand, (cst.List, cst.Tuple)):
             return [Term(UNKNOWN, call)]  # a sum of losses held in a list: what each is, is not read
-        if any(read in code(operand) for read in _WEIGHT_READS):
+        if self._reads_weights(operand, operand, 0):
             return [Term(UNKNOWN, call)]  # over the model's weights (a regularizer), not over the batch
         return [Term(kind, call)]
+
+    def _reads_weights(self, expr: cst.CSTNode, at: cst.CSTNode, depth: int) -> bool:
+        """`expr` reads the model's weights: `.parameters(`, `.weight`, ... in its text or in the
+        value of a name it reads (`w = model.fc.weight`; `(w @ w.T).sum()`)."""
+        if any(read in code(expr) for read in _WEIGHT_READS):
+            return True
+        if depth > 3:
+            return False
+        for name in names_read(expr):
+            binding = self._binding(name, at)
+            value = getattr(binding, "value", None)
+            if isinstance(binding, cst.Assign) and value is not None and self._reads_weights(value, binding, depth + 1):
+                return True
+        return False
 
     def _opaque_call(self, node: cst.CSTNode) -> bool:
         """A call of something that is not torch's nor a tensor's method: a model, a criterion

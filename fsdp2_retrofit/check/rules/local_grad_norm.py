@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import libcst as cst
 
+from fsdp2_retrofit.syntax.names import walk
 from fsdp2_retrofit.syntax.torch_api import CLIP_GRAD_NORM
 from . import Edit, Fix, Invalid, Rule, Valid
 
@@ -130,7 +131,7 @@ def _numeric_reads(ctx, name: str, clip: cst.Call):
     ), key=lambda pair: pair[0])
     end = rebound[0][0] if rebound else 10**12
     # `norm = norm.item()`: the value of the rebinding statement still reads the clip's norm
-    last_read = {id(n) for n in _names_in(rebound[0][1].value)} if rebound else set()
+    last_read = {id(n) for n in walk(rebound[0][1].value) if type(n) is cst.Name} if rebound else set()
     for node in ctx.nodes(cst.Name):
         if node.value != name or shards.scope_of(node) is not fn:
             continue
@@ -161,16 +162,6 @@ def _numeric_reads(ctx, name: str, clip: cst.Call):
             continue
         elif isinstance(parent, (cst.FormattedStringExpression, cst.Comparison, cst.ComparisonTarget)):
             yield node
-
-
-def _names_in(node):
-    """Every Name under `node` (itself included)."""
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if isinstance(current, cst.Name):
-            yield current
-        stack.extend(current.children)
 
 
 def _identity(target: cst.ComparisonTarget) -> bool:

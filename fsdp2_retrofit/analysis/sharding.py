@@ -41,6 +41,7 @@ _GETTER_KINDS = {
 _PART_METHODS = {
     "children", "modules", "named_children", "named_modules", "values", "items", "parameters", "named_parameters",
 }
+_COPIES = frozenset({"copy.deepcopy", "copy.copy"})
 _ITERATION_WRAPPERS = {"enumerate", "reversed", "list", "tuple", "iter", "zip", "sorted"}
 
 Scope = Optional[cst.CSTNode]  # FunctionDef, ClassDef (for self.attr), or None for the module
@@ -621,6 +622,8 @@ class _Collector:
         models: Set[str] = names_in(arg) | _attribute_roots(arg)
         for name in names_in(arg):  # parameter groups built earlier: `groups = [{"params": ...}]`
             for value in f.bound_values(name, call):
+                if isinstance(value, cst.Call) and self.r.qnames(value) & _COPIES:
+                    continue  # `ref = copy.deepcopy(model)`: another module, with tensors of its own
                 models |= names_in(value) | _attribute_roots(value)
         return OptimizerBuild(target[0], call, models, f.scope_of(call), f.order(call))
 

@@ -89,3 +89,32 @@ def test_a_class_that_shards_only_a_part_of_itself_does_not_make_its_instances_r
     _write(tmp_path, {"layers.py": part + "\n\nclass Other(torch.nn.Module):\n    pass\n",
                       "use.py": "from layers import Net, Other\n\n\n" + USE})
     assert _codes(tmp_path / "use.py") == []
+
+
+STATEFUL = """\
+from torch.distributed.fsdp import fully_shard
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+
+def train(model, dataset, mesh, optimizer):
+    fully_shard(model, mesh=mesh)
+    loader = StatefulDataLoader(dataset, batch_size=8)
+    for x in loader:
+        model(x).mean().backward()
+        optimizer.step()
+
+
+def train_epochs(model, dataset, mesh, optimizer):
+    fully_shard(model, mesh=mesh)
+    loader = StatefulDataLoader(dataset, batch_size=8, sampler=StatefulDistributedSampler(dataset))
+    for epoch in range(3):
+        for x in loader:
+            model(x).mean().backward()
+            optimizer.step()
+"""
+
+
+def test_torchdatas_stateful_loader_and_sampler_are_a_dataloader_and_a_distributed_sampler(tmp_path):
+    _write(tmp_path, {"train.py": STATEFUL})
+    assert _codes(tmp_path / "train.py") == [(8, "FSD108"), (16, "FSD121")]

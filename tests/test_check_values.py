@@ -118,3 +118,53 @@ def train_epochs(model, dataset, mesh, optimizer):
 def test_torchdatas_stateful_loader_and_sampler_are_a_dataloader_and_a_distributed_sampler(tmp_path):
     _write(tmp_path, {"train.py": STATEFUL})
     assert _codes(tmp_path / "train.py") == [(8, "FSD108"), (16, "FSD121")]
+
+
+CONTAINERS = """\
+from torch.distributed.fsdp import fully_shard
+
+
+def build(model, mesh):
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def main(model, other, mesh, x):
+    model = build(model, mesh)
+    parts = [model]
+    out = parts[0].forward(x)
+    models = {"lm": model, "plain": other}
+    models["plain"].forward(x)
+    return out, models["lm"].forward(x)
+"""
+
+
+def test_an_element_of_a_list_or_dict_the_script_builds_holds_what_was_put_there(tmp_path):
+    _write(tmp_path, {"train.py": CONTAINERS})
+    assert _codes(tmp_path / "train.py") == [(12, "FSD101"), (15, "FSD101")]
+
+
+REBOUND = """\
+from torch.distributed.fsdp import fully_shard
+
+
+def build(model, mesh):
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def main(mesh, x):
+    model = Net()
+    early = [model]
+    model = build(model, mesh)
+    parts = [model]
+    early[0].forward(x)
+    return parts[0].forward(x)
+"""
+
+
+def test_a_containers_entry_is_the_module_its_name_held_where_the_container_was_built(tmp_path):
+    """`model` is bound twice (built, then the value `build` hands back): the list built after holds the sharded
+    module; the one built before holds the same object, which fully_shard shards in place."""
+    _write(tmp_path, {"train.py": REBOUND})
+    assert _codes(tmp_path / "train.py") == [(14, "FSD101"), (15, "FSD101")]

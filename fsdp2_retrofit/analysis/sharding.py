@@ -197,15 +197,16 @@ class ShardFacts:
         Remembered for sites_for(root, at)."""
         if self.flow is None:
             return None, []
-        base, whole = _base(expr)
-        while True:
+        sites, whole = [], True
+        if type(expr) is cst.Subscript:  # `parts[0]`, `models["lm"]` of a list or dict the script builds
+            sites = self._holding(self.flow.values(expr), at) or self._entry_sites(expr)
+        base, whole = _base(expr) if not sites else (None, True)
+        while not sites:
             if base is None or (type(base) is cst.Name and base.value == "self"):
                 return None, []
-            origins = self.flow.values(base)
-            sites = [s for s in self.sites if s.target is not None and origins & self._origins_of(s)
-                     and self._in_effect(s, at, 3)]
-            if sites and origins <= frozenset().union(*map(self._origins_of, sites)):
-                break  # every value it can hold is sharded there (a lint does not guess)
+            sites = self._holding(self.flow.values(base), at)
+            if sites:
+                break
             if type(base) is not cst.Attribute:
                 return None, []
             base, whole = _base(base.value)[0], False  # `trainer.model.blocks`: a part of `trainer.model`
@@ -213,10 +214,36 @@ class ShardFacts:
         self._by_value[(root, id(at))] = [s for s in sites if s.root == root]
         return (root, whole), self._by_value[(root, id(at))]
 
+    def _entry_sites(self, expr: cst.Subscript) -> List[ShardSite]:
+        """The sites of what every entry `expr` can read held where the container was written (`parts =
+        [model]` after `model = shard(model)`: the name as it is there, where the flow, which reads every
+        binding of `model`, cannot tell); [] unless every entry is sharded there."""
+        entries = self.flow.entries(expr)
+        if not entries or len(entries) > 8:
+            return []
+        out: List[ShardSite] = []
+        for entry in entries:
+            found = self.part(entry, entry) if type(entry) in (cst.Name, cst.Attribute) else None
+            sites = self.sites_for(found[0], entry) if found is not None and found[1] else []
+            if not sites:
+                return []
+            out += sites
+        return out
+
+    def _holding(self, origins, at: cst.CSTNode) -> List[ShardSite]:
+        """The sites in effect at `at` that shard what a value with these origins holds, where every
+        value it can hold is sharded there (a lint does not guess); else []."""
+        sites = [s for s in self.sites if s.target is not None and origins & self._origins_of(s)
+                 and self._in_effect(s, at, 3)]
+        if sites and origins <= frozenset().union(*map(self._origins_of, sites)):
+            return sites
+        return []
+
     def _in_effect(self, site: ShardSite, at: cst.CSTNode, depth: int) -> bool:
         """The site has run when `at` runs: before it in the same function; at module level,
-        for a function; in `__init__`, for the class's other methods (they run on a made
-        instance); before a call of the function around `at` (its known calls, the flow's)."""
+        for a function; in `__init__` or on `self.<attr>`, for the class's other methods (they
+        run on a made instance, as sites_for reads attributes); before a call of the function
+        around `at` (its known calls, the flow's)."""
         fn = self.scope_of(at)
         if site.scope is fn:
             return site.order < self.order(at)
@@ -224,7 +251,9 @@ class ShardFacts:
             return True
         if fn is None:
             return False
-        if isinstance(site.scope, cst.FunctionDef) and site.scope.name.value == "__init__":
+        if isinstance(site.scope, cst.FunctionDef) and (site.scope.name.value == "__init__" or site.root.startswith("self.")):
+            # a module sharded in `__init__`, or stored sharded on `self` in a method (`self.model = shard(...)`, as
+            # sites_for reads `self.<attr>`): in effect in the class's other methods
             cls = self.resolver.enclosing_class(site.scope)
             if cls is not None and self.resolver.enclosing_class(fn) is cls:
                 return True

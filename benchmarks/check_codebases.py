@@ -189,9 +189,18 @@ PLANTS: Tuple[Plant, ...] = (
           "`load_state_dict(torch.load(...))` into the sharded model"),
     Plant("tune-no-sync", "pytorch/torchtune", _TUNE, r"^(\s*)(current_loss\.backward\(\))$",
           r"\1with self._model.no_sync():\n\1    \2", "FSD105", "DDP's `no_sync()` on the FSDP2 module"),
+    # through an alias of the attribute (issue 45: `net = self._model; net.forward(x)`)
+    Plant("tune-alias-forward-call", "pytorch/torchtune", _TUNE, r"^(\s*)outputs = self\._model\(\*\*batch\)$",
+          r"\1net = self._model\n\1outputs = net.forward(**batch)", "FSD101",
+          "`net.forward(...)` where `net = self._model`"),
     # lingua: model = parallelize_model(...) of another module of the package
     Plant("lingua-forward-call", "facebookresearch/lingua", _LINGUA, r"loss = model\(input_ids, labels\)",
           "loss = model.forward(input_ids, labels)", "FSD101", "`model.forward(...)` in the train loop"),
+    # through a container (issue 45: `model_parts[0].forward(...)`)
+    Plant("lingua-container-forward-call", "facebookresearch/lingua", _LINGUA,
+          r"^(\s*)loss = model\(input_ids, labels\)$",
+          r"\1model_parts = [model]\n\1loss = model_parts[0].forward(input_ids, labels)", "FSD101",
+          "`model_parts[0].forward(...)` of a list holding the sharded model"),
     Plant("lingua-zero-grad", "facebookresearch/lingua", _LINGUA, r"^(\s*)(loss\.backward\(\))$",
           r"\1model.zero_grad()\n\1\2", "FSD113", "`model.zero_grad()` between forward and backward"),
     Plant("lingua-torch-save", "facebookresearch/lingua", _LINGUA, r"^(\s*)(loss\.backward\(\))$",

@@ -59,6 +59,15 @@ def test_a_helper_of_another_module_called_as_a_statement_shards_its_argument(tm
     assert _codes(tmp_path / "train.py") == [(8, "FSD101"), (9, "FSD102")]
 
 
+def test_a_comment_or_docstring_naming_fully_shard_still_reads_the_helper(tmp_path):
+    """Whether a file shards is read from its code: text that mentions the API (a docstring, a
+    comment) neither makes it shard nor stops the lookup of the module that does (issue 45)."""
+    train = '"""The model is sharded with fully_shard in parallel.py."""\n' + STATEMENT.replace(
+        "    shard_model(model, mesh)\n", "    shard_model(model, mesh)  # fully_shard per block, then the root\n")
+    _project(tmp_path, {"parallel.py": PARALLEL, "train.py": train})
+    assert _codes(tmp_path / "train.py") == [(9, "FSD101"), (10, "FSD102")]
+
+
 def test_the_value_a_helper_returns_sharded_is_sharded(tmp_path):
     train = STATEMENT.replace("    model = Transformer()\n    shard_model(model, mesh)\n",
                               "    model = shard_model(Transformer(), mesh)\n")

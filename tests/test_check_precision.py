@@ -93,8 +93,8 @@ def test_a_function_returning_an_fsdp1_wrap_is_no_fully_shard_path(tmp_path):
         "def prepare(model):\n    wrapped = FSDP(model)\n    return wrapped\n\n\n"
         "def main(net):\n    model = prepare(net)\n    return model\n"
     )
-    _project(tmp_path, {"test_rollout.py": text})
-    assert _codes(tmp_path / "test_rollout.py") == [(5, "FSD111")]
+    _project(tmp_path, {"rollout.py": text})
+    assert _codes(tmp_path / "rollout.py") == [(5, "FSD111")]
 
 
 DEVICE_UTILS = """\

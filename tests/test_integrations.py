@@ -121,7 +121,7 @@ def test_the_hook_file_names_the_rule_catalogue_of_the_registry():
 
     from fsdp2_retrofit.check.rules import all_rules
 
-    codes = sorted(r.CODE for r in all_rules())
+    codes = sorted(r.CODE for r in all_rules() if r.DEFAULT)  # the 4xx notes are off unless selected
     numbers = [int(c[3:]) for c in codes]
     assert numbers == list(range(numbers[0], numbers[-1] + 1))  # so a range names every rule
     hooks = yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())

@@ -12,7 +12,7 @@ from textwrap import dedent
 import libcst as cst
 import pytest
 
-from fsdp2_retrofit.analysis.loss_reduction import MEAN, MIXED, SUM, UNKNOWN, loss_reductions
+from fsdp2_retrofit.analysis.loss_reduction import BATCHED, MEAN, MIXED, SUM, UNKNOWN, loss_reductions
 from fsdp2_retrofit.options import RetrofitOptions
 from fsdp2_retrofit.pipeline import rewrite_source
 from fsdp2_retrofit.syntax.names import Resolver
@@ -275,3 +275,125 @@ def test_a_loader_no_training_loop_reads_keeps_the_scale_and_says_it_is_not_know
     assert backward_lines(result) == ["(loss * world_size).backward()"]
     change = next(c for c in result.changes if c.code == "loss_scale")
     assert "is not known" in change.what and "scaled as if" in change.what
+
+
+# -- with the script's facts: batch sizes read from the batch, forwards of the script's classes (issue 44, class 5)
+
+OBJECTIVE = '''from torch.utils.data import DataLoader, TensorDataset
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Objective(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y):
+        {forward}
+
+
+def main():
+    torch.manual_seed(0)
+    model = Net()
+    objective = Objective(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    n = 8
+    loader = DataLoader(TensorDataset(torch.randn(24, 4), torch.randn(24, 4)), batch_size=n)
+    for x, y in loader:
+        out = model(x)
+        {body}
+        opt.step()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def read_with_facts(body: str, forward: str = "return F.mse_loss(self.net(x), y, reduction='none')"):
+    from fsdp2_retrofit.analysis.facts import analyse
+
+    module = cst.parse_module(dedent(OBJECTIVE.format(body=body, forward=forward)))
+    facts = analyse(module, "train.py")
+    return [(found.kind, found.power) for found in loss_reductions(facts.resolver, facts)]
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("(out - y).pow(2).sum().div(x.size(0)).backward()", (MEAN, 1)),
+    ("loss = torch.sum((out - y) ** 2) / x.shape[0]\n        loss.backward()", (MEAN, 1)),
+    ("b = len(x)\n        loss = (out - y).pow(2).sum() / (b * b)\n        loss.backward()", (BATCHED, 2)),
+    ("B, D = x.shape\n        loss = (out - y).pow(2).sum() / B ** 3\n        loss.backward()", (BATCHED, 3)),
+    ("loss = F.mse_loss(out, y) * x.size(0)\n        loss.backward()", (SUM, 0)),
+    ("loss = objective(x, y).sum()\n        loss.backward()", (SUM, 0)),
+    ("loss = objective(x, y).mean()\n        loss.backward()", (MEAN, 1)),
+    ("loss = objective(x, y).sum() / x.size(0) ** 2.\n        loss.backward()", (BATCHED, 2)),
+])
+def test_batch_sizes_and_a_modules_per_sample_losses_are_read(body, expected):
+    assert read_with_facts(body) == [expected]
+
+
+@pytest.mark.parametrize("body, forward", [
+    ("((out - y).pow(2).sum() / len(loader)).backward()", None),  # the number of batches, not a batch size
+    ("((out - y).pow(2).sum() / x.size(1)).backward()", None),  # the features, not the samples
+    ("((out - y).pow(2).sum() / model.fc.weight.size(0)).backward()", None),  # a weight's rows
+    ("objective(x, y).sum().backward()", "return self.net(x)"),  # what the forward gives is not a loss it reads
+])
+def test_what_is_not_a_batch_size_or_a_read_loss_stays_unknown(body, forward):
+    kwargs = {"forward": forward} if forward else {}
+    assert read_with_facts(body, **kwargs) == [(UNKNOWN, None)]
+
+
+def test_a_forward_returning_a_mean_keeps_the_mean_and_powers_that_differ_are_mixed():
+    assert read_with_facts("objective(x, y).backward()", forward="return F.mse_loss(self.net(x), y)") == [(MEAN, 1)]
+    assert read_with_facts("(objective(x, y).sum() / x.size(0) ** 2 + F.mse_loss(out, y)).backward()") == [(MIXED, None)]
+
+
+def rewrite_objective(body: str, forward: str = "return F.mse_loss(self.net(x), y, reduction='none')"):
+    return rewrite_source(dedent(OBJECTIVE.format(body=body, forward=forward)).encode(), "train.py", RetrofitOptions())
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("loss = objective(x, y).sum() / x.size(0) ** 2\n        loss.backward()", "(loss / world_size).backward()"),
+    ("(objective(x, y).sum() / len(x) ** 3).backward()",
+     "((objective(x, y).sum() / len(x) ** 3) / world_size ** 2).backward()"),
+    ("loss = objective(x, y).sum()\n        loss.backward()", "(loss * world_size).backward()"),
+    ("loss = objective(x, y).sum() / x.size(0)\n        loss.backward()", "loss.backward()"),
+])
+def test_the_backward_is_scaled_by_world_size_to_one_less_the_power(body, expected):
+    result = rewrite_objective(body)
+    assert not result.refusals, result.refusals
+    assert backward_lines(result) == [expected]
+
+
+def test_a_sum_and_a_sum_over_the_batch_size_squared_are_refused_naming_both():
+    result = rewrite_objective(
+        "loss = objective(x, y).sum() / x.size(0) ** 2 + F.mse_loss(out, y, reduction='sum')\n        loss.backward()")
+    [refusal] = result.refusals
+    assert refusal.code == "FSR960" and "summed over the batch," in refusal.what
+    assert "divided by the batch size to the power 2" in refusal.what
+
+
+def test_a_sum_over_an_unread_call_is_reported_at_the_sum():
+    result = rewrite_objective("loss = objective(x, y).sum()\n        loss.backward()", forward="return self.net(x)")
+    assert backward_lines(result) == ["loss.backward()"]
+    [item] = [a for a in result.attention if a.code == "loss_scale"]
+    assert item.line == 34 and "cannot read" in item.what and "line 35" in item.what
+
+
+def test_a_regulariser_over_a_weight_held_by_a_name_is_no_sum_over_the_batch():
+    """`w = model.fc.weight; (w @ w.T).sum()` sums over the weights, not the batch: no FSR960 beside a mean."""
+    result = rewrite("w = model.fc.weight\n        loss = F.mse_loss(out, x) + 1e-3 * (w @ w.T).sum()\n"
+                     "        loss.backward()")
+    assert not result.refusals, result.refusals
+    assert backward_lines(result) == ["loss.backward()"]

@@ -67,6 +67,12 @@ def batch_couplings(facts) -> List[Coupling]:
     return sorted(out.values(), key=lambda c: r.line(c.node))
 
 
+def batch_tensors(facts):
+    """A test of whether an expression of the script holds a tensor with one row per sample of
+    a training batch (a loop's batch, a model's output, a row-wise function of either)."""
+    return _Finder(facts).batch
+
+
 class _Finder:
     def __init__(self, facts) -> None:
         self.facts = facts
@@ -167,16 +173,9 @@ class _Finder:
         return Coupling(call, f"`{code(call)}` runs {name}.forward, where ({where}) {hits[0].what}")
 
     def _criterion_class(self, call: cst.Call):
-        top = self.facts.classes.top_level.get("")
-        if top is None or not isinstance(call.func, (cst.Name, cst.Attribute)) or self._names_model(call.func):
+        if self._names_model(call.func):
             return None
-        for origin in self.flow.values(call.func):
-            node = origin[0] if isinstance(origin, tuple) else origin
-            if isinstance(node, cst.Call):
-                info = self.facts.classes.get(top[1].of(node.func))
-                if info is not None:
-                    return info
-        return None
+        return self.facts.instance_class(call.func)
 
     # -- statistics over the batch ----------------------------------------------------------------------
 

@@ -103,6 +103,21 @@ class ScriptFacts:
         fn = self.resolver.enclosing_function(expr)
         return next((m for m in self.models if spelled in m.names.get(fn, ())), None)
 
+    def instance_class(self, expr: cst.BaseExpression):
+        """The ClassInfo of the script's or a sibling module's class whose instance `expr` holds
+        (`criterion = SupConLoss(...)`; `self.trainer = Trainer(net)`), by value; None when no
+        origin of `expr` is a construction of a class the registry read."""
+        top = self.classes.top_level.get("")
+        if top is None or not isinstance(expr, (cst.Name, cst.Attribute)):
+            return None
+        for origin in self.analysis.flow.values(expr):
+            node = origin[0] if isinstance(origin, tuple) else origin
+            if isinstance(node, cst.Call):
+                info = self.classes.get(top[1].of(node.func))
+                if info is not None:
+                    return info
+        return None
+
     def methods_called_on(self, model: ModelSite, info) -> List[str]:
         """The methods of `info` (the model's class) the script calls on any name that
         holds `model` where it is called (`m = model.to(device)`; `m.generate(...)`)."""

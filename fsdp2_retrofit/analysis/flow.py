@@ -204,6 +204,18 @@ class ValueFlow:
             for entry in entries:
                 yield from self._values(entry, depth)
 
+    def entries(self, expr: cst.Subscript) -> Optional[list]:
+        """The element expressions of the container displays `expr` reads (`parts[0]` of `parts = [model]`:
+        `model`, as written there), or None where one container is none the flow looks into."""
+        key = _constant_key(expr)
+        out = []
+        for origin in self._values(expr.value, 0):
+            found = None if _changed_after(self.r, origin) else _entries(origin, key)
+            if found is None:
+                return None
+            out += found
+        return out or None
+
     def _binding_values(self, binding, depth: int) -> Iterator:
         kind, node, value, path = binding
         if kind == "opaque":

@@ -20,8 +20,20 @@ functions that return a loss (`def loss_function(...): return bce + kld`). A ter
 * ``mean``: a loss function or criterion with the default or `reduction="mean"`
   (`"batchmean"`), or `torch.mean(x)` / `x.mean()`;
 * ``constant``: a number (also a name bound to one); it adds nothing to the gradient;
-* ``unknown``: anything else (a model's own loss, a method, a division by a batch size,
-  a sum over the model's weights, a sum of a list of losses).
+* ``batched``: a sum over the batch divided by a power of the rank's batch size other than
+  one (`per_sample.sum() / b ** 2` where `b = x.size(0)`): each rank divides by its own batch
+  size, so the gradient comes out world_size ** (1 - power) times the single-process one;
+* ``unknown``: anything else (a model's own loss that cannot be read, a method, a division
+  by a name that is not a batch tensor's size, a sum over the model's weights, a sum of a
+  list of losses).
+
+With the script's facts (`loss_reductions(resolver, facts)`), two more things are read: the
+size of a training batch tensor (`x.size(0)`, `x.shape[0]`, `len(x)`, a name bound to one,
+`B, C, H, W = x.shape`) as a divisor or factor, which moves a term by powers of the batch size
+(a sum divided by it is a mean); and the call of an instance of a class of the script or a
+sibling module (`trainer = DiffusionTrainer(net)`; `trainer(x)`), whose `forward`'s returns are
+read as a function's are: a forward returning `F.mse_loss(..., reduction="none")` gives one
+loss per sample, and `trainer(x).sum()` is a sum over the batch.
 
 A constant factor (`-0.5 * torch.sum(...)`, `beta * kld`, a division by a number, also
 as a tensor method: `torch.sum(...).mul_(-0.5)`, `.div(2)`, `.neg()`) keeps a term's kind; a product with the world size (`loss * world_size`, what the rewrite
@@ -35,11 +47,12 @@ from typing import List, Optional, Set
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import Resolver, code, parameter_names
+from fsdp2_retrofit.syntax.names import Resolver, code, names_read, parameter_names
 from fsdp2_retrofit.syntax.rank import is_world_size_value
 from fsdp2_retrofit.syntax.torch_api import LOSS_CLASSES, LOSS_FUNCTIONS, MEANS, STACKS, SUMS
 
 SUM, MEAN, CONSTANT, UNKNOWN = "sum", "mean", "constant", "unknown"
+BATCHED = "batched"  # a sum over the batch divided by the batch size to a power other than 0 and 1
 NONE = "none"  # `reduction="none"`: one value per sample, reduced later (or an error at backward)
 MIXED = "mixed"
 
@@ -57,6 +70,10 @@ class Term:
 
     kind: str
     node: cst.CSTNode
+    power: int = 0  # of a BATCHED term: the power of the rank's batch size it is divided by
+    # an UNKNOWN `<call>.sum()` over what a call the analysis cannot read returns: one loss per
+    # sample (a sum over the batch) or a loss already?
+    unread_sum: bool = False
 
 
 @dataclass
@@ -71,31 +88,48 @@ class LossReduction:
     def kind(self) -> str:
         return combine(self.terms)
 
+    @property
+    def power(self) -> Optional[int]:
+        """The power of the rank's batch size the loss's sum over the batch is divided by (0: a
+        sum, 1: a mean), where every term is reduced alike; else None."""
+        if self.kind not in (SUM, MEAN, BATCHED):
+            return None
+        return next(batch_power(t) for t in self.terms if t.kind != CONSTANT)
+
     def of_kind(self, kind: str) -> List[Term]:
         return [t for t in self.terms if t.kind == kind]
 
 
+def batch_power(term: Term) -> Optional[int]:
+    """The power of the batch size a term's sum over the batch is divided by, or None."""
+    return {SUM: 0, MEAN: 1, BATCHED: term.power}.get(term.kind)
+
+
+def _with_power(node: cst.CSTNode, power: int) -> Term:
+    return Term(SUM if power == 0 else MEAN if power == 1 else BATCHED, node, power)
+
+
 def combine(terms: List[Term]) -> str:
     kinds = {t.kind for t in terms if t.kind != CONSTANT}
-    if kinds == {SUM}:
-        return SUM
-    if kinds == {MEAN}:
-        return MEAN
-    if SUM in kinds and MEAN in kinds:
+    powers = {batch_power(t) for t in terms if t.kind != CONSTANT} - {None}
+    if len(powers) > 1:
         return MIXED
+    if len(kinds) == 1 and kinds <= {SUM, MEAN, BATCHED}:
+        return next(iter(kinds))
     return UNKNOWN
 
 
-def loss_reductions(resolver: Resolver) -> List[LossReduction]:
+def loss_reductions(resolver: Resolver, facts=None) -> List[LossReduction]:
     """Every `<loss>.backward()` (and `scaler.scale(<loss>).backward()`) of the
-    script, with the terms of its loss."""
+    script, with the terms of its loss; with the script's `facts` (of `resolver`), batch sizes
+    and the forwards of its classes' instances are read too."""
     out = []
     for call in resolver.nodes(cst.Call):
         func = call.func
         if not (isinstance(func, cst.Attribute) and func.attr.value == "backward"):
             continue
         loss = _differentiated(func.value)
-        out.append(LossReduction(call, loss, _Reader(resolver).terms(loss, 0)))
+        out.append(LossReduction(call, loss, _Reader(resolver, facts).terms(loss, 0)))
     return out
 
 
@@ -114,8 +148,14 @@ def _differentiated(expr: cst.BaseExpression) -> cst.BaseExpression:
 
 
 class _Reader:
-    def __init__(self, resolver: Resolver) -> None:
+    def __init__(self, resolver: Resolver, facts=None) -> None:
         self.r = resolver
+        self.facts = facts
+        self.batch = None
+        if facts is not None:
+            from fsdp2_retrofit.analysis.batch_coupling import batch_tensors
+
+            self.batch = batch_tensors(facts)
         self.top_functions = {
             s.name.value: s for s in resolver.module.body if isinstance(s, cst.FunctionDef)
         }
@@ -144,6 +184,15 @@ class _Reader:
             return self.terms(expr.left, depth + 1) + self.terms(expr.right, depth + 1)
         if isinstance(op, cst.Multiply) and (self._world_size(expr.left) or self._world_size(expr.right)):
             return [Term(UNKNOWN, expr)]  # scaled by the world size already (a rewritten or a DDP script)
+        if isinstance(op, cst.Divide):
+            power = self._batch_size_power(expr.right, 0)
+            if power:
+                return self._shift(self.terms(expr.left, depth + 1), power, expr)
+        if isinstance(op, cst.Multiply):
+            for size, other in ((expr.right, expr.left), (expr.left, expr.right)):
+                power = self._batch_size_power(size, 0)
+                if power:
+                    return self._shift(self.terms(other, depth + 1), -power, expr)
         left, right = self.terms(expr.left, depth + 1), self.terms(expr.right, depth + 1)
         if isinstance(op, cst.Multiply):
             if _constant(left) or self._scalar_factor(expr.left, left):
@@ -160,6 +209,68 @@ class _Reader:
         if is_world_size_value(expr, self.r):
             return True
         return isinstance(expr, (cst.Name, cst.Attribute)) and code(expr).rsplit(".", 1)[-1].lower() == "world_size"
+
+    def _shift(self, terms: List[Term], power: int, node: cst.CSTNode) -> List[Term]:
+        """`terms` divided by the batch size to `power` (multiplied, for a negative power)."""
+        if any(batch_power(t) is None and t.kind != CONSTANT for t in terms):
+            return [Term(UNKNOWN, node)]
+        return [t if t.kind == CONSTANT else _with_power(t.node, batch_power(t) + power) for t in terms]
+
+    def _batch_size_power(self, expr: cst.BaseExpression, depth: int) -> Optional[int]:
+        """How many factors of the rank's batch size `expr` is (`x.size(0)`: 1, `b ** 2`: 2,
+        `B * B`: 2), where `x` holds a training batch tensor; None when it is not such a size."""
+        if self.batch is None or depth > 6:
+            return None
+        t = type(expr)
+        if t is cst.BinaryOperation:
+            op = type(expr.operator)
+            if op is cst.Power:
+                base, exponent = self._batch_size_power(expr.left, depth + 1), _integral(expr.right)
+                return base * exponent if base and exponent and exponent > 0 else None
+            if op is cst.Multiply:
+                left = self._batch_size_power(expr.left, depth + 1)
+                right = self._batch_size_power(expr.right, depth + 1)
+                return left + right if left and right else None
+            return None
+        if t is cst.Call:
+            func, args = expr.func, [a for a in expr.args if not a.star]
+            if type(func) is cst.Name and func.value in ("float", "int") and len(args) == 1:
+                return self._batch_size_power(args[0].value, depth + 1)
+            if type(func) is cst.Name and func.value == "len" and len(args) == 1:
+                return 1 if self.batch(args[0].value) else None
+            if type(func) is cst.Attribute and func.attr.value == "size" and len(args) == 1 and (
+                    args[0].keyword is None or args[0].keyword.value == "dim") and _integral(args[0].value) == 0:
+                return 1 if self.batch(func.value) else None
+            return None
+        if t is cst.Subscript:
+            return 1 if self._first_of_shape(expr.value, expr.slice) else None
+        if t is cst.Name:
+            origins = self.facts.analysis.flow.values(expr)
+            found = {self._origin_power(o, expr, depth) for o in origins}
+            return found.pop() if len(found) == 1 else None
+        return None
+
+    def _origin_power(self, origin, at, depth: int) -> Optional[int]:
+        if isinstance(origin, tuple):
+            node, path = origin
+            return 1 if path == (0,) and self._shape_of_batch(node) else None
+        if origin is at or not isinstance(origin, cst.BaseExpression):
+            return None
+        return self._batch_size_power(origin, depth + 1)
+
+    def _first_of_shape(self, value: cst.BaseExpression, index) -> bool:
+        """`x.shape[0]`, `x.size()[0]` of a batch tensor `x`."""
+        if len(index) != 1 or not isinstance(index[0].slice, cst.Index) or _integral(index[0].slice.value) != 0:
+            return False
+        return self._shape_of_batch(value)
+
+    def _shape_of_batch(self, node) -> bool:
+        """`x.shape` / `x.size()` of a batch tensor `x`."""
+        if type(node) is cst.Attribute and node.attr.value == "shape":
+            return self.batch(node.value)
+        if type(node) is cst.Call and type(node.func) is cst.Attribute and node.func.attr.value == "size":
+            return not node.args and self.batch(node.func.value)
+        return False
 
     def _scalar_factor(self, expr: cst.BaseExpression, terms: List[Term]) -> bool:
         """A name or attribute that is no loss (`beta`, `args.kl_weight`): a weight."""
@@ -251,7 +362,19 @@ class _Reader:
                 return [Term(built, call)]
             if func.value in self.top_functions:
                 return self._returned(self.top_functions[func.value], call, depth)
+        forward = self._instance_forward(func)
+        if forward is not None:
+            method, resolver = forward
+            return _Reader(resolver)._returned(method, call, depth + 1)
         return [Term(UNKNOWN, call)]
+
+    def _instance_forward(self, func: cst.BaseExpression):
+        """(forward, its module's resolver) of the class whose instance `func` holds, if read."""
+        if self.facts is None:
+            return None
+        info = self.facts.instance_class(func)
+        method = info.methods.get("forward") if info is not None else None
+        return (method, info.namer.resolver) if method is not None else None
 
     def _scaled(self, call: cst.Call, func: cst.Attribute, depth: int) -> Optional[List[Term]]:
         """`x.mul_(-0.5)`, `x.div(2)`, `x.neg()`: a constant factor keeps the terms of `x`, as
@@ -261,6 +384,9 @@ class _Reader:
         if len(call.args) != 1 or call.args[0].keyword is not None or call.args[0].star:
             return None
         operand = call.args[0].value
+        power = self._batch_size_power(operand, 0)
+        if power:
+            return self._shift(self.terms(func.value, depth + 1), power if func.attr.value in _DIVIDES else -power, call)
         factor = self.terms(operand, depth + 1)
         if _constant(factor) or (func.attr.value in _MULTIPLIES and self._scalar_factor(operand, factor)):
             return self.terms(func.value, depth + 1)
@@ -274,12 +400,26 @@ class _Reader:
             return inner
         if kind == SUM and len(inner) == 1 and inner[0].kind == UNKNOWN and self._opaque_call(inner[0].node):
             # `criterion(out, y).sum()`: what it returns may be a mean already (a mean of one stays a mean)
-            return [Term(UNKNOWN, call)]
+            return [Term(UNKNOWN, call, unread_sum=True)]
         if self.r.qnames(operand) & STACKS or isinstance(operand, (cst.List, cst.Tuple)):
             return [Term(UNKNOWN, call)]  # a sum of losses held in a list: what each is, is not read
-        if any(read in code(operand) for read in _WEIGHT_READS):
+        if self._reads_weights(operand, operand, 0):
             return [Term(UNKNOWN, call)]  # over the model's weights (a regularizer), not over the batch
         return [Term(kind, call)]
+
+    def _reads_weights(self, expr: cst.CSTNode, at: cst.CSTNode, depth: int) -> bool:
+        """`expr` reads the model's weights: `.parameters(`, `.weight`, ... in its text or in the
+        value of a name it reads (`w = model.fc.weight`; `(w @ w.T).sum()`)."""
+        if any(read in code(expr) for read in _WEIGHT_READS):
+            return True
+        if depth > 3:
+            return False
+        for name in names_read(expr):
+            binding = self._binding(name, at)
+            value = getattr(binding, "value", None)
+            if isinstance(binding, cst.Assign) and value is not None and self._reads_weights(value, binding, depth + 1):
+                return True
+        return False
 
     def _opaque_call(self, node: cst.CSTNode) -> bool:
         """A call of something that is not torch's nor a tensor's method: a model, a criterion
@@ -312,12 +452,21 @@ class _Reader:
             if not returns or any(r.value is None for r in returns):
                 return [Term(UNKNOWN, call)]
             found = [self.terms(r.value, depth + 1) for r in returns]
-            kinds = {combine(f) for f in found}
+            kinds = {NONE if f and all(t.kind == NONE for t in f) else combine(f) for f in found}
             if len(kinds) != 1 or kinds == {UNKNOWN}:
                 return [Term(UNKNOWN, call)]
             return [t for f in found for t in f]
         finally:
             self.seen.discard(id(function))
+
+
+def _integral(expr) -> Optional[int]:
+    """The value of an integer literal (`2`, or a float that is one: `2.`), else None."""
+    if type(expr) is cst.Integer:
+        return expr.evaluated_value
+    if type(expr) is cst.Float and float(expr.evaluated_value).is_integer():
+        return int(expr.evaluated_value)
+    return None
 
 
 def _constant(terms: List[Term]) -> bool:

@@ -41,6 +41,7 @@ _GETTER_KINDS = {
 _PART_METHODS = {
     "children", "modules", "named_children", "named_modules", "values", "items", "parameters", "named_parameters",
 }
+_COPIES = frozenset({"copy.deepcopy", "copy.copy"})
 _ITERATION_WRAPPERS = {"enumerate", "reversed", "list", "tuple", "iter", "zip", "sorted"}
 
 Scope = Optional[cst.CSTNode]  # FunctionDef, ClassDef (for self.attr), or None for the module
@@ -196,15 +197,16 @@ class ShardFacts:
         Remembered for sites_for(root, at)."""
         if self.flow is None:
             return None, []
-        base, whole = _base(expr)
-        while True:
+        sites, whole = [], True
+        if type(expr) is cst.Subscript:  # `parts[0]`, `models["lm"]` of a list or dict the script builds
+            sites = self._holding(self.flow.values(expr), at) or self._entry_sites(expr)
+        base, whole = _base(expr) if not sites else (None, True)
+        while not sites:
             if base is None or (type(base) is cst.Name and base.value == "self"):
                 return None, []
-            origins = self.flow.values(base)
-            sites = [s for s in self.sites if s.target is not None and origins & self._origins_of(s)
-                     and self._in_effect(s, at, 3)]
-            if sites and origins <= frozenset().union(*map(self._origins_of, sites)):
-                break  # every value it can hold is sharded there (a lint does not guess)
+            sites = self._holding(self.flow.values(base), at)
+            if sites:
+                break
             if type(base) is not cst.Attribute:
                 return None, []
             base, whole = _base(base.value)[0], False  # `trainer.model.blocks`: a part of `trainer.model`
@@ -212,15 +214,50 @@ class ShardFacts:
         self._by_value[(root, id(at))] = [s for s in sites if s.root == root]
         return (root, whole), self._by_value[(root, id(at))]
 
+    def _entry_sites(self, expr: cst.Subscript) -> List[ShardSite]:
+        """The sites of what every entry `expr` can read held where the container was written (`parts =
+        [model]` after `model = shard(model)`: the name as it is there, where the flow, which reads every
+        binding of `model`, cannot tell); [] unless every entry is sharded there."""
+        entries = self.flow.entries(expr)
+        if not entries or len(entries) > 8:
+            return []
+        out: List[ShardSite] = []
+        for entry in entries:
+            found = self.part(entry, entry) if type(entry) in (cst.Name, cst.Attribute) else None
+            sites = self.sites_for(found[0], entry) if found is not None and found[1] else []
+            if not sites:
+                return []
+            out += sites
+        return out
+
+    def _holding(self, origins, at: cst.CSTNode) -> List[ShardSite]:
+        """The sites in effect at `at` that shard what a value with these origins holds, where every
+        value it can hold is sharded there (a lint does not guess); else []."""
+        sites = [s for s in self.sites if s.target is not None and origins & self._origins_of(s)
+                 and self._in_effect(s, at, 3)]
+        if sites and origins <= frozenset().union(*map(self._origins_of, sites)):
+            return sites
+        return []
+
     def _in_effect(self, site: ShardSite, at: cst.CSTNode, depth: int) -> bool:
         """The site has run when `at` runs: before it in the same function; at module level,
-        for a function; before a call of the function around `at` (its known calls, the flow's)."""
+        for a function; in `__init__` or on `self.<attr>`, for the class's other methods (they
+        run on a made instance, as sites_for reads attributes); before a call of the function
+        around `at` (its known calls, the flow's)."""
         fn = self.scope_of(at)
         if site.scope is fn:
             return site.order < self.order(at)
         if site.scope is None:
             return True
-        if fn is None or depth == 0:
+        if fn is None:
+            return False
+        if isinstance(site.scope, cst.FunctionDef) and (site.scope.name.value == "__init__" or site.root.startswith("self.")):
+            # a module sharded in `__init__`, or stored sharded on `self` in a method (`self.model = shard(...)`, as
+            # sites_for reads `self.<attr>`): in effect in the class's other methods
+            cls = self.resolver.enclosing_class(site.scope)
+            if cls is not None and self.resolver.enclosing_class(fn) is cls:
+                return True
+        if depth == 0:
             return False
         return any(self._in_effect(site, call, depth - 1) for call, _ in self.flow.bound_calls(fn))
 
@@ -537,6 +574,17 @@ class _Collector:
             changed |= self._add_call_site(call, expr, found[0] and whole, found[1])
         return changed
 
+    def _imported_self_sharded(self, call: cst.Call) -> bool:
+        """`net = Net(mesh)` of a class of an imported project module whose `__init__` shards
+        `self` whole: the name bound to the instance holds a sharded module."""
+        path = attr_path(call.func)
+        if not path or ".".join(path) in self.own_classes or not hasattr(self.imported, "shard_methods"):
+            return False
+        found = (self.imported.shard_methods(".".join(path)) or {}).get("__init__")
+        if found is None or not found[0]:
+            return False
+        return self._bind_returns(call, {None: True}, {None: found[1]})
+
     def _declared(self, name: cst.Name) -> Optional[Tuple[str, List[Tuple[cst.BaseExpression, bool]]]]:
         """(the class `name` holds, [(expression holding it, whether the expression is that object
         itself)]): every value it can hold made by one call `C(...)` (the flow's origins), or, for
@@ -603,6 +651,8 @@ class _Collector:
         models: Set[str] = names_in(arg) | _attribute_roots(arg)
         for name in names_in(arg):  # parameter groups built earlier: `groups = [{"params": ...}]`
             for value in f.bound_values(name, call):
+                if isinstance(value, cst.Call) and self.r.qnames(value) & _COPIES:
+                    continue  # `ref = copy.deepcopy(model)`: another module, with tensors of its own
                 models |= names_in(value) | _attribute_roots(value)
         return OptimizerBuild(target[0], call, models, f.scope_of(call), f.order(call))
 
@@ -641,7 +691,9 @@ class _Collector:
                 if sharder is not None:
                     changed |= self._called_sharder(call, sharder)
                 elif type(func) is cst.Attribute and self._may_shard_methods:
-                    changed |= self._method_call(call)
+                    changed |= self._method_call(call) or self._imported_self_sharded(call)
+                elif type(func) is cst.Name and self._may_shard_methods:
+                    changed |= self._imported_self_sharded(call)
             for assign in stores:
                 changed |= self._stored_sharded(assign)
             if not changed:
@@ -728,6 +780,9 @@ class _Collector:
         if init is None:
             return False
         changed = False
+        shards_self = self.self_shards.get(init)
+        if shards_self is not None and shards_self[0]:  # `fully_shard(self, ...)` in __init__: made sharded
+            changed |= self._bind_returns(call, {None: True}, {None: shards_self[1]})
         for param, arg in bind_args(init, call, skip=1):
             root = f.sharded_module(arg, call)
             if root is None:

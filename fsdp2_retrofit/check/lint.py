@@ -122,12 +122,19 @@ def applicable(data: bytes, rules: Sequence[Type[Rule]], path: Optional[str] = N
     return [r for r in rules if r.may_apply(data, elsewhere)]
 
 
-def sharded_elsewhere(data: bytes, path: Optional[str], rules: Sequence[Type[Rule]]) -> bool:
+def sharded_elsewhere(data: bytes, path: Optional[str], rules: Sequence[Type[Rule]], names=None) -> bool:
     """A file that names no sharding API itself, but imports a project module that does
-    (`from parallel import shard_model`): only asked when a selected rule needs sharding."""
+    (`from parallel import shard_model`): only asked when a selected rule needs sharding.
+    `names`: those the file's compiled code uses, which decide whether it names a sharding API
+    itself (a comment or docstring that mentions `fully_shard` does not); without them, its text."""
     from .rules import SHARDING_TRIGGERS
 
-    if not path or any(t.encode() in data for t in SHARDING_TRIGGERS) or not any(r.NEEDS_SHARDING for r in rules):
+    if not path or not any(r.NEEDS_SHARDING for r in rules):
+        return False
+    if names is not None:
+        if names & set(SHARDING_TRIGGERS):
+            return False
+    elif any(t.encode() in data for t in SHARDING_TRIGGERS):
         return False
     from fsdp2_retrofit.analysis.project_imports import imports_sharding
 
@@ -141,17 +148,18 @@ def lint_source(
     """Findings for one source; with `fix`, also the fixed source and what remains. `received`:
     the sharded modules other files of the run hand this one (its classes and functions)."""
     result = LintResult(path, [], original=data)
-    elsewhere = bool(received) or sharded_elsewhere(data, path, rules)
-    rules = [r for r in rules if r.may_apply(data, elsewhere)]
     try:
         code = compiled(data, path)  # also where no rule applies: a syntax error is reported, as ruff does
     except InputError as exc:
         result.error = exc
         return result
+    names = code_names(code) if code is not None else None  # None: newer syntax than this Python's
+    elsewhere = bool(received) or sharded_elsewhere(data, path, rules, names)
+    rules = [r for r in rules if r.may_apply(data, elsewhere)]
     if not rules:
         return result
-    if code is not None:  # else newer syntax than this Python's: the text prefilter alone decides
-        rules = [r for r in rules if r.may_apply_to_names(code_names(code), elsewhere)]
+    if names is not None:  # else the text prefilter alone decides
+        rules = [r for r in rules if r.may_apply_to_names(names, elsewhere)]
     if not rules:
         return result
     try:

@@ -67,13 +67,22 @@ def is_optimizer_call(resolver, call) -> bool:
 
 # -- data --------------------------------------------------------------------
 
-DATALOADERS = frozenset({"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"})
+DATALOADERS = frozenset({
+    "torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader",
+    # torchdata's resumable DataLoader (a DataLoader subclass, same arguments)
+    "torchdata.stateful_dataloader.StatefulDataLoader",
+    "torchdata.stateful_dataloader.stateful_dataloader.StatefulDataLoader",
+})
 # samplers a DistributedSampler replaces one for one: (qualified names) -> its shuffle
 PLAIN_SAMPLERS = {
     "torch.utils.data.RandomSampler": "True", "torch.utils.data.sampler.RandomSampler": "True",
     "torch.utils.data.SequentialSampler": "False", "torch.utils.data.sampler.SequentialSampler": "False",
 }
-DISTRIBUTED_SAMPLERS = frozenset({"torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler"})
+DISTRIBUTED_SAMPLERS = frozenset({
+    "torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler",
+    # torchdata's DistributedSampler subclass whose position is saved with the StatefulDataLoader's state
+    "torchdata.stateful_dataloader.sampler.StatefulDistributedSampler",
+})
 ITERABLE_DATASETS = frozenset({"torch.utils.data.IterableDataset", "torch.utils.data.dataset.IterableDataset"})
 DATASET_BASES = ITERABLE_DATASETS | frozenset({"torch.utils.data.Dataset", "torch.utils.data.dataset.Dataset"})
 

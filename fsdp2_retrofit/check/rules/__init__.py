@@ -21,18 +21,20 @@ from fsdp2_retrofit.analysis.project_imports import SHARDING_TRIGGERS
 
 @dataclass(frozen=True)
 class Valid:
-    """Code the rule must not flag."""
+    """Code the rule must not flag (in a file at `path`)."""
 
     code: str
+    path: str = "case.py"
 
 
 @dataclass(frozen=True)
 class Invalid:
-    """Code the rule flags once, on `line`; `fixed` is the code after its fix."""
+    """Code the rule flags once, on `line`; `fixed` is the code after its fix; `path`, the file's."""
 
     code: str
     line: int
     fixed: Optional[str] = None
+    path: str = "case.py"
 
 
 @dataclass
@@ -146,6 +148,7 @@ def all_rules() -> List[Type[Rule]]:
         change_after_shard,
         flattening_optimizer,
         fsdp1_api,
+        fsdp1_by_design,
         gradient_sync_off,
         forward_call,
         load_into_sharded,
@@ -180,6 +183,7 @@ def all_rules() -> List[Type[Rule]]:
         shard_container.ShardContainer,
         rank_gated_collective.RankGatedCollective,
         fsdp1_api.Fsdp1Api,
+        fsdp1_by_design.Fsdp1ByDesign,
         load_into_sharded.LoadIntoSharded,
         zero_grad_after_forward.ZeroGradAfterForward,
         change_after_shard.ChangeAfterShard,

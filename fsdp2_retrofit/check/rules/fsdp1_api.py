@@ -1,6 +1,10 @@
 """FSD111 fsdp1-api."""
 from __future__ import annotations
 
+import os
+from pathlib import PurePath
+from typing import Optional
+
 import libcst as cst
 
 from fsdp2_retrofit.syntax.names import walk
@@ -27,7 +31,8 @@ class Fsdp1Api(Rule):
     file shards with `fully_shard` and wraps nothing with FSDP1. An FSDP1 call inside the body of an
     `if` whose test asks whether the module is an FSDP1 one (`isinstance(m, FSDP)`, or
     a function of the script or the project that does: `fsdp_version(m) == 1`) is
-    never flagged. (The rule stays on by default rather than opt-in: an FSDP1-only or
+    never flagged. Nor is a file whose subject FSDP1 is (a test module, a copy of torch's own
+    `torch/distributed` code): FSD401, off by default, notes those. (The rule stays on by default rather than opt-in: an FSDP1-only or
     half-migrated script is what `rewrite` migrates, and code that keeps FSDP1 beside
     FSDP2 on purpose is left alone by the conditions above.)
 
@@ -91,9 +96,45 @@ class Fsdp1Api(Rule):
     )
 
     def check(self, ctx):
+        if fsdp1_by_design(ctx.path) is not None:
+            return  # FSDP1 is the file's subject: FSD401's note (off by default), not an error
         r = ctx.resolver
         fsdp2 = _fsdp2_path(ctx)
-        for call in ctx.nodes(cst.Call):
+        for call, found in fsdp1_calls(ctx):
+            if _fsdp1_branch(ctx, call):
+                continue  # `if isinstance(m, FSDP): FSDP.summon_full_params(m)`: FSDP1's own path
+            if fsdp2 and r.qnames(call) & SCALER and _fully_shard_only(ctx):
+                pass  # the scaler of a script that shards with fully_shard alone
+            elif fsdp2 and not _on_fully_sharded(ctx, call) and not _beside_fully_shard(ctx, call):
+                continue  # FSDP1 beside FSDP2 (a compatibility path), not on a module fully_shard shards
+            yield call, found, None
+
+
+_TEST_DIRS = frozenset({"test", "tests", "testing"})
+
+
+def fsdp1_by_design(path: Optional[str]) -> Optional[str]:
+    """Why FSDP1 is the deliberate subject of the file at `path`, or None: a test module (pytest's
+    discovery: `test_*.py`, `*_test.py`, `conftest.py`, or under a `tests/` folder: a test of an
+    FSDP1 path keeps FSDP1 on purpose), or a copy of torch's own code (`.../torch/distributed/...`
+    vendored into a project: torch's FSDP1 state-dict helpers are FSDP1 by definition)."""
+    if not path or path == "-":
+        return None
+    parts = PurePath(os.path.normpath(path)).parts
+    name = parts[-1] if parts else ""
+    if name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py" \
+            or any(p in _TEST_DIRS for p in parts[:-1]):
+        return "a test module"
+    if any(a == "torch" and b == "distributed" for a, b in zip(parts, parts[1:])):
+        return "a copy of torch's own torch.distributed code"
+    return None
+
+
+def fsdp1_calls(ctx):
+    """(call, message fields) of every call of FSDP1's API in the module: constructing
+    FullyShardedDataParallel or ShardedGradScaler, a class method of FSDP1's class."""
+    r = ctx.resolver
+    for call in ctx.nodes(cst.Call):
             names = r.qnames(call)
             if names & FSDP1_CLASSES:
                 found = {"what": "FullyShardedDataParallel(...)", "instead": "`fully_shard` of the blocks, then the root"}
@@ -111,13 +152,7 @@ class Fsdp1Api(Rule):
                 found = {"what": f"FullyShardedDataParallel.{method}(...)", "instead": instead}
             else:
                 continue
-            if _fsdp1_branch(ctx, call):
-                continue  # `if isinstance(m, FSDP): FSDP.summon_full_params(m)`: FSDP1's own path
-            if fsdp2 and names & SCALER and _fully_shard_only(ctx):
-                pass  # the scaler of a script that shards with fully_shard alone
-            elif fsdp2 and not _on_fully_sharded(ctx, call) and not _beside_fully_shard(ctx, call):
-                continue  # FSDP1 beside FSDP2 (a compatibility path), not on a module fully_shard shards
-            yield call, found, None
+            yield call, found
 
 
 # FSDP2's own names: a module that uses one has an FSDP2 path beside any FSDP1 one

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import libcst as cst
 
+from fsdp2_retrofit.syntax.names import walk
 from fsdp2_retrofit.syntax.torch_api import CLIP_GRAD_NORM
 from . import Edit, Fix, Invalid, Rule, Valid
 
@@ -74,6 +75,9 @@ class LocalGradNorm(Rule):
                 fixed=_HEAD + "g = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor())\n"),
         Invalid(_HEAD + _CLIP + "metrics = {}\nif norm is not None:\n    metrics['grad_norm'] = norm\n", line=7,
                 fixed=_HEAD + _CLIP + _FULL + "metrics = {}\nif norm is not None:\n    metrics['grad_norm'] = norm\n"),
+        # the name rebound to its own number: the read is in the rebinding statement
+        Invalid(_HEAD + _CLIP + "norm = norm.item()\n", line=5,
+                fixed=_HEAD + _CLIP + _FULL + "norm = norm.item()\n"),
     )
 
     def check(self, ctx):
@@ -120,16 +124,18 @@ def _numeric_reads(ctx, name: str, clip: cst.Call):
     shards = ctx.shards
     fn = shards.scope_of(clip)
     start = shards.order(clip)
-    rebound = [
-        shards.order(a) for a in ctx.nodes(cst.Assign)
+    rebound = sorted((
+        (shards.order(a), a) for a in ctx.nodes(cst.Assign)
         if shards.scope_of(a) is fn and shards.order(a) > start
         and any(isinstance(t.target, cst.Name) and t.target.value == name for t in a.targets)
-    ]
-    end = min(rebound) if rebound else 10**12
+    ), key=lambda pair: pair[0])
+    end = rebound[0][0] if rebound else 10**12
+    # `norm = norm.item()`: the value of the rebinding statement still reads the clip's norm
+    last_read = {id(n) for n in walk(rebound[0][1].value) if type(n) is cst.Name} if rebound else set()
     for node in ctx.nodes(cst.Name):
         if node.value != name or shards.scope_of(node) is not fn:
             continue
-        if not (start < shards.order(node) < end):
+        if not (start < shards.order(node) < end or id(node) in last_read):
             continue
         parent = r.parent(node)
         if isinstance(parent, cst.Attribute) and parent.value is node:

@@ -51,6 +51,9 @@ class OptimizerBeforeShard(Rule):
         Valid("def train_model(model, opt):\n    opt.step()\n    return model\n\n\n" + _HEAD
               + "fully_shard(model)\noptimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
               + "model = train_model(model, optimizer)\n"),
+        # the optimizer of a deep copy (a reference model of a test): other tensors than those sharded
+        Valid("import copy\n" + _HEAD + "ref = copy.deepcopy(model)\nref_opt = torch.optim.Adam(ref.parameters())\n"
+              + "fully_shard(model)\noptimizer = torch.optim.Adam(model.parameters())\n"),
     )
     INVALID = (
         Invalid(_HEAD + "optimizer = torch.optim.AdamW(model.parameters())\nfully_shard(model)\n", line=4),

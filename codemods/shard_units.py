@@ -249,7 +249,8 @@ class ShardUnits:
                 f"fully_shard {' and '.join(f'`{n}`' for n in names)} as a unit of {'their' if len(names) > 1 else 'its'} own"
                 + (f" where `{names[-1]}` holds at least one block's parameters" if unit.runtime else "")
                 + f" ({unit.what}{one})"
-                + (f"; sized from the default{'s' if len(layout.sources) > 1 else ''} of {sources}" if sources else ""),
+                + (f"; sized from the default{'s' if len(layout.sources) > 1 else ''} of {sources}"
+                   if sources and not unit.runtime else ""),
                 "left in the root it would stay gathered through forward and backward; as a unit it is gathered "
                 "only while it runs (torchtitan's layout: embeddings, blocks, final norm with the head, root)"
                 + (": it runs last in forward, so it keeps its parameters for backward, and the last block "
@@ -257,7 +258,7 @@ class ShardUnits:
                 + ("; its size is not in the source (read from data or computed), so the generated code compares the "
                    "parameter counts when it runs" if unit.runtime else "")
                 + ("; the command line may give other sizes (the layout changes memory and communication, never "
-                   "the numbers)" if sources else ""),
+                   "the numbers)" if sources and not unit.runtime else ""),
                 "the root unit holds it whole on every rank for the whole step",
             )
         for path, why, runtime in layout.kept:

@@ -168,7 +168,8 @@ def test_config_objects_are_read():
     assert "block_size" not in out and "    fully_shard(net.embed, mesh=mesh)\n" in out
     small = _rewrite(vocab.replace('{"n_vocab": len(vocab),', '{"n_vocab": 20,'))
     assert "block_size" not in small and "fully_shard(net.embed" not in small
-    spaced = literal.replace('config = {"n_vocab": 300, "d_model": 16, "n_layers": 2}',
+    assert 'config = {"n_vocab": 300, "d_model": opts.d_model, "n_layers": 2}' in literal
+    spaced = literal.replace('config = {"n_vocab": 300, "d_model": opts.d_model, "n_layers": 2}',
                              "config = SimpleNamespace(n_vocab=300, d_model=16, n_layers=2)")
     spaced = spaced.replace('config["n_vocab"]', "config.n_vocab").replace('config["d_model"]', "config.d_model")
     spaced = spaced.replace('config["n_layers"]', "config.n_layers").replace("import argparse\n",
@@ -182,6 +183,8 @@ def test_a_vocabulary_built_from_data_is_decided_at_run_time():
     out = _rewrite(vocab)
     assert "    if sum(p.numel() for p in net.embed.parameters()) >= block_size:\n" in out
     assert "    to_logits_unit = sum(p.numel() for p in net.to_logits.parameters()) >= block_size\n" in out
+    # the width's default is read, but the comparison is the run's: the report names no default
+    assert all("--d-model" not in c for c in _changes(vocab))
 
 
 def test_a_renamed_size_gives_the_same_layout():

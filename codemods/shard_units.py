@@ -73,22 +73,30 @@ class ShardUnits:
                     "a library builds it: its layout comes from a table of known library models (never imported)",
                 )
             leaves = self._leaf_layout(model, facts, forward_only)
-            head_keeps = leaves is not None and any(u.last for u in leaves.units)
+            head_keeps = leaves is not None and any(u.last and not u.runtime for u in leaves.units)
+            # a leaf unit decided when the script runs: the counts it compares are taken before fully_shard,
+            # and the last block keeps its parameters unless the unit that runs last (the head) is made
+            self._head_unit = None
+            if leaves is not None:
+                out.extend(self._runtime_sizes(model, leaves))
+            head_unit = self._head_unit
             for n, container in enumerate(model.containers):
                 path = ".".join((model.name,) + container.path)
+                unless = f" or {head_unit}" if head_unit else ""
                 if container.units_inside:
                     last = policy == "default" and n == len(model.containers) - 1 and not forward_only and not head_keeps
-                    out.append(self._inner_units(model, container, path, mesh, last))
+                    out.append(self._inner_units(model, container, path, mesh, last, unless))
                     continue
                 if policy == "default" and n == len(model.containers) - 1 and not forward_only and not head_keeps:
                     index = self.fresh_name("index", model.scope)
                     out.append(self.stmt(
                         f"for {index}, {var} in enumerate({path}):\n"
-                        f"    fully_shard({var}{mesh}, reshard_after_forward={index} < len({path}) - 1)\n"
+                        f"    fully_shard({var}{mesh}, reshard_after_forward={index} < len({path}) - 1{unless})\n"
                     ))
                     self.change(
                         model.shard_anchor,
-                        f"the last block of `{path}` keeps its gathered parameters after forward",
+                        f"the last block of `{path}` keeps its gathered parameters after forward"
+                        + (f" unless `{head_unit}` (then the head's unit runs last and keeps them)" if unless else ""),
                         "backward starts with the last block: resharding it only to gather it again at once "
                         "costs a second all-gather (torchtitan's default; --reshard-after-forward always|never)",
                     )
@@ -149,7 +157,7 @@ class ShardUnits:
         )
         return self.stmt(f"{model.name}.set_reshard_after_backward(False)  # the gradient penalty reads them\n")
 
-    def _inner_units(self, model: ModelSite, container, path: str, mesh: str, last: bool):
+    def _inner_units(self, model: ModelSite, container, path: str, mesh: str, last: bool, unless: str = ""):
         """Blocks that are containers whose forward never runs (an inner ModuleList or
         ModuleDict, or a Sequential the model takes apart): a unit per child of each block,
         the modules the forward calls."""
@@ -160,7 +168,7 @@ class ShardUnits:
         if self.policy == "never":
             keep = ", reshard_after_forward=False"
         elif last and container.inner != "ModuleDict":
-            keep = f", reshard_after_forward={var} is not {path}[-1][-1]"
+            keep = f", reshard_after_forward={var} is not {path}[-1][-1]{unless}"
         classes = ", ".join(dict.fromkeys(c.rsplit(".", 1)[-1] for c in container.inner_classes))
         self.change(
             model.shard_anchor,
@@ -189,33 +197,76 @@ class ShardUnits:
         lists = not version or tuple(int(p) for p in version.split(".")[:2]) >= (2, 5)
         return model_leaf_layout(facts, model, lists)
 
+    def _runtime_sizes(self, model: ModelSite, layout) -> list:
+        """Where a leaf unit is decided when the script runs (a size the rewrite cannot read): one
+        block's parameter count, taken before anything is sharded, and, for the unit that runs last
+        under the default policy, whether it is made (the last block's resharding depends on it)."""
+        self._head_unit, self._block_size = None, None
+        if not any(u.runtime for u in layout.units):
+            return []
+        self._block_size = self.fresh_name("block_size", model.scope)
+        counts = [self._count(model, (model.name,) + c, "[0]") for c in layout.containers]
+        count = counts[0] if len(counts) == 1 else f"max({', '.join(counts)})"
+        out = [self.stmt(
+            f"{self._block_size} = {count}"
+            "  # one block's: a leaf that holds as many becomes a unit\n"
+        )]
+        last = next((u for u in layout.units if u.runtime and u.last), None)
+        if last is not None and self.policy == "default":
+            self._head_unit = self.fresh_name(f"{last.paths[-1][-1]}_unit", model.scope)
+            out.append(self.stmt(
+                f"{self._head_unit} = {self._count(model, (model.name,) + last.paths[-1])} >= {self._block_size}\n"
+            ))
+        return out
+
+    def _count(self, model: ModelSite, path, index: str = "") -> str:
+        p = self.fresh_name("p", model.scope)
+        return f"sum({p}.numel() for {p} in {'.'.join(path)}{index}.parameters())"
+
     def _leaf_statements(self, model: ModelSite, layout, mesh: str) -> list:
         """fully_shard each leaf unit (an embedding, `[final norm, head]`), after the blocks,
-        before the root; the unit that runs last in forward keeps its parameters gathered."""
+        before the root; the unit that runs last in forward keeps its parameters gathered. A unit
+        of a size known at run time is made under an `if` that compares its count with a block's."""
         out = []
         policy = self.policy
+        sources = ", ".join(f"{option} ({value!r})" for option, value in layout.sources.items())
         for unit in layout.units:
             names = [".".join((model.name,) + p) for p in unit.paths]
             target = names[0] if len(names) == 1 else f"[{', '.join(names)}]"
             keep = ""
             if policy == "never" or policy == "default" and unit.last:
                 keep = ", reshard_after_forward=False"
-            out.append(self.stmt(f"fully_shard({target}{mesh}{keep})\n"))
+            shard = f"fully_shard({target}{mesh}{keep})\n"
+            if unit.runtime:
+                test = (self._head_unit if unit.last and self._head_unit else
+                        f"{self._count(model, (model.name,) + unit.paths[-1])} >= {self._block_size}")
+                out.append(self.stmt(f"if {test}:\n    {shard}"))
+            else:
+                out.append(self.stmt(shard))
+            one = "" if unit.runtime else f"; one block: {layout.block_params:,}"
             self.change(
                 model.shard_anchor,
-                f"fully_shard {' and '.join(f'`{n}`' for n in names)} as a unit of {'their' if len(names) > 1 else 'its'} own "
-                f"({unit.what}; one block: {layout.block_params:,})",
+                f"fully_shard {' and '.join(f'`{n}`' for n in names)} as a unit of {'their' if len(names) > 1 else 'its'} own"
+                + (f" where `{names[-1]}` holds at least one block's parameters" if unit.runtime else "")
+                + f" ({unit.what}{one})"
+                + (f"; sized from the default{'s' if len(layout.sources) > 1 else ''} of {sources}"
+                   if sources and not unit.runtime else ""),
                 "left in the root it would stay gathered through forward and backward; as a unit it is gathered "
                 "only while it runs (torchtitan's layout: embeddings, blocks, final norm with the head, root)"
                 + (": it runs last in forward, so it keeps its parameters for backward, and the last block "
-                   "reshards" if keep and policy == "default" else ""),
+                   "reshards" if keep and policy == "default" else "")
+                + ("; its size is not in the source (read from data or computed), so the generated code compares the "
+                   "parameter counts when it runs" if unit.runtime else "")
+                + ("; the command line may give other sizes (the layout changes memory and communication, never "
+                   "the numbers)" if sources and not unit.runtime else ""),
                 "the root unit holds it whole on every rank for the whole step",
             )
-        for path, why in layout.kept:
+        for path, why, runtime in layout.kept:
+            held = ("may hold more parameters than one block (its size is known at run time)" if runtime else
+                    f"holds at least one block's parameters ({layout.block_params:,})")
             self.attention(
                 model.stmt,
-                f"`{'.'.join((model.name,) + path)}` stays in the root unit although it holds at least one block's "
-                f"parameters ({layout.block_params:,}): {why}",
+                f"`{'.'.join((model.name,) + path)}` stays in the root unit although it {held}: {why}",
                 "a unit of its own would be gathered only while it runs; here that is not safe or not known",
             )
         return out

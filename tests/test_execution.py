@@ -136,7 +136,11 @@ def _expected(case: Path, directory: Path) -> Path:
 def test_retrofit_trains_like_the_original(case: Path, tmp_path: Path):
     if not (case / "expected.py").is_file():
         pytest.skip(f"{case.name}: no expected.py yet (the rewriter generates it)")
-    run = _run_config(case)
+    _parity(case, _run_config(case), tmp_path)
+
+
+def _parity(case: Path, run: dict, tmp_path: Path) -> None:
+    """The original in one process and the rewrite under torchrun, as `run` says, agree."""
     tolerance = run.get("tolerance", DEFAULT_TOLERANCE)
     timeout = run.get("timeout", DEFAULT_TIMEOUT_S)
 
@@ -156,6 +160,22 @@ def test_retrofit_trains_like_the_original(case: Path, tmp_path: Path):
     print(_figures(case.name, verdict))
     assert saved.ok, f"{case.name}: {saved.problem}"
     assert verdict.equivalent, f"{case.name}: {verdict.summary()}"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name, args", [
+    # the defaults made tok_emb and [final_ln, lm_head] units; at this vocabulary they hold less than a block
+    ("leaf_units_argparse", ["--vocab-size", "40"]),
+    # the run-time comparison makes no unit at this width (166 x 64 against a block's 33,152): the other branch
+    ("leaf_units_runtime_vocab", ["--d-model", "64"]),
+])
+def test_leaf_units_when_the_command_line_changes_the_sizes(name: str, args: list, tmp_path: Path):
+    """A layout read from defaults, or decided when the script runs, is numerically neutral whatever sizes
+    the command line gives: the run still matches one process."""
+    case = FIXTURES / name
+    run = dict(_run_config(case))
+    run["single_args"], run["dist_args"] = [*run["single_args"], *args], [*run["dist_args"], *args]
+    _parity(case, run, tmp_path)
 
 
 @pytest.mark.e2e

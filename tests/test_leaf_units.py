@@ -44,9 +44,147 @@ def test_small_leaves_stay_in_the_root():
     assert _today(out)
 
 
-def test_a_size_that_cannot_be_read_keeps_todays_layout():
+RUNTIME_HEAD = "    head_unit = sum(p.numel() for p in model.head.parameters()) >= block_size\n"
+RUNTIME_EMBEDDING = (
+    "    if sum(p.numel() for p in model.tok_emb.parameters()) >= block_size:\n"
+    "        fully_shard(model.tok_emb, mesh=mesh)\n"
+)
+
+
+def test_a_size_that_cannot_be_read_is_decided_at_run_time():
+    """`int(input())`: the generated code counts one block before sharding and makes each large
+    leaf a unit where it holds as many; the last block keeps its parameters unless the head unit is made."""
     out = _rewrite(SOURCE.replace("VOCAB = 512", "VOCAB = int(input())"))
-    assert _today(out)
+    assert "    block_size = sum(p.numel() for p in model.blocks[0].parameters())" in out
+    assert RUNTIME_HEAD in out and RUNTIME_EMBEDDING in out
+    assert "reshard_after_forward=index < len(model.blocks) - 1 or head_unit)" in out
+    assert "    if head_unit:\n    " + NORM_HEAD in out
+    order = [out.index(s) for s in ("block_size = ", "fully_shard(block", RUNTIME_EMBEDDING, "if head_unit:",
+                                    "fully_shard(model, mesh=mesh)")]
+    assert order == sorted(order)
+
+
+def test_a_run_time_size_under_reshard_never_needs_no_head_flag():
+    out = _rewrite(SOURCE.replace("VOCAB = 512", "VOCAB = int(input())"), reshard_after_forward="never")
+    assert "head_unit" not in out
+    assert ("    if sum(p.numel() for p in model.head.parameters()) >= block_size:\n"
+            "        fully_shard([model.norm, model.head], mesh=mesh, reshard_after_forward=False)\n") in out
+
+
+def test_a_leaf_smaller_than_what_a_block_holds_at_least_stays_in_the_root():
+    """A block with a layer whose size is not read still holds its other layers: a leaf smaller than
+    those is no unit, and no run-time comparison is written for it."""
+    source = SOURCE.replace("        self.norm = nn.LayerNorm(dim)\n        self.fc",
+                            "        self.norm = nn.LayerNorm(dim)\n        self.extra = nn.Linear(dim, int(input()))\n"
+                            "        self.fc", 1)
+    out = _rewrite(source.replace("VOCAB = 512", "VOCAB = 64"))  # 64 x 32 < the block's 8,416 read
+    assert "block_size" not in out and _today(out)
+
+
+def test_a_tied_leaf_of_a_run_time_size_stays_in_the_root():
+    source = (FIXTURES / "leaf_units_tied" / "input.py").read_text()
+    assert "VOCAB = 512" in source
+    out = _rewrite(source.replace("VOCAB = 512", "VOCAB = int(input())"))
+    assert "fully_shard(model.tok_emb" not in out and "fully_shard(model.head" not in out
+    assert "block_size" not in out and LAST_BLOCK_KEEPS in out
+
+
+ARGPARSE = (FIXTURES / "leaf_units_argparse" / "input.py").read_text()
+ARG_EMBEDDING = "    fully_shard(model.tok_emb, mesh=mesh)\n"
+ARG_HEAD = "    fully_shard([model.final_ln, model.lm_head], mesh=mesh, reshard_after_forward=False)\n"
+
+
+def _changes(source: str) -> list:
+    result = rewrite_source(source.encode(), "/tmp/leaf_units_train.py", RetrofitOptions())
+    return [c.what for c in result.changes]
+
+
+def test_argparse_defaults_size_the_leaves_and_the_report_names_them():
+    out = _rewrite(ARGPARSE)
+    assert ARG_EMBEDDING in out and ARG_HEAD in out and "block_size" not in out
+    units = [c for c in _changes(ARGPARSE) if "as a unit of" in c]
+    assert len(units) == 2 and all("sized from the defaults of --vocab-size (384), --dim (24)" in c for c in units)
+
+
+def test_argparse_small_default_keeps_the_leaves_in_the_root():
+    out = _rewrite(ARGPARSE.replace("default=384", "default=40"))  # 40 x 24 < one block (3,624)
+    assert "fully_shard(model.tok_emb" not in out and "model.lm_head" not in out.split("fully_shard(model, mesh")[0]
+    assert "block_size" not in out
+
+
+def test_set_defaults_wins_over_the_options_default():
+    source = ARGPARSE.replace("parser.set_defaults(n_layers=3)", "parser.set_defaults(n_layers=3, vocab_size=40)")
+    assert "fully_shard(model.tok_emb" not in _rewrite(source)
+
+
+def test_argparse_read_in_the_script_and_passed_as_sizes():
+    """`TinyGPT(args.vocab_size, args.width)` in the script, `--vocab` spelled with a short option too."""
+    source = ARGPARSE.replace("def __init__(self, args):", "def __init__(self, vocab_size, width, n_layers):")
+    for name in ("vocab_size", "width", "n_layers"):
+        source = source.replace(f"(args.{name}", f"({name}").replace(f", args.{name}", f", {name}")
+    source = source.replace("TinyGPT(args)", "TinyGPT(args.vocab_size, args.width, args.n_layers)")
+    source = source.replace('add_argument("--vocab-size"', 'add_argument("-v", "--vocab-size"')
+    out = _rewrite(source)
+    assert ARG_EMBEDDING in out and ARG_HEAD in out
+
+
+def test_a_default_the_script_overrides_is_decided_at_run_time():
+    """`args.vocab_size = ...` after parsing: the default is not what runs, so the comparison is the run's."""
+    source = ARGPARSE.replace("    args = get_args()\n", "    args = get_args()\n    args.vocab_size = int(input())\n")
+    out = _rewrite(source)
+    assert "    if sum(p.numel() for p in model.tok_emb.parameters()) >= block_size:\n" in out
+    assert all("--vocab-size" not in c for c in _changes(source))
+    setattr_source = ARGPARSE.replace("    args = get_args()\n",
+                                      '    args = get_args()\n    setattr(args, "vocab_size", int(input()))\n')
+    assert "block_size" in _rewrite(setattr_source)
+    printed = ARGPARSE.replace("    args = get_args()\n", "    args = get_args()\n    print(vars(args))\n")
+    assert "block_size" not in _rewrite(printed)  # reading the namespace changes nothing
+
+
+def test_a_required_option_is_decided_at_run_time():
+    source = ARGPARSE.replace('"--vocab-size", type=int, default=384', '"--vocab-size", type=int, required=True')
+    assert "block_size" in _rewrite(source)
+
+
+def test_sub_commands_make_the_namespace_unread():
+    source = ARGPARSE.replace("    parser.set_defaults(n_layers=3)\n",
+                              "    parser.set_defaults(n_layers=3)\n    parser.add_subparsers(dest='cmd')\n")
+    assert "block_size" in _rewrite(source)
+
+
+def test_argparse_sizes_of_a_tied_model_stay_in_the_root():
+    source = ARGPARSE.replace("        self.lm_head = nn.Linear(args.width, args.vocab_size, bias=False)\n",
+                              "        self.lm_head = nn.Linear(args.width, args.vocab_size, bias=False)\n"
+                              "        self.lm_head.weight = self.tok_emb.weight\n")
+    out = _rewrite(source)
+    assert "fully_shard(model.tok_emb" not in out and "model.lm_head" not in out.split("fully_shard(model, mesh")[0]
+
+
+def test_config_objects_are_read():
+    """A dict literal read by subscript, a SimpleNamespace read by attribute: static sizes, no comparison."""
+    vocab = (FIXTURES / "leaf_units_runtime_vocab" / "input.py").read_text()
+    literal = vocab.replace('{"n_vocab": len(vocab),', '{"n_vocab": 300,')
+    out = _rewrite(literal)
+    assert "block_size" not in out and "    fully_shard(net.embed, mesh=mesh)\n" in out
+    small = _rewrite(vocab.replace('{"n_vocab": len(vocab),', '{"n_vocab": 20,'))
+    assert "block_size" not in small and "fully_shard(net.embed" not in small
+    assert 'config = {"n_vocab": 300, "d_model": opts.d_model, "n_layers": 2}' in literal
+    spaced = literal.replace('config = {"n_vocab": 300, "d_model": opts.d_model, "n_layers": 2}',
+                             "config = SimpleNamespace(n_vocab=300, d_model=16, n_layers=2)")
+    spaced = spaced.replace('config["n_vocab"]', "config.n_vocab").replace('config["d_model"]', "config.d_model")
+    spaced = spaced.replace('config["n_layers"]', "config.n_layers").replace("import argparse\n",
+                                                                          "import argparse\nfrom types import SimpleNamespace\n")
+    out = _rewrite(spaced)
+    assert "block_size" not in out and "    fully_shard(net.embed, mesh=mesh)\n" in out
+
+
+def test_a_vocabulary_built_from_data_is_decided_at_run_time():
+    vocab = (FIXTURES / "leaf_units_runtime_vocab" / "input.py").read_text()
+    out = _rewrite(vocab)
+    assert "    if sum(p.numel() for p in net.embed.parameters()) >= block_size:\n" in out
+    assert "    to_logits_unit = sum(p.numel() for p in net.to_logits.parameters()) >= block_size\n" in out
+    # the width's default is read, but the comparison is the run's: the report names no default
+    assert all("--d-model" not in c for c in _changes(vocab))
 
 
 def test_a_renamed_size_gives_the_same_layout():

@@ -296,16 +296,16 @@ class ValueFlow:
         if cls is None or self.r.enclosing_function(fn) is not None or self._class_named(cls.name.value) is not cls:
             found = [(c, 0) for c in self._calls_of(fn)]
         elif fn.name.value == "__init__":
-            found = [(c, 1) for c in self._calls_spelled(cls.name.value) if type(c.func) is cst.Name]
+            found = [(c, 1) for c in self.calls_spelled(cls.name.value) if type(c.func) is cst.Name]
         else:  # `self.method(...)`, `obj.method(...)`; `Cls.method(obj, ...)` passes `self` itself
             found = [(c, 0 if type(c.func.value) is cst.Name and c.func.value.value == cls.name.value else 1)
-                     for c in self._calls_spelled(fn.name.value) if type(c.func) is cst.Attribute
+                     for c in self.calls_spelled(fn.name.value) if type(c.func) is cst.Attribute
                      and (cls in self._classes_held(c.func.value, 0)
                           or type(c.func.value) is cst.Name and c.func.value.value == cls.name.value)]
         self._bound[id(fn)] = found
         return found
 
-    def _calls_spelled(self, name: str) -> List[cst.Call]:
+    def calls_spelled(self, name: str) -> List[cst.Call]:
         """The calls `name(...)` and `<expr>.name(...)` of the module (indexed once)."""
         if self._by_spelling is None:
             self._by_spelling = {}

@@ -15,15 +15,23 @@ The rule, decided from the class definitions (parsed, never imported):
 - its parameter count comes from its constructor's arguments, where they are literals or
   values that can be read: the root's `__init__` parameters bound to the build call's
   arguments (literals, names bound once to literals) or their defaults, local names of
-  `__init__`, fields of a config dataclass of the script (defaults and the call's keywords);
+  `__init__`, fields of a config dataclass of the script (defaults and the call's keywords),
+  of a dict literal (`cfg["vocab"]`) or a `SimpleNamespace(...)`, and the defaults of an
+  argparse namespace (`args.vocab_size` of `args = parser.parse_args()`, analysis/cli_defaults.py:
+  the report names them, as the command line may change them);
 - it becomes a unit when it holds at least as many parameters as one repeated block (then
   taking it out of the root lowers the peak by at least what a block's gathering costs);
+- where its size or the block's is not read (a vocabulary built from the data, `len(tokenizer)`,
+  a layer the counter does not know), the unit is decided when the script runs: the generated
+  code compares the two counts before fully_shard (`runtime`), unless what is read settles it
+  already (it holds fewer than the parts of a block whose sizes are read);
 - a norm called right before such a head in `forward` shares its unit (`[norm, head]`);
 - it stays in the root when it shares a parameter with another module (tied weights: both
   must live in one unit, and a unit gathered from the embedding to the head would be gathered
   the whole step, as the root is), when a method other than `__init__` or the script reads
   one of its attributes (`self.head.weight`: outside its own forward its parameters are
-  shards), or when any size cannot be read (then the layout is today's: no surprises).
+  shards); where the blocks themselves are not found (built under an `if`, appended later),
+  the layout is today's.
 """
 from __future__ import annotations
 
@@ -37,11 +45,14 @@ from fsdp2_retrofit.syntax.torch_api import (
     BARE_CONTAINERS, NN_NO_PARAMETERS, NN_NORMS, NN_PARAMETER, NN_SIZED_LEAVES, SEQUENTIAL, TENSOR_FACTORIES,
 )
 
+from .cli_defaults import Defaults, namespace_defaults
 from .model_classes import ClassInfo, ClassRegistry, _Namer, _repeated_elements
 
 Path_ = Tuple[str, ...]
 
 _MAX_DEPTH = 6
+_RNN_CELLS = {"torch.nn.RNNCell": 1, "torch.nn.GRUCell": 3, "torch.nn.LSTMCell": 4}  # gates
+_NAMESPACES = frozenset({"types.SimpleNamespace", "builtins.dict"})
 
 
 @dataclass
@@ -49,16 +60,22 @@ class LeafUnit:
     """One unit of leaves of the root: `paths` from the root (one, or the norm and the head)."""
 
     paths: List[Path_]
-    params: int
+    params: Optional[int]  # None: a size is not read (`runtime`)
     what: str  # `tok_emb` (nn.Embedding): 3,200,000 parameters
     last: bool = False  # it runs last in forward, after the blocks: backward starts with it
+    # a size (its own or a block's) is only known when the script runs: the generated code makes it a
+    # unit where it holds at least as many parameters as one block
+    runtime: bool = False
 
 
 @dataclass
 class LeafLayout:
     units: List[LeafUnit] = field(default_factory=list)
-    block_params: Optional[int] = None
-    kept: List[Tuple[Path_, str]] = field(default_factory=list)  # large leaves left in the root, and why
+    block_params: Optional[int] = None  # None: read when the script runs
+    containers: List[Path_] = field(default_factory=list)  # the blocks' containers (the run-time comparison's)
+    # large leaves (or leaves of a size not read: True) left in the root, and why
+    kept: List[Tuple[Path_, str, bool]] = field(default_factory=list)
+    sources: Dict[str, object] = field(default_factory=dict)  # argparse defaults the sizes were read from
 
 
 def leaf_layout(registry: ClassRegistry, cls: Optional[str], call: Optional[cst.Call], flow,
@@ -85,6 +102,7 @@ def leaf_layout(registry: ClassRegistry, cls: Optional[str], call: Optional[cst.
             env[p.name.value] = counter.value(p.default, env, info.namer)
     leaves: Dict[Path_, Tuple[str, Optional[int]]] = {}
     blocks: List[Optional[int]] = []
+    floors: List[int] = []  # at least what each container's block holds
     for stmt in init.body.body:
         if not isinstance(stmt, cst.SimpleStatementLine):
             continue  # modules built under an if/for are not candidates (their blocks may be)
@@ -105,39 +123,57 @@ def leaf_layout(registry: ClassRegistry, cls: Optional[str], call: Optional[cst.
                 elements = _repeated_elements(small.value)
                 if elements:
                     blocks.append(counter.count(elements[0], env, info.namer, 0))
+                    floors.append(counter.lower_bound(elements[0], env, info.namer))
     for container in info.containers:
         if len(container.path) != 1:
             return None  # blocks inside a ModuleDict or another module: not read here
-    if not blocks or len(blocks) != len(info.containers) or any(b is None for b in blocks):
+    if not blocks or len(blocks) != len(info.containers):
         return None
-    layout = LeafLayout(block_params=max(blocks))
+    counted = [b for b in blocks if b is not None]
+    layout = LeafLayout(block_params=max(counted) if len(counted) == len(blocks) else None,
+                        containers=[c.path for c in info.containers])
     tied = _tied(info, script, model_name)
     forward = _call_order(info)
-    big = [p for p, (_, n) in leaves.items() if n is not None and n >= layout.block_params]
-    if any(n is None for _, n in leaves.values()):
-        return None  # a leaf of unknown size: today's layout
-    for path in big:
+    large = {p: _large(callee, n, layout.block_params, max(floors)) for p, (callee, n) in leaves.items()}
+    for path in [p for p, is_large in large.items() if is_large is not False]:
         callee, n = leaves[path]
+        runtime = large[path] is None
         reason = tied.get(path[0])
         if reason is None and path[0] not in forward:
             reason = f"`forward` does not call `self.{path[0]}(...)`"
         if reason is not None:
-            layout.kept.append((path, reason))
+            layout.kept.append((path, reason, runtime))
             continue
         paths, total = [path], n
         at = forward.index(path[0])
         before = forward[at - 1] if at > 0 else None
         if lists and callee not in NN_NORMS and before is not None and (before,) in leaves and (
-            leaves[(before,)][0] in NN_NORMS and before not in tied and (before,) not in big
+            leaves[(before,)][0] in NN_NORMS and before not in tied and large[(before,)] is False
         ):
-            paths, total = [(before,), path], n + leaves[(before,)][1]
+            norm = leaves[(before,)][1]
+            paths, total = [(before,), path], n + norm if n is not None and norm is not None else None
         names = " + ".join(f"`{'.'.join(p)}` ({leaves[p][0].rsplit('.', 1)[-1]})" for p in paths)
-        layout.units.append(LeafUnit(paths, total, f"{names}: {total:,} parameters"))
+        size = f"{total:,} parameters" if total is not None else "its size is known at run time"
+        layout.units.append(LeafUnit(paths, total, f"{names}: {size}", runtime=runtime))
     runs = [forward.index(u.paths[-1][0]) for u in layout.units]
     blocks_at = [forward.index(c.path[0]) for c in info.containers if c.path[0] in forward]
     if layout.units and blocks_at and max(runs) == len(forward) - 1 and max(runs) > max(blocks_at):
         layout.units[runs.index(max(runs))].last = True
+    layout.sources = dict(counter.sources)
     return layout
+
+
+def _large(callee: str, n: Optional[int], block: Optional[int], floor: int) -> Optional[bool]:
+    """Whether a leaf holds at least one block's parameters: None where a size is not read (the
+    generated code compares the counts when it runs), False where it holds fewer than the
+    `floor` a block holds at least (the parts of a block whose sizes are read). A norm holds
+    one or two vectors of the model's width, fewer than a block with one layer of that width:
+    one of a size not read is no unit of its own (it joins the head it runs before)."""
+    if n is not None and block is not None:
+        return n >= block
+    if n is not None and n < floor or callee in NN_NORMS:
+        return False
+    return None
 
 
 def _tied(info: ClassInfo, script: cst.Module, model_name: str) -> Dict[str, str]:
@@ -211,6 +247,14 @@ class _ScriptEnv(dict):
     def __init__(self, flow, counter: "_Counter", namer: _Namer):
         super().__init__()
         self.flow, self.counter, self.namer, self.depth = flow, counter, namer, 0
+        self._namespaces: Dict[int, Optional[Defaults]] = {}
+
+    def namespace(self, call: cst.Call) -> Optional[Defaults]:
+        """The defaults of the argparse namespace `call` returns (analysis/cli_defaults.py), or None."""
+        if id(call) not in self._namespaces:
+            self._namespaces[id(call)] = namespace_defaults(
+                self.flow, call, lambda expr: self.counter.value(expr, self, self.namer))
+        return self._namespaces[id(call)]
 
     def lookup(self, name: cst.Name):
         origins = self.flow.values(name)
@@ -232,6 +276,9 @@ class _Counter:
     def __init__(self, registry: ClassRegistry):
         self.registry = registry
         self._depth = 0
+        self.lower = False  # count a part whose size is not read as none (a lower bound)
+        # the argparse defaults the counts read, option -> value: the command line may give others
+        self.sources: Dict[str, object] = {}
 
     def value(self, expr, env: Dict[str, object], namer: _Namer):
         """An int (or a config's dict of fields) `expr` holds, or None."""
@@ -249,11 +296,23 @@ class _Counter:
         if t is cst.Attribute:
             path = attr_path(expr)
             if path and len(path) == 2:
-                holder = env.get(path[0])
+                holder = env.lookup(expr.value) if isinstance(env, _ScriptEnv) else env.get(path[0])
                 if isinstance(holder, dict):
-                    return holder.get(path[1])
+                    return self._field(holder, path[1])
                 return env.get(".".join(path))
             return None
+        if t is cst.Subscript and len(expr.slice) == 1 and type(expr.slice[0].slice) is cst.Index:
+            key = expr.slice[0].slice.value  # `cfg["vocab"]` of a dict literal
+            holder = self.value(expr.value, env, namer) if type(expr.value) is cst.Name else None
+            return self._field(holder, key.evaluated_value) if isinstance(holder, dict) and type(
+                key) is cst.SimpleString else None
+        if t is cst.Dict:
+            out = {}
+            for element in expr.elements:
+                if type(element) is not cst.DictElement or type(element.key) is not cst.SimpleString:
+                    return None
+                out[element.key.evaluated_value] = self.value(element.value, env, namer)
+            return out
         if t is cst.UnaryOperation and type(expr.operator) is cst.Minus:
             inner = self.value(expr.expression, env, namer)
             return -inner if isinstance(inner, int) else None
@@ -275,9 +334,24 @@ class _Counter:
             return None
         if t is cst.Call and namer.of(expr) == "builtins.int" and len(expr.args) == 1:
             return self.value(expr.args[0].value, env, namer)
+        if t is cst.Call and namer.of(expr) in _NAMESPACES:  # `SimpleNamespace(vocab=512)`, `dict(vocab=512)`
+            if any(a.keyword is None for a in expr.args):
+                return None
+            return {a.keyword.value: self.value(a.value, env, namer) for a in expr.args}
+        if t is cst.Call and isinstance(env, _ScriptEnv):
+            defaults = env.namespace(expr)  # `parser.parse_args()`: the options' defaults
+            if defaults is not None:
+                return defaults
         if t is cst.Call:
             return self.config(expr, env, namer)
         return None
+
+    def _field(self, holder: dict, name: str):
+        """A field of a config's or namespace's values; an argparse default read is noted in `sources`."""
+        found = holder.get(name)
+        if isinstance(holder, Defaults) and found is not None:
+            self.sources.setdefault(holder.options.get(name, name), found)
+        return found
 
     def _module_constant(self, name: str, namer: _Namer):
         """`VOCAB` bound once at the top level of the class's module (`VOCAB = 512`)."""
@@ -316,7 +390,20 @@ class _Counter:
         return fields
 
     def count(self, call: cst.Call, env: Dict[str, object], namer: _Namer, depth: int) -> Optional[int]:
-        """Parameters a constructor call builds, or None where a size cannot be read."""
+        """Parameters a constructor call builds, or None where a size cannot be read (with `lower`
+        set: at least how many, a part not read counting none)."""
+        found = self._count(call, env, namer, depth)
+        return 0 if found is None and self.lower else found
+
+    def lower_bound(self, call: cst.Call, env: Dict[str, object], namer: _Namer) -> int:
+        """The parameters a constructor call builds at least: those of the parts whose sizes are read."""
+        self.lower = True
+        try:
+            return self.count(call, env, namer, 0)
+        finally:
+            self.lower = False
+
+    def _count(self, call: cst.Call, env: Dict[str, object], namer: _Namer, depth: int) -> Optional[int]:
         if depth > _MAX_DEPTH or not isinstance(call, cst.Call):
             return None
         callee = namer.of(call)
@@ -344,6 +431,16 @@ class _Counter:
         if callee == "torch.nn.RMSNorm":
             s, affine = arg(0, "normalized_shape"), arg(2, "elementwise_affine", True)
             return (s if affine else 0) if _ints(s) and isinstance(affine, bool) else None
+        if callee == "torch.nn.MultiheadAttention":
+            d, bias = arg(0, "embed_dim"), arg(3, "bias", True)
+            if len(args) > 4 or {"add_bias_kv", "kdim", "vdim"} & set(kwargs) or not _ints(d) or not isinstance(bias, bool):
+                return None
+            return 4 * d * d + (4 * d if bias else 0)  # in_proj (3d x d), out_proj (d x d), their biases
+        if callee in _RNN_CELLS:
+            i, h, bias = arg(0, "input_size"), arg(1, "hidden_size"), arg(2, "bias", True)
+            if not _ints(i, h) or not isinstance(bias, bool):
+                return None
+            return _RNN_CELLS[callee] * (h * (i + h) + (2 * h if bias else 0))
         if callee in BARE_CONTAINERS | SEQUENTIAL:
             elements = _repeated_elements(call)
             if elements is None:
@@ -372,8 +469,8 @@ class _Counter:
         total = 0
         for stmt in init.body.body:
             if not isinstance(stmt, cst.SimpleStatementLine):
-                if any(type(n) is cst.Assign and any((attr_path(t.target) or ("",))[0] == "self" for t in n.targets)
-                       for n in walk(stmt)):
+                if not self.lower and any(type(n) is cst.Assign and any(
+                        (attr_path(t.target) or ("",))[0] == "self" for t in n.targets) for n in walk(stmt)):
                     return None  # modules built under an if/for
                 continue
             for small in stmt.body:
@@ -397,9 +494,9 @@ class _Counter:
                     else:
                         inner[".".join(path)] = self.value(small.value, inner, info.namer)
                         continue
-                    if n is None:
+                    if n is None and not self.lower:
                         return None
-                    total += n
+                    total += n or 0
                 elif type(small) is cst.Expr and type(small.value) is cst.Call:
                     func = small.value.func
                     if type(func) is cst.Attribute and func.attr.value in ("register_parameter", "add_module"):

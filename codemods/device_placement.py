@@ -55,7 +55,7 @@ class PlaceOnRankDeviceCommand(RetrofitStage):
         if not facts.models:
             return
         self._literal_devices(facts, editor)
-        if facts.distributed_init is None or not device_free(facts.resolver):
+        if facts.distributed_init is None or not device_free(facts.resolver, self.origins):
             return
         found, unfollowed = placements(facts)
         names = self._define_devices(found, facts, editor)

@@ -85,8 +85,12 @@ def _preamble(stmt) -> bool:
     return any(p in text for p in _PREAMBLE)
 
 
-def _statements(resolver):
-    return [s for s in resolver.nodes(cst.SimpleStatementLine) if not _preamble(s)]
+def _statements(resolver, origins=None):
+    """The script's statements, but for the launch preamble and the lines earlier stages wrote
+    with the mesh's device (the broadcast of rank 0's weights, a parameter moved where fully_shard
+    does not): a statement naming `torch.cuda.is_available()` with no line of the user's file."""
+    return [s for s in resolver.nodes(cst.SimpleStatementLine) if not _preamble(s) and not (
+        origins is not None and "torch.cuda.is_available()" in code(s) and origins.line(s) == 0)]
 
 
 def _is_dtype(resolver, expr) -> bool:
@@ -97,9 +101,9 @@ _DTYPES = frozenset({"float", "float32", "float64", "float16", "half", "double",
                      "int64", "int32", "int8", "uint8", "bool", "complex64"})
 
 
-def device_free(resolver) -> bool:
+def device_free(resolver, origins=None) -> bool:
     """The script places nothing: it trained on the CPU (see the module's docstring)."""
-    for stmt in _statements(resolver):
+    for stmt in _statements(resolver, origins):
         for node in walk(stmt):
             kind = type(node)
             if kind is cst.Call and type(node.func) is cst.Attribute:
@@ -263,6 +267,7 @@ class _Finder:
         self._seen: Set[Tuple[int, Tuple[str, ...]]] = set()
         self._scopes: Dict[int, _Scope] = {}
         self._imports: Optional[Set[str]] = None
+        self._parameters: Set[Tuple[int, str]] = set()
 
     def add(self, placement: Placement) -> None:
         key = (id(placement.node), placement.names if placement.kind in ("loop", "unpacked") else ())
@@ -405,6 +410,9 @@ class _Finder:
         """A parameter: followed into every call of the function (plain calls by its name),
         where the argument is placed in the caller; unfollowed where the function has none."""
         fn = s.scope
+        if (id(fn), name) in self._parameters:
+            return True  # a recursion: followed already
+        self._parameters.add((id(fn), name))
         calls = [c for c in self.r.nodes(cst.Call) if type(c.func) is cst.Name and c.func.value == fn.name.value]
         why = f"`{name}` is a parameter of `{fn.name.value}()`"
         if not calls or self.r.enclosing_class(fn) is not None:
@@ -419,7 +427,7 @@ class _Finder:
                 ok = False
                 continue
             outer = self._scope(caller)
-            ok = self._follow_name_in(outer, arg, self.r.statement_of(call), meets, seen) and ok
+            ok = self._follow_name_in(outer, arg, self.r.statement_of(call), meets, set()) and ok  # names of another scope
         return ok
 
     def _scope(self, fn) -> _Scope:
@@ -599,3 +607,37 @@ def literal_devices(facts) -> List[LiteralDevice]:
                     if _zero(branch):
                         found.append(LiteralDevice(branch, "index"))
     return found
+
+
+def is_placed(p: Placement, resolver) -> bool:
+    """`p` is done already in the tree it was found in (the rewrite's output: nothing left)."""
+    def moved(expr) -> bool:
+        return type(expr) is cst.Call and type(expr.func) is cst.Attribute and expr.func.attr.value == "to"
+
+    if p.kind == "loop":
+        first = p.node.body.body[0] if isinstance(p.node.body, cst.IndentedBlock) else None
+        small = first.body[0] if type(first) is cst.SimpleStatementLine else None
+        if type(small) is not cst.Assign:
+            return False
+        target, value = small.targets[0].target, small.value
+        pairs = zip(_flat(target), value.elements) if type(target) is cst.Tuple and type(value) is cst.Tuple else \
+            [(target, cst.Element(value))]
+        return any(type(t) is cst.Name and t.value == p.names[0] and (moved(v.value) or type(v.value) in (
+            cst.DictComp, cst.ListComp)) for t, v in pairs)
+    if p.kind == "factory":
+        parent = resolver.parent(p.node)
+        return _has_device(p.node) or (type(parent) is cst.Attribute and parent.attr.value == "to")
+    if p.kind == "binding":
+        return moved(p.node.body[0].value)
+    if p.kind == "use":
+        parent = resolver.parent(p.node)
+        return type(parent) is cst.Attribute and parent.attr.value == "to"
+    if p.kind == "numpy":
+        receiver = p.node.func.value
+        return type(receiver) is cst.Call and type(receiver.func) is cst.Attribute and receiver.func.attr.value == "cpu"
+    return False
+
+
+def unplaced(facts) -> List[Placement]:
+    """The placements a tree still needs (none, in a rewrite's output)."""
+    return [p for p in placements(facts)[0] if not is_placed(p, facts.resolver)]

@@ -1,10 +1,12 @@
 """Device placement: which tensors meet the model's outputs, and where each is made.
 
 On a GPU the launch preamble picks NCCL and a CUDA mesh, and `fully_shard` moves the
-model's parameters to the mesh's device (torch/distributed/fsdp/_fully_shard/_fully_shard.py:
-fully_shard, through `_get_managed_states` / `FSDPParamGroup` on `mesh_info.mesh.device_type`).
-The root's pre-forward moves only the forward's own tensor arguments there
-(_fsdp_state.py: FSDPState._root_pre_forward, `_to_kwargs` onto `self._device`). Whatever
+model's parameters and buffers to the mesh's device (torch 2.13, torch/distributed/fsdp/_fully_shard/:
+_fully_shard.py:fully_shard takes `device = _get_device_from_mesh(mesh)`, the mesh's type and the
+current device, and _fsdp_init.py:_get_modules_and_states calls `_move_states_to_device`). The
+root's pre-forward moves only the forward's own positional and keyword tensors there
+(_fsdp_state.py:FSDPState._root_pre_forward calls torch/distributed/utils.py:_to_kwargs onto
+`self._device`, for a CUDA-like device only), and nothing moves the outputs back. Whatever
 else meets the outputs — targets, labels built in the loop, masks made by a factory — stays
 where the script made it, on the CPU when the script names no device, and the first loss
 raises "Expected all tensors to be on the same device"; `.numpy()` of an output raises

@@ -171,7 +171,7 @@ def test_the_check_runs_the_gpu_path_of_cpu_only_scripts(gpu):
     """The fixtures of issue 44's class 1 (a script that names no device; a literal GPU 0) are golden
     rows of the GPU check: only there do the targets, labels and `.numpy()` meet CUDA outputs."""
     names = {case.name for case in gpu.load_cases(FIXTURES, [])}
-    assert {"cpu_only_accuracy_numpy", "literal_device_zero"} <= names
+    assert {"cpu_only_accuracy_numpy", "cpu_only_accuracy_numpy_engine", "literal_device_zero"} <= names
     golden = (FIXTURES / "cpu_only_accuracy_numpy" / "expected.py").read_text()
     assert "labels = labels.to(device)" in golden and ".cpu().numpy()" in golden
     literal = (FIXTURES / "literal_device_zero" / "expected.py").read_text()

@@ -210,7 +210,6 @@ class PlaceOnRankDeviceCommand(RetrofitStage):
         self.change(call, what, f"{why} (at `{code(p.meets).strip()[:60]}`)", "a device mismatch on a GPU")
 
     def _literal_devices(self, facts: ScriptFacts, editor) -> None:
-        r = facts.resolver
         for lit in literal_devices(facts):
             node = lit.node
             if lit.kind == "string":

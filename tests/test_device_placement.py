@@ -12,7 +12,7 @@ import libcst as cst
 import pytest
 
 from fsdp2_retrofit.analysis import analyse
-from fsdp2_retrofit.analysis.device_placement import device_free, placements, unplaced
+from fsdp2_retrofit.analysis.device_placement import device_free, unplaced
 from fsdp2_retrofit.pipeline import rewrite_source
 from fsdp2_retrofit.syntax.names import code
 

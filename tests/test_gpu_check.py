@@ -175,5 +175,5 @@ def test_the_check_runs_the_gpu_path_of_cpu_only_scripts(gpu):
     golden = (FIXTURES / "cpu_only_accuracy_numpy" / "expected.py").read_text()
     assert "labels = labels.to(device)" in golden and ".cpu().numpy()" in golden
     literal = (FIXTURES / "literal_device_zero" / "expected.py").read_text()
-    assert 'torch.device("cuda" if' in literal and "class_weights.cuda()\n" in literal
+    assert 'torch.device("cuda" if' in literal and "criterion = criterion.cuda()\n" in literal
     assert "probe = probe.to(local_rank)" in literal

@@ -33,7 +33,16 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import bind_args, code, instance_attribute, root_name, walk
+from fsdp2_retrofit.syntax.names import (
+    bind_args,
+    child_nodes,
+    code,
+    import_bindings,
+    instance_attribute,
+    parameter_names,
+    root_name,
+    walk,
+)
 
 # factories that take `device=`: deterministic ones get it, random ones keep drawing from the
 # CPU generator and move (`.to(device)`), so the numbers are the single-process run's
@@ -171,14 +180,8 @@ class _Scope:
             if kind is cst.Arg:
                 stack.append(node.value)
                 continue
-            stack.extend(_children(node))
+            stack.extend(child_nodes(node))
         return False
-
-
-def _children(node):
-    from fsdp2_retrofit.syntax.names import child_nodes
-
-    return child_nodes(node)
 
 
 def _targets(small):
@@ -257,7 +260,7 @@ def _read_names(expr) -> List[cst.Name]:
         elif kind in (cst.Lambda, cst.FormattedString):
             continue
         else:
-            stack.extend(_children(node))
+            stack.extend(child_nodes(node))
     return found
 
 
@@ -496,8 +499,6 @@ class _Finder:
 
 
 def _imported_names(imp):
-    from fsdp2_retrofit.syntax.names import import_bindings
-
     return [b[0] if isinstance(b, tuple) else b for b in import_bindings(imp)]
 
 
@@ -511,8 +512,6 @@ def _is_numpy(node) -> bool:
 
 
 def _params(fn: cst.FunctionDef) -> Set[str]:
-    from fsdp2_retrofit.syntax.names import parameter_names
-
     return parameter_names(fn)
 
 

@@ -27,6 +27,7 @@ from .checkpoint import ConvertSavesCommand
 from .checkpoint_files import UseCheckpointPathsCommand
 from .clipping import ReadGlobalGradNormCommand
 from .data import DistributeDataCommand
+from .device_placement import PlaceOnRankDeviceCommand
 from .forward_calls import ReplaceForwardCallsCommand
 from .launch import LaunchDistributedCommand
 from .loop_sums import CombineLoopSumsCommand
@@ -86,6 +87,7 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
         CreateFoldersOnceCommand,
         ReshardBeforePenaltyStepCommand,
         FlagBatchCouplingCommand,
+        PlaceOnRankDeviceCommand,  # what meets the outputs on the rank's device; no literal GPU 0
     ],
     [ShareRankLocalNamesCommand],  # after the saves run on every rank: a clock-made path they read is rank 0's
     [DownloadOnRankZeroCommand],  # `download=True` datasets: rank 0 first, a barrier, then the others

@@ -205,7 +205,9 @@ def main(args):
     assert not result.refusals, result.refusals
     text = result.code.decode()
     rebind = ('    assert args.bs % world_size == 0, "the batch size must divide by the number of ranks"\n'
-              "    args.bs = args.bs // world_size  # per rank from here on\n    target = torch.ones(args.bs, 1)\n")
+              "    args.bs = args.bs // world_size  # per rank from here on\n"
+              '    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")\n'  # device_placement: it meets
+              "    target = torch.ones(args.bs, 1, device=device)\n")  # the outputs, on the rank's device
     assert rebind in text, text
     assert text.count("args.bs // world_size") == 1 and text.count("args.bs % world_size") == 1
     assert "loader = DataLoader(data, batch_size=args.bs, sampler=sampler)" in text

@@ -165,3 +165,15 @@ def test_dry_run_reports_every_row_and_a_failure_with_its_error(tmp_path):
     assert rows["main_modulelist", "golden"]["backend"] == "gloo"  # CUDA hidden: the generated code's CPU choice
     assert rows["main_modulelist", "bf16"]["time_ratio"] > 0 and rows["main_modulelist", "bf16"]["memory_ratio"] > 0
     assert rows["main_modulelist", "bf16"]["flags"] == ["--mixed-precision", "bf16"]
+
+
+def test_the_check_runs_the_gpu_path_of_cpu_only_scripts(gpu):
+    """The fixtures of issue 44's class 1 (a script that names no device; a literal GPU 0) are golden
+    rows of the GPU check: only there do the targets, labels and `.numpy()` meet CUDA outputs."""
+    names = {case.name for case in gpu.load_cases(FIXTURES, [])}
+    assert {"cpu_only_accuracy_numpy", "cpu_only_accuracy_numpy_engine", "literal_device_zero"} <= names
+    golden = (FIXTURES / "cpu_only_accuracy_numpy" / "expected.py").read_text()
+    assert "labels = labels.to(device)" in golden and ".cpu().numpy()" in golden
+    literal = (FIXTURES / "literal_device_zero" / "expected.py").read_text()
+    assert 'torch.device("cuda" if' in literal and "criterion = criterion.cuda()\n" in literal
+    assert "probe = probe.to(local_rank)" in literal

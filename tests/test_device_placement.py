@@ -1,0 +1,209 @@
+"""device_placement: in a script that names no device, every tensor that meets the model's outputs
+is placed on the rank's device (on a GPU fully_shard moves only the forward's own inputs); a literal
+GPU 0 becomes the rank's device. These tests read the placement of each such tensor from the code,
+so they fail without a GPU; the fixtures cpu_only_accuracy_numpy and literal_device_zero run the
+results on 2 ranks (tests/test_execution.py) and on one GPU (benchmarks/gpu/run.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+from textwrap import dedent
+
+import libcst as cst
+import pytest
+
+from fsdp2_retrofit.analysis import analyse
+from fsdp2_retrofit.analysis.device_placement import device_free, unplaced
+from fsdp2_retrofit.pipeline import rewrite_source
+from fsdp2_retrofit.syntax.names import code
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "rewrite"
+
+
+def _rewrite(text: str):
+    result = rewrite_source(dedent(text).encode(), "train.py")
+    assert not result.refusals, result.refusals
+    return result
+
+
+def _facts(text: str):
+    return analyse(cst.parse_module(text), "train.py")
+
+
+def test_each_tensor_meeting_the_outputs_of_the_fixture_is_found():
+    """In the fixture's input (after the launch preamble, where the stage plans): the labels of the
+    loop, the two factory targets, and both `.numpy()` calls (of the prediction, of the moved labels)."""
+    result = _rewrite((FIXTURES / "cpu_only_accuracy_numpy" / "input.py").read_text())
+    found = sorted((c.line, c.what) for c in result.changes if c.code == "device_placement")
+    assert [line for line, _ in found] == [53, 53, 55, 57, 62, 63], found
+    whats = " | ".join(w for _, w in found)
+    for fragment in ("`labels` moved to `device` at the loop's head", "torch.zeros(labels.shape[0], 1)",
+                     "torch.ones(labels.shape[0], 1)", "`.cpu()` before `.numpy()`"):
+        assert fragment in whats, whats
+    assert not [a for a in result.attention if a.code == "device_placement"]
+
+
+def test_the_golden_output_leaves_no_tensor_off_the_device():
+    expected = (FIXTURES / "cpu_only_accuracy_numpy" / "expected.py").read_text()
+    assert unplaced(_facts(expected)) == []
+
+
+@pytest.mark.parametrize("undo, left", [
+    ("        labels = labels.to(device)\n", "loop"),
+    (", device=device)\n        is_even[", ")\n        is_even["),
+    ("argmax(dim=1).detach().cpu().numpy()", "numpy"),
+])
+def test_an_output_missing_one_placement_is_caught(undo: str, left: str):
+    """Each placement undone in the golden output is found again: the check can fail."""
+    expected = (FIXTURES / "cpu_only_accuracy_numpy" / "expected.py").read_text()
+    if left.startswith(")"):
+        broken, kind = expected.replace(undo, left, 1), "factory"
+    elif left == "numpy":
+        broken, kind = expected.replace(undo, "argmax(dim=1).detach().numpy()"), "numpy"
+    else:
+        broken, kind = expected.replace(undo, ""), "loop"
+    assert broken != expected
+    missing = unplaced(_facts(broken))
+    assert [p.kind for p in missing] == [kind], [(p.kind, code(p.node)[:40]) for p in missing]
+
+
+def test_scripts_that_place_their_tensors_are_left_alone():
+    script = """\
+        import torch
+        import torch.nn as nn
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model = nn.Linear(4, 2).to(device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x, y = torch.randn(8, 4).to(device), torch.randint(0, 2, (8,)).to(device)
+            loss = nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        """
+    result = _rewrite(script)
+    assert not [c for c in result.changes if c.code == "device_placement"]
+    assert not device_free(_facts(dedent(script)).resolver)
+
+
+def test_a_dict_batch_a_parameter_and_a_comprehension():
+    """A dict batch moves key by key at the loop's head; a step helper's parameter is followed into
+    its caller (the loop target there); an evaluation's comprehension moves the label where it is read."""
+    out = _rewrite("""\
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
+        from torch.utils.data import DataLoader
+
+        def step(model, optimizer, x, y):
+            loss = F.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+        def main():
+            data = [{"x": torch.randn(4), "y": torch.randn(1)} for _ in range(16)]
+            pairs = [(torch.randn(4), torch.randn(1)) for _ in range(16)]
+            model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            records = DataLoader(data, batch_size=4)
+            for batch in records:
+                loss = F.mse_loss(model(batch["x"]), batch["y"])
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            loader = DataLoader(pairs, batch_size=4)
+            for x, y in loader:
+                step(model, optimizer, x, y)
+            err = sum((model(x) - y).abs().sum().item() for x, y in loader)
+            print(err)
+
+        main()
+        """).code.decode()
+    assert "batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}" in out
+    assert "        y = y.to(device)\n        step(model, optimizer, x, y)" in out
+    assert "(model(x) - y.to(device))" in out
+    assert out.count('device = torch.device("cuda" if torch.cuda.is_available() else "cpu")') == 1
+
+
+def test_what_cannot_be_followed_is_reported():
+    result = _rewrite("""\
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+        def targets_for(x):
+            return x.sum(dim=1, keepdim=True)
+
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(8, 4)
+            y = targets_for(x)
+            loss = F.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        """)
+    notes = [a for a in result.attention if a.code == "device_placement"]
+    assert len(notes) == 1 and notes[0].line == 13 and "`y`" in notes[0].what, notes
+    assert "targets_for" in notes[0].why
+
+
+@pytest.mark.parametrize("before, after", [
+    ('device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")',
+     'device = torch.device("cuda" if torch.cuda.is_available() else "cpu")'),
+    ('device = 0 if torch.cuda.is_available() else "cpu"',
+     'device = local_rank if torch.cuda.is_available() else "cpu"'),
+    ('device = torch.device("cuda", 0) if torch.cuda.is_available() else "cpu"',
+     'device = torch.device("cuda") if torch.cuda.is_available() else "cpu"'),
+])
+def test_a_literal_gpu_0_becomes_the_ranks_device(before: str, after: str):
+    script = f"""\
+        import torch
+        import torch.nn as nn
+
+        def main():
+            {before}
+            model = nn.Linear(4, 2).to(device)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(3):
+                x, y = torch.randn(8, 4).to(device), torch.randint(0, 2, (8,)).to(device)
+                loss = nn.functional.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+
+        main()
+        """
+    result = _rewrite(script)
+    out = result.code.decode()
+    assert after in out, out
+    assert [c.line for c in result.changes if c.code == "device_placement"] == [5]
+
+
+def test_a_cuda_0_call_and_a_module_level_index():
+    out = _rewrite("""\
+        import torch
+        import torch.nn as nn
+
+        GPU = 0
+
+        def main():
+            model = nn.Linear(4, 2)
+            if torch.cuda.is_available():
+                model = model.cuda(0)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(3):
+                x = torch.randn(8, 4)
+                if torch.cuda.is_available():
+                    x = x.to(GPU)
+                loss = model(x).sum()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+
+        main()
+        """).code.decode()
+    assert "model = model.cuda()\n" in out
+    assert 'GPU = int(os.environ.get("LOCAL_RANK", 0))' in out

@@ -207,3 +207,36 @@ def test_a_cuda_0_call_and_a_module_level_index():
         """).code.decode()
     assert "model = model.cuda()\n" in out
     assert 'GPU = int(os.environ.get("LOCAL_RANK", 0))' in out
+
+
+def test_the_inputs_of_an_unsharded_wrapper_around_the_model_are_moved():
+    """`objective = Objective(net)` is not sharded (only `net` is): fully_shard's pre-forward runs when
+    the objective's forward calls `net`, so only what it hands `net` moves; `target` meets the output
+    inside the objective's forward on the CPU. Both of the wrapper's inputs move at the loop's head."""
+    out = _rewrite("""\
+        import torch
+        import torch.nn as nn
+        from torch.utils.data import DataLoader, TensorDataset
+
+        class Objective(nn.Module):
+            def __init__(self, net):
+                super().__init__()
+                self.net = net
+
+            def forward(self, x, target):
+                return ((self.net(x) - target) ** 2).mean()
+
+        net = nn.Linear(4, 4)
+        objective = Objective(net)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        loader = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 4)), batch_size=4)
+        for x, target in loader:
+            loss = objective(x, target)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        """)
+    text = out.code.decode()
+    assert "x, target = x.to(device), target.to(device)" in text, text
+    plain = out.code.decode().replace("x, target = x.to(device), target.to(device)", "")
+    assert {p.kind for p in unplaced(_facts(plain))} == {"loop"}

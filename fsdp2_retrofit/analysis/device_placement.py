@@ -138,9 +138,10 @@ def device_free(resolver, origins=None) -> bool:
 class _Scope:
     """One function (or the module level) that calls the model: what its values are."""
 
-    def __init__(self, facts, scope, calls):
+    def __init__(self, facts, scope, calls, wrappers=()):
         self.facts, self.r, self.scope = facts, facts.resolver, scope
         self.model_calls = {id(c) for c in calls}
+        self.wrapper_calls = {id(c) for c in wrappers}  # their outputs are on the device, their inputs are not
         self.stmts = [s for s in self.r.nodes(cst.SimpleStatementLine) if self.r.enclosing_function(s) is scope]
         self.bindings: Dict[str, List[Tuple[cst.CSTNode, cst.CSTNode]]] = {}  # name -> [(stmt, small)]
         for stmt in self.stmts:
@@ -168,7 +169,7 @@ class _Scope:
             node = stack.pop()
             kind = type(node)
             if kind is cst.Call:
-                if id(node) in self.model_calls:
+                if id(node) in self.model_calls or id(node) in self.wrapper_calls:
                     return True
                 if type(node.func) is cst.Attribute and node.func.attr.value in _HOST_METHODS:
                     continue
@@ -213,6 +214,26 @@ def model_calls(facts) -> Dict[Optional[cst.FunctionDef], List[cst.Call]]:
         fn = r.enclosing_function(call)
         if spelled is not None and spelled in facts.model_names.get(fn, set()):
             out.setdefault(fn, []).append(call)
+    return out
+
+
+def wrapper_calls(facts) -> Dict[Optional[cst.FunctionDef], List[cst.Call]]:
+    """Calls of an instance of a class of the script or a sibling module built around a model
+    (`objective = Reconstruction(network)`, then `objective(images, targets)`), per function: the
+    instance is not sharded, so fully_shard's pre-forward moves none of its inputs, and inside its
+    forward they meet the model's output."""
+    r = facts.resolver
+    out: Dict[Optional[cst.FunctionDef], List[cst.Call]] = {}
+    for call in r.nodes(cst.Call):
+        func = call.func
+        if type(func) not in (cst.Name, cst.Attribute) or facts.model_held(func) is not None:
+            continue
+        if facts.instance_class(func) is None:
+            continue
+        built = [o for o in facts.analysis.flow.values(func) if type(o) is cst.Call]
+        if any(type(a.value) in (cst.Name, cst.Attribute) and facts.model_held(a.value) is not None
+               for b in built for a in b.args):
+            out.setdefault(r.enclosing_function(call), []).append(call)
     return out
 
 
@@ -273,6 +294,8 @@ class _Finder:
         self._scopes: Dict[int, _Scope] = {}
         self._imports: Optional[Set[str]] = None
         self._parameters: Set[Tuple[int, str]] = set()
+        self._called = model_calls(facts)
+        self._wrapped = wrapper_calls(facts)
 
     def add(self, placement: Placement) -> None:
         key = (id(placement.node), placement.names if placement.kind in ("loop", "unpacked") else ())
@@ -286,11 +309,16 @@ class _Finder:
         return next(iter(hit)) if hit else None
 
     def run(self) -> None:
-        for scope, calls in model_calls(self.facts).items():
+        wrapped, called = self._wrapped, self._called
+        for scope in list(called) + [f for f in wrapped if f not in called]:
             s = self._scope(scope)
             nodes = self._nodes_of(scope)
+            for call in wrapped.get(scope, ()):  # a wrapper's inputs meet the output inside its forward
+                for op in [a.value for a in call.args]:
+                    if not s.on_device(op):
+                        self._follow_operand(s, op, call)
             for node in nodes:
-                if id(node) in s.model_calls or _is_numpy(node):
+                if id(node) in s.model_calls or id(node) in s.wrapper_calls or _is_numpy(node):
                     continue  # the forward's own inputs: fully_shard's pre-forward moves them
                 ops = _operands(node)
                 if len(ops) < 2 or not any(s.on_device(o) for o in ops):
@@ -438,7 +466,7 @@ class _Finder:
     def _scope(self, fn) -> _Scope:
         known = self._scopes.get(id(fn))
         if known is None:
-            known = self._scopes[id(fn)] = _Scope(self.facts, fn, model_calls(self.facts).get(fn, []))
+            known = self._scopes[id(fn)] = _Scope(self.facts, fn, self._called.get(fn, []), self._wrapped.get(fn, []))
         return known
 
     def _follow_name_in(self, s, expr, stmt, meets, seen) -> bool:

@@ -140,7 +140,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
                     )
 
     def _unwrap(self, site: WrapSite, facts: ScriptFacts, editor: StatementEditor) -> None:
-        if isinstance(site.inner, cst.Name) and site.inner.value == site.name:
+        if code(site.inner) == site.name:  # `model = DDP(model)`, `self.model = DDP(self.model)`
             holder = facts.resolver.parent(facts.resolver.parent(site.stmt))
             if isinstance(holder, cst.If) and holder.orelse is None and len(holder.body.body) == 1:
                 # `if torch.cuda.device_count() > 1: model = DataParallel(model)`: the if goes too

@@ -21,7 +21,7 @@ NULL_CONTEXTS = {"contextlib.nullcontext"}
 class WrapSite:
     """`name = DDP(<inner>, ...)`: the statement, the call, which wrapper."""
 
-    name: str
+    name: str  # the name, or `self.model` for an instance attribute
     stmt: cst.SimpleStatementLine
     call: cst.Call
     kind: str  # "DistributedDataParallel" | "DataParallel"
@@ -79,7 +79,7 @@ def wrappers(facts) -> WrapperFacts:
         held = facts.model_names.get(r.enclosing_function(node), set())
         if isinstance(expr, cst.Name):
             return expr.value in wrapped | held
-        return instance_attribute(expr) in held
+        return instance_attribute(expr) in held | wrapped
 
     module_accesses = [
         a for a in r.nodes(cst.Attribute)
@@ -152,12 +152,18 @@ def _site(stmt, call: cst.Call, kind: str) -> Optional[WrapSite]:
     positional = [a for a in call.args if a.keyword is None and not a.star]
     module_kw = [a for a in call.args if a.keyword is not None and a.keyword.value == "module"]
     inner = positional[0].value if positional else module_kw[0].value if module_kw else None
-    if not isinstance(target, cst.Name) or inner is None or any(a.star for a in call.args):
+    if inner is None or any(a.star for a in call.args):
         return None
+    if isinstance(target, cst.Name):
+        name = target.value
+    else:  # `self.model = DDP(self.model, ...)` in a trainer's method
+        name = instance_attribute(target)
+        if name is None:
+            return None
     kwargs = {a.keyword.value: a.value for a in call.args if a.keyword is not None and a.keyword.value != "module"}
     for i, a in enumerate(positional[1:], start=1):
         kwargs[("device_ids", "output_device", "dim")[i - 1] if i <= 3 else f"arg{i}"] = a.value
-    return WrapSite(target.value, stmt, call, kind, inner, kwargs)
+    return WrapSite(name, stmt, call, kind, inner, kwargs)
 
 
 def _in_import(node, r) -> bool:

@@ -92,9 +92,11 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
             self.refuse(
                 "FSR201",
                 call,
-                f"`{code(call.func)}(...)` {_where_it_goes(call, facts.resolver)}, not assigned to a name on its own line",
-                "the migration replaces `model = DDP(model, ...)` statements; a wrapper built inside another "
-                "expression (returned, passed on, stored in an attribute) cannot be followed",
+                f"`{code(call.func)}(...)` {_where_it_goes(call, facts.resolver)}, not assigned to a name "
+                "(or to an attribute of `self` in a method) on its own line",
+                "the migration replaces `model = DDP(model, ...)` and `self.model = DDP(self.model, ...)` statements; "
+                "a wrapper built inside another expression (returned, passed on, stored in a container or in "
+                "another object's attribute) cannot be followed",
                 "wrap the model on its own line: `model = DDP(model, device_ids=[local_rank])`",
             )
         for node in found.other_uses:

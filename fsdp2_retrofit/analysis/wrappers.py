@@ -62,7 +62,7 @@ def wrappers(facts) -> WrapperFacts:
             continue
         wrapper_calls.add(call.func)
         stmt = r.statement_of(call)
-        site = _site(stmt, call, kind)
+        site = _site(stmt, call, kind, r)
         (sites if site is not None else other_calls).append(site or call)
     wrapped = {s.name for s in sites}
     wrapper_names = DDP | DATA_PARALLEL
@@ -142,7 +142,7 @@ def _kind(call: cst.Call, r) -> Optional[str]:
     return None
 
 
-def _site(stmt, call: cst.Call, kind: str) -> Optional[WrapSite]:
+def _site(stmt, call: cst.Call, kind: str, r) -> Optional[WrapSite]:
     if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
         return None
     assign = stmt.body[0]
@@ -156,14 +156,26 @@ def _site(stmt, call: cst.Call, kind: str) -> Optional[WrapSite]:
         return None
     if isinstance(target, cst.Name):
         name = target.value
-    else:  # `self.model = DDP(self.model, ...)` in a trainer's method
+    elif _own_attribute(target, stmt, r):  # `self.model = DDP(self.model, ...)` in a trainer's method
         name = instance_attribute(target)
-        if name is None:
-            return None
+    else:
+        return None
     kwargs = {a.keyword.value: a.value for a in call.args if a.keyword is not None and a.keyword.value != "module"}
     for i, a in enumerate(positional[1:], start=1):
         kwargs[("device_ids", "output_device", "dim")[i - 1] if i <= 3 else f"arg{i}"] = a.value
     return WrapSite(name, stmt, call, kind, inner, kwargs)
+
+
+def _own_attribute(target, stmt, r) -> bool:
+    """`self.<attr>` set in a method of a class, `self` its first parameter: the attribute its
+    other methods read (holders follow it); another object's attribute is not followed."""
+    fn = r.enclosing_function(stmt)
+    owner = r.enclosing_class(stmt)
+    return (
+        instance_attribute(target) is not None and fn is not None and owner is not None
+        and r.parent(r.parent(fn)) is owner and bool(fn.params.params)
+        and fn.params.params[0].name.value == target.value.value
+    )
 
 
 def _in_import(node, r) -> bool:

@@ -17,28 +17,38 @@ from fsdp2_retrofit.syntax.names import instance_attribute
 from fsdp2_retrofit.syntax.rank import is_local_rank_value, is_rank_value
 
 
+class RankAliases:
+    """The rank names of one resolver's tree, found on the first question."""
+
+    def __init__(self, resolver) -> None:
+        self.r = resolver
+        self._by_scope: Optional[Dict[int, set]] = None
+
+    def at(self, node: cst.CSTNode) -> FrozenSet[str]:
+        """The names (`gpu_id`) and attributes (`self.gpu_id`) that hold a rank where `node` is."""
+        if self._by_scope is None:
+            self._by_scope = _aliases(self.r)
+        found = set(self._by_scope.get(id(self.r.enclosing_function(node)), ()))
+        owner = self.r.enclosing_class(node)
+        if owner is not None:
+            found |= self._by_scope.get(id(owner), set())
+        return frozenset(found)
+
+
 def rank_aliases(node: cst.CSTNode, facts) -> FrozenSet[str]:
-    """The names (`gpu_id`) and attributes (`self.gpu_id`) that hold a rank where `node` is."""
+    """RankAliases.at for a script's facts (made once per analysis)."""
     if facts.rank_alias_cache is None:
-        facts.rank_alias_cache = _aliases(facts)
-    r = facts.resolver
-    by_scope = facts.rank_alias_cache
-    found = set(by_scope.get(id(r.enclosing_function(node)), ()))
-    owner = r.enclosing_class(node)
-    if owner is not None:
-        found |= by_scope.get(id(owner), set())
-    return frozenset(found)
+        facts.rank_alias_cache = RankAliases(facts.resolver)
+    return facts.rank_alias_cache.at(node)
 
 
-def _aliases(facts) -> Dict[int, set]:
-    r = facts.resolver
+def _aliases(r) -> Dict[int, set]:
     bound: Dict[tuple, List[Optional[cst.BaseExpression]]] = {}  # (scope id, text) -> values
     for assign in r.nodes(cst.Assign):
         for t in assign.targets:
             target = t.target
             if isinstance(target, cst.Name):
-                scope = r.enclosing_function(assign)
-                key = (id(scope), target.value)
+                key = (id(r.enclosing_function(assign)), target.value)
             elif instance_attribute(target) is not None and target.value.value == "self":
                 owner = r.enclosing_class(assign)
                 if owner is None:
@@ -69,4 +79,4 @@ def _is_rank(value: cst.BaseExpression, r) -> bool:
     return is_rank_value(value, r) or is_local_rank_value(value)
 
 
-__all__ = ["rank_aliases"]
+__all__ = ["RankAliases", "rank_aliases"]

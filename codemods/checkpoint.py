@@ -15,6 +15,7 @@ from fsdp2_retrofit.analysis.checkpoints import (
     saves,
     split_rank_test,
 )
+from fsdp2_retrofit.analysis.rank_values import rank_aliases
 from fsdp2_retrofit.analysis.rank_zero_broadcast import broadcast_anchor
 from fsdp2_retrofit.syntax.names import calls_in, names_in
 from fsdp2_retrofit.syntax.rank import every_rank_call
@@ -281,7 +282,10 @@ class ConvertSavesCommand(RetrofitStage):
             else:
                 gates.setdefault(gate, []).append(site.call)
         # `if master_process: save_checkpoint(model, ...)`: a function of the script that saves
+        # (`if self.gpu_id == 0: self._save_snapshot(epoch)`: a method of the same class)
+        self.saving_calls = set()
         for call in self._calls_of_saving_functions(facts):
+            self.saving_calls.add(id(call))
             gate = rank_gate(call, facts)
             if gate is not None:
                 gates.setdefault(gate, []).append(call)
@@ -336,23 +340,39 @@ class ConvertSavesCommand(RetrofitStage):
                 )
 
     def _calls_of_saving_functions(self, facts: ScriptFacts) -> List[cst.Call]:
-        """Calls of the script's functions that (directly or through another) save state."""
-        functions = {f.name.value: f for f in facts.module.body if isinstance(f, cst.FunctionDef)}
-        saving = {
-            facts.resolver.enclosing_function(stmt).name.value
-            for stmt in self.collective
-            if facts.resolver.enclosing_function(stmt) is not None
-        }
-        calls = [c for c in facts.resolver.nodes(cst.Call) if isinstance(c.func, cst.Name) and c.func.value in functions]
+        """Calls of the script's functions that (directly or through another) save state: a
+        top-level function called by its name, a method called on `self` in its own class."""
+        r = facts.resolver
+        functions = {f.name.value for f in facts.module.body if isinstance(f, cst.FunctionDef)}
+
+        def key(fn: cst.FunctionDef):
+            """What calls name `fn` by: its name, or (its class, its name) for a method."""
+            owner = r.enclosing_class(fn)
+            if owner is not None and r.parent(r.parent(fn)) is owner:
+                return id(owner), fn.name.value
+            return fn.name.value if fn.name.value in functions else None
+
+        def callee(call: cst.Call):
+            func = call.func
+            if isinstance(func, cst.Name) and func.value in functions:
+                return func.value
+            if type(func) is cst.Attribute and type(func.value) is cst.Name and func.value.value == "self":
+                owner = r.enclosing_class(call)
+                return (id(owner), func.attr.value) if owner is not None else None
+            return None
+
+        saving = {key(r.enclosing_function(stmt)) for stmt in self.collective if r.enclosing_function(stmt) is not None}
+        calls = [(c, callee(c)) for c in r.nodes(cst.Call)]
+        calls = [(c, k) for c, k in calls if k is not None]
         changed = True
         while changed:
             changed = False
-            for call in calls:
-                caller = facts.resolver.enclosing_function(call)
-                if call.func.value in saving and caller is not None and caller.name.value not in saving:
-                    saving.add(caller.name.value)
+            for call, k in calls:
+                caller = r.enclosing_function(call)
+                if k in saving and caller is not None and key(caller) not in saving:
+                    saving.add(key(caller))
                     changed = True
-        return [c for c in calls if c.func.value in saving]
+        return [c for c, k in calls if k in saving]
 
     def _place_ungated(self, site: SaveSite, facts: ScriptFacts, editor: StatementEditor) -> None:
         """The statements a save needs go right before it (its comments above them); a
@@ -379,7 +399,7 @@ class ConvertSavesCommand(RetrofitStage):
         only its output statements (prints, logs, plain-file writes) keep `if rank == 0:`.
         Assignments run on every rank too: later branches (`if loss < best: save`) must
         take the same way on every rank."""
-        rank, other = split_rank_test(gate.test)
+        rank, other = split_rank_test(gate.test, rank_aliases(gate, facts))
         if gate.orelse is not None or not rank or not isinstance(gate.body, cst.IndentedBlock):
             self.refuse(
                 "FSR701",
@@ -461,6 +481,8 @@ class ConvertSavesCommand(RetrofitStage):
             if not isinstance(small, cst.Expr):
                 return True
             if names_in(small) & (self.gate_models | self.local_functions):
+                return True
+            if any(id(call) in self.saving_calls for call in calls_in(small)):
                 return True
             if any(every_rank_call(call, facts.resolver) for call in calls_in(small)):
                 return True

@@ -92,9 +92,11 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
             self.refuse(
                 "FSR201",
                 call,
-                f"`{code(call.func)}(...)` {_where_it_goes(call, facts.resolver)}, not assigned to a name on its own line",
-                "the migration replaces `model = DDP(model, ...)` statements; a wrapper built inside another "
-                "expression (returned, passed on, stored in an attribute) cannot be followed",
+                f"`{code(call.func)}(...)` {_where_it_goes(call, facts.resolver)}, not assigned to a name "
+                "(or to an attribute of `self` in a method) on its own line",
+                "the migration replaces `model = DDP(model, ...)` and `self.model = DDP(self.model, ...)` statements; "
+                "a wrapper built inside another expression (returned, passed on, stored in a container or in "
+                "another object's attribute) cannot be followed",
                 "wrap the model on its own line: `model = DDP(model, device_ids=[local_rank])`",
             )
         for node in found.other_uses:
@@ -140,7 +142,7 @@ class MigrateDistributedWrappersCommand(RetrofitStage):
                     )
 
     def _unwrap(self, site: WrapSite, facts: ScriptFacts, editor: StatementEditor) -> None:
-        if isinstance(site.inner, cst.Name) and site.inner.value == site.name:
+        if code(site.inner) == site.name:  # `model = DDP(model)`, `self.model = DDP(self.model)`
             holder = facts.resolver.parent(facts.resolver.parent(site.stmt))
             if isinstance(holder, cst.If) and holder.orelse is None and len(holder.body.body) == 1:
                 # `if torch.cuda.device_count() > 1: model = DataParallel(model)`: the if goes too

@@ -43,6 +43,7 @@ from .checkpoint import FUTURE, STATE_DICT_MODULE
 from .resume_either import BROADCAST, RunTimeFormatLoads, strict_option
 
 READERS = {"shutil.move", "builtins.open", "os.path.getsize"} | COPIES
+IS_FILE = {"os.path.isfile"}
 
 
 class ConvertLoadsCommand(RunTimeFormatLoads, RetrofitStage):
@@ -53,6 +54,7 @@ class ConvertLoadsCommand(RunTimeFormatLoads, RetrofitStage):
         if not facts.models:
             return
         self.saved: CheckpointSaves = checkpoint_saves(facts, self.options.export)
+        self.__dict__["_dcp_loaded"] = []  # the load sites _dcp_load converts
         for site in loads(facts):
             self._convert_load(site, facts, editor)
         self._other_readers(facts, editor)
@@ -375,6 +377,7 @@ class ConvertLoadsCommand(RunTimeFormatLoads, RetrofitStage):
     def _dcp_load(self, var: str, path: str, site: LoadSite, facts: ScriptFacts,
                   barrier: bool = True) -> List[cst.CSTNode]:
         """dcp.load, after a running async save (earlier in the same function) finishes."""
+        self.__dict__.setdefault("_dcp_loaded", []).append(site)
         load = self.stmt(f"dcp.load({var}, checkpoint_id={path})\n")
         out = self._copy_barrier(site) if barrier else []
         if self.options.async_checkpoint and self.saved.async_save_before(site.stmt, facts):
@@ -455,7 +458,27 @@ class ConvertLoadsCommand(RunTimeFormatLoads, RetrofitStage):
     # -- other readers ------------------------------------------------------------
 
     def _other_readers(self, facts: ScriptFacts, editor: StatementEditor) -> None:
-        """A copy of a checkpoint directory becomes a copytree on rank 0; other reads are reported."""
+        """A copy of a checkpoint directory becomes a copytree on rank 0, `os.path.isfile(path)` (a
+        resume's `if`) `os.path.exists(path)`; other reads are reported."""
+        r = facts.resolver
+        guards = []  # `os.path.isfile(path)` in the test of an `if` around a load of `path` now read by dcp.load
+        for site in self.__dict__.get("_dcp_loaded", []):
+            for anc in r.ancestors(site.stmt):
+                if isinstance(anc, cst.FunctionDef):
+                    break
+                if isinstance(anc, cst.If):
+                    guards += [c for c in r.descendants(anc.test, cst.Call) if r.is_call_to(c, IS_FILE)
+                               and len(c.args) == 1 and code(c.args[0].value) == code(site.path) and c not in guards]
+        for call in guards:
+            path = code(call.args[0].value)
+            editor.replace_expression(call, self.expr(f"os.path.exists({path})"))
+            self.add_import("os")
+            self.change(
+                call,
+                f"`{code(call)}` -> `os.path.exists({path})`",
+                "the checkpoint is now a DCP directory: isfile would be False for it, and the run would "
+                "silently start over instead of resuming",
+            )
         for call in calls_to(facts, READERS):
             if not call.args or path_key(call.args[0].value, facts) not in self.saved.dcp_paths:
                 continue

@@ -599,3 +599,37 @@ def test_a_forward_method_of_one_of_the_classes_chosen_at_run_time_is_registered
     dist = launch_distributed(case / "expected.py", flag + ["--batch-size", "4", "--out",
                                                             str(tmp_path / "bag.pt")], tmp_path, nproc=2)
     assert (tmp_path / "bag.pt" / ".metadata").is_file(), dist.stdout[-2000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", ["ddp_trainer_attribute", "ddp_trainer_sibling"])
+def test_a_ddp_trainer_resumes_from_its_own_snapshot_like_the_original(name: str, tmp_path: Path):
+    """The snapshot a DDP Trainer saves and resumes from (converted together: DCP save on every rank,
+    dcp.load + set_model_state_dict): a run of 2 epochs, then one to epoch 3 in the same folder that
+    resumes from the first one's snapshot, ends with the weights and epoch of the DDP original doing
+    the same under torchrun (its torch.save file read back by torch.load). Fails if the load is left
+    as torch.load (a DCP directory is no file) or restores other weights or another epoch."""
+    case = FIXTURES / name
+    run = _run_config(case)
+    timeout = run.get("timeout", DEFAULT_TIMEOUT_S)
+    expected = _expected(case, tmp_path)
+    for script, folder, extra in ((case / "input.py", tmp_path / "single", run["single_args"]),
+                                  (expected, tmp_path / "dist", run["dist_args"])):
+        for epochs in ("2", "3"):
+            second = launch_distributed(script, ["--out", str(folder / "out.pt"), *extra, "--epochs", epochs], folder,
+                                        nproc=run.get("nproc", 2), timeout=timeout)
+        # the second run resumed (the sibling's would end with the same weights trained from scratch)
+        resumed = {"ddp_trainer_attribute": "Resuming training from snapshot at epoch 1", "ddp_trainer_sibling": "epoch 2:"}
+        assert resumed[name] in second.stdout and "epoch 0:" not in second.stdout, second.stdout[-2000:]
+    assert (tmp_path / "dist" / "out.pt" / ".metadata").is_file(), "the converted Trainer saved no DCP directory"
+    saved = compare_saved(tmp_path / "single" / "out.pt", tmp_path / "dist" / "out.pt", run["weights"],
+                          run.get("tolerance", DEFAULT_TOLERANCE))
+    print(f"\n{name}, resumed: saved weights {saved.max_abs_diff}")
+    assert saved.ok, f"{name}: {saved.problem}"
+    epoch_key = {"ddp_trainer_attribute": "EPOCHS_RUN", "ddp_trainer_sibling": "epoch"}[name]
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(tmp_path / "dist" / "out.pt", tmp_path / "dist.pt")
+    original = torch.load(tmp_path / "single" / "out.pt", map_location="cpu", weights_only=False)
+    converted = torch.load(tmp_path / "dist.pt", map_location="cpu", weights_only=False)
+    assert converted[epoch_key] == original[epoch_key] == 2

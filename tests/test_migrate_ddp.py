@@ -352,3 +352,97 @@ def test_no_sync_in_an_elif_branch_takes_the_generic_form():
     assert "set_reshard_after_backward" not in reshard
     assert ("            model.set_requires_gradient_sync(False)\n            loss.backward()\n"
             "            model.set_requires_gradient_sync(True)\n") in reshard
+
+
+TUTORIAL_TRAINER = '''
+import os
+import torch
+from torch.distributed import init_process_group, destroy_process_group
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def ddp_setup():
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    init_process_group(backend="nccl")
+
+
+class Trainer:
+    def __init__(self, model, optimizer, path):
+        self.gpu_id = {gpu_id}
+        self.model = model.to(self.gpu_id)
+        self.optimizer = optimizer
+        self.path = path
+        self.model = DDP(self.model, device_ids=[self.gpu_id])
+
+    def _save_snapshot(self, epoch):
+        torch.save({{"MODEL_STATE": self.model.module.state_dict(), "EPOCHS_RUN": epoch}}, self.path)
+        print(f"epoch {{epoch}} saved")
+
+    def train(self, epochs):
+        for epoch in range(epochs):
+            self.optimizer.zero_grad()
+            self.model(torch.randn(4, 8, device="cuda")).sum().backward()
+            self.optimizer.step()
+            if self.gpu_id == 0 and epoch % 2 == 0:
+                self._save_snapshot(epoch)
+
+
+def main():
+    ddp_setup()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    Trainer(model, optimizer, "snapshot.pt").train(4)
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+@pytest.mark.parametrize("gpu_id", ['int(os.environ["LOCAL_RANK"])', 'int(os.environ.get("RANK", 0))',
+                                    "torch.distributed.get_rank()"])
+def test_a_tutorial_trainer_wrapping_its_attribute_and_saving_under_its_rank_read_by_value(gpu_id):
+    """`self.model = DDP(self.model, ...)` (was FSR201) goes, the model is sharded before its optimizer,
+    ddp_setup()'s process group is the only one, and `if self.gpu_id == 0 and ...:` around the method
+    that now saves with DCP loses its rank test: `self.gpu_id` holds a rank by its value (kept, the
+    other ranks would never join the save). fixtures/rewrite/ddp_trainer_attribute runs this shape."""
+    result = rewrite(TUTORIAL_TRAINER.format(gpu_id=gpu_id))
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert_no_ddp_api(code)
+    lines = [l.strip() for l in code.splitlines()]
+    assert lines.index("fully_shard(model, mesh=mesh)") < lines.index(
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)")
+    assert sum("init_process_group(" in l for l in lines) == 1
+    assert "            if epoch % 2 == 0:\n                self._save_snapshot(epoch)\n" in code
+    assert "dcp.save(" in code and "get_model_state_dict(self.model)" in code
+    assert "        if dist.get_rank() == 0:\n            print(f\"epoch {epoch} saved\")" in code
+
+
+def test_an_attribute_that_is_not_only_a_rank_does_not_gate_like_one():
+    """`self.gpu_id` bound to LOCAL_RANK and to something else: no rank by value, so its `if` is no
+    rank-0 gate (a save under it is not moved), and the analysis says so."""
+    from fsdp2_retrofit.analysis.facts import analyse
+    from fsdp2_retrofit.analysis.rank_values import rank_aliases
+    import libcst as cst
+
+    source = TUTORIAL_TRAINER.format(gpu_id='int(os.environ["LOCAL_RANK"])')
+    facts = analyse(cst.parse_module(source))
+    train = next(f for f in facts.resolver.nodes(cst.FunctionDef) if f.name.value == "train")
+    assert rank_aliases(train, facts) == {"self.gpu_id"}
+    twice = source.replace("        self.path = path\n", "        self.path = path\n        self.gpu_id = 0\n")
+    facts = analyse(cst.parse_module(twice))
+    train = next(f for f in facts.resolver.nodes(cst.FunctionDef) if f.name.value == "train")
+    assert rank_aliases(train, facts) == frozenset()
+
+
+def test_a_wrap_stored_in_another_objects_attribute_is_refused_at_its_line():
+    body = '''    model = Net()
+    holder = types.SimpleNamespace()
+    holder.model = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+{loop}'''
+    result = rewrite(script(body, imports="import types\nfrom torch.nn.parallel import DistributedDataParallel as DDP"))
+    assert [(r.code, r.line) for r in result.refusals] == [("FSR201", 38)]  # the `holder.model = DDP(model)` line
+    assert "`holder.model`" in result.refusals[0].what

@@ -13,6 +13,7 @@ import libcst as cst
 
 from .facts import ScriptFacts
 from .rank_bindings import RankZeroRead, rank_zero_reads
+from .rank_values import rank_aliases
 from fsdp2_retrofit.syntax.names import (
     assigned_names, bind_args, calls_in, code, dotted, last_assignment, names_read, parameter_names, walk,
 )
@@ -388,11 +389,12 @@ def may_be_tensor(expr: Optional[cst.BaseExpression], facts: ScriptFacts) -> boo
 
 
 def rank_gate(node: cst.CSTNode, facts: ScriptFacts) -> Optional[cst.If]:
-    """The innermost `if` of the same function around `node` whose test mentions a rank."""
+    """The innermost `if` of the same function around `node` whose test mentions a rank (by name,
+    or by value: `if self.gpu_id == 0:` with `self.gpu_id = int(os.environ["LOCAL_RANK"])`)."""
     for anc in facts.resolver.ancestors(node):
         if isinstance(anc, cst.FunctionDef):
             return None
-        if isinstance(anc, cst.If) and mentions_rank_test(anc.test) and _in_body(node, anc, facts):
+        if isinstance(anc, cst.If) and mentions_rank_test(anc.test, rank_aliases(anc, facts)) and _in_body(node, anc, facts):
             return anc
     return None
 

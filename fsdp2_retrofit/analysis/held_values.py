@@ -15,6 +15,7 @@ import libcst as cst
 from .closures import free_reads, local_bindings
 from .flow import keeps_attribute
 from fsdp2_retrofit.syntax.names import bind_args, code, module_itself
+from fsdp2_retrofit.syntax.torch_api import DATA_PARALLEL, DDP
 
 # (function, name) -> (the node where the value was lost, why)
 Lost = Dict[Tuple[Optional[cst.FunctionDef], str], Tuple[cst.CSTNode, str]]
@@ -134,7 +135,7 @@ def holders(resolver, module: cst.Module, is_module_class, foreign=None) -> List
             small = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 else None
             if not (isinstance(small, cst.Assign) and len(small.targets) == 1):
                 continue
-            target, value = small.targets[0].target, module_itself(small.value)
+            target, value = small.targets[0].target, unwrapped(resolver, small.value)
             if not (isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name)
                     and target.value.value == me and isinstance(value, cst.Name) and value.value in params):
                 continue
@@ -164,7 +165,21 @@ def _keeps(resolver, target: cst.CSTNode, attr: str) -> bool:
         return False
     own = target.target
     return (type(own) is cst.Attribute and type(own.value) is cst.Name
-            and keeps_attribute(assign.value, own.value.value, attr))
+            and keeps_attribute(unwrapped(resolver, assign.value), own.value.value, attr))
+
+
+def unwrapped(resolver, value: cst.BaseExpression) -> cst.BaseExpression:
+    """The module a value is, through placement methods (`model.to(device)`) and the DDP /
+    DataParallel wrappers the migration removes (`DDP(self.model, device_ids=[...])` holds
+    `self.model`, as `self.model` after the rewrite)."""
+    value = module_itself(value)
+    while type(value) is cst.Call and resolver.qnames(value) & (DDP | DATA_PARALLEL):
+        inner = [a for a in value.args if a.keyword is None and not a.star] or [
+            a for a in value.args if a.keyword is not None and a.keyword.value == "module"]
+        if not inner:
+            break
+        value = module_itself(inner[0].value)
+    return value
 
 
 def held_models(resolver, found: List[Holder], names) -> bool:
@@ -184,6 +199,9 @@ def held_models(resolver, found: List[Holder], names) -> bool:
             if key not in names.setdefault(method, set()):
                 names[method].add(key)
                 changed = True
+        if h.param not in names.setdefault(h.init, set()):  # the parameter itself, in __init__
+            names[h.init].add(h.param)
+            changed = True
     return changed
 
 

@@ -23,6 +23,7 @@ import libcst as cst
 from .checkpoints import rank_gate, split_rank_test
 from .rank_bindings import RankZeroRead
 from .rank_uniform import RankUniform, ranks_part_at
+from .rank_values import rank_aliases
 from fsdp2_retrofit.syntax.names import assigned_names, code, names_read, walk
 
 
@@ -33,7 +34,7 @@ def broadcast_anchor(read: RankZeroRead, facts) -> Tuple[Optional[cst.CSTNode], 
     gate, reader = read.gate, read.reader
     line = r.line
     function = r.enclosing_function(gate)
-    rank, other = split_rank_test(gate.test)
+    rank, other = split_rank_test(gate.test, rank_aliases(gate, facts))
     if not rank:
         return None, "", f"`{code(gate.test)}` is no plain rank-0 test (a rank test under `or` or `not`)"
     uniform = RankUniform(r, {l.name for l in facts.loaders}, facts=facts)

@@ -105,6 +105,8 @@ class ShardFacts:
     _site_origins: Dict[int, frozenset] = field(default_factory=dict)
     # sharded modules this file hands to classes and functions of other project modules
     handed_out: List[Handed] = field(default_factory=list)
+    # names holding a rank by their value (`self.gpu_id = int(os.environ["LOCAL_RANK"])`), made on demand
+    _rank_aliases: object = field(default=None, repr=False)
 
     # -- positions ----------------------------------------------------------
 
@@ -416,7 +418,11 @@ class ShardFacts:
             if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
                 return None
             if isinstance(anc, cst.If):
-                side = rank_zero_side(anc.test)
+                if self._rank_aliases is None:
+                    from .rank_values import RankAliases
+
+                    self._rank_aliases = RankAliases(self.resolver)
+                side = rank_zero_side(anc.test, self._rank_aliases.at(anc))
                 if side == "body" and child is anc.body:
                     return anc
                 if side == "else" and child is anc.orelse:

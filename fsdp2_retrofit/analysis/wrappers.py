@@ -21,7 +21,7 @@ NULL_CONTEXTS = {"contextlib.nullcontext"}
 class WrapSite:
     """`name = DDP(<inner>, ...)`: the statement, the call, which wrapper."""
 
-    name: str
+    name: str  # the name, or `self.model` for an instance attribute
     stmt: cst.SimpleStatementLine
     call: cst.Call
     kind: str  # "DistributedDataParallel" | "DataParallel"
@@ -62,7 +62,7 @@ def wrappers(facts) -> WrapperFacts:
             continue
         wrapper_calls.add(call.func)
         stmt = r.statement_of(call)
-        site = _site(stmt, call, kind)
+        site = _site(stmt, call, kind, r)
         (sites if site is not None else other_calls).append(site or call)
     wrapped = {s.name for s in sites}
     wrapper_names = DDP | DATA_PARALLEL
@@ -79,7 +79,7 @@ def wrappers(facts) -> WrapperFacts:
         held = facts.model_names.get(r.enclosing_function(node), set())
         if isinstance(expr, cst.Name):
             return expr.value in wrapped | held
-        return instance_attribute(expr) in held
+        return instance_attribute(expr) in held | wrapped
 
     module_accesses = [
         a for a in r.nodes(cst.Attribute)
@@ -142,7 +142,7 @@ def _kind(call: cst.Call, r) -> Optional[str]:
     return None
 
 
-def _site(stmt, call: cst.Call, kind: str) -> Optional[WrapSite]:
+def _site(stmt, call: cst.Call, kind: str, r) -> Optional[WrapSite]:
     if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
         return None
     assign = stmt.body[0]
@@ -152,12 +152,30 @@ def _site(stmt, call: cst.Call, kind: str) -> Optional[WrapSite]:
     positional = [a for a in call.args if a.keyword is None and not a.star]
     module_kw = [a for a in call.args if a.keyword is not None and a.keyword.value == "module"]
     inner = positional[0].value if positional else module_kw[0].value if module_kw else None
-    if not isinstance(target, cst.Name) or inner is None or any(a.star for a in call.args):
+    if inner is None or any(a.star for a in call.args):
+        return None
+    if isinstance(target, cst.Name):
+        name = target.value
+    elif _own_attribute(target, stmt, r):  # `self.model = DDP(self.model, ...)` in a trainer's method
+        name = instance_attribute(target)
+    else:
         return None
     kwargs = {a.keyword.value: a.value for a in call.args if a.keyword is not None and a.keyword.value != "module"}
     for i, a in enumerate(positional[1:], start=1):
         kwargs[("device_ids", "output_device", "dim")[i - 1] if i <= 3 else f"arg{i}"] = a.value
-    return WrapSite(target.value, stmt, call, kind, inner, kwargs)
+    return WrapSite(name, stmt, call, kind, inner, kwargs)
+
+
+def _own_attribute(target, stmt, r) -> bool:
+    """`self.<attr>` set in a method of a class, `self` its first parameter: the attribute its
+    other methods read (holders follow it); another object's attribute is not followed."""
+    fn = r.enclosing_function(stmt)
+    owner = r.enclosing_class(stmt)
+    return (
+        instance_attribute(target) is not None and fn is not None and owner is not None
+        and r.parent(r.parent(fn)) is owner and bool(fn.params.params)
+        and fn.params.params[0].name.value == target.value.value
+    )
 
 
 def _in_import(node, r) -> bool:

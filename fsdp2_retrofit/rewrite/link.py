@@ -564,6 +564,7 @@ def split(linked: Linked, result: RewriteResult, tree: cst.Module, source: bytes
             new = _restored(new, linked.restore[path])
         if path == entry:
             new = _without_unused_new_imports(new, original)
+        new = _without_dropped_imports(new, original, table)
         new = _first_statement_as_before(new, original)
         text = render(new)
         data = program.files[path].data
@@ -807,6 +808,32 @@ def _without_unused_new_imports(module: cst.Module, original: cst.Module) -> cst
             one = cst.Module(body=[stmt])
             targets = _import_targets(one) or {}
             drop = {local for local, (_, text) in targets.items() if text not in before and local not in read}
+            if drop:
+                kept = [a for a in stmt.body[0].names if _local(a) not in drop]
+                if not kept:
+                    continue
+                kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+                stmt = stmt.with_changes(body=[stmt.body[0].with_changes(names=kept)])
+        body.append(stmt)
+    return module.with_changes(body=body)
+
+
+def _without_dropped_imports(module: cst.Module, original: cst.Module, table: Dict[str, Tuple[str, str]]) -> cst.Module:
+    """`module` without the names of its own top-level imports that the conversion removed from the
+    linked text (migrate_ddp's DistributedDataParallel, once no file reads it) and that `original`
+    read but `module` no longer does: a file's imports go back as it wrote them, so the removal
+    must be repeated in it."""
+    def code_reads(m: cst.Module) -> Set[str]:
+        return names_read(m.with_changes(body=[s for s in m.body if not _is_import(s)]))
+
+    read, read_before = code_reads(module), code_reads(original)
+    body = []
+    for stmt in module.body:
+        if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(
+                stmt.body[0], (cst.Import, cst.ImportFrom)) and not isinstance(stmt.body[0].names, cst.ImportStar):
+            targets = _import_targets(cst.Module(body=[stmt])) or {}
+            drop = {local for local, (what, _) in targets.items()
+                    if local in read_before and local not in read and table.get(local, (None,))[0] != what}
             if drop:
                 kept = [a for a in stmt.body[0].names if _local(a) not in drop]
                 if not kept:

@@ -15,7 +15,7 @@ holding one of MAIN_WORDS (`master_process`, `accelerator.is_main_process`, `is_
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import FrozenSet, List, Optional, Tuple
 
 import libcst as cst
 
@@ -23,6 +23,7 @@ from .names import code
 from .torch_api import COLLECTIVES, DCP_CALLS, DESTROY_PROCESS_GROUP, GET_RANK, GET_WORLD_SIZE
 
 RANK_WORD = "rank"
+Aliases = FrozenSet[str]  # names and attributes known by their value to hold a rank (analysis/rank_values.py)
 # words of a name that is true on the main process (rank 0) only
 MAIN_WORDS = ("master", "is_main", "main_process", "rank_zero", "rank0", "is_primary", "is_chief")
 # text a file must hold to contain a rank test (a lint prefilter; the text test is case-sensitive)
@@ -89,8 +90,12 @@ def name_of(expr: cst.BaseExpression) -> str:
     return expr.value.lower() if isinstance(expr, cst.Name) else ""
 
 
-def is_rank_name(expr: cst.BaseExpression) -> bool:
-    """`rank`, `args.local_rank`, `dist.get_rank()`, `int(os.environ["LOCAL_RANK"])`."""
+def is_rank_name(expr: cst.BaseExpression, aliases: Aliases = frozenset()) -> bool:
+    """`rank`, `args.local_rank`, `dist.get_rank()`, `int(os.environ["LOCAL_RANK"])`; with
+    `aliases` (analysis/rank_values.py), also the names read by value to hold a rank
+    (`self.gpu_id = int(os.environ["LOCAL_RANK"])`)."""
+    if aliases and isinstance(expr, (cst.Name, cst.Attribute)) and code(expr) in aliases:
+        return True
     return name_of(expr).endswith(RANK_WORD)
 
 
@@ -99,33 +104,33 @@ def is_main_flag(expr: cst.BaseExpression) -> bool:
     return isinstance(expr, _FLAG_SHAPES) and any(word in name_of(expr) for word in MAIN_WORDS)
 
 
-def rank_zero_side(test: cst.BaseExpression) -> Optional[str]:
+def rank_zero_side(test: cst.BaseExpression, aliases: Aliases = frozenset()) -> Optional[str]:
     """"body" when an `if` with this test runs its body on rank 0 only, "else" when it
     runs its else branch on rank 0 only, None otherwise."""
     if isinstance(test, cst.BooleanOperation):
-        sides = (rank_zero_side(test.left), rank_zero_side(test.right))
+        sides = (rank_zero_side(test.left, aliases), rank_zero_side(test.right, aliases))
         if isinstance(test.operator, cst.And):
             return "body" if "body" in sides else None
         return "else" if "else" in sides else None
     if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
         if not is_main_flag(test.expression) and isinstance(test.expression, _FLAG_SHAPES) and is_rank_name(
-            test.expression
+            test.expression, aliases
         ):
             return "body"  # `if not rank:` / `if not dist.get_rank():` is rank 0
-        return {"body": "else", "else": "body"}.get(rank_zero_side(test.expression))
+        return {"body": "else", "else": "body"}.get(rank_zero_side(test.expression, aliases))
     if isinstance(test, cst.Comparison) and len(test.comparisons) == 1:
-        return _compared_side(test.left, test.comparisons[0].operator, test.comparisons[0].comparator)
+        return _compared_side(test.left, test.comparisons[0].operator, test.comparisons[0].comparator, aliases)
     if is_main_flag(test):
         return "body"
     return None
 
 
-def _compared_side(left, op, right) -> Optional[str]:
+def _compared_side(left, op, right, aliases: Aliases = frozenset()) -> Optional[str]:
     zero_left, zero_right = _is_zero(left), _is_zero(right)
-    if zero_left and is_rank_name(right):
+    if zero_left and is_rank_name(right, aliases):
         left, right, zero_left, zero_right = right, left, False, True
         op = {cst.LessThan: cst.GreaterThan(), cst.GreaterThan: cst.LessThan()}.get(type(op), op)
-    if not is_rank_name(left):
+    if not is_rank_name(left, aliases):
         return None
     if zero_right and isinstance(op, (cst.Equal, cst.Is)):
         return "body"
@@ -136,15 +141,16 @@ def _compared_side(left, op, right) -> Optional[str]:
     return None
 
 
-def is_rank_test(expr: cst.BaseExpression) -> bool:
+def is_rank_test(expr: cst.BaseExpression, aliases: Aliases = frozenset()) -> bool:
     """One condition (not an `and`/`or`) true on rank 0 only: `rank == 0`,
     `args.local_rank in (-1, 0)`, `not rank`, `master_process`, `is_main_process()`."""
-    return not isinstance(expr, cst.BooleanOperation) and rank_zero_side(expr) == "body"
+    return not isinstance(expr, cst.BooleanOperation) and rank_zero_side(expr, aliases) == "body"
 
 
-def mentions_rank_test(expr: cst.BaseExpression) -> bool:
+def mentions_rank_test(expr: cst.BaseExpression, aliases: Aliases = frozenset()) -> bool:
     """A rank test anywhere in `expr` (`step % N == 0 and master_process`, `a or rank == 0`)."""
     finder = _FindRankTest()
+    finder.aliases = aliases
     expr.visit(finder)
     return finder.found
 
@@ -153,14 +159,17 @@ class _FindRankTest(cst.CSTVisitor):
     """Stops at the first rank test (one class, not one made per call: making a class is slow)."""
 
     found = False
+    aliases: "Aliases" = frozenset()
 
     def on_visit(self, node) -> bool:
-        if not self.found and isinstance(node, cst.BaseExpression) and is_rank_test(node):
+        if not self.found and isinstance(node, cst.BaseExpression) and is_rank_test(node, self.aliases):
             self.found = True
         return not self.found
 
 
-def split_rank_test(test: cst.BaseExpression) -> Tuple[List[cst.BaseExpression], List[cst.BaseExpression]]:
+def split_rank_test(
+    test: cst.BaseExpression, aliases: Aliases = frozenset()
+) -> Tuple[List[cst.BaseExpression], List[cst.BaseExpression]]:
     """(rank conjuncts, other conjuncts) of an `a and b and ...` test; ([], []) when a
     rank test sits under `or`/`not`, where no split keeps the meaning."""
     parts: List[cst.BaseExpression] = []
@@ -173,8 +182,8 @@ def split_rank_test(test: cst.BaseExpression) -> Tuple[List[cst.BaseExpression],
             parts.append(e)
 
     flatten(test)
-    rank = [p for p in parts if is_rank_test(p)]
-    other = [p for p in parts if not is_rank_test(p)]
+    rank = [p for p in parts if is_rank_test(p, aliases)]
+    other = [p for p in parts if not is_rank_test(p, aliases)]
     if any(isinstance(p, (cst.BooleanOperation, cst.UnaryOperation)) for p in rank):
         return [], []
     return rank, other
@@ -185,6 +194,11 @@ def mentions_rank(expr: cst.CSTNode) -> bool:
     `seed + rank`): the script already thinks about ranks there."""
     text = code(expr).lower()
     return any(word in text for word in (RANK_WORD, *MAIN_WORDS))
+
+
+def is_local_rank_value(value) -> bool:
+    """`int(os.environ["LOCAL_RANK"])`, `int(os.getenv("LOCAL_RANK", 0))`."""
+    return _env_int(value, "LOCAL_RANK")
 
 
 def is_rank_value(value, resolver) -> bool:

@@ -80,6 +80,11 @@ class RankGatedCollective(Rule):
         Valid(_HEAD + "opts = StateDictOptions(full_state_dict=True, cpu_offload=True)\n"
               "state = get_model_state_dict(model, options=opts)\nif rank == 0:\n    torch.save(state, 'model.pt')\n"),
         Valid("import torch.distributed as dist\nif dist.get_rank() == 0:\n    dist.barrier()\n"),  # not sharded
+        Valid(  # `self.gpu_id` is bound to a rank and to something else: no rank by its value
+            "import os\n" + _HEAD + "class Trainer:\n    def __init__(self):\n"
+            "        self.gpu_id = int(os.environ['LOCAL_RANK'])\n    def pin(self):\n        self.gpu_id = 0\n"
+            "    def save(self):\n        if self.gpu_id == 0:\n            dcp.save({'m': 1}, checkpoint_id='ckpt')\n",
+        ),
         Valid(  # rank 0 sends, the others receive: every rank joins the broadcast
             _HEAD + "if rank == 0:\n    objs = [load_config()]\n    dist.broadcast_object_list(objs, src=0)\n"
             "else:\n    objs = [None]\n    dist.broadcast_object_list(objs, src=0)\n"
@@ -117,6 +122,11 @@ class RankGatedCollective(Rule):
         Invalid(  # a DCP save inside a method of the class, called on rank 0 only
             _HEAD + "class Trainer:\n    def save(self, path):\n        dcp.save({'m': 1}, checkpoint_id=path)\n"
             "    def fit(self):\n        if self.rank == 0:\n            self.save('ckpt')\n", line=14,
+        ),
+        Invalid(  # the rank read by its value: `self.gpu_id` holds LOCAL_RANK (a tutorial's Trainer)
+            "import os\n" + _HEAD + "class Trainer:\n    def __init__(self):\n"
+            "        self.gpu_id = int(os.environ['LOCAL_RANK'])\n    def save(self):\n        if self.gpu_id == 0:\n"
+            "            dcp.save({'m': 1}, checkpoint_id='ckpt')\n", line=15,
         ),
         Invalid(_HEAD + "loss = model(x).sum()\nif rank == 0:\n    loss.backward()\n", line=11),
         Invalid(_HEAD + "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nif rank == 0:\n    opt.step()\n", line=11),

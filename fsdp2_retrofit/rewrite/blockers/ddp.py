@@ -15,11 +15,12 @@ _LOOP = OPT + CUDA_STEPS
 
 
 class DdpWrapInExpression(Blocker):
-    """A DDP/DataParallel wrapper is built inside another expression, not `model = DDP(model, ...)`.
+    """A DDP/DataParallel wrapper is built inside another expression, not `model = DDP(model, ...)`
+    (or `self.model = DDP(self.model, ...)` in a method of a trainer class).
 
     ## Why
-    The migration replaces wrap statements; a wrapper returned, passed on or stored in an attribute
-    cannot be followed.
+    The migration replaces wrap statements; a wrapper returned, passed on or stored in a container
+    or in another object's attribute cannot be followed.
 
     ## What to do
     Wrap the model on its own line: `model = DDP(model, device_ids=[local_rank])`.
@@ -35,12 +36,41 @@ model = build(torch.nn.Linear(8, 2).cuda())
 """ + _LOOP,
         line=6,
     ),)
-    VALID = (Valid(
-        _HEAD + CUDA_MODEL + _WRAP + _LOOP + """\
+    INVALID = INVALID + (Invalid(
+        _HEAD + "import types\n" + CUDA_MODEL + "run = types.SimpleNamespace()\nrun.model = DDP(model)\n" + OPT + """\
+for step in range(10):
+    run.model(torch.randn(4, 8, device="cuda")).sum().backward()
+    opt.step()
+""",
+        line=8,
+    ),)
+    VALID = (
+        Valid(
+            _HEAD + CUDA_MODEL + _WRAP + _LOOP + """\
 if dist.get_rank() == 0:
     torch.save(model.module.state_dict(), "model.pt")
 """,
-    ),)
+        ),
+        Valid(  # the wrap on the trainer's own attribute, the snapshot saved by a method under a rank test
+            _HEAD + """\
+import os
+class Trainer:
+    def __init__(self, model, opt):
+        self.gpu_id = int(os.environ["LOCAL_RANK"])
+        self.model = model.to(self.gpu_id)
+        self.opt = opt
+        self.model = DDP(self.model, device_ids=[self.gpu_id])
+    def save(self):
+        torch.save(self.model.module.state_dict(), "model.pt")
+    def train(self):
+        for step in range(10):
+            self.model(torch.randn(4, 8, device="cuda")).sum().backward()
+            self.opt.step()
+            if self.gpu_id == 0:
+                self.save()
+""" + CUDA_MODEL + OPT + "Trainer(model, opt).train()\n",
+        ),
+    )
 
 
 class DdpWrapperClassUsed(Blocker):

@@ -70,19 +70,18 @@ def project_files(project: str, is_root: bool, exclude: Tuple[str, ...]) -> Iter
     from fsdp2_retrofit import files
 
     if is_root:
-        roots = [project]
-    else:
-        try:
-            names = sorted(os.listdir(project))
-        except OSError:
-            return
-        for name in names:
-            full = os.path.join(project, name)
-            if name.endswith(".py") and os.path.isfile(full):
-                yield from (f for f, error in files.discover([full], exclude, force_exclude=True) if not error)
-        roots = [os.path.join(project, n) for n in names if os.path.isfile(os.path.join(project, n, "__init__.py"))]
-    for root in roots:
-        yield from (f for f, error in files.discover([root], exclude) if not error)
+        return files.walk_python(project, exclude)
+    try:
+        names = sorted(os.listdir(project))
+    except OSError:
+        return []
+    excluded = files._excluder(exclude)
+    found = [os.path.join(project, n) for n in names
+             if n.endswith(".py") and not excluded(n) and os.path.isfile(os.path.join(project, n))]
+    for name in names:  # no marker within _ROOT_DEPTH levels: not asking git (one process a folder)
+        if not excluded(name) and os.path.isfile(os.path.join(project, name, "__init__.py")):
+            found.extend(files.walk_python(os.path.join(project, name), exclude, git=False))
+    return found
 
 
 def module_name(path: str) -> bytes:

@@ -213,3 +213,21 @@ def test_outside_a_project_only_the_folder_and_its_packages_are_read(tmp_path):
     assert project_of(str(tmp_path / "trainer.py")) == (str(tmp_path), False)
     assert sorted(Path(p).name for p in project_files(str(tmp_path), False, ())) == ["train.py", "trainer.py"]
     assert _check(tmp_path, "trainer.py")[1] == {"trainer.py": [(6, "FSD101")]}
+
+
+def test_a_file_of_the_run_is_never_read_again_as_an_importer(tmp_path, monkeypatch):
+    """train.py is fixed in the run (--diff): what it hands is the run's, not its bytes on disk read again."""
+    from fsdp2_retrofit.check import lint
+
+    _project(tmp_path, {"train.py": TRAIN + "    model.forward(x)\n", "trainer.py": TRAINER, "other.py": "x = 1\n"})
+    asked = []
+    real = lint.handed_out
+    monkeypatch.setattr(lint, "handed_out", lambda data, path, rules: asked.append(path) or real(data, path, rules))
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        out = CliRunner().invoke(cli.main, ["check", "--diff", "train.py", "trainer.py"])
+    finally:
+        os.chdir(old)
+    assert out.exit_code == 1, out.output
+    assert asked == []

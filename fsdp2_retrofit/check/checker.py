@@ -155,7 +155,7 @@ def _lint_receivers(job: CheckJob, paths: Sequence[str], results: list, on_resul
         from .importers import received_from_outside
 
         ok = [p for p, r in zip(paths, results) if r is not None and r.error is None and r.fixed is None]
-        for target, records in received_from_outside(job.rules, ok, job.exclude, job.cache).items():
+        for target, records in received_from_outside(job.rules, paths, job.exclude, job.cache, ok).items():
             handed.setdefault(target, []).extend(records)
     for i, path in enumerate(paths):
         received = handed.get(os.path.realpath(path))

@@ -93,14 +93,14 @@ def module_name(path: str) -> bytes:
 
 
 def received_from_outside(rules: Sequence, paths: Sequence[str], exclude: Tuple[str, ...] = (),
-                          use_cache: bool = True) -> Dict[str, list]:
-    """realpath of a file of the run -> the Handed records the project's files outside the run
-    hand it (in the order of their paths)."""
+                          use_cache: bool = True, receivers: Optional[Sequence[str]] = None) -> Dict[str, list]:
+    """realpath of a file of the run (`paths`; only `receivers` of them, when given) -> the
+    Handed records the project's files outside the run hand it (in the order of their paths)."""
     if not any(r.NEEDS_SHARDING for r in rules):
         return {}
     in_run = {os.path.realpath(p) for p in paths}
     by_project: Dict[Tuple[str, bool], Dict[str, bytes]] = {}  # project -> {a file of the run, resolved: its module name}
-    for path in paths:
+    for path in paths if receivers is None else receivers:
         if path != "-" and path.endswith(".py"):
             by_project.setdefault(project_of(path), {})[os.path.realpath(path)] = module_name(path)
     summaries = _Summaries(rules, use_cache and not cache_disabled())

@@ -338,16 +338,7 @@ def discover(paths, exclude=(), force_exclude: bool = False):
     walked (skipping DEFAULT_EXCLUDE, `exclude` patterns and, inside a git work tree,
     what git ignores); a file named explicitly is kept unless `force_exclude`.
     Yields (path, error): error is a one-line reason for a path that cannot be used."""
-    import fnmatch
-
-    patterns = tuple(DEFAULT_EXCLUDE) + tuple(exclude)
-
-    def excluded(rel: str) -> bool:
-        parts = Path(rel).parts
-        return any(
-            fnmatch.fnmatch(part, pat) for pat in patterns for part in parts
-        ) or any(fnmatch.fnmatch(rel, pat) for pat in exclude)
-
+    excluded = _excluder(exclude)
     seen = set()
     for raw in paths:
         p = Path(raw)
@@ -367,8 +358,31 @@ def discover(paths, exclude=(), force_exclude: bool = False):
                 yield found, None
 
 
-def _walk(root: Path, excluded):
-    listed = _git_listed(root)
+def _excluder(exclude=()):
+    """Whether a path (relative to the folder walked) is excluded: DEFAULT_EXCLUDE or an
+    `exclude` pattern matches one of its parts, or an `exclude` pattern the whole."""
+    import fnmatch
+
+    patterns = tuple(DEFAULT_EXCLUDE) + tuple(exclude)
+
+    def excluded(rel: str) -> bool:
+        parts = Path(rel).parts
+        return any(
+            fnmatch.fnmatch(part, pat) for pat in patterns for part in parts
+        ) or any(fnmatch.fnmatch(rel, pat) for pat in exclude)
+
+    return excluded
+
+
+def walk_python(root, exclude=(), git: bool = True):
+    """The Python files under the folder `root`, as discover walks it; with `git` False, git
+    is not asked what it ignores (no subprocess: a folder known to be in no work tree)."""
+    root = Path(root)
+    return sorted(_walk(root, _excluder(exclude), git))
+
+
+def _walk(root: Path, excluded, git: bool = True):
+    listed = _git_listed(root) if git else None
     if listed is not None:
         for rel in listed:
             if rel.endswith((".py", ".pyi")) and not excluded(rel):

@@ -238,9 +238,14 @@ def test_renamed_locals_hand_over_the_same(tmp_path):
     assert _run_codes(tmp_path, "trainer.py", "train.py")["trainer.py"] == [(12, "FSD101"), (15, "FSD102"), (19, "FSD101")]
 
 
-def test_without_the_file_that_shards_in_the_run_the_module_is_not_told(tmp_path):
+def test_without_the_file_that_shards_in_the_run_the_module_is_told_by_the_file_on_disk(tmp_path):
+    """pre-commit passes only trainer.py: train.py, which imports it, is read from disk (check/importers.py)."""
     _project(tmp_path, {"trainer.py": TRAINER, "train.py": HANDS_OVER.format(model="model")})
-    assert _run_codes(tmp_path, "trainer.py") == {"trainer.py": []}
+    assert _run_codes(tmp_path, "trainer.py") == {"trainer.py": [(12, "FSD101"), (15, "FSD102"), (19, "FSD101")]}
+    from fsdp2_retrofit.check.checker import CheckJob, run
+
+    alone = run(CheckJob(tuple(all_rules()), importers=False), [str(tmp_path / "trainer.py")], workers=1)
+    assert [r.findings for r in alone] == [[]]
 
 
 def test_an_unsharded_module_handed_over_tells_nothing(tmp_path):

@@ -32,6 +32,11 @@ class CheckJob:
     rules: Tuple[Type[Rule], ...]
     fix: bool = False
     unsafe_fixes: bool = False
+    # the project's files outside the run that hand its files sharded modules (check/importers.py):
+    # found and asked, with these excludes; their summaries cached on disk unless `cache` is False
+    importers: bool = True
+    exclude: Tuple[str, ...] = ()
+    cache: bool = True
 
 
 def read_for_check(path: str) -> bytes:
@@ -91,7 +96,8 @@ def run(
     that do not decode are errors, exit 2), not parsed, and never sent to a worker. A file
     whose classes or functions another file of the run hands a sharded module
     (`Trainer(model, ...)` after `fully_shard(model)` in train.py) is linted (again) knowing
-    it: its `self.model.forward(x)` is a forward call on a sharded module."""
+    it: its `self.model.forward(x)` is a forward call on a sharded module, also when train.py
+    is not in the run (check/importers.py: pre-commit's batches judge it as `check .` does)."""
     from .lint import applicable
 
     results: List[Optional[FileResult]] = [None] * len(paths)
@@ -139,15 +145,24 @@ def _compile_error(data: bytes, path: str) -> Optional[InputError]:
 
 
 def _lint_receivers(job: CheckJob, paths: Sequence[str], results: list, on_result) -> None:
-    """The second pass: each file of the run that other files hand sharded modules, linted with them."""
+    """The second pass: each file of the run that other files hand sharded modules (files of the
+    run, and the project's files outside it), linted with them."""
     handed: dict = {}
     for result in results:
         for h in (result.handed if result is not None else ()):
             handed.setdefault(os.path.realpath(h.file), []).append(h)
+    if job.importers:
+        from .importers import received_from_outside
+
+        ok = [p for p, r in zip(paths, results) if r is not None and r.error is None and r.fixed is None]
+        for target, records in received_from_outside(job.rules, paths, job.exclude, job.cache, ok).items():
+            handed.setdefault(target, []).extend(records)
     for i, path in enumerate(paths):
         received = handed.get(os.path.realpath(path))
         if not received or results[i] is None or results[i].error is not None or results[i].fixed is not None:
             continue
+        # in the order of the files that hand them, wherever they were found (as `check .` reads them)
+        received = sorted(received, key=lambda h: os.path.realpath(h.where.rpartition(":")[0]))
         again = _lint_path(job, path, tuple(received))
         if again.error is None:
             results[i] = again

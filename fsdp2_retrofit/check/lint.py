@@ -149,17 +149,10 @@ def lint_source(
     the sharded modules other files of the run hand this one (its classes and functions)."""
     result = LintResult(path, [], original=data)
     try:
-        code = compiled(data, path)  # also where no rule applies: a syntax error is reported, as ruff does
+        rules = _rules_that_apply(data, path, rules, received)
     except InputError as exc:
         result.error = exc
         return result
-    names = code_names(code) if code is not None else None  # None: newer syntax than this Python's
-    elsewhere = bool(received) or sharded_elsewhere(data, path, rules, names)
-    rules = [r for r in rules if r.may_apply(data, elsewhere)]
-    if not rules:
-        return result
-    if names is not None:  # else the text prefilter alone decides
-        rules = [r for r in rules if r.may_apply_to_names(names, elsewhere)]
     if not rules:
         return result
     try:
@@ -192,6 +185,33 @@ def lint_source(
     findings, result.bare_noqa = _suppress(findings, result.fixed or data)
     result.findings = findings
     return result
+
+
+def _rules_that_apply(data: bytes, path: str, rules: Sequence[Type[Rule]], received=()) -> List[Type[Rule]]:
+    """The rules that may fire in a source, by its text, then by the names its compiled code
+    uses; InputError when it does not compile (also where no rule applies: a syntax error is
+    reported, as ruff does)."""
+    code = compiled(data, path)
+    names = code_names(code) if code is not None else None  # None: newer syntax than this Python's
+    elsewhere = bool(received) or sharded_elsewhere(data, path, rules, names)
+    rules = [r for r in rules if r.may_apply(data, elsewhere)]
+    if rules and names is not None:  # else the text prefilter alone decides
+        rules = [r for r in rules if r.may_apply_to_names(names, elsewhere)]
+    return rules
+
+
+def handed_out(data: bytes, path: str, rules: Sequence[Type[Rule]]) -> list:
+    """The sharded modules a source hands other project files (LintResult.handed), as its lint
+    in a run finds them (the same prefilter and analysis; the rules are not run): what
+    check/importers.py asks of a file outside the run."""
+    try:
+        if not _rules_that_apply(data, path, rules):
+            return []
+        handed: list = []
+        _analysed(data, path, handed=handed)
+    except InputError:
+        return []
+    return handed
 
 
 def compiled(data: bytes, path: str):
@@ -236,7 +256,9 @@ def code_names(top) -> Set[str]:
     return names
 
 
-def _findings(data: bytes, path: str, rules: Sequence[Type[Rule]], received=(), handed: Optional[list] = None):
+def _analysed(data: bytes, path: str, received=(), handed: Optional[list] = None) -> LintContext:
+    """The source parsed and analysed (InputError, one line, when libcst cannot parse it); what
+    it hands other project files appended to `handed`."""
     import libcst as cst
 
     try:
@@ -255,6 +277,11 @@ def _findings(data: bytes, path: str, rules: Sequence[Type[Rule]], received=(), 
     ctx = LintContext(module, path, received=received)
     if handed is not None:
         handed.extend(ctx.shards.handed_out)
+    return ctx
+
+
+def _findings(data: bytes, path: str, rules: Sequence[Type[Rule]], received=(), handed: Optional[list] = None):
+    ctx = _analysed(data, path, received, handed)
     out: List[Finding] = []
     seen: Set[Tuple[str, int]] = set()
     for rule_cls in rules:
@@ -277,7 +304,7 @@ def _findings(data: bytes, path: str, rules: Sequence[Type[Rule]], received=(), 
                     end_col=pos.end.column + 1,
                     fix=fix,
                     node=node,
-                    fix_record=None if fix is None else _fix_record(module, ctx.resolver, fix),
+                    fix_record=None if fix is None else _fix_record(ctx.module, ctx.resolver, fix),
                 )
             )
     out.sort(key=lambda f: (f.line, f.col, f.code))

@@ -32,6 +32,7 @@ class CheckSettings:
     force_exclude: bool = False
     stdin_filename: Optional[str] = None
     quiet: bool = False
+    cache: bool = True  # --no-cache: no summary of the project's other files read or written
 
 
 class CheckRun:
@@ -48,7 +49,8 @@ class CheckRun:
             return EXIT_ERROR
         rules = tuple(selected(self.s.select, self.s.ignore, self.s.extend_select))
         self.rules = rules
-        job = CheckJob(rules, fix=self.s.fix, unsafe_fixes=self.s.unsafe_fixes)
+        job = CheckJob(rules, fix=self.s.fix, unsafe_fixes=self.s.unsafe_fixes, exclude=self.s.exclude,
+                       cache=self.s.cache)
 
         if list(paths) == ["-"]:
             return self._stdin(job)

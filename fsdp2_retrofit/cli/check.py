@@ -66,9 +66,14 @@ def _codes(values) -> List[str]:
 @click.option("--stdin-filename", metavar="PATH", help="The name to report for `-` (standard input).")
 @click.option("--show-files", is_flag=True, help="List the files that would be checked, and stop.")
 @click.option("-q", "--quiet", is_flag=True, help="Only the findings: no summary line.")
+@click.option(
+    "--no-cache", is_flag=True,
+    help="Do not read or write the summaries of the project's files outside the run (the cache `rewrite` "
+    "uses, in check/; FSDP2_RETROFIT_NO_CACHE=1 also turns it off).",
+)
 @click.pass_context
 def check_command(ctx: click.Context, paths, select, extend_select, ignore, fix, unsafe_fixes, diff, output_format,
-                  exit_zero, statistics, exclude, force_exclude, stdin_filename, show_files, quiet) -> None:
+                  exit_zero, statistics, exclude, force_exclude, stdin_filename, show_files, quiet, no_cache) -> None:
     from fsdp2_retrofit.check.run import CheckRun, CheckSettings
     from fsdp2_retrofit.options import ConfigError, load_config
 
@@ -94,6 +99,7 @@ def check_command(ctx: click.Context, paths, select, extend_select, ignore, fix,
         force_exclude=force_exclude,
         stdin_filename=stdin_filename,
         quiet=quiet,
+        cache=not no_cache,
     )
     if settings.output_format not in ("text", "json", "github", "sarif"):
         click.echo(f"error: unknown output-format {settings.output_format!r}", err=True)

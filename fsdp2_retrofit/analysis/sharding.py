@@ -185,6 +185,8 @@ class ShardFacts:
         found = self.part(expr, at)
         sites = self.sites_for(found[0], at) if found is not None else []
         if not sites:
+            found, sites = self._attribute_alias(expr, at)
+        if not sites:
             found, sites = self._value_sites(expr, at)
             if not sites:
                 return None
@@ -216,6 +218,23 @@ class ShardFacts:
         self._by_value[(root, id(at))] = [s for s in sites if s.root == root]
         return (root, whole), self._by_value[(root, id(at))]
 
+    def _attribute_alias(self, expr: cst.BaseExpression, at: cst.CSTNode):
+        """((root, whole), sites) where `expr`'s base is a local name bound only to an attribute of
+        `self` before `at` (`net = self._model`; `net.forward(x)`): that attribute, as sites_for reads it
+        (sharded anywhere in the class); else (None, [])."""
+        base, whole = _base(expr)
+        if type(base) is not cst.Name or base.value == "self":
+            return None, []
+        values = self.bound_values(base.value, at)
+        roots = {part_root(v) for v in values}
+        if len(roots) != 1:
+            return None, []
+        root = roots.pop()
+        if root is None or not root[1] or not root[0].startswith("self."):
+            return None, []
+        sites = self.sites_for(root[0], at)
+        return ((root[0], whole), sites) if sites else (None, [])
+
     def _entry_sites(self, expr: cst.Subscript) -> List[ShardSite]:
         """The sites of what every entry `expr` can read held where the container was written (`parts =
         [model]` after `model = shard(model)`: the name as it is there, where the flow, which reads every
@@ -243,9 +262,8 @@ class ShardFacts:
 
     def _in_effect(self, site: ShardSite, at: cst.CSTNode, depth: int) -> bool:
         """The site has run when `at` runs: before it in the same function; at module level,
-        for a function; in `__init__` or on `self.<attr>`, for the class's other methods (they
-        run on a made instance, as sites_for reads attributes); before a call of the function
-        around `at` (its known calls, the flow's)."""
+        for a function; in `__init__`, for the class's other methods (they run on a made
+        instance); before a call of the function around `at` (its known calls, the flow's)."""
         fn = self.scope_of(at)
         if site.scope is fn:
             return site.order < self.order(at)
@@ -253,9 +271,8 @@ class ShardFacts:
             return True
         if fn is None:
             return False
-        if isinstance(site.scope, cst.FunctionDef) and (site.scope.name.value == "__init__" or site.root.startswith("self.")):
-            # a module sharded in `__init__`, or stored sharded on `self` in a method (`self.model = shard(...)`, as
-            # sites_for reads `self.<attr>`): in effect in the class's other methods
+        if isinstance(site.scope, cst.FunctionDef) and site.scope.name.value == "__init__":
+            # a module sharded in `__init__`: in effect in the class's other methods (they run on a made instance)
             cls = self.resolver.enclosing_class(site.scope)
             if cls is not None and self.resolver.enclosing_class(fn) is cls:
                 return True

@@ -714,7 +714,9 @@ def _reads_unbound(module: cst.Module) -> Set[str]:
     stored: Set[str] = set()
     for stmt in module.body:
         reads, binds = per_node(_STATEMENT_NAMES, stmt, lambda: (names_read(stmt), _stored_names(stmt)))
-        read |= reads
+        if not (isinstance(stmt, cst.SimpleStatementLine)  # `import torch.nn.functional as F` reads no `torch`
+                and all(isinstance(small, (cst.Import, cst.ImportFrom)) for small in stmt.body)):
+            read |= reads
         stored |= binds
     return read - stored
 

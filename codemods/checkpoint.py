@@ -128,6 +128,19 @@ class ConvertSavesCommand(RetrofitStage):
                     f"save `{model}.state_dict()` instead (and load_state_dict it back into a built model): "
                     "the rewrite turns that into DCP",
                 )
+        for site in every:
+            for name, held in site.nested_state[:1]:
+                self.refuse(
+                    "FSR709",
+                    site.call,
+                    f"`{code(site.call)}` saves `{name.value}` inside what it writes, and `{name.value}` holds "
+                    f"`{code(held)}` (line {self.line(held)}), a sharded model's (or its optimizer's) state",
+                    "the rewrite converts a save where the state dict sits in the saved object itself; through a "
+                    "name bound to another dict the torch.save would stay, and every rank would write its own "
+                    "DTensor shards into the one file: a checkpoint nothing can load as the model",
+                    "put the state dicts in the saved object itself (`torch.save({\"net\": net.state_dict(), ...}, "
+                    "path)`, nested dict literals included): the rewrite turns that into DCP, and the load too",
+                )
         sites = [s for s in every if s.state_calls or s.whole_model]
         async_ok = self.options.async_checkpoint and self._async_possible(sites, facts)
         for site in sites:

@@ -48,6 +48,9 @@ class SaveSite:
     # `def save_checkpoint(state, filename): torch.save(state, filename)`: the calls that hand the
     # parameter a model's or optimizer's state (`save_checkpoint({"state_dict": model.state_dict()}, p)`)
     handed_state: List[cst.Call] = field(default_factory=list)
+    # (name, state_dict() call): a name inside the saved object bound to a container that holds a model's
+    # or optimizer's state (`states = {"model_states": model_states}`, `model_states = {"net": net.state_dict()}`)
+    nested_state: List[Tuple[cst.Name, cst.Call]] = field(default_factory=list)
 
     @property
     def model_only(self) -> bool:
@@ -213,6 +216,7 @@ def saves(facts: ScriptFacts) -> List[SaveSite]:
         if isinstance(state, (cst.Dict, cst.List, cst.Tuple)):
             values = [e.value for e in state.elements if isinstance(e, (cst.DictElement, cst.Element))]
             site.held_models = [(v.value, v) for v in values if isinstance(v, cst.Name) and v.value in models]
+            site.nested_state = _nested_state(values, call, set(models) | set(optimizers), facts, 3)
         if isinstance(state, cst.Dict):
             site.dict_keys = tuple(
                 e.key.evaluated_value
@@ -350,6 +354,27 @@ def _load_state_dict_use(node, key, stmt, facts: ScriptFacts) -> Optional[LoadUs
     if owner in optimizers:
         return LoadUse(node, stmt, key, "optimizer", owner, optimizers[owner], call)
     return LoadUse(node, stmt, key, "stateful", owner, None, call)
+
+
+def _nested_state(values, at: cst.CSTNode, owners: Set[str], facts: ScriptFacts, depth: int):
+    """(name, state_dict() call) for each name among `values` bound (before `at`) to a dict, list or tuple
+    literal holding a model's or optimizer's `state_dict()`, directly or through such names again."""
+    out = []
+    for value in values:
+        if not isinstance(value, cst.Name) or depth == 0:
+            continue
+        bound = bound_value(value.value, at, facts)
+        if not isinstance(bound, (cst.Dict, cst.List, cst.Tuple)):
+            continue
+        held = [sd for sd in _state_dict_calls(bound)
+                if isinstance(sd.func.value, (cst.Name, cst.Attribute)) and dotted(sd.func.value) in owners]
+        if held:
+            out.append((value, held[0]))
+            continue
+        inner = [e.value for e in bound.elements if isinstance(e, (cst.DictElement, cst.Element))]
+        deeper = _nested_state(inner, at, owners, facts, depth - 1)
+        out += [(value, sd) for _, sd in deeper[:1]]
+    return out
 
 
 def _state_dict_calls(node) -> List[cst.Call]:

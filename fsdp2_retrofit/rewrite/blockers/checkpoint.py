@@ -1,4 +1,5 @@
-"""FSR7.. checkpoint: saves of sharded state the rewrite cannot turn into DCP (FSR701, FSR704, FSR706, FSR707, FSR708)."""
+"""FSR7.. checkpoint: saves of sharded state the rewrite cannot turn into DCP (FSR701, FSR704, FSR706, FSR707, FSR708,
+FSR709)."""
 from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
@@ -180,3 +181,29 @@ save_checkpoint({"epoch": 2, "model": model.state_dict()}, "ckpt.pt")
 """,
         line=8,
     ),)
+
+
+class CheckpointStateThroughName(Blocker):
+    """A torch.save writes an object that holds, through a name bound to another dict, list or tuple, a
+    sharded model's or its optimizer's state (`model_states = {"net": net.state_dict()}`, then
+    `torch.save({"iter": step, "model_states": model_states}, path)`).
+
+    ## Why
+    The rewrite converts a save where it sees the state dict in the saved object; through a name bound
+    elsewhere the torch.save would stay, and every rank would write its own DTensor shards into the one
+    file: a checkpoint nothing can load as the model (left unreported, it was a silently wrong output).
+
+    ## What to do
+    Put the state dicts in the saved object itself (nested dict literals are fine); the rewrite then
+    turns the save into DCP on every rank, and the load to match.
+    """
+
+    CODE = "FSR709"
+    NAME = "checkpoint-state-through-name"
+    INVALID = (Invalid(
+        TRAIN + """model_states = {"net": model.state_dict()}
+torch.save({"iter": 10, "model_states": model_states}, "ckpt.pt")
+""",
+        line=8,
+    ),)
+    VALID = (Valid(TRAIN + 'torch.save({"iter": 10, "model_states": {"net": model.state_dict()}}, "ckpt.pt")\n'),)

@@ -92,55 +92,7 @@ class ConvertSavesCommand(RetrofitStage):
         self.pre: Dict[cst.CSTNode, List[cst.CSTNode]] = {}
         self.collective: Dict[cst.CSTNode, bool] = {}  # save statement -> runs on every rank
         every = saves(facts)
-        for site in every:
-            for where, why in site.lost:
-                self.refuse(
-                    "FSR706",
-                    where,
-                    f"the optimizer state saved on line {self.line(site.call)} cannot be followed: {why}",
-                    "dcp.save needs get_optimizer_state_dict(model, optimizer) of the one model that optimizer "
-                    "trains; left as state_dict() the checkpoint holds numbered state the resume cannot read",
-                    "hand the function the same optimizer and its model at every call, or save where they are built",
-                )
-        for site in every:
-            for handing in site.handed_state[:1]:
-                self.refuse(
-                    "FSR708",
-                    site.call,
-                    f"`{code(site.call)}` saves a parameter that the call on line {self.line(handing)} hands a "
-                    "sharded model's (or its optimizer's) state",
-                    "the save is in a helper the state is handed to: converted at its call it would need the helper "
-                    "rewritten to dcp.save on every rank; left as torch.save every rank writes its own DTensor shards "
-                    "into the one file, which nothing can load as the model",
-                    "call torch.save (or the helper's other work) where the state is built, with the state dict "
-                    "inline (`torch.save({\"state_dict\": model.state_dict(), ...}, path)`): the rewrite converts "
-                    "that to DCP",
-                )
-        for site in every:
-            for model, node in site.held_models:
-                self.refuse(
-                    "FSR707",
-                    node,
-                    f"the state saved on line {self.line(site.call)} holds the sharded module `{model}` itself, "
-                    "pickled whole",
-                    "a pickled sharded module is one rank's DTensor shards (every rank writing the same file); "
-                    "no code can load it back as the model",
-                    f"save `{model}.state_dict()` instead (and load_state_dict it back into a built model): "
-                    "the rewrite turns that into DCP",
-                )
-        for site in every:
-            for name, held in site.nested_state[:1]:
-                self.refuse(
-                    "FSR709",
-                    site.call,
-                    f"`{code(site.call)}` saves `{name.value}` inside what it writes, and `{name.value}` holds "
-                    f"`{code(held)}` (line {self.line(held)}), a sharded model's (or its optimizer's) state",
-                    "the rewrite converts a save where the state dict sits in the saved object itself; through a "
-                    "name bound to another dict the torch.save would stay, and every rank would write its own "
-                    "DTensor shards into the one file: a checkpoint nothing can load as the model",
-                    "put the state dicts in the saved object itself (`torch.save({\"net\": net.state_dict(), ...}, "
-                    "path)`, nested dict literals included): the rewrite turns that into DCP, and the load too",
-                )
+        _refuse_unconvertible(self, every)
         sites = [s for s in every if s.state_calls or s.whole_model]
         async_ok = self.options.async_checkpoint and self._async_possible(sites, facts)
         for site in sites:
@@ -609,3 +561,58 @@ def _descendants(node):
 def _position(stmt, facts: ScriptFacts) -> int:
     order = facts.resolver.nodes(cst.SimpleStatementLine)
     return next((i for i, s in enumerate(order) if s is stmt), 0)
+
+
+def _refuse_unconvertible(stage, every) -> None:
+    """The saves of sharded state the stage cannot turn into DCP, each refused at its line (FSR706: an
+    optimizer lost on the way; FSR708: state handed to a helper's torch.save; FSR707: a sharded module
+    pickled whole; FSR709: state held through a name bound to another container)."""
+    for site in every:
+        for where, why in site.lost:
+            stage.refuse(
+                "FSR706",
+                where,
+                f"the optimizer state saved on line {stage.line(site.call)} cannot be followed: {why}",
+                "dcp.save needs get_optimizer_state_dict(model, optimizer) of the one model that optimizer "
+                "trains; left as state_dict() the checkpoint holds numbered state the resume cannot read",
+                "hand the function the same optimizer and its model at every call, or save where they are built",
+            )
+    for site in every:
+        for handing in site.handed_state[:1]:
+            stage.refuse(
+                "FSR708",
+                site.call,
+                f"`{code(site.call)}` saves a parameter that the call on line {stage.line(handing)} hands a "
+                "sharded model's (or its optimizer's) state",
+                "the save is in a helper the state is handed to: converted at its call it would need the helper "
+                "rewritten to dcp.save on every rank; left as torch.save every rank writes its own DTensor shards "
+                "into the one file, which nothing can load as the model",
+                "call torch.save (or the helper's other work) where the state is built, with the state dict "
+                "inline (`torch.save({\"state_dict\": model.state_dict(), ...}, path)`): the rewrite converts "
+                "that to DCP",
+            )
+    for site in every:
+        for model, node in site.held_models:
+            stage.refuse(
+                "FSR707",
+                node,
+                f"the state saved on line {stage.line(site.call)} holds the sharded module `{model}` itself, "
+                "pickled whole",
+                "a pickled sharded module is one rank's DTensor shards (every rank writing the same file); "
+                "no code can load it back as the model",
+                f"save `{model}.state_dict()` instead (and load_state_dict it back into a built model): "
+                "the rewrite turns that into DCP",
+            )
+    for site in every:
+        for name, held in site.nested_state[:1]:
+            stage.refuse(
+                "FSR709",
+                site.call,
+                f"`{code(site.call)}` saves `{name.value}` inside what it writes, and `{name.value}` holds "
+                f"`{code(held)}` (line {stage.line(held)}), a sharded model's (or its optimizer's) state",
+                "the rewrite converts a save where the state dict sits in the saved object itself; through a "
+                "name bound to another dict the torch.save would stay, and every rank would write its own "
+                "DTensor shards into the one file: a checkpoint nothing can load as the model",
+                "put the state dicts in the saved object itself (`torch.save({\"net\": net.state_dict(), ...}, "
+                "path)`, nested dict literals included): the rewrite turns that into DCP, and the load too",
+            )

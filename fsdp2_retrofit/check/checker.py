@@ -9,8 +9,8 @@ from typing import Callable, List, Optional, Sequence, Tuple, Type
 from fsdp2_retrofit.report import InputError
 from .rules import Rule
 
-# Below this many files that pass the prefilter, starting worker processes costs
-# more than it saves.
+# Below this many files to lint (that pass the prefilter and miss the results cache),
+# starting worker processes costs more than it saves.
 PARALLEL_MIN_FILES = 16
 
 
@@ -77,12 +77,27 @@ def lint_one(job: CheckJob, path: str, data: bytes, received=()) -> FileResult:
     )
 
 
-def _lint_path(job: CheckJob, path: str, received=()) -> FileResult:
+def _lint_path(job: CheckJob, path: str, received=(), lookup: bool = True) -> FileResult:
+    """The file read and linted, through the results cache (check/results_cache.py) unless it is
+    off; `lookup` False: the caller has just missed it (only the new result is kept)."""
     try:
         data = read_for_check(path)
     except InputError as exc:
         return FileResult(path, error=exc)
-    return lint_one(job, path, data, received)
+    from .results_cache import ResultsCache
+
+    cache = ResultsCache.for_job(job)
+    if cache is None:
+        return lint_one(job, path, data, received)
+    found = cache.load(path, data, received) if lookup else None
+    if found is not None:
+        return found
+    from fsdp2_retrofit.analysis.model_classes import recording_reads
+
+    with recording_reads() as looked_at:
+        result = lint_one(job, path, data, received)
+    cache.store(path, data, received, result, looked_at)
+    return result
 
 
 def run(
@@ -97,9 +112,13 @@ def run(
     whose classes or functions another file of the run hands a sharded module
     (`Trainer(model, ...)` after `fully_shard(model)` in train.py) is linted (again) knowing
     it: its `self.model.forward(x)` is a forward call on a sharded module, also when train.py
-    is not in the run (check/importers.py: pre-commit's batches judge it as `check .` does)."""
+    is not in the run (check/importers.py: pre-commit's batches judge it as `check .` does).
+    Each pass answers from the results cache where it can (check/results_cache.py): a warm run
+    of unchanged files parses nothing and starts no worker."""
     from .lint import applicable
+    from .results_cache import ResultsCache
 
+    cache = ResultsCache.for_job(job)  # a hit is neither prefiltered, parsed nor sent to a worker
     results: List[Optional[FileResult]] = [None] * len(paths)
     candidates: List[int] = []
     for i, path in enumerate(paths):
@@ -108,10 +127,15 @@ def run(
         except InputError as exc:
             results[i] = FileResult(path, error=exc)
             continue
-        if applicable(data, job.rules, path):
+        results[i] = cache.load(path, data) if cache is not None else None
+        if results[i] is not None:
+            pass
+        elif applicable(data, job.rules, path):
             candidates.append(i)
         else:  # not parsed by libcst; a syntax error is still reported (compiled: lint.compiled)
             results[i] = FileResult(path, error=_compile_error(data, path))
+            if cache is not None:
+                cache.store(path, data, (), results[i])
         if on_result is not None and results[i] is not None:
             on_result(results[i])
     workers = workers if workers is not None else (os.cpu_count() or 1)
@@ -120,14 +144,15 @@ def run(
 
         chunk = max(1, len(candidates) // (workers * 4))
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            done = pool.map(_lint_path, [job] * len(candidates), [paths[i] for i in candidates], chunksize=chunk)
+            done = pool.map(_lint_path, [job] * len(candidates), [paths[i] for i in candidates],
+                            [()] * len(candidates), [False] * len(candidates), chunksize=chunk)
             for i, result in zip(candidates, done):
                 results[i] = result
                 if on_result is not None:
                     on_result(result)
     else:
         for i in candidates:
-            results[i] = _lint_path(job, paths[i])
+            results[i] = _lint_path(job, paths[i], lookup=False)
             if on_result is not None:
                 on_result(results[i])
     _lint_receivers(job, paths, results, on_result)

@@ -170,21 +170,27 @@ class _Summaries:
 
     def _store(self, key: str, path: str, data: bytes, handed: list) -> None:
         entry = {"reads": _fingerprints(_reads(path, data)), "handed": [list(h) for h in handed]}
-        target = os.path.join(self.folder, key + ".json")
-        tmp = f"{target}.{os.getpid()}.tmp"
+        write_entry(os.path.join(self.folder, key + ".json"), entry)
+
+
+def write_entry(target: str, entry: dict) -> None:
+    """`entry` as JSON at `target`, atomically (a parallel batch reads the old entry or this
+    one); its folder made first. Nothing written, and no error, when that fails."""
+    tmp = f"{target}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(entry, f)
+        os.replace(tmp, target)
+    except OSError:
         try:
-            os.makedirs(self.folder, exist_ok=True)
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(entry, f)
-            os.replace(tmp, target)  # atomic: a parallel batch reads the old entry or this one
+            os.unlink(tmp)
         except OSError:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            pass
 
 
 def _cache_folder() -> Optional[str]:
+    """The check caches' folder (check/ in rewrite's cache folder); None without a home folder."""
     from fsdp2_retrofit.rewrite.cache import cache_dir
 
     try:
@@ -213,9 +219,10 @@ def _reads(path: str, data: bytes) -> List[str]:
 
 
 def _fingerprints(paths: Iterable[str]) -> Dict[str, Optional[str]]:
-    """Each file's content hash; None where it is absent or unreadable."""
+    """Each file's content hash; "folder" for a folder (a package looked for); None where it is
+    absent or unreadable."""
     out: Dict[str, Optional[str]] = {}
     for name in paths:
         data = read(name)
-        out[name] = hashlib.sha1(data).hexdigest() if data is not None else None
+        out[name] = hashlib.sha1(data).hexdigest() if data is not None else "folder" if os.path.isdir(name) else None
     return out

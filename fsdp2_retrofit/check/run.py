@@ -32,7 +32,7 @@ class CheckSettings:
     force_exclude: bool = False
     stdin_filename: Optional[str] = None
     quiet: bool = False
-    cache: bool = True  # --no-cache: no summary of the project's other files read or written
+    cache: bool = True  # --no-cache: no result (results_cache) nor importer summary (importers) read or written
 
 
 class CheckRun:

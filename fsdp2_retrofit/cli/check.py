@@ -68,8 +68,8 @@ def _codes(values) -> List[str]:
 @click.option("-q", "--quiet", is_flag=True, help="Only the findings: no summary line.")
 @click.option(
     "--no-cache", is_flag=True,
-    help="Do not read or write the summaries of the project's files outside the run (the cache `rewrite` "
-    "uses, in check/; FSDP2_RETROFIT_NO_CACHE=1 also turns it off).",
+    help="Do not read or write cached results of the files checked, nor the summaries of the project's files "
+    "outside the run (the cache `rewrite` uses, in check/; FSDP2_RETROFIT_NO_CACHE=1 also turns it off).",
 )
 @click.pass_context
 def check_command(ctx: click.Context, paths, select, extend_select, ignore, fix, unsafe_fixes, diff, output_format,

@@ -92,7 +92,7 @@ class ConvertSavesCommand(RetrofitStage):
         self.pre: Dict[cst.CSTNode, List[cst.CSTNode]] = {}
         self.collective: Dict[cst.CSTNode, bool] = {}  # save statement -> runs on every rank
         every = saves(facts)
-        _refuse_unconvertible(self, every)
+        _refuse_unconvertible(self, every, facts)
         sites = [s for s in every if s.state_calls or s.whole_model]
         async_ok = self.options.async_checkpoint and self._async_possible(sites, facts)
         for site in sites:
@@ -563,7 +563,7 @@ def _position(stmt, facts: ScriptFacts) -> int:
     return next((i for i, s in enumerate(order) if s is stmt), 0)
 
 
-def _refuse_unconvertible(stage, every) -> None:
+def _refuse_unconvertible(stage, every, facts: ScriptFacts) -> None:
     """The saves of sharded state the stage cannot turn into DCP, each refused at its line (FSR706: an
     optimizer lost on the way; FSR708: state handed to a helper's torch.save; FSR707: a sharded module
     pickled whole; FSR709: state held through a name bound to another container)."""
@@ -603,6 +603,21 @@ def _refuse_unconvertible(stage, every) -> None:
                 f"save `{model}.state_dict()` instead (and load_state_dict it back into a built model): "
                 "the rewrite turns that into DCP",
             )
+    classes = {c.name.value for c in facts.module.body if type(c) is cst.ClassDef}  # the program's own classes
+    for site in every:
+        record = site.state if type(site.state) is cst.Call and site.state_calls else None
+        if record is not None and type(record.func) is cst.Name and record.func.value in classes:
+            stage.refuse(
+                "FSR709",
+                site.call,
+                f"`{code(site.call)}` saves `{code(record.func)}(...)`, an object of a class of the program holding "
+                f"`{code(site.state_calls[0].call)}`, a sharded model's (or its optimizer's) state",
+                "dcp.save writes a dict of tensors (and reads one back): an object of another type cannot be "
+                "saved with it, and left as torch.save every rank would write its own DTensor shards into the "
+                "one file",
+                "save a dict (`dataclasses.asdict(...)` of the record, or the dict literal itself): the rewrite "
+                "turns that into DCP",
+            )
     for site in every:
         for name, held in site.nested_state[:1]:
             stage.refuse(
@@ -611,8 +626,8 @@ def _refuse_unconvertible(stage, every) -> None:
                 f"`{code(site.call)}` saves `{name.value}` inside what it writes, and `{name.value}` holds "
                 f"`{code(held)}` (line {stage.line(held)}), a sharded model's (or its optimizer's) state",
                 "the rewrite converts a save where the state dict sits in the saved object itself; through a "
-                "name bound to another dict the torch.save would stay, and every rank would write its own "
-                "DTensor shards into the one file: a checkpoint nothing can load as the model",
+                "name bound to another dict (or a record built from it) the torch.save would stay, and every rank "
+                "would write its own DTensor shards into the one file: a checkpoint nothing can load as the model",
                 "put the state dicts in the saved object itself (`torch.save({\"net\": net.state_dict(), ...}, "
                 "path)`, nested dict literals included): the rewrite turns that into DCP, and the load too",
             )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
-from fsdp2_retrofit.analysis.spawn import SpawnSite, spawns
+from fsdp2_retrofit.analysis.spawn import SpawnSite, in_worker, spawns
 from fsdp2_retrofit.rewrite.edit import without_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
@@ -36,7 +36,7 @@ class MigrateSpawnCommand(RetrofitStage):
         worker = site.worker
         params = [p.name.value for p in worker.params.params]
         init_kw = {a.keyword.value: a.value for a in site.init.args if a.keyword is not None}
-        world_param = code(init_kw["world_size"]) if "world_size" in init_kw else None
+        world_param = code(in_worker(site, init_kw["world_size"])) if "world_size" in init_kw else None
         args = []
         for param, value in zip(params[1:], site.args):
             same_as_nprocs = site.nprocs is not None and code(value) == code(site.nprocs)
@@ -116,7 +116,7 @@ class MigrateSpawnCommand(RetrofitStage):
             self.refuse("FSR107", worker, f"{worker.name.value}() does not take exactly the index plus the {len(site.args)} spawn args",
                         "the rewrite maps each spawn argument to one parameter", "give the worker plain parameters")
         if site.init is None:
-            self.refuse("FSR108", worker, f"{worker.name.value}() starts no process group",
+            self.refuse("FSR108", worker, f"{worker.name.value}() starts no process group (in its body, or a function of the program it calls)",
                         "an mp.spawn worker without init_process_group cannot become a torchrun worker automatically",
                         "call dist.init_process_group in the worker")
         init_kw = {a.keyword.value: a.value for a in site.init.args if a.keyword is not None}
@@ -124,7 +124,7 @@ class MigrateSpawnCommand(RetrofitStage):
         if "store" in init_kw:
             self.refuse("FSR109", site.init, "init_process_group is given a store",
                         "torchrun's env:// rendezvous replaces the store", "drop store= and run rewrite again")
-        if "rank" in init_kw and code(init_kw["rank"]) != first:
+        if "rank" in init_kw and code(in_worker(site, init_kw["rank"])) != first:
             self.refuse("FSR110", site.init, f"the global rank is computed (`rank={code(init_kw['rank'])}`)",
                         "torchrun's RANK replaces it, but the script's own rank arithmetic (node rank x GPUs per "
                         "node) would stay in use elsewhere", "pass the spawn index as the rank")

@@ -190,3 +190,25 @@ def test_a_rank_name_bound_in_one_branch_of_an_optional_launch_is_not_used():
     generated = out.replace((case / "input.py").read_text(), "")
     assert "if dist.get_rank() == 0 and os.path.isfile(args.out):" in out
     assert "ddp_rank == 0 and" not in generated
+
+
+def test_set_device_reads_the_local_rank_number_not_the_environment_dict_naming_it():
+    """`env = {k: os.environ[k] for k in (..., "LOCAL_RANK", ...)}`; `local_rank = int(env["LOCAL_RANK"])`:
+    the device is set from `local_rank`, never from the dict (`torch.cuda.set_device(env)` was written)."""
+    setup = '''    env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    local_rank = int(env["LOCAL_RANK"])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()'''
+    out = lines(rewrite(setup))
+    init = out.index('dist.init_process_group("gloo")')
+    assert out[init - 2: init] == ["if torch.cuda.is_available():", "torch.cuda.set_device(local_rank)"]
+    assert not any("set_device(env)" in line for line in out)
+
+
+def test_an_accelerator_device_index_set_before_the_group_is_a_set_device():
+    setup = '''    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.accelerator.set_device_index(local_rank)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()'''
+    out = lines(rewrite(setup))
+    assert not any(line.startswith("torch.cuda.set_device(") for line in out)

@@ -437,6 +437,80 @@ def test_an_attribute_that_is_not_only_a_rank_does_not_gate_like_one():
     assert rank_aliases(train, facts) == frozenset()
 
 
+HANDED_RANK = TUTORIAL_TRAINER.replace(
+    "def __init__(self, model, optimizer, path):\n        self.gpu_id = {gpu_id}\n        self.model = model.to(self.gpu_id)",
+    "def __init__(self, model, optimizer, gpu_id, path):\n        self.gpu_id = gpu_id\n        self.model = model.to(gpu_id)",
+).replace("self.model = DDP(self.model, device_ids=[self.gpu_id])", "self.model = DDP(model, device_ids=[gpu_id])").replace(
+    'Trainer(model, optimizer, "snapshot.pt")', 'Trainer(model, optimizer, {rank}, "snapshot.pt")').replace(
+    "    ddp_setup()\n", '    ddp_setup()\n    local_rank = int(os.environ["LOCAL_RANK"])\n')
+
+
+@pytest.mark.parametrize("rank, gates", [
+    ("local_rank", True),  # local_rank = int(os.environ["LOCAL_RANK"]) in main(): handed by value
+    ("0", False),  # a constant, not a rank
+])
+def test_a_rank_handed_to_the_trainer_as_a_parameter_is_read_by_value(rank, gates):
+    """`Trainer(model, optimizer, local_rank, ...)` with `self.gpu_id = gpu_id`: every construction hands the
+    parameter a rank, so `if self.gpu_id == 0 and ...:` around the method that saves loses its rank test. The
+    model held twice in __init__ (`self.model = model.to(gpu_id)`, then `self.model = DDP(model, ...)`) is one
+    holder of the sharded model: its save becomes DCP (it was left a torch.save of the shards under rank 0)."""
+    result = rewrite(HANDED_RANK.format(rank=rank))
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert "dcp.save(" in code and "get_model_state_dict(self.model)" in code
+    moved = "            if epoch % 2 == 0:\n                self._save_snapshot(epoch)\n" in code
+    assert moved is gates
+    if not gates:  # a constant 0 is the same on every rank: every rank calls the method alike
+        assert "            if self.gpu_id == 0 and epoch % 2 == 0:\n" in code
+
+
+def test_a_parameter_one_call_hands_something_else_is_no_rank():
+    from fsdp2_retrofit.analysis.facts import analyse
+    from fsdp2_retrofit.analysis.rank_values import rank_aliases
+    import libcst as cst
+
+    def aliases(source):
+        facts = analyse(cst.parse_module(source))
+        train = next(f for f in facts.resolver.nodes(cst.FunctionDef) if f.name.value == "train")
+        return rank_aliases(train, facts)
+
+    source = HANDED_RANK.format(rank="local_rank")
+    assert aliases(source) == {"self.gpu_id"}
+    assert aliases(source + '\n\ndef evaluate(model, optimizer):\n    return Trainer(model, optimizer, 3, "e.pt")\n') == frozenset()
+
+
+SPAWN_HELPER = SPAWN.replace('''def worker(rank, world_size, args):
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = "12355"
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)''', '''def setup(r, n):
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = "12355"
+    dist.init_process_group("gloo", rank=RANK, world_size=n)
+
+
+def worker(rank, world_size, args):
+    setup(rank, world_size)''')
+
+
+def test_a_spawn_worker_starting_its_group_through_a_helper_becomes_a_torchrun_worker():
+    """The worker calls `setup(rank, world_size)`, which starts the group (was FSR108 'starts no process
+    group'): rank=/world_size= go in the helper, the rendezvous lines too, and the group is not started twice."""
+    result = rewrite(SPAWN_HELPER.replace("RANK", "r").replace("{launch}", "mp.spawn(worker, args=(n, None), nprocs=n)"))
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert 'worker(int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]), None)' in code
+    assert code.count("init_process_group(") == 1 and 'dist.init_process_group("gloo")' in code
+    assert "MASTER_" not in code and "mp." not in code
+
+
+def test_a_rank_computed_in_the_spawn_workers_helper_is_refused_there():
+    source = SPAWN_HELPER.replace("RANK", "r * 2").replace("{launch}", "mp.spawn(worker, args=(n, None), nprocs=n)")
+    result = rewrite(source)
+    assert [r.code for r in result.refusals] == ["FSR110"]
+    assert result.refusals[0].line == source.splitlines().index(
+        '    dist.init_process_group("gloo", rank=r * 2, world_size=n)') + 1
+
+
 def test_a_wrap_stored_in_another_objects_attribute_is_refused_at_its_line():
     body = '''    model = Net()
     holder = types.SimpleNamespace()

@@ -312,6 +312,32 @@ def test_param_groups_and_a_named_result_are_followed():
     assert not rewrite_source(source.encode(), "train.py").refusals
 
 
+def test_param_groups_sorted_by_module_type_are_followed():
+    """The minGPT shape: `for mn, m in model.named_modules(): for pn, p in m.named_parameters():` sorts
+    names into decay / no_decay sets, then groups from `model.named_parameters()`: `m` is a part of
+    the model handed in, read only (it was FSR612: `m` counted as a second model the function closes over)."""
+    source = _factory("""
+        decay, no_decay = set(), set()
+        for mn, m in model.named_modules():
+            for pn, p in m.named_parameters():
+                full = f"{mn}.{pn}" if mn else pn
+                if pn.endswith("weight") and isinstance(m, nn.Linear):
+                    decay.add(full)
+                else:
+                    no_decay.add(full)
+        params = {pn: p for pn, p in model.named_parameters()}
+        groups = [{"params": [params[n] for n in sorted(decay)], "weight_decay": 0.1},
+                  {"params": [params[n] for n in sorted(no_decay)], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=lr)
+    """)
+    opt = next(o for o in analyse(cst.parse_module(source)).optimizers if o.name == "opt")
+    assert opt.models == ["model"] and opt.method.name.value == "make_optimizer"
+    result = rewrite_source(source.encode(), "train.py")
+    assert not result.refusals, result.refusals
+    out = result.code.decode()
+    assert out.index("fully_shard(model") < out.index("opt = make_optimizer(model, 0.1)")
+
+
 def test_optimizers_a_function_builds_from_its_parameter_train_the_model_it_is_handed():
     """Not a factory (two optimizers, or it returns something else), but each optimizer in it
     is built from the parameters of the module every call hands it (followed by value): the

@@ -217,6 +217,10 @@ def saves(facts: ScriptFacts) -> List[SaveSite]:
             values = [e.value for e in state.elements if isinstance(e, (cst.DictElement, cst.Element))]
             site.held_models = [(v.value, v) for v in values if isinstance(v, cst.Name) and v.value in models]
             site.nested_state = _nested_state(values, call, set(models) | set(optimizers), facts, 3)
+        elif isinstance(state, cst.Call) and not _state_dict_calls(state):
+            # `asdict(snapshot)`, `Snapshot(model_state=sd, ...)`: the state through a record's arguments
+            site.nested_state = _nested_state([a.value for a in state.args], state, set(models) | set(optimizers),
+                                              facts, 3)
         if isinstance(state, cst.Dict):
             site.dict_keys = tuple(
                 e.key.evaluated_value
@@ -358,21 +362,25 @@ def _load_state_dict_use(node, key, stmt, facts: ScriptFacts) -> Optional[LoadUs
 
 def _nested_state(values, at: cst.CSTNode, owners: Set[str], facts: ScriptFacts, depth: int):
     """(name, state_dict() call) for each name among `values` bound (before `at`) to a dict, list or tuple
-    literal holding a model's or optimizer's `state_dict()`, directly or through such names again."""
+    literal, or to a call of a record or converter (`Snapshot(model_state=...)`, `asdict(snapshot)`), holding
+    a model's or optimizer's `state_dict()`, directly or through such names again."""
     out = []
     for value in values:
         if not isinstance(value, cst.Name) or depth == 0:
             continue
         bound = bound_value(value.value, at, facts)
-        if not isinstance(bound, (cst.Dict, cst.List, cst.Tuple)):
+        if not isinstance(bound, (cst.Dict, cst.List, cst.Tuple, cst.Call)):
             continue
         held = [sd for sd in _state_dict_calls(bound)
                 if isinstance(sd.func.value, (cst.Name, cst.Attribute)) and dotted(sd.func.value) in owners]
         if held:
             out.append((value, held[0]))
             continue
-        inner = [e.value for e in bound.elements if isinstance(e, (cst.DictElement, cst.Element))]
-        deeper = _nested_state(inner, at, owners, facts, depth - 1)
+        if isinstance(bound, cst.Call):  # the names it is handed, each as bound before this call
+            inner, where = [a.value for a in bound.args], bound
+        else:
+            inner, where = [e.value for e in bound.elements if isinstance(e, (cst.DictElement, cst.Element))], at
+        deeper = _nested_state(inner, where, owners, facts, depth - 1)
         out += [(value, sd) for _, sd in deeper[:1]]
     return out
 

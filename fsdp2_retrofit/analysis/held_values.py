@@ -140,14 +140,28 @@ def holders(resolver, module: cst.Module, is_module_class, foreign=None) -> List
                     and target.value.value == me and isinstance(value, cst.Name) and value.value in params):
                 continue
             attr = target.attr.value
+            if any(h.cls is cls and h.attr == attr for h in out):
+                continue  # held already: its first assignment
             elsewhere = [n for n in assigned.get((None, attr), [])
                          if foreign is None or not all(foreign(obj, cls) for obj in _objects(n, attr))]
             others = [n for n in assigned.get((cls, attr), []) + elsewhere
-                      if n is not small.targets[0] and not _keeps(resolver, n, attr)]
+                      if n is not small.targets[0] and not _keeps(resolver, n, attr)
+                      and not _holds_again(resolver, n, init, value.value)]
             if value.value in rebound:
                 others.insert(0, small)
             out.append(Holder(cls, attr, value.value, init, others[0] if others else None))
     return out
+
+
+def _holds_again(resolver, target: cst.CSTNode, init: cst.FunctionDef, param: str) -> bool:
+    """`self.model = DDP(model, device_ids=[gpu_id])` after `self.model = model.to(gpu_id)` in the same
+    __init__: the attribute is assigned the same parameter's module again (moved, or in a wrapper the
+    migration removes), so it still holds what the constructions hand that parameter."""
+    assign = resolver.parent(target) if type(target) is cst.AssignTarget else None
+    if type(assign) is not cst.Assign or len(assign.targets) != 1 or resolver.enclosing_function(assign) is not init:
+        return False
+    value = unwrapped(resolver, assign.value)
+    return type(value) is cst.Name and value.value == param
 
 
 def _objects(node: cst.CSTNode, attr: str) -> List[cst.BaseExpression]:

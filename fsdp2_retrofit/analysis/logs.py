@@ -29,7 +29,7 @@ import libcst as cst
 from .site_analysis import Scope, SiteAnalysis
 from fsdp2_retrofit.syntax.memo import per_node
 from fsdp2_retrofit.syntax.names import Resolver, code, root_name
-from fsdp2_retrofit.syntax.rank import mentions_rank
+from fsdp2_retrofit.syntax.rank import mentions_rank, rank_zero_side
 from fsdp2_retrofit.syntax.torch_api import SUMMARY_WRITERS
 
 
@@ -356,11 +356,20 @@ class LogAnalysis(SiteAnalysis):
 
     def _is_rank_gated(self, node) -> bool:
         for anc in self.r.ancestors(node):
-            if isinstance(anc, (cst.If,)) and mentions_rank(anc.test):
+            if isinstance(anc, (cst.If,)) and (mentions_rank(anc.test) or self._rank_by_value(anc)):
                 return True
             if isinstance(anc, cst.FunctionDef):
                 return False
         return False
+
+    def _rank_by_value(self, gate: cst.If) -> bool:
+        """`if self.device_index == 0:` where the attribute holds a rank by its value (rank_values)."""
+        from .rank_values import RankAliases
+
+        if getattr(self, "_rank_aliases", None) is None:
+            self._rank_aliases = RankAliases(self.r)
+        aliases = self._rank_aliases.at(gate)
+        return bool(aliases) and rank_zero_side(gate.test, aliases) is not None
 
 
 def log_only(fn: cst.FunctionDef, r: Resolver, depth: int = 0) -> bool:

@@ -7,7 +7,7 @@ from typing import Dict, List, Optional, Set
 
 import libcst as cst
 
-from .closures import closure_propagate
+from .closures import closure_propagate, local_bindings
 from .held_values import Lost, disagreeing_calls, global_optimizers, held_optimizers, model_in_callee
 from .optimizer_factories import changes_tensors, returned_optimizer
 from .returns import names_out
@@ -171,7 +171,7 @@ class OptimizerAnalysis(SiteAnalysis):
             return None
         readers = {}  # model name in fn -> ids of its Name nodes that only read parameters
         for c in calls_in(fn):
-            if isinstance(c.func, cst.Attribute) and c.func.attr.value in ("parameters", "named_parameters"):
+            if isinstance(c.func, cst.Attribute) and c.func.attr.value in ("parameters", "named_parameters", "modules", "named_modules"):
                 root = c.func.value
                 while type(root) is cst.Attribute:
                     root = root.value
@@ -182,7 +182,10 @@ class OptimizerAnalysis(SiteAnalysis):
         params = {p.name.value for p in fn.params.params} | {p.name.value for p in fn.params.kwonly_params}
         passed = dict(bind_args(fn, call))
         models = []
+        local = local_bindings(fn) - params
         for name, ids in readers.items():
+            if name in local:
+                continue  # `for mn, m in model.named_modules(): m.named_parameters()`: a part of a model read above
             uses = [n for n in walk(fn.body) if type(n) is cst.Name and n.value == name]
             if any(id(n) not in ids for n in uses):
                 return None  # the model is used otherwise (moved, frozen, called): not only read

@@ -14,7 +14,7 @@ import libcst as cst
 
 from fsdp2_retrofit.syntax.names import calls_in, code
 from fsdp2_retrofit.syntax.rank import is_rank_value, is_world_size_value  # noqa: F401  (is_rank_value: kept importable here)
-from fsdp2_retrofit.syntax.torch_api import CUDA_SET_DEVICE as SET_DEVICE
+from fsdp2_retrofit.syntax.torch_api import DEVICE_SELECTORS as SET_DEVICE
 from fsdp2_retrofit.syntax.torch_api import DESTROY_PROCESS_GROUP as DESTROY
 
 
@@ -50,7 +50,7 @@ def process_group(facts) -> Optional[ProcessGroup]:
         start=start,
         conditional=conditional,
         set_device=[c for c in calls if r.is_call_to(c, SET_DEVICE)],
-        local_rank_name=_bound_from(facts, init_fn, lambda v: "LOCAL_RANK" in code(v), before=init),
+        local_rank_name=_bound_from(facts, init_fn, _local_rank_number, before=init),
         world_size_name=world_size_name(facts),
         destroys=[c for c in calls if r.is_call_to(c, DESTROY)],
     )
@@ -75,6 +75,13 @@ def _start(init_stmt, facts):
                 if isinstance(call.func, cst.Name) and call.func.value == init_fn.name.value:
                     return stmt, None
     return None, None
+
+
+def _local_rank_number(value) -> bool:
+    """`int(os.environ["LOCAL_RANK"])`, `int(env["LOCAL_RANK"])`, `int(os.getenv("LOCAL_RANK", 0))`: a number
+    read from LOCAL_RANK (not a dict of the environment whose keys name it)."""
+    return (type(value) is cst.Call and type(value.func) is cst.Name and value.func.value == "int"
+            and len(value.args) == 1 and "LOCAL_RANK" in code(value.args[0].value))
 
 
 def _bound_from(facts, function, test, before=None) -> Optional[str]:

@@ -13,7 +13,7 @@ from typing import Dict, FrozenSet, List, Optional
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import instance_attribute
+from fsdp2_retrofit.syntax.names import bind_args, instance_attribute, parameter_names
 from fsdp2_retrofit.syntax.rank import is_local_rank_value, is_rank_value
 
 
@@ -43,40 +43,80 @@ def rank_aliases(node: cst.CSTNode, facts) -> FrozenSet[str]:
 
 
 def _aliases(r) -> Dict[int, set]:
-    bound: Dict[tuple, List[Optional[cst.BaseExpression]]] = {}  # (scope id, text) -> values
+    bound: Dict[tuple, List[Optional[tuple]]] = {}  # (scope id, text) -> (value, the scope it is read in)
     for assign in r.nodes(cst.Assign):
         for t in assign.targets:
-            target = t.target
-            if isinstance(target, cst.Name):
-                key = (id(r.enclosing_function(assign)), target.value)
-            elif instance_attribute(target) is not None and target.value.value == "self":
-                owner = r.enclosing_class(assign)
-                if owner is None:
-                    continue
-                key = (id(owner), instance_attribute(target))
-            else:
-                continue
-            bound.setdefault(key, []).append(assign.value)
+            key = _key(r, t.target, assign)
+            if key is not None:
+                bound.setdefault(key, []).append((assign.value, assign))
+    for fn, calls, skip in _called_functions(r):  # a parameter is what every call hands it
+        passed: Dict[str, list] = {}
+        for call in calls:
+            for param, arg in bind_args(fn, call, skip):
+                passed.setdefault(param, []).append((arg, call))
+        for param in parameter_names(fn):
+            values = passed.get(param, [])
+            if len(values) < len(calls) or any(a.star for c in calls for a in c.args):
+                values = values + [None]  # a call that does not hand it (a default, *args)
+            bound.setdefault((id(fn), param), []).extend(values)
     for kind in (cst.AugAssign, cst.AnnAssign, cst.For):
         for node in r.nodes(kind):  # bound otherwise as well: not a rank for sure
-            target = node.target
-            if isinstance(target, cst.Name):
-                key = (id(r.enclosing_function(node)), target.value)
-            elif instance_attribute(target) is not None and r.enclosing_class(node) is not None:
-                key = (id(r.enclosing_class(node)), instance_attribute(target))
-            else:
-                continue
+            key = _key(r, node.target, node)
             if key in bound:
                 bound[key].append(None)
     out: Dict[int, set] = {}
-    for (scope, text), values in bound.items():
-        if all(v is not None and _is_rank(v, r) for v in values):
-            out.setdefault(scope, set()).add(text)
+    changed = True
+    while changed:  # a name handed a name found a rank in the round before
+        changed = False
+        for (scope, text), values in bound.items():
+            if text in out.get(scope, ()) or not values:
+                continue
+            if all(v is not None and _is_rank(v[0], r, out, v[1]) for v in values):
+                out.setdefault(scope, set()).add(text)
+                changed = True
     return out
 
 
-def _is_rank(value: cst.BaseExpression, r) -> bool:
-    return is_rank_value(value, r) or is_local_rank_value(value)
+def _key(r, target, node) -> Optional[tuple]:
+    """(scope id, text) of a plain name or a `self.x` a statement binds."""
+    if isinstance(target, cst.Name):
+        return id(r.enclosing_function(node)), target.value
+    if instance_attribute(target) is not None and target.value.value == "self":
+        owner = r.enclosing_class(node)
+        return (id(owner), instance_attribute(target)) if owner is not None else None
+    return None
+
+
+def _called_functions(r):
+    """(function, its calls, parameters the calls skip) for the top-level functions called by
+    name and the __init__ of top-level classes constructed by name."""
+    module = r.module
+    by_name: Dict[str, tuple] = {}
+    for stmt in module.body:
+        if isinstance(stmt, cst.FunctionDef):
+            by_name[stmt.name.value] = (stmt, 0)
+        elif isinstance(stmt, cst.ClassDef):
+            init = next((s for s in stmt.body.body if isinstance(s, cst.FunctionDef) and s.name.value == "__init__"), None)
+            if init is not None:
+                by_name[stmt.name.value] = (init, 1)
+    calls: Dict[str, list] = {}
+    for call in r.nodes(cst.Call):
+        if isinstance(call.func, cst.Name) and call.func.value in by_name:
+            calls.setdefault(call.func.value, []).append(call)
+    for name, found in calls.items():
+        fn, skip = by_name[name]
+        yield fn, found, skip
+
+
+def _is_rank(value: cst.BaseExpression, r, found: Optional[Dict[int, set]] = None, where=None) -> bool:
+    if is_rank_value(value, r) or is_local_rank_value(value):
+        return True
+    if found is None or where is None:
+        return False
+    if isinstance(value, cst.Name):
+        return value.value in found.get(id(r.enclosing_function(where)), ())
+    owner = r.enclosing_class(where) if instance_attribute(value) is not None else None
+    return owner is not None and instance_attribute(value) in found.get(id(owner), ())
 
 
 __all__ = ["RankAliases", "rank_aliases"]

@@ -3,11 +3,11 @@ spawn hands it, and how the worker starts its process group."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import code
+from fsdp2_retrofit.syntax.names import bind_args, code
 from fsdp2_retrofit.syntax.torch_api import INIT_PROCESS_GROUP as INIT, SPAWN
 
 # objects that only exist in the launching process: a torchrun worker cannot receive them
@@ -24,7 +24,10 @@ class SpawnSite:
     args: Optional[List[cst.BaseExpression]]  # the `args=(...)` elements; None when not a tuple literal
     nprocs: Optional[cst.BaseExpression]
     other_kwargs: List[str] = field(default_factory=list)
-    init: Optional[cst.Call] = None  # init_process_group inside the worker
+    init: Optional[cst.Call] = None  # init_process_group inside the worker, or in a function it calls
+    # where `init` is in a set-up function the worker calls (`ddp_setup(rank, world_size)`): each
+    # parameter of the functions on the way, bound to what the worker's call hands it
+    setup_args: Dict[str, cst.BaseExpression] = field(default_factory=dict)
     # `os.environ["MASTER_ADDR"] = ...` statements anywhere in the script
     rendezvous: List[cst.SimpleStatementLine] = field(default_factory=list)
     process_objects: List[cst.BaseExpression] = field(default_factory=list)
@@ -60,13 +63,43 @@ def spawns(facts) -> List[SpawnSite]:
                           and not (k == "join" and code(v) == "True")],
         )
         if worker is not None:
-            site.init = next(
-                (c for c in r.nodes(cst.Call) if r.is_call_to(c, INIT) and r.enclosing_function(c) is worker), None
-            )
+            site.init, site.setup_args = _process_group_start(r, worker, functions)
         site.rendezvous = [s for s in r.nodes(cst.SimpleStatementLine) if _sets_rendezvous(s)]
         site.process_objects = [e for e in elements or [] if _is_process_object(e, facts)]
         out.append(site)
     return out
+
+
+def _process_group_start(r, worker, functions, depth: int = 3):
+    """The init_process_group call the worker makes: in its own body, or in a top-level function
+    it calls (a set-up helper of the script or, linked, of a sibling module), up to `depth` calls
+    down; with the helper parameters on the way bound to the expressions the worker hands them."""
+    own = [c for c in r.nodes(cst.Call) if r.enclosing_function(c) is worker]
+    init = next((c for c in own if r.is_call_to(c, INIT)), None)
+    if init is not None or depth == 0:
+        return init, {}
+    for call in own:
+        helper = functions.get(call.func.value) if isinstance(call.func, cst.Name) else None
+        if helper is None or helper is worker:
+            continue
+        init, inner = _process_group_start(r, helper, functions, depth - 1)
+        if init is None:
+            continue
+        if any(a.star for a in call.args):
+            return None, {}  # what *args hands the helper is not read
+        bound = dict(bind_args(helper, call))
+        # a name the helper hands on is what the worker handed the helper
+        inner = {k: bound.get(v.value, v) if isinstance(v, cst.Name) else v for k, v in inner.items()}
+        return init, {**bound, **inner}
+    return None, {}
+
+
+def in_worker(site: SpawnSite, expr: cst.BaseExpression) -> cst.BaseExpression:
+    """An argument of init_process_group as the worker writes it (a helper's parameter is what the
+    worker's call hands that helper)."""
+    if isinstance(expr, cst.Name) and expr.value in site.setup_args:
+        return site.setup_args[expr.value]
+    return expr
 
 
 def _sets_rendezvous(stmt) -> bool:

@@ -205,5 +205,29 @@ class CheckpointStateThroughName(Blocker):
 torch.save({"iter": 10, "model_states": model_states}, "ckpt.pt")
 """,
         line=8,
-    ),)
-    VALID = (Valid(TRAIN + 'torch.save({"iter": 10, "model_states": {"net": model.state_dict()}}, "ckpt.pt")\n'),)
+    ), Invalid(  # through a record and the dict made from it (a Trainer's Snapshot dataclass)
+        "from dataclasses import asdict, dataclass\n" + TRAIN + """@dataclass
+class Snapshot:
+    model_state: dict
+    epoch: int
+snapshot = Snapshot(model_state=model.state_dict(), epoch=3)
+snapshot = asdict(snapshot)
+torch.save(snapshot, "snapshot.pt")
+""",
+        line=14,
+    ), Invalid(  # the record itself, saved inline: dcp.save takes a dict
+        "from dataclasses import dataclass\n" + TRAIN + """@dataclass
+class Snapshot:
+    model_state: dict
+    epoch: int
+torch.save(Snapshot(model_state=model.state_dict(), epoch=3), "snapshot.pt")
+""",
+        line=12,
+    ))
+    VALID = (Valid(TRAIN + 'torch.save({"iter": 10, "model_states": {"net": model.state_dict()}}, "ckpt.pt")\n'),
+             Valid("from dataclasses import asdict, dataclass\n" + TRAIN + """@dataclass
+class Snapshot:
+    model_state: dict
+    epoch: int
+torch.save(asdict(Snapshot(model_state=model.state_dict(), epoch=3)), "snapshot.pt")
+"""))

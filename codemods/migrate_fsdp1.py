@@ -13,6 +13,7 @@ from typing import Dict, List, Set
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
+from fsdp2_retrofit.syntax.names import walk
 from fsdp2_retrofit.analysis.checkpoints import SAVE, rank_gate
 from fsdp2_retrofit.analysis.fsdp1 import (
     Fsdp1Wrap,
@@ -84,6 +85,11 @@ class MigrateFsdp1Command(RetrofitStage):
         for call in uses.scalers:
             self._scaler(call, editor)
             handled.add(id(call))
+        # values read when rewriting stay as written (those of statements the migration removes go with them)
+        removed = {id(n) for w in uses.wraps for s in [w.stmt] + w.consumed for n in walk(s)}
+        removed |= {id(n) for b in uses.blocks for s in [b.node] + b.consumed for n in walk(s)}
+        kept = [v for v in uses.read_values if id(v) not in removed]
+        handled.update(id(v) for v in kept)
         node = leftover(facts, handled)
         if node is not None:
             stmt = facts.resolver.statement_of(node)
@@ -94,8 +100,9 @@ class MigrateFsdp1Command(RetrofitStage):
                 "no FSDP1 API may be left in an FSDP2 script (the two cannot be mixed on one model)",
                 "migrate this use by hand (FSDP2: get_model_state_dict / DTensor.full_tensor / the fully_shard API)",
             )
+        still_read = {n.value for v in kept for n in walk(v) if isinstance(n, cst.Name)}
         for stmt in uses.imports:
-            self._drop_imports(stmt, editor)
+            self._drop_imports(stmt, editor, still_read)
         self._lead(editor)
 
     # -- the wrap ------------------------------------------------------------------
@@ -360,11 +367,12 @@ class MigrateFsdp1Command(RetrofitStage):
 
     # -- imports ----------------------------------------------------------------
 
-    def _drop_imports(self, stmt: cst.SimpleStatementLine, editor: StatementEditor) -> None:
+    def _drop_imports(self, stmt: cst.SimpleStatementLine, editor: StatementEditor, still_read: Set[str]) -> None:
+        """Drop the FSDP1 names an import binds, but those that values left as written still read."""
         body = []
         for small in stmt.body:
             if isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
-                gone = set(fsdp1_alias_names(small))
+                gone = set(fsdp1_alias_names(small)) - still_read
                 names = [a for a in small.names if code(a.name) not in gone]
                 if not names:
                     continue

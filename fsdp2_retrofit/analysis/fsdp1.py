@@ -117,6 +117,8 @@ class Fsdp1Uses:
     module_attrs: List[cst.Attribute]  # `model.module`: the module FSDP1 wrapped
     imports: List[cst.CSTNode]  # import statements that import FSDP1 names
     problems: List[Problem]
+    # values read by value into a wrap's settings (a config's field, a policy of a helper): they stay as written
+    read_values: List[cst.CSTNode] = field(default_factory=list)
 
     @property
     def any(self) -> bool:
@@ -162,6 +164,8 @@ class _Finder:
         self._origin: Dict[int, object] = {}  # id of a node read from a sibling module -> its module's namer
         self._lost: Dict[int, str] = {}  # id of an argument -> why its value could not be followed
         self.values = ModuleValues(facts.classes)
+        self.read_values: List[cst.CSTNode] = []  # values read into a wrap's settings (they stay where they are)
+        self.lost_at: Dict[int, cst.CSTNode] = {}  # id of an argument -> the node that made its value unknown
 
     def run(self) -> Fsdp1Uses:
         calls = self.r.nodes(cst.Call)
@@ -218,7 +222,8 @@ class _Finder:
             a for a in self.r.nodes(cst.Attribute)
             if a.attr.value == "module" and isinstance(a.value, cst.Name) and a.value.value in targets
         ]
-        return Fsdp1Uses(wraps, blocks, scalers, clips, default_state_dicts, module_attrs, imports, self.problems)
+        return Fsdp1Uses(wraps, blocks, scalers, clips, default_state_dicts, module_attrs, imports, self.problems,
+                         self.read_values)
 
     # -- FullyShardedDataParallel(...) ------------------------------------------------
 
@@ -278,22 +283,71 @@ class _Finder:
         the project (`get_wrapper()`) is what its return gives back (analysis/module_values);
         those modules are read (parsed, never imported) and left as they are. Where a value is
         lost, why is kept for the refusal (self._lost)."""
-        value = self._read_name(expr, wrap) if isinstance(expr, cst.Name) else expr
-        for _ in range(4):  # a function returning another one's call
-            if not isinstance(value, cst.Call):
+        value = expr
+        for _ in range(8):  # a name of a name, a function returning another one's call, a config's field
+            if isinstance(value, cst.Name):
+                read = self._read_name(value, wrap)
+            elif isinstance(value, cst.Attribute):
+                read = self._field(value, wrap)
+            elif isinstance(value, cst.Call):
+                read = self._returned(value)
+            else:
                 break
-            bound = self._bound(value.func)
-            if bound is None:
+            if value is not expr and id(value) in self._lost and id(expr) not in self._lost:
+                self._lost[id(expr)] = self._lost[id(value)]
+            if read is None or read is value:
                 break
-            if bound.function is None:
-                self._lost[id(expr)] = bound.why or f"`{code(value.func)}` is not a function of the project"
-                break
-            found = self.values.returned(bound)
-            if found.value is None:
-                self._lost[id(expr)] = found.why
-                break
-            value = self._adopt(found)
+            self.read_values.append(read)
+            value = read
         return value
+
+    def _returned(self, call: cst.Call):
+        """What a call of a function of the project gives back (None when not known)."""
+        bound = self._bound(call.func)
+        if bound is None:
+            bound = self._local_function(call.func)
+        if bound is None:
+            return None
+        if bound.function is None:
+            self._lost[id(call)] = bound.why or f"`{code(call.func)}` is not a function of the project"
+            return None
+        found = self.values.returned(bound)
+        if found.value is None:
+            self._lost[id(call)] = found.why
+            return None
+        return self._adopt(found)
+
+    def _local_function(self, func):
+        """A top-level function of the module itself (of the linked program: a project module's)."""
+        from .module_values import Bound
+
+        entry = self.facts.classes.top_level.get("")
+        if not isinstance(func, cst.Name) or self._origin.get(id(func)) is not None or entry is None:
+            return None
+        for stmt in self.r.module.body:
+            if isinstance(stmt, cst.FunctionDef) and stmt.name.value == func.value:
+                return Bound(function=stmt, namer=entry[1])
+        return None
+
+    def _field(self, expr: cst.Attribute, wrap):
+        """`cfg.sharding_strategy` of a dataclass instance: the field's default, when nothing in the
+        program gives it another value (analysis/config_fields); else why not, at its line."""
+        from .config_fields import config_class, field_default
+
+        if self._origin.get(id(expr)) is not None or not isinstance(expr.value, cst.Name):
+            return None
+        built = self._resolve(expr.value, wrap)
+        cls = config_class(self.r, built) if isinstance(built, cst.Call) else None
+        if cls is None:
+            return None
+        found = field_default(self.r, cls, built, expr.attr.value)
+        if found.value is None:
+            self._lost[id(expr)] = found.why
+            if found.where is not None:
+                self.lost_at[id(expr)] = found.where
+            return None
+        self.read_values.append(found.statement)
+        return found.value
 
     def _bound(self, expr):
         """What a name (or `module.name`) read in the script or in a project module is bound to
@@ -334,15 +388,42 @@ class _Finder:
         if len(stmts) != 1 or len(stmts[0].body) != 1 or not isinstance(stmts[0].body[0], cst.Assign):
             return expr
         assign = stmts[0].body[0]
+        if len(assign.targets) == 1 and isinstance(assign.targets[0].target, cst.Tuple):
+            return self._unpacked(expr, stmts[0], assign, wrap)
         if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
-            # `mixed_precision_policy, wrap_policy = get_policies(cfg)`: one element of a value
-            self._lost[id(expr)] = (f"`{expr.value}` is unpacked from `{code(assign.value)}` (line "
-                                    f"{self.r.line(stmts[0])}): the rewrite does not follow one element of a value")
+            self._lost[id(expr)] = (f"`{expr.value}` is assigned by `{code(stmts[0]).strip()}` (line "
+                                    f"{self.r.line(stmts[0])}), a form the rewrite does not follow")
             return expr
         reads = [n for n in self.r.nodes(cst.Name) if n.value == expr.value]
-        if len(reads) == 2:  # the assignment's target and this argument
+        if len(reads) == 2 and stmts[0] not in wrap.consumed:  # the assignment's target and this argument
             wrap.consumed.append(stmts[0])
         return assign.value
+
+    def _unpacked(self, expr: cst.Name, stmt, assign: cst.Assign, wrap):
+        """`mp_policy, wrap_policy = get_policies(cfg, rank)`: the element of the tuple the call gives
+        back (or the tuple written there) at this name's place. The statement is consumed when each
+        of its names is read only by the wrap."""
+        names = [e.value for e in assign.targets[0].target.elements]
+        if not all(isinstance(n, cst.Name) for n in names) or any(isinstance(e, cst.StarredElement)
+                                                                  for e in assign.targets[0].target.elements):
+            self._lost[id(expr)] = f"`{code(assign.targets[0].target)}` (line {self.r.line(stmt)}) unpacks into a starred name"
+            return expr
+        index = [n.value for n in names].index(expr.value)
+        value = self._resolve(assign.value, wrap)
+        if isinstance(value, cst.Tuple) and len(value.elements) == len(names) and not any(
+                isinstance(e, cst.StarredElement) for e in value.elements):
+            reads = {n.value: 0 for n in names}
+            for n in self.r.nodes(cst.Name):
+                if n.value in reads:
+                    reads[n.value] += 1
+            used = {n.value for a in getattr(wrap, "call", cst.Call(cst.Name("_"))).args for n in walk(a.value) if isinstance(n, cst.Name)}
+            if all(count == 2 and name in used for name, count in reads.items()) and stmt not in wrap.consumed:
+                wrap.consumed.append(stmt)
+            return value.elements[index].value
+        self._lost[id(expr)] = self._lost.get(id(assign.value)) or (
+            f"`{expr.value}` is unpacked from `{code(assign.value)}` (line {self.r.line(stmt)}), whose value is not "
+            f"a tuple of {len(names)} the rewrite can read")
+        return expr
 
     def _qn(self, node) -> Set[str]:
         """Qualified names of a node of the script, or of a value read from a sibling module."""
@@ -444,8 +525,10 @@ class _Finder:
     def _strategy(self, wrap: Fsdp1Wrap, expr) -> None:
         member = self._enum_member(self._resolve(expr, wrap), "ShardingStrategy")
         if member is None:
-            self._refuse("FSR303", expr, f"sharding_strategy={code(expr)} is not a ShardingStrategy member",
-                         "the rewrite maps each member to its FSDP2 setting", "write ShardingStrategy.FULL_SHARD (or another member)")
+            self._refuse("FSR303", self.lost_at.get(id(expr), expr),
+                         f"sharding_strategy={code(expr)} is not a ShardingStrategy member the rewrite can read",
+                         self._lost.get(id(expr), "the rewrite maps each member to its FSDP2 setting"),
+                         "write ShardingStrategy.FULL_SHARD (or another member)")
             return
         if member == "NO_SHARD":
             self._refuse(

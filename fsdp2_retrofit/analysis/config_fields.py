@@ -33,18 +33,17 @@ def _is_dataclass(cls: cst.ClassDef) -> bool:
     return False
 
 
-def config_class(resolver, call: cst.Call) -> Optional[cst.ClassDef]:
-    """The dataclass of the module `resolver` reads that `call` builds (`TrainConfig()`)."""
-    if not isinstance(call.func, cst.Name):
-        return None
+def config_class(resolver, name: str) -> Optional[cst.ClassDef]:
+    """The dataclass `name` of the module `resolver` reads, at its top level."""
     for stmt in resolver.module.body:
-        if isinstance(stmt, cst.ClassDef) and stmt.name.value == call.func.value and _is_dataclass(stmt):
+        if isinstance(stmt, cst.ClassDef) and stmt.name.value == name and _is_dataclass(stmt):
             return stmt
     return None
 
 
-def field_default(resolver, cls: cst.ClassDef, call: cst.Call, name: str) -> FieldDefault:
-    """The one value field `name` of dataclass `cls` (built by `call`) holds in the program."""
+def field_default(resolvers, cls: cst.ClassDef, call: cst.Call, name: str) -> FieldDefault:
+    """The one value field `name` of dataclass `cls` (built by `call`) holds in the program whose
+    modules `resolvers` read."""
     found = None
     for line in cls.body.body:
         for small in line.body if isinstance(line, cst.SimpleStatementLine) else ():
@@ -61,7 +60,8 @@ def field_default(resolver, cls: cst.ClassDef, call: cst.Call, name: str) -> Fie
     if call.args:
         return FieldDefault(statement=line, where=call,
                             why=f"{cls.name.value}(...) is built with arguments: its `{name}` is not the default")
-    for node in resolver.nodes(cst.Call):  # TrainConfig(sharding_strategy=...), replace(cfg, sharding_strategy=...)
+    calls = [n for r in resolvers for n in r.nodes(cst.Call)]
+    for node in calls:  # TrainConfig(sharding_strategy=...), replace(cfg, sharding_strategy=...)
         if any(a.keyword is not None and a.keyword.value == name for a in node.args) and (
                 code(node.func).rsplit(".", 1)[-1] in (cls.name.value, "replace")):
             return FieldDefault(statement=line, where=node,
@@ -70,7 +70,7 @@ def field_default(resolver, cls: cst.ClassDef, call: cst.Call, name: str) -> Fie
             return FieldDefault(statement=line, where=node,
                                 why=f"`{code(node)}` may give the field {cls.name.value}.{name} another value")
     for kind in (cst.Assign, cst.AugAssign, cst.AnnAssign):
-        for node in resolver.nodes(kind):
+        for node in (n for r in resolvers for n in r.nodes(kind)):
             targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
             if any(isinstance(t, cst.Attribute) and t.attr.value == name for t in targets):
                 return FieldDefault(statement=line, where=node,

@@ -337,16 +337,33 @@ class _Finder:
         if self._origin.get(id(expr)) is not None or not isinstance(expr.value, cst.Name):
             return None
         built = self._resolve(expr.value, wrap)
-        cls = config_class(self.r, built) if isinstance(built, cst.Call) else None
+        if not isinstance(built, cst.Call) or not isinstance(built.func, (cst.Name, cst.Attribute)):
+            return None
+        namer = self._origin.get(id(built))
+        cls = config_class(namer.resolver, code(built.func)) if namer is not None else None
+        if cls is None and namer is None and isinstance(built.func, cst.Name):
+            cls = config_class(self.r, built.func.value)
+        if cls is None:  # `from configs import TrainConfig`: the class of a project module
+            bound = self._bound(built.func)
+            namer = bound.namer if bound is not None and bound.function is None and bound.value is None else None
+            cls = config_class(namer.resolver, code(built.func).rsplit(".", 1)[-1]) if namer is not None else None
         if cls is None:
             return None
-        found = field_default(self.r, cls, built, expr.attr.value)
+        resolvers = [self.r] + [n.resolver for _, n in self.facts.classes.top_level.values() if n.resolver is not self.r]
+        found = field_default(resolvers, cls, built, expr.attr.value)
         if found.value is None:
             self._lost[id(expr)] = found.why
-            if found.where is not None:
-                self.lost_at[id(expr)] = found.where
+            if found.where is not None and any(found.where is n for n in self.r.nodes(type(found.where))):
+                self.lost_at[id(expr)] = found.where  # refused where the field is given another value
+            elif found.where is not None:  # in another module of the project: named in the reason
+                for namespace, (_, other) in self.facts.classes.top_level.items():
+                    if any(found.where is n for n in other.resolver.nodes(type(found.where))):
+                        self._lost[id(expr)] += (f" ({self.facts.classes.shown_file(namespace)}:"
+                                                 f"{other.resolver.line(found.where)})")
             return None
         self.read_values.append(found.statement)
+        if namer is not None:
+            self._origin.update((id(n), namer) for n in walk(found.value))
         return found.value
 
     def _bound(self, expr):

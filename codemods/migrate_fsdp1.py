@@ -253,7 +253,7 @@ class MigrateFsdp1Command(RetrofitStage):
             func = call.func
             names = r.qnames(call)
             replacement, owner = None, model
-            if (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == model
+            if (isinstance(func, cst.Attribute) and code(func.value) == model
                     and func.attr.value == "state_dict" and not call.args):
                 replacement = f"get_model_state_dict({model}{_opt(options)})"
                 self.add_import(STATE_DICT_MODULE, "get_model_state_dict")
@@ -262,7 +262,7 @@ class MigrateFsdp1Command(RetrofitStage):
                 owner = o
                 replacement = f"get_optimizer_state_dict({m}, {o}{_opt(options)})"
                 self.add_import(STATE_DICT_MODULE, "get_optimizer_state_dict")
-            elif (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == model
+            elif (isinstance(func, cst.Attribute) and code(func.value) == model
                     and func.attr.value == "load_state_dict" and len(call.args) == 1):
                 replacement = f"set_model_state_dict({model}, {code(call.args[0].value)}{_opt(load_options)})"
                 self.add_import(STATE_DICT_MODULE, "set_model_state_dict")
@@ -297,7 +297,7 @@ class MigrateFsdp1Command(RetrofitStage):
                     self.add_import("torch.distributed", asname="dist")
                 for call, (replacement, owner) in gathered.items():
                     if stmt in r.ancestors(call):  # the collective stays on every rank, before the `if`
-                        name = self.fresh_name(f"{owner}_state", r.enclosing_function(node))
+                        name = self.fresh_name(f"{owner.rsplit('.', 1)[-1]}_state", r.enclosing_function(node))
                         while name in self._hoisted:
                             name = self.fresh_name(f"{name}_", r.enclosing_function(node))
                         self._hoisted.add(name)
@@ -347,7 +347,7 @@ class MigrateFsdp1Command(RetrofitStage):
     # -- clip_grad_norm_ and ShardedGradScaler -----------------------------------
 
     def _clip(self, call: cst.Call, editor: StatementEditor) -> None:
-        model = call.func.value.value
+        model = code(call.func.value)
         args = [cst.Arg(self.expr(f"{model}.parameters()"), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))]
         editor.replace_expression(call, call.with_changes(func=self.expr("torch.nn.utils.clip_grad_norm_"), args=args + list(call.args)))
         self.add_import("torch")

@@ -174,11 +174,7 @@ class _Finder:
         targets = {w.target for w in wraps}
         blocks = [b for b in (self._block(w) for w in self.r.nodes(cst.With)) if b is not None]
         scalers = [c for c in calls if _qnames(c, self.facts) & SCALER]
-        clips = [
-            c for c in calls
-            if isinstance(c.func, cst.Attribute) and c.func.attr.value == "clip_grad_norm_"
-            and isinstance(c.func.value, cst.Name) and c.func.value.value in targets
-        ]
+        clips = [c for c in calls if self._fsdp1_clip(c, targets)]
         for c in calls:
             if isinstance(c.func, cst.Attribute) and isinstance(c.func.value, cst.Name) and c.func.value.value in targets:
                 method = c.func.attr.value
@@ -224,6 +220,25 @@ class _Finder:
         ]
         return Fsdp1Uses(wraps, blocks, scalers, clips, default_state_dicts, module_attrs, imports, self.problems,
                          self.read_values)
+
+    def _fsdp1_clip(self, call: cst.Call, targets: Set[str]) -> bool:
+        """`model.clip_grad_norm_(max_norm[, norm_type])`: FSDP1's method, of a wrapped model named
+        as wrapped, or of a module the program hands on (`self.model`, a parameter `model` of a
+        loop helper) where the program wraps with FSDP1: an nn.Module has no such method, and
+        the torch function (or another library's, `accelerator.clip_grad_norm_(params, ...)`)
+        takes the parameters first."""
+        func = call.func
+        if not (isinstance(func, cst.Attribute) and func.attr.value == "clip_grad_norm_"):
+            return False
+        if isinstance(func.value, cst.Name) and func.value.value in targets:
+            return True
+        if not targets or self.r.qnames(func) or not isinstance(func.value, (cst.Name, cst.Attribute)):
+            return False  # a name bound by an import (torch.nn.utils...), or no FSDP1 wrap in the program
+        positional = [a for a in call.args if a.keyword is None]
+        first = positional[0].value if positional else None
+        params = isinstance(first, cst.Call) and isinstance(first.func, cst.Attribute) and first.func.attr.value in (
+            "parameters", "named_parameters")
+        return len(positional) <= 2 and not params and not any(a.star for a in call.args)
 
     # -- FullyShardedDataParallel(...) ------------------------------------------------
 
@@ -322,7 +337,7 @@ class _Finder:
         from .module_values import Bound
 
         entry = self.facts.classes.top_level.get("")
-        if not isinstance(func, cst.Name) or self._origin.get(id(func)) is not None or entry is None:
+        if not isinstance(func, cst.Name) or entry is None or self._origin.get(id(func)) not in (None, entry[1]):
             return None
         for stmt in self.r.module.body:
             if isinstance(stmt, cst.FunctionDef) and stmt.name.value == func.value:
@@ -626,16 +641,17 @@ class _Finder:
             return None
         model = _keyword(call, "module", 0)
         kind = self._enum_member(_keyword(call, "state_dict_type", 1), "StateDictType") if _keyword(call, "state_dict_type", 1) is not None else None
-        if not isinstance(model, cst.Name) or kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        if not _named_module(model) or kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
             self._refuse(
                 "FSR305",
                 call, f"`{code(call)}` is not converted",
                 "the rewrite converts FULL_STATE_DICT and SHARDED_STATE_DICT of a model named by a variable "
+                "(or `self.model`) "
                 "(LOCAL_STATE_DICT has no FSDP2 counterpart)",
                 "use StateDictType.FULL_STATE_DICT or SHARDED_STATE_DICT",
             )
             return None
-        block = StateDictBlock(node, model.value, kind)
+        block = StateDictBlock(node, code(model), kind)
         config = _keyword(call, "state_dict_config", 2)
         if config is not None:
             config = self._resolve(config, block)
@@ -648,6 +664,13 @@ class _Finder:
                 if isinstance(flag, cst.Name) and flag.value == "True":
                     block.cpu_offload = True
         return block
+
+
+def _named_module(expr) -> bool:
+    """`model` or `self.model`: a module named by a variable or an attribute of one."""
+    if isinstance(expr, cst.Attribute):
+        return isinstance(expr.value, cst.Name) and expr.value.value == "self"
+    return isinstance(expr, cst.Name)
 
 
 def wrapped_name(expr) -> Optional[str]:

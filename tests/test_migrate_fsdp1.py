@@ -570,3 +570,46 @@ def test_a_tuple_of_another_length_is_refused_with_the_reason():
     result = rewrite_source(text.encode(), "train.py", RetrofitOptions())
     assert [r.code for r in result.refusals] == ["FSR303"]
     assert "made from its parameter" in result.refusals[0].why or "tuple of 2" in result.refusals[0].why
+
+
+def _project(tmp_path, edit=None):
+    """fixtures/rewrite/fsdp1_project as a user's folder, `edit(folder)` applied, rewritten."""
+    import shutil
+    from pathlib import Path
+
+    case = Path(__file__).resolve().parent.parent / "fixtures" / "rewrite" / "fsdp1_project"
+    for name in ("input.py", "model.py", "dist_utils.py", "configs.py", "policies.py", "checkpointing.py",
+                 "train_utils.py"):
+        shutil.copyfile(case / name, tmp_path / name)
+    if edit is not None:
+        edit(tmp_path)
+    path = tmp_path / "input.py"
+    return rewrite_source(path.read_bytes(), str(path), RetrofitOptions())
+
+
+def _replace(path, old, new):
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new))
+
+
+def test_a_project_whose_config_field_is_reassigned_in_another_module_is_refused_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("FSDP2_RETROFIT_CACHE_DIR", str(tmp_path / "cache"))
+    result = _project(tmp_path, lambda d: _replace(
+        d / "train_utils.py", "    for epoch in range(cfg.epochs):\n",
+        "    cfg.sharding_strategy = None\n    for epoch in range(cfg.epochs):\n"))
+    assert [r.code for r in result.refusals] == ["FSR303"]
+    refusal = result.refusals[0]
+    where = f"{refusal.path}:{refusal.line}"
+    assert "train_utils.py:6" in where or "train_utils.py:6" in refusal.why, (where, refusal.why)
+    assert "another value" in refusal.why and not result.siblings
+
+
+def test_a_project_whose_config_default_is_hybrid_shard_needs_hsdp(tmp_path, monkeypatch):
+    monkeypatch.setenv("FSDP2_RETROFIT_CACHE_DIR", str(tmp_path / "cache"))
+    result = _project(tmp_path, lambda d: _replace(d / "configs.py", "ShardingStrategy.FULL_SHARD",
+                                                   "ShardingStrategy.HYBRID_SHARD"))
+    assert [r.code for r in result.refusals] == ["FSR309"]
+    assert "--hsdp" in result.refusals[0].hint
+    text = (tmp_path / "input.py").read_text()
+    assert result.refusals[0].line == line_of("sharding_strategy=cfg.sharding_strategy", text)

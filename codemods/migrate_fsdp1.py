@@ -13,6 +13,7 @@ from typing import Dict, List, Set
 import libcst as cst
 
 from fsdp2_retrofit.analysis import ScriptFacts, code
+from fsdp2_retrofit.syntax.names import walk
 from fsdp2_retrofit.analysis.checkpoints import SAVE, rank_gate
 from fsdp2_retrofit.analysis.fsdp1 import (
     Fsdp1Wrap,
@@ -84,6 +85,11 @@ class MigrateFsdp1Command(RetrofitStage):
         for call in uses.scalers:
             self._scaler(call, editor)
             handled.add(id(call))
+        # values read when rewriting stay as written (those of statements the migration removes go with them)
+        removed = {id(n) for w in uses.wraps for s in [w.stmt] + w.consumed for n in walk(s)}
+        removed |= {id(n) for b in uses.blocks for s in [b.node] + b.consumed for n in walk(s)}
+        kept = [v for v in uses.read_values if id(v) not in removed]
+        handled.update(id(v) for v in kept)
         node = leftover(facts, handled)
         if node is not None:
             stmt = facts.resolver.statement_of(node)
@@ -94,8 +100,9 @@ class MigrateFsdp1Command(RetrofitStage):
                 "no FSDP1 API may be left in an FSDP2 script (the two cannot be mixed on one model)",
                 "migrate this use by hand (FSDP2: get_model_state_dict / DTensor.full_tensor / the fully_shard API)",
             )
+        still_read = {n.value for v in kept for n in walk(v) if isinstance(n, cst.Name)}
         for stmt in uses.imports:
-            self._drop_imports(stmt, editor)
+            self._drop_imports(stmt, editor, still_read)
         self._lead(editor)
 
     # -- the wrap ------------------------------------------------------------------
@@ -246,7 +253,7 @@ class MigrateFsdp1Command(RetrofitStage):
             func = call.func
             names = r.qnames(call)
             replacement, owner = None, model
-            if (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == model
+            if (isinstance(func, cst.Attribute) and code(func.value) == model
                     and func.attr.value == "state_dict" and not call.args):
                 replacement = f"get_model_state_dict({model}{_opt(options)})"
                 self.add_import(STATE_DICT_MODULE, "get_model_state_dict")
@@ -255,7 +262,7 @@ class MigrateFsdp1Command(RetrofitStage):
                 owner = o
                 replacement = f"get_optimizer_state_dict({m}, {o}{_opt(options)})"
                 self.add_import(STATE_DICT_MODULE, "get_optimizer_state_dict")
-            elif (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == model
+            elif (isinstance(func, cst.Attribute) and code(func.value) == model
                     and func.attr.value == "load_state_dict" and len(call.args) == 1):
                 replacement = f"set_model_state_dict({model}, {code(call.args[0].value)}{_opt(load_options)})"
                 self.add_import(STATE_DICT_MODULE, "set_model_state_dict")
@@ -290,7 +297,7 @@ class MigrateFsdp1Command(RetrofitStage):
                     self.add_import("torch.distributed", asname="dist")
                 for call, (replacement, owner) in gathered.items():
                     if stmt in r.ancestors(call):  # the collective stays on every rank, before the `if`
-                        name = self.fresh_name(f"{owner}_state", r.enclosing_function(node))
+                        name = self.fresh_name(f"{owner.rsplit('.', 1)[-1]}_state", r.enclosing_function(node))
                         while name in self._hoisted:
                             name = self.fresh_name(f"{name}_", r.enclosing_function(node))
                         self._hoisted.add(name)
@@ -340,7 +347,7 @@ class MigrateFsdp1Command(RetrofitStage):
     # -- clip_grad_norm_ and ShardedGradScaler -----------------------------------
 
     def _clip(self, call: cst.Call, editor: StatementEditor) -> None:
-        model = call.func.value.value
+        model = code(call.func.value)
         args = [cst.Arg(self.expr(f"{model}.parameters()"), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))]
         editor.replace_expression(call, call.with_changes(func=self.expr("torch.nn.utils.clip_grad_norm_"), args=args + list(call.args)))
         self.add_import("torch")
@@ -360,11 +367,12 @@ class MigrateFsdp1Command(RetrofitStage):
 
     # -- imports ----------------------------------------------------------------
 
-    def _drop_imports(self, stmt: cst.SimpleStatementLine, editor: StatementEditor) -> None:
+    def _drop_imports(self, stmt: cst.SimpleStatementLine, editor: StatementEditor, still_read: Set[str]) -> None:
+        """Drop the FSDP1 names an import binds, but those that values left as written still read."""
         body = []
         for small in stmt.body:
             if isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
-                gone = set(fsdp1_alias_names(small))
+                gone = set(fsdp1_alias_names(small)) - still_read
                 names = [a for a in small.names if code(a.name) not in gone]
                 if not names:
                     continue

@@ -79,6 +79,10 @@ def test_rewrite_fixtures_inputs_and_outputs_have_no_findings(path):
         # an FSDP1 input is the FSDP1 API the rewrite removes: check finds that and only that
         assert {f.code for f in _lint(path)} == {"FSD111"}
         return
+    if path.parent.name.startswith("fsdp1_") and path.name not in ("expected.py", "reference.py"):
+        # a module of an FSDP1 project (its save helper): FSDP1 API, or nothing
+        assert {f.code for f in _lint(path)} <= {"FSD111"}
+        return
     known = {code for name, code in KNOWN_GOLDEN_DEFECTS | KNOWN_FALSE_POSITIVES
              if path.name == "expected.py" and path.parent.name == name}
     assert [f for f in _lint(path) if f.code not in known] == []

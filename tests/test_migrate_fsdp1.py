@@ -452,18 +452,164 @@ def test_a_package_policy_that_cannot_be_read_is_refused_with_why(wrapping, call
     assert result.refusals[0].line == line_of("model = FSDP(model", text)
 
 
-def test_policies_unpacked_from_a_config_dependent_helper_stay_refused(tmp_path):
-    """pytorch/examples' T5 shape: `mixed_precision_policy, wrap_policy = get_policies(cfg)`,
-    whose mixed precision depends on the config: one element of a tuple is not followed."""
+def _helper_policies(tmp_path, mixed_line: str):
     _package(tmp_path, "from .wrapping import get_wrapper\n", PACKAGE_SHAPES["function"][1])
     (tmp_path / "helpers.py").write_text(
-        "from policies import get_wrapper\n\n\ndef get_policies(cfg):\n    mixed = None\n"
+        "from policies import get_wrapper\n\n\ndef get_policies(cfg):\n" + mixed_line +
         "    return mixed, get_wrapper()\n")
     text = source_of("auto_wrap_policy=wrap_policy, mixed_precision=mixed").replace(
         "import functools\n", "from helpers import get_policies\n").replace(
         "    model = Net()\n", "    model = Net()\n    mixed, wrap_policy = get_policies(None)\n")
     path = tmp_path / "train.py"
     path.write_text(text)
-    result = rewrite_source(text.encode(), str(path), RetrofitOptions())
+    return text, rewrite_source(text.encode(), str(path), RetrofitOptions())
+
+
+def test_policies_unpacked_from_a_helper_of_another_module_are_read_by_value(tmp_path):
+    """pytorch/examples' T5 shape: `mixed_precision_policy, wrap_policy = get_policies(cfg)`:
+    each element of the tuple the helper returns is followed (was FSR303 before issue 43)."""
+    text, result = _helper_policies(tmp_path, "    mixed = None\n")
+    assert not result.refusals, result.refusals
+    assert SHARD_BLOCKS.format(extra="") in result.code.decode()
+    assert "get_policies(None)" not in result.code.decode()
+
+
+def test_policies_unpacked_from_a_config_dependent_helper_stay_refused(tmp_path):
+    """Its mixed precision depends on the config (known only when it runs): refused at the wrap."""
+    text, result = _helper_policies(tmp_path, "    mixed = MixedPrecision(param_dtype=torch.bfloat16) if cfg else None\n")
     assert [r.code for r in result.refusals][:1] == ["FSR303"]
-    assert "is unpacked from `get_policies(None)`" in result.refusals[0].why
+    assert result.refusals[0].what.startswith("mixed_precision=mixed")
+    assert result.refusals[0].line == line_of("model = FSDP(model", text)
+
+
+# --- settings read by value from a config dataclass and a helper's tuple (issue 43) -----
+
+CONFIG = '''\
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrainConfig:
+    {field}
+    lr: float = 1e-3
+
+
+'''
+
+
+def _config_rewrite(field_line: str, wrap: str, before_wrap: str = "", **options):
+    """The script with a TrainConfig dataclass; `cfg = TrainConfig()` then `before_wrap` come before the wrap."""
+    text = source_of(wrap).replace("\n\ndef main():\n", "\n\n" + CONFIG.format(field=field_line) + "def main():\n")
+    text = text.replace("    model = Net()\n", "    model = Net()\n    cfg = TrainConfig()\n" + before_wrap)
+    return text, rewrite_source(text.encode(), "train.py", RetrofitOptions(**options))
+
+
+@pytest.mark.parametrize("field_line", [
+    "sharding_strategy: ShardingStrategy = ShardingStrategy.SHARD_GRAD_OP",
+    "sharding_strategy: ShardingStrategy = field(default=ShardingStrategy.SHARD_GRAD_OP)",
+])
+def test_a_strategy_from_a_config_dataclass_default_is_read_by_value(field_line):
+    text, result = _config_rewrite(field_line, "auto_wrap_policy=ModuleWrapPolicy({Block}), "
+                                               "sharding_strategy=cfg.sharding_strategy")
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert SHARD_BLOCKS.format(extra=", reshard_after_forward=False") in code
+    assert field_line in code and "import (\n" in code  # the dataclass stays as written, ShardingStrategy imported
+    assert "ShardingStrategy" in code.split("class TrainConfig")[0]
+
+
+def test_a_reassigned_config_field_is_refused_where_it_is_reassigned():
+    text, result = _config_rewrite("sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD",
+                                   "sharding_strategy=cfg.sharding_strategy",
+                                   "    cfg.sharding_strategy = ShardingStrategy.SHARD_GRAD_OP\n")
+    assert [r.code for r in result.refusals] == ["FSR303"]
+    found = result.refusals[0]
+    assert found.line == line_of("cfg.sharding_strategy = ShardingStrategy.SHARD_GRAD_OP", text)
+    assert "another value" in found.why and result.code == text.encode()
+
+
+def test_a_config_built_with_the_field_is_refused_at_the_construction():
+    text, result = _config_rewrite("sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD",
+                                   "sharding_strategy=cfg.sharding_strategy",
+                                   "    cfg = TrainConfig(sharding_strategy=ShardingStrategy.NO_SHARD)\n")
+    assert [r.code for r in result.refusals] == ["FSR303"]
+
+
+def test_hybrid_shard_from_a_config_default_needs_hsdp_as_inline():
+    field_line = "sharding_strategy: ShardingStrategy = ShardingStrategy.HYBRID_SHARD"
+    wrap = "auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=cfg.sharding_strategy"
+    text, result = _config_rewrite(field_line, wrap)
+    assert [r.code for r in result.refusals] == ["FSR309"]
+    assert "replica" in result.refusals[0].what and "--hsdp" in result.refusals[0].hint
+    assert result.refusals[0].line == line_of("sharding_strategy=cfg.sharding_strategy", text)
+    _, result = _config_rewrite(field_line, wrap, hsdp=2)
+    assert not result.refusals and 'mesh_dim_names=("replicate", "shard")' in result.code.decode()
+
+
+@pytest.mark.parametrize("unpacked", [
+    "    mp_policy, wrap_policy = get_policies(rank)\n",
+    "    mp_policy, wrap_policy = None, ModuleWrapPolicy({Block})\n",
+])
+def test_policies_unpacked_from_a_tuple_are_read_by_value(unpacked):
+    helper = ("def get_policies(rank):\n    mixed = None\n    wrapping = ModuleWrapPolicy({Block})\n"
+              "    return mixed, wrapping\n\n\n")
+    text = source_of("auto_wrap_policy=wrap_policy, mixed_precision=mp_policy")
+    if "get_policies" in unpacked:
+        text = text.replace("\n\ndef main():\n", "\n\n" + helper + "def main():\n")
+    text = text.replace("    model = Net()\n", "    model = Net()\n" + unpacked)
+    result = rewrite_source(text.encode(), "train.py", RetrofitOptions())
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert SHARD_BLOCKS.format(extra="") in code and unpacked not in code  # the tuple's statement goes with the wrap
+
+
+def test_a_tuple_of_another_length_is_refused_with_the_reason():
+    text = source_of("auto_wrap_policy=wrap_policy")
+    text = text.replace("    model = Net()\n", "    model = Net()\n    mp_policy, wrap_policy = get_policies(rank)\n")
+    text = text.replace("\n\ndef main():\n", "\n\ndef get_policies(rank):\n    return None, None, rank\n\n\ndef main():\n")
+    result = rewrite_source(text.encode(), "train.py", RetrofitOptions())
+    assert [r.code for r in result.refusals] == ["FSR303"]
+    assert "made from its parameter" in result.refusals[0].why or "tuple of 2" in result.refusals[0].why
+
+
+def _project(tmp_path, edit=None):
+    """fixtures/rewrite/fsdp1_project as a user's folder, `edit(folder)` applied, rewritten."""
+    import shutil
+    from pathlib import Path
+
+    case = Path(__file__).resolve().parent.parent / "fixtures" / "rewrite" / "fsdp1_project"
+    for name in ("input.py", "model.py", "dist_utils.py", "configs.py", "policies.py", "checkpointing.py",
+                 "train_utils.py"):
+        shutil.copyfile(case / name, tmp_path / name)
+    if edit is not None:
+        edit(tmp_path)
+    path = tmp_path / "input.py"
+    return rewrite_source(path.read_bytes(), str(path), RetrofitOptions())
+
+
+def _replace(path, old, new):
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new))
+
+
+def test_a_project_whose_config_field_is_reassigned_in_another_module_is_refused_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("FSDP2_RETROFIT_CACHE_DIR", str(tmp_path / "cache"))
+    result = _project(tmp_path, lambda d: _replace(
+        d / "train_utils.py", "    for epoch in range(cfg.epochs):\n",
+        "    cfg.sharding_strategy = None\n    for epoch in range(cfg.epochs):\n"))
+    assert [r.code for r in result.refusals] == ["FSR303"]
+    refusal = result.refusals[0]
+    where = f"{refusal.path}:{refusal.line}"
+    assert "train_utils.py:6" in where or "train_utils.py:6" in refusal.why, (where, refusal.why)
+    assert "another value" in refusal.why and not result.siblings
+
+
+def test_a_project_whose_config_default_is_hybrid_shard_needs_hsdp(tmp_path, monkeypatch):
+    monkeypatch.setenv("FSDP2_RETROFIT_CACHE_DIR", str(tmp_path / "cache"))
+    result = _project(tmp_path, lambda d: _replace(d / "configs.py", "ShardingStrategy.FULL_SHARD",
+                                                   "ShardingStrategy.HYBRID_SHARD"))
+    assert [r.code for r in result.refusals] == ["FSR309"]
+    assert "--hsdp" in result.refusals[0].hint
+    text = (tmp_path / "input.py").read_text()
+    assert result.refusals[0].line == line_of("sharding_strategy=cfg.sharding_strategy", text)

@@ -13,8 +13,8 @@ from typing import Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from .facts import ScriptFacts
-from .module_values import ModuleValues
-from fsdp2_retrofit.syntax.names import assigned_names, code, walk
+from .fsdp1_values import ValueReader
+from fsdp2_retrofit.syntax.names import code
 from fsdp2_retrofit.syntax.torch_api import FSDP1_CLASSES
 from fsdp2_retrofit.syntax.torch_api import SHARDED_GRAD_SCALER as SCALER
 # FSDP1-only names exported by torch.distributed.fsdp (the FSDP2 ones are fully_shard,
@@ -117,6 +117,8 @@ class Fsdp1Uses:
     module_attrs: List[cst.Attribute]  # `model.module`: the module FSDP1 wrapped
     imports: List[cst.CSTNode]  # import statements that import FSDP1 names
     problems: List[Problem]
+    # values read by value into a wrap's settings (a config's field, a policy of a helper): they stay as written
+    read_values: List[cst.CSTNode] = field(default_factory=list)
 
     @property
     def any(self) -> bool:
@@ -154,14 +156,10 @@ def fsdp1_uses(facts: ScriptFacts) -> Fsdp1Uses:
     return finder.run()
 
 
-class _Finder:
+class _Finder(ValueReader):
     def __init__(self, facts: ScriptFacts):
-        self.facts = facts
-        self.r = facts.resolver
+        super().__init__(facts)
         self.problems: List[Problem] = []
-        self._origin: Dict[int, object] = {}  # id of a node read from a sibling module -> its module's namer
-        self._lost: Dict[int, str] = {}  # id of an argument -> why its value could not be followed
-        self.values = ModuleValues(facts.classes)
 
     def run(self) -> Fsdp1Uses:
         calls = self.r.nodes(cst.Call)
@@ -170,11 +168,7 @@ class _Finder:
         targets = {w.target for w in wraps}
         blocks = [b for b in (self._block(w) for w in self.r.nodes(cst.With)) if b is not None]
         scalers = [c for c in calls if _qnames(c, self.facts) & SCALER]
-        clips = [
-            c for c in calls
-            if isinstance(c.func, cst.Attribute) and c.func.attr.value == "clip_grad_norm_"
-            and isinstance(c.func.value, cst.Name) and c.func.value.value in targets
-        ]
+        clips = [c for c in calls if self._fsdp1_clip(c, targets)]
         for c in calls:
             if isinstance(c.func, cst.Attribute) and isinstance(c.func.value, cst.Name) and c.func.value.value in targets:
                 method = c.func.attr.value
@@ -218,7 +212,27 @@ class _Finder:
             a for a in self.r.nodes(cst.Attribute)
             if a.attr.value == "module" and isinstance(a.value, cst.Name) and a.value.value in targets
         ]
-        return Fsdp1Uses(wraps, blocks, scalers, clips, default_state_dicts, module_attrs, imports, self.problems)
+        return Fsdp1Uses(wraps, blocks, scalers, clips, default_state_dicts, module_attrs, imports, self.problems,
+                         self.read_values)
+
+    def _fsdp1_clip(self, call: cst.Call, targets: Set[str]) -> bool:
+        """`model.clip_grad_norm_(max_norm[, norm_type])`: FSDP1's method, of a wrapped model named
+        as wrapped, or of a module the program hands on (`self.model`, a parameter `model` of a
+        loop helper) where the program wraps with FSDP1: an nn.Module has no such method, and
+        the torch function (or another library's, `accelerator.clip_grad_norm_(params, ...)`)
+        takes the parameters first."""
+        func = call.func
+        if not (isinstance(func, cst.Attribute) and func.attr.value == "clip_grad_norm_"):
+            return False
+        if isinstance(func.value, cst.Name) and func.value.value in targets:
+            return True
+        if not targets or self.r.qnames(func) or not isinstance(func.value, (cst.Name, cst.Attribute)):
+            return False  # a name bound by an import (torch.nn.utils...), or no FSDP1 wrap in the program
+        positional = [a for a in call.args if a.keyword is None]
+        first = positional[0].value if positional else None
+        params = isinstance(first, cst.Call) and isinstance(first.func, cst.Attribute) and first.func.attr.value in (
+            "parameters", "named_parameters")
+        return len(positional) <= 2 and not params and not any(a.star for a in call.args)
 
     # -- FullyShardedDataParallel(...) ------------------------------------------------
 
@@ -268,86 +282,6 @@ class _Finder:
                 self.problems.append(Problem("FSR302", arg, f"FullyShardedDataParallel(..., {key}=...)", why,
                                              "remove the argument, or migrate this part by hand"))
         return wrap
-
-    def _resolve(self, expr, wrap):
-        """The value `expr` holds, as far as it can be read (else `expr`). A name of the script
-        is seen through its one assignment (that statement is consumed by `wrap` (a wrap or
-        block) when the name is read nowhere else). A name imported from a project module
-        (`from policies import bfSixteen`) is read there, through re-exports
-        (`policies/__init__.py`: `from .mixed_precision import *`), and a call of a function of
-        the project (`get_wrapper()`) is what its return gives back (analysis/module_values);
-        those modules are read (parsed, never imported) and left as they are. Where a value is
-        lost, why is kept for the refusal (self._lost)."""
-        value = self._read_name(expr, wrap) if isinstance(expr, cst.Name) else expr
-        for _ in range(4):  # a function returning another one's call
-            if not isinstance(value, cst.Call):
-                break
-            bound = self._bound(value.func)
-            if bound is None:
-                break
-            if bound.function is None:
-                self._lost[id(expr)] = bound.why or f"`{code(value.func)}` is not a function of the project"
-                break
-            found = self.values.returned(bound)
-            if found.value is None:
-                self._lost[id(expr)] = found.why
-                break
-            value = self._adopt(found)
-        return value
-
-    def _bound(self, expr):
-        """What a name (or `module.name`) read in the script or in a project module is bound to
-        in a project module, or None when it is not one of theirs."""
-        namer = self._origin.get(id(expr))
-        resolver = namer.resolver if namer is not None else self.r
-        for qname in sorted(resolver.qnames(expr)):
-            if namer is not None and "." not in qname and namer.namespace:
-                qname = f"{namer.namespace}.{qname}"  # a name the project module binds itself
-            bound = self.values.bound(qname)
-            if bound is not None:
-                return bound
-        return None
-
-    def _adopt(self, bound):
-        """`bound.value`, its nodes read in the module they come from."""
-        for node in walk(bound.value):
-            self._origin[id(node)] = bound.namer
-        return bound.value
-
-    def _read_name(self, expr: cst.Name, wrap):
-        namer = self._origin.get(id(expr))
-        bound = self._bound(expr)
-        if bound is not None and bound.value is not None:
-            return self._adopt(bound)
-        if bound is not None:
-            self._lost[id(expr)] = bound.why or f"`{expr.value}` names a function, not a value"
-            return expr
-        if namer is not None:
-            local = self.values.local_value(expr, namer)  # a local name of a project module's function
-            if local is not None:
-                self._origin.update((id(node), namer) for node in walk(local))
-            return local if local is not None else expr
-        stmts = [
-            s for s in self.r.nodes(cst.SimpleStatementLine)
-            if expr.value in assigned_names(s)
-        ]
-        if len(stmts) != 1 or len(stmts[0].body) != 1 or not isinstance(stmts[0].body[0], cst.Assign):
-            return expr
-        assign = stmts[0].body[0]
-        if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
-            # `mixed_precision_policy, wrap_policy = get_policies(cfg)`: one element of a value
-            self._lost[id(expr)] = (f"`{expr.value}` is unpacked from `{code(assign.value)}` (line "
-                                    f"{self.r.line(stmts[0])}): the rewrite does not follow one element of a value")
-            return expr
-        reads = [n for n in self.r.nodes(cst.Name) if n.value == expr.value]
-        if len(reads) == 2:  # the assignment's target and this argument
-            wrap.consumed.append(stmts[0])
-        return assign.value
-
-    def _qn(self, node) -> Set[str]:
-        """Qualified names of a node of the script, or of a value read from a sibling module."""
-        namer = self._origin.get(id(node))
-        return (namer.resolver if namer is not None else self.r).qnames(node)
 
     def _refuse(self, code, node, what, why, hint=""):
         self.problems.append(Problem(code, node, what, why, hint))
@@ -444,8 +378,10 @@ class _Finder:
     def _strategy(self, wrap: Fsdp1Wrap, expr) -> None:
         member = self._enum_member(self._resolve(expr, wrap), "ShardingStrategy")
         if member is None:
-            self._refuse("FSR303", expr, f"sharding_strategy={code(expr)} is not a ShardingStrategy member",
-                         "the rewrite maps each member to its FSDP2 setting", "write ShardingStrategy.FULL_SHARD (or another member)")
+            self._refuse("FSR303", self.lost_at.get(id(expr), expr),
+                         f"sharding_strategy={code(expr)} is not a ShardingStrategy member the rewrite can read",
+                         self._lost.get(id(expr), "the rewrite maps each member to its FSDP2 setting"),
+                         "write ShardingStrategy.FULL_SHARD (or another member)")
             return
         if member == "NO_SHARD":
             self._refuse(
@@ -526,16 +462,17 @@ class _Finder:
             return None
         model = _keyword(call, "module", 0)
         kind = self._enum_member(_keyword(call, "state_dict_type", 1), "StateDictType") if _keyword(call, "state_dict_type", 1) is not None else None
-        if not isinstance(model, cst.Name) or kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        if not _named_module(model) or kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
             self._refuse(
                 "FSR305",
                 call, f"`{code(call)}` is not converted",
                 "the rewrite converts FULL_STATE_DICT and SHARDED_STATE_DICT of a model named by a variable "
+                "(or `self.model`) "
                 "(LOCAL_STATE_DICT has no FSDP2 counterpart)",
                 "use StateDictType.FULL_STATE_DICT or SHARDED_STATE_DICT",
             )
             return None
-        block = StateDictBlock(node, model.value, kind)
+        block = StateDictBlock(node, code(model), kind)
         config = _keyword(call, "state_dict_config", 2)
         if config is not None:
             config = self._resolve(config, block)
@@ -548,6 +485,13 @@ class _Finder:
                 if isinstance(flag, cst.Name) and flag.value == "True":
                     block.cpu_offload = True
         return block
+
+
+def _named_module(expr) -> bool:
+    """`model` or `self.model`: a module named by a variable or an attribute of one."""
+    if isinstance(expr, cst.Attribute):
+        return isinstance(expr.value, cst.Name) and expr.value.value == "self"
+    return isinstance(expr, cst.Name)
 
 
 def wrapped_name(expr) -> Optional[str]:

@@ -313,3 +313,47 @@ def test_a_model_from_an_unreadable_builder_is_refused_at_its_binding_across_mod
     out = _rewrite(_project(tmp_path, {"train.py": entry, "engine.py": engine}))
     assert [(r.code, Path(r.path).name, r.line) for r in out.refusals] == [("FSR611", "train.py", 6)]
     assert "the optimizer at engine.py:5 trains" in out.refusals[0].what
+
+
+def test_a_function_local_import_does_not_stand_for_the_module_s_import(tmp_path):
+    """dist_utils.setup() gains `torch.cuda.set_device(...)` before its init_process_group; the module
+    imports torch only inside another function (`describe()`): the module gets its own `import torch`
+    (a function's local import serves that function; the set_device raised NameError on a GPU)."""
+    utils = '''
+    import torch.distributed as dist
+
+
+    def setup():
+        dist.init_process_group("gloo")
+
+
+    def describe():
+        import torch
+        return torch.__version__
+    '''
+    entry = """
+    import torch
+    import torch.nn as nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import dist_utils
+    import engine
+
+
+    def main():
+        dist_utils.setup()
+        model = nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), batch_size=8, shuffle=True)
+        engine.train(model, loader, optimizer, 2)
+
+
+    if __name__ == "__main__":
+        main()
+    """
+    result = _rewrite(_project(tmp_path, {"engine.py": ENGINE, "dist_utils.py": utils, "train.py": entry}))
+    assert not result.refusals, result.refusals
+    files = _by_file(result)
+    assert "torch.cuda.set_device(" in files["dist_utils.py"]
+    assert "\nimport torch\n" in "\n" + files["dist_utils.py"].split("def setup")[0]
+    compile(files["dist_utils.py"], "dist_utils.py", "exec")

@@ -714,6 +714,12 @@ def _reads_unbound(module: cst.Module) -> Set[str]:
     stored: Set[str] = set()
     for stmt in module.body:
         reads, binds = per_node(_STATEMENT_NAMES, stmt, lambda: (names_read(stmt), _stored_names(stmt)))
+        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+            # what a function binds (its parameters, locals, a local `import torch`) serves its own reads only:
+            # another function of the file that now reads `torch` needs the module to import it
+            read |= reads - binds
+            stored.add(stmt.name.value)
+            continue
         if not (isinstance(stmt, cst.SimpleStatementLine)  # `import torch.nn.functional as F` reads no `torch`
                 and all(isinstance(small, (cst.Import, cst.ImportFrom)) for small in stmt.body)):
             read |= reads

@@ -41,6 +41,39 @@ assert {world_size} % {replicas} == 0, f"HSDP: {{{world_size}}} ranks do not spl
 )
 """
 
+# FSDP1's HYBRID_SHARD: shard within a node (its LOCAL_WORLD_SIZE ranks), replicate across the nodes
+NODE_MESH = """\
+{mesh} = init_device_mesh(
+    "cuda" if torch.cuda.is_available() else "cpu",
+    ({world_size} // int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])),
+    mesh_dim_names=("replicate", "shard"),
+)
+"""
+# FSDP1's NO_SHARD: every rank a replica of its own (a shard dimension of 1): whole parameters, gradients all-reduced
+REPLICA_MESH = """\
+{mesh} = init_device_mesh(
+    "cuda" if torch.cuda.is_available() else "cpu",
+    ({world_size}, 1),
+    mesh_dim_names=("replicate", "shard"),
+)
+"""
+
+
+def mesh_template(options) -> str:
+    """The mesh statement(s) the options ask for (formatted with mesh, world_size, replicas)."""
+    if options.hsdp:
+        return HSDP_MESH
+    return {"per_node": NODE_MESH, "replicate": REPLICA_MESH}.get(options.mesh_layout, MESH)
+
+
+def mesh_words(options) -> str:
+    """How the mesh is described in a change line."""
+    if options.hsdp:
+        return f"2-D (replicate, shard) device mesh of {options.hsdp} replicas for HSDP"
+    return {"per_node": "2-D (replicate, shard) device mesh, one replica per node (LOCAL_WORLD_SIZE ranks shard)",
+            "replicate": "2-D (replicate, shard) device mesh with a shard dimension of 1 (every rank a replica)",
+            }.get(options.mesh_layout, "1-D device mesh")
+
 
 class LaunchDistributedCommand(RetrofitStage):
     DESCRIPTION = "Start a process group and a device mesh where the model is built; tear it down at the end."
@@ -97,7 +130,7 @@ class LaunchDistributedCommand(RetrofitStage):
         }
         # with CPU offload the optimizer step and clipping run on CPU tensors: they need gloo too
         backend = '"cpu:gloo,cuda:nccl"' if self.options.cpu_offload else '"nccl"'
-        mesh = HSDP_MESH if self.options.hsdp else MESH
+        mesh = mesh_template(self.options)
         in_helper = facts.entry_call is not None  # the mesh goes where the helper shards the model
         text = (PREAMBLE + ("" if in_helper else mesh)).format(backend=backend, replicas=self.options.hsdp, **names)
         preamble = cst.parse_module(text, config=self.config).body
@@ -120,7 +153,7 @@ class LaunchDistributedCommand(RetrofitStage):
             + ", or gloo without CUDA), "
             + (f"build a 2-D (replicate, shard) device mesh of {self.options.hsdp} replicas for HSDP (the number "
                f"of ranks must be a multiple of {self.options.hsdp}: an assert says so at start-up)"
-               if self.options.hsdp else "build a 1-D device mesh over all ranks"),
+               if self.options.hsdp else f"build a {mesh_words(self.options)} over all ranks"),
             "torchrun starts one process per GPU; each must pick its own device before any CUDA work",
             "every rank on GPU 0 (hang or OOM) when set_device is missing",
         )
@@ -194,8 +227,9 @@ class LaunchDistributedCommand(RetrofitStage):
     def _mesh_after_group(self, group, facts: ScriptFacts, editor: StatementEditor, world: str) -> None:
         block = facts.entry_block
         mesh_name = self.fresh_name("mesh", facts.entry_scope)
-        mesh = HSDP_MESH if self.options.hsdp else MESH
-        text = mesh.format(mesh=mesh_name, world_size=world, replicas=self.options.hsdp)
+        text = mesh_template(self.options).format(mesh=mesh_name, world_size=world, replicas=self.options.hsdp)
+        if self.options.mesh_layout == "per_node" and not self.options.hsdp:
+            self.add_import("os")
         statements = list(cst.parse_module(text, config=self.config).body)
         facts.mesh_name = mesh_name  # for shard, planned on this same analysis (codemods/retrofit.py)
         if group.start is not None and group.start in block.body:
@@ -209,8 +243,8 @@ class LaunchDistributedCommand(RetrofitStage):
             anchor = top
         self.change(
             anchor,
-            f"reuse the script's process group; build a {'2-D (replicate, shard)' if self.options.hsdp else '1-D'} "
-            f"device mesh `{mesh_name}` over its {world} ranks after it",
+            f"reuse the script's process group; build a {mesh_words(self.options)} `{mesh_name}` over its {world} "
+            "ranks after it",
             "the script already starts a process group under torchrun: a second init_process_group would fail",
         )
 
@@ -220,7 +254,9 @@ class LaunchDistributedCommand(RetrofitStage):
         caller's. Returns the mesh's name."""
         model = facts.models[0]
         name = self.fresh_name("mesh", model.scope)
-        text = (HSDP_MESH if self.options.hsdp else MESH).format(mesh=name, world_size=world, replicas=self.options.hsdp)
+        text = mesh_template(self.options).format(mesh=name, world_size=world, replicas=self.options.hsdp)
+        if self.options.mesh_layout == "per_node" and not self.options.hsdp:
+            self.add_import("os")
         editor.insert_before(model.top, cst.parse_module(text, config=self.config).body)
         facts.mesh_name = name  # for shard, planned on this same analysis (codemods/retrofit.py)
         self.change(

@@ -187,26 +187,27 @@ class MigrateFsdp1Command(RetrofitStage):
         strategy = first.strategy
         if strategy in ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2"):
             changes["reshard_after_forward"] = "never"
-        if strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
-            if not options.hsdp:
-                self.refuse(
-                    "FSR309",
-                    first.settings_node["sharding_strategy"], f"ShardingStrategy.{strategy} needs the replica count",
-                    "FSDP1 sharded within a node and replicated across nodes; FSDP2's HSDP is a 2-D "
-                    "(replicate, shard) mesh whose shape the rewrite cannot know",
-                    "pass --hsdp N (N = the number of nodes, i.e. replicas)",
-                )
+        hybrid = strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+        if hybrid and not options.hsdp:
+            changes["mesh_layout"] = "per_node"  # FSDP1's groups: shard within a node, replicate across nodes
+        if strategy == "NO_SHARD":
+            changes["mesh_layout"] = "replicate"
+        replicas = f"{options.hsdp} replicas" if options.hsdp else "one replica per node (read at run time)"
         if "sharding_strategy" in first.settings_node:
             self.change(
                 first.settings_node["sharding_strategy"],
                 f"ShardingStrategy.{strategy} -> " + {
                     "FULL_SHARD": "fully_shard (parameters resharded after forward; the last block keeps them)",
                     "SHARD_GRAD_OP": "fully_shard(..., reshard_after_forward=False)",
-                    "HYBRID_SHARD": f"fully_shard on a 2-D (replicate, shard) mesh of {options.hsdp} replicas (HSDP)",
-                    "_HYBRID_SHARD_ZERO2": f"fully_shard(..., reshard_after_forward=False) on a 2-D mesh of "
-                    f"{options.hsdp} replicas",
+                    "HYBRID_SHARD": f"fully_shard on a 2-D (replicate, shard) mesh of {replicas} (HSDP)",
+                    "_HYBRID_SHARD_ZERO2": f"fully_shard(..., reshard_after_forward=False) on a 2-D mesh of {replicas}",
+                    "NO_SHARD": "fully_shard on a (world, 1) mesh: every rank a replica holding whole parameters, "
+                                "gradients all-reduced (DDP's data parallelism)",
                 }[strategy],
-                "FSDP2 spells the sharding strategy as reshard_after_forward and the mesh's shape",
+                "FSDP2 spells the sharding strategy as reshard_after_forward and the mesh's shape"
+                + ("" if not hybrid or options.hsdp else
+                   "; FSDP1's HYBRID_SHARD sharded within each node and replicated across nodes: the mesh reads "
+                   "LOCAL_WORLD_SIZE (ranks per node) from torchrun; --hsdp N fixes the replica count instead"),
             )
         return replace(options, **changes) if changes else options
 

@@ -32,6 +32,10 @@ class RetrofitOptions:
     cpu_offload: bool = False
     # HSDP: replicate over this many groups, shard within each (2-D mesh); 0 = plain FSDP
     hsdp: int = 0
+    # set by migrate_fsdp1 from the script's ShardingStrategy, when --hsdp is not given: "per_node" (HYBRID_SHARD:
+    # shard within each node's LOCAL_WORLD_SIZE ranks, replicate across nodes, read at run time), "replicate"
+    # (NO_SHARD: a (world, 1) mesh, parameters whole on every rank, gradients all-reduced); "" = from hsdp
+    mesh_layout: str = ""
     # "default": blocks free their gathered parameters after forward except the last one
     # (torchtitan's rule); "always": every unit does (fully_shard's own default); "never": none does
     reshard_after_forward: str = "default"

@@ -164,14 +164,31 @@ def test_hybrid_shard_becomes_a_2d_mesh_with_hsdp():
     assert 'mesh_dim_names=("replicate", "shard")' in code
 
 
-def test_hybrid_shard_without_hsdp_is_refused():
-    found = refusal("sharding_strategy=ShardingStrategy.HYBRID_SHARD")
-    assert "replica" in found.what and "--hsdp" in found.hint
+NODE_MESH = """    mesh = init_device_mesh(
+        "cuda" if torch.cuda.is_available() else "cpu",
+        (dist.get_world_size() // int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])),
+        mesh_dim_names=("replicate", "shard"),
+    )
+"""
 
 
-def test_no_shard_is_refused():
-    found = refusal("sharding_strategy=ShardingStrategy.NO_SHARD")
-    assert "NO_SHARD" in found.what and found.line == line_of("model = FSDP(", source_of())
+@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"])
+def test_hybrid_shard_without_hsdp_shards_within_each_node_read_at_run_time(strategy):
+    """FSDP1's HYBRID_SHARD shards within a node and replicates across nodes: without --hsdp the mesh reads
+    the ranks per node from torchrun (LOCAL_WORLD_SIZE) when it starts (was FSR309, needing --hsdp N)."""
+    result = rewrite(f"auto_wrap_policy=ModuleWrapPolicy({{Block}}), sharding_strategy=ShardingStrategy.{strategy}")
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert NODE_MESH in code and "import os\n" in code
+    assert ("reshard_after_forward=False" in code) is (strategy == "_HYBRID_SHARD_ZERO2")
+    assert any("one replica per node" in c.what for c in result.changes)
+
+
+def test_no_shard_is_a_mesh_of_replicas():
+    """NO_SHARD (DDP's data parallelism through FSDP1) becomes fully_shard on a (world, 1) mesh: a shard
+    dimension of 1 keeps whole parameters on every rank and all-reduces the gradients (was FSR304)."""
+    code = out("auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy.NO_SHARD")
+    assert "(dist.get_world_size(), 1),\n        mesh_dim_names=(\"replicate\", \"shard\")," in code
 
 
 def test_mixed_precision_becomes_the_policy_and_buffer_dtype_is_dropped():
@@ -295,7 +312,7 @@ def test_an_fsdp1_call_the_rewrite_does_not_know_is_refused():
 def test_cli_refuses_with_file_line_exit_2_and_keeps_the_file(tmp_path, monkeypatch):
     monkeypatch.setenv("FSDP2_RETROFIT_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "train.py"
-    source = SCRIPT.format(wrap="sharding_strategy=ShardingStrategy.NO_SHARD", clip="pass", save=FULL_SAVE)
+    source = SCRIPT.format(wrap="auto_wrap_policy=my_policy", clip="pass", save=FULL_SAVE)
     path.write_text(source)
     result = CliRunner().invoke(cli.main, ["rewrite", str(path)])
     assert result.exit_code == 2, result.output
@@ -535,13 +552,12 @@ def test_a_config_built_with_the_field_is_refused_at_the_construction():
     assert [r.code for r in result.refusals] == ["FSR303"]
 
 
-def test_hybrid_shard_from_a_config_default_needs_hsdp_as_inline():
+def test_hybrid_shard_from_a_config_default_converts_as_inline():
     field_line = "sharding_strategy: ShardingStrategy = ShardingStrategy.HYBRID_SHARD"
     wrap = "auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=cfg.sharding_strategy"
     text, result = _config_rewrite(field_line, wrap)
-    assert [r.code for r in result.refusals] == ["FSR309"]
-    assert "replica" in result.refusals[0].what and "--hsdp" in result.refusals[0].hint
-    assert result.refusals[0].line == line_of("sharding_strategy=cfg.sharding_strategy", text)
+    assert not result.refusals, result.refusals
+    assert 'int(os.environ["LOCAL_WORLD_SIZE"])' in result.code.decode()  # one replica per node, at run time
     _, result = _config_rewrite(field_line, wrap, hsdp=2)
     assert not result.refusals and 'mesh_dim_names=("replicate", "shard")' in result.code.decode()
 
@@ -605,11 +621,9 @@ def test_a_project_whose_config_field_is_reassigned_in_another_module_is_refused
     assert "another value" in refusal.why and not result.siblings
 
 
-def test_a_project_whose_config_default_is_hybrid_shard_needs_hsdp(tmp_path, monkeypatch):
+def test_a_project_whose_config_default_is_hybrid_shard_gets_a_mesh_per_node(tmp_path, monkeypatch):
     monkeypatch.setenv("FSDP2_RETROFIT_CACHE_DIR", str(tmp_path / "cache"))
     result = _project(tmp_path, lambda d: _replace(d / "configs.py", "ShardingStrategy.FULL_SHARD",
                                                    "ShardingStrategy.HYBRID_SHARD"))
-    assert [r.code for r in result.refusals] == ["FSR309"]
-    assert "--hsdp" in result.refusals[0].hint
-    text = (tmp_path / "input.py").read_text()
-    assert result.refusals[0].line == line_of("sharding_strategy=cfg.sharding_strategy", text)
+    assert not result.refusals, result.refusals
+    assert 'int(os.environ["LOCAL_WORLD_SIZE"])' in result.code.decode()

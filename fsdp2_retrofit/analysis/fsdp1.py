@@ -383,15 +383,7 @@ class _Finder(ValueReader):
                          self._lost.get(id(expr), "the rewrite maps each member to its FSDP2 setting"),
                          "write ShardingStrategy.FULL_SHARD (or another member)")
             return
-        if member == "NO_SHARD":
-            self._refuse(
-                "FSR304",
-                expr, "sharding_strategy=ShardingStrategy.NO_SHARD",
-                "NO_SHARD is data parallelism without sharding (DDP); FSDP2 always shards over the mesh",
-                "use DistributedDataParallel (or let the rewrite shard: remove sharding_strategy)",
-            )
-            return
-        wrap.strategy = member
+        wrap.strategy = member  # NO_SHARD too: a (world, 1) mesh (migrate_fsdp1)
 
     def _mixed_precision(self, wrap: Fsdp1Wrap, expr) -> None:
         value = self._resolve(expr, wrap)

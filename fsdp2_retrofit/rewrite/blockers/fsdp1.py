@@ -1,4 +1,4 @@
-"""FSR3.. fsdp1: FSDP1 code the migration cannot express with fully_shard (FSR301, FSR302, FSR303, FSR304, FSR305, FSR306, FSR307, FSR308, FSR309, FSR310)."""
+"""FSR3.. fsdp1: FSDP1 code the migration cannot express with fully_shard (FSR301, FSR302, FSR303, FSR305, FSR306, FSR307, FSR308, FSR310; FSR304 NO_SHARD and FSR309 HYBRID_SHARD without --hsdp convert since 2026-12-07)."""
 from __future__ import annotations
 
 from . import Blocker, Invalid, Valid  # noqa: F401  (the cases use them)
@@ -79,21 +79,6 @@ class Fsdp1UnreadableSetting(Blocker):
         line=7,
         files={"policies.py": "def wrap_policy(module, recurse, nonwrapped_numel):\n    return recurse\n"},
     ),)
-
-
-class Fsdp1NoShard(Blocker):
-    """sharding_strategy=ShardingStrategy.NO_SHARD.
-
-    ## Why
-    NO_SHARD is data parallelism without sharding (DDP); FSDP2 always shards over the mesh.
-
-    ## What to do
-    Use DistributedDataParallel (or let the rewrite shard: remove sharding_strategy).
-    """
-
-    CODE = "FSR304"
-    NAME = "fsdp1-no-shard"
-    INVALID = (Invalid(_wrapped("model = FSDP(model, sharding_strategy=ShardingStrategy.NO_SHARD)"), line=6),)
 
 
 class Fsdp1StateDictType(Blocker):
@@ -183,23 +168,6 @@ class Fsdp1PrecisionCombination(Blocker):
                  "param_dtype=torch.float32, reduce_dtype=torch.bfloat16))"),
         line=6,
     ),)
-
-
-class Fsdp1HybridWithoutHsdp(Blocker):
-    """ShardingStrategy.HYBRID_SHARD without `--hsdp`.
-
-    ## Why
-    FSDP2's HSDP is a 2-D (replicate, shard) mesh whose shape the rewrite cannot know.
-
-    ## What to do
-    Pass --hsdp N (N = the number of nodes, i.e. replicas).
-    """
-
-    CODE = "FSR309"
-    NAME = "fsdp1-hybrid-without-hsdp"
-    INVALID = (Invalid(_wrapped("model = FSDP(model, sharding_strategy=ShardingStrategy.HYBRID_SHARD)"), line=6),)
-    VALID = (Valid(_wrapped("model = FSDP(model, sharding_strategy=ShardingStrategy.HYBRID_SHARD)"),
-                   options={"hsdp": 2}),)
 
 
 class Fsdp1StateDictRankGated(Blocker):

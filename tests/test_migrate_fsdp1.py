@@ -627,3 +627,15 @@ def test_a_project_whose_config_default_is_hybrid_shard_gets_a_mesh_per_node(tmp
                                                    "ShardingStrategy.HYBRID_SHARD"))
     assert not result.refusals, result.refusals
     assert 'int(os.environ["LOCAL_WORLD_SIZE"])' in result.code.decode()
+
+
+def test_a_policy_a_helper_gives_two_values_is_refused_with_that_reason():
+    """`wrap = None` then `wrap = ModuleWrapPolicy({Block})` in the helper whose tuple the wrap unpacks: the
+    refusal says the name is given two values (it said only which policies the rewrite reads)."""
+    helper = ("def get_policies():\n    mp = None\n    wrap = None\n    wrap = ModuleWrapPolicy({Block})\n"
+              "    return mp, wrap\n\n\n")
+    source = source_of("auto_wrap_policy=wrap_policy, mixed_precision=mp_policy").replace(
+        "def main():\n", helper + "def main():\n    mp_policy, wrap_policy = get_policies()\n")
+    result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
+    assert [r.code for r in result.refusals] == ["FSR303"], result.refusals
+    assert "`wrap` is given 2 values where it is read (`ModuleWrapPolicy({Block})`, `None`)" in result.refusals[0].why

@@ -149,7 +149,14 @@ class ValueReader:
             local = self.values.local_value(expr, namer)  # a local name of a project module's function
             if local is not None:
                 self._origin.update((id(node), namer) for node in walk(local))
-            return local if local is not None else expr
+                return local
+            values = sorted((v for v in self.values.local_values(expr, namer) if isinstance(v, cst.BaseExpression)),
+                            key=code)  # in a stable order: the flow gives a set
+            if len(values) > 1:
+                shown = ", ".join(f"`{code(v)}`" for v in values[:3])
+                self._lost.setdefault(id(expr), f"`{expr.value}` is given {len(values)} values where it is read "
+                                                f"({shown}): the rewrite reads a name given one value")
+            return expr
         stmts = [
             s for s in self.r.nodes(cst.SimpleStatementLine)
             if expr.value in assigned_names(s)

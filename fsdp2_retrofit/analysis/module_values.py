@@ -147,11 +147,15 @@ class ModuleValues:
     def local_value(self, expr: cst.Name, namer: _Namer) -> Optional[cst.BaseExpression]:
         """The one value a name read in a function of a project module holds (its local
         assignment), or None."""
-        origins = self._flow(namer).values(expr)
+        origins = self.local_values(expr, namer)
         if len(origins) != 1:
             return None
         value = next(iter(origins))
         return value if isinstance(value, cst.BaseExpression) and value is not expr else None
+
+    def local_values(self, expr: cst.Name, namer: _Namer):
+        """Every value the value flow says a name read in a function of a project module may hold."""
+        return self._flow(namer).values(expr)
 
     def _flow(self, namer: _Namer):
         from .site_analysis import SiteAnalysis

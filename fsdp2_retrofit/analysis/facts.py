@@ -86,8 +86,6 @@ class ScriptFacts:
     # analysis/penalties.py's answer for these facts, made once (the shard stage, its blockers and
     # penalty_reshard all ask)
     penalty_cache: Optional[list] = field(default=None, repr=False)
-    # analysis/rank_values.py's names and attributes that hold a rank (a RankAliases), found once
-    rank_alias_cache: Optional[object] = field(default=None, repr=False)
     # the analysis these facts were assembled by (its value flow, functions, sharding facts)
     analysis: Optional["_Analyser"] = field(default=None, repr=False)
 

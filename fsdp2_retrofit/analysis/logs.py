@@ -364,11 +364,9 @@ class LogAnalysis(SiteAnalysis):
 
     def _rank_by_value(self, gate: cst.If) -> bool:
         """`if self.device_index == 0:` where the attribute holds a rank by its value (rank_values)."""
-        from .rank_values import RankAliases
+        from .rank_values import aliases_of
 
-        if getattr(self, "_rank_aliases", None) is None:
-            self._rank_aliases = RankAliases(self.r)
-        aliases = self._rank_aliases.at(gate)
+        aliases = aliases_of(self.r).at(gate)
         return bool(aliases) and rank_zero_side(gate.test, aliases) is not None
 
 

@@ -35,11 +35,18 @@ class RankAliases:
         return frozenset(found)
 
 
+def aliases_of(resolver) -> RankAliases:
+    """The RankAliases of a resolver's tree, made once for every analysis that asks (the
+    stages' facts, sharding's rank-0 branches, logs' gates)."""
+    found = resolver.derived.get("rank_aliases")
+    if found is None:
+        found = resolver.derived["rank_aliases"] = RankAliases(resolver)
+    return found
+
+
 def rank_aliases(node: cst.CSTNode, facts) -> FrozenSet[str]:
-    """RankAliases.at for a script's facts (made once per analysis)."""
-    if facts.rank_alias_cache is None:
-        facts.rank_alias_cache = RankAliases(facts.resolver)
-    return facts.rank_alias_cache.at(node)
+    """RankAliases.at for a script's facts."""
+    return aliases_of(facts.resolver).at(node)
 
 
 def _aliases(r) -> Dict[int, set]:
@@ -119,4 +126,4 @@ def _is_rank(value: cst.BaseExpression, r, found: Optional[Dict[int, set]] = Non
     return owner is not None and instance_attribute(value) in found.get(id(owner), ())
 
 
-__all__ = ["RankAliases", "rank_aliases"]
+__all__ = ["RankAliases", "aliases_of", "rank_aliases"]

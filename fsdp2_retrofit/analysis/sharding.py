@@ -106,7 +106,6 @@ class ShardFacts:
     # sharded modules this file hands to classes and functions of other project modules
     handed_out: List[Handed] = field(default_factory=list)
     # names holding a rank by their value (`self.gpu_id = int(os.environ["LOCAL_RANK"])`), made on demand
-    _rank_aliases: object = field(default=None, repr=False)
 
     # -- positions ----------------------------------------------------------
 
@@ -435,11 +434,9 @@ class ShardFacts:
             if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
                 return None
             if isinstance(anc, cst.If):
-                if self._rank_aliases is None:
-                    from .rank_values import RankAliases
+                from .rank_values import aliases_of
 
-                    self._rank_aliases = RankAliases(self.resolver)
-                side = rank_zero_side(anc.test, self._rank_aliases.at(anc))
+                side = rank_zero_side(anc.test, aliases_of(self.resolver).at(anc))
                 if side == "body" and child is anc.body:
                     return anc
                 if side == "else" and child is anc.orelse:

@@ -346,6 +346,9 @@ class Resolver:
         self._attribute_names: Dict[int, tuple] = {}
         # id(indexed node) -> the innermost FunctionDef / ClassDef that is or holds it (see _enclosing)
         self._within: Dict[type, Dict[int, Optional[cst.CSTNode]]] = {cst.FunctionDef: {}, cst.ClassDef: {}}
+        # what an analysis computes from this tree and its names alone, once for every stage that
+        # asks (analysis.rank_values.aliases_of); emptied when add_bindings changes the names
+        self.derived: Dict[str, object] = {}
         if origins is not None and module is origins.first:
             origins.first_resolver = self
 
@@ -377,6 +380,7 @@ class Resolver:
         its own meaning, unless listed in `unsure` (a star import may rebind it): that
         one resolves to nothing."""
         self._attribute_names.clear()
+        self.derived.clear()
         for name in unsure:
             self._table.pop(name, None)
         for name, qualified in names.items():

@@ -639,3 +639,86 @@ def test_a_policy_a_helper_gives_two_values_is_refused_with_that_reason():
     result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
     assert [r.code for r in result.refusals] == ["FSR303"], result.refusals
     assert "`wrap` is given 2 values where it is read (`ModuleWrapPolicy({Block})`, `None`)" in result.refusals[0].why
+
+
+TRAINER = '''\
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import ShardingStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+
+@dataclass
+class Settings:
+    strategy: ShardingStrategy = ShardingStrategy.SHARD_GRAD_OP
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self, depth=2):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block() for _ in range(depth)])
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+class Learner:
+    def __init__(self, module, settings):
+        self.module = FSDP(module, auto_wrap_policy=ModuleWrapPolicy({{Block}}), sharding_strategy=settings.strategy)
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=0.1)
+
+    def step(self, x):
+        loss = self.module(x).sum()
+        loss.backward()
+        self.module.clip_grad_norm_(1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+
+def main():
+    dist.init_process_group("gloo")
+    net = Net()
+{learners}
+    for _ in range(2):
+        learner.step(torch.randn(8, 4))
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_a_wrap_on_an_attribute_with_a_strategy_the_constructor_is_handed_migrates():
+    """`self.module = FSDP(module, ..., sharding_strategy=settings.strategy)` in a class whose one
+    construction hands it `Settings()`: was FSR301 'not the whole value of `name = FSDP(...)`'."""
+    source = TRAINER.format(learners="    learner = Learner(net, Settings())")
+    result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    assert "        self.module = module\n" in code
+    assert "fully_shard(net, mesh=mesh, reshard_after_forward=False)" in code
+    assert "torch.nn.utils.clip_grad_norm_(self.module.parameters(), 1.0)" in code
+    assert "FSDP(" not in code
+
+
+def test_a_strategy_parameter_handed_two_values_is_refused_with_that_reason():
+    source = TRAINER.format(learners=(
+        "    learner = Learner(net, Settings())\n"
+        "    spare = Learner(Net(1), Settings(strategy=ShardingStrategy.FULL_SHARD))"))
+    result = rewrite_source(source.encode(), "train.py", RetrofitOptions())
+    assert "FSR303" in [r.code for r in result.refusals], result.refusals
+    why = next(r.why for r in result.refusals if r.code == "FSR303")
+    assert "`settings` is a parameter handed 2 different values by the calls `Learner(...)`" in why

@@ -170,14 +170,14 @@ class _Finder(ValueReader):
         scalers = [c for c in calls if _qnames(c, self.facts) & SCALER]
         clips = [c for c in calls if self._fsdp1_clip(c, targets)]
         for c in calls:
-            if isinstance(c.func, cst.Attribute) and isinstance(c.func.value, cst.Name) and c.func.value.value in targets:
+            if isinstance(c.func, cst.Attribute) and _named_module(c.func.value) and code(c.func.value) in targets:
                 method = c.func.attr.value
                 if method == "no_sync":
                     self.problems.append(Problem(
                         "FSR306",
                         c, f"`{code(c)}` (FSDP1 gradient accumulation without reduction)",
                         "FSDP2 modules have no no_sync(); the rewrite does not restructure this loop yet",
-                        f"call {c.func.value.value}.set_requires_gradient_sync(False) on the micro-batches "
+                        f"call {code(c.func.value)}.set_requires_gradient_sync(False) on the micro-batches "
                         "that must not reduce (or remove no_sync and let the rewrite's accumulation stage do it)",
                     ))
             names = _qnames(c, self.facts)
@@ -210,7 +210,7 @@ class _Finder(ValueReader):
         ]
         module_attrs = [
             a for a in self.r.nodes(cst.Attribute)
-            if a.attr.value == "module" and isinstance(a.value, cst.Name) and a.value.value in targets
+            if a.attr.value == "module" and _named_module(a.value) and code(a.value) in targets
         ]
         return Fsdp1Uses(wraps, blocks, scalers, clips, default_state_dicts, module_attrs, imports, self.problems,
                          self.read_values)
@@ -224,7 +224,7 @@ class _Finder(ValueReader):
         func = call.func
         if not (isinstance(func, cst.Attribute) and func.attr.value == "clip_grad_norm_"):
             return False
-        if isinstance(func.value, cst.Name) and func.value.value in targets:
+        if _named_module(func.value) and code(func.value) in targets:
             return True
         if not targets or self.r.qnames(func) or not isinstance(func.value, (cst.Name, cst.Attribute)):
             return False  # a name bound by an import (torch.nn.utils...), or no FSDP1 wrap in the program
@@ -241,11 +241,12 @@ class _Finder(ValueReader):
         small = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 else None
         if not (
             isinstance(small, cst.Assign) and small.value is call and len(small.targets) == 1
-            and isinstance(small.targets[0].target, cst.Name)
+            and _named_module(small.targets[0].target)
         ):
             self.problems.append(Problem(
                 "FSR301",
-                call, "FullyShardedDataParallel(...) is not the whole value of `name = FSDP(...)`",
+                call, "FullyShardedDataParallel(...) is not the whole value of `model = FSDP(...)` or "
+                "`self.model = FSDP(...)`",
                 "the rewrite replaces the wrap statement by fully_shard calls on the model it names",
                 "write `model = FSDP(model, ...)` on its own line",
             ))
@@ -254,7 +255,7 @@ class _Finder(ValueReader):
         if wrapped is None:
             self.problems.append(Problem("FSR301", call, "FullyShardedDataParallel(...) without a module", "nothing to shard"))
             return None
-        wrap = Fsdp1Wrap(call, stmt, small.targets[0].target.value, wrapped)
+        wrap = Fsdp1Wrap(call, stmt, code(small.targets[0].target), wrapped)
         positional = [a for a in call.args if a.keyword is None]
         if len(positional) > 1 or any(a.star for a in call.args):
             self.problems.append(Problem(
@@ -487,10 +488,11 @@ def _named_module(expr) -> bool:
 
 
 def wrapped_name(expr) -> Optional[str]:
-    """`model` for `model` and `model.module` (the module FSDP1 wraps)."""
-    if isinstance(expr, cst.Attribute) and expr.attr.value == "module":
+    """`model` for `model` and `model.module` (the module FSDP1 wraps), `self.model` for
+    `self.model` and `self.model.module`."""
+    if isinstance(expr, cst.Attribute) and expr.attr.value == "module" and _named_module(expr.value):
         expr = expr.value
-    return expr.value if isinstance(expr, cst.Name) else None
+    return code(expr) if _named_module(expr) else None
 
 
 _wrapped_name = wrapped_name

@@ -10,7 +10,7 @@ from typing import Dict, List, Set
 import libcst as cst
 
 from .module_values import ModuleValues
-from fsdp2_retrofit.syntax.names import assigned_names, code, walk
+from fsdp2_retrofit.syntax.names import assigned_names, bind_args, code, walk
 
 
 class ValueReader:
@@ -90,6 +90,8 @@ class ValueReader:
             return None
         built = self._resolve(expr.value, wrap)
         if not isinstance(built, cst.Call) or not isinstance(built.func, (cst.Name, cst.Attribute)):
+            if id(expr.value) in self._lost:  # `cfg` of `cfg.sharding_strategy` could not be read
+                self._lost.setdefault(id(expr), self._lost[id(expr.value)])
             return None
         namer = self._origin.get(id(built))
         cls = config_class(namer.resolver, code(built.func)) if namer is not None else None
@@ -161,6 +163,8 @@ class ValueReader:
             s for s in self.r.nodes(cst.SimpleStatementLine)
             if expr.value in assigned_names(s)
         ]
+        if not stmts:
+            return self._handed(expr)
         if len(stmts) != 1 or len(stmts[0].body) != 1 or not isinstance(stmts[0].body[0], cst.Assign):
             return expr
         assign = stmts[0].body[0]
@@ -170,10 +174,42 @@ class ValueReader:
             self._lost[id(expr)] = (f"`{expr.value}` is assigned by `{code(stmts[0]).strip()}` (line "
                                     f"{self.r.line(stmts[0])}), a form the rewrite does not follow")
             return expr
-        reads = [n for n in self.r.nodes(cst.Name) if n.value == expr.value]
+        reads = [n for n in self.r.nodes(cst.Name) if n.value == expr.value and not self._spelled_in_a_path(n)]
         if len(reads) == 2 and stmts[0] not in wrap.consumed:  # the assignment's target and this argument
             wrap.consumed.append(stmts[0])
         return assign.value
+
+    def _spelled_in_a_path(self, name: cst.Name) -> bool:
+        """`wrap` of `torch.distributed.fsdp.wrap` (an import's module path) or of `x.wrap` (an
+        attribute's name): not the variable `wrap`."""
+        parent = self.r.parent(name)
+        return isinstance(parent, cst.Attribute) and parent.attr is name
+
+    def _handed(self, expr: cst.Name):
+        """A parameter (`cfg` of `Trainer.__init__(self, net, cfg)`) is what every call of its
+        function hands it, when every call hands it the same expression (`Trainer(net,
+        ParallelConfig())`); else `expr`, and why in the refusal."""
+        from .rank_values import called_functions
+
+        fn = self.r.enclosing_function(expr)
+        if fn is None or expr.value not in {p.name.value for p in fn.params.params + fn.params.kwonly_params}:
+            return expr
+        for function, calls, skip in called_functions(self.r):
+            if function is not fn:
+                continue
+            handed = [dict(bind_args(fn, call, skip)).get(expr.value) for call in calls]
+            owner = self.r.enclosing_class(fn) if skip else None
+            callee = f"`{owner.name.value}(...)`" if owner is not None else f"`{fn.name.value}(...)`"
+            if any(v is None for v in handed) or any(a.star for c in calls for a in c.args):
+                self._lost.setdefault(id(expr), f"`{expr.value}` is a parameter that a call "
+                                                f"{callee} does not hand by name or position")
+                return expr
+            if len({code(v) for v in handed}) > 1:
+                self._lost.setdefault(id(expr), f"`{expr.value}` is a parameter handed {len(handed)} different "
+                                                f"values by the calls {callee}")
+                return expr
+            return handed[0]
+        return expr
 
     def _unpacked(self, expr: cst.Name, stmt, assign: cst.Assign, wrap):
         """`mp_policy, wrap_policy = get_policies(cfg, rank)`: the element of the tuple the call gives

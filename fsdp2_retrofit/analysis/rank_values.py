@@ -56,7 +56,7 @@ def _aliases(r) -> Dict[int, set]:
             key = _key(r, t.target, assign)
             if key is not None:
                 bound.setdefault(key, []).append((assign.value, assign))
-    for fn, calls, skip in _called_functions(r):  # a parameter is what every call hands it
+    for fn, calls, skip in called_functions(r):  # a parameter is what every call hands it
         passed: Dict[str, list] = {}
         for call in calls:
             for param, arg in bind_args(fn, call, skip):
@@ -94,9 +94,16 @@ def _key(r, target, node) -> Optional[tuple]:
     return None
 
 
-def _called_functions(r):
+def called_functions(r):
     """(function, its calls, parameters the calls skip) for the top-level functions called by
     name and the __init__ of top-level classes constructed by name."""
+    found = r.derived.get("called_functions")
+    if found is None:
+        found = r.derived["called_functions"] = list(_called_functions(r))
+    return found
+
+
+def _called_functions(r):
     module = r.module
     by_name: Dict[str, tuple] = {}
     for stmt in module.body:
@@ -126,4 +133,4 @@ def _is_rank(value: cst.BaseExpression, r, found: Optional[Dict[int, set]] = Non
     return owner is not None and instance_attribute(value) in found.get(id(owner), ())
 
 
-__all__ = ["RankAliases", "aliases_of", "rank_aliases"]
+__all__ = ["RankAliases", "aliases_of", "called_functions", "rank_aliases"]

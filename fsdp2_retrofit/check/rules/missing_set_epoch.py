@@ -30,6 +30,13 @@ _TRAINER = (
 )
 
 
+_HANDED = (  # set_epoch on a parameter: the sampler a caller hands it, followed by value
+    "def reshuffle(order, n):\n    order.set_epoch(n)\n"
+    "sampler = DistributedSampler(ds, shuffle=True)\nloader = DataLoader(ds, batch_size=8, sampler=sampler)\n"
+    "for epoch in range(3):\n    reshuffle({handed}, epoch)\n    for x, y in loader:\n        model(x).sum().backward()\n"
+)
+
+
 def _epochs(set_epoch: str = "") -> str:
     return _EPOCHS.format(set_epoch=set_epoch)
 
@@ -46,7 +53,8 @@ class MissingSetEpoch(Rule):
     method reads it through an attribute once per epoch (`self.train_data` of a
     trainer, followed by value, its pass repeated by a loop), and nothing
     calls `set_epoch` on the sampler (`sampler.set_epoch(epoch)`,
-    `loader.sampler.set_epoch(epoch)`, or `dl.sampler.set_epoch(epoch)` in that function).
+    `loader.sampler.set_epoch(epoch)`, `dl.sampler.set_epoch(epoch)` in that function, or
+    `order.set_epoch(epoch)` in a function handed the sampler as `order`).
 
     ## Why is this bad?
     A DistributedSampler shuffles with the seed `seed + epoch`, and its epoch only
@@ -97,6 +105,7 @@ class MissingSetEpoch(Rule):
         Valid(_HEAD + _CYCLE.format(count="    epoch = 0\n",
                                     set_epoch="        dl.sampler.set_epoch(epoch)\n        epoch += 1\n")),
         Valid(_HEAD + _TRAINER.format(set_epoch="        self.data.sampler.set_epoch(n)\n")),
+        Valid(_HEAD + _HANDED.format(handed="sampler")),  # was flagged: `order` is not spelled `sampler`
     )
     INVALID = (
         Invalid(_HEAD + "sampler = DistributedSampler(ds, shuffle=True)\n"
@@ -113,17 +122,21 @@ class MissingSetEpoch(Rule):
             "    for epoch in range(3):\n        train_epoch()\n", line=8),
         Invalid(_HEAD + _CYCLE.format(count="", set_epoch=""), line=11),  # a generator repeats the passes
         Invalid(_HEAD + _TRAINER.format(set_epoch=""), line=17),  # a trainer's method, once per epoch
+        Invalid(_HEAD + _HANDED.format(handed="other_sampler"), line=9),  # another sampler's epoch is set
     )
 
     def check(self, ctx):
         if not ctx.shards.uses_fully_shard:
             return
         r = ctx.resolver
-        receivers, loaders_set = set(), set()
+        receivers, loaders_set, samplers_set = set(), set(), set()
         for call in ctx.nodes(cst.Call):
             func = call.func
             if isinstance(func, cst.Attribute) and func.attr.value == "set_epoch":
                 receivers.add(_code(func.value))
+                # `<s>.set_epoch(...)`: the samplers `s` can hold (a parameter a caller hands one),
+                # followed by value
+                samplers_set.update(id(v) for v in ctx.analysis.flow.values(func.value))
                 if isinstance(func.value, cst.Attribute) and func.value.attr.value == "sampler":
                     # `<x>.sampler.set_epoch(...)`: the loaders `x` can hold, followed by value
                     loaders_set.update(id(v) for v in ctx.analysis.flow.values(func.value.value))
@@ -139,7 +152,7 @@ class MissingSetEpoch(Rule):
                 names.add(f"{loader.cycled[2]}.sampler")
             if loader.epoch_passed is not None:  # (loop, reader, epoch) of a repeated pass through another name
                 names.add(f"{_code(loader.epoch_passed[1])}.sampler")
-            if names & receivers or id(loader.call) in loaders_set:
+            if names & receivers or id(loader.call) in loaders_set or id(sampler.call) in samplers_set:
                 continue
             loop = self._epoch_loop(r, fors, loader.name)
             if loop is None and loader.cycled is not None:

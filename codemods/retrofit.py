@@ -44,6 +44,7 @@ from .rank_decisions import CheckRankDecisionsCommand
 from .rank_zero import GateRankZeroCommand
 from .resume import ConvertLoadsCommand
 from .resume_init import SplitResumeInitCommand
+from .handed_models import NameHandedModelsCommand
 from .returned_builds import NameReturnedBuildsCommand
 from .shard import ShardModelCommand
 from .shared_downloads import DownloadOnRankZeroCommand
@@ -63,7 +64,9 @@ GROUPS: List[List[Type[RetrofitStage]]] = [
     [MigrateSpawnCommand],  # an mp.spawn launcher becomes a torchrun program
     [MigrateDistributedWrappersCommand],  # DDP/DataParallel go first: the rest sees one plain model
     [MigrateFsdp1Command],  # an FSDP1 script becomes what the others read; its settings become their options
-    [NameReturnedBuildsCommand],  # `return model, AdamW(...)`, `return DataLoader(...)`: named, so later stages follow them
+    # `return model, AdamW(...)`, `return DataLoader(...)`, `Trainer(Net().to(device), ...)`: named, so later
+    # stages follow them (one edits `return` lines, the other never does)
+    [NameReturnedBuildsCommand, NameHandedModelsCommand],
     [SplitResumeInitCommand],  # `if resume: load else: init` splits: the init before fully_shard, the load after
     [InitOnMetaDeviceCommand],
     # one analysis for both: launch tells shard the mesh it builds (ScriptFacts.mesh_name)

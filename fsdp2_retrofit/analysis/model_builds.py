@@ -225,3 +225,35 @@ class BuildClasses:
             ):
                 return name
         return None
+
+
+def handed_build(value: cst.BaseExpression, resolver, classes) -> bool:
+    """`Net(...)`, `Net(...).to(device)`, `resnet18()` written as a call's argument: the
+    construction of a module class of the project or a library model (not an if/else of two)."""
+    ctor = innermost_call(value)
+    if ctor is None or type(value) is cst.IfExp:
+        return False
+    return any(classes.is_module_class(q) or is_library_builder(q) for q in resolver.qnames(ctor))
+
+
+def project_callee(call: cst.Call, resolver, classes) -> bool:
+    """A call of a class (not a module class) or a top-level function of the script or of a
+    sibling module: a trainer, a solver, a helper the script hands things to."""
+    for qname in resolver.qnames(call.func):
+        if classes.get(qname) is not None and not classes.is_module_class(qname):
+            return True
+        namespace, _, name = qname.rpartition(".")
+        if name in classes.top_level_functions.get(namespace, {}):
+            return True
+    return False
+
+
+def handed_builds(resolver, classes):
+    """(call, argument) for each module construction written as an argument of a call of the
+    project (project_callee)."""
+    for call in resolver.nodes(cst.Call):
+        if not project_callee(call, resolver, classes):
+            continue
+        for arg in call.args:
+            if not arg.star and handed_build(arg.value, resolver, classes):
+                yield call, arg

@@ -8,6 +8,7 @@ import libcst as cst
 from fsdp2_retrofit.analysis import ModelSite, ScriptFacts, code
 from fsdp2_retrofit.analysis.dtype_casts import casts_after_shard, dtype_cast
 from fsdp2_retrofit.analysis.forward_data_writes import forward_data_write
+from fsdp2_retrofit.analysis.model_builds import handed_builds
 from fsdp2_retrofit.analysis.model_classes import first_submodule, parameter_reads
 from fsdp2_retrofit.analysis.no_model import no_model_blocker, nothing_found_at, unrecognised_trained_model
 from fsdp2_retrofit.analysis.optimizers import FLATTENING_OPTIMIZERS, whole_tensor_operation
@@ -1159,6 +1160,21 @@ def _copies(facts: ScriptFacts, options) -> Iterator[Blocked]:
 def _no_model(facts: ScriptFacts, options) -> Iterator[Blocked]:
     """No model the rewrite can shard: the refusal names the blocker."""
     if not facts.models:
+        handed = next(iter(handed_builds(facts.resolver, facts.classes)), None)
+        if handed is not None and facts.class_optimizers:
+            call, arg = handed
+            yield Blocked(
+                "FSR610",
+                arg,
+                f"the model `{code(arg.value)}` is built inside the arguments of `{code(call.func)}(...)`, "
+                "where the rewrite cannot bind it to a name first",
+                "fully_shard needs the model as a name before the optimizer is built from it; a build handed "
+                "straight to a project class or function is named on the line before, but not where an argument "
+                "before it is a call (it would run after it), in a conditional expression, a comprehension or "
+                "another call's arguments",
+                f"bind it first: `model = {code(arg.value)}`, then pass `model`",
+            )
+            return
         for cls, call in facts.class_optimizers:
             yield Blocked(
                 "FSR610",

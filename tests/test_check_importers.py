@@ -237,16 +237,6 @@ def _summaries() -> list:
     return sorted((Path(os.environ["FSDP2_RETROFIT_CACHE_DIR"]) / "check").glob("*.json"))
 
 
-def _new_process():
-    """Forget what this process learnt of the file system (each `check` run is a process of its own)."""
-    from fsdp2_retrofit.analysis import project_imports
-    from fsdp2_retrofit.check import importers
-
-    for memo in (project_imports._LOCATED, project_imports._ROOTS, project_imports._PACKAGE_BASES,
-                 project_imports._IMPORTED, importers._PROJECTS):
-        memo.clear()
-
-
 def test_an_edited_importer_replaces_its_summary(tmp_path):
     """One summary per file and rule selection: an edit replaces it (none piles up)."""
     _project(tmp_path, LAYOUTS["probe"][0])
@@ -261,18 +251,18 @@ def test_an_edited_importer_replaces_its_summary(tmp_path):
     assert len(_summaries()) == 2  # another selection: an entry of its own
 
 
-def test_a_summary_is_stale_once_a_module_its_importer_looked_for_appears(tmp_path):
+def test_a_summary_is_stale_once_a_module_its_importer_looked_for_appears(tmp_path, new_process):
     """train.py imports shard_model from parallel.py, which is not there yet: it hands nothing
     sharded; once parallel.py (which shards) is created, its summary is a miss."""
     train = "from torch.distributed.fsdp import fully_shard  # noqa: F401\n" + BY_SHARDER
     _project(tmp_path, {"train.py": train, "trainer.py": TRAINER})
     assert _check(tmp_path, "trainer.py") == (0, {})
     (tmp_path / "parallel.py").write_text(PARALLEL)
-    _new_process()
+    new_process()
     assert _check(tmp_path, "trainer.py")[1] == {"trainer.py": [(6, "FSD101")]}
 
 
-def test_a_project_marker_that_appears_above_makes_importers_of_its_files(tmp_path):
+def test_a_project_marker_that_appears_above_makes_importers_of_its_files(tmp_path, new_process):
     """Without a marker, pkg/trainer.py's project is the folder above its package (only its files
     and packages are read: app/train.py is not); a pyproject.toml there makes it the project's
     root, and app/train.py (which imports pkg.trainer from that root) an importer."""
@@ -284,7 +274,7 @@ def test_a_project_marker_that_appears_above_makes_importers_of_its_files(tmp_pa
     checked = os.path.join("pkg", "trainer.py")
     assert _check(tmp_path, checked) == (0, {})
     (tmp_path / "pyproject.toml").write_text("[project]\nname = 'p'\n")
-    _new_process()
+    new_process()
     assert _check(tmp_path, checked)[1] == {checked: [(6, "FSD101")]}
     assert _check(tmp_path, ".")[1] == {checked: [(6, "FSD101")]}
 

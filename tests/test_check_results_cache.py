@@ -244,18 +244,8 @@ def test_no_worker_is_started_when_every_file_hits(tmp_path, monkeypatch):
     assert all(r.findings for r in warm)
 
 
-def _new_process():
-    """Forget what this process learnt of the file system (each `check` run is a process of its own)."""
-    from fsdp2_retrofit.analysis import project_imports
-    from fsdp2_retrofit.check import importers
-
-    for memo in (project_imports._LOCATED, project_imports._ROOTS, project_imports._PACKAGE_BASES,
-                 project_imports._IMPORTED, importers._PROJECTS):
-        memo.clear()
-
-
 @pytest.mark.parametrize("appears", ["module", "package", "shadow"])
-def test_a_module_that_appears_where_an_import_was_looked_for_is_a_miss(tmp_path, appears):
+def test_a_module_that_appears_where_an_import_was_looked_for_is_a_miss(tmp_path, appears, new_process):
     """train.py's `from parallel import shard_model` resolved to nothing (or to a module that does
     not shard), then parallel.py is created (a package's __init__.py; one beside train.py that
     shadows the project root's): the entry made without it is stale."""
@@ -277,11 +267,11 @@ def test_a_module_that_appears_where_an_import_was_looked_for_is_a_miss(tmp_path
     assert _found(tmp_path, checked) == {}
     for name, text in new.items():
         (tmp_path / name).write_text(text)
-    _new_process()
+    new_process()
     assert _found(tmp_path, checked) == sharding
 
 
-def test_a_project_marker_that_appears_above_is_a_miss(tmp_path):
+def test_a_project_marker_that_appears_above_is_a_miss(tmp_path, new_process):
     """apps/train.py's `from lingua.parallel import shard_model` resolves from the project's root:
     with no marker there is none (nothing found); a pyproject.toml created above makes it one."""
     (tmp_path / "lingua").mkdir()
@@ -291,5 +281,5 @@ def test_a_project_marker_that_appears_above_is_a_miss(tmp_path):
     checked = os.path.join("apps", "train.py")
     assert _found(tmp_path, checked) == {}
     (tmp_path / "pyproject.toml").write_text("[project]\nname = 'p'\n")
-    _new_process()
+    new_process()
     assert _found(tmp_path, checked) == {checked: [(7, "FSD101"), (8, "FSD102")]}

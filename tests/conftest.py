@@ -18,6 +18,21 @@ def _private_result_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("FSDP2_RETROFIT_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
 
 
+@pytest.fixture
+def new_process():
+    """A function that makes this process forget what it learnt of the file system (where imports
+    resolve, which project a file is in): each `check` run is a process of its own."""
+    def forget():
+        from fsdp2_retrofit.analysis import project_imports
+        from fsdp2_retrofit.check import importers
+
+        for memo in (project_imports._LOCATED, project_imports._ROOTS, project_imports._PACKAGE_BASES,
+                     project_imports._IMPORTED, importers._PROJECTS):
+            memo.clear()
+
+    return forget
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A run that failed (verify's VerifyError) shows the stderr it kept: a failure seen only on a

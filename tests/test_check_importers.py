@@ -231,3 +231,67 @@ def test_a_file_of_the_run_is_never_read_again_as_an_importer(tmp_path, monkeypa
         os.chdir(old)
     assert out.exit_code == 1, out.output
     assert asked == []
+
+
+def _summaries() -> list:
+    return sorted((Path(os.environ["FSDP2_RETROFIT_CACHE_DIR"]) / "check").glob("*.json"))
+
+
+def test_an_edited_importer_replaces_its_summary(tmp_path):
+    """One summary per file and rule selection: an edit replaces it (none piles up)."""
+    _project(tmp_path, LAYOUTS["probe"][0])
+    _check(tmp_path, "trainer.py")
+    entries = _summaries()
+    assert len(entries) == 1
+    for n in range(3):
+        (tmp_path / "train.py").write_text(TRAIN + f"\n# edit {n}\n")
+        assert _check(tmp_path, "trainer.py")[1] == {"trainer.py": [(6, "FSD101")]}
+    assert _summaries() == entries
+    _check(tmp_path, "--select", "FSD101", "trainer.py")
+    assert len(_summaries()) == 2  # another selection: an entry of its own
+
+
+def test_a_summary_is_stale_once_a_module_its_importer_looked_for_appears(tmp_path, new_process):
+    """train.py imports shard_model from parallel.py, which is not there yet: it hands nothing
+    sharded; once parallel.py (which shards) is created, its summary is a miss."""
+    train = "from torch.distributed.fsdp import fully_shard  # noqa: F401\n" + BY_SHARDER
+    _project(tmp_path, {"train.py": train, "trainer.py": TRAINER})
+    assert _check(tmp_path, "trainer.py") == (0, {})
+    (tmp_path / "parallel.py").write_text(PARALLEL)
+    new_process()
+    assert _check(tmp_path, "trainer.py")[1] == {"trainer.py": [(6, "FSD101")]}
+
+
+def test_a_project_marker_that_appears_above_makes_importers_of_its_files(tmp_path, new_process):
+    """Without a marker, pkg/trainer.py's project is the folder above its package (only its files
+    and packages are read: app/train.py is not); a pyproject.toml there makes it the project's
+    root, and app/train.py (which imports pkg.trainer from that root) an importer."""
+    files = {"pkg/__init__.py": "", "pkg/trainer.py": TRAINER,
+             "app/train.py": TRAIN.replace("from trainer import", "from pkg.trainer import")}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    checked = os.path.join("pkg", "trainer.py")
+    assert _check(tmp_path, checked) == (0, {})
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'p'\n")
+    new_process()
+    assert _check(tmp_path, checked)[1] == {checked: [(6, "FSD101")]}
+    assert _check(tmp_path, ".")[1] == {checked: [(6, "FSD101")]}
+
+
+@pytest.mark.parametrize("field, value", [("stamp", "another tool"), ("data", "other bytes"), ("reads", [])])
+def test_a_foreign_summary_is_computed_again(tmp_path, monkeypatch, field, value):
+    from fsdp2_retrofit.check import lint
+
+    _project(tmp_path, LAYOUTS["probe"][0])
+    _check(tmp_path, "trainer.py")
+    for entry in _summaries():
+        found = json.loads(entry.read_text())
+        found[field] = value
+        found["handed"] = []  # what a hit would hand: nothing
+        entry.write_text(json.dumps(found))
+    asked = []
+    real = lint.handed_out
+    monkeypatch.setattr(lint, "handed_out", lambda *a, **k: asked.append(a[1]) or real(*a, **k))
+    assert _check(tmp_path, "trainer.py")[1] == {"trainer.py": [(6, "FSD101")]}
+    assert asked

@@ -242,3 +242,44 @@ def test_no_worker_is_started_when_every_file_hits(tmp_path, monkeypatch):
     assert [(r.path, r.findings, r.handed, r.bare_noqa) for r in warm] == [
         (r.path, r.findings, r.handed, r.bare_noqa) for r in cold]
     assert all(r.findings for r in warm)
+
+
+@pytest.mark.parametrize("appears", ["module", "package", "shadow"])
+def test_a_module_that_appears_where_an_import_was_looked_for_is_a_miss(tmp_path, appears, new_process):
+    """train.py's `from parallel import shard_model` resolved to nothing (or to a module that does
+    not shard), then parallel.py is created (a package's __init__.py; one beside train.py that
+    shadows the project root's): the entry made without it is stale."""
+    sharding = {"train.py": [(7, "FSD101"), (8, "FSD102")]}
+    if appears == "module":
+        _project(tmp_path, {"train.py": BY_SHARDER})
+        new = {"parallel.py": PARALLEL}
+    elif appears == "package":  # parallel/ without __init__.py: nothing to import shard_model from
+        _project(tmp_path, {"train.py": BY_SHARDER})
+        (tmp_path / "parallel").mkdir()
+        new = {"parallel/__init__.py": PARALLEL}
+    else:  # app/train.py imports the root's parallel.py, which does not shard; app/parallel.py does
+        _project(tmp_path, {"parallel.py": PARALLEL.replace("    fully_shard(model)\n", "    model.cuda()\n")})
+        (tmp_path / "app").mkdir()
+        (tmp_path / "app" / "train.py").write_text(BY_SHARDER)
+        sharding = {os.path.join("app", "train.py"): [(7, "FSD101"), (8, "FSD102")]}
+        new = {"app/parallel.py": PARALLEL}
+    checked = next(iter(sharding))
+    assert _found(tmp_path, checked) == {}
+    for name, text in new.items():
+        (tmp_path / name).write_text(text)
+    new_process()
+    assert _found(tmp_path, checked) == sharding
+
+
+def test_a_project_marker_that_appears_above_is_a_miss(tmp_path, new_process):
+    """apps/train.py's `from lingua.parallel import shard_model` resolves from the project's root:
+    with no marker there is none (nothing found); a pyproject.toml created above makes it one."""
+    (tmp_path / "lingua").mkdir()
+    (tmp_path / "lingua" / "parallel.py").write_text(PARALLEL)
+    (tmp_path / "apps").mkdir()
+    (tmp_path / "apps" / "train.py").write_text(BY_SHARDER.replace("from parallel", "from lingua.parallel"))
+    checked = os.path.join("apps", "train.py")
+    assert _found(tmp_path, checked) == {}
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'p'\n")
+    new_process()
+    assert _found(tmp_path, checked) == {checked: [(7, "FSD101"), (8, "FSD102")]}

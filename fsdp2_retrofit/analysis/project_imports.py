@@ -10,6 +10,14 @@ three levels), or beside the file's outermost package (the folder above the last
 up the path that holds an __init__.py: `apps/main/train.py` of package `apps.main` is
 imported from there, so `from lingua.distributed import ...` finds `lingua/` there, as
 Python would; a `src/` layout likewise). A library is never one: it is not a file there.
+
+What an answer depends on (`imported_files(..., probed)`, for the caches of check/importers.py
+and check/results_cache.py): besides the file found, every path looked at to find it, found or
+not: the candidates tried before it (`mod.py`, `mod/__init__.py`, on each base in turn), or all
+of them when none was found (a candidate below a folder that is not there is recorded as that
+folder: its appearance is the change), and, for an absolute import, the project markers and
+__init__.py files that chose the bases (project_root, package_base). A file created at any of
+them, or one of them gone, can change the answer.
 """
 from __future__ import annotations
 
@@ -34,11 +42,12 @@ _IMPORT = re.compile(rb"import[ \t]+([\w., \t]+)")
 # path -> ((mtime_ns, size), bytes): files read once per process unless they change
 _READ: Dict[str, Tuple[Tuple[int, int], bytes]] = {}
 # where modules were found, per process (a check run: whether a file exists is asked once)
-_ROOTS: Dict[str, Optional[str]] = {}
-_PACKAGE_BASES: Dict[str, Optional[str]] = {}
+# folder -> (the answer, the paths asked about to find it: see the docstring's last paragraph)
+_ROOTS: Dict[str, Tuple[Optional[str], Tuple[str, ...]]] = {}
+_PACKAGE_BASES: Dict[str, Tuple[Optional[str], Tuple[str, ...]]] = {}
 _PACKAGE_DEPTH = 8  # nested packages followed up, at most
 _INSTALLED = ("site-packages", "dist-packages")
-_LOCATED: Dict[Tuple[str, int, str], Optional[str]] = {}
+_LOCATED: Dict[Tuple[str, int, str], Tuple[Optional[str], Tuple[str, ...]]] = {}
 # path -> ((mtime_ns, size), the project files it imports)
 _IMPORTED: Dict[str, Tuple[Tuple[int, int], Tuple[str, ...]]] = {}
 
@@ -87,24 +96,37 @@ def parse(path, data: bytes) -> cst.Module:
 
 def project_root(folder: str) -> Optional[str]:
     """The nearest folder above `folder` (within three levels) that marks a project's root."""
+    return _project_root(folder)[0]
+
+
+def _project_root(folder: str) -> Tuple[Optional[str], Tuple[str, ...]]:
     if folder not in _ROOTS:
-        found, parent = None, folder
+        found, parent, probed = None, folder, []
         for _ in range(_PROJECT_DEPTH):
             parent = os.path.dirname(parent)
-            if any(os.path.exists(os.path.join(parent, m)) for m in _PROJECT_MARKERS):
-                found = parent
+            for marker in _PROJECT_MARKERS:
+                probed.append(os.path.join(parent, marker))
+                if os.path.exists(probed[-1]):
+                    found = parent
+                    break
+            if found is not None:
                 break
-        _ROOTS[folder] = found
+        _ROOTS[folder] = (found, tuple(probed))
     return _ROOTS[folder]
 
 
 def package_base(folder: str) -> Optional[str]:
     """The folder above the outermost package `folder` is part of (the sys.path entry its
     modules are imported from); None when `folder` holds no __init__.py."""
+    return _package_base(folder)[0]
+
+
+def _package_base(folder: str) -> Tuple[Optional[str], Tuple[str, ...]]:
     if folder not in _PACKAGE_BASES:
-        found, current = None, folder
+        found, current, probed = None, folder, []
         for _ in range(_PACKAGE_DEPTH):
-            if not os.path.isfile(os.path.join(current, "__init__.py")):
+            probed.append(os.path.join(current, "__init__.py"))
+            if not os.path.isfile(probed[-1]):
                 break
             parent = os.path.dirname(current)
             if parent == current:
@@ -112,23 +134,29 @@ def package_base(folder: str) -> Optional[str]:
             found, current = parent, parent
         if found is not None and os.path.basename(found) in _INSTALLED:
             found = None  # an installed package: the others installed beside it are libraries
-        _PACKAGE_BASES[folder] = found
+        _PACKAGE_BASES[folder] = (found, tuple(probed))
     return _PACKAGE_BASES[folder]
 
 
 def locate(importer, dots: int, module: str) -> Optional[Path]:
     """The project file `from <dots><module> import ...` in `importer` names (a module file
     or a package's __init__.py), or None when it is not one (a library, or nothing)."""
+    found = _located(importer, dots, module)[0]
+    return Path(found) if found is not None else None
+
+
+def _located(importer, dots: int, module: str) -> Tuple[Optional[str], Tuple[str, ...]]:
+    """locate's answer (a str), and the paths whose presence or absence made it (the docstring's last paragraph)."""
     folder = os.path.dirname(str(importer))
     key = (folder, dots, module)
     if key not in _LOCATED:
         _LOCATED[key] = _locate(folder, dots, module)
-    found = _LOCATED[key]
-    return Path(found) if found is not None else None
+    return _LOCATED[key]
 
 
-def _locate(folder: str, dots: int, module: str) -> Optional[str]:
+def _locate(folder: str, dots: int, module: str) -> Tuple[Optional[str], Tuple[str, ...]]:
     parts = [p for p in module.split(".") if p]
+    probed: List[str] = []
     if dots:
         base = folder
         for _ in range(dots - 1):
@@ -136,36 +164,66 @@ def _locate(folder: str, dots: int, module: str) -> Optional[str]:
         bases: Sequence[str] = [base]
     else:
         if not parts:
-            return None
+            return None, ()
+        root, root_probed = _project_root(folder)
+        package, package_probed = _package_base(folder)
+        probed.extend(root_probed)
+        probed.extend(package_probed)
         bases = [folder]
-        for base in (project_root(folder), package_base(folder)):
+        for base in (root, package):
             if base is not None and base not in bases:
                 bases.append(base)
     for base in bases:
         target = os.path.join(base, *parts)
+        missing = _missing_folder(base, parts)
         for candidate in ((target + ".py") if parts else None, os.path.join(target, "__init__.py")):
-            if candidate is not None and os.path.isfile(candidate):
-                return candidate
+            if candidate is None:
+                continue
+            if missing is not None and candidate.startswith(missing + os.sep):
+                probed.append(missing)  # nothing below a folder that is not there: it is the one asked about
+                continue
+            probed.append(candidate)
+            if os.path.isfile(candidate):
+                return candidate, tuple(dict.fromkeys(probed))
+    return None, tuple(dict.fromkeys(probed))
+
+
+def _missing_folder(base: str, parts: Sequence[str]) -> Optional[str]:
+    """The first folder of base/parts[0]/parts[1]/... that is not one (None: all are): a candidate
+    below it cannot exist until it does, so only it is recorded (`from typing import Dict, List`
+    looks for typing/Dict.py and typing/List.py: one absent typing/ answers both)."""
+    current = base
+    for part in parts:
+        current = os.path.join(current, part)
+        if not os.path.isdir(current):
+            return current
     return None
 
 
-def imported_files(importer, data: bytes) -> Iterator[Path]:
+def imported_files(importer, data: bytes, probed: Optional[Dict[str, None]] = None) -> Iterator[Path]:
     """The project files `data` (the text of `importer`) imports from: modules, and the
-    modules of `from package import module`."""
+    modules of `from package import module`. `probed`, when given, gets every path whose
+    presence or absence the answer depends on (the module docstring's last paragraph)."""
+    def find(importer, dots: int, module: str) -> Optional[Path]:
+        found, looked = _located(importer, dots, module)
+        if probed is not None:
+            probed.update(dict.fromkeys(looked))
+        return Path(found) if found is not None else None
+
     for line in _import_lines(data):
         if line.startswith(b"from"):
             m = _FROM.match(line)
             if m is None:
                 continue
             dots, module = len(m.group(1)), m.group(2).decode()
-            found = locate(importer, dots, module)
+            found = find(importer, dots, module)
             if found is not None:
                 yield found
             if found is None or found.name == "__init__.py":  # `from . import parallel`
                 for name in m.group(3).decode().replace("(", " ").split(","):
                     name = name.split(" as ")[0].strip()
                     if name and name != "*":
-                        inner = locate(importer, dots, f"{module}.{name}" if module else name)
+                        inner = find(importer, dots, f"{module}.{name}" if module else name)
                         if inner is not None:
                             yield inner
         elif line.startswith(b"import"):
@@ -173,7 +231,7 @@ def imported_files(importer, data: bytes) -> Iterator[Path]:
             for name in m.group(1).decode().split(",") if m is not None else ():
                 name = name.split(" as ")[0].strip()
                 if name:
-                    found = locate(importer, 0, name)
+                    found = find(importer, 0, name)
                     if found is not None:
                         yield found
 

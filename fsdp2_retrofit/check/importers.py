@@ -15,18 +15,37 @@ found and asked what they hand it, exactly as if they were in the run:
   a sharding API or imports a project module that does (what a file must do to hand a sharded
   module over), and whose imports resolve to the file (analysis.project_imports);
 - what it hands: its Handed records (lint.handed_out: the same prefilter and analysis as its
-  lint in a run, the rules not run), from a per-file summary cache keyed by the tool's version
-  and source, the selected rules, the file's path and its bytes; an entry also lists the
-  project files its analysis could read (its imports, MAX_DEPTH deep) with a hash of each, and
-  any change is a miss. Entries are JSON files under the cache folder rewrite uses
-  (rewrite.cache.cache_dir(), in check/); `--no-cache` or FSDP2_RETROFIT_NO_CACHE=1 turns it
-  off; a corrupt or unwritable entry is a miss, never an error.
+  lint in a run, the rules not run), from a per-file summary cache. An entry is named by the
+  selected rules and the file's path (not its bytes): one per file and rule selection, replaced
+  when the file changes (ruff's model, as results_cache.py), so edits leave nothing behind. It
+  holds the tool's version and source stamp, a hash of the file's bytes, and `reads`: every path
+  the file's analysis depends on (_reads: the project files its imports reach, MAX_DEPTH deep,
+  with a hash each; and every path their resolution looked at, found or not: the candidates
+  tried before the one found, or all of them when none was, on each base of the search, and the
+  project markers and __init__.py files that chose those bases: project_imports.imported_files'
+  `probed`). Any difference is a miss: a module created where an import was looked for (the
+  `helpers.py` a `from helpers import shard` found nothing for, a package folder's new
+  __init__.py, a module beside the importer that shadows the project root's) or a marker created
+  above (a new project root: its folder becomes a base of the search). Absent paths are checked
+  with one stat each, nothing read; a marker found is fingerprinted like a module (.git:
+  "folder"; an edited pyproject.toml is a miss too); each path is checked once a run. Entries
+  are JSON files in check/ of the folder rewrite's cache uses (rewrite.cache.cache_dir()),
+  written atomically (a parallel batch reads the old entry or the new one); `--no-cache` or
+  FSDP2_RETROFIT_NO_CACHE=1 turns it off; a corrupt, foreign (another tool version) or
+  unwritable entry is a miss, never an error. (Entries of earlier versions, named by the bytes too, are never read again: delete
+  the folder to drop them.)
+
+Which project a file belongs to (project_of, and so which files are its importers) is found
+anew each run (memoized per process only), so a marker created or removed above is seen by the
+next run; it is never part of an entry.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import stat
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from fsdp2_retrofit.analysis.project_imports import MAX_DEPTH, SHARDING_TRIGGERS, imported_files, imports_sharding
@@ -128,49 +147,54 @@ def _may_hand(path: str, data: bytes) -> bool:
 
 
 class _Summaries:
-    """The Handed records of project files, cached on disk by content."""
+    """The Handed records of project files, cached on disk: one entry per file and rule
+    selection, replaced when the file or anything its analysis depends on changes."""
 
     def __init__(self, rules: Sequence, use_cache: bool) -> None:
         self.rules = tuple(rules)
         self.folder = _cache_folder() if use_cache else None
         self.selection = ",".join(sorted(r.CODE for r in self.rules))
+        self.known = Fingerprints()  # the read files' fingerprints, once a run
+
+    @functools.cached_property
+    def stamp(self) -> str:
+        """The tool's: an entry of another version or source is a miss."""
+        from fsdp2_retrofit import __version__
+        from fsdp2_retrofit.rewrite.cache import source_stamp
+
+        return f"{FORMAT}\0{__version__}\0{source_stamp()}"
 
     def handed(self, path: str, data: bytes) -> list:
-        key = self._key(path, data) if self.folder is not None else None
-        if key is not None:
-            found = self._load(key)
+        target = self._target(path) if self.folder is not None else None
+        if target is not None:
+            found = self._load(target, data)
             if found is not None:
                 return found
         from .lint import handed_out
 
         handed = handed_out(data, path, self.rules)
-        if key is not None:
-            self._store(key, path, data, handed)
+        if target is not None:
+            entry = {"stamp": self.stamp, "data": _digest(data), "reads": _fingerprints(_reads(path, data)),
+                     "handed": [list(h) for h in handed]}
+            write_entry(target, entry)
         return handed
 
-    def _key(self, path: str, data: bytes) -> str:
-        from fsdp2_retrofit import __version__
-        from fsdp2_retrofit.rewrite.cache import source_stamp
+    def _target(self, path: str) -> str:
+        """The entry's file: named by the rule selection and the path, not the bytes (replaced, not piled up)."""
+        name = hashlib.sha256(f"summary\0{self.selection}\0{path}".encode()).hexdigest()
+        return os.path.join(self.folder, name + ".json")
 
-        digest = hashlib.sha256(f"{__version__}\0{source_stamp()}\0{FORMAT}\0{self.selection}\0{path}\0".encode())
-        digest.update(data)
-        return digest.hexdigest()
-
-    def _load(self, key: str) -> Optional[list]:
+    def _load(self, target: str, data: bytes) -> Optional[list]:
         from fsdp2_retrofit.analysis.sharding import Handed
 
         try:
-            with open(os.path.join(self.folder, key + ".json"), encoding="utf-8") as f:
+            with open(target, encoding="utf-8") as f:
                 entry = json.load(f)
-            if _fingerprints(entry["reads"]) != entry["reads"]:
-                return None  # a module its analysis reads changed
+            if entry["stamp"] != self.stamp or entry["data"] != _digest(data) or not self.known.same(entry["reads"]):
+                return None  # another tool, other bytes, or a module its analysis reads changed
             return [Handed(str(h[0]), str(h[1]), h[2], str(h[3]), bool(h[4]), bool(h[5])) for h in entry["handed"]]
-        except (OSError, ValueError, KeyError, TypeError, IndexError):
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
             return None  # absent, corrupt, or of another shape: computed again
-
-    def _store(self, key: str, path: str, data: bytes, handed: list) -> None:
-        entry = {"reads": _fingerprints(_reads(path, data)), "handed": [list(h) for h in handed]}
-        write_entry(os.path.join(self.folder, key + ".json"), entry)
 
 
 def write_entry(target: str, entry: dict) -> None:
@@ -199,14 +223,23 @@ def _cache_folder() -> Optional[str]:
         return None
 
 
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def _reads(path: str, data: bytes) -> List[str]:
-    """The project files the analysis of `path` may read: its imports, MAX_DEPTH deep."""
+    """The project files the analysis of `path` may read (its imports, MAX_DEPTH deep), then
+    every other path their resolution looked at (project_imports.imported_files' `probed`:
+    the candidates not found, before the one found, on each base of the search; the project
+    markers and __init__.py files that chose the bases). Absent ones fingerprint None: a module
+    that appears where an import was looked for is a miss."""
     seen: Dict[str, None] = {}
+    probed: Dict[str, None] = {}
     frontier: List[Tuple[str, bytes]] = [(path, data)]
     for _ in range(MAX_DEPTH):
         following = []
         for importer, text in frontier:
-            for found in imported_files(importer, text):
+            for found in imported_files(importer, text, probed):
                 found = os.path.realpath(found)
                 if found in seen or found == path:
                     continue
@@ -215,14 +248,43 @@ def _reads(path: str, data: bytes) -> List[str]:
                 if inner is not None:
                     following.append((found, inner))
         frontier = following
+    for name in probed:
+        seen.setdefault(name, None)
     return list(seen)
 
 
+def _fingerprint(name: str) -> Optional[str]:
+    """A file's content hash; "folder" for a folder (a package looked for); None where it is
+    absent or unreadable (one stat, nothing read)."""
+    try:
+        mode = os.stat(name).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISDIR(mode):
+        return "folder"
+    data = read(name)
+    return hashlib.sha1(data).hexdigest() if data is not None else None
+
+
 def _fingerprints(paths: Iterable[str]) -> Dict[str, Optional[str]]:
-    """Each file's content hash; "folder" for a folder (a package looked for); None where it is
-    absent or unreadable."""
-    out: Dict[str, Optional[str]] = {}
-    for name in paths:
-        data = read(name)
-        out[name] = hashlib.sha1(data).hexdigest() if data is not None else "folder" if os.path.isdir(name) else None
-    return out
+    """Each path's _fingerprint."""
+    return {name: _fingerprint(name) for name in paths}
+
+
+class Fingerprints:
+    """The fingerprints of one run (each path's asked once): whether an entry's still hold."""
+
+    def __init__(self) -> None:
+        self._known: Dict[str, Optional[str]] = {}
+
+    def same(self, reads: dict) -> bool:
+        """Whether every path an entry recorded (`reads`: path -> fingerprint) is as it was."""
+        if not isinstance(reads, dict):
+            return False
+        known = self._known
+        for name, then in reads.items():
+            if name not in known:
+                known[name] = _fingerprint(name)
+            if known[name] != then:
+                return False
+        return True

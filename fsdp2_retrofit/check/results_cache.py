@@ -12,15 +12,18 @@ when everything it was made from is the same:
 - what the second pass hands it (checker._lint_receivers: the Handed records of the run's
   other files and of the project's files outside it): a hash of them, so that a change in
   train.py, which shards the model handed to trainer.py, is a miss for trainer.py;
-- the project files its analysis read or looked for (its imports, importers._reads, and every
-  path model_classes recorded while it was analysed), each with a hash of its bytes, "folder",
-  or null where absent: any difference is a miss.
+- the project files its analysis read or looked for (its imports and every path their
+  resolution probed, found or not, project markers and __init__.py files included:
+  importers._reads; and every path model_classes recorded while it was analysed), each with a
+  hash of its bytes, "folder", or null where absent: any difference is a miss (a module created
+  where an import was looked for and not found, or a project marker created above, included).
+  Each path is checked once a run, an absent one with one stat.
 
 Never used while fixing (--fix, --diff): a fixed file is written, and its result is what the
 fix left. `--no-cache` or FSDP2_RETROFIT_NO_CACHE=1 reads and writes nothing.
 
 Entries are JSON files in check/results/ of the folder rewrite's cache uses
-(rewrite.cache.cache_dir(); importers.py keeps its summaries in check/). The cache is bounded
+(rewrite.cache.cache_dir(); importers.py keeps its summaries, bounded the same way, in check/). The cache is bounded
 like ruff's `.ruff_cache`: an entry's name is a hash of the rule selection, the file's path
 and which pass made it (the first, or the second with records handed to it), not of its bytes
 or the tool's version; the next result for that file and selection replaces it. So it holds
@@ -34,10 +37,10 @@ import hashlib
 import json
 import os
 import sys
-from typing import Dict, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from fsdp2_retrofit.report import InputError
-from .importers import _cache_folder, _fingerprints, _reads, cache_disabled, write_entry
+from .importers import Fingerprints, _cache_folder, _digest, _fingerprints, _reads, cache_disabled, write_entry
 
 FORMAT = 1  # of the entries
 _INTERNAL = "internal error:"  # a bug in a rule: never kept (FSDP2_RETROFIT_TRACEBACK must see it again)
@@ -53,7 +56,7 @@ class ResultsCache:
         self.folder = folder
         self.selection = ",".join(sorted(r.CODE for r in rules))
         self.stamp = f"{FORMAT}\0{__version__}\0{source_stamp()}\0{sys.version}"
-        self._hashes: Dict[str, Optional[str]] = {}  # the read files' fingerprints, once a run
+        self.known = Fingerprints()  # the read files' fingerprints, once a run
 
     @classmethod
     def for_job(cls, job) -> Optional["ResultsCache"]:
@@ -71,7 +74,7 @@ class ResultsCache:
             with open(self._target(path, received), encoding="utf-8") as f:
                 entry = json.load(f)
             if (entry["stamp"] != self.stamp or entry["data"] != _digest(data)
-                    or entry["received"] != _received(received) or not self._same(entry["reads"])):
+                    or entry["received"] != _received(received) or not self.known.same(entry["reads"])):
                 return None
             error = entry["error"]
             return FileResult(
@@ -112,21 +115,6 @@ class ResultsCache:
         name = hashlib.sha256(
             f"{self.selection}\0{path}\0{os.path.realpath(path)}\0{which}".encode()).hexdigest()
         return os.path.join(self.folder, name + ".json")
-
-    def _same(self, reads: dict) -> bool:
-        """Whether every file an entry's analysis read is as it was (each hashed once a run)."""
-        if not isinstance(reads, dict):
-            return False
-        for name, known in reads.items():
-            if name not in self._hashes:
-                self._hashes.update(_fingerprints([name]))
-            if self._hashes[name] != known:
-                return False
-        return True
-
-
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def _received(received: Sequence) -> str:

@@ -110,13 +110,23 @@ class ScriptFacts:
         top = self.classes.top_level.get("")
         if top is None or not isinstance(expr, (cst.Name, cst.Attribute)):
             return None
+        # the flow is flow-insensitive: a name holds the same values wherever its function reads it, and
+        # `self.x` wherever its class does; asked once per spelling and scope (every call of a script)
+        key = _held_key(self.resolver, expr)
+        cache = self.resolver.derived.setdefault("instance_class", {})
+        if key is not None and key in cache:
+            return cache[key]
+        found = None
         for origin in self.analysis.flow.values(expr):
             node = origin[0] if isinstance(origin, tuple) else origin
             if isinstance(node, cst.Call):
                 info = self.classes.get(top[1].of(node.func))
                 if info is not None:
-                    return info
-        return None
+                    found = info
+                    break
+        if key is not None:
+            cache[key] = found
+        return found
 
     def methods_called_on(self, model: ModelSite, info) -> List[str]:
         """The methods of `info` (the model's class) the script calls on any name that
@@ -234,3 +244,13 @@ class _Analyser(ModelAnalysis, OptimizerAnalysis, DataAnalysis, LogAnalysis, Lau
             m.sharded = m.name in facts.root_shard
             m.names = self.model_holders.of([m])
         return facts
+
+
+def _held_key(resolver, expr) -> Optional[tuple]:
+    """(scope id, spelling) under which a plain name or `self.x` holds the same values everywhere."""
+    if type(expr) is cst.Name:
+        return id(resolver.enclosing_function(expr)), expr.value
+    if type(expr) is cst.Attribute and type(expr.value) is cst.Name and expr.value.value == "self":
+        owner = resolver.enclosing_class(expr)
+        return (id(owner), "self." + expr.attr.value) if owner is not None else None
+    return None

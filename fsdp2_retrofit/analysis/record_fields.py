@@ -33,13 +33,16 @@ The call then shards its first positional argument when every sharding value sha
 parameter (whole when each does so whole; FSDP1's when each is), and the name bound to its
 result when every sharding value returns a sharded module.
 
-What is computed per file (its record classes, the values it stores) is cached by path and
-content; a field's answer is cached per process until one of the files it read changes. The
+Files other than the one checked are read with Python's `ast` (a tenth of libcst's cost), and
+what is computed per file (its record classes, the values it stores, what its imports bind) is
+cached by path and content; the classes declaring a field are looked up once a process per
+project and field, and a field's answer is kept until one of the files it read changes. The
 files read are recorded (model_classes._record_all) for the results cache. A file added to the
 project that stores a new value is not seen by a cached result until the checked file changes.
 """
 from __future__ import annotations
 
+import ast
 import os
 import re
 from pathlib import Path
@@ -47,10 +50,8 @@ from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 import libcst as cst
 
-from .project_imports import MAX_DEPTH, parse, project_files, project_of, read
+from .project_imports import MAX_DEPTH, locate, project_files, project_of, read
 from fsdp2_retrofit.syntax.names import Resolver, attr_path
-
-_PARTIAL = {"functools.partial", "partial"}
 
 
 class FieldSharder(NamedTuple):
@@ -58,16 +59,22 @@ class FieldSharder(NamedTuple):
     returns: Optional[bool]  # the result is sharded (whole), when every value returns it sharded
 
 
+# a value stored in a field: ("name", "pkg.fn") a name to resolve, ("lambda",); None: left out
+Value = Optional[Tuple[str, ...]]
+
+
 class _Record(NamedTuple):
     fields: Tuple[str, ...]  # annotated fields, in order
     positional: bool  # a dataclass or a NamedTuple: constructions may pass fields by position
-    defaults: Dict[str, cst.BaseExpression]
 
 
-# path -> (bytes, {class name: _Record}) of its top-level classes with annotated fields
-_RECORDS: Dict[str, Tuple[bytes, Dict[str, _Record]]] = {}
-# (path, class file, class, field) -> (bytes, [value expressions], the parsed module, its resolver)
-_STORES: Dict[Tuple[str, str, str, str], Tuple[bytes, list]] = {}
+_TREES: Dict[str, Tuple[bytes, Optional[ast.Module]]] = {}  # path -> (bytes, its ast)
+_RECORDS: Dict[str, Tuple[bytes, Dict[str, _Record]]] = {}  # path -> (bytes, {class: _Record})
+_IMPORTS: Dict[str, Tuple[bytes, tuple]] = {}  # path -> (bytes, (names, modules) its imports bind)
+# (path, class file, class, field) -> (bytes, the values the file stores in the field)
+_STORES: Dict[Tuple[str, str, str, str], Tuple[bytes, List[Value]]] = {}
+# (project, field) -> the classes declaring it, with the bytes of their files
+_DECLARING: Dict[tuple, Tuple[Tuple[Tuple[str, bytes], ...], frozenset]] = {}
 # (project, field, classes) -> (the files read with their bytes, the answer)
 _ANSWERS: Dict[tuple, Tuple[Tuple[Tuple[str, bytes], ...], Optional[FieldSharder]]] = {}
 _FILES: Dict[Tuple[str, bool], List[str]] = {}  # the project's Python files, once a process
@@ -80,51 +87,76 @@ def is_test_file(path: str) -> bool:
             or any(p in ("tests", "test") for p in parts[:-1]))
 
 
+def _tree(path: str) -> Tuple[Optional[bytes], Optional[ast.Module]]:
+    data = read(path)
+    if data is None:
+        return None, None
+    known = _TREES.get(path)
+    if known is None or known[0] != data:
+        try:
+            tree: Optional[ast.Module] = ast.parse(data)
+        except (SyntaxError, ValueError):
+            tree = None
+        if len(_TREES) > 2048:
+            _TREES.clear()
+        known = _TREES[path] = (data, tree)
+    return data, known[1]
+
+
+def _dotted(node) -> Optional[str]:
+    parts = []
+    while type(node) is ast.Attribute:
+        parts.append(node.attr)
+        node = node.value
+    if type(node) is not ast.Name:
+        return None
+    parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def _value(node, field: str) -> Value:
+    """What a stored expression is for the rule: see the module's docstring."""
+    if type(node) is ast.Call and node.args and (_dotted(node.func) or "").rpartition(".")[2] == "partial":
+        node = node.args[0]
+    if type(node) is ast.Lambda:
+        return ("lambda",)
+    if type(node) is ast.Attribute and node.attr == field:
+        return None  # a pass-through: `FIELD=other.FIELD`
+    name = _dotted(node)
+    return ("name", name) if name is not None else None
+
+
 def records_in(path: str) -> Dict[str, _Record]:
     """The top-level classes of a project file that declare annotated fields."""
-    data = read(path)
-    if data is None or b":" not in data or b"class" not in data:
+    data, tree = _tree(path)
+    if tree is None:
         return {}
     known = _RECORDS.get(path)
     if known is not None and known[0] == data:
         return known[1]
     out: Dict[str, _Record] = {}
-    try:
-        module = parse(path, data)
-    except Exception:  # libcst's parse errors (and a file that does not decode)
-        module = None
-    for cls in module.body if module is not None else ():
-        if type(cls) is not cst.ClassDef:
+    for cls in tree.body:
+        if type(cls) is not ast.ClassDef:
             continue
         fields: List[str] = []
-        defaults: Dict[str, cst.BaseExpression] = {}
-        for stmt in cls.body.body:
-            if type(stmt) is cst.SimpleStatementLine:
-                for small in stmt.body:
-                    if type(small) is cst.AnnAssign and type(small.target) is cst.Name:
-                        if "ClassVar" in (attr_path(_unsubscript(small.annotation.annotation)) or ()):
-                            continue
-                        fields.append(small.target.value)
-                        if small.value is not None:
-                            defaults[small.target.value] = small.value
+        for stmt in cls.body:
+            if type(stmt) is ast.AnnAssign and type(stmt.target) is ast.Name:
+                annotation = stmt.annotation.value if type(stmt.annotation) is ast.Subscript else stmt.annotation
+                if (_dotted(annotation) or "").rpartition(".")[2] == "ClassVar":
+                    continue
+                fields.append(stmt.target.id)
         if fields:
-            out[cls.name.value] = _Record(tuple(fields), _positional(cls), defaults)
+            out[cls.name] = _Record(tuple(fields), _positional(cls))
     _RECORDS[path] = (data, out)
     return out
 
 
-def _unsubscript(expr: cst.BaseExpression) -> cst.BaseExpression:
-    return expr.value if type(expr) is cst.Subscript else expr
-
-
-def _positional(cls: cst.ClassDef) -> bool:
+def _positional(cls: ast.ClassDef) -> bool:
     """A dataclass (its decorator) or a NamedTuple (its base): fields are its constructor's parameters in order."""
-    for deco in cls.decorators:
-        target = deco.decorator.func if type(deco.decorator) is cst.Call else deco.decorator
-        path = attr_path(target)
-        if path is not None and path[-1] == "dataclass":
+    for deco in cls.decorator_list:
+        if (_dotted(deco.func if type(deco) is ast.Call else deco) or "").rpartition(".")[2] == "dataclass":
             return True
-    return any((attr_path(b.value) or ("",))[-1] == "NamedTuple" for b in cls.bases)
+    return any((_dotted(b) or "").rpartition(".")[2] == "NamedTuple" for b in cls.bases)
 
 
 def field_sharder(path: Optional[str], call: cst.Call, resolver: Resolver, declared: Optional[str],
@@ -140,27 +172,21 @@ def field_sharder(path: Optional[str], call: cst.Call, resolver: Resolver, decla
         return None
     field = func.attr.value
     here = os.path.realpath(path)
-    classes: Optional[Set[Tuple[str, str]]] = None
+    classes: Optional[frozenset] = None
     if declared is not None:
         home = _home(here, declared, imports)
         if home is not None:
             record = records_in(home[0]).get(home[1])
             if record is None or field not in record.fields:
                 return None  # a project class without that field: a method, not a field
-            classes = {home}
+            classes = frozenset([home])
     project = project_of(here)
     files = _project_files(project)
-    needle = field.encode()
     if classes is None:
-        declares = re.compile(rb"^[ \t]+" + re.escape(needle) + rb"[ \t]*:", re.M)
-        classes = set()
-        for name in files:
-            data = read(name)
-            if data is not None and needle in data and declares.search(data):
-                classes |= {(name, c) for c, r in records_in(name).items() if field in r.fields}
+        classes = _declaring(project, files, field)
     if not classes:
         return None
-    key = (project, field, tuple(sorted(classes)))
+    key = (project, field, classes)
     known = _ANSWERS.get(key)
     if known is not None and all(read(p) == d for p, d in known[0]):
         _record(known[0])
@@ -170,6 +196,25 @@ def field_sharder(path: Optional[str], call: cst.Call, resolver: Resolver, decla
     _ANSWERS[key] = (tuple(reads.items()), answer)
     _record(tuple(reads.items()))
     return answer
+
+
+def _declaring(project, files: List[str], field: str) -> frozenset:
+    """The project's classes that declare `field` (file, class): once a process per project and
+    field (again when one of their files changed)."""
+    known = _DECLARING.get((project, field))
+    if known is not None and all(read(p) == d for p, d in known[0]):
+        return known[1]
+    needle = field.encode()
+    # an annotated line not ending with a comma (a parameter of a signature black splits does)
+    declares = re.compile(rb"^[ \t]+" + re.escape(needle) + rb"[ \t]*:[^\n]*[^,\s][ \t]*\r?$", re.M)
+    found: Set[Tuple[str, str]] = set()
+    for name in files:
+        data = read(name)
+        if data is not None and needle in data and declares.search(data):
+            found |= {(name, c) for c, r in records_in(name).items() if field in r.fields}
+    out = frozenset(found)
+    _DECLARING[(project, field)] = (tuple((p, read(p) or b"") for p in sorted({f for f, _ in out})), out)
+    return out
 
 
 def _record(reads) -> None:
@@ -184,49 +229,78 @@ def _project_files(project: Tuple[str, bool]) -> List[str]:
     return _FILES[project]
 
 
-def _home(importer: str, name: str, imports, depth: int = MAX_DEPTH) -> Optional[Tuple[str, str]]:
+def _home(importer: str, name: str, imports=None, depth: int = MAX_DEPTH) -> Optional[Tuple[str, str]]:
     """(file, class) of the project record class `name` spells in `importer` (its own, or one its
-    imports reach, through re-exports); None when it is none."""
-    if name in records_in(importer):
+    imports reach, through re-exports); None when it is none. `imports`: the importer's
+    project_sharders Table (the file checked), else its imports are read here."""
+    if "." not in name and _declares_class(importer, name):
         return importer, name
-    found = imports.where(name) if imports is not None else None
+    found = imports.where(name) if imports is not None else _where(importer, name)
     while found is not None and depth > 0:
         target, inner = os.path.realpath(str(found[0])), found[1]
-        if inner in records_in(target):
+        if _declares_class(target, inner):
             return target, inner
-        found = _imports_of(target).where(inner)
+        found = _where(target, inner)
         depth -= 1
     return None
 
 
-_IMPORTS: Dict[str, tuple] = {}  # path -> (bytes, its Table of imports)
-
-
-def _imports_of(path: str, module: Optional[cst.Module] = None):
-    """The project_sharders Table of what a file's imports bind (its sharders unread), by content."""
-    from .project_sharders import Table, _Tables
-
+def _declares_class(path: str, name: str) -> bool:
+    """Whether the file at `path` has a top-level record class `name` (parsed only when its text
+    has `class <name>`)."""
     data = read(path)
+    return data is not None and b"class " + name.encode() in data and name in records_in(path)
+
+
+def _where(path: str, name: str) -> Optional[Tuple[Path, str]]:
+    """(the project file, the name there) `name` spelled in the file at `path` reaches through its
+    imports (as project_sharders.Table.where answers it, read with ast)."""
+    data, tree = _tree(path)
+    if tree is None:
+        return None
     known = _IMPORTS.get(path)
-    if known is not None and data is not None and known[0] == data:
-        return known[1]
-    try:
-        if module is None and data is not None:
-            module = parse(path, data)
-    except Exception:
-        module = None
-    table = Table(_Tables(), 0) if module is None else _Tables().imports_of(Path(path), Resolver(module), MAX_DEPTH)
-    if data is not None:
-        _IMPORTS[path] = (data, table)
-    return table
+    if known is None or known[0] != data:
+        known = _IMPORTS[path] = (data, _import_bindings(path, tree))
+    names, modules = known[1]
+    if name in names:
+        return names[name]
+    head = name.rpartition(".")[0]
+    while head:
+        if head in modules:
+            return modules[head], name[len(head) + 1:]
+        head = head.rpartition(".")[0]
+    return None
 
 
-def _follow(files: List[str], field: str, classes: Set[Tuple[str, str]], reads: Dict[str, bytes]) -> Optional[FieldSharder]:
+def _import_bindings(path: str, tree: ast.Module) -> tuple:
+    names: Dict[str, Tuple[Path, str]] = {}
+    modules: Dict[str, Path] = {}
+    for node in ast.walk(tree):
+        if type(node) is ast.Import:
+            for alias in node.names:
+                target = locate(path, 0, alias.name)
+                if target is not None:
+                    modules[alias.asname or alias.name] = target
+        elif type(node) is ast.ImportFrom:
+            module = node.module or ""
+            target = locate(path, node.level, module)
+            for alias in node.names:
+                if alias.name == "*":
+                    continue
+                sub = locate(path, node.level, f"{module}.{alias.name}" if module else alias.name)
+                local = alias.asname or alias.name
+                if sub is not None and (target is None or target.name == "__init__.py"):
+                    modules[local] = sub
+                elif target is not None:
+                    names[local] = (target, alias.name)
+    return names, modules
+
+
+def _follow(files: List[str], field: str, classes: frozenset, reads: Dict[str, bytes]) -> Optional[FieldSharder]:
     """The rule of the module's docstring over every value the project stores in the field."""
     from .project_sharders import _Tables
 
     shard: List = []
-    vetoed = False
     for cls_file, cls in sorted(classes):
         names = cls.encode()
         reads[cls_file] = read(cls_file) or b""
@@ -237,20 +311,20 @@ def _follow(files: List[str], field: str, classes: Set[Tuple[str, str]], reads: 
             reads[name] = data
             for value in _stored(name, data, cls_file, cls, field):
                 tables = _Tables()
-                verdict = _classify(name, value, field, tables)
+                verdict = _classify(name, value, tables)
                 for p, d in tables.reads:
                     reads.setdefault(p, d)
                 if verdict is False:
-                    vetoed = True  # a function of the project that does not shard
+                    return None  # a function of the project that does not shard
                 if verdict is not None:
                     shard.append(verdict)
-    if not shard or vetoed:
+    if not shard:
         return None
     arg = None
     if all(_first_sharded(s) is not None for s in shard):
         firsts = [_first_sharded(s) for s in shard]
         arg = (all(w for w, _ in firsts), all(legacy for _, legacy in firsts))
-    returns = all(w for s in shard for w in [s.returns[None]]) if all(None in s.returns for s in shard) else None
+    returns = all(s.returns[None] for s in shard) if all(None in s.returns for s in shard) else None
     if arg is None and returns is None:
         return None
     return FieldSharder(arg, returns)
@@ -261,84 +335,94 @@ def _first_sharded(sharder) -> Optional[Tuple[bool, bool]]:
     return sharder.shards.get(params[0]) if params else None
 
 
-def _stored(path: str, data: bytes, cls_file: str, cls: str, field: str) -> list:
+def _stored(path: str, data: bytes, cls_file: str, cls: str, field: str) -> List[Value]:
     """The values the file at `path` stores in `field` of class `cls` (of `cls_file`)."""
     key = (path, cls_file, cls, field)
     known = _STORES.get(key)
     if known is not None and known[0] == data:
         return known[1]
-    out: list = []
-    try:
-        module = parse(path, data)
-    except Exception:
-        module = None
-    if module is not None:
-        record = records_in(cls_file).get(cls)
-        resolver = Resolver(module)
-        imports = None
-        if path == cls_file and record is not None and field in record.defaults:
-            out.append(record.defaults[field])
-        for node in resolver.nodes(cst.Call):
-            spelled = attr_path(node.func)
-            if spelled is None or spelled[-1] != cls:
-                continue
-            if imports is None:
-                imports = _imports_of(path, module)
-            if _home(path, ".".join(spelled), imports) != (cls_file, cls):
-                continue
-            position = 0
-            for arg in node.args:
-                if arg.star:
-                    break
-                if arg.keyword is not None:
-                    if arg.keyword.value == field:
-                        out.append(arg.value)
-                    continue
-                if record is not None and record.positional and position < len(record.fields) \
-                        and record.fields[position] == field:
-                    out.append(arg.value)
-                position += 1
-        for assign in resolver.nodes(cst.Assign):
-            for t in assign.targets:
-                target = t.target
-                if type(target) is not cst.Attribute or target.attr.value != field:
-                    continue
-                if type(target.value) is cst.Name and target.value.value == "self":
-                    around = resolver.enclosing_class(assign)
-                    if not (path == cls_file and around is not None and around.name.value == cls):
-                        continue
-                out.append(assign.value)
+    _, tree = _tree(path)
+    out: List[Value] = []
+    record = records_in(cls_file).get(cls)
+    if tree is not None:
+        _Stores(path, cls_file, cls, field, record, out).visit(tree)
     _STORES[key] = (data, out)
     return out
 
 
-def _classify(path: str, value: cst.BaseExpression, field: str, tables):
+class _Stores(ast.NodeVisitor):
+    """Constructions `C(..., FIELD=value)` (or by position), `obj.FIELD = value`, and the class's
+    default for the field."""
+
+    def __init__(self, path, cls_file, cls, field, record, out) -> None:
+        self.path, self.cls_file, self.cls, self.field, self.record, self.out = path, cls_file, cls, field, record, out
+        self.classes: List[str] = []
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        if self.path == self.cls_file and node.name == self.cls and not self.classes:
+            for stmt in node.body:
+                if (type(stmt) is ast.AnnAssign and type(stmt.target) is ast.Name and stmt.target.id == self.field
+                        and stmt.value is not None):
+                    self.out.append(_value(stmt.value, self.field))
+        self.classes.append(node.name)
+        self.generic_visit(node)
+        self.classes.pop()
+
+    def visit_Call(self, node: ast.Call) -> None:
+        spelled = _dotted(node.func)
+        if spelled is not None and spelled.rpartition(".")[2] == self.cls and (
+                _home(self.path, spelled) == (self.cls_file, self.cls)):
+            position = 0
+            for arg in node.args:
+                if type(arg) is ast.Starred:
+                    break
+                record = self.record
+                if (record is not None and record.positional and position < len(record.fields)
+                        and record.fields[position] == self.field):
+                    self.out.append(_value(arg, self.field))
+                position += 1
+            for kw in node.keywords:
+                if kw.arg == self.field:
+                    self.out.append(_value(kw.value, self.field))
+        self.generic_visit(node)
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        for target in node.targets:
+            if type(target) is ast.Attribute and target.attr == self.field:
+                if type(target.value) is ast.Name and target.value.id == "self" and not (
+                        self.path == self.cls_file and self.classes[-1:] == [self.cls]):
+                    continue  # another class's own attribute
+                self.out.append(_value(node.value, self.field))
+        self.generic_visit(node)
+
+
+def _classify(path: str, value: Value, tables):
     """A value stored in the field: its Sharder when it shards (its first parameter, or its
-    return), False for a function of the project that does not, None when it is left out."""
-    if type(value) is cst.Call and value.args and (attr_path(value.func) or ("",))[-1] == "partial":
-        value = value.args[0].value
-    if type(value) is cst.Lambda:
-        return False
-    if type(value) is cst.Attribute and value.attr.value == field:
-        return None  # a pass-through: `FIELD=other.FIELD`
-    spelled = attr_path(value)
-    if spelled is None or spelled == ("None",):
+    return), False for a function of the project that does not (or a lambda), None when it is
+    left out."""
+    if value is None:
         return None
-    name = ".".join(spelled)
-    table = tables.table_of(Path(path), MAX_DEPTH)
-    sharder = table.get(name)
-    if sharder is not None:
-        shards = _first_sharded(sharder) is not None or None in sharder.returns
-        return sharder if shards else False
-    return False if _defines(path, name) else None
+    if value[0] == "lambda":
+        return False
+    name = value[1]
+    if name == "None":
+        return None
+    found = _definition(path, name)
+    if found is None:
+        return None  # not a function of the project (a class, a library's, a parameter)
+    sharder = tables.table_of(Path(found[0]), MAX_DEPTH).get(found[1])
+    if sharder is not None and (_first_sharded(sharder) is not None or None in sharder.returns):
+        return sharder
+    return False
 
 
-def _defines(path: str, name: str, depth: int = MAX_DEPTH) -> bool:
-    """Whether `name`, spelled in the file at `path`, is a top-level function of a project file."""
+def _definition(path: str, name: str, depth: int = MAX_DEPTH) -> Optional[Tuple[str, str]]:
+    """(file, function) of the top-level function of a project file `name`, spelled in the file at
+    `path`, names (through its imports and re-exports); None when it names none."""
     data = read(path)
     if data is None or depth <= 0:
-        return False
+        return None
     if "." not in name and re.search(rb"^(?:async[ \t]+)?def[ \t]+" + re.escape(name.encode()) + rb"\b", data, re.M):
-        return True
-    found = _imports_of(path).where(name)
-    return found is not None and _defines(os.path.realpath(str(found[0])), found[1], depth - 1)
+        return path, name
+    found = _where(path, name)
+    return _definition(os.path.realpath(str(found[0])), found[1], depth - 1) if found is not None else None

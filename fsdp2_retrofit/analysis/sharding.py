@@ -796,8 +796,11 @@ class _Collector:
         bound to its result, are sharded from there on. Asked once a call."""
         if id(call) not in self._fields:
             self._fields[id(call)] = None
-            if (self.follow_fields and self.imported and call.args and not call.args[0].star and call.args[0].keyword is None
-                    and isinstance(self.r.parent(call), (cst.Expr, cst.Assign, cst.Return))):
+            parent = self.r.parent(call)
+            if (self.follow_fields and self.imported and call.args and not call.args[0].star
+                    and call.args[0].keyword is None and isinstance(parent, (cst.Expr, cst.Assign, cst.Return))
+                    # a module it can shard (`spec.fn(model, ...)`), or a result bound (`m = spec.fn(build(), ...)`)
+                    and (type(call.args[0].value) in (cst.Name, cst.Attribute, cst.Subscript) or type(parent) is cst.Assign)):
                 from .record_fields import field_sharder
 
                 owner = call.func.value

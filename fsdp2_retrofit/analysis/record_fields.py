@@ -33,7 +33,7 @@ The call then shards its first positional argument when every sharding value sha
 parameter (whole when each does so whole; FSDP1's when each is), and the name bound to its
 result when every sharding value returns a sharded module.
 
-Files other than the one checked are read with Python's `ast` (a tenth of libcst's cost), and
+Files other than the one checked are read with Python's `ast` (cheaper than libcst's parse), and
 what is computed per file (its record classes, the values it stores, what its imports bind) is
 cached by path and content; the classes declaring a field are looked up once a process per
 project and field, and a field's answer is kept until one of the files it read changes. The

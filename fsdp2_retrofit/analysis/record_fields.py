@@ -39,6 +39,11 @@ cached by path and content; the classes declaring a field are looked up once a p
 project and field, and a field's answer is kept until one of the files it read changes. The
 files read are recorded (model_classes._record_all) for the results cache. A file added to the
 project that stores a new value is not seen by a cached result until the checked file changes.
+Measured on torchtitan's tree at b5bcd76c (476 files, FSDP2_RETROFIT_NO_CACHE=1, this machine's 2
+CPUs): `check .` took 30-33 s of CPU before this module and 41-42 s with it, the same findings;
+linting every file in one process, 25.6-26.3 s before and 30.5-31.1 s after. Most of it is finding
+the classes that declare each field called (about 600 distinct names there) and the sharders of
+the modules that define the stored functions.
 """
 from __future__ import annotations
 

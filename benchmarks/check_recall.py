@@ -274,6 +274,7 @@ _MOE = "projects/moe/train.py"
 _NESTED, _STRATEGY = "projects/nested_pkg/apps/lm/train.py", "projects/strategy/trainer.py"
 _METHOD, _METHOD_EVAL = "projects/method_shard/train/module.py", "projects/method_shard/train/evaluate.py"
 _METHOD_PROBE = "projects/method_shard/train/probe.py"
+_REGISTRY, _REGISTRY_ALT = "projects/registry/train.py", "projects/registry_alt/run.py"
 _TITAN_SAVE = "    dcp.save(state, checkpoint_id=args.out)\n"
 _TUNE_SAVE = '        dcp.save(state, checkpoint_id=os.path.join(self._cfg.output_dir, f"epoch_{epoch}"))\n'
 CROSS_MODULE: Tuple[Mutation, ...] = (
@@ -385,6 +386,20 @@ CROSS_MODULE: Tuple[Mutation, ...] = (
              "and sharded by its class's own method", _METHOD_PROBE, "        return [model(ids).argmax(-1) for ids in batches]\n",
              "        out = [model(ids).argmax(-1) for ids in batches]\n    torch.save(model.state_dict(), \"probe.pt\")\n"
              "    return out\n", "FSD102"),
+    # the sharding function is a callable FIELD of a project record, filled where each model package
+    # registers it (torchtitan's ModelSpec.parallelize_fn; analysis/record_fields.py)
+    Mutation("xmod-record-field-forward", "`model_parts[0].forward(x)`, the model sharded by `recipe.shard_fn(...)`, "
+             "a dataclass field a model package fills with its sharding function", _REGISTRY,
+             "logits = model_parts[0](tokens)", "logits = model_parts[0].forward(tokens)", "FSD101"),
+    Mutation("xmod-record-field-torch-save", "`torch.save(model_parts[0].state_dict())` of that model", _REGISTRY,
+             "        loss.backward()\n", "        loss.backward()\n        torch.save(model_parts[0].state_dict(), "
+             "\"model.pt\")\n", "FSD102"),
+    Mutation("xmod-record-attr-forward", "`nets[\"main\"].forward(x)`, the model sharded in place by "
+             "`bp.distribute(net, mesh)`, a plain class's annotated field set by attribute assignment",
+             _REGISTRY_ALT, "out = nets[\"main\"](x)", "out = nets[\"main\"].forward(x)", "FSD101"),
+    Mutation("xmod-record-attr-torch-save", "`torch.save(nets[\"main\"].state_dict())` of that model", _REGISTRY_ALT,
+             "        optimizer.step()\n", "        torch.save(nets[\"main\"].state_dict(), \"model.pt\")\n"
+             "        optimizer.step()\n", "FSD102"),
 )
 MUTATIONS = MUTATIONS + CROSS_MODULE
 

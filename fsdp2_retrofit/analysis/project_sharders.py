@@ -157,6 +157,7 @@ class _Tables:
         resolver = Resolver(module)
         table = self.imports_of(path, resolver, depth - 1)
         collector = _Collector(SiteAnalysis(module, resolver, path=str(path)), table)
+        collector.follow_fields = False  # see _Collector._field_call
         collector.run()
         table.own.update(collector.sharders())
         table.classes.update(collector.shard_methods())

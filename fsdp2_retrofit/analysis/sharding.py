@@ -511,6 +511,10 @@ class _Collector:
         self.received = received
         self.facts = ShardFacts(self.r, [], [])
         self.facts.flow = analysis.flow
+        self._fields: Dict[int, object] = {}  # a call of a record's field -> what it does (_field_call)
+        # calls of record fields are followed for the file checked, not for the project modules
+        # whose sharders project_sharders tabulates (their tables stay what their imports make them)
+        self.follow_fields = True
 
     def run(self) -> ShardFacts:
         f = self.facts
@@ -710,6 +714,8 @@ class _Collector:
                 sharder = self._imported_sharder(call)
                 if sharder is not None:
                     changed |= self._called_sharder(call, sharder)
+                elif type(func) is cst.Attribute and self._field_call(call):
+                    changed = True
                 elif type(func) is cst.Attribute and self._may_shard_methods:
                     changed |= self._method_call(call) or self._imported_self_sharded(call)
                 elif type(func) is cst.Name and self._may_shard_methods:
@@ -780,6 +786,33 @@ class _Collector:
             return None
         path = attr_path(call.func)
         return self.imported.get(".".join(path)) if path is not None else None
+
+    def _field_call(self, call: cst.Call) -> bool:
+        """`model = spec.parallelize_fn(model, mesh)`: a call of a callable field of a project record
+        class whose stored values shard (analysis.record_fields): its first argument, and the name
+        bound to its result, are sharded from there on. Asked once a call."""
+        if id(call) not in self._fields:
+            self._fields[id(call)] = None
+            parent = self.r.parent(call)
+            if (self.follow_fields and self.imported and call.args and not call.args[0].star
+                    and call.args[0].keyword is None and isinstance(parent, (cst.Expr, cst.Assign, cst.Return))
+                    # a module it can shard (`spec.fn(model, ...)`), or a result bound (`m = spec.fn(build(), ...)`)
+                    and (type(call.args[0].value) in (cst.Name, cst.Attribute, cst.Subscript) or type(parent) is cst.Assign)):
+                from .record_fields import field_sharder
+
+                owner = call.func.value
+                declared = self._declared(owner) if type(owner) is cst.Name else None
+                self._fields[id(call)] = field_sharder(self.analysis.path, call, self.r,
+                                                       declared[0] if declared else None, self.imported)
+        known = self._fields[id(call)]
+        if known is None:
+            return False
+        changed = False
+        if known.arg is not None:
+            changed |= self._add_call_site(call, call.args[0].value, *known.arg)
+        if known.returns is not None:
+            changed |= self._bind_returns(call, {None: known.returns})
+        return changed
 
     def _called(self, call: cst.Call, callee: cst.FunctionDef, skip: int) -> bool:
         f = self.facts

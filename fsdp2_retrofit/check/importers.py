@@ -49,58 +49,13 @@ import stat
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from fsdp2_retrofit.analysis.project_imports import MAX_DEPTH, SHARDING_TRIGGERS, imported_files, imports_sharding
-from fsdp2_retrofit.analysis.project_imports import package_base, read
+from fsdp2_retrofit.analysis.project_imports import project_files, project_of, read  # noqa: F401 (re-exported)
 
 FORMAT = 1  # of the entries
-_MARKERS = (".git", "pyproject.toml", "setup.py", "setup.cfg")
-_ROOT_DEPTH = 6
-_PROJECTS: Dict[str, Tuple[str, bool]] = {}  # folder -> project_of, per process
 
 
 def cache_disabled() -> bool:
     return os.environ.get("FSDP2_RETROFIT_NO_CACHE", "") not in ("", "0")
-
-
-def project_of(path: str) -> Tuple[str, bool]:
-    """The folder whose Python files may import the file at `path` (see the module's docstring),
-    and whether it is a project's root (else only its own files and its packages can)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if folder not in _PROJECTS:
-        _PROJECTS[folder] = _project_of(folder)
-    return _PROJECTS[folder]
-
-
-def _project_of(folder: str) -> Tuple[str, bool]:
-    current = folder
-    for _ in range(_ROOT_DEPTH):
-        if any(os.path.exists(os.path.join(current, m)) for m in _MARKERS):
-            return current, True
-        parent = os.path.dirname(current)
-        if parent == current:
-            break
-        current = parent
-    return package_base(folder) or folder, False
-
-
-def project_files(project: str, is_root: bool, exclude: Tuple[str, ...]) -> Iterable[str]:
-    """The Python files `check` would walk in a project's root; in a folder that is none (a
-    script in a home folder), only its own files and those of the packages in it: a file
-    elsewhere below cannot import one of them (analysis.project_imports.locate)."""
-    from fsdp2_retrofit import files
-
-    if is_root:
-        return files.walk_python(project, exclude)
-    try:
-        names = sorted(os.listdir(project))
-    except OSError:
-        return []
-    excluded = files._excluder(exclude)
-    found = [os.path.join(project, n) for n in names
-             if n.endswith(".py") and not excluded(n) and os.path.isfile(os.path.join(project, n))]
-    for name in names:  # no marker within _ROOT_DEPTH levels: not asking git (one process a folder)
-        if not excluded(name) and os.path.isfile(os.path.join(project, name, "__init__.py")):
-            found.extend(files.walk_python(os.path.join(project, name), exclude, git=False))
-    return found
 
 
 def module_name(path: str) -> bytes:

@@ -24,10 +24,9 @@ def new_process():
     resolve, which project a file is in): each `check` run is a process of its own."""
     def forget():
         from fsdp2_retrofit.analysis import project_imports
-        from fsdp2_retrofit.check import importers
 
         for memo in (project_imports._LOCATED, project_imports._ROOTS, project_imports._PACKAGE_BASES,
-                     project_imports._IMPORTED, importers._PROJECTS):
+                     project_imports._IMPORTED, project_imports._PROJECTS):
             memo.clear()
 
     return forget

@@ -1,12 +1,13 @@
 """handed_models: a model built inside the call that hands it to a trainer
-(`trainer = Trainer(Net().to(device), lr=0.1)`, `run(Solver(config), build_net(), loader)`)
+(`trainer = Trainer(Net().to(device), lr=0.1)`, `Solver(config, net=Regressor(width)).train()`)
 is bound to a name on the line before, so that the later stages find it like any model the
 script builds: shard puts fully_shard on that name before the call, and the trainer's
 optimizer (`torch.optim.SGD(self.model.parameters())` in its `__init__`) is built from the
 sharded model it is handed.
 
 Only a build handed to a class or function of the project (the script's or a sibling
-module's) moves, and only when the rewrite finds no model bound to a name otherwise; the
+module's) moves, a construction of a module class of the project or a library model (a
+factory function's result is not followed here), and only when the rewrite finds no model bound to a name otherwise; the
 arguments before it are evaluated before it and must be names, attributes or literals (a
 call among them would change order). A build passed to a library call (`torch.compile(Net())`,
 `DDP(Net())`) is the other stages' concern."""

@@ -11,7 +11,7 @@ from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
 
 
 class FlagBatchCouplingCommand(RetrofitStage):
-    DESCRIPTION = "Report a loss term that couples the samples of a batch (a batch-by-batch matrix, a batch statistic)."
+    DESCRIPTION = "Report a loss term that couples the samples of a batch (a batch-by-batch matrix, a batch statistic, a class-weighted mean)."
     CODE = "batch_coupling"
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
@@ -21,6 +21,19 @@ class FlagBatchCouplingCommand(RetrofitStage):
         if not couplings or training_data_split(facts).split is False:
             return
         for coupling in couplings:
+            if coupling.kind == "normalizer":
+                self.attention(
+                    coupling.node,
+                    f"{coupling.what}; each rank divides by its own part's total (batch_size / world_size "
+                    "samples), not the global batch's",
+                    "FSDP2 averages the ranks' gradients: with class weights the single run's loss is "
+                    "sum(w[y] * loss) / sum(w[y]) over the whole batch, the distributed one the mean over the ranks "
+                    "of each part's ratio; they agree only when every rank's targets carry the same total weight. "
+                    "Keep it if that is close enough; otherwise use reduction=\"sum\", all-reduce the batch's "
+                    "total weight and divide by it",
+                    differs=True,
+                )
+                continue
             self.attention(
                 coupling.node,
                 f"{coupling.what}; each rank computes it over its own part of the batch "

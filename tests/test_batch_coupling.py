@@ -115,3 +115,20 @@ def test_a_coupling_inside_a_criterion_class_is_flagged_at_its_call(tmp_path, wh
     assert [line for line, _ in flags] == [call_line], flags
     assert "runs PairLoss.forward, where (" + ("losses.py:13" if where == "sibling" else "line ") in flags[0][1]
     assert "is a batch-by-batch matrix" in flags[0][1]
+
+
+@pytest.mark.parametrize("loss, flagged", [
+    ("loss = F.cross_entropy(out, y.argmax(1), weight=torch.tensor([1.0, 2.0, 1.0, 3.0]))\n", True),
+    ("crit = nn.CrossEntropyLoss(weight=class_w)\nloss = crit(out, y.argmax(1))\n", True),
+    ("loss = F.nll_loss(out.log_softmax(1), y.argmax(1), weight=class_w, reduction='mean')\n", True),
+    ("loss = F.cross_entropy(out, y.argmax(1))\n", False),  # an unweighted mean of per-sample terms
+    ("loss = F.cross_entropy(out, y.argmax(1), weight=None)\n", False),
+    ("loss = F.cross_entropy(out, y.argmax(1), weight=class_w, reduction='none').mean()\n", False),
+], ids=["functional", "module", "nll-mean", "unweighted", "weight-none", "per-sample"])
+def test_a_class_weighted_mean_is_flagged_at_its_line(loss: str, flagged: bool):
+    """Its mean divides by the total class weight of the batch's targets: each rank by its own part's."""
+    found = _flags("class_w = torch.tensor([1.0, 2.0, 1.0, 3.0])\n" + loss)
+    assert bool(found) == flagged, found
+    if flagged:
+        assert "averages over the total class weight of the batch's targets" in found[0][1]
+        assert "each rank divides by its own part's total" in found[0][1]

@@ -224,6 +224,7 @@ def test_batchnorm_on_cpu_trains_within_noise_and_is_flagged(name: str, line: in
 @pytest.mark.parametrize("name, lines", [
     ("batch_coupled_contrastive", [41]),  # `za @ zb.T` with arange targets (InfoNCE), inline
     ("batch_coupled_relativistic", [14, 15]),  # `real - torch.mean(fake, dim=0)` in a helper, module level
+    ("batch_weighted_cross_entropy", [22]),  # CrossEntropyLoss(weight=...): a mean over each part's total weight
 ])
 def test_a_batch_coupled_objective_is_flagged_and_differs(name: str, lines: list, tmp_path: Path):
     """A loss term that reads the other samples of its batch (analysis/batch_coupling.py) is computed by each

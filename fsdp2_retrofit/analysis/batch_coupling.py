@@ -11,7 +11,9 @@ another objective than the single process's:
   pull-away term (each rank's logits see B/world_size negatives, not B);
 * a statistic over the batch dimension combined with a batch tensor: `fake - real.mean(0, keepdim=True)`
   (a relativistic average GAN), `x + 0.5 * x.std() * noise` (DRAGAN's perturbation): the mean or the
-  spread of each rank's part, not of the global batch.
+  spread of each rank's part, not of the global batch;
+* a class-weighted mean (`nn.CrossEntropyLoss(weight=w)`, `F.nll_loss(..., weight=w)`, reduction "mean"):
+  it divides by the total weight of the batch's targets, each rank by its own part's (kind "normalizer").
 
 Batch tensors are followed by value (analysis/flow.py) to the forward of a model or to the variables of
 a training loop; a loss object of a class of the script or of a sibling module (`criterion(features,
@@ -31,7 +33,7 @@ import libcst as cst
 from fsdp2_retrofit.syntax.names import bind_args, code
 from fsdp2_retrofit.syntax.torch_api import (
     BATCH_STATISTICS as _STATISTIC_FUNCTIONS, CDIST, COSINE_SIMILARITY, EINSUM, MATMULS as _MATMULS,
-    ROW_FUNCTIONS as _ROW_FUNCTIONS, UNIFORM_DRAWS,
+    ROW_FUNCTIONS as _ROW_FUNCTIONS, UNIFORM_DRAWS, WEIGHTED_MEAN_LOSSES as _WEIGHTED_MEAN_LOSSES,
 )
 
 _DEPTH = 10
@@ -49,6 +51,7 @@ _STATISTICS = frozenset({"mean", "std", "var", "sum", "logsumexp"})
 class Coupling:
     node: cst.CSTNode  # the expression that couples the samples
     what: str  # what it computes, for the report
+    kind: str = "coupling"  # "coupling": a term reads other samples; "normalizer": a mean over a batch-dependent total
 
 
 def batch_couplings(facts) -> List[Coupling]:
@@ -61,7 +64,7 @@ def batch_couplings(facts) -> List[Coupling]:
         if hit is not None:
             out.setdefault(id(hit.node), hit)
     for call in r.nodes(cst.Call):
-        hit = found.matrix_call(call) or found.inside_criterion(call)
+        hit = found.matrix_call(call) or found.inside_criterion(call) or found.weighted_mean(call)
         if hit is not None:
             out.setdefault(id(hit.node), hit)
     return sorted(out.values(), key=lambda c: r.line(c.node))
@@ -184,6 +187,25 @@ class _Finder:
         if self._names_model(func):
             return None
         return self.facts.instance_class(func)
+
+    # -- a mean over the batch's own total weight -------------------------------------------------------
+
+    def weighted_mean(self, call: cst.Call) -> Optional[Coupling]:
+        """`nn.CrossEntropyLoss(weight=w)`, `F.nll_loss(..., weight=w)` with the mean reduction: the mean
+        divides by the sum of the weights of the batch's targets, so each rank divides by its own part's
+        total and the average of the ranks' losses is not the global batch's weighted mean."""
+        if not (self.r.qnames(call.func) & _WEIGHTED_MEAN_LOSSES):
+            return None
+        weight = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == "weight"), None)
+        if weight is None or type(weight) is cst.Name and weight.value == "None":
+            return None
+        reduction = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == "reduction"),
+                         None)
+        if reduction is not None and not (type(reduction) is cst.SimpleString and
+                                          reduction.evaluated_value == "mean"):
+            return None  # "sum" (the loss_scale stage's), "none", or not known
+        return Coupling(call, f"`{code(call.func)}(..., weight={code(weight)})` averages over the total class weight "
+                              "of the batch's targets", kind="normalizer")
 
     # -- statistics over the batch ----------------------------------------------------------------------
 

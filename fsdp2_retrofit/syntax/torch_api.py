@@ -251,6 +251,11 @@ ROW_FUNCTIONS = frozenset({
 })
 # statistics a batch tensor may be reduced with over its batch dimension; matrix products of two tensors
 BATCH_STATISTICS = frozenset({"torch.mean", "torch.std", "torch.var", "torch.sum"})
+# losses whose "mean" reduction divides by the total class weight of the batch's targets (given weight=)
+WEIGHTED_MEAN_LOSSES = frozenset({
+    "torch.nn.CrossEntropyLoss", "torch.nn.NLLLoss", "torch.nn.functional.cross_entropy", "torch.nn.functional.nll_loss",
+    "torch.nn.modules.loss.CrossEntropyLoss", "torch.nn.modules.loss.NLLLoss",
+})
 MATMULS = frozenset({"torch.matmul", "torch.mm"})
 CDIST = frozenset({"torch.cdist"})
 EINSUM = frozenset({"torch.einsum"})

@@ -6,8 +6,10 @@ optimizer (`torch.optim.SGD(self.model.parameters())` in its `__init__`) is buil
 sharded model it is handed.
 
 Only a build handed to a class or function of the project (the script's or a sibling
-module's) moves, a construction of a module class of the project or a library model (a
-factory function's result is not followed here), and only when the rewrite finds no model bound to a name otherwise; the
+module's) moves, a construction of a module class of the project or a library model, or a call of a
+function of the script or a sibling module that builds and returns one (`Trainer(build_net(cfg))`), and
+a construction only when the rewrite finds no model bound to a name otherwise (a factory's model
+is bound inside it, and reaches the caller only through this call); the
 arguments before it are evaluated before it and must be names, attributes or literals (a
 call among them would change order). A build passed to a library call (`torch.compile(Net())`,
 `DDP(Net())`) is the other stages' concern."""
@@ -28,8 +30,6 @@ class NameHandedModelsCommand(RetrofitStage):
     CODE = "handed_models"
 
     def edit(self, tree: cst.Module, facts: ScriptFacts, editor: StatementEditor) -> None:
-        if facts.models:
-            return
         r = facts.resolver
         done = set()
         for call in r.nodes(cst.Call):
@@ -41,7 +41,10 @@ class NameHandedModelsCommand(RetrofitStage):
             if isinstance(line.body[0], cst.Return) or not self._plain_path(call, line, r):
                 continue
             args = list(call.args)
-            built = [i for i, a in enumerate(args) if a.star == "" and handed_build(a.value, r, facts.classes)]
+            kinds = {i: handed_build(a.value, facts) for i, a in enumerate(args) if a.star == ""}
+            # a construction moves only where no model is bound otherwise (the script's other stages found
+            # none); a factory's model is bound inside it and reaches the caller only through this call
+            built = [i for i, kind in kinds.items() if kind == "factory" or kind == "construction" and not facts.models]
             if not built or any(a.star or (i not in built and not isinstance(a.value, _PLAIN))
                                 for i, a in enumerate(args[: built[-1]])):
                 continue  # evaluated before a build: it may not move after it

@@ -120,3 +120,32 @@ def test_a_build_that_cannot_move_is_refused_naming_it_at_its_line():
     assert refusal.line == HEAD.format(body=body).splitlines().index(body) + 1
     assert "the model `Net()` is built inside the arguments of `Simple(...)`" in refusal.what
     assert "bind it first: `model = Net()`" in refusal.hint
+
+
+def test_a_model_a_factory_returns_handed_inline_converts_as_if_named():
+    """`Trainer(build_net(4)).fit(x)`: the factory builds and returns the model (sharded inside it, as
+    for `model = build_net(4)`); it was refused FSR404 (the helper's return received by no assignment)."""
+    factory = "def build(width):\n    net = Net(width)\n    return net\n\n\ndef main():"
+    inline = HEAD.replace("def main():", factory, 1).format(body="    Simple('g', build(4)).fit(x)")
+    named = HEAD.replace("def main():", factory, 1).format(body="    model = build(4)\n    Simple('g', model).fit(x)")
+    result = rewrite_source(inline.encode(), "train.py", RetrofitOptions())
+    assert not result.refusals, result.refusals
+    expected = rewrite_source(named.encode(), "train.py", RetrofitOptions())
+    assert result.code == expected.code
+    assert [c.code for c in result.changes].count("handed_models") == 1
+
+
+def test_a_sibling_modules_factory_handed_inline_is_named(tmp_path):
+    (tmp_path / "nets.py").write_text(
+        "import torch.nn as nn\n\n\nclass Wide(nn.Module):\n    def __init__(self, w):\n        super().__init__()\n"
+        "        self.fc = nn.Linear(w, 4)\n\n    def forward(self, x):\n        return self.fc(x)\n\n\n"
+        "def make_net(w):\n    return Wide(w)\n")
+    body = "    Simple('h', model=make_net(4)).fit(x)"
+    source = ("from nets import make_net\n" + HEAD).format(body=body)
+    (tmp_path / "train.py").write_text(source)
+    result = rewrite_source(source.encode(), str(tmp_path / "train.py"), RetrofitOptions())
+    assert not result.refusals, result.refusals
+    code = result.code.decode()
+    main = code[code.index("def main():"):]
+    assert main.index("model = make_net(4)") < main.index("fully_shard(model, mesh=mesh)") < main.index(
+        "Simple('h', model=model)")

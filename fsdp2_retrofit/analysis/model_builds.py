@@ -227,13 +227,21 @@ class BuildClasses:
         return None
 
 
-def handed_build(value: cst.BaseExpression, resolver, classes) -> bool:
-    """`Net(...)`, `Net(...).to(device)`, `resnet18()` written as a call's argument: the
-    construction of a module class of the project or a library model (not an if/else of two)."""
+def handed_build(value: cst.BaseExpression, facts) -> Optional[str]:
+    """"construction" for `Net(...)`, `Net(...).to(device)`, `resnet18()` written as a call's argument
+    (a module class of the project or a library model); "factory" for `build_net(cfg)`, a call of a
+    function of the script or a sibling module whose every return builds one (followed by value:
+    BuildClasses); None otherwise (an if/else of two builds included)."""
     ctor = innermost_call(value)
     if ctor is None or type(value) is cst.IfExp:
-        return False
-    return any(classes.is_module_class(q) or is_library_builder(q) for q in resolver.qnames(ctor))
+        return None
+    r, classes = facts.resolver, facts.classes
+    if any(classes.is_module_class(q) or is_library_builder(q) for q in r.qnames(ctor)):
+        return "construction"
+    if not project_callee(ctor, r, classes):
+        return None  # a library call (torch.randn(...)), a method, a name bound otherwise
+    builds = BuildClasses(facts.analysis)
+    return "factory" if builds.chosen_classes(value) or builds._sibling_factory_classes(ctor) else None
 
 
 def project_callee(call: cst.Call, resolver, classes) -> bool:
@@ -248,12 +256,13 @@ def project_callee(call: cst.Call, resolver, classes) -> bool:
     return False
 
 
-def handed_builds(resolver, classes):
-    """(call, argument) for each module construction written as an argument of a call of the
-    project (project_callee)."""
-    for call in resolver.nodes(cst.Call):
-        if not project_callee(call, resolver, classes):
+def handed_builds(facts):
+    """(call, argument) for each model build written as an argument of a call of the project
+    (project_callee)."""
+    r = facts.resolver
+    for call in r.nodes(cst.Call):
+        if not project_callee(call, r, facts.classes):
             continue
         for arg in call.args:
-            if not arg.star and handed_build(arg.value, resolver, classes):
+            if not arg.star and handed_build(arg.value, facts):
                 yield call, arg

@@ -1160,7 +1160,7 @@ def _copies(facts: ScriptFacts, options) -> Iterator[Blocked]:
 def _no_model(facts: ScriptFacts, options) -> Iterator[Blocked]:
     """No model the rewrite can shard: the refusal names the blocker."""
     if not facts.models:
-        handed = next(iter(handed_builds(facts.resolver, facts.classes)), None)
+        handed = next(iter(handed_builds(facts)), None)
         if handed is not None and facts.class_optimizers:
             call, arg = handed
             yield Blocked(

@@ -62,16 +62,21 @@ def test_output_without_numpy_or_tolist_is_not_analysed(monkeypatch):
         assert bool(built) is analysed and bool(found) is analysed, (text, found)
 
 
-def test_a_rewrite_without_numpy_or_tolist_does_not_load_check():
+def test_a_rewrite_without_numpy_tolist_or_a_save_does_not_load_check():
     """The gate comes before the imports: a fresh interpreter rewriting a script that
-    cannot hit FSD117 never loads check's modules (start-up cost of every rewrite)."""
-    code = (
-        "import sys\nfrom fsdp2_retrofit.pipeline import rewrite_source\n"
-        f"rewrite_source(open({str(FIXTURES / 'main_modulelist' / 'input.py')!r}, 'rb').read(), 'train.py')\n"
-        "print(sorted(m for m in sys.modules if m.startswith('fsdp2_retrofit.check')))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    can hit neither FSD117 nor FSD102 (main_modulelist without its save) never loads check's
+    modules (start-up cost of every rewrite); with its save, FSD102 runs on the output."""
+    source = (FIXTURES / "main_modulelist" / "input.py").read_text(encoding="utf-8")
+    unsaved = source.replace("    torch.save(model.state_dict(), args.out)\n", "")
+    assert unsaved != source
+    for text, loaded in ((unsaved, False), (source, True)):
+        code = (
+            "import sys\nfrom fsdp2_retrofit.pipeline import rewrite_source\n"
+            f"rewrite_source({text.encode()!r}, 'train.py')\n"
+            "print(sorted(m for m in sys.modules if m.startswith('fsdp2_retrofit.check')))\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        assert (out.strip() != "[]") is loaded, out
 
 
 @pytest.mark.e2e
@@ -134,3 +139,17 @@ def test_the_own_check_test_can_fail():
         files = []
 
     assert "FSD117" not in reported_codes(Empty())
+
+
+def test_a_save_no_stage_converted_is_reported_by_fsd102_on_the_output(monkeypatch):
+    """The safety net under the checkpoint stage: were it to miss a save (simulated: the stage does
+    nothing), FSD102 on the output reports `torch.save` of the sharded state at the user's line."""
+    from codemods.checkpoint import ConvertSavesCommand
+
+    source = (FIXTURES / "main_modulelist" / "input.py").read_bytes()
+    line = next(i for i, text in enumerate(source.decode().splitlines(), 1) if "torch.save(" in text)
+    assert not [a for a in rewrite_source(source, "train.py").attention if a.code == "check"]
+    monkeypatch.setattr(ConvertSavesCommand, "edit", lambda self, tree, facts, editor: None)
+    found = [a for a in rewrite_source(source, "train.py").attention if a.code == "check"]
+    assert [(a.line, a.differs) for a in found] == [(line, True)], found
+    assert found[0].what.startswith("FSD102: `torch.save` of")

@@ -112,7 +112,9 @@ class ScriptFacts:
             return None
         # the flow is flow-insensitive: a name holds the same values wherever its function reads it, and
         # `self.x` wherever its class does; asked once per spelling and scope (every call of a script)
-        key = _held_key(self.resolver, expr)
+        from .rank_values import scope_key
+
+        key = scope_key(self.resolver, expr, expr)
         cache = self.resolver.derived.setdefault("instance_class", {})
         if key is not None and key in cache:
             return cache[key]
@@ -245,12 +247,3 @@ class _Analyser(ModelAnalysis, OptimizerAnalysis, DataAnalysis, LogAnalysis, Lau
             m.names = self.model_holders.of([m])
         return facts
 
-
-def _held_key(resolver, expr) -> Optional[tuple]:
-    """(scope id, spelling) under which a plain name or `self.x` holds the same values everywhere."""
-    if type(expr) is cst.Name:
-        return id(resolver.enclosing_function(expr)), expr.value
-    if type(expr) is cst.Attribute and type(expr.value) is cst.Name and expr.value.value == "self":
-        owner = resolver.enclosing_class(expr)
-        return (id(owner), "self." + expr.attr.value) if owner is not None else None
-    return None

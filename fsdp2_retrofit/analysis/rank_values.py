@@ -53,7 +53,7 @@ def _aliases(r) -> Dict[int, set]:
     bound: Dict[tuple, List[Optional[tuple]]] = {}  # (scope id, text) -> (value, the scope it is read in)
     for assign in r.nodes(cst.Assign):
         for t in assign.targets:
-            key = _key(r, t.target, assign)
+            key = scope_key(r, t.target, assign)
             if key is not None:
                 bound.setdefault(key, []).append((assign.value, assign))
     for fn, calls, skip in called_functions(r):  # a parameter is what every call hands it
@@ -68,7 +68,7 @@ def _aliases(r) -> Dict[int, set]:
             bound.setdefault((id(fn), param), []).extend(values)
     for kind in (cst.AugAssign, cst.AnnAssign, cst.For):
         for node in r.nodes(kind):  # bound otherwise as well: not a rank for sure
-            key = _key(r, node.target, node)
+            key = scope_key(r, node.target, node)
             if key in bound:
                 bound[key].append(None)
     out: Dict[int, set] = {}
@@ -84,8 +84,9 @@ def _aliases(r) -> Dict[int, set]:
     return out
 
 
-def _key(r, target, node) -> Optional[tuple]:
-    """(scope id, text) of a plain name or a `self.x` a statement binds."""
+def scope_key(r, target, node) -> Optional[tuple]:
+    """(scope id, text) of a plain name or a `self.x` bound or read at `node`: the flow is
+    flow-insensitive, so one key holds the same values throughout its scope."""
     if isinstance(target, cst.Name):
         return id(r.enclosing_function(node)), target.value
     if instance_attribute(target) is not None and target.value.value == "self":
@@ -133,4 +134,4 @@ def _is_rank(value: cst.BaseExpression, r, found: Optional[Dict[int, set]] = Non
     return owner is not None and instance_attribute(value) in found.get(id(owner), ())
 
 
-__all__ = ["RankAliases", "aliases_of", "called_functions", "rank_aliases"]
+__all__ = ["RankAliases", "aliases_of", "called_functions", "rank_aliases", "scope_key"]

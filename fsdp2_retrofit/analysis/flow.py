@@ -216,6 +216,28 @@ class ValueFlow:
             out += found
         return out or None
 
+    def attribute_entries(self, expr: cst.Subscript) -> List[list]:
+        """For `self.X[key]` read in a method of a class of the script: the entries `key` reads in each
+        container display a method of the class stores as the whole of `self.X` (`self.model_parts =
+        [model]` in `__init__`: [[model]], the names as written there), one list per such store. Stores
+        that are no display (`(self.schedule, self.model_parts) = build(...)`) are left out: the caller
+        decides what one store's entries mean. [] when `expr` is no such read, or when the class changes
+        `self.X` in place (`self.X[i] = ...`, `self.X.append(...)`, `del self.X[i]`)."""
+        holder = expr.value
+        if type(holder) is not cst.Attribute or type(holder.value) is not cst.Name or holder.value.value != "self":
+            return []
+        key = _constant_key(expr)
+        attr = holder.attr.value
+        out = []
+        for cls in self._classes_held(holder.value, 0):
+            if _attribute_changed(self.r, cls, attr):
+                return []
+            for value, path in self._stores(cls, attr):
+                found = _entries(value, key) if not path else None
+                if found:
+                    out.append(found)
+        return out
+
     def _binding_values(self, binding, depth: int) -> Iterator:
         kind, node, value, path = binding
         if kind == "opaque":
@@ -446,6 +468,23 @@ def _changed_after(r: Resolver, container) -> bool:
 
 
 _MUTATORS = frozenset({"update", "setdefault", "append", "extend", "insert", "__setitem__"})
+
+
+def _attribute_changed(r: Resolver, cls: cst.ClassDef, attr: str) -> bool:
+    """A method of `cls` changes the container `self.<attr>` holds in place: `self.<attr>[k] = v` (also
+    augmented, or deleted) or `self.<attr>.append(...)` and the other mutators."""
+
+    def held(node) -> bool:
+        return (type(node) is cst.Attribute and node.attr.value == attr and type(node.value) is cst.Name
+                and node.value.value == "self" and r.enclosing_class(node) is cls)
+
+    for node in r.nodes(cst.Subscript):
+        parent = r.parent(node)
+        if held(node.value) and (type(parent) in (cst.AssignTarget, cst.AugAssign) and parent.target is node
+                                 or type(parent) is cst.Del):
+            return True
+    return any(type(call.func) is cst.Attribute and call.func.attr.value in _MUTATORS and held(call.func.value)
+               for call in r.nodes(cst.Call))
 
 
 def _attributes_at(target, path: tuple) -> Iterator[Tuple[cst.Attribute, tuple]]:

@@ -202,7 +202,8 @@ class ShardFacts:
             return None, []
         sites, whole = [], True
         if type(expr) is cst.Subscript:  # `parts[0]`, `models["lm"]` of a list or dict the script builds
-            sites = self._holding(self.flow.values(expr), at) or self._entry_sites(expr)
+            sites = (self._holding(self.flow.values(expr), at) or self._entry_sites(expr)
+                     or self._held_entry_sites(expr))
         base, whole = _base(expr) if not sites else (None, True)
         while not sites:
             if base is None or (type(base) is cst.Name and base.value == "self"):
@@ -238,7 +239,22 @@ class ShardFacts:
         """The sites of what every entry `expr` can read held where the container was written (`parts =
         [model]` after `model = shard(model)`: the name as it is there, where the flow, which reads every
         binding of `model`, cannot tell); [] unless every entry is sharded there."""
-        entries = self.flow.entries(expr)
+        return self._sharded_entries(self.flow.entries(expr))
+
+    def _held_entry_sites(self, expr: cst.Subscript) -> List[ShardSite]:
+        """`self.model_parts[0]` in a method of a class one of whose methods stores `self.model_parts =
+        [model]` with `model` sharded there: the sites of those entries. An attribute holds what any
+        store of its class put there, as sites_for reads a sharded `self.model` in every method; a
+        store the flow does not see into (a pipeline branch's `(..., self.model_parts, ...) =
+        build(...)`) does not hide the one it does."""
+        for entries in self.flow.attribute_entries(expr):
+            sites = self._sharded_entries(entries)
+            if sites:
+                return sites
+        return []
+
+    def _sharded_entries(self, entries: Optional[list]) -> List[ShardSite]:
+        """The sites of each entry held where it is written; [] unless every entry is sharded there."""
         if not entries or len(entries) > 8:
             return []
         out: List[ShardSite] = []

@@ -209,16 +209,14 @@ PLANTS: Tuple[Plant, ...] = (
     Plant("lingua-torch-save", "facebookresearch/lingua", _LINGUA, r"^(\s*)(loss\.backward\(\))$",
           r'\1\2\n\1torch.save(model.state_dict(), "model.pt")', "FSD102", "`torch.save` of the model's state dict"),
     # torchtitan: the trainer's model parts, sharded through the model spec's parallelize function.
-    # Known misses, for two reasons. (1) `model_spec.parallelize_fn(model, ...)` calls a `Callable`
-    # field of ModelSpec; check now follows such a field by the values the project stores in it
-    # (analysis/record_fields.py), but only when none of them is a project function that does not
-    # shard with FSDP: at this commit 9 ModelSpec(...) constructions (torchtitan/models/*, the HF
-    # backend) hold functions that fully_shard their model, and 4 (experiments/graph_trainer/*) hold
-    # functions that shard it with SimpleFSDP, which GraphTrainer(Trainer) runs through this same
-    # code: the field is mixed, and not followed. (2) Even followed, the plants are in another method
-    # than `self.model_parts = [model]`, and `self.model_parts` is also bound by the pipeline branch's
-    # tuple unpacking: the flow does not read a container held by an attribute (measured: with the
-    # mixed rule relaxed, neither plant is caught). check does not guess from names.
+    # `model_spec.parallelize_fn(model, ...)` calls a `Callable` field of ModelSpec, followed by the
+    # values the project stores in it (analysis/record_fields.py): 9 ModelSpec(...) constructions
+    # hold functions that fully_shard their model, 4 (experiments/graph_trainer/*) functions that
+    # shard it with SimpleFSDP; the field is followed when any value shards (caught since session
+    # 24; before, the mixed field was not followed). The plants read `self.model_parts[0]` in another
+    # method than `self.model_parts = [model]`, the pipeline branch also storing `self.model_parts`
+    # by tuple unpacking: a container an attribute holds is read by what any store of the class put
+    # there (analysis/flow.py attribute_entries), as a sharded `self.model` counts in every method.
     Plant("titan-forward-call", "pytorch/torchtitan", _TITAN, r"pred = self\.model_parts\[0\]\(inputs",
           "pred = self.model_parts[0].forward(inputs", "FSD101", "`.forward(...)` on the first model part"),
     Plant("titan-torch-save", "pytorch/torchtitan", _TITAN, r"^(\s*)(loss\.backward\(\))$",

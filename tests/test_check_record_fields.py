@@ -55,10 +55,11 @@ def test_the_goldens_are_clean():
 _MIXED_FORWARD = ("out = model(torch.randn(4, 8))", "out = model.forward(torch.randn(4, 8))")
 
 
-def test_a_field_one_of_whose_values_does_not_shard_is_not_followed():
+def test_a_field_one_of_whose_values_does_not_shard_is_still_followed():
     """PLANS holds Plan("fsdp", shard_all) and Plan("compiled", compile_blocks): which one runs is
-    decided at run time, and compile_blocks is a project function that does not shard."""
-    assert _codes(PROJECTS / "registry_mixed" / "main.py", *_MIXED_FORWARD) == []
+    decided at run time, so `model.forward(...)` after `plan.prepare(model, ...)` is wrong whenever
+    the fsdp plan is chosen; compile_blocks, a project function that does not shard, hides nothing."""
+    assert _codes(PROJECTS / "registry_mixed" / "main.py", *_MIXED_FORWARD) == ["FSD101"]
 
 
 @pytest.fixture
@@ -75,44 +76,15 @@ def _rewrite(path: Path, old: str, new: str) -> None:
     path.write_text(text.replace(old, new))
 
 
-def test_without_the_value_that_does_not_shard_the_field_is_followed(mixed):
-    _rewrite(mixed / "variants.py", ', Plan("compiled", compile_blocks)', "")
-    assert _codes(mixed / "main.py", *_MIXED_FORWARD) == ["FSD101"]
-
-
-def test_a_value_stored_in_a_test_file_is_left_out(mixed):
-    _rewrite(mixed / "variants.py", ', Plan("compiled", compile_blocks)', "")
-    (mixed / "tests").mkdir()
-    (mixed / "tests" / "test_plans.py").write_text(
-        "from plans import Plan\nfrom steps import compile_blocks\n\nPLAN = Plan('compiled', compile_blocks)\n")
-    assert _codes(mixed / "main.py", *_MIXED_FORWARD) == ["FSD101"]
-
-
-def test_a_pass_through_is_left_out_and_a_lambda_does_not_shard(mixed):
-    _rewrite(mixed / "variants.py", ', Plan("compiled", compile_blocks)', ', Plan("again", PLANS_A[0].prepare)')
-    _rewrite(mixed / "variants.py", "PLANS = [", "PLANS_A = [Plan('fsdp', shard_all)]\nPLANS = [")
-    assert _codes(mixed / "main.py", *_MIXED_FORWARD) == ["FSD101"]
-    _rewrite(mixed / "variants.py", 'PLANS_A[0].prepare', "lambda model, mesh: model")
+def test_without_the_value_that_shards_the_field_is_not_followed(mixed):
+    _rewrite(mixed / "variants.py", 'Plan("fsdp", shard_all), ', "")
     assert _codes(mixed / "main.py", *_MIXED_FORWARD) == []
 
 
-def test_a_value_changed_in_another_file_is_seen_in_the_same_process(mixed):
-    """The field's answer is cached per process, and dropped when a file it read changes."""
-    _rewrite(mixed / "variants.py", ', Plan("compiled", compile_blocks)', "")
+def test_a_dataclass_given_the_field_by_position_only_is_followed(mixed):
+    """`Plan("fsdp", shard_all)` never writes the field's name: the file that builds the records is
+    read all the same (it was skipped by the text search for the field's name before)."""
+    text = (mixed / "variants.py").read_text().replace(', Plan("compiled", compile_blocks)', "")
+    (mixed / "variants.py").write_text(text.replace("`plan.prepare`", "it"))
+    assert "prepare" not in (mixed / "variants.py").read_text()
     assert _codes(mixed / "main.py", *_MIXED_FORWARD) == ["FSD101"]
-    _rewrite(mixed / "variants.py", "[Plan(", '[Plan("compiled", compile_blocks), Plan(')
-    assert _codes(mixed / "main.py", *_MIXED_FORWARD) == []
-
-
-def test_a_method_of_a_known_project_class_is_no_field(mixed):
-    """`plan` is declared a Plan, which has no field `shard`: the call is not followed even though
-    another project class declares a field of that name with a sharding value."""
-    (mixed / "other.py").write_text(
-        "from dataclasses import dataclass\nfrom typing import Callable\nfrom steps import shard_all\n\n\n"
-        "@dataclass\nclass Other:\n    shard: Callable\n\n\nOTHER = Other(shard=shard_all)\n")
-    (mixed / "use.py").write_text(
-        "from plans import Plan\nimport other\nfrom steps import shard_all\n\n\n"
-        "def run(plan: Plan, model):\n    model = plan.shard(model, None)\n    model.forward(1)\n\n\n"
-        "def run_other(o: other.Other, model):\n    model = o.shard(model, None)\n    model.forward(1)\n")
-    found = lint_source((mixed / "use.py").read_bytes(), str(mixed / "use.py"), selected([], []))
-    assert [(f.code, f.line) for f in found.findings] == [("FSD101", 13)]

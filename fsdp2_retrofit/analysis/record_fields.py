@@ -27,11 +27,15 @@ never by names:
   lambda) does not shard; a pass-through (`FIELD=other.FIELD`), None, and whatever cannot be
   resolved (a parameter, a call's result, a library's function) are left out.
 
-The rule (precision over recall: a false finding in expert code is worse than a miss): the field
-is followed when at least one value shards and no value is a resolved function that does not.
-The call then shards its first positional argument when every sharding value shards its first
-parameter (whole when each does so whole; FSDP1's when each is), and the name bound to its
-result when every sharding value returns a sharded module.
+The rule: the field is followed when at least one value shards. A value that does not (torchtitan's
+graph_trainer specs hold SimpleFSDP functions beside the fully_shard ones) does not hide it: the
+code that calls the field runs with each value the project stores, so a `.forward(...)` or a
+`torch.save` of the state after it is wrong whenever the sharding one is chosen (until session 24 a
+resolved value that does not shard turned the field off; on the six codebases of
+benchmarks/check_codebases.py at their pinned commits the change added no finding, and it catches
+torchtitan's two planted defects). The call then shards its first positional argument
+when every sharding value shards its first parameter (whole when each does so whole; FSDP1's when
+each is), and the name bound to its result when every sharding value returns a sharded module.
 
 Files other than the one checked are read with Python's `ast` (cheaper than libcst's parse), and
 what is computed per file (its record classes, the values it stores, what its imports bind) is
@@ -40,7 +44,8 @@ project and field, and a field's answer is kept until one of the files it read c
 files read are recorded (model_classes._record_all) for the results cache. A file added to the
 project that stores a new value is not seen by a cached result until the checked file changes.
 Measured on torchtitan's tree at b5bcd76c (476 files, FSDP2_RETROFIT_NO_CACHE=1, this machine's 2
-CPUs): `check .` took 30-33 s of CPU before this module and 41-42 s with it, the same findings;
+CPUs): `check .` took 30-33 s of CPU before this module and 41-42 s with it, the same findings
+(session 24, following mixed fields and positional constructions: 29.3-31.7 s -> 34.5-37.3 s);
 linting every file in one process, 25.6-26.3 s before and 30.5-31.1 s after. Most of it is finding
 the classes that declare each field called (about 600 distinct names there) and the sharders of
 the modules that define the stored functions.
@@ -309,9 +314,12 @@ def _follow(files: List[str], field: str, classes: frozenset, reads: Dict[str, b
     for cls_file, cls in sorted(classes):
         names = cls.encode()
         reads[cls_file] = read(cls_file) or b""
+        record = records_in(cls_file).get(cls)
+        # a dataclass or a NamedTuple may be given the field by position: its name need not be written
+        spelled = field.encode() if record is None or not record.positional else b""
         for name in files:
             data = read(name)
-            if data is None or names not in data or field.encode() not in data or is_test_file(name):
+            if data is None or names not in data or spelled not in data or is_test_file(name):
                 continue
             reads[name] = data
             for value in _stored(name, data, cls_file, cls, field):
@@ -319,9 +327,7 @@ def _follow(files: List[str], field: str, classes: frozenset, reads: Dict[str, b
                 verdict = _classify(name, value, tables)
                 for p, d in tables.reads:
                     reads.setdefault(p, d)
-                if verdict is False:
-                    return None  # a function of the project that does not shard
-                if verdict is not None:
+                if verdict:  # False: a function of the project that does not shard (no veto)
                     shard.append(verdict)
     if not shard:
         return None

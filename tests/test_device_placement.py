@@ -240,3 +240,74 @@ def test_the_inputs_of_an_unsharded_wrapper_around_the_model_are_moved():
     assert "x, target = x.to(device), target.to(device)" in text, text
     plain = out.code.decode().replace("x, target = x.to(device), target.to(device)", "")
     assert {p.kind for p in unplaced(_facts(plain))} == {"loop"}
+
+
+def test_the_tensors_a_loss_module_is_built_with_are_placed():
+    """`nn.CrossEntropyLoss(weight=torch.tensor([...]))` keeps its weight where it was made; the
+    loss meets the outputs inside its forward (on a GPU: a device mismatch at the first step). The
+    factory gets the device, a name bound to arithmetic of one is followed, `self.criterion` of a
+    Trainer is read where `__init__` stores it, and a weight the rewrite cannot follow is reported."""
+    out = _rewrite("""\
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        criterion = nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 4.0]), reduction="mean")
+        for step in range(3):
+            x = torch.randn(8, 4)
+            y = torch.randint(0, 3, (8,))
+            loss = criterion(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        """).code.decode()
+    assert 'criterion = nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 4.0], device=device), reduction="mean")' \
+        in out
+    result = _rewrite("""\
+        import torch
+        import torch.nn as nn
+
+        class Trainer:
+            def __init__(self, model):
+                self.model = model
+                self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+                scale = torch.full((1,), 3.0) * 2
+                self.criterion = nn.BCEWithLogitsLoss(pos_weight=scale)
+
+            def fit(self, steps):
+                for step in range(steps):
+                    x = torch.randn(8, 4)
+                    y = (torch.randn(8, 1) > 0).float()
+                    loss = self.criterion(self.model(x), y)
+                    self.optimizer.zero_grad()
+                    loss.backward()
+                    self.optimizer.step()
+
+        Trainer(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))).fit(3)
+        """)
+    out = result.code.decode()
+    assert "scale = torch.full((1,), 3.0, device=device) * 2" in out, out
+    assert "y = (torch.randn(8, 1).to(device) > 0).float()" in out, out
+    assert not [a for a in result.attention if a.code == "device_placement"], result.attention
+    result = _rewrite("""\
+        import torch
+        import torch.nn as nn
+
+        def class_weights():
+            return torch.tensor([0.2, 1.0, 4.0])
+
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        weights = class_weights()
+        criterion = nn.CrossEntropyLoss(weight=weights)
+        for step in range(3):
+            loss = criterion(model(torch.randn(8, 4)), torch.zeros(8, dtype=torch.long))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        """)
+    notes = [a for a in result.attention if a.code == "device_placement"]
+    assert [(n.line, "`weights`" in n.what) for n in notes] == [(12, True)], notes
+    assert "class_weights" in notes[0].why

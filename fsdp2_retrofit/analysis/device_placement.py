@@ -65,6 +65,9 @@ _SHAPE_METHODS = frozenset({"reshape", "view", "permute", "transpose", "flatten"
                             "log_softmax", "sum", "mean", "max", "min", "topk", "size", "to", "type", "std", "var",
                             "norm", "clamp", "clip", "pow", "roll", "tile", "movedim", "cumsum", "amax", "amin"})
 _TENSOR_FIELDS = frozenset({"T", "mT", "data", "real", "imag"})
+# options of torch.nn's loss modules that are never tensors
+_MODULE_OPTIONS = frozenset({"reduction", "ignore_index", "label_smoothing", "size_average", "reduce", "margin", "p",
+                             "eps", "beta", "delta", "log_input", "full", "zero_infinity", "blank", "dim", "inplace"})
 _PREAMBLE = ("init_device_mesh(", "set_device(", "init_process_group(", "LOCAL_RANK")
 
 
@@ -279,7 +282,8 @@ def _operands(node) -> List[cst.CSTNode]:
         if type(func) is cst.Attribute:
             if func.attr.value in _SHAPE_METHODS:
                 return []
-            ops.append(func.value)  # `out.eq(y)`, `y.eq(out)`
+            if not (type(func.value) is cst.Name and func.value.value == "self"):  # `self.criterion(out, y)`
+                ops.append(func.value)  # `out.eq(y)`, `y.eq(out)`
         return ops
     return []
 
@@ -355,11 +359,45 @@ class _Finder:
                     if s.on_device(op):
                         continue
                     self._follow_operand(s, op, node)
+                if type(node) is cst.Call:
+                    self._follow_callee(s, node)
             # what is now moved is on the device too: its `.numpy()` needs a `.cpu()` as the outputs' do
             s.outputs |= {n for p in self.placed if p.scope is scope for n in p.names}
             for node in nodes:
                 if _is_numpy(node) and s.on_device(node.func.value):
                     self.add(Placement("numpy", node, scope, meets=node))
+
+    def _follow_callee(self, s: _Scope, call: cst.Call) -> None:
+        """`criterion(out, y)` of a module the script builds with tensors (`nn.CrossEntropyLoss(weight=
+        torch.tensor([...]))`, `nn.BCEWithLogitsLoss(pos_weight=w)`, a loss class of its own): they meet
+        the outputs inside its forward, so each is placed where the construction makes it, as an operand
+        is. The module is a name bound in the function before the call, or `self.<attr>` stored in a
+        method of the class around it."""
+        func = call.func
+        made = None  # (scope, statement, the constructor call)
+        if type(func) is cst.Name:
+            binds = [(st, sm) for st, sm in s.bindings.get(func.value, []) if self.r.order(st) < self.r.order(call)]
+            if binds and type(binds[-1][1]) in (cst.Assign, cst.AnnAssign):
+                made = (s, binds[-1][0], binds[-1][1].value)
+        elif instance_attribute(func) is not None and type(func.value) is cst.Name and func.value.value == "self":
+            cls = self.r.enclosing_class(call)
+            stores = [a for a in self.r.nodes(cst.Assign) if self.r.enclosing_class(a) is cls and len(a.targets) == 1
+                      and type(a.targets[0].target) is cst.Attribute and code(a.targets[0].target) == code(func)]
+            if len(stores) == 1 and self.r.enclosing_function(stores[0]) is not None:
+                store = stores[0]
+                made = (self._scope(self.r.enclosing_function(store)), self.r.statement_of(store), store.value)
+        if made is None or type(made[2]) is not cst.Call or not self._module_class(made[2]):
+            return
+        scope, stmt, build = made
+        for arg in build.args:
+            if arg.keyword is None or arg.keyword.value not in _MODULE_OPTIONS:
+                self._follow_name_in(scope, arg.value, stmt, call, set())
+
+    def _module_class(self, build: cst.Call) -> bool:
+        """`build` makes a torch.nn module (`nn.CrossEntropyLoss(...)`) or one of a class of the script."""
+        if type(build.func) is cst.Name and build.func.value in {c.name.value for c in self.r.nodes(cst.ClassDef)}:
+            return True
+        return any(q.startswith("torch.nn.") and q.rsplit(".", 1)[-1][:1].isupper() for q in self.r.qnames(build.func))
 
     def _nodes_of(self, scope):
         if scope is None:

@@ -86,6 +86,9 @@ class OptimizerBuild:
     models: Set[str]  # roots whose parameters reach it
     scope: Scope
     order: int
+    # root -> where its parameters were taken, when before the call (`params = list(model.parameters())`
+    # earlier, then `SGD(params)`): the tensors are those the module held there
+    taken: Dict[str, Tuple[int, cst.CSTNode]] = field(default_factory=dict)  # root -> (order, the value)
 
 
 @dataclass
@@ -689,12 +692,17 @@ class _Collector:
         f = self.facts
         arg = call.args[0].value
         models: Set[str] = names_in(arg) | _attribute_roots(arg)
+        taken: Dict[str, Tuple[int, cst.CSTNode]] = {}
         for name in names_in(arg):  # parameter groups built earlier: `groups = [{"params": ...}]`
             for value in f.bound_values(name, call):
                 if isinstance(value, cst.Call) and self.r.qnames(value) & _COPIES:
                     continue  # `ref = copy.deepcopy(model)`: another module, with tensors of its own
-                models |= names_in(value) | _attribute_roots(value)
-        return OptimizerBuild(target[0], call, models, f.scope_of(call), f.order(call))
+                roots = names_in(value) | _attribute_roots(value)
+                models |= roots
+                for root in roots & _parameters_taken(value):
+                    if root not in taken or f.order(value) < taken[root][0]:
+                        taken[root] = (f.order(value), value)
+        return OptimizerBuild(target[0], call, models, f.scope_of(call), f.order(call), taken)
 
     def _optimizer_factory_call(self, call: cst.Call) -> bool:
         """`make_optimizer(model, ...)`: a call of a function of the script (the analysis's
@@ -1215,6 +1223,22 @@ def _target_names(target) -> List[str]:
     if isinstance(target, (cst.Tuple, cst.List)) and target.elements:
         return _target_names(target.elements[-1].value)  # `for i, block in enumerate(...)`
     return []
+
+
+def _parameters_taken(expr) -> Set[str]:
+    """The modules whose parameters `expr` reads as tensors (`model.parameters()`, `m.named_parameters()`,
+    a comprehension or `list(...)` over them): `model` for `list(model.parameters())`."""
+    out: Set[str] = set()
+    stack = [expr]
+    while stack:
+        node = stack.pop()
+        if (type(node) is cst.Call and type(node.func) is cst.Attribute
+                and node.func.attr.value in ("parameters", "named_parameters")):
+            found = part_root(node.func.value)
+            if found is not None:
+                out.add(found[0])
+        stack.extend(node.children)
+    return out
 
 
 def _attribute_roots(expr) -> Set[str]:

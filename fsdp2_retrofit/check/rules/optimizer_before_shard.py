@@ -16,7 +16,9 @@ class OptimizerBeforeShard(Rule):
     parameter groups built from it) when `fully_shard(model)` (or of one of its blocks)
     comes later in the same function. A call of a function of the script that returns
     the one optimizer it builds (`optimizer = make_optimizer(model, lr)`) is a
-    construction too, of the models passed to it.
+    construction too, of the models passed to it. So is an optimizer built after the shard
+    from parameters taken before it (`params = list(model.parameters())`, then
+    `fully_shard(model)`, then `SGD(params)`): the list holds the tensors of that moment.
 
     ## Why is this bad?
     `fully_shard` replaces every parameter with a new DTensor parameter. An optimizer
@@ -42,7 +44,8 @@ class OptimizerBeforeShard(Rule):
 
     CODE = "FSD103"
     NAME = "optimizer-before-shard"
-    MESSAGE = "optimizer `{name}` is built from `{root}`'s parameters before `fully_shard` (line {line}): it keeps the unsharded tensors"
+    MESSAGE = ("optimizer `{name}` is built from `{root}`'s parameters {taken}before `fully_shard` (line {line}): it keeps "
+               "the unsharded tensors")
     VALID = (
         Valid(_HEAD + "fully_shard(model)\noptimizer = torch.optim.AdamW(model.parameters())\n"),
         Valid("import torch\nmodel = Net()\noptimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"),
@@ -54,6 +57,12 @@ class OptimizerBeforeShard(Rule):
         # the optimizer of a deep copy (a reference model of a test): other tensors than those sharded
         Valid("import copy\n" + _HEAD + "ref = copy.deepcopy(model)\nref_opt = torch.optim.Adam(ref.parameters())\n"
               + "fully_shard(model)\noptimizer = torch.optim.Adam(model.parameters())\n"),
+        # the list taken after the shard; names (not tensors) collected before it
+        Valid(_HEAD + "fully_shard(model)\nparams = list(model.parameters())\n"
+              "optimizer = torch.optim.SGD(params, lr=0.1)\n"),
+        Valid(_HEAD + "decay = {n for n, p in model.named_parameters() if p.ndim > 1}\nfully_shard(model)\n"
+              "groups = [{'params': [p for n, p in model.named_parameters() if n in decay]}]\n"
+              "optimizer = torch.optim.AdamW(groups)\n"),
     )
     INVALID = (
         Invalid(_HEAD + "optimizer = torch.optim.AdamW(model.parameters())\nfully_shard(model)\n", line=4),
@@ -64,6 +73,12 @@ class OptimizerBeforeShard(Rule):
             line=5,
         ),
         Invalid(_FACTORY + _HEAD + "optimizer = make_optimizer(model, 0.1)\nfully_shard(model)\n", line=6),
+        # the parameters taken into a list before the shard, the optimizer built from the list after it
+        Invalid(_HEAD + "params = list(model.parameters())\nfully_shard(model)\n"
+                "optimizer = torch.optim.SGD(params, lr=0.1)\n", line=6),
+        Invalid(_HEAD + "decay = [p for n, p in model.named_parameters() if p.ndim > 1]\n"
+                "for block in model.blocks:\n    fully_shard(block)\nfully_shard(model)\n"
+                "optimizer = torch.optim.AdamW([{'params': decay, 'weight_decay': 0.1}])\n", line=8),
         Invalid(  # the optimizer class picked by name (what rewrite's optimizer stage treats as one too)
             _HEAD + "optimizer = getattr(torch.optim, name)(model.parameters(), lr=0.1)\n"
             "fully_shard(model)\n",
@@ -84,4 +99,18 @@ class OptimizerBeforeShard(Rule):
                       and s.order < opt.order and not s.legacy]
             if later and not before:
                 first = min(later, key=lambda s: s.order)
-                yield opt.call, {"name": opt.name, "root": first.root, "line": str(ctx.resolver.line(first.call))}, None
+                yield opt.call, {"name": opt.name, "root": first.root, "taken": "",
+                                 "line": str(ctx.resolver.line(first.call))}, None
+                continue
+            # the parameters taken into a list before fully_shard, the optimizer built from it after
+            for root, (taken, value) in sorted(opt.taken.items(), key=lambda kv: kv[0]):
+                between = [s for s in shards.sites if s.scope is opt.scope and s.root == root and not s.legacy
+                           and taken < s.order < opt.order]
+                earlier = [s for s in shards.sites if s.scope is opt.scope and s.root == root and s.whole
+                           and s.order < taken and not s.legacy]
+                if between and not earlier:
+                    first = min(between, key=lambda s: s.order)
+                    line = ctx.resolver.line(first.call)
+                    yield opt.call, {"name": opt.name, "root": root, "line": str(line),
+                                     "taken": f"taken at line {ctx.resolver.line(value)}, "}, None
+                    break

@@ -23,12 +23,9 @@ from fsdp2_retrofit.analysis.data import loader_dataset
 from fsdp2_retrofit.analysis.sibling_loaders import SiblingLoader
 from fsdp2_retrofit.rewrite.edit import with_keyword, without_keyword
 from fsdp2_retrofit.rewrite.stage import RetrofitStage, StatementEditor
+from fsdp2_retrofit.syntax.names import keyword_arg
 
 FLAG = "distributed"  # the parameter a helper shared by training and other loaders gets
-
-
-def _keyword(call: cst.Call, name: str) -> Optional[cst.BaseExpression]:
-    return next((a.value for a in call.args if a.keyword is not None and a.keyword.value == name), None)
 
 
 class SiblingLoaderEdits:
@@ -79,7 +76,7 @@ class SiblingLoaderEdits:
                             f"the other calls of {found.function}() build loaders that do not train (left as "
                             "they were: every rank reads all of them)",
                             "without a sampler every rank trains on the same batches")
-        shuffle = _keyword(found.built, "shuffle")
+        shuffle = keyword_arg(found.built, "shuffle")
         if shuffle is not None and code(shuffle) != "False":
             for c in training:
                 self._set_epoch_received(c, facts, editor)
@@ -176,7 +173,7 @@ class SiblingLoaderEdits:
         true, if given); the function takes `flag=False`. `named`: the name its dataset was bound to."""
         built = found.built
         dataset = named or code(loader_dataset(built))
-        shuffle, drop_last = _keyword(built, "shuffle"), _keyword(built, "drop_last")
+        shuffle, drop_last = keyword_arg(built, "shuffle"), keyword_arg(built, "drop_last")
         shuffle_text = code(shuffle) if shuffle is not None else "False"
         extra = f", drop_last={code(drop_last)}" if drop_last is not None else ""
         sampler_text = f"DistributedSampler({dataset}, shuffle={shuffle_text}{extra})"
@@ -352,7 +349,7 @@ def _batch_size_parameter(found) -> tuple:
     DataLoader reads it as `batch_size=` and the function reads or binds it nowhere else; else
     (None, how the batch size is set instead)."""
     built, fn = found.built, found.function_def
-    size = _keyword(built, "batch_size")
+    size = keyword_arg(built, "batch_size")
     positional = [a.value for a in built.args if a.keyword is None and not a.star]
     if size is None and len(positional) > 1:
         size = positional[1]  # DataLoader(dataset, batch_size, ...)

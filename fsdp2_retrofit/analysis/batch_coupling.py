@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import bind_args, code
+from fsdp2_retrofit.syntax.names import bind_args, code, keyword_arg
 from fsdp2_retrofit.syntax.torch_api import (
     BATCH_STATISTICS as _STATISTIC_FUNCTIONS, CDIST, COSINE_SIMILARITY, EINSUM, MATMULS as _MATMULS,
     ROW_FUNCTIONS as _ROW_FUNCTIONS, UNIFORM_DRAWS, WEIGHTED_MEAN_LOSSES as _WEIGHTED_MEAN_LOSSES,
@@ -196,11 +196,10 @@ class _Finder:
         total and the average of the ranks' losses is not the global batch's weighted mean."""
         if not (self.r.qnames(call.func) & _WEIGHTED_MEAN_LOSSES):
             return None
-        weight = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == "weight"), None)
+        weight = keyword_arg(call, "weight")
         if weight is None or type(weight) is cst.Name and weight.value == "None":
             return None
-        reduction = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == "reduction"),
-                         None)
+        reduction = keyword_arg(call, "reduction")
         if reduction is not None and not (type(reduction) is cst.SimpleString and
                                           reduction.evaluated_value == "mean"):
             return None  # "sum" (the loss_scale stage's), "none", or not known

@@ -19,7 +19,7 @@ from typing import List, Optional
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import code
+from fsdp2_retrofit.syntax.names import code, keyword_arg
 
 MAKEDIRS = frozenset({"os.makedirs"})
 MKDIR = frozenset({"os.mkdir"})
@@ -49,9 +49,9 @@ def folder_creations(facts) -> List[FolderCreation]:
     out = []
     for call in r.nodes(cst.Call):
         kind = _kind(call, facts)
-        if kind is None or any(a.star for a in call.args) or _keyword(call, "dir_fd") is not None:
+        if kind is None or any(a.star for a in call.args) or keyword_arg(call, "dir_fd") is not None:
             continue
-        exist_ok = _keyword(call, "exist_ok")
+        exist_ok = keyword_arg(call, "exist_ok")
         at = _EXIST_OK_AT.get(kind)
         positional = [a for a in call.args if a.keyword is None]
         if exist_ok is None and at is not None and len(positional) > at:
@@ -98,10 +98,6 @@ def is_path(expr: cst.BaseExpression, facts, depth: int = 0) -> bool:
         values = facts.analysis.flow.values(expr)
         return any(v is not expr and isinstance(v, cst.CSTNode) and is_path(v, facts, depth + 1) for v in values)
     return False
-
-
-def _keyword(call: cst.Call, name: str) -> Optional[cst.BaseExpression]:
-    return next((a.value for a in call.args if a.keyword is not None and a.keyword.value == name), None)
 
 
 def _catching_try(call: cst.Call, r) -> Optional[cst.Try]:

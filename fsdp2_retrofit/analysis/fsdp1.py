@@ -14,7 +14,7 @@ import libcst as cst
 
 from .facts import ScriptFacts
 from .fsdp1_values import ValueReader
-from fsdp2_retrofit.syntax.names import code
+from fsdp2_retrofit.syntax.names import code, keyword_arg
 from fsdp2_retrofit.syntax.torch_api import FSDP1_CLASSES
 from fsdp2_retrofit.syntax.torch_api import SHARDED_GRAD_SCALER as SCALER
 # FSDP1-only names exported by torch.distributed.fsdp (the FSDP2 ones are fully_shard,
@@ -140,16 +140,6 @@ def _qnames(node, facts: ScriptFacts) -> Set[str]:
     return facts.resolver.qnames(node)
 
 
-def _keyword(call: cst.Call, name: str, index: Optional[int] = None) -> Optional[cst.BaseExpression]:
-    for a in call.args:
-        if a.keyword is not None and a.keyword.value == name:
-            return a.value
-    positional = [a for a in call.args if a.keyword is None and not a.star]
-    if index is not None and len(positional) > index:
-        return positional[index].value
-    return None
-
-
 def fsdp1_uses(facts: ScriptFacts) -> Fsdp1Uses:
     """Every FSDP1 use of the script (empty when it has none)."""
     finder = _Finder(facts)
@@ -251,7 +241,7 @@ class _Finder(ValueReader):
                 "write `model = FSDP(model, ...)` on its own line",
             ))
             return None
-        wrapped = _keyword(call, "module", 0)
+        wrapped = keyword_arg(call, "module", 0)
         if wrapped is None:
             self.problems.append(Problem("FSR301", call, "FullyShardedDataParallel(...) without a module", "nothing to shard"))
             return None
@@ -294,14 +284,14 @@ class _Finder(ValueReader):
             fn = value.args[0].value
             kind = self._policy_kind(fn)
             if kind == "transformer":
-                classes = self._class_set(_keyword(value, "transformer_layer_cls"), wrap)
+                classes = self._class_set(keyword_arg(value, "transformer_layer_cls"), wrap)
             elif kind == "lambda":
-                classes = self._lambda_classes(_keyword(value, "lambda_fn"), wrap)
+                classes = self._lambda_classes(keyword_arg(value, "lambda_fn"), wrap)
             elif kind == "size":
                 classes = ()
         elif isinstance(value, cst.Call) and self._policy_kind(value.func) == "module":
             kind = "module"
-            classes = self._class_set(_keyword(value, "module_classes", 0), wrap)
+            classes = self._class_set(keyword_arg(value, "module_classes", 0), wrap)
         elif isinstance(value, cst.Lambda):
             kind = "lambda"
             classes = self._lambda_classes(value, wrap)
@@ -429,7 +419,7 @@ class _Finder(ValueReader):
             self._refuse("FSR303", expr, f"cpu_offload={code(expr)} is not a CPUOffload(...) the rewrite can read", "",
                          "write CPUOffload(offload_params=True) in the call or one assignment")
             return
-        flag = _keyword(value, "offload_params", 0)
+        flag = keyword_arg(value, "offload_params", 0)
         if flag is None or (isinstance(flag, cst.Name) and flag.value == "False"):
             wrap.dropped.append(("cpu_offload", "CPUOffload(offload_params=False) offloads nothing"))
         elif isinstance(flag, cst.Name) and flag.value == "True":
@@ -453,8 +443,8 @@ class _Finder(ValueReader):
             self._refuse("FSR305", node, "`with FSDP.state_dict_type(...)` together with other context managers", "",
                          "give it a `with` statement of its own")
             return None
-        model = _keyword(call, "module", 0)
-        kind = self._enum_member(_keyword(call, "state_dict_type", 1), "StateDictType") if _keyword(call, "state_dict_type", 1) is not None else None
+        model = keyword_arg(call, "module", 0)
+        kind = self._enum_member(keyword_arg(call, "state_dict_type", 1), "StateDictType") if keyword_arg(call, "state_dict_type", 1) is not None else None
         if not _named_module(model) or kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
             self._refuse(
                 "FSR305",
@@ -466,7 +456,7 @@ class _Finder(ValueReader):
             )
             return None
         block = StateDictBlock(node, code(model), kind)
-        config = _keyword(call, "state_dict_config", 2)
+        config = keyword_arg(call, "state_dict_config", 2)
         if config is not None:
             config = self._resolve(config, block)
         if config is not None and kind == "FULL_STATE_DICT":
@@ -474,7 +464,7 @@ class _Finder(ValueReader):
                 self._refuse("FSR305", config, f"state_dict_config={code(config)}", "its settings must be readable", "write FullStateDictConfig(...) in the call")
                 return None
             for key in ("offload_to_cpu", "rank0_only"):
-                flag = _keyword(config, key)
+                flag = keyword_arg(config, key)
                 if isinstance(flag, cst.Name) and flag.value == "True":
                     block.cpu_offload = True
         return block

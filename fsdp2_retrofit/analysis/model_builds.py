@@ -49,7 +49,7 @@ class BuildClasses:
             factory = self.site._callee(ctor)
             if factory is not None and factory in factories:
                 out.append((name, stmt, factories[factory]))
-            chosen = (self.table_classes(ctor) or self._sibling_factory_classes(ctor) or self._classmethod_builder(ctor)
+            chosen = (self.table_classes(ctor) or self.sibling_factory_classes(ctor) or self._classmethod_builder(ctor)
                       or self.aliased_classes(ctor))
             if chosen:
                 out.append((name, stmt, chosen[0]))
@@ -136,7 +136,7 @@ class BuildClasses:
                 return []
         return [cls] if returns else []
 
-    def _sibling_factory_classes(self, call: cst.Call) -> List[str]:
+    def sibling_factory_classes(self, call: cst.Call) -> List[str]:
         """`net = get_network(args)` of a function of a sibling module (`from utils import
         get_network`) whose every return builds one module class: that class; [] otherwise."""
         for qname in sorted(self.r.qnames(call)):
@@ -241,7 +241,7 @@ def handed_build(value: cst.BaseExpression, facts) -> Optional[str]:
     if not project_callee(ctor, r, classes):
         return None  # a library call (torch.randn(...)), a method, a name bound otherwise
     builds = BuildClasses(facts.analysis)
-    return "factory" if builds.chosen_classes(value) or builds._sibling_factory_classes(ctor) else None
+    return "factory" if builds.chosen_classes(value) or builds.sibling_factory_classes(ctor) else None
 
 
 def project_callee(call: cst.Call, resolver, classes) -> bool:

@@ -867,6 +867,19 @@ def instance_attribute(expr) -> Optional[str]:
     return None
 
 
+def keyword_arg(call: cst.Call, name: str, index: Optional[int] = None) -> Optional[cst.BaseExpression]:
+    """The value `call` passes as keyword `name`, else (with `index`) its positional argument at
+    that place (before any `*args`); None when it passes neither."""
+    for a in call.args:
+        if a.keyword is not None and a.keyword.value == name:
+            return a.value
+    if index is not None:
+        positional = [a for a in call.args if a.keyword is None and not a.star]
+        if len(positional) > index:
+            return positional[index].value
+    return None
+
+
 def bind_args(fn: cst.FunctionDef, call: cst.Call, skip: int = 0):
     """(parameter, argument) pairs a call of `fn` binds, for plain positional and keyword
     arguments; `skip` leading parameters are not in the call (1: `self` of a constructor)."""

@@ -88,3 +88,20 @@ def test_a_dataclass_given_the_field_by_position_only_is_followed(mixed):
     (mixed / "variants.py").write_text(text.replace("`plan.prepare`", "it"))
     assert "prepare" not in (mixed / "variants.py").read_text()
     assert _codes(mixed / "main.py", *_MIXED_FORWARD) == ["FSD101"]
+
+
+def test_a_file_that_imports_only_the_record_class_is_not_skipped(tmp_path):
+    """The train step moved to trainer.py, which imports only recipe.py (no sharding API anywhere in
+    what it imports): the prefilter used to skip it, so the planted `.forward` went unseen, checked
+    alone or with the project. It calls the record's field `recipe.shard_fn(...)`: it is analysed."""
+    project = tmp_path / "registry"
+    shutil.copytree(PROJECTS / "registry", project)
+    entry = (project / "train.py").read_text()
+    start, end = entry.index("def train("), entry.index("def main():")
+    header = "import torch\nimport torch.distributed.checkpoint as dcp\nimport torch.nn.functional as F\n" \
+             "from torch.distributed.checkpoint.state_dict import get_model_state_dict\n\nfrom recipe import ModelRecipe\n\n\n"
+    (project / "trainer.py").write_text('"""The train step."""\n' + header + entry[start:end].rstrip() + "\n")
+    (project / "train.py").write_text(entry[:start].replace("from recipe import ModelRecipe\n", "from trainer import train\n")
+                                      + entry[end:])
+    assert _codes(project / "trainer.py") == []
+    assert _codes(project / "trainer.py", *_FORWARD) == ["FSD101"]

@@ -161,6 +161,24 @@ def records_in(path: str) -> Dict[str, _Record]:
     return out
 
 
+def calls_a_field(path: Optional[str], data: bytes) -> bool:
+    """The prefilter's question for a file whose imports name no sharding API: does it call
+    `x.FIELD(...)` for an annotated field of a record class of its own or of a project module it
+    imports (a trainer that imports only the spec's module and calls `spec.parallelize_fn(model)`,
+    the values being stored by model packages it never imports)? Whether the field shards is the
+    analysis's to answer (field_sharder); this only keeps the file from being skipped."""
+    if not path or path == "-" or b"(" not in data:
+        return False
+    from .project_imports import imported_files
+
+    here = os.path.realpath(path)
+    fields: Set[str] = set()
+    for name in (here, *imported_files(here, data)):
+        for record in records_in(os.path.realpath(name)).values():
+            fields.update(record.fields)
+    return any(re.search(rb"\.\s*" + re.escape(f.encode()) + rb"\s*\(", data) for f in sorted(fields))
+
+
 def _positional(cls: ast.ClassDef) -> bool:
     """A dataclass (its decorator) or a NamedTuple (its base): fields are its constructor's parameters in order."""
     for deco in cls.decorator_list:

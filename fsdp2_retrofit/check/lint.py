@@ -137,8 +137,9 @@ def sharded_elsewhere(data: bytes, path: Optional[str], rules: Sequence[Type[Rul
     elif any(t.encode() in data for t in SHARDING_TRIGGERS):
         return False
     from fsdp2_retrofit.analysis.project_imports import imports_sharding
+    from fsdp2_retrofit.analysis.record_fields import calls_a_field
 
-    return imports_sharding(path, data)
+    return imports_sharding(path, data) or calls_a_field(path, data)
 
 
 def lint_source(

@@ -360,8 +360,14 @@ class ShardFacts:
     def optimizer(self, name: str, at: cst.CSTNode) -> Optional[OptimizerBuild]:
         """The optimizer bound to `name` at `at` when it trains a sharded module."""
         fn = self.scope_of(at)
+        cls = self.resolver.enclosing_class(at) if name.startswith("self.") else None
         for opt in self.optimizers:
-            if opt.name != name or not (opt.scope is fn or (opt.scope is None and not self._binds(fn, name))):
+            if opt.name != name:
+                continue
+            if cls is not None:  # `self.optimizer`, stored in a method of the class: read in all of them
+                if opt.scope is None or self.resolver.enclosing_class(opt.call) is not cls:
+                    continue
+            elif not (opt.scope is fn or (opt.scope is None and not self._binds(fn, name))):
                 continue
             if any(self.sites_for((self.alias(root, at) or (root,))[0], at) for root in opt.models):
                 return opt
@@ -382,8 +388,9 @@ class ShardFacts:
                 root = self.sharded_module(owner, at)
                 if root is not None and self.is_fsdp2(root, at):
                     return f"the state dict of sharded `{code(owner)}`"
-                if isinstance(owner, cst.Name) and self.optimizer(owner.value, at) is not None:
-                    return f"the state of optimizer `{owner.value}` over sharded parameters"
+                held = part_root(owner)
+                if held is not None and held[1] and self.optimizer(held[0], at) is not None:
+                    return f"the state of optimizer `{held[0]}` over sharded parameters"
                 return None
             getter = self.resolver.qnames(expr) & STATE_DICT_GETTERS
             if getter and expr.args and not self.full_state_options(expr):
@@ -681,16 +688,24 @@ class _Collector:
         """An optimizer built by `call`: a torch optimizer, or a call of a function of the
         script that returns the one it builds (`opt = make_optimizer(model, lr)`: the
         models are then read from the call's arguments)."""
-        if not is_optimizer_call(self.r, call) and not self._optimizer_factory_call(call):
+        known = is_optimizer_call(self.r, call) or self._optimizer_factory_call(call)
+        if not known and not any(_parameters_taken(a.value) for a in call.args):
             return None
         parent = self.r.parent(call)
         if not (isinstance(parent, cst.Assign) and len(parent.targets) == 1):
             return None
         target = part_root(parent.targets[0].target)
-        if target is None or not call.args:
+        if target is None or not call.args or not target[1]:
             return None
         f = self.facts
         arg = call.args[0].value
+        if not known:
+            # a call the analysis does not see into, handed a module's parameters, whose result is stepped
+            # (`opt = config.instantiate(cfg.optimizer, model.parameters())`, then `opt.step()`): an optimizer
+            # built by the project's or a library's factory
+            arg = next(a.value for a in call.args if _parameters_taken(a.value))
+            if not self._stepped(parent.targets[0].target):
+                return None
         models: Set[str] = names_in(arg) | _attribute_roots(arg)
         taken: Dict[str, Tuple[int, cst.CSTNode]] = {}
         for name in names_in(arg):  # parameter groups built earlier: `groups = [{"params": ...}]`
@@ -703,6 +718,20 @@ class _Collector:
                     if root not in taken or f.order(value) < taken[root][0]:
                         taken[root] = (f.order(value), value)
         return OptimizerBuild(target[0], call, models, f.scope_of(call), f.order(call), taken)
+
+    def _stepped(self, target: cst.BaseExpression) -> bool:
+        """`<target>.step()` is called: in the function that binds a name, in a method of the class that
+        stores `self.<attr>`."""
+        spelled = code(target)
+        owner = self.r.enclosing_class(target) if spelled.startswith("self.") else None
+        scope = self.facts.scope_of(target)
+        for call in self.r.nodes(cst.Call):
+            func = call.func
+            if type(func) is not cst.Attribute or func.attr.value != "step" or code(func.value) != spelled:
+                continue
+            if owner is not None and self.r.enclosing_class(call) is owner or owner is None and self.facts.scope_of(call) is scope:
+                return True
+        return False
 
     def _optimizer_factory_call(self, call: cst.Call) -> bool:
         """`make_optimizer(model, ...)`: a call of a function of the script (the analysis's

@@ -16,7 +16,8 @@ class OptimizerBeforeShard(Rule):
     parameter groups built from it) when `fully_shard(model)` (or of one of its blocks)
     comes later in the same function. A call of a function of the script that returns
     the one optimizer it builds (`optimizer = make_optimizer(model, lr)`) is a
-    construction too, of the models passed to it. So is an optimizer built after the shard
+    construction too, of the models passed to it, and so is any call handed a module's parameters
+    whose result is stepped (`config.instantiate(cfg.optimizer, model.parameters())`). So is an optimizer built after the shard
     from parameters taken before it (`params = list(model.parameters())`, then
     `fully_shard(model)`, then `SGD(params)`): the list holds the tensors of that moment.
 
@@ -57,6 +58,9 @@ class OptimizerBeforeShard(Rule):
         # the optimizer of a deep copy (a reference model of a test): other tensors than those sharded
         Valid("import copy\n" + _HEAD + "ref = copy.deepcopy(model)\nref_opt = torch.optim.Adam(ref.parameters())\n"
               + "fully_shard(model)\noptimizer = torch.optim.Adam(model.parameters())\n"),
+        # a call handed the parameters whose result is never stepped: no optimizer
+        Valid(_HEAD + "sizes = summarize(model.parameters())\nfully_shard(model)\n"
+              "optimizer = torch.optim.AdamW(model.parameters())\n"),
         # the list taken after the shard; names (not tensors) collected before it
         Valid(_HEAD + "fully_shard(model)\nparams = list(model.parameters())\n"
               "optimizer = torch.optim.SGD(params, lr=0.1)\n"),
@@ -73,6 +77,10 @@ class OptimizerBeforeShard(Rule):
             line=5,
         ),
         Invalid(_FACTORY + _HEAD + "optimizer = make_optimizer(model, 0.1)\nfully_shard(model)\n", line=6),
+        # an optimizer a factory the analysis does not see into builds (torchtune's config.instantiate):
+        # handed the parameters, and stepped
+        Invalid(_HEAD + "optimizer = config.instantiate(cfg.optimizer, model.parameters())\nfully_shard(model)\n"
+                "optimizer.step()\n", line=4),
         # the parameters taken into a list before the shard, the optimizer built from the list after it
         Invalid(_HEAD + "params = list(model.parameters())\nfully_shard(model)\n"
                 "optimizer = torch.optim.SGD(params, lr=0.1)\n", line=6),

@@ -80,6 +80,22 @@ class TorchSaveDTensor(Rule):
         Valid(_PRELUDE + "state = model.state_dict()\nstate = {'loss': 1.0}\ntorch.save(state, 'metrics.pt')\n"),
     )
     INVALID = (
+        # an optimizer a factory builds from the sharded model's parameters (torchtune's
+        # `config.instantiate`), stored on self and stepped in another method
+        Invalid(
+            "import torch\nfrom torch.distributed.fsdp import fully_shard\n\n\nclass Recipe:\n"
+            "    def setup(self, cfg, model):\n        fully_shard(model)\n        self.model = model\n"
+            "        self.opt = config.instantiate(cfg.optimizer, self.model.parameters())\n\n"
+            "    def train(self, x):\n        self.model(x).sum().backward()\n        self.opt.step()\n"
+            "        torch.save(self.opt.state_dict(), 'opt.pt')\n",
+            line=14,
+            fixed="import torch\nimport torch.distributed.checkpoint as dcp\nfrom torch.distributed.fsdp import fully_shard\n\n\n"
+            "class Recipe:\n"
+            "    def setup(self, cfg, model):\n        fully_shard(model)\n        self.model = model\n"
+            "        self.opt = config.instantiate(cfg.optimizer, self.model.parameters())\n\n"
+            "    def train(self, x):\n        self.model(x).sum().backward()\n        self.opt.step()\n"
+            "        dcp.save(self.opt.state_dict(), checkpoint_id='opt.pt')\n",
+        ),
         Invalid(
             _PRELUDE + "torch.save(model.state_dict(), 'model.pt')\n",
             line=7,

@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import libcst as cst
 
-from fsdp2_retrofit.syntax.names import Resolver, attr_path, code, names_in, parameter_names
+from fsdp2_retrofit.syntax.names import Resolver, attr_path, bind_args, code, names_in, parameter_names
 from fsdp2_retrofit.syntax.torch_api import (
     BATCH_SHAPE_FACTORIES, BATCH_SHAPE_METHODS, LEGACY_TENSORS, RANDOM_FACTORIES, TENSOR_FACTORIES,
 )
@@ -309,9 +309,34 @@ def batch_shaped_calls(resolver: Resolver, loops: Sequence[cst.For], loader: str
         if loader not in names_in(loop.iter):
             continue
         for call in resolver.descendants(loop.body, cst.Call):
-            if resolver.enclosing_function(call) is resolver.enclosing_function(loop) and _shaped_by(resolver, call, name):
+            if resolver.enclosing_function(call) is resolver.enclosing_function(loop) and (
+                    _shaped_by(resolver, call, name) or _shaped_inside(resolver, call, name)):
                 out.append(call)
     return out
+
+
+def _shaped_inside(resolver: Resolver, call: cst.Call, name: str) -> bool:
+    """`hidden = model.init_hidden(args.batch_size)`: a function of the script, or the one method of
+    that name among its classes, handed `name` as an argument whose parameter shapes a tensor there
+    (`def init_hidden(self, bsz): return torch.zeros(self.layers, bsz, self.size)`)."""
+    if not any(code(a.value) == name for a in call.args):
+        return False
+    func = call.func
+    if type(func) is cst.Name:
+        fns = [f for f in resolver.module.body if type(f) is cst.FunctionDef and f.name.value == func.value]
+        skip = 0
+    elif type(func) is cst.Attribute:
+        fns = [m for c in resolver.module.body if type(c) is cst.ClassDef for m in c.body.body
+               if type(m) is cst.FunctionDef and m.name.value == func.attr.value]
+        skip = 1
+    else:
+        return False
+    if len(fns) != 1:
+        return False
+    fn = fns[0]
+    params = [p for p, arg in bind_args(fn, call, skip) if code(arg) == name]
+    return any(resolver.enclosing_function(c) is fn and _shaped_by(resolver, c, p)
+               for p in params for c in resolver.descendants(fn, cst.Call))
 
 
 def shaped_in_scope(resolver: Resolver, node: cst.CSTNode, name: str) -> List[cst.Call]:

@@ -27,7 +27,9 @@ class BatchSizeShape(Rule):
     In a script that shards a model, flags inside a loop over a training DataLoader a
     `reshape` / `view` / `expand` or a tensor factory (`torch.ones`, `torch.zeros`,
     `torch.randn`, ...) given the loader's `batch_size` expression (the same name or
-    attribute, e.g. `batch_size` or `args.batch_size`) as a dimension, when that
+    attribute, e.g. `batch_size` or `args.batch_size`) as a dimension, or a call of a
+    function or method of the script handed it where that parameter shapes a tensor
+    (`model.init_hidden(args.batch_size)`), when that
     loader's batches can be smaller: it reads `batch_size // world_size` per rank
     (the global batch kept), or it has no `drop_last=True`.
 
@@ -69,6 +71,9 @@ class BatchSizeShape(Rule):
               "    x = x.reshape(bs, -1)\n    model(x).sum().backward()\n"),  # full batches of bs on every rank
         Valid("import torch\nfrom torch.utils.data import DataLoader\nloader = DataLoader(ds, batch_size=bs)\n"
               "for x, y in loader:\n    x = x.reshape(bs, -1)\n    net(x).sum().backward()\n"),  # not sharded
+        # a function handed the batch size that shapes nothing by it
+        Valid("def note(n):\n    print(n)\n\n\n" + _HEAD + "loader = DataLoader(ds, batch_size=bs, sampler=sampler)\n"
+              "for x, y in loader:\n    note(bs)\n    model(x).sum().backward()\n"),
     )
     INVALID = (
         Invalid(_HEAD + "loader = DataLoader(ds, batch_size=batch_size, sampler=sampler)\nfor x, y in loader:\n"
@@ -78,6 +83,12 @@ class BatchSizeShape(Rule):
             "for epoch in range(3):\n    for x, y in loader:\n        target = torch.ones(args.batch_size, 1)\n"
             "        (model(x) - target).sum().backward()\n",
             line=11,
+        ),
+        Invalid(  # a method of the script's class handed the batch size shapes a tensor by it
+            "class Tagger:\n    def init_hidden(self, bsz):\n        return torch.zeros(2, bsz, 16)\n\n\n" + _HEAD
+            + "loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler)\nfor x, y in loader:\n"
+            "    hidden = model.init_hidden(args.batch_size)\n    model(x, hidden).sum().backward()\n",
+            line=15,
         ),
     )
 

@@ -222,6 +222,27 @@ PLANTS: Tuple[Plant, ...] = (
     Plant("titan-torch-save", "pytorch/torchtitan", _TITAN, r"^(\s*)(loss\.backward\(\))$",
           r'\1\2\n\1torch.save(self.model_parts[0].state_dict(), "model.pt")', "FSD102",
           "`torch.save` of a model part's state dict"),
+    # Blind rows (session 24): written after the rules of that session were done, measured once, and no
+    # rule changed for them after (the figure before any change is the out-of-sample one: see RESULTS.md)
+    Plant("blind-verl-alias-forward-call", "volcengine/verl", _VERL,
+          r"(# Standard forward pass without sequence parallel\n(\s*)labels = input_ids\[:, 1:\]\.contiguous\(\)\n)"
+          r"\s*output = self\.fsdp_model\(",
+          r"\1\2net = self.fsdp_model\n\2output = net.forward(", "FSD101",
+          "`net.forward(...)` where `net = self.fsdp_model`, in the SFT step"),
+    Plant("blind-lingua-dict-forward-call", "facebookresearch/lingua", _LINGUA,
+          r"^(\s*)loss = model\(input_ids, labels\)$",
+          r'\1models = {"lm": model}\n\1loss = models["lm"].forward(input_ids, labels)', "FSD101",
+          '`models["lm"].forward(...)` of a dict holding the sharded model'),
+    Plant("blind-titan-return-forward-call", "pytorch/torchtitan", _TITAN,
+          r"(\n    def _forward_backward_body\([\s\S]*?)pred = self\.model_parts\[0\]\(inputs",
+          r"\n    def _first_part(self):\n        return self.model_parts[0]\n\1pred = self._first_part().forward(inputs",
+          "FSD101", "`self._first_part().forward(...)`, a method returning the first model part"),
+    Plant("blind-olmo-alias-torch-save", "allenai/OLMo-core", _OLMO, r"^(\s*)(loss\.backward\(\))$",
+          r'\1\2\n\1net = self.model\n\1torch.save(net.state_dict(), "model.pt")', "FSD102",
+          "`torch.save(net.state_dict())` where `net = self.model`"),
+    Plant("blind-tune-container-forward-call", "pytorch/torchtune", _TUNE, r"^(\s*)outputs = self\._model\(\*\*batch\)$",
+          r"\1parts = [self._model]\n\1outputs = parts[0].forward(**batch)", "FSD101",
+          "`parts[0].forward(...)` of a list holding the recipe's sharded `self._model`"),
     # OLMo-core: the train module's self.model = parallelize_model(...)
     Plant("olmo-forward-call", "allenai/OLMo-core", _OLMO, r"return self\.model\(input_ids, labels=labels",
           "return self.model.forward(input_ids, labels=labels", "FSD101", "`self.model.forward(...)` in model_forward"),

@@ -216,3 +216,12 @@ def test_a_container_an_attribute_holds_and_a_method_changes_is_not_read(tmp_pat
     appended = HELD.replace("        self.extra =", "        self.parts.insert(0, torch.nn.Linear(2, 2))\n        self.extra =")
     _write(tmp_path, {"train.py": appended})
     assert _codes(tmp_path / "train.py") == []
+
+
+def test_a_method_returning_an_entry_of_a_held_container_hands_back_the_sharded_module(tmp_path):
+    """`self._first().forward(x)` where `_first` returns `self.parts[0]` (the blind torchtitan row of
+    session 24, missed when measured): the entry is read where the container was stored."""
+    returned = HELD.replace("    def other(self, x):", "    def _first(self):\n        return self.parts[0]\n\n"
+                            "    def third(self, x):\n        return self._first().forward(x)\n\n    def other(self, x):")
+    _write(tmp_path, {"train.py": returned})
+    assert _codes(tmp_path / "train.py") == [(22, "FSD101"), (23, "FSD102"), (30, "FSD101")]

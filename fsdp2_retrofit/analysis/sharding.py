@@ -211,7 +211,8 @@ class ShardFacts:
         while not sites:
             if base is None or (type(base) is cst.Name and base.value == "self"):
                 return None, []
-            sites = self._holding(self.flow.values(base), at)
+            origins = self.flow.values(base)
+            sites = self._holding(origins, at) or self._entries_returned(origins, base)
             if sites:
                 break
             if type(base) is not cst.Attribute:
@@ -255,6 +256,22 @@ class ShardFacts:
             if sites:
                 return sites
         return []
+
+    def _entries_returned(self, origins, base) -> List[ShardSite]:
+        """`self._first_part().forward(x)` where the method returns `self.model_parts[0]` (a container's
+        entry, which the flow leaves as the expression): the sites of what every such entry holds; []
+        unless every origin is one (base a call: a value handed back, not a name bound here)."""
+        if type(base) is not cst.Call or not origins:
+            return []
+        out: List[ShardSite] = []
+        for origin in origins:
+            if type(origin) is not cst.Subscript:
+                return []
+            sites = self._entry_sites(origin) or self._held_entry_sites(origin)
+            if not sites:
+                return []
+            out += sites
+        return out
 
     def _sharded_entries(self, entries: Optional[list]) -> List[ShardSite]:
         """The sites of each entry held where it is written; [] unless every entry is sharded there."""

@@ -118,3 +118,8 @@ def test_the_fields_a_file_may_call_are_those_annotated_callable(tmp_path):
                     "Shard = Callable[..., object]\n\n\n@dataclass\nclass Spec:\n    dim: int\n    items: list\n"
                     "    shard_fn: Shard\n    hook: Optional[Callable] = None\n    note: 'Callable[[], None]' = None\n")
     assert records_in(str(spec))["Spec"].callables == ("shard_fn", "hook", "note")
+    # the prefilter's reading of the same text, without parsing it; a parameter of a split signature is none
+    from fsdp2_retrofit.analysis.record_fields import _callable_fields
+
+    text = spec.read_bytes() + b"\n\ndef run(\n    step_fn: Callable,\n    other: int,\n):\n    pass\n"
+    assert _callable_fields(text) == {b"shard_fn", b"hook", b"note"}

@@ -189,17 +189,31 @@ def calls_a_field(path: Optional[str], data: bytes) -> bool:
     analysis's to answer (field_sharder); this only keeps the file from being skipped."""
     if not path or path == "-" or b"(" not in data:
         return False
+    called = set(_ATTRIBUTE_CALL.findall(data))  # `.name(` anywhere in the text: a superset of the calls
+    if not called:
+        return False
     from .project_imports import imported_files
 
     here = os.path.realpath(path)
-    fields: Set[str] = set()
     for name in (here, *imported_files(here, data)):
-        name = os.path.realpath(name)
-        if b"Callable" not in (read(name) or b""):
-            continue  # no callable field there: not parsed
-        for record in records_in(name).values():
-            fields.update(record.callables)
-    return any(re.search(rb"\.\s*" + re.escape(f.encode()) + rb"\s*\(", data) for f in sorted(fields))
+        text = read(os.path.realpath(name)) or b""
+        if b"Callable" in text and called & _callable_fields(text):
+            return True
+    return False
+
+
+def _callable_fields(text: bytes) -> Set[bytes]:
+    """The names a module's text annotates with `Callable` on an indented line that is no parameter of a
+    split signature (no trailing comma), directly or through a module-level alias (`Fn = Callable[...]`,
+    `Fn: TypeAlias = Callable[...]`): by text, as a prefilter reads (records_in parses; this does not)."""
+    kinds = [b"Callable"] + _CALLABLE_ALIAS.findall(text)
+    pattern = rb"^[ \t]+([A-Za-z_]\w*)[ \t]*:[^=\n]*\b(?:" + b"|".join(map(re.escape, kinds)) + rb")\b(?![^\n]*,[ \t]*\r?$)"
+    return set(re.findall(pattern, text, re.M))
+
+
+_ATTRIBUTE_CALL = re.compile(rb"\.\s*([A-Za-z_]\w*)\s*\(")
+_CALLABLE_ALIAS = re.compile(rb"^([A-Za-z_]\w*)[ \t]*(?::[ \t]*(?:typing\.)?TypeAlias[ \t]*)?=[ \t]*"
+                             rb"(?:typing\.|collections\.abc\.)?Callable\b", re.M)
 
 
 def _positional(cls: ast.ClassDef) -> bool:

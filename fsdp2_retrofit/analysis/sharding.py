@@ -15,7 +15,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tu
 import libcst as cst
 
 from .closures import closure_reads
-from .optimizer_factories import returned_optimizer
+from .optimizer_factories import parameter_handing_calls, returned_optimizer, stepped
 from fsdp2_retrofit.syntax.names import Resolver, attr_path, bind_args, code, module_itself, names_in, parameter_names
 from fsdp2_retrofit.syntax.rank import rank_zero_side
 from fsdp2_retrofit.syntax.torch_api import (
@@ -555,6 +555,7 @@ class _Collector:
         self.facts = ShardFacts(self.r, [], [])
         self.facts.flow = analysis.flow
         self._fields: Dict[int, object] = {}  # a call of a record's field -> what it does (_field_call)
+        self._param_calls: Optional[Set[int]] = None  # optimizer_factories.parameter_handing_calls
         # calls of record fields are followed for the file checked, not for the project modules
         # whose sharders project_sharders tabulates (their tables stay what their imports make them)
         self.follow_fields = True
@@ -706,7 +707,9 @@ class _Collector:
         script that returns the one it builds (`opt = make_optimizer(model, lr)`: the
         models are then read from the call's arguments)."""
         known = is_optimizer_call(self.r, call) or self._optimizer_factory_call(call)
-        if not known and not any(_parameters_taken(a.value) for a in call.args):
+        if self._param_calls is None:
+            self._param_calls = parameter_handing_calls(self.r)
+        if not known and id(call) not in self._param_calls:
             return None
         parent = self.r.parent(call)
         if not (isinstance(parent, cst.Assign) and len(parent.targets) == 1):
@@ -721,7 +724,7 @@ class _Collector:
             # (`opt = config.instantiate(cfg.optimizer, model.parameters())`, then `opt.step()`): an optimizer
             # built by the project's or a library's factory
             arg = next(a.value for a in call.args if _parameters_taken(a.value))
-            if not self._stepped(parent.targets[0].target):
+            if not stepped(self.r, parent.targets[0].target, f.scope_of):
                 return None
         models: Set[str] = names_in(arg) | _attribute_roots(arg)
         taken: Dict[str, Tuple[int, cst.CSTNode]] = {}
@@ -735,20 +738,6 @@ class _Collector:
                     if root not in taken or f.order(value) < taken[root][0]:
                         taken[root] = (f.order(value), value)
         return OptimizerBuild(target[0], call, models, f.scope_of(call), f.order(call), taken)
-
-    def _stepped(self, target: cst.BaseExpression) -> bool:
-        """`<target>.step()` is called: in the function that binds a name, in a method of the class that
-        stores `self.<attr>`."""
-        spelled = code(target)
-        owner = self.r.enclosing_class(target) if spelled.startswith("self.") else None
-        scope = self.facts.scope_of(target)
-        for call in self.r.nodes(cst.Call):
-            func = call.func
-            if type(func) is not cst.Attribute or func.attr.value != "step" or code(func.value) != spelled:
-                continue
-            if owner is not None and self.r.enclosing_class(call) is owner or owner is None and self.facts.scope_of(call) is scope:
-                return True
-        return False
 
     def _optimizer_factory_call(self, call: cst.Call) -> bool:
         """`make_optimizer(model, ...)`: a call of a function of the script (the analysis's

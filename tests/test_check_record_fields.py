@@ -108,18 +108,13 @@ def test_a_file_that_imports_only_the_record_class_is_not_skipped(tmp_path):
 
 
 def test_the_fields_a_file_may_call_are_those_annotated_callable(tmp_path):
-    """What the prefilter reads of an imported record class: a `.dim(` or `.items(` call is no
+    """What the prefilter reads of an imported module, by text: a `.dim(` or `.items(` call is no
     reason to analyse a file that imports no sharding API; a field annotated `Callable`, through
-    Optional or a module-level alias, is."""
-    from fsdp2_retrofit.analysis.record_fields import records_in
-
-    spec = tmp_path / "spec.py"
-    spec.write_text("from dataclasses import dataclass\nfrom typing import Callable, Optional\n\n"
-                    "Shard = Callable[..., object]\n\n\n@dataclass\nclass Spec:\n    dim: int\n    items: list\n"
-                    "    shard_fn: Shard\n    hook: Optional[Callable] = None\n    note: 'Callable[[], None]' = None\n")
-    assert records_in(str(spec))["Spec"].callables == ("shard_fn", "hook", "note")
-    # the prefilter's reading of the same text, without parsing it; a parameter of a split signature is none
+    Optional, a string or a module-level alias, is; a parameter of a split signature is no field."""
     from fsdp2_retrofit.analysis.record_fields import _callable_fields
 
-    text = spec.read_bytes() + b"\n\ndef run(\n    step_fn: Callable,\n    other: int,\n):\n    pass\n"
+    text = (b"from dataclasses import dataclass\nfrom typing import Callable, Optional\n\n"
+            b"Shard = Callable[..., object]\n\n\n@dataclass\nclass Spec:\n    dim: int\n    items: list\n"
+            b"    shard_fn: Shard\n    hook: Optional[Callable] = None\n    note: 'Callable[[], None]' = None\n"
+            b"\n\ndef run(\n    step_fn: Callable,\n    other: int,\n):\n    pass\n")
     assert _callable_fields(text) == {b"shard_fn", b"hook", b"note"}

@@ -76,7 +76,6 @@ Value = Optional[Tuple[str, ...]]
 class _Record(NamedTuple):
     fields: Tuple[str, ...]  # annotated fields, in order
     positional: bool  # a dataclass or a NamedTuple: constructions may pass fields by position
-    callables: Tuple[str, ...] = ()  # the fields annotated `Callable` (also inside Optional[...], or an alias of it)
 
 
 _TREES: Dict[str, Tuple[bytes, Optional[ast.Module]]] = {}  # path -> (bytes, its ast)
@@ -146,39 +145,20 @@ def records_in(path: str) -> Dict[str, _Record]:
     if known is not None and known[0] == data:
         return known[1]
     out: Dict[str, _Record] = {}
-    # module-level aliases of a callable type: `ParallelizeFunction: TypeAlias = Callable[..., nn.Module]`
-    aliases = {t.id for stmt in tree.body if type(stmt) in (ast.Assign, ast.AnnAssign) and stmt.value is not None
-               and _names_callable(stmt.value, frozenset())
-               for t in (stmt.targets if type(stmt) is ast.Assign else [stmt.target]) if type(t) is ast.Name}
     for cls in tree.body:
         if type(cls) is not ast.ClassDef:
             continue
         fields: List[str] = []
-        callables: List[str] = []
         for stmt in cls.body:
             if type(stmt) is ast.AnnAssign and type(stmt.target) is ast.Name:
                 annotation = stmt.annotation.value if type(stmt.annotation) is ast.Subscript else stmt.annotation
                 if (_dotted(annotation) or "").rpartition(".")[2] == "ClassVar":
                     continue
                 fields.append(stmt.target.id)
-                if _names_callable(stmt.annotation, aliases):
-                    callables.append(stmt.target.id)
         if fields:
-            out[cls.name] = _Record(tuple(fields), _positional(cls), tuple(callables))
+            out[cls.name] = _Record(tuple(fields), _positional(cls))
     _RECORDS[path] = (data, out)
     return out
-
-
-def _names_callable(annotation, aliases) -> bool:
-    """The annotation spells `Callable` (typing's or collections.abc's, subscripted, inside Optional
-    or a union, or as a string) or one of the module's aliases of it."""
-    for node in ast.walk(annotation):
-        name = node.id if type(node) is ast.Name else node.attr if type(node) is ast.Attribute else None
-        if name == "Callable" or name in aliases:
-            return True
-        if type(node) is ast.Constant and type(node.value) is str and "Callable" in node.value:
-            return True
-    return False
 
 
 def calls_a_field(path: Optional[str], data: bytes) -> bool:

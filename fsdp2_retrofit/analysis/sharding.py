@@ -715,11 +715,13 @@ class _Collector:
         if not (isinstance(parent, cst.Assign) and len(parent.targets) == 1):
             return None
         target = part_root(parent.targets[0].target)
-        if target is None or not call.args or not target[1]:
+        if target is None or not call.args:
             return None
         f = self.facts
         arg = call.args[0].value
         if not known:
+            if not target[1]:
+                return None  # `opts[k] = build(...)`: no name holds it
             # a call the analysis does not see into, handed a module's parameters, whose result is stepped
             # (`opt = config.instantiate(cfg.optimizer, model.parameters())`, then `opt.step()`): an optimizer
             # built by the project's or a library's factory

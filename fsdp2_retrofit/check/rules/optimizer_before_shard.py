@@ -16,10 +16,11 @@ class OptimizerBeforeShard(Rule):
     parameter groups built from it) when `fully_shard(model)` (or of one of its blocks)
     comes later in the same function. A call of a function of the script that returns
     the one optimizer it builds (`optimizer = make_optimizer(model, lr)`) is a
-    construction too, of the models passed to it, and so is any call handed a module's parameters
-    whose result is stepped (`config.instantiate(cfg.optimizer, model.parameters())`). So is an optimizer built after the shard
-    from parameters taken before it (`params = list(model.parameters())`, then
-    `fully_shard(model)`, then `SGD(params)`): the list holds the tensors of that moment.
+    construction too, of the models passed to it, and so is any call handed a module's
+    parameters whose result is stepped (`config.instantiate(cfg.optimizer, model.parameters())`).
+    So is an optimizer built after the shard from parameters taken before it (`params =
+    list(model.parameters())`, then `fully_shard(model)`, then `SGD(params)`): the list holds
+    the tensors of that moment.
 
     ## Why is this bad?
     `fully_shard` replaces every parameter with a new DTensor parameter. An optimizer
